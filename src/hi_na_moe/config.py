@@ -1,0 +1,210 @@
+"""One validated configuration object, read from keyword arguments, environment variables and a
+YAML file, in that order of precedence.
+
+Every key here changes what the library does; a key that would do nothing does not exist. Keys
+are added by the features that use them (weights formats and the cache directory arrive with
+quantised experts and the packed-expert store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "HINA_MOE_"
+# The environment variable naming a YAML config file; not itself a config key.
+ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
+
+BACKENDS = ("auto", "native", "reference")
+ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx", "neon")
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong. The message names the key, the bad value, where it
+    came from and what is allowed."""
+
+
+@dataclass(frozen=True)
+class HinaConfig:
+    """What `enable_for_model` does.
+
+    Attributes:
+        backend: "auto" runs each MoE block on the native C++ kernels where one fits and on the
+            pure-PyTorch reference otherwise (the report says which, and why); "native" refuses
+            to enable a block that has no native kernel; "reference" always uses the pure-PyTorch
+            reference path (the oracle the kernels are tested against).
+        isa: kernel tier for native kernels: "auto" (the best this CPU and OS allow) or one of
+            "generic", "avx2", "avx512", "amx", "neon". Asking for a tier the CPU lacks is an error.
+        threads: threads for the native kernels; 0 means `torch.get_num_threads()`.
+        strict: if true, `enable_for_model` raises when any MoE block found in the model would be
+            left running natively (instead of reporting it and going on).
+    """
+
+    backend: str = "auto"
+    isa: str = "auto"
+    threads: int = 0
+    strict: bool = False
+    # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
+    # so that errors and reports can say it.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        src = lambda key: self.sources.get(key, "argument")  # noqa: E731
+        _check_choice("backend", self.backend, BACKENDS, src("backend"))
+        _check_choice("isa", self.isa, ISA_TIERS, src("isa"))
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ConfigError(
+                f"config key 'threads' ({src('threads')}) has bad value {self.threads!r}: "
+                "expected a whole number >= 0 (0 means torch.get_num_threads())"
+            )
+        if not isinstance(self.strict, bool):
+            raise ConfigError(
+                f"config key 'strict' ({src('strict')}) has bad value {self.strict!r}: expected true or false"
+            )
+        if self.isa not in ("auto", "generic"):
+            _check_isa_available(self.isa, src("isa"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
+
+
+KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
+_TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool}
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:
+    if value not in allowed:
+        hint = difflib.get_close_matches(str(value), allowed, n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(
+            f"config key {key!r} ({source}) has bad value {value!r}: expected one of "
+            f"{', '.join(repr(a) for a in allowed)}{extra}"
+        )
+
+
+def _check_isa_available(isa: str, source: str) -> None:
+    from .hardware import native_module
+
+    native, why = native_module()
+    if native is None:
+        raise ConfigError(
+            f"config key 'isa' ({source}) asks for {isa!r}, but the native library is not loaded ({why}); "
+            "use isa='auto' or rebuild the package"
+        )
+    if not native.isa_supported(isa):
+        raise ConfigError(
+            f"config key 'isa' ({source}) asks for {isa!r}, which this CPU/OS does not support "
+            f"(best available: {native.best_isa()!r}); pick a lower tier or 'auto'"
+        )
+
+
+def _unknown_key(key: str, source: str) -> ConfigError:
+    hint = difflib.get_close_matches(key, KEYS, n=1)
+    extra = f"; did you mean {hint[0]!r}?" if hint else ""
+    return ConfigError(f"unknown config key {key!r} ({source}); known keys: {', '.join(KEYS)}{extra}")
+
+
+def _coerce(key: str, raw: Any, source: str) -> Any:
+    """Turn a value from a text source (env var) or YAML into the key's type, or explain why not."""
+    want = _TYPES[key]
+    if want is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected true or false")
+    if want is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected a whole number")
+        if isinstance(raw, int):
+            return raw
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(
+                f"config key {key!r} ({source}) has bad value {raw!r}: expected a whole number"
+            ) from None
+    if not isinstance(raw, str):
+        raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected a string")
+    return raw.strip()
+
+
+def default_config_file() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "hi_na_moe" / "config.yaml"
+
+
+def _read_file(path: Path, required: bool) -> dict[str, Any]:
+    if not path.exists():
+        if required:
+            raise ConfigError(f"config file {str(path)!r} (from {ENV_CONFIG_FILE}) does not exist")
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of keys to values (e.g. 'isa: avx512'), "
+            f"not a {type(data).__name__}"
+        )
+    return data
+
+
+def load_config(config: HinaConfig | None = None, **kwargs: Any) -> HinaConfig:
+    """Build the effective config: kwargs > `HINA_MOE_*` env vars > YAML file > defaults.
+
+    `config`, if given, replaces the file and environment layers (it was built by the caller);
+    kwargs still override it.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config is not None:
+        if not isinstance(config, HinaConfig):
+            raise ConfigError(f"'config' must be a hi_na_moe.HinaConfig, not {type(config).__name__}")
+        values.update(config.to_dict())
+        sources.update({k: config.sources.get(k, "config object") for k in KEYS})
+    else:
+        env_file = os.environ.get(ENV_CONFIG_FILE)
+        path = Path(env_file).expanduser() if env_file else default_config_file()
+        for key, raw in _read_file(path, required=bool(env_file)).items():
+            source = f"file {path}"
+            if key not in KEYS:
+                raise _unknown_key(str(key), source)
+            values[key] = _coerce(key, raw, source)
+            sources[key] = source
+        for name, raw in os.environ.items():
+            if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+                continue
+            key = name[len(ENV_PREFIX):].lower()
+            source = f"env {name}"
+            if key not in KEYS:
+                hint = difflib.get_close_matches(key, KEYS, n=1)
+                extra = f"; did you mean {ENV_PREFIX + hint[0].upper()}?" if hint else ""
+                raise ConfigError(
+                    f"unknown environment variable {name}; known: "
+                    f"{', '.join(ENV_PREFIX + k.upper() for k in KEYS)}, {ENV_CONFIG_FILE}{extra}"
+                )
+            values[key] = _coerce(key, raw, source)
+            sources[key] = source
+    for key, raw in kwargs.items():
+        if key not in KEYS:
+            raise _unknown_key(key, "keyword argument")
+        values[key] = raw
+        sources[key] = "keyword argument"
+    for key in KEYS:
+        sources.setdefault(key, "default")
+    return HinaConfig(**values, sources=sources)

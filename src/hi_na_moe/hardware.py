@@ -1,0 +1,54 @@
+"""What this CPU and this build can do: detected features (cpuid + OS support via XCR0, AMX
+permission) from the native core, the best kernel tier, and which kernel each path uses."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from types import ModuleType
+from typing import Any
+
+
+@functools.lru_cache(maxsize=1)
+def native_module() -> tuple[ModuleType | None, str | None]:
+    """(the native extension, None) or (None, why it could not be loaded)."""
+    try:
+        from . import _native  # type: ignore[attr-defined]
+    except ImportError as exc:  # not built, or built for another Python/CPU
+        return None, f"{type(exc).__name__}: {exc}"
+    return _native, None
+
+
+def native_kernels_available() -> bool:
+    native, _ = native_module()
+    return native is not None and hasattr(native, "PackedExperts")
+
+
+def capabilities(config: Any = None) -> dict[str, Any]:
+    """Detected CPU features and the kernel each path would use under `config` (default: the
+    effective config from env/file)."""
+    from .config import load_config
+
+    cfg = config if config is not None else load_config()
+    native, why = native_module()
+    info: dict[str, Any] = {
+        "machine": platform.machine(),
+        "native_library": "loaded" if native is not None else f"not loaded ({why})",
+    }
+    if native is None:
+        info.update(cpu=None, os=None, best_isa=None, selected_isa=None)
+        info["kernels"] = {"decode": "reference", "prefill": "reference"}
+        info["note"] = "native library missing: every MoE block runs on the pure-PyTorch reference path"
+        return info
+    feats = native.cpu_features()
+    best = native.best_isa()
+    info.update(
+        arch=feats["arch"], vendor=feats["vendor"], brand=feats["brand"].strip(),
+        cpu=feats["cpu"], os=feats["os"], best_isa=best,
+        selected_isa=best if cfg.isa == "auto" else cfg.isa,
+        build=getattr(native, "__build__", "unknown"),
+    )
+    from .ops import kernel_plan
+
+    info["kernels"] = kernel_plan(cfg)
+    return info

@@ -1,0 +1,275 @@
+"""enable_for_model / disable_for_model / inspect_model, and the transformers ExpertsInterface
+registration.
+
+Patching is per instance: the replacement forward is set as an attribute of the module object
+(never on its class), the original attribute state is kept, and disable removes exactly what
+enable added. Weights are not touched, so outputs after disable are bit-identical to before.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import adapters, ops, reference
+from .config import HinaConfig, load_config
+
+_LOCK = threading.RLock()
+# patched module -> what enable changed on it
+_PATCHED: "weakref.WeakKeyDictionary[nn.Module, _PatchState]" = weakref.WeakKeyDictionary()
+# root passed to enable_for_model -> the modules it patched and its report
+_ROOTS: "weakref.WeakKeyDictionary[nn.Module, tuple[list[nn.Module], EnableReport]]" = weakref.WeakKeyDictionary()
+_MISSING = object()
+
+
+@dataclass
+class _PatchState:
+    forward: Any  # the instance's own `forward` attribute before enable, or _MISSING
+    extra_repr: Any
+
+
+@dataclass
+class BlockReport:
+    name: str
+    module_class: str
+    adapter: str
+    # "accelerated" (a native kernel runs it), "reference" (the pure-PyTorch path runs it) or
+    # "native" (left to the model's own code; `reason` says why)
+    status: str
+    reason: str | None = None  # why native, or why the reference path rather than a kernel
+    kernel: str | None = None
+    weights: str | None = None  # storage dtype of the expert weights (lossless: the model's own)
+    experts: int | None = None
+    hidden: int | None = None
+    intermediate: int | None = None
+    gate: str | None = None
+    expert_bytes: int | None = None
+
+
+@dataclass
+class EnableReport:
+    """What enable_for_model did (or inspect_model would do), per MoE block."""
+
+    model_class: str
+    config: dict[str, Any]
+    blocks: list[BlockReport] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def accelerated(self) -> list[BlockReport]:
+        return [b for b in self.blocks if b.status == "accelerated"]
+
+    @property
+    def reference(self) -> list[BlockReport]:
+        return [b for b in self.blocks if b.status == "reference"]
+
+    @property
+    def native(self) -> list[BlockReport]:
+        return [b for b in self.blocks if b.status == "native"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_class": self.model_class, "dry_run": self.dry_run, "config": self.config,
+            "summary": {"moe_blocks": len(self.blocks), "accelerated": len(self.accelerated),
+                        "reference": len(self.reference), "native": len(self.native)},
+            "blocks": [asdict(b) for b in self.blocks],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        head = "hi_na_moe (dry run, nothing changed)" if self.dry_run else "hi_na_moe"
+        lines = [
+            f"{head} on {self.model_class}: {len(self.blocks)} MoE block(s): {len(self.accelerated)} on native "
+            f"kernels, {len(self.reference)} on the PyTorch reference path, {len(self.native)} left native"
+        ]
+        if not self.blocks:
+            lines.append("  no MoE blocks found (pass router_name= for a custom model)")
+        rows = [("block", "status", "kernel", "weights", "E", "H", "I", "gate", "note")]
+        for b in self.blocks:
+            rows.append((b.name, b.status, b.kernel or "-", b.weights or "-", str(b.experts or "-"),
+                         str(b.hidden or "-"), str(b.intermediate or "-"), b.gate or "-", b.reason or ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        return "\n".join(lines)
+
+
+def _block_report(match: adapters.BlockMatch, status: str, choice: ops.Choice | None) -> BlockReport:
+    spec = match.spec
+    rep = BlockReport(match.name, type(match.module).__name__, match.adapter, status)
+    if spec is None:
+        rep.reason = match.reason
+        return rep
+    rep.status = "accelerated" if choice.kernel != "reference" else "reference"
+    rep.kernel = choice.kernel
+    rep.reason = choice.note if choice else None
+    rep.weights = str(spec.weight_dtype).replace("torch.", "")
+    rep.experts, rep.hidden, rep.intermediate = spec.num_experts, spec.hidden, spec.intermediate
+    if spec.gate_spec is not None:
+        rep.gate = spec.gate_spec.describe() + ("" if spec.has_gate else " (no gate)")
+    else:
+        rep.gate = "model's own (" + (spec.gate_unrecognised or "custom") + ")"
+    rep.expert_bytes = spec.nbytes()
+    return rep
+
+
+def _guarded(run: ops.Runner) -> ops.Runner:
+    """Native kernels do not do autograd: when gradients are wanted, use the reference."""
+    if run is reference.experts_forward:
+        return run
+
+    def guarded(spec, hidden, idx, w):
+        if torch.is_grad_enabled() and (hidden.requires_grad or any(t.requires_grad for t in spec.weight_tensors())):
+            return reference.experts_forward(spec, hidden, idx, w)
+        return run(spec, hidden, idx, w)
+
+    return guarded
+
+
+def _make_repr(match: adapters.BlockMatch, kernel: str, original: Any):
+    def extra_repr(self) -> str:
+        base = original() if callable(original) else ""
+        tag = f"hi_na_moe={kernel}, adapter={match.adapter}"
+        return f"{base}, {tag}" if base else tag
+
+    return extra_repr
+
+
+def inspect_model(
+    model: nn.Module, config: HinaConfig | None = None, router_name: str | None = None, **config_kwargs: Any
+) -> EnableReport:
+    """The report `enable_for_model` would return, changing nothing."""
+    cfg = load_config(config, **config_kwargs)
+    report = EnableReport(type(model).__name__, cfg.to_dict(), dry_run=True)
+    for match in adapters.discover(model, router_name):
+        if match.spec is None:
+            report.blocks.append(_block_report(match, "native", None))
+        else:
+            report.blocks.append(_block_report(match, "accelerated", ops.choose(match.spec, cfg)))
+    return report
+
+
+def enable_for_model(
+    model: nn.Module, config: HinaConfig | None = None, router_name: str | None = None, **config_kwargs: Any
+) -> EnableReport:
+    """Accelerate every MoE block in `model` (any nn.Module holding MoE blocks).
+
+    Args:
+        model: a transformers model, or any module holding MoE blocks.
+        config: a HinaConfig; by default built from env vars (`HINA_MOE_*`) and the YAML file.
+        router_name: dotted path of a router module, for custom models whose MoE blocks the
+            discovery cannot find by itself; the experts module next to it is accelerated.
+        **config_kwargs: config keys (backend, isa, threads, strict) overriding `config`.
+
+    Returns:
+        An EnableReport: per MoE block, accelerated or left native and why, and what runs it.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable_for_model expects a torch.nn.Module, got {type(model).__name__}")
+    cfg = load_config(config, **config_kwargs)
+    with _LOCK:
+        if model in _ROOTS:
+            raise RuntimeError(
+                f"hi_na_moe is already enabled on this {type(model).__name__}; call "
+                "hi_na_moe.disable_for_model(model) first to change its configuration"
+            )
+        matches = adapters.discover(model, router_name)
+        report = EnableReport(type(model).__name__, cfg.to_dict())
+        plans = []
+        for match in matches:
+            if match.spec is None:
+                report.blocks.append(_block_report(match, "native", None))
+                continue
+            if match.module in _PATCHED:
+                raise RuntimeError(
+                    f"block {match.name!r} is already accelerated through another enable_for_model call "
+                    "(on a parent or child module); disable that one first"
+                )
+            plans.append((match, ops.choose(match.spec, cfg)))
+        if cfg.strict and report.native:
+            names = ", ".join(f"{b.name} ({b.reason})" for b in report.native)
+            raise RuntimeError(f"strict=True and some MoE blocks cannot be accelerated: {names}")
+        patched = []
+        for match, choice in plans:
+            m = match.module
+            state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
+            new_forward = match.make_forward(match, _guarded(choice.runner))
+            m.forward = types.MethodType(new_forward, m)
+            m.extra_repr = types.MethodType(_make_repr(match, choice.kernel, m.extra_repr), m)
+            _PATCHED[m] = state
+            patched.append(m)
+            report.blocks.append(_block_report(match, "accelerated", choice))
+        # keep the module order of discovery in the report
+        order = {match.name: i for i, match in enumerate(matches)}
+        report.blocks.sort(key=lambda b: order[b.name])
+        _ROOTS[model] = (patched, report)
+    return report
+
+
+def disable_for_model(model: nn.Module) -> EnableReport:
+    """Undo enable_for_model exactly: every patched block gets back its own forward. Returns the
+    report of the enable being undone."""
+    with _LOCK:
+        if model not in _ROOTS:
+            raise RuntimeError(
+                f"hi_na_moe is not enabled on this {type(model).__name__} (call disable_for_model on the "
+                "same module that was passed to enable_for_model)"
+            )
+        patched, report = _ROOTS.pop(model)
+        for m in patched:
+            state = _PATCHED.pop(m)
+            for attr, old in (("forward", state.forward), ("extra_repr", state.extra_repr)):
+                if old is _MISSING:
+                    m.__dict__.pop(attr, None)
+                else:
+                    setattr(m, attr, old)
+    return report
+
+
+def is_enabled(model: nn.Module) -> bool:
+    return model in _ROOTS
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' own switch: experts_implementation="hi_na_moe"
+# ---------------------------------------------------------------------------------------------
+INTERFACE_NAME = "hi_na_moe"
+_SPECS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, ops.Choice, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _weights_key(m: nn.Module) -> tuple:
+    return tuple((n, p.data_ptr(), tuple(p.shape), p.dtype) for n, p in m.named_parameters(recurse=False))
+
+
+def interface_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """The function registered in transformers' ExpertsInterface under "hi_na_moe"."""
+    key = _weights_key(self)
+    cached = _SPECS.get(self)
+    if cached is None or cached[0] != key:
+        spec, why = adapters.spec_from_interface(self)
+        if spec is None:
+            raise RuntimeError(f"hi_na_moe cannot run {type(self).__name__}: {why}")
+        cached = (key, ops.choose(spec, load_config()), spec)
+        _SPECS[self] = cached
+    _, choice, spec = cached
+    shape = hidden_states.shape
+    out = _guarded(choice.runner)(spec, hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
+    return out.reshape(shape)
+
+
+def register_experts_interface() -> None:
+    """Make `experts_implementation="hi_na_moe"` valid in from_pretrained/set_experts_implementation."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:  # transformers < 5: only enable_for_model is available
+        return
+    ExpertsInterface.register(INTERFACE_NAME, interface_experts_forward)

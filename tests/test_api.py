@@ -1,0 +1,178 @@
+"""The public API around enable/disable: reports, errors, the transformers-native switch, and
+custom models found through router_name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, OlmoeConfig, OlmoeForCausalLM
+
+import hi_na_moe
+from hi_na_moe import reference
+from hi_na_moe.spec import ExpertsSpec, GateSpec
+
+
+def _olmoe(tmp_path=None, seed=0):
+    cfg = OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, num_experts=8, num_experts_per_tok=2,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = OlmoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model
+
+
+IDS = torch.tensor([[3, 9, 27, 81, 115, 17, 51]])
+
+
+def test_report_str_and_json():
+    model = _olmoe()
+    report = hi_na_moe.enable_for_model(model)
+    try:
+        text = str(report)
+        assert "model.layers.0.mlp.experts" in text and "reference" in text
+        d = report.to_dict()
+        assert d["summary"] == {"moe_blocks": 2, "accelerated": 0, "reference": 2, "native": 0}
+        assert d["blocks"][0]["experts"] == 8 and d["blocks"][0]["gate"] == "silu"
+        assert '"model_class": "OlmoeForCausalLM"' in report.to_json()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_inspect_changes_nothing():
+    model = _olmoe()
+    before = repr(model)
+    report = hi_na_moe.inspect_model(model)
+    assert report.dry_run and len(report.blocks) == 2
+    assert repr(model) == before and not hi_na_moe.is_enabled(model)
+
+
+def test_enable_twice_and_disable_unknown_are_clear_errors():
+    model = _olmoe()
+    hi_na_moe.enable_for_model(model)
+    with pytest.raises(RuntimeError, match="already enabled"):
+        hi_na_moe.enable_for_model(model)
+    with pytest.raises(RuntimeError, match="already accelerated through another enable_for_model"):
+        hi_na_moe.enable_for_model(model.model.layers[0])
+    hi_na_moe.disable_for_model(model)
+    with pytest.raises(RuntimeError, match="not enabled"):
+        hi_na_moe.disable_for_model(model)
+
+
+def test_enable_on_submodule_only():
+    model = _olmoe()
+    with torch.no_grad():
+        want = model(IDS).logits
+        report = hi_na_moe.enable_for_model(model.model.layers[1])
+        assert [b.name for b in report.blocks] == ["mlp.experts"]
+        got = model(IDS).logits
+        hi_na_moe.disable_for_model(model.model.layers[1])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module, got str"):
+        hi_na_moe.enable_for_model("model")
+
+
+def test_native_backend_refused_when_no_kernel_fits():
+    model = _olmoe()
+    with pytest.raises(ValueError, match="backend='native' but this block cannot run natively"):
+        hi_na_moe.enable_for_model(model, backend="native")
+    assert not hi_na_moe.is_enabled(model)
+
+
+def test_strict_refuses_native_blocks():
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from tiny_models import build_tiny
+
+    tiny = build_tiny("jetmoe")  # its attention experts (MoA) stay native
+    with pytest.raises(RuntimeError, match="strict=True.*JetMoe|strict=True.*attention experts"):
+        hi_na_moe.enable_for_model(tiny.model, strict=True)
+    assert not hi_na_moe.is_enabled(tiny.model)
+
+
+def test_experts_implementation_through_from_pretrained(tmp_path):
+    model = _olmoe()
+    model.save_pretrained(tmp_path)
+    native = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="hi_na_moe").eval()
+    assert ours.config._experts_implementation == "hi_na_moe"
+    with torch.no_grad():
+        a, b = native(IDS).logits, ours(IDS).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_set_experts_implementation_round_trip():
+    model = _olmoe()
+    with torch.no_grad():
+        a = model(IDS).logits
+        model.set_experts_implementation("hi_na_moe")
+        b = model(IDS).logits
+        model.set_experts_implementation("eager")
+        c = model(IDS).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+
+
+def test_training_mode_keeps_autograd_working():
+    model = _olmoe().train()
+    hi_na_moe.enable_for_model(model)
+    try:
+        loss = model(IDS, labels=IDS).loss
+        loss.backward()
+        assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+# --- a custom model the discovery cannot read by itself -------------------------------------
+
+class MyExperts(nn.Module):
+    def __init__(self, E=4, H=16, I=8):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I) * 0.2)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, idx, w):  # not the contract's argument names: discovery skips it
+        spec = ExpertsSpec(num_experts=4, hidden=16, intermediate=8, gate_up=self.gate_up_proj,
+                           down=self.down_proj, gate_spec=GateSpec("silu"))
+        return reference.experts_forward(spec, x, idx, w)
+
+
+class MyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.experts = MyExperts()
+
+    def forward(self, x):
+        w, idx = torch.topk(self.router(x).softmax(-1), 2)
+        return self.experts(x, idx, w)
+
+
+def test_router_name_for_custom_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(MyBlock())
+    x = torch.randn(5, 16)
+    assert hi_na_moe.inspect_model(model).blocks == []
+    want = model(x)
+    report = hi_na_moe.enable_for_model(model, router_name="0.router")
+    assert [b.name for b in report.blocks] == ["0.experts"]
+    got = model(x)
+    hi_na_moe.disable_for_model(model)
+    torch.testing.assert_close(got, want)
+
+
+def test_router_name_errors():
+    model = nn.Sequential(MyBlock())
+    with pytest.raises(ValueError, match=r"router_name='0.rooter': no such submodule"):
+        hi_na_moe.enable_for_model(model, router_name="0.rooter")
+    plain = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="no experts module next to the router"):
+        hi_na_moe.enable_for_model(plain, router_name="0")

@@ -1,0 +1,142 @@
+"""The config object: precedence of sources, and every error path with its message."""
+
+from __future__ import annotations
+
+import pytest
+
+import hi_na_moe
+from hi_na_moe.config import ConfigError, HinaConfig, load_config
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for name in list(__import__("os").environ):
+        if name.startswith("HINA_MOE_"):
+            monkeypatch.delenv(name)
+    # no user config file leaks into the tests
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+
+
+def test_defaults():
+    cfg = load_config()
+    assert (cfg.backend, cfg.isa, cfg.threads, cfg.strict) == ("auto", "auto", 0, False)
+    assert cfg.sources["isa"] == "default"
+
+
+def test_precedence_kwargs_over_env_over_file(monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("backend: reference\nthreads: 1\nstrict: true\n")
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(f))
+    monkeypatch.setenv("HINA_MOE_THREADS", "2")
+    cfg = load_config(backend="auto")
+    assert cfg.backend == "auto" and cfg.sources["backend"] == "keyword argument"
+    assert cfg.threads == 2 and cfg.sources["threads"] == "env HINA_MOE_THREADS"
+    assert cfg.strict is True and cfg.sources["strict"].startswith("file ")
+
+
+def test_user_config_dir_file(monkeypatch, tmp_path):
+    d = tmp_path / "xdg" / "hi_na_moe"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("backend: reference\n")
+    assert load_config().backend == "reference"
+
+
+def test_unknown_kwarg_did_you_mean():
+    with pytest.raises(ConfigError, match=r"unknown config key 'thread'.*did you mean 'threads'"):
+        load_config(thread=2)
+
+
+def test_bad_value_names_key_value_and_choices():
+    with pytest.raises(ConfigError, match=r"'backend'.*'natve'.*'auto', 'native', 'reference'.*did you mean 'native'"):
+        load_config(backend="natve")
+
+
+def test_bad_threads():
+    with pytest.raises(ConfigError, match=r"'threads'.*-1.*whole number >= 0"):
+        load_config(threads=-1)
+    with pytest.raises(ConfigError, match=r"'threads'.*True"):
+        HinaConfig(threads=True)
+
+
+def test_bad_env_value(monkeypatch):
+    monkeypatch.setenv("HINA_MOE_THREADS", "two")
+    with pytest.raises(ConfigError, match=r"'threads' \(env HINA_MOE_THREADS\) has bad value 'two'"):
+        load_config()
+
+
+def test_bad_env_bool(monkeypatch):
+    monkeypatch.setenv("HINA_MOE_STRICT", "maybe")
+    with pytest.raises(ConfigError, match=r"'strict' \(env HINA_MOE_STRICT\).*'maybe'.*true or false"):
+        load_config()
+
+
+def test_unknown_env_var_did_you_mean(monkeypatch):
+    monkeypatch.setenv("HINA_MOE_BACKEN", "auto")
+    with pytest.raises(ConfigError, match=r"unknown environment variable HINA_MOE_BACKEN.*did you mean HINA_MOE_BACKEND"):
+        load_config()
+
+
+def test_bad_yaml(monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("backend: [auto\n")
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(f))
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+"):
+        load_config()
+
+
+def test_yaml_not_a_mapping(monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("- auto\n")
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(f))
+    with pytest.raises(ConfigError, match=r"must hold a mapping.*not a list"):
+        load_config()
+
+
+def test_yaml_unknown_key(monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("isaa: avx2\n")
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(f))
+    with pytest.raises(ConfigError, match=r"unknown config key 'isaa' \(file .*c.yaml\).*did you mean 'isa'"):
+        load_config()
+
+
+def test_missing_config_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match=r"nope.yaml.*does not exist"):
+        load_config()
+
+
+def test_isa_above_cpu_is_refused(monkeypatch):
+    # Pretend to be a CPU without AMX, so the refusal is tested on every machine.
+    import types
+
+    from hi_na_moe import hardware as capabilities
+
+    fake = types.SimpleNamespace(isa_supported=lambda t: t in ("generic", "avx2", "avx512"), best_isa=lambda: "avx512")
+    monkeypatch.setattr(capabilities, "native_module", lambda: (fake, None))
+    with pytest.raises(ConfigError, match=r"'isa' \(keyword argument\) asks for 'amx'.*does not support.*best available: 'avx512'"):
+        load_config(isa="amx")
+
+
+def test_isa_without_native_library_is_refused(monkeypatch):
+    from hi_na_moe import hardware as capabilities
+
+    monkeypatch.setattr(capabilities, "native_module", lambda: (None, "ImportError: not built"))
+    with pytest.raises(ConfigError, match=r"'isa'.*native library is not loaded \(ImportError: not built\)"):
+        load_config(isa="avx2")
+
+
+def test_supported_isa_accepted():
+    native = pytest.importorskip("hi_na_moe._native")
+    for tier in ("generic", "avx2", "avx512", "amx"):
+        if native.isa_supported(tier):
+            assert load_config(isa=tier).isa == tier
+
+
+def test_enable_rejects_bad_config_before_touching_model():
+    from torch import nn
+
+    m = nn.Linear(2, 2)
+    with pytest.raises(ConfigError):
+        hi_na_moe.enable_for_model(m, backend="fast")
+    assert not hi_na_moe.is_enabled(m)
