@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine (venv, pinned deps, native build), then run a job.
+#   bash scripts/dev.sh demo [args]   the main job: hi-na-moe demo
+#   bash scripts/dev.sh test [args]   the whole test suite (C++ kernel tests + pytest)
+#   bash scripts/dev.sh setup         only the set-up
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${HINA_VENV:-$root/.venv}"
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+
+setup() {
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "[setup] creating $venv"
+    "$py" -m venv "$venv"
+  fi
+  # shellcheck disable=SC1091
+  . "$venv/bin/activate"
+  local stamp="$venv/.hina-deps-$(sha1sum requirements-dev.txt | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    echo "[setup] installing pinned dependencies (requirements-dev.txt)"
+    python -m pip install -q -r requirements-dev.txt
+    touch "$stamp"
+  fi
+  echo "[setup] building the native core (scikit-build-core + CMake + nanobind)"
+  python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+  python -c "import hi_na_moe, sys; from hi_na_moe.hardware import native_module; m, why = native_module(); sys.exit(0 if m else f'native core failed to load: {why}')"
+}
+
+run_tests() {
+  local build="$root/build/cpp-tests"
+  if [ -f csrc/tests/CMakeLists.txt ] || grep -q HINA_BUILD_TESTS CMakeLists.txt; then
+    echo "[test] C++ kernel tests"
+    cmake -S . -B "$build" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build "$build" --target hina_tests >/dev/null
+    "$build/hina_tests"
+  fi
+  echo "[test] pytest"
+  set +e
+  python -m pytest "$@"
+  local rc=$?
+  set -e
+  if [ $rc -eq 5 ]; then
+    echo "pytest collected no tests: that is a failure, not a pass" >&2
+    exit 1
+  fi
+  exit $rc
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; exec hi-na-moe demo "$@" ;;
+  test) setup; run_tests "$@" ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+esac

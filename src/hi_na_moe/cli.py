@@ -1,0 +1,190 @@
+"""hi-na-moe command line: `check` and `demo` (bench, profile-router, debug and distill come with
+their own issues).
+
+User mistakes (missing path, not an MoE model, bad config) print one line and a hint and exit
+with status 2; a demo whose accelerated output disagrees with native exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line plus a hint, no traceback."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def shipped_model_dir() -> Path | None:
+    """The small trained MoE shipped in the repository (models/hina-tiny-moe), if present."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "models" / "hina-tiny-moe"
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
+
+
+def _load(path: str | Path, dtype: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"model path {str(p)!r} does not exist", "pass a local directory saved with save_pretrained")
+    if not (p / "config.json").is_file():
+        raise UserError(f"{str(p)!r} has no config.json", "pass the directory written by save_pretrained")
+    try:
+        AutoConfig.from_pretrained(p)
+    except Exception as exc:  # unknown model type, broken json
+        raise UserError(f"cannot read the config in {str(p)!r}: {exc}") from None
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype)).eval()
+    tokenizer = None
+    if (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(p)
+    return model, tokenizer
+
+
+def _tiny_random_model():
+    """A small random OLMoE, for when no trained model is available: it shows the mechanics and
+    the exactness check, not meaningful text."""
+    import torch
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=512, num_experts=16, num_experts_per_tok=2,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(cfg).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+def cmd_check(args) -> int:
+    import hi_na_moe
+
+    info = {"capabilities": hi_na_moe.capabilities()}
+    if args.model:
+        model, _ = _load(args.model, "bfloat16")
+        report = hi_na_moe.inspect_model(model)
+        if not report.blocks:
+            raise UserError(f"no MoE block found in {args.model!r} ({report.model_class})",
+                            "for a custom model, use hi_na_moe.enable_for_model(model, router_name=...)")
+        info["model"] = report.to_dict()
+    if args.output == "json":
+        print(json.dumps(info, indent=2))
+        return 0
+    cap = info["capabilities"]
+    print(f"CPU: {cap.get('brand') or cap['machine']}  native library: {cap['native_library']}")
+    if cap.get("cpu"):
+        have = [k for k, v in cap["cpu"].items() if v]
+        print(f"  CPU features: {' '.join(have)}")
+        os_ = cap["os"]
+        print(f"  OS enables: AVX={os_['avx']} AVX-512={os_['avx512']} AMX={os_['amx']} "
+              f"(AMX permission: {os_['amx_permission']})")
+        print(f"  best kernel tier: {cap['best_isa']}; selected: {cap['selected_isa']}")
+    print(f"  kernels: decode={cap['kernels']['decode']} prefill={cap['kernels']['prefill']}")
+    if cap.get("note"):
+        print(f"  note: {cap['note']}")
+    if args.model:
+        print(str(report))
+    return 0
+
+
+def _generate(model, ids, n):
+    import torch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out, time.perf_counter() - start
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    import hi_na_moe
+
+    path = args.model or shipped_model_dir()
+    tokenizer = None
+    if path is not None:
+        model, tokenizer = _load(path, args.dtype)
+        print(f"model: {path}")
+    else:
+        model = _tiny_random_model().to(getattr(torch, args.dtype))
+        print("model: no trained model found (models/hina-tiny-moe); using a small random OLMoE "
+              "(its text is meaningless; the exactness check is not)")
+    torch.manual_seed(0)
+    prompts = ["The function returns", "Return a new list of", "This module provides"]
+    if tokenizer is not None:
+        batch = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    else:
+        batch = [torch.randint(3, model.config.vocab_size, (1, 6)) for _ in prompts]
+    _generate(model, batch[0], 2)  # warm-up, not timed
+    native = [_generate(model, ids, args.max_new_tokens) for ids in batch]
+    report = hi_na_moe.enable_for_model(model)
+    print(report)
+    _generate(model, batch[0], 2)
+    ours = [_generate(model, ids, args.max_new_tokens) for ids in batch]
+    hi_na_moe.disable_for_model(model)
+
+    same = True
+    n = args.max_new_tokens
+    for prompt, ids, (a, ta), (b, tb) in zip(prompts, batch, native, ours):
+        ok = torch.equal(a, b)
+        same &= ok
+        text = tokenizer.decode(a[0], skip_special_tokens=True) if tokenizer is not None else str(a[0].tolist())
+        print(f"\nprompt: {prompt!r}")
+        print(f"  native    {n / ta:7.1f} tok/s | {text!r}")
+        if not ok:
+            other = tokenizer.decode(b[0], skip_special_tokens=True) if tokenizer is not None else str(b[0].tolist())
+            print(f"  hi_na_moe {n / tb:7.1f} tok/s | {other!r}  <-- DIFFERS")
+        else:
+            print(f"  hi_na_moe {n / tb:7.1f} tok/s | identical tokens")
+    kernel = "reference path" if not report.accelerated else "native kernels"
+    print(f"\n{'all outputs identical' if same else 'OUTPUTS DIFFER'} (lossless mode, hi_na_moe on its {kernel})")
+    return 0 if same else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hi-na-moe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("check", help="what this CPU supports, and what hi_na_moe would do with a model")
+    p.add_argument("--model", help="a local model directory (saved with save_pretrained) to inspect")
+    p.add_argument("--output", choices=("text", "json"), default="text", help="text for people, json for machines")
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("demo", help="generate natively and with hi_na_moe, compare tokens and speed")
+    p.add_argument("--model", help="a local model directory; default: the small MoE shipped with the project")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt (default 24)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights dtype to load (default float32)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"hi-na-moe: error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"hi-na-moe: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
