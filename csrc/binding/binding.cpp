@@ -1,0 +1,379 @@
+// The one file that knows Python. Everything below it is plain C++ with no Python or torch.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hina_moe/cpu_features.h"
+#include "hina_moe/moe.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+nb::dict features_dict() {
+  const hina::CpuFeatures& f = hina::cpu_features();
+  nb::dict d;
+  d["arch"] = std::string(f.arch);
+  d["vendor"] = std::string(f.vendor);
+  d["brand"] = std::string(f.brand);
+  nb::dict cpu;
+#define HINA_FLAG(name) cpu[#name] = f.name
+  HINA_FLAG(sse42); HINA_FLAG(avx); HINA_FLAG(avx2); HINA_FLAG(fma); HINA_FLAG(f16c);
+  HINA_FLAG(avx512f); HINA_FLAG(avx512bw); HINA_FLAG(avx512vl); HINA_FLAG(avx512dq);
+  HINA_FLAG(avx512vnni); HINA_FLAG(avx512bf16); HINA_FLAG(avx512fp16); HINA_FLAG(avx_vnni);
+  HINA_FLAG(amx_tile); HINA_FLAG(amx_bf16); HINA_FLAG(amx_int8); HINA_FLAG(neon); HINA_FLAG(sve);
+#undef HINA_FLAG
+  d["cpu"] = cpu;
+  nb::dict os;
+  os["xcr0"] = f.xcr0;
+  os["avx"] = f.os_avx;
+  os["avx512"] = f.os_avx512;
+  os["amx"] = f.os_amx;
+  os["amx_permission"] = f.amx_permission;
+  d["os"] = os;
+  return d;
+}
+
+hina::Isa parse_isa(const std::string& name) {
+  hina::Isa isa;
+  if (!hina::isa_from_name(name.c_str(), &isa)) {
+    throw nb::value_error(("unknown ISA tier '" + name +
+                           "'; expected one of generic, avx2, avx512, amx, neon").c_str());
+  }
+  return isa;
+}
+
+// ---- fused MoE experts ------------------------------------------------------------------------
+
+// Inputs are taken as untyped, read-only ndarrays with .noconvert(), then checked here, so a
+// wrong dtype / layout / device raises a ValueError naming the argument instead of being
+// silently copied or converted.
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+
+constexpr nb::dlpack::dtype kBf16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+constexpr nb::dlpack::dtype kF16{static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+
+std::string dtype_str(nb::dlpack::dtype d) {
+  if (d == nb::dtype<float>()) return "float32";
+  if (d == kBf16) return "bfloat16";
+  if (d == kF16) return "float16";
+  if (d == nb::dtype<double>()) return "float64";
+  if (d == nb::dtype<int32_t>()) return "int32";
+  if (d == nb::dtype<int64_t>()) return "int64";
+  return "dtype(code=" + std::to_string(d.code) + ", bits=" + std::to_string(d.bits) +
+         ", lanes=" + std::to_string(d.lanes) + ")";
+}
+
+std::optional<hina::DType> to_dtype(nb::dlpack::dtype d) {
+  if (d == nb::dtype<float>()) return hina::DType::kF32;
+  if (d == kBf16) return hina::DType::kBF16;
+  if (d == kF16) return hina::DType::kF16;
+  return std::nullopt;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+template <typename A>
+std::vector<int64_t> shape_of(const A& a) {
+  std::vector<int64_t> s(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) s[i] = static_cast<int64_t>(a.shape(i));
+  return s;
+}
+
+[[noreturn]] void bad(const std::string& msg) { throw nb::value_error(msg.c_str()); }
+
+// CPU, C-contiguous, expected shape (-1: any).
+template <typename A>
+void check_array(const char* name, const A& a, const std::vector<int64_t>& shape) {
+  if (a.device_type() != nb::device::cpu::value)
+    bad(std::string(name) + " must be a CPU array (got device type " + std::to_string(a.device_type()) + ")");
+  const std::vector<int64_t> s = shape_of(a);
+  bool ok = s.size() == shape.size();
+  for (size_t i = 0; ok && i < s.size(); ++i) ok = shape[i] < 0 || s[i] == shape[i];
+  if (!ok) {
+    std::string want = "[";
+    for (size_t i = 0; i < shape.size(); ++i)
+      want += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
+    bad(std::string(name) + " has shape " + shape_str(s) + ", expected " + want + "]");
+  }
+  int64_t expect = 1;
+  for (size_t i = s.size(); i-- > 0;) {
+    if (s[i] != 1 && a.stride(i) != expect)
+      bad(std::string(name) + " must be C-contiguous (call .contiguous()); no silent copies are made");
+    expect *= s[i];
+  }
+}
+
+template <typename A>
+void check_dtype(const char* name, const A& a, nb::dlpack::dtype want) {
+  if (a.dtype() != want)
+    bad(std::string(name) + " has dtype " + dtype_str(a.dtype()) + ", expected " + dtype_str(want));
+}
+
+nb::dlpack::dtype nb_dtype(hina::DType dt) {
+  switch (dt) {
+    case hina::DType::kF32: return nb::dtype<float>();
+    case hina::DType::kBF16: return kBf16;
+    case hina::DType::kF16: return kF16;
+  }
+  return nb::dtype<float>();
+}
+
+// A fresh array that owns its memory (freed with the Python object); supports DLPack and the
+// buffer protocol, so torch.from_dlpack / numpy accept it.
+nb::object new_array(hina::DType dt, std::vector<size_t> shape, void** data) {
+  size_t n = 1;
+  for (size_t d : shape) n *= d;
+  void* p = std::malloc(n * hina::dtype_size(dt) + 1);
+  if (!p) throw std::bad_alloc();
+  nb::capsule owner(p, [](void* q) noexcept { std::free(q); });
+  *data = p;
+  OutArray a(p, shape.size(), shape.data(), owner, nullptr, nb_dtype(dt));
+  return nb::cast(a, nb::rv_policy::reference);
+}
+
+class PyPackedExperts {
+ public:
+  PyPackedExperts(std::optional<InArray> gate, InArray up, InArray down,
+                  std::optional<InArray> gate_bias, std::optional<InArray> up_bias,
+                  std::optional<InArray> down_bias, const std::string& isa_name, int num_threads) {
+    if (up.ndim() != 3) bad("up must have shape [E, I, H], got " + shape_str(shape_of(up)));
+    const auto dt = to_dtype(up.dtype());
+    if (!dt) bad("up has dtype " + dtype_str(up.dtype()) + "; supported: float32, bfloat16, float16");
+    const int64_t E = up.shape(0), I = up.shape(1), H = up.shape(2);
+    const nb::dlpack::dtype want = up.dtype();
+    check_array("up", up, {E, I, H});
+    if (gate) {
+      check_array("gate", *gate, {E, I, H});
+      check_dtype("gate", *gate, want);
+    }
+    check_array("down", down, {E, H, I});
+    check_dtype("down", down, want);
+    if (gate_bias) {
+      if (!gate) bad("gate_bias given but gate is None");
+      check_array("gate_bias", *gate_bias, {E, I});
+      check_dtype("gate_bias", *gate_bias, want);
+    }
+    if (up_bias) { check_array("up_bias", *up_bias, {E, I}); check_dtype("up_bias", *up_bias, want); }
+    if (down_bias) { check_array("down_bias", *down_bias, {E, H}); check_dtype("down_bias", *down_bias, want); }
+    if (num_threads < 0) bad("num_threads must be >= 0");
+    const hina::Isa isa = hina::resolve_isa(isa_name.c_str());  // invalid_argument -> ValueError
+
+    hina::ExpertWeights w;
+    w.dtype = *dt;
+    w.E = E;
+    w.H = H;
+    w.I = I;
+    w.gate = gate ? gate->data() : nullptr;
+    w.up = up.data();
+    w.down = down.data();
+    w.gate_bias = gate_bias ? gate_bias->data() : nullptr;
+    w.up_bias = up_bias ? up_bias->data() : nullptr;
+    w.down_bias = down_bias ? down_bias->data() : nullptr;
+    nb::gil_scoped_release release;
+    pe_ = hina::PackedExperts::pack(w, isa, num_threads);
+  }
+
+  std::string forward(InArray x, InArray topk_idx, InArray topk_w, OutArray out,
+                      const std::string& act, float alpha, float gate_limit, float up_limit,
+                      float post_act_limit, float up_offset, bool weight_on_input,
+                      int num_threads, const std::string& path,
+                      std::optional<float> prefill_threshold) const {
+    const hina::PackedExperts& pe = *pe_;
+    const nb::dlpack::dtype wdt = nb_dtype(pe.dtype());
+    if (x.ndim() != 2) bad("x must have shape [T, H], got " + shape_str(shape_of(x)));
+    const int64_t T = x.shape(0);
+    check_array("x", x, {T, pe.H()});
+    check_dtype("x", x, wdt);
+    if (topk_idx.ndim() != 2) bad("topk_idx must have shape [T, K], got " + shape_str(shape_of(topk_idx)));
+    const int64_t K = topk_idx.shape(1);
+    check_array("topk_idx", topk_idx, {T, K});
+    int idx_bits = 0;
+    if (topk_idx.dtype() == nb::dtype<int32_t>()) idx_bits = 32;
+    else if (topk_idx.dtype() == nb::dtype<int64_t>()) idx_bits = 64;
+    else bad("topk_idx has dtype " + dtype_str(topk_idx.dtype()) + ", expected int32 or int64");
+    check_array("topk_w", topk_w, {T, K});
+    check_dtype("topk_w", topk_w, nb::dtype<float>());
+    check_array("out", out, {T, pe.H()});
+    check_dtype("out", out, wdt);
+
+    hina::MoeParams p;
+    if (!hina::act_from_name(act.c_str(), &p.act))
+      bad("act '" + act + "' is unknown; expected silu, gelu, gelu_tanh, relu, relu2, sigmoid_alpha or identity");
+    p.alpha = alpha;
+    p.gate_limit = gate_limit;
+    p.up_limit = up_limit;
+    p.post_act_limit = post_act_limit;
+    p.up_offset = up_offset;
+    p.weight_on_input = weight_on_input;
+    if (num_threads < 0) bad("num_threads must be >= 0");
+    p.num_threads = num_threads;
+    if (path == "auto") p.path = hina::MoePath::kAuto;
+    else if (path == "decode") p.path = hina::MoePath::kDecode;
+    else if (path == "prefill") p.path = hina::MoePath::kPrefill;
+    else bad("path '" + path + "' is unknown; expected auto, decode or prefill");
+    if (prefill_threshold) {
+      if (!(*prefill_threshold > 0.0f)) bad("prefill_threshold must be > 0");
+      p.prefill_threshold = *prefill_threshold;
+    }
+    const char* name;
+    {
+      nb::gil_scoped_release release;
+      name = pe.forward(x.data(), T, topk_idx.data(), idx_bits,
+                        static_cast<const float*>(topk_w.data()), K, out.data(), p);
+    }
+    return name;
+  }
+
+  nb::tuple unpack() const {
+    const hina::PackedExperts& pe = *pe_;
+    const hina::DType dt = pe.dtype();
+    const size_t E = pe.E(), H = pe.H(), I = pe.I();
+    void *g = nullptr, *u = nullptr, *d = nullptr, *bg = nullptr, *bu = nullptr, *bd = nullptr;
+    nb::object og = pe.has_gate() ? new_array(dt, {E, I, H}, &g) : nb::none();
+    nb::object ou = new_array(dt, {E, I, H}, &u);
+    nb::object od = new_array(dt, {E, H, I}, &d);
+    nb::object obg = pe.has_gate_bias() ? new_array(dt, {E, I}, &bg) : nb::none();
+    nb::object obu = pe.has_up_bias() ? new_array(dt, {E, I}, &bu) : nb::none();
+    nb::object obd = pe.has_down_bias() ? new_array(dt, {E, H}, &bd) : nb::none();
+    {
+      nb::gil_scoped_release release;
+      pe.unpack(g, u, d, bg, bu, bd);
+    }
+    return nb::make_tuple(og, ou, od, obg, obu, obd);
+  }
+
+  const hina::PackedExperts& get() const { return *pe_; }
+
+ private:
+  std::unique_ptr<hina::PackedExperts> pe_;
+};
+
+nb::dict kernel_table() {
+  const hina::Isa isa = hina::resolve_isa("auto");
+  nb::dict d;
+  for (hina::MoePath path : {hina::MoePath::kDecode, hina::MoePath::kPrefill}) {
+    nb::dict per;
+    for (hina::DType dt : {hina::DType::kF32, hina::DType::kBF16, hina::DType::kF16})
+      per[hina::dtype_name(dt)] = std::string(hina::moe_kernel_name(isa, dt, path));
+    d[hina::path_name(path)] = per;
+  }
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "hi_na_moe native core (torch-free C++)";
+  // PackedExperts live inside patched torch modules, which are often still referenced (module
+  // globals, reference cycles) when the interpreter tears nanobind down; that is not a leak of
+  // the binding, so the shutdown leak report would only be noise for users.
+  nb::set_leak_warnings(false);
+  m.def("cpu_features", &features_dict,
+        "CPU features as reported by the processor and enabled by the OS.");
+  m.def("best_isa", [] { return std::string(hina::isa_name(hina::best_isa(hina::cpu_features()))); },
+        "The highest kernel tier this CPU and OS support.");
+  m.def("isa_supported",
+        [](const std::string& name) { return hina::isa_supported(hina::cpu_features(), parse_isa(name)); },
+        nb::arg("name"), "Whether the named tier can run on this machine.");
+  m.def("kernel_table", &kernel_table,
+        "{'decode': {dtype: kernel}, 'prefill': {dtype: kernel}}: what isa='auto' runs.");
+  m.def("resolve_isa", [](const std::string& name) { return std::string(hina::isa_name(hina::resolve_isa(name.c_str()))); },
+        nb::arg("name") = "auto",
+        "The tier a PackedExperts(isa=name) would use: 'auto' is the best tier here unless the "
+        "env var HINA_MOE_ISA names another; raises ValueError for a tier the CPU lacks.");
+  m.attr("DEFAULT_PREFILL_THRESHOLD") = hina::kDefaultPrefillThreshold;
+  m.def("default_num_threads", &hina::default_num_threads,
+        "Threads the op uses when num_threads=0 (CPUs in this process's affinity mask).");
+
+  nb::class_<PyPackedExperts>(m, "PackedExperts",
+      "Experts packed once into the layout the kernels stream (64-byte aligned panels of 16 "
+      "output rows, gate and up interleaved). Lossless: unpack() returns the exact inputs.")
+      .def(nb::init<std::optional<InArray>, InArray, InArray, std::optional<InArray>,
+                    std::optional<InArray>, std::optional<InArray>, const std::string&, int>(),
+           nb::arg("gate").noconvert().none(), nb::arg("up").noconvert(), nb::arg("down").noconvert(),
+           nb::arg("gate_bias").noconvert().none() = nb::none(),
+           nb::arg("up_bias").noconvert().none() = nb::none(),
+           nb::arg("down_bias").noconvert().none() = nb::none(), nb::arg("isa") = "auto",
+           nb::arg("num_threads") = 0,
+           "gate/up: [E, I, H] (gate may be None), down: [E, H, I], biases [E, I] / [E, I] / "
+           "[E, H]; C-contiguous CPU arrays of one dtype (float32, bfloat16, float16). "
+           "isa: auto | generic | avx2 | avx512 | amx.")
+      .def("forward", &PyPackedExperts::forward, nb::arg("x").noconvert(),
+           nb::arg("topk_idx").noconvert(), nb::arg("topk_w").noconvert(), nb::arg("out").noconvert(),
+           nb::arg("act") = "silu", nb::arg("alpha") = 1.702f, nb::arg("gate_limit") = INFINITY,
+           nb::arg("up_limit") = INFINITY, nb::arg("post_act_limit") = INFINITY,
+           nb::arg("up_offset") = 0.0f, nb::arg("weight_on_input") = false,
+           nb::arg("num_threads") = 0, nb::arg("path") = "auto",
+           nb::arg("prefill_threshold").none() = nb::none(),
+           "out[T, H] = sum_k topk_w * expert(x) (see moe.h for the exact semantics). "
+           "x, out: [T, H] in the experts' dtype; topk_idx: [T, K] int32/int64 (< 0: skip); "
+           "topk_w: [T, K] float32. Returns the name of the kernel that ran. GIL released.")
+      .def("unpack", &PyPackedExperts::unpack,
+           "(gate, up, down, gate_bias, up_bias, down_bias): new arrays, bit-identical to the "
+           "packed inputs (None where absent). DLPack-capable: use torch.from_dlpack.")
+      .def_prop_ro("nbytes", [](const PyPackedExperts& p) { return p.get().nbytes(); })
+      .def_prop_ro("isa", [](const PyPackedExperts& p) { return std::string(hina::isa_name(p.get().isa())); })
+      .def_prop_ro("dtype", [](const PyPackedExperts& p) { return std::string(hina::dtype_name(p.get().dtype())); })
+      .def_prop_ro("E", [](const PyPackedExperts& p) { return p.get().E(); })
+      .def_prop_ro("H", [](const PyPackedExperts& p) { return p.get().H(); })
+      .def_prop_ro("I", [](const PyPackedExperts& p) { return p.get().I(); })
+      .def_prop_ro("has_gate", [](const PyPackedExperts& p) { return p.get().has_gate(); })
+      .def_prop_ro("has_bias", [](const PyPackedExperts& p) {
+        const auto& q = p.get();
+        return q.has_gate_bias() || q.has_up_bias() || q.has_down_bias();
+      })
+      .def_prop_ro("layout", [](const PyPackedExperts& p) {
+        const hina::PackedHeader& h = p.get().header();
+        nb::dict d;
+        d["magic"] = h.magic;
+        d["version"] = h.version;
+        d["panel_n"] = h.panel_n;
+        d["kpack"] = h.kpack;
+        d["k_align"] = h.k_align;
+        d["Hk"] = h.Hk;
+        d["In"] = h.In;
+        d["Ik"] = h.Ik;
+        d["Hn"] = h.Hn;
+        return d;
+      })
+      .def("kernel_name",
+           [](const PyPackedExperts& p, const std::string& path) {
+             hina::MoePath mp;
+             if (path == "decode") mp = hina::MoePath::kDecode;
+             else if (path == "prefill") mp = hina::MoePath::kPrefill;
+             else bad("path must be 'decode' or 'prefill'");
+             return std::string(hina::moe_kernel_name(p.get().isa(), p.get().dtype(), mp));
+           },
+           nb::arg("path"), "The kernel forward() runs on this path for these experts.")
+      .def("__repr__", [](const PyPackedExperts& p) {
+        const auto& q = p.get();
+        return "PackedExperts(E=" + std::to_string(q.E()) + ", H=" + std::to_string(q.H()) +
+               ", I=" + std::to_string(q.I()) + ", dtype=" + hina::dtype_name(q.dtype()) +
+               ", isa=" + hina::isa_name(q.isa()) + ", has_gate=" + (q.has_gate() ? "True" : "False") +
+               ", nbytes=" + std::to_string(q.nbytes()) + ")";
+      });
+
+  m.attr("__build__") = std::string("compiler=") +
+#if defined(__clang__)
+      "clang " __clang_version__;
+#elif defined(__GNUC__)
+      "gcc " __VERSION__;
+#else
+      "unknown";
+#endif
+}

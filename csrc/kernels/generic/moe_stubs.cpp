@@ -1,0 +1,8 @@
+// Non-x86 builds: no SIMD MoE kernels yet; the dispatcher falls back to the generic ones.
+#include "moe/kernel_api.h"
+
+namespace hina::detail {
+bool get_kernels_avx2(DType, KernelImpl*) { return false; }
+bool get_kernels_avx512(DType, KernelImpl*) { return false; }
+bool get_kernels_amx(DType, KernelImpl*) { return false; }
+}  // namespace hina::detail

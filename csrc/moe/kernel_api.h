@@ -1,0 +1,177 @@
+// Internal contract between the driver (moe.cpp, baseline flags) and the per-ISA kernel
+// translation units. Header-only scalar helpers live here so every TU (including the generic
+// oracle) converts and activates with the same code.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "hina_moe/moe.h"
+
+namespace hina::detail {
+
+constexpr int kPanelN = 16;  // output rows per packed panel
+constexpr int kKAlign = 32;  // reduction padding (one AMX bf16 k-tile)
+
+static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Geometry of one packed PackedExperts (see PackedHeader).
+struct Layout {
+  DType dtype;
+  int kpack;  // 2 for bf16 (VNNI pairs), 1 otherwise
+  int G;      // panels of gate/up: 2 (gate, up interleaved) or 1 (up only)
+  int64_t H, I, Hk, In, Ik, Hn;
+};
+
+struct ActParams {
+  Act act;
+  float alpha, gate_limit, up_limit, post_act_limit, up_offset;
+};
+
+// gate/up for one expert: rows [0, nt) of x, output panels [p0, p1) (16 columns of I each).
+// Writes h[r * h_stride + c] for every column c of those panels (columns >= I written as 0).
+struct GateUpJob {
+  const void* w;            // this expert's first gate/up panel
+  const float* bias_g;      // [In] fp32 or nullptr
+  const float* bias_u;      // [In] fp32 or nullptr
+  int64_t p0, p1;
+  const void* const* x;     // nt row pointers, each Hk long, zero-padded; fp32 or bf16 (x_bf16)
+  int64_t x_stride;         // x_bf16 kernels: rows are contiguous from x[0] at this stride
+  int64_t nt;
+  void* h;                  // row r at h + r * h_stride elements; fp32 or bf16 (h_bf16)
+  int64_t h_stride;
+  const Layout* L;
+  const ActParams* act;
+};
+
+// down for one expert: acc[r][c] += wt[r] * (W_down h_r + b)[c] for columns c of panels [p0, p1).
+struct DownJob {
+  const void* w;            // this expert's first down panel
+  const float* bias;        // [Hn] fp32 or nullptr
+  int64_t p0, p1;
+  const void* h;            // nt rows at stride h_stride, each Ik long (zero beyond I)
+  int64_t h_stride;
+  int64_t nt;
+  const float* wt;          // [nt] routing weight per row
+  float* const* acc;        // [nt] fp32 accumulator rows (Hn long)
+  const Layout* L;
+};
+
+struct KernelImpl {
+  void (*gateup)(const GateUpJob&) = nullptr;
+  void (*down)(const DownJob&) = nullptr;
+  bool x_bf16 = false;      // x rows are bf16 and contiguous at stride Hk (AMX A tiles)
+  bool h_bf16 = false;      // h rows are bf16 (AMX)
+  int row_slack = 0;        // rows readable past the last row of x/h buffers (tile over-read)
+};
+
+// Per-ISA providers; false when that TU has no kernel for the dtype.
+// `amx_twin`: the generic kernel that rounds exactly where the AMX kernel does (x, h in bf16).
+bool get_kernels_generic(DType dt, bool amx_twin, KernelImpl* k);
+bool get_kernels_avx2(DType dt, KernelImpl* k);
+bool get_kernels_avx512(DType dt, KernelImpl* k);
+bool get_kernels_amx(DType dt, KernelImpl* k);
+
+// Runs forward with an explicit kernel (tests use it to run the generic AMX twin).
+const char* forward_with(const PackedExperts& pe, const KernelImpl& k, const char* name,
+                         const void* x, int64_t T, const void* topk_idx, int idx_bits,
+                         const float* topk_w, int64_t K, void* out, const MoeParams& p);
+
+// ---- scalar conversions (bit-exact, round-to-nearest-even) ----
+static inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+static inline float bf16_to_f32(uint16_t b) { return bits_to_f32(static_cast<uint32_t>(b) << 16); }
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // qNaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t ex = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  if (ex == 0) {
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24
+    return sign ? -v : v;
+  }
+  if (ex == 31) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
+  return bits_to_f32(sign | ((ex + 112u) << 23) | (mant << 13));
+}
+static inline uint16_t f32_to_f16(float f) {
+  const uint32_t u = f32_to_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u);
+  if (a >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (a < 0x38800000u) {                         // below 2^-14: subnormal half (exact scaling)
+    const float v = std::nearbyint(std::fabs(f) * 16777216.0f);
+    return sign | static_cast<uint16_t>(v);
+  }
+  const uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;
+  return sign | static_cast<uint16_t>(r >> 13);
+}
+
+static inline float load_elem(DType dt, const void* p, int64_t i) {
+  switch (dt) {
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0.0f;
+}
+static inline void store_elem(DType dt, void* p, int64_t i, float v) {
+  switch (dt) {
+    case DType::kF32: static_cast<float*>(p)[i] = v; break;
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+    case DType::kF16: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
+  }
+}
+// Rounds an fp32 value to the weight dtype and back (weight_on_input).
+static inline float round_to(DType dt, float v) {
+  switch (dt) {
+    case DType::kF32: return v;
+    case DType::kBF16: return bf16_to_f32(f32_to_bf16(v));
+    case DType::kF16: return f16_to_f32(f32_to_f16(v));
+  }
+  return v;
+}
+
+// ---- scalar activations (the oracle's definitions) ----
+static inline float act_scalar(Act a, float z, float alpha) {
+  switch (a) {
+    case Act::kSilu: return z / (1.0f + std::exp(-z));
+    case Act::kGelu: return 0.5f * z * (1.0f + std::erf(z * 0.70710678118654752f));
+    case Act::kGeluTanh: {
+      const float y = 0.79788456080286536f * (z + 0.044715f * z * z * z);
+      return 0.5f * z * (1.0f + std::tanh(y));
+    }
+    case Act::kRelu: return z > 0.0f ? z : 0.0f;
+    case Act::kRelu2: { const float r = z > 0.0f ? z : 0.0f; return r * r; }
+    case Act::kSigmoidAlpha: return z / (1.0f + std::exp(-alpha * z));
+    case Act::kIdentity: return z;
+  }
+  return z;
+}
+// h for one column: gated (G == 2) or not.
+static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
+  if (!gated) return act_scalar(p.act, u, p.alpha);
+  // Plain comparisons rather than std::min/max: those are COMDAT templates that an ISA TU may
+  // emit with its own flags (at -O0), and the linker could hand that copy to baseline code.
+  g = p.gate_limit < g ? p.gate_limit : g;
+  u = u < -p.up_limit ? -p.up_limit : u;
+  u = p.up_limit < u ? p.up_limit : u;
+  float a = act_scalar(p.act, g, p.alpha);
+  a = p.post_act_limit < a ? p.post_act_limit : a;
+  return a * (u + p.up_offset);
+}
+
+// Index of element (k, gi, n) inside one packed panel (gi: 0 = gate, G-1 = up).
+static inline int64_t panel_index(int kpack, int G, int64_t k, int gi, int n) {
+  return kpack == 2 ? ((k >> 1) * G + gi) * (kPanelN * 2) + n * 2 + (k & 1)
+                    : (k * G + gi) * kPanelN + n;
+}
+
+}  // namespace hina::detail

@@ -1,0 +1,383 @@
+// C++ tests of the fused MoE op: every ISA kernel this machine supports vs its generic twin,
+// and the generic kernels vs a naive double-precision oracle computed from the unpacked weights.
+//
+// Build and run (from the repository root):
+//   cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release && cmake --build build/cpp
+//   ./build/cpp/hina_tests            # optional filter: ./build/cpp/hina_tests bf16
+// Exits non-zero on any mismatch; the last line is "N passed, N failed".
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__unix__)
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
+
+#include "hina_moe/cpu_features.h"
+#include "hina_moe/moe.h"
+#include "moe/kernel_api.h"
+
+using namespace hina;
+using hina::detail::load_elem;
+using hina::detail::store_elem;
+
+namespace {
+
+int g_passed = 0, g_failed = 0;
+const char* g_filter = nullptr;
+std::map<std::string, double> g_worst;  // kernel + comparison -> worst relative error seen
+
+void note(const std::string& key, double err) {
+  double& w = g_worst[key];
+  if (!(err <= w)) w = err;
+}
+
+void report(bool ok, const std::string& what) {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    std::printf("FAIL %s\n", what.c_str());
+  }
+}
+
+struct Case {
+  int64_t T, E, K, H, I;
+  bool gated = true, bias = false, woi = false;
+  Act act = Act::kSilu;
+  int skip_every = 0;     // every n-th slot gets idx -1
+  int64_t used_experts = 0;  // > 0: route only to the first n experts (others get no rows)
+  bool limits = false;    // GPT-OSS-style clamps and up_offset
+  const char* why;
+};
+
+// Each shape says why it exists.
+const Case kCases[] = {
+    {1, 8, 2, 64, 32, true, false, false, Act::kSilu, 0, 0, false, "T=1: decode"},
+    {7, 4, 2, 64, 48, true, false, false, Act::kSilu, 0, 0, false, "T < tile rows (16): AMX row padding"},
+    {5, 6, 3, 100, 72, true, false, false, Act::kSilu, 0, 0, false, "H, I not multiples of 16/32/64: tails"},
+    {3, 3, 2, 17, 9, true, true, false, Act::kSilu, 0, 0, false, "H, I below one panel / k-tile"},
+    {9, 7, 2, 48, 40, true, false, false, Act::kSilu, 0, 0, false, "prime E"},
+    {6, 5, 1, 64, 32, true, false, false, Act::kSilu, 0, 0, false, "K = 1"},
+    {4, 4, 4, 64, 32, true, false, false, Act::kSilu, 0, 0, false, "K = E: every expert gets every token"},
+    {6, 16, 2, 64, 32, true, false, false, Act::kSilu, 0, 3, false, "most experts get no tokens"},
+    {8, 6, 3, 64, 48, true, false, false, Act::kSilu, 4, 0, false, "idx = -1 skips a slot"},
+    {5, 4, 2, 32, 32, true, false, false, Act::kSilu, 1, 0, false, "every slot skipped: out = 0"},
+    {257, 8, 2, 96, 80, true, false, false, Act::kSilu, 0, 0, false, "T = 257 prefill: 32-row blocks + tail"},
+    {33, 2, 1, 64, 64, true, true, false, Act::kSilu, 0, 0, false, "rows per expert around 32: AMX block edge"},
+    {40, 3, 1, 256, 256, true, false, false, Act::kSilu, 0, 0, false, "row bytes multiple of 512: padded x/h strides"},
+    {6, 4, 2, 80, 48, true, false, false, Act::kGelu, 0, 0, false, "act gelu (erf)"},
+    {6, 4, 2, 80, 48, true, false, false, Act::kGeluTanh, 0, 0, false, "act gelu_tanh"},
+    {6, 4, 2, 80, 48, true, false, false, Act::kRelu, 0, 0, false, "act relu"},
+    {6, 4, 2, 80, 48, true, false, false, Act::kRelu2, 0, 0, false, "act relu2"},
+    {6, 4, 2, 80, 48, true, false, false, Act::kSigmoidAlpha, 0, 0, false, "act sigmoid_alpha"},
+    {6, 4, 2, 80, 48, true, false, false, Act::kIdentity, 0, 0, false, "act identity"},
+    {6, 4, 2, 80, 48, false, false, false, Act::kGelu, 0, 0, false, "no gate (h = act(up))"},
+    {40, 4, 2, 64, 48, false, true, false, Act::kRelu2, 0, 0, false, "no gate + biases, prefill rows"},
+    {6, 4, 2, 72, 56, true, true, false, Act::kSilu, 0, 0, false, "biases on gate, up, down"},
+    {6, 4, 2, 72, 56, true, true, false, Act::kSigmoidAlpha, 0, 0, true, "GPT-OSS: limits, up_offset, biases"},
+    {6, 4, 2, 64, 48, true, false, true, Act::kSilu, 0, 0, false, "weight_on_input (Llama 4)"},
+    {48, 4, 1, 64, 48, true, false, true, Act::kSilu, 0, 0, false, "weight_on_input, prefill rows"},
+};
+
+struct Problem {
+  DType dt;
+  Case c;
+  std::vector<uint8_t> gate, up, down, bg, bu, bd, x;
+  std::vector<int32_t> idx;
+  std::vector<float> w;
+  MoeParams params;
+};
+
+std::vector<uint8_t> random_array(DType dt, int64_t n, float scale, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<uint8_t> v(static_cast<size_t>(n) * dtype_size(dt));
+  for (int64_t i = 0; i < n; ++i) store_elem(dt, v.data(), i, u(rng) * scale);
+  return v;
+}
+
+Problem make_problem(DType dt, const Case& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Problem p{dt, c, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  if (c.gated) p.gate = random_array(dt, c.E * c.I * c.H, 2.0f / std::sqrt(float(c.H)), rng);
+  p.up = random_array(dt, c.E * c.I * c.H, 2.0f / std::sqrt(float(c.H)), rng);
+  p.down = random_array(dt, c.E * c.H * c.I, 2.0f / std::sqrt(float(c.I)), rng);
+  if (c.bias) {
+    if (c.gated) p.bg = random_array(dt, c.E * c.I, 0.5f, rng);
+    p.bu = random_array(dt, c.E * c.I, 0.5f, rng);
+    p.bd = random_array(dt, c.E * c.H, 0.5f, rng);
+  }
+  p.x = random_array(dt, c.T * c.H, 1.0f, rng);
+  const int64_t pool = c.used_experts > 0 ? c.used_experts : c.E;
+  std::uniform_real_distribution<float> uw(0.05f, 1.0f);
+  p.idx.resize(static_cast<size_t>(c.T * c.K));
+  p.w.resize(static_cast<size_t>(c.T * c.K));
+  for (int64_t t = 0; t < c.T; ++t) {
+    std::vector<int32_t> perm(static_cast<size_t>(pool));
+    for (int64_t e = 0; e < pool; ++e) perm[e] = static_cast<int32_t>(e);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t k = 0; k < c.K; ++k) {
+      const int64_t s = t * c.K + k;
+      p.idx[s] = perm[k % pool];
+      p.w[s] = uw(rng);
+      if (c.skip_every > 0 && s % c.skip_every == 0) p.idx[s] = -1;
+    }
+  }
+  p.params.act = c.act;
+  p.params.weight_on_input = c.woi;
+  if (c.limits) {
+    p.params.gate_limit = 0.5f;
+    p.params.up_limit = 0.7f;
+    p.params.post_act_limit = 0.4f;
+    p.params.up_offset = 1.0f;
+  }
+  return p;
+}
+
+ExpertWeights weights_of(const Problem& p) {
+  ExpertWeights w;
+  w.dtype = p.dt;
+  w.E = p.c.E;
+  w.H = p.c.H;
+  w.I = p.c.I;
+  w.gate = p.gate.empty() ? nullptr : p.gate.data();
+  w.up = p.up.data();
+  w.down = p.down.data();
+  w.gate_bias = p.bg.empty() ? nullptr : p.bg.data();
+  w.up_bias = p.bu.empty() ? nullptr : p.bu.data();
+  w.down_bias = p.bd.empty() ? nullptr : p.bd.data();
+  return w;
+}
+
+// Naive oracle straight from the semantics, double accumulation, h kept exact.
+std::vector<float> oracle(const Problem& p) {
+  const Case& c = p.c;
+  const DType dt = p.dt;
+  detail::ActParams ap{p.params.act, p.params.alpha, p.params.gate_limit, p.params.up_limit,
+                       p.params.post_act_limit, p.params.up_offset};
+  std::vector<double> acc(static_cast<size_t>(c.T * c.H), 0.0);
+  std::vector<double> xin(static_cast<size_t>(c.H));
+  std::vector<double> h(static_cast<size_t>(c.I));
+  for (int64_t t = 0; t < c.T; ++t) {
+    for (int64_t k = 0; k < c.K; ++k) {
+      const int32_t e = p.idx[t * c.K + k];
+      if (e < 0) continue;
+      double w = p.w[t * c.K + k];
+      for (int64_t j = 0; j < c.H; ++j) {
+        const float xv = load_elem(dt, p.x.data(), t * c.H + j);
+        xin[j] = c.woi ? detail::round_to(dt, static_cast<float>(w) * xv) : xv;
+      }
+      if (c.woi) w = 1.0;
+      for (int64_t i = 0; i < c.I; ++i) {
+        double g = 0, u = 0;
+        for (int64_t j = 0; j < c.H; ++j) {
+          const int64_t o = (e * c.I + i) * c.H + j;
+          u += double(load_elem(dt, p.up.data(), o)) * xin[j];
+          if (c.gated) g += double(load_elem(dt, p.gate.data(), o)) * xin[j];
+        }
+        if (c.bias) {
+          u += load_elem(dt, p.bu.data(), e * c.I + i);
+          if (c.gated) g += load_elem(dt, p.bg.data(), e * c.I + i);
+        }
+        h[i] = detail::h_scalar(ap, c.gated, static_cast<float>(g), static_cast<float>(u));
+      }
+      for (int64_t j = 0; j < c.H; ++j) {
+        double y = 0;
+        for (int64_t i = 0; i < c.I; ++i) y += double(load_elem(dt, p.down.data(), (e * c.H + j) * c.I + i)) * h[i];
+        if (c.bias) y += load_elem(dt, p.bd.data(), e * c.H + j);
+        acc[t * c.H + j] += w * y;
+      }
+    }
+  }
+  std::vector<float> out(acc.size());
+  for (size_t i = 0; i < acc.size(); ++i) out[i] = detail::round_to(dt, static_cast<float>(acc[i]));
+  return out;
+}
+
+std::vector<float> run(const PackedExperts& pe, const Problem& p, MoePath path, int threads,
+                       const char** name, const detail::KernelImpl* twin = nullptr) {
+  std::vector<uint8_t> out(static_cast<size_t>(p.c.T * p.c.H) * dtype_size(p.dt), 0xCD);
+  MoeParams mp = p.params;
+  mp.path = path;
+  mp.num_threads = threads;
+  const char* n;
+  if (twin) {
+    n = detail::forward_with(pe, *twin, "generic_amx_twin", p.x.data(), p.c.T, p.idx.data(), 32,
+                             p.w.data(), p.c.K, out.data(), mp);
+  } else {
+    n = pe.forward(p.x.data(), p.c.T, p.idx.data(), 32, p.w.data(), p.c.K, out.data(), mp);
+  }
+  if (name) *name = n;
+  std::vector<float> f(static_cast<size_t>(p.c.T * p.c.H));
+  for (size_t i = 0; i < f.size(); ++i) f[i] = load_elem(p.dt, out.data(), static_cast<int64_t>(i));
+  return f;
+}
+
+// max |a - b| / max(max |ref|, 1e-3)
+double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
+  double md = 0, mr = 1e-3;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(double(a[i]) - double(ref[i]));
+    if (!(d <= md)) md = d;  // NaN propagates as a failure
+    mr = std::max(mr, std::fabs(double(ref[i])));
+  }
+  return md / mr;
+}
+
+double tol(DType dt) { return dt == DType::kF32 ? 1e-5 : dt == DType::kF16 ? 3e-3 : 1.2e-2; }
+
+bool selected(const std::string& name) { return !g_filter || name.find(g_filter) != std::string::npos; }
+
+void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& tiers) {
+  const std::string tag = std::string(dtype_short(dt)) + " T" + std::to_string(c.T) + " E" +
+                          std::to_string(c.E) + " K" + std::to_string(c.K) + " H" +
+                          std::to_string(c.H) + " I" + std::to_string(c.I) + " " + act_name(c.act) +
+                          " (" + c.why + ")";
+  if (!selected(tag)) return;
+  const Problem p = make_problem(dt, c, seed);
+  const ExpertWeights w = weights_of(p);
+  const std::vector<float> want = oracle(p);
+
+  auto gen = PackedExperts::pack(w, Isa::kGeneric, 1);
+  for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+    const char* name = nullptr;
+    const std::vector<float> ref = run(*gen, p, path, 2, &name);
+    const double e0 = rel_err(ref, want);
+    report(e0 <= tol(dt), tag + " " + name + " vs oracle: rel err " + std::to_string(e0));
+    note(std::string(name) + " vs oracle", e0);
+    for (Isa isa : tiers) {
+      auto pe = PackedExperts::pack(w, isa, 2);
+      const std::vector<float> got = run(*pe, p, path, 2, &name);
+      const double e = rel_err(got, ref);
+      report(e <= tol(dt), tag + " " + name + " vs generic: rel err " + std::to_string(e));
+      note(std::string(name) + " vs generic", e);
+      if (isa == Isa::kAmx && path == MoePath::kPrefill && dt == DType::kBF16) {
+        detail::KernelImpl twin;
+        detail::get_kernels_generic(dt, true, &twin);
+        const std::vector<float> tw = run(*gen, p, path, 2, nullptr, &twin);
+        const double et = rel_err(got, tw);
+        report(et <= tol(dt), tag + " " + name + " vs generic amx twin: rel err " + std::to_string(et));
+        note(std::string(name) + " vs generic amx twin", et);
+      }
+    }
+  }
+}
+
+void test_unpack_roundtrip(DType dt, const std::vector<Isa>& tiers) {
+  const std::string tag = std::string("unpack roundtrip ") + dtype_short(dt);
+  if (!selected(tag)) return;
+  for (bool gated : {true, false}) {
+    Case c{2, 3, 1, 37, 21, gated, true, false, Act::kSilu, 0, 0, false, "odd sizes"};
+    const Problem p = make_problem(dt, c, 7);
+    for (Isa isa : tiers) {
+      auto pe = PackedExperts::pack(weights_of(p), isa, 2);
+      std::vector<uint8_t> g(p.up.size()), u(p.up.size()), d(p.down.size()), bg(p.bu.size()),
+          bu(p.bu.size()), bd(p.bd.size());
+      pe->unpack(gated ? g.data() : nullptr, u.data(), d.data(), gated ? bg.data() : nullptr,
+                 bu.data(), bd.data());
+      bool ok = u == p.up && d == p.down && bu == p.bu && bd == p.bd;
+      if (gated) ok = ok && g == p.gate && bg == p.bg;
+      report(ok, tag + (gated ? " gated " : " no-gate ") + isa_name(isa));
+    }
+  }
+}
+
+void test_threads_deterministic(const std::vector<Isa>& tiers) {
+  if (!selected("threads")) return;
+  Case c{19, 6, 2, 80, 48, true, true, false, Act::kSilu, 0, 0, false, "thread counts"};
+  const Problem p = make_problem(DType::kF32, c, 11);
+  for (Isa isa : tiers) {
+    auto pe = PackedExperts::pack(weights_of(p), isa, 1);
+    for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+      const std::vector<float> r1 = run(*pe, p, path, 1, nullptr);
+      for (int th : {2, 3, 5}) {
+        const std::vector<float> rn = run(*pe, p, path, th, nullptr);
+        report(std::memcmp(r1.data(), rn.data(), r1.size() * 4) == 0,
+               std::string("threads ") + std::to_string(th) + " bit-identical to 1, " + isa_name(isa) +
+                   " " + path_name(path));
+      }
+    }
+  }
+}
+
+// A forked child has a copy of the pool without its threads: regions must run inline there
+// instead of waiting forever for workers that do not exist.
+void test_fork_child() {
+#if defined(__unix__)
+  if (!selected("fork")) return;
+  Case c{9, 5, 2, 48, 40, true, false, false, Act::kSilu, 0, 0, false, "fork"};
+  const Problem p = make_problem(DType::kF32, c, 5);
+  auto pe = PackedExperts::pack(weights_of(p), Isa::kGeneric, 2);
+  const std::vector<float> parent = run(*pe, p, MoePath::kDecode, 2, nullptr);  // pool now has threads
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const std::vector<float> child = run(*pe, p, MoePath::kDecode, 2, nullptr);
+    _exit(child == parent ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  report(WIFEXITED(status) && WEXITSTATUS(status) == 0, "forked child runs the op (inline pool)");
+#endif
+}
+
+void test_errors() {
+  if (!selected("errors")) return;
+  Case c{2, 4, 2, 32, 16, true, false, false, Act::kSilu, 0, 0, false, "errors"};
+  Problem p = make_problem(DType::kF32, c, 3);
+  auto pe = PackedExperts::pack(weights_of(p), Isa::kGeneric, 1);
+  p.idx[3] = 4;  // == E
+  bool threw = false;
+  std::string msg;
+  try {
+    run(*pe, p, MoePath::kAuto, 1, nullptr);
+  } catch (const std::invalid_argument& e) {
+    threw = true;
+    msg = e.what();
+  }
+  report(threw && msg.find("topk_idx[1, 1] = 4") != std::string::npos, "idx >= E raises: " + msg);
+  // int64 indices give the same result as int32.
+  Problem q = make_problem(DType::kF32, c, 3);
+  std::vector<int64_t> idx64(q.idx.begin(), q.idx.end());
+  std::vector<float> o32(static_cast<size_t>(c.T * c.H)), o64(o32.size());
+  pe->forward(q.x.data(), c.T, q.idx.data(), 32, q.w.data(), c.K, o32.data(), q.params);
+  pe->forward(q.x.data(), c.T, idx64.data(), 64, q.w.data(), c.K, o64.data(), q.params);
+  report(o32 == o64, "int64 topk_idx == int32 topk_idx");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1) g_filter = argv[1];
+  const CpuFeatures& f = cpu_features();
+  std::vector<Isa> tiers;
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAmx}) {
+    if (isa_supported(f, isa)) tiers.push_back(isa);
+    else std::printf("skip tier %s: not supported on this machine\n", isa_name(isa));
+  }
+  std::printf("cpu: %s; tiers:", f.brand);
+  for (Isa isa : tiers) std::printf(" %s", isa_name(isa));
+  std::printf("\n");
+  uint32_t seed = 1;
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (const Case& c : kCases) test_case(dt, c, seed++, tiers);
+    std::vector<Isa> all = tiers;
+    all.insert(all.begin(), Isa::kGeneric);
+    test_unpack_roundtrip(dt, all);
+  }
+  std::vector<Isa> all = tiers;
+  all.insert(all.begin(), Isa::kGeneric);
+  test_threads_deterministic(all);
+  test_errors();
+  test_fork_child();
+  for (const auto& kv : g_worst) std::printf("worst %-48s %.3g\n", kv.first.c_str(), kv.second);
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
