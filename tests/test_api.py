@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, OlmoeConfig, OlmoeForCausalLM
 
 import hi_na_moe
 from hi_na_moe import reference
+from hi_na_moe.hardware import native_kernels_available
 from hi_na_moe.spec import ExpertsSpec, GateSpec
 
 
@@ -33,9 +34,12 @@ def test_report_str_and_json():
     report = hi_na_moe.enable_for_model(model)
     try:
         text = str(report)
-        assert "model.layers.0.mlp.experts" in text and "reference" in text
+        assert "model.layers.0.mlp.experts" in text
         d = report.to_dict()
-        assert d["summary"] == {"moe_blocks": 2, "accelerated": 0, "reference": 2, "native": 0}
+        on_kernels = 2 if native_kernels_available() else 0
+        assert d["summary"] == {"moe_blocks": 2, "accelerated": on_kernels, "reference": 2 - on_kernels, "native": 0}
+        if on_kernels:
+            assert "moe_decode_f32_" in text and d["blocks"][0]["status"] == "accelerated"
         assert d["blocks"][0]["experts"] == 8 and d["blocks"][0]["gate"] == "silu"
         assert '"model_class": "OlmoeForCausalLM"' in report.to_json()
     finally:
@@ -79,8 +83,8 @@ def test_not_a_module():
 
 
 def test_native_backend_refused_when_no_kernel_fits():
-    model = _olmoe()
-    with pytest.raises(ValueError, match="backend='native' but this block cannot run natively"):
+    model = _olmoe().double()  # no float64 kernels
+    with pytest.raises(ValueError, match="backend='native' but this block cannot run natively: .*float64"):
         hi_na_moe.enable_for_model(model, backend="native")
     assert not hi_na_moe.is_enabled(model)
 

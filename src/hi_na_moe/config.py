@@ -20,7 +20,7 @@ ENV_PREFIX = "HINA_MOE_"
 ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
 
 BACKENDS = ("auto", "native", "reference")
-ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx", "neon")
+ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
 
 
 class ConfigError(ValueError):
@@ -38,7 +38,7 @@ class HinaConfig:
             to enable a block that has no native kernel; "reference" always uses the pure-PyTorch
             reference path (the oracle the kernels are tested against).
         isa: kernel tier for native kernels: "auto" (the best this CPU and OS allow) or one of
-            "generic", "avx2", "avx512", "amx", "neon". Asking for a tier the CPU lacks is an error.
+            "generic", "avx2", "avx512", "amx". Asking for a tier the CPU lacks is an error.
         threads: threads for the native kernels; 0 means `torch.get_num_threads()`.
         strict: if true, `enable_for_model` raises when any MoE block found in the model would be
             left running natively (instead of reporting it and going on).
