@@ -125,13 +125,57 @@ def test_set_experts_implementation_round_trip():
 
 def test_training_mode_keeps_autograd_working():
     model = _olmoe().train()
-    hi_na_moe.enable_for_model(model)
+    hi_na_moe.enable_for_model(model, keep_weights=True)
     try:
         loss = model(IDS, labels=IDS).loss
         loss.backward()
         assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
     finally:
         hi_na_moe.disable_for_model(model)
+
+
+def test_training_with_released_weights_is_a_clear_error():
+    if not native_kernels_available():
+        pytest.skip("weights are only released for native kernels")
+    model = _olmoe().train()
+    hi_na_moe.enable_for_model(model)
+    try:
+        with pytest.raises(RuntimeError, match="keep_weights=True"):
+            model(IDS, labels=IDS).loss.backward()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_weights_released_while_enabled_and_restored_exactly(tmp_path):
+    if not native_kernels_available():
+        pytest.skip("weights are only released for native kernels")
+    model = _olmoe()
+    experts = model.model.layers[0].mlp.experts
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(IDS).logits
+    report = hi_na_moe.enable_for_model(model)
+    assert report.blocks[0].released_bytes == report.blocks[0].expert_bytes
+    # the model's own copy is gone: a zero-byte placeholder of the same shape and dtype
+    assert experts.gate_up_proj.shape == before["model.layers.0.mlp.experts.gate_up_proj"].shape
+    assert experts.gate_up_proj.untyped_storage().nbytes() <= 4
+    # ...but state_dict (hence save_pretrained) still sees the real weights
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(sd[k], v), k
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        got = model(IDS).logits
+    hi_na_moe.disable_for_model(model)
+    assert experts.gate_up_proj.untyped_storage().nbytes() == experts.gate_up_proj.numel() * 4
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 # --- a custom model the discovery cannot read by itself -------------------------------------
@@ -162,7 +206,7 @@ class MyBlock(nn.Module):
 
 def test_router_name_for_custom_model():
     torch.manual_seed(0)
-    model = nn.Sequential(MyBlock())
+    model = nn.Sequential(MyBlock()).eval()
     x = torch.randn(5, 16)
     assert hi_na_moe.inspect_model(model).blocks == []
     want = model(x)

@@ -36,6 +36,8 @@ class BlockMatch:
     reason: str | None = None  # why not, when spec is None
     # Builds the replacement forward for `module`, given the experts runner.
     make_forward: Callable[["BlockMatch", Runner], Callable] | None = None
+    # Builds the spec again from the module's current parameters (after their storage changed).
+    rebuild: Callable[[], ExpertsSpec | None] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,20 +359,20 @@ def discover(model: nn.Module, router_name: str | None = None) -> list[BlockMatc
         if id(m) in claimed:
             continue
         cls = type(m).__name__
-        if cls in BLOCK_ADAPTERS:
-            build, factory = BLOCK_ADAPTERS[cls]
-            spec, why = build(m)
-            matches.append(BlockMatch(name, m, f"block:{cls}", spec, why, factory if spec else None))
-            claimed.update(id(c) for c in m.modules())
-        elif cls in NATIVE_ONLY:
+        if cls in NATIVE_ONLY:
             matches.append(BlockMatch(name, m, f"block:{cls}", None, NATIVE_ONLY[cls]))
             claimed.update(id(c) for c in m.modules())
+            continue
+        if cls in BLOCK_ADAPTERS:
+            adapter, (build, factory) = f"block:{cls}", BLOCK_ADAPTERS[cls]
         elif _is_interface_experts(m):
-            spec, why = spec_from_interface(m)
-            matches.append(BlockMatch(name, m, "experts-interface", spec, why, _experts_forward_factory if spec else None))
-            claimed.update(id(c) for c in m.modules())
+            adapter, build, factory = "experts-interface", spec_from_interface, _experts_forward_factory
         elif _takes_top_k(m) or id(m) in extra:
-            spec, why = spec_from_structure(m)
-            matches.append(BlockMatch(name, m, "experts-structural", spec, why, _experts_forward_factory if spec else None))
-            claimed.update(id(c) for c in m.modules())
+            adapter, build, factory = "experts-structural", spec_from_structure, _experts_forward_factory
+        else:
+            continue
+        spec, why = build(m)
+        matches.append(BlockMatch(name, m, adapter, spec, why, factory if spec else None,
+                                  rebuild=lambda m=m, build=build: build(m)[0]))
+        claimed.update(id(c) for c in m.modules())
     return matches

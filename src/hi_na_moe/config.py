@@ -42,12 +42,17 @@ class HinaConfig:
         threads: threads for the native kernels; 0 means `torch.get_num_threads()`.
         strict: if true, `enable_for_model` raises when any MoE block found in the model would be
             left running natively (instead of reporting it and going on).
+        keep_weights: if true, the model's own expert tensors stay in memory beside the packed
+            copy the native kernels read (twice the expert memory; needed to run backward
+            through enabled blocks). By default they are released while enabled and rebuilt
+            bit-exactly by `disable_for_model`.
     """
 
     backend: str = "auto"
     isa: str = "auto"
     threads: int = 0
     strict: bool = False
+    keep_weights: bool = False
     # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
     # so that errors and reports can say it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -61,10 +66,11 @@ class HinaConfig:
                 f"config key 'threads' ({src('threads')}) has bad value {self.threads!r}: "
                 "expected a whole number >= 0 (0 means torch.get_num_threads())"
             )
-        if not isinstance(self.strict, bool):
-            raise ConfigError(
-                f"config key 'strict' ({src('strict')}) has bad value {self.strict!r}: expected true or false"
-            )
+        for key in ("strict", "keep_weights"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(
+                    f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected true or false"
+                )
         if self.isa not in ("auto", "generic"):
             _check_isa_available(self.isa, src("isa"))
 
@@ -73,7 +79,7 @@ class HinaConfig:
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
-_TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool}
+_TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:

@@ -3,6 +3,7 @@ and the native runner itself."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,15 +32,21 @@ def _isa_name(config: HinaConfig) -> str:
     return native.resolve_isa(config.isa)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_names(isa: str, dtype: torch.dtype) -> dict[str, str]:
+    """Kernel per path for experts of `dtype` at tier `isa`: a one-expert probe pack answers
+    exactly as a real block would."""
+    native, _ = native_module()
+    w = torch.zeros(1, 16, 16, dtype=dtype)
+    probe = native.PackedExperts(w, w, w, isa=isa)
+    return {path: probe.kernel_name(path) for path in ("decode", "prefill")}
+
+
 def kernel_plan(config: HinaConfig) -> dict[str, str]:
     """The kernel each path uses for bf16 experts under `config`, for the capabilities report."""
     if config.backend == "reference" or not native_kernels_available():
         return {"decode": "reference", "prefill": "reference"}
-    native, _ = native_module()
-    # a one-expert probe pack answers for the configured tier exactly as a real block would
-    w = torch.zeros(1, 16, 16, dtype=torch.bfloat16)
-    probe = native.PackedExperts(w, w, w, isa=_isa_name(config))
-    return {path: probe.kernel_name(path) for path in ("decode", "prefill")}
+    return dict(_kernel_names(_isa_name(config), torch.bfloat16))
 
 
 def native_unsupported_reason(spec: ExpertsSpec) -> str | None:
@@ -60,16 +67,22 @@ def native_unsupported_reason(spec: ExpertsSpec) -> str | None:
     return None
 
 
+_TENSOR_FIELDS = ("gate_up", "gate", "up", "down", "gate_up_bias", "down_bias")
+
+
 class NativeExperts:
-    """The experts of one block, packed once for the native kernels. Packing copies the weights
-    into the kernels' layout (the model's own tensors stay as they are)."""
+    """The experts of one block, packed once for the native kernels.
+
+    Packing copies the weights into the kernels' layout. `release` then frees the model's own
+    copy (its parameters keep their shape and dtype, backed by a zero-byte placeholder) so that
+    enabling does not double resident memory; `restore` rebuilds them bit-exactly from the packed
+    copy (packing is lossless). While released, `state_dict()` of the block still returns the
+    real weights (a state-dict hook unpacks them), so saving a model is never corrupted.
+    """
 
     def __init__(self, spec: ExpertsSpec, isa: str, threads: int):
-        native, _ = native_module()
-        gate, up, down = spec.canonical()
-        gb, ub, db = spec.canonical_biases()
-        c = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
-        self.packed = native.PackedExperts(c(gate), c(up), c(down), c(gb), c(ub), c(db), isa=isa)
+        self.isa = isa
+        self.packed = None  # packed by pack(), at patch time, one block at a time
         self.threads = threads
         self.spec = spec
         g = spec.gate_spec
@@ -77,6 +90,97 @@ class NativeExperts:
                            post_act_limit=g.post_act_limit, up_offset=g.up_offset,
                            weight_on_input=spec.weight_on_input)
         self.last_kernel: str | None = None
+        self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
+        self._hook = None
+
+    def pack(self) -> None:
+        native, _ = native_module()
+        gate, up, down = self.spec.canonical()
+        gb, ub, db = self.spec.canonical_biases()
+        c = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
+        self.packed = native.PackedExperts(c(gate), c(up), c(down), c(gb), c(ub), c(db), isa=self.isa)
+
+    # --- memory: hand the model's own expert storage back to the OS while packed ------------
+    @staticmethod
+    def _owned_params(module: torch.nn.Module, spec: ExpertsSpec):
+        """Parameters of `module` that a spec tensor covers completely (a full view of them).
+        A parameter only partly used by the spec (LongCat's zero-expert rows) is kept."""
+        full = {(t.untyped_storage().data_ptr(), t.data_ptr(), t.numel()) for t in spec.weight_tensors()}
+        for mod in module.modules():
+            for name, p in mod.named_parameters(recurse=False):
+                if (p.untyped_storage().data_ptr(), p.data_ptr(), p.numel()) in full:
+                    yield mod, name, p
+
+    def _unpacked(self):
+        return [None if a is None else torch.from_dlpack(a) for a in self.packed.unpack()]
+
+    def _copy_into(self, spec: ExpertsSpec, arrays) -> None:
+        gate, up, down = spec.canonical()
+        gb, ub, db = spec.canonical_biases()
+        with torch.no_grad():
+            for dst, src in zip((gate, up, down, gb, ub, db), arrays):
+                if dst is not None and src is not None:
+                    dst.copy_(src.view(dst.shape))
+
+    def release(self, module: torch.nn.Module, rebuild: Callable[[], ExpertsSpec]) -> int:
+        """Free the model's own copy of the weights the packed copy holds; returns bytes freed."""
+        freed = 0
+        for mod, name, p in list(self._owned_params(module, self.spec)):
+            self._released.append((mod, name, p.shape, p.stride()))
+            freed += p.numel() * p.element_size()
+            p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
+        if not self._released:
+            return 0
+        # the spec's views still point at the old storage: repoint them at the placeholders
+        fresh = rebuild()
+        for f in _TENSOR_FIELDS:
+            setattr(self.spec, f, getattr(fresh, f))
+        self.spec.cache["released"] = True
+
+        def fill_state_dict(mod, state_dict, prefix, local_metadata):
+            # unpack into real tensors in the model's own layout: swap them in for the
+            # placeholders just long enough to copy through the spec's views
+            real = self._swap_in_real()
+            try:
+                self._copy_into(rebuild(), self._unpacked())
+            finally:
+                for (m2, n2), (placeholder, _) in real.items():
+                    getattr(m2, n2).data = placeholder
+            names = {(id(sub), pn): (sub_name + "." if sub_name else "") + pn
+                     for sub_name, sub in module.named_modules() for pn, _ in sub.named_parameters(recurse=False)}
+            for (m2, n2), (_, tensor) in real.items():
+                key = prefix + names[(id(m2), n2)]
+                if key in state_dict:
+                    state_dict[key] = tensor
+
+        self._hook = module.register_state_dict_post_hook(fill_state_dict)
+        return freed
+
+    def _swap_in_real(self) -> dict:
+        """Give each released parameter fresh real storage; returns {(module, name): (old data, new)}."""
+        swapped = {}
+        for mod, name, shape, stride in self._released:
+            p = getattr(mod, name)
+            new = torch.empty_strided(shape, stride, dtype=p.dtype)
+            swapped[(mod, name)] = (p.data, new)
+            p.data = new
+        return swapped
+
+    def restore(self, rebuild: Callable[[], ExpertsSpec]) -> None:
+        """Give the model its own weights back, bit-identical to before `release`."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if not self._released:
+            return
+        self._swap_in_real()
+        fresh = rebuild()
+        self._copy_into(fresh, self._unpacked())
+        for f in _TENSOR_FIELDS:
+            setattr(self.spec, f, getattr(fresh, f))
+        self.spec.cache.pop("released", None)
+        self._released = []
+        self.packed = None  # this runner is done; free its copy before the next block unpacks
 
     def __call__(self, spec: ExpertsSpec, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         T, H = hidden.shape
@@ -108,9 +212,9 @@ def choose(spec: ExpertsSpec, config: HinaConfig) -> Choice:
         return Choice(reference.experts_forward, "reference", "backend='reference' requested")
     why_not = native_unsupported_reason(spec)
     if why_not is None:
-        runner = NativeExperts(spec, _isa_name(config), config.threads)
-        kernel = f"{runner.packed.kernel_name('decode')}|{runner.packed.kernel_name('prefill')}"
-        return Choice(runner, kernel)
+        isa = _isa_name(config)
+        names = _kernel_names(isa, spec.weight_dtype)
+        return Choice(NativeExperts(spec, isa, config.threads), f"{names['decode']}|{names['prefill']}")
     if config.backend == "native":
         raise ValueError(f"backend='native' but this block cannot run natively: {why_not}")
     return Choice(reference.experts_forward, "reference", why_not)

@@ -25,7 +25,7 @@ _LOCK = threading.RLock()
 # patched module -> what enable changed on it
 _PATCHED: "weakref.WeakKeyDictionary[nn.Module, _PatchState]" = weakref.WeakKeyDictionary()
 # root passed to enable_for_model -> the modules it patched and its report
-_ROOTS: "weakref.WeakKeyDictionary[nn.Module, tuple[list[nn.Module], EnableReport]]" = weakref.WeakKeyDictionary()
+_ROOTS: "weakref.WeakKeyDictionary[nn.Module, tuple[list, EnableReport]]" = weakref.WeakKeyDictionary()
 _MISSING = object()
 
 
@@ -51,6 +51,8 @@ class BlockReport:
     intermediate: int | None = None
     gate: str | None = None
     expert_bytes: int | None = None
+    packed_bytes: int | None = None  # the native kernels' packed copy
+    released_bytes: int | None = None  # the model's own copy freed while enabled
 
 
 @dataclass
@@ -122,13 +124,24 @@ def _block_report(match: adapters.BlockMatch, status: str, choice: ops.Choice | 
     return rep
 
 
-def _guarded(run: ops.Runner) -> ops.Runner:
-    """Native kernels do not do autograd: when gradients are wanted, use the reference."""
+def _guarded(run: ops.Runner, module: nn.Module) -> ops.Runner:
+    """Native kernels do not do autograd. A module in training mode with autograd recording runs
+    the reference path instead (gradients flow as natively); in eval mode the kernels run and the
+    experts' output carries no autograd history, as with any inference kernel."""
     if run is reference.experts_forward:
         return run
+    ref = weakref.ref(module)
 
     def guarded(spec, hidden, idx, w):
-        if torch.is_grad_enabled() and (hidden.requires_grad or any(t.requires_grad for t in spec.weight_tensors())):
+        m = ref()
+        if m is not None and m.training and torch.is_grad_enabled() and (
+                hidden.requires_grad or any(t.requires_grad for t in spec.weight_tensors())):
+            if spec.cache.get("released"):
+                raise RuntimeError(
+                    "hi_na_moe: gradients are requested through an MoE block whose expert weights are packed for "
+                    "the native kernels and released from the model; enable with keep_weights=True to train "
+                    "(keeps both copies), or call hi_na_moe.disable_for_model(model) first"
+                )
             return reference.experts_forward(spec, hidden, idx, w)
         return run(spec, hidden, idx, w)
 
@@ -142,6 +155,35 @@ def _make_repr(match: adapters.BlockMatch, kernel: str, original: Any):
         return f"{base}, {tag}" if base else tag
 
     return extra_repr
+
+
+def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig) -> BlockReport:
+    m = match.module
+    block = _block_report(match, "accelerated", choice)
+    if isinstance(choice.runner, ops.NativeExperts):
+        choice.runner.pack()
+        block.packed_bytes = choice.runner.packed.nbytes
+    state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
+    new_forward = match.make_forward(match, _guarded(choice.runner, m))
+    m.forward = types.MethodType(new_forward, m)
+    m.extra_repr = types.MethodType(_make_repr(match, choice.kernel, m.extra_repr), m)
+    _PATCHED[m] = state
+    if isinstance(choice.runner, ops.NativeExperts) and not cfg.keep_weights:
+        # released right after packing: peak memory grows by one block, not by the model
+        block.released_bytes = choice.runner.release(m, match.rebuild)
+    return block
+
+
+def _unpatch(patched: list) -> None:
+    for m, match, choice in patched:
+        if isinstance(choice.runner, ops.NativeExperts):
+            choice.runner.restore(match.rebuild)
+        state = _PATCHED.pop(m)
+        for attr, old in (("forward", state.forward), ("extra_repr", state.extra_repr)):
+            if old is _MISSING:
+                m.__dict__.pop(attr, None)
+            else:
+                setattr(m, attr, old)
 
 
 def inspect_model(
@@ -198,16 +240,14 @@ def enable_for_model(
         if cfg.strict and report.native:
             names = ", ".join(f"{b.name} ({b.reason})" for b in report.native)
             raise RuntimeError(f"strict=True and some MoE blocks cannot be accelerated: {names}")
-        patched = []
-        for match, choice in plans:
-            m = match.module
-            state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
-            new_forward = match.make_forward(match, _guarded(choice.runner))
-            m.forward = types.MethodType(new_forward, m)
-            m.extra_repr = types.MethodType(_make_repr(match, choice.kernel, m.extra_repr), m)
-            _PATCHED[m] = state
-            patched.append(m)
-            report.blocks.append(_block_report(match, "accelerated", choice))
+        patched: list = []
+        try:
+            for match, choice in plans:
+                report.blocks.append(_patch_block(match, choice, cfg))
+                patched.append((match.module, match, choice))
+        except BaseException:
+            _unpatch(patched)  # leave the model exactly as it was
+            raise
         # keep the module order of discovery in the report
         order = {match.name: i for i, match in enumerate(matches)}
         report.blocks.sort(key=lambda b: order[b.name])
@@ -225,13 +265,7 @@ def disable_for_model(model: nn.Module) -> EnableReport:
                 "same module that was passed to enable_for_model)"
             )
         patched, report = _ROOTS.pop(model)
-        for m in patched:
-            state = _PATCHED.pop(m)
-            for attr, old in (("forward", state.forward), ("extra_repr", state.extra_repr)):
-                if old is _MISSING:
-                    m.__dict__.pop(attr, None)
-                else:
-                    setattr(m, attr, old)
+        _unpatch(patched)
     return report
 
 
@@ -258,11 +292,14 @@ def interface_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k
         spec, why = adapters.spec_from_interface(self)
         if spec is None:
             raise RuntimeError(f"hi_na_moe cannot run {type(self).__name__}: {why}")
-        cached = (key, ops.choose(spec, load_config()), spec)
+        choice = ops.choose(spec, load_config())
+        if isinstance(choice.runner, ops.NativeExperts):
+            choice.runner.pack()  # the model keeps its own weights here (no release on this path)
+        cached = (key, choice, spec)
         _SPECS[self] = cached
     _, choice, spec = cached
     shape = hidden_states.shape
-    out = _guarded(choice.runner)(spec, hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
+    out = _guarded(choice.runner, self)(spec, hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
     return out.reshape(shape)
 
 
