@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_moe_layer import build_layers, make_inputs  # noqa: E402
+from hi_na_moe.workload import build_layers, make_inputs
 
 
 def rss_gb() -> tuple[float, float]:

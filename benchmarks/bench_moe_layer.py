@@ -26,71 +26,7 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    # name: (config class, kwargs) — shapes from the public model configs
-    "olmoe": ("OlmoeConfig", dict(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8)),
-    "qwen3": ("Qwen3MoeConfig", dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)),
-    "mixtral": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2)),
-}
-
-
-def build_layers(shape: str, n_layers: int, dtype: torch.dtype):
-    import transformers
-
-    cls_name, kw = SHAPES[shape]
-    cfg = getattr(transformers, cls_name)(num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=16,
-                                           vocab_size=1024, **kw)
-    model_mod = {"OlmoeConfig": "olmoe", "Qwen3MoeConfig": "qwen3_moe", "MixtralConfig": "mixtral"}[cls_name]
-    modeling = __import__(f"transformers.models.{model_mod}.modeling_{model_mod}", fromlist=["x"])
-    experts_cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("Experts"))
-    layers = torch.nn.ModuleList()
-    g = torch.Generator().manual_seed(0)
-    for _ in range(n_layers):
-        with torch.device("meta"):
-            ex = experts_cls(cfg)
-        ex = ex.to_empty(device="cpu").to(dtype)
-        with torch.no_grad():
-            for p in ex.parameters():
-                p.copy_((torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02).to(dtype))
-        layers.append(ex.eval())
-    return cfg, layers
-
-
-def set_impl(layers, name: str) -> None:
-    for ex in layers:
-        ex.config._experts_implementation_internal = name
-
-
-def active_bytes(layer, T: int, K: int, idx: torch.Tensor) -> int:
-    """Bytes of expert weights one call must read: every distinct expert hit, once."""
-    per_expert = sum(p[0].numel() * p.element_size() for p in layer.parameters() if p.dim() == 3)
-    return int(torch.unique(idx).numel()) * per_expert
-
-
-def make_inputs(cfg, T: int, dtype, seed: int):
-    E = getattr(cfg, "num_experts", None) or cfg.num_local_experts
-    K = cfg.num_experts_per_tok
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.softmax(torch.randn(T, K, generator=g), -1).to(dtype)
-    return x, idx, w
-
-
-def time_arm(layers, cfg, T, dtype, iters, warmup, seed0):
-    samples, nbytes = [], []
-    with torch.inference_mode():
-        for i in range(warmup + iters):
-            layer = layers[i % len(layers)]
-            x, idx, w = make_inputs(cfg, T, dtype, seed0 + i)
-            t0 = time.perf_counter()
-            layer(x, idx, w)
-            dt = time.perf_counter() - t0
-            if i >= warmup:
-                samples.append(dt)
-                nbytes.append(active_bytes(layer, T, idx.shape[1], idx))
-    return samples, nbytes
-
+from hi_na_moe.workload import SHAPES, active_bytes, build_layers, make_inputs, set_impl, time_arm  # noqa: F401
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
