@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "hina_moe/bandwidth.h"
 #include "hina_moe/cpu_features.h"
 #include "hina_moe/moe.h"
 
@@ -368,6 +369,25 @@ NB_MODULE(_native, m) {
                ", nbytes=" + std::to_string(q.nbytes()) + ")";
       });
 
+  m.def("measure_read_bandwidth",
+        [](size_t bytes, int threads, int passes) {
+          hina::BandwidthResult r;
+          if (threads <= 0) threads = hina::default_num_threads();
+          {
+            nb::gil_scoped_release release;
+            r = hina::measure_read_bandwidth(bytes, threads, passes);
+          }
+          nb::dict d;
+          d["best_gbs"] = r.best_gbs;
+          d["median_gbs"] = r.median_gbs;
+          d["bytes"] = r.bytes;
+          d["threads"] = r.threads;
+          d["passes"] = r.passes;
+          return d;
+        },
+        nb::arg("bytes") = size_t(1) << 30, nb::arg("threads") = 0, nb::arg("passes") = 5,
+        "Memory read bandwidth of this machine (GB/s) over a buffer of `bytes` (make it far larger "
+        "than the last-level cache); threads=0 means default_num_threads().");
   m.attr("__build__") = std::string("compiler=") +
 #if defined(__clang__)
       "clang " __clang_version__;
