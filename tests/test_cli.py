@@ -1,0 +1,51 @@
+"""The command line: demo end to end (reduced), check in both output modes, user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hi_na_moe.cli import main, shipped_model_dir
+
+
+def test_demo_runs_end_to_end_in_reduced_mode(capsys):
+    # part 1 on the shipped model, part 2 on one real-size OLMoE layer; exit 0 = outputs agree
+    assert main(["demo", "--quick", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "all outputs identical" in out
+    assert "machine read bandwidth" in out and "| hi_na_moe | decode T=1 |" in out
+
+
+def test_shipped_model_is_found():
+    assert shipped_model_dir() is not None
+
+
+def test_check_text_and_json(capsys):
+    assert main(["check", "--model", str(shipped_model_dir())]) == 0
+    text = capsys.readouterr().out
+    assert "best kernel tier" in text and "model.layers.0.mlp.experts" in text
+    assert main(["check", "--model", str(shipped_model_dir()), "--output", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["summary"]["moe_blocks"] == 4
+    assert "cpu" in data["capabilities"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["check", "--model", "/no/such/dir"], "does not exist"),
+    (["demo", "--model", "/"], "has no config.json"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "hi_na_moe", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_config_error_from_env_is_exit_2():
+    import os
+
+    env = dict(os.environ, HINA_MOE_BACKEND="fast")
+    proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "check"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "HINA_MOE_BACKEND" in proc.stderr and "Traceback" not in proc.stderr
