@@ -358,3 +358,12 @@ def test_bad_constructor_inputs_raise_value_error_naming_the_argument():
     for arg, call in cases:
         with pytest.raises(ValueError, match=arg):
             call()
+
+
+def test_k_zero_gives_zero_output():
+    # K = 0 (no expert slot at all): an empty [T, 0] routing is valid and contributes nothing
+    w = torch.randn(2, 8, 16)
+    p = _native.PackedExperts(w, w, torch.randn(2, 16, 8))
+    out = torch.full((3, 16), 7.0)
+    p.forward(torch.randn(3, 16), torch.zeros(3, 0, dtype=torch.int32), torch.zeros(3, 0), out)
+    assert torch.equal(out, torch.zeros(3, 16))

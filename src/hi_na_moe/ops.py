@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from . import reference, torch_ops
 from .config import HinaConfig
 from .hardware import native_kernels_available, native_module
 from .spec import ExpertsSpec
@@ -89,7 +89,7 @@ class NativeExperts:
         self.kwargs = dict(act=g.act, alpha=g.alpha, gate_limit=g.gate_limit, up_limit=g.up_limit,
                            post_act_limit=g.post_act_limit, up_offset=g.up_offset,
                            weight_on_input=spec.weight_on_input)
-        self.last_kernel: str | None = None
+        self.handle: int | None = None
         self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
         self._hook = None
 
@@ -99,6 +99,8 @@ class NativeExperts:
         gb, ub, db = self.spec.canonical_biases()
         c = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
         self.packed = native.PackedExperts(c(gate), c(up), c(down), c(gb), c(ub), c(db), isa=self.isa)
+        # the custom op (torch.ops.hi_na_moe.experts) takes a handle, not the C++ object
+        self.handle = torch_ops.register(self.packed, owner=self)
 
     # --- memory: hand the model's own expert storage back to the OS while packed ------------
     @staticmethod
@@ -180,26 +182,28 @@ class NativeExperts:
             setattr(self.spec, f, getattr(fresh, f))
         self.spec.cache.pop("released", None)
         self._released = []
+        torch_ops.release(self.handle)
         self.packed = None  # this runner is done; free its copy before the next block unpacks
 
+    @property
+    def last_kernel(self) -> str | None:
+        """The kernel the last call ran (decode or prefill), for reports."""
+        return torch_ops.last_kernel(self.handle) if self.handle is not None else None
+
     def __call__(self, spec: ExpertsSpec, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        T, H = hidden.shape
+        # detached: the kernels have no backward (training runs the reference path, see patching)
         dtype = spec.weight_dtype
-        x = hidden.detach().to(dtype).contiguous()
+        x = hidden.detach().to(dtype)
         idx = idx.detach()
-        if idx.dtype not in (torch.int32, torch.int64):
-            idx = idx.long()
-        idx = idx.contiguous()
-        wf = w.detach().to(torch.float32).contiguous()
+        wf = w.detach()
         identity = None
         if spec.n_identity:
             is_id = idx >= spec.num_experts
             if bool(is_id.any()):
-                identity = (wf * is_id).sum(-1, keepdim=True) * hidden.detach().float()
+                identity = (wf.float() * is_id).sum(-1, keepdim=True) * hidden.detach().float()
                 idx = torch.where(is_id, torch.full_like(idx, -1), idx)
-        out = torch.empty(T, H, dtype=dtype)
         threads = self.threads or torch.get_num_threads()
-        self.last_kernel = self.packed.forward(x, idx, wf, out, num_threads=threads, **self.kwargs)
+        out = torch_ops.experts_op(self.handle, x, idx, wf, num_threads=threads, **self.kwargs)
         if identity is not None:
             out = (out.float() + identity).to(dtype)
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)

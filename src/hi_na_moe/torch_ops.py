@@ -1,0 +1,236 @@
+"""The native experts op as a ``torch.library`` custom op: ``torch.ops.hi_na_moe.experts``.
+
+Why: a plain call into the nanobind extension is opaque to ``torch.compile`` (Dynamo cannot
+trace it and breaks the graph) and has no fake (meta) implementation. As a custom op it is one
+node in a traced graph, runs under ``torch.inference_mode()``, and has a shape function.
+
+The packed weights are a C++ object (``_native.PackedExperts``), not a tensor, so they cannot be
+an op argument. They live in a process-wide registry and the op takes an integer handle:
+
+    handle = register(packed)            # strong reference, until release(handle)
+    handle = register(packed, owner=obj) # ... or until `obj` is garbage-collected
+    y = experts_op(handle, x, topk_idx, topk_w, act="silu", ..., num_threads=0)
+    release(handle)
+
+Handles are never reused (a monotonic counter), so a stale handle raises instead of silently
+running another block's experts.
+
+Schema (the float arguments are C++ doubles in the schema; ``math.inf`` passes through
+unchanged and is narrowed to fp32 ``inf`` by the binding, so limits need no special encoding):
+
+    hi_na_moe::experts(Tensor x, Tensor topk_idx, Tensor topk_w, SymInt handle, str act,
+        float alpha, float gate_limit, float up_limit, float post_act_limit, float up_offset,
+        bool weight_on_input, SymInt num_threads) -> Tensor
+
+(custom_op infers Python ``int`` as ``SymInt``, a superset of ``int``: if Dynamo makes the
+handle dynamic, e.g. one compiled MoE forward shared by every layer, it still traces.)
+
+Semantics are those of ``PackedExperts.forward`` (csrc/include/hina_moe/moe.h) with
+``path="auto"`` and the default prefill threshold; ``out`` ([T, H], x's dtype) is allocated
+inside. Inputs must already be what the binding accepts (x: [T, H] C-contiguous in the experts'
+dtype; topk_idx: [T, K] int32/int64; topk_w: [T, K] float32); the binding raises ValueError
+naming the argument otherwise. ``experts_op`` does the cheap normalisation (contiguity, index
+and weight dtypes) before calling the op.
+
+Cost: the dispatcher round trip of a Python custom op is ~10-12 us per call under
+inference_mode and ~17-21 us under no_grad on the development machine (2-core Xeon, noisy;
+a kernel-free stub; see
+``python tests/test_torch_ops.py``), a lot at decode. So ``experts_op`` calls the kernel
+directly (bit-identical) unless something can observe the op: torch.compile / export tracing,
+a tensor subclass or an active dispatch / function mode (make_fx, FakeTensorMode, ...), or
+grad-requiring inputs. Compiled graphs always call the op.
+
+Autograd: the kernels have no backward. The op's backward raises a RuntimeError naming
+hi_na_moe and pointing at the reference path (the Python caller routes grad-requiring calls to
+the reference path already; this is a second line of defence). Forward with grad-requiring
+inputs is allowed, so an eval-mode forward under grad mode still works.
+
+This module does not import the native extension: it only ever receives PackedExperts objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["register", "release", "get", "last_kernel", "registered_handles", "experts", "experts_op"]
+
+_LOCK = threading.Lock()
+_COUNTER = itertools.count(1)
+_PACKED: dict[int, Any] = {}  # handle -> PackedExperts
+_LAST_KERNEL: dict[int, str] = {}  # handle -> name of the kernel its last call ran
+
+
+def register(packed: Any, owner: object | None = None) -> int:
+    """Register packed experts; returns the handle the op takes.
+
+    The registry holds a strong reference until ``release(handle)``. With ``owner`` (any
+    weak-referenceable object, e.g. the ``NativeExperts`` that owns ``packed``), the handle is
+    also released when ``owner`` is garbage-collected."""
+    if not callable(getattr(packed, "forward", None)):
+        raise TypeError(f"hi_na_moe: register() expects a _native.PackedExperts, got {type(packed).__name__}")
+    with _LOCK:
+        handle = next(_COUNTER)
+        _PACKED[handle] = packed
+    if owner is not None:
+        weakref.finalize(owner, release, handle)
+    return handle
+
+
+def release(handle: int) -> bool:
+    """Drop the registry's reference. Returns whether the handle was registered (idempotent)."""
+    with _LOCK:
+        _LAST_KERNEL.pop(handle, None)
+        return _PACKED.pop(handle, None) is not None
+
+
+def get(handle: int) -> Any:
+    """The PackedExperts registered under ``handle``; ValueError if none (never registered or
+    released)."""
+    try:
+        return _PACKED[handle]
+    except KeyError:
+        raise ValueError(
+            f"hi_na_moe: no packed experts registered under handle {handle} "
+            "(released, or never registered with hi_na_moe.torch_ops.register)"
+        ) from None
+
+
+def last_kernel(handle: int) -> str | None:
+    """Name of the native kernel the last eager (or compiled-graph) call on ``handle`` ran."""
+    return _LAST_KERNEL.get(handle)
+
+
+def registered_handles() -> list[int]:
+    return list(_PACKED)
+
+
+def _run(x, topk_idx, topk_w, handle, act, alpha, gate_limit, up_limit, post_act_limit, up_offset,
+         weight_on_input, num_threads) -> torch.Tensor:
+    """The op's CPU kernel: look the experts up, allocate out, run the native forward."""
+    packed = _PACKED.get(handle)
+    if packed is None:
+        get(handle)  # raises the ValueError
+    # empty_like: ~1.5 us here vs ~4-6 us for torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _LAST_KERNEL[handle] = packed.forward(
+        x, topk_idx, topk_w, out, act, alpha, gate_limit, up_limit, post_act_limit, up_offset,
+        weight_on_input, num_threads,
+    )
+    return out
+
+
+@torch.library.custom_op("hi_na_moe::experts", mutates_args=(), device_types="cpu")
+def experts(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    handle: int,
+    act: str,
+    alpha: float,
+    gate_limit: float,
+    up_limit: float,
+    post_act_limit: float,
+    up_offset: float,
+    weight_on_input: bool,
+    num_threads: int,
+) -> torch.Tensor:
+    """out[T, H] = sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) with the packed experts
+    registered under ``handle`` (see the module docstring)."""
+    return _run(x, topk_idx, topk_w, handle, act, alpha, gate_limit, up_limit, post_act_limit,
+                up_offset, weight_on_input, num_threads)
+
+
+@experts.register_fake
+def _experts_fake(x, topk_idx, topk_w, handle, act, alpha, gate_limit, up_limit, post_act_limit,
+                  up_offset, weight_on_input, num_threads):
+    return x.new_empty(x.shape)
+
+
+_NO_BACKWARD = (
+    "hi_na_moe::experts (the native CPU MoE kernels) is inference-only and has no backward. "
+    "Gradients come from hi_na_moe's pure-PyTorch reference path, which a patched MoE block uses "
+    "when it is in training mode (model.train()) with grad enabled, and always with "
+    "HinaConfig(backend='reference'). Reaching this backward means a grad-requiring call "
+    "bypassed that routing (e.g. the op called directly)."
+)
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+def _backward(ctx, grad):
+    raise RuntimeError(_NO_BACKWARD)
+
+
+experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+_len_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+
+
+def _can_bypass_dispatcher(x: torch.Tensor, topk_w: torch.Tensor) -> bool:
+    """Plain eager call: nothing observes the op (no Dynamo/export tracing, no tensor subclass,
+    no dispatch/function mode such as make_fx, FakeTensorMode or FlopCounterMode) and no
+    gradient is wanted, so calling the kernel directly is indistinguishable from the op."""
+    return (
+        type(x) is torch.Tensor
+        and type(topk_w) is torch.Tensor
+        and not _len_dispatch_modes()
+        and not _function_mode_on()
+        and not (torch.is_grad_enabled() and (x.requires_grad or topk_w.requires_grad))
+    )
+
+
+def experts_op(
+    handle: int,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    *,
+    act: str = "silu",
+    alpha: float = 1.702,
+    gate_limit: float = math.inf,
+    up_limit: float = math.inf,
+    post_act_limit: float = math.inf,
+    up_offset: float = 0.0,
+    weight_on_input: bool = False,
+    num_threads: int = 0,
+    dispatch: bool | None = None,
+) -> torch.Tensor:
+    """Run the experts registered under ``handle`` on ``x`` [T, H] (already in the experts'
+    dtype; ValueError from the binding otherwise) with the routing ``topk_idx``/``topk_w``
+    [T, K]. Normalises like ``NativeExperts``: indices int32/int64 (others become int64),
+    weights float32, all three contiguous (no-ops when they already are).
+
+    The keyword arguments are ``GateSpec``'s fields plus ``weight_on_input`` and
+    ``num_threads``, so ``experts_op(h, x, idx, w, num_threads=n, **native.kwargs)`` works.
+
+    ``dispatch``: None (default) goes through ``torch.ops.hi_na_moe.experts`` only when
+    something can observe it (torch.compile / export tracing, a tensor subclass or dispatch /
+    function mode, or grad-requiring inputs, so the op's no-backward error applies) and
+    otherwise calls the same kernel directly, saving the dispatcher's ~10-20 us per call (see
+    tests/test_torch_ops.py); the result is bit-identical either way. True / False force it (False also skips the
+    no-backward guard: the output then simply carries no autograd history).
+    Under torch.compile(fullgraph=True) this traces to a single op node."""
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        topk_idx = topk_idx.long()
+    if topk_w.dtype is not torch.float32:  # (a no-op .to() still costs ~1.8 us)
+        topk_w = topk_w.float()
+    x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
+    args = (x, topk_idx, topk_w, handle, act, float(alpha), float(gate_limit), float(up_limit),
+            float(post_act_limit), float(up_offset), bool(weight_on_input), int(num_threads))
+    if torch.compiler.is_compiling():
+        return torch.ops.hi_na_moe.experts.default(*args)
+    if dispatch is None:
+        dispatch = not _can_bypass_dispatcher(x, topk_w)
+    if dispatch:
+        return torch.ops.hi_na_moe.experts.default(*args)
+    return _run(*args)
