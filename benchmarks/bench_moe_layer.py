@@ -39,6 +39,8 @@ def main() -> int:
                     help="comma list of: eager, grouped_mm, reference, native, native-<isa>")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write raw samples here")
+    ap.add_argument("--compete", action="store_true",
+                    help="run a busy-looping process (one core) during the timings: a shared machine")
     args = ap.parse_args()
 
     import hi_na_moe
@@ -59,6 +61,10 @@ def main() -> int:
         ref_out = layers[0](x, idx, w).float()
     hi_na_moe.disable_for_model(layers)
 
+    competitor = None
+    if args.compete:
+        competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        print("# a competing busy process runs during the timings")
     results = []
     for arm in arms:
         enabled = False
@@ -91,6 +97,8 @@ def main() -> int:
             hi_na_moe.disable_for_model(layers)
         set_impl(layers, "grouped_mm")
 
+    if competitor is not None:
+        competitor.kill()
     base = {r["case"]: r["median_ms"] for r in results if r["arm"] == "eager"}
     print("\n| provider | case | median ms | p90 ms | achieved GB/s | vs eager | rel err vs ref |")
     print("|---|---|---|---|---|---|---|")

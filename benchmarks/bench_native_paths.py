@@ -41,17 +41,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512")
+    ap.add_argument("--isa", default="auto", help="kernel tier to pack for (auto, avx2, avx512, amx, generic)")
+    ap.add_argument("--skip-oversubscription", action="store_true")
     args = ap.parse_args()
 
     from hi_na_moe import _native
 
     torch.set_num_threads(args.threads)
     cfg, layers = build_layers("olmoe", args.layers, torch.bfloat16)
-    packs = pack_all(layers, "auto")
+    packs = pack_all(layers, args.isa)
     del layers  # the packed copies are all the benchmark needs
     E, K, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
     print(f"# OLMoE experts layer bf16, {args.layers} packed copies ({packs[0].nbytes / 1e6:.0f} MB each), "
-          f"{args.threads} threads, default prefill threshold {_native.DEFAULT_PREFILL_THRESHOLD} rows/expert")
+          f"{args.threads} threads, tier {packs[0].isa}, prefill path from T >= {_native.DEFAULT_PREFILL_MIN_TOKENS}")
 
     print("\n| T | rows per active expert | decode path ms | prefill path ms | prefill/decode | kernels |")
     print("|---|---|---|---|---|---|")
@@ -78,6 +80,8 @@ def main() -> int:
         print(f"| {T} | {statistics.median(rows):.1f} | {d * 1e3:.2f} | {pf * 1e3:.2f} | {pf / d:.2f} | "
               f"{names['decode']}, {names['prefill']} |")
 
+    if args.skip_oversubscription:
+        return 0
     # oversubscription: decode alone vs right after torch's OpenMP pool worked
     a = torch.randn(1024, 1024)
     alone, after = [], []

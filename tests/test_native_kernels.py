@@ -197,7 +197,7 @@ def test_auto_path_switches_on_rows_per_expert(tier):
     assert "_prefill_" in pe.forward(p["x"], p["idx"], p["w"], out)
     assert "_decode_" in pe.forward(p["x"][:1], p["idx"][:1], p["w"][:1], out[:1])
     # threshold is a parameter: a huge one keeps the decode path
-    assert "_decode_" in pe.forward(p["x"], p["idx"], p["w"], out, prefill_threshold=1e9)
+    assert "_decode_" in pe.forward(p["x"], p["idx"], p["w"], out, prefill_min_tokens=10**9)
     if tier == _native.resolve_isa():
         assert pe.kernel_name("decode") == _native.kernel_table()["decode"]["bfloat16"]
         assert pe.kernel_name("prefill") == _native.kernel_table()["prefill"]["bfloat16"]
@@ -261,7 +261,7 @@ def test_kernel_table_names_every_path_and_dtype():
     kt = _native.kernel_table()
     assert set(kt) == {"decode", "prefill"}
     assert _native.resolve_isa() in ALL_TIERS
-    assert _native.DEFAULT_PREFILL_THRESHOLD > 0
+    assert _native.DEFAULT_PREFILL_MIN_TOKENS > 0
     for path in ("decode", "prefill"):
         assert set(kt[path]) == set(DTYPES)
         for name in kt[path].values():

@@ -196,7 +196,7 @@ class PyPackedExperts {
                       const std::string& act, float alpha, float gate_limit, float up_limit,
                       float post_act_limit, float up_offset, bool weight_on_input,
                       int num_threads, const std::string& path,
-                      std::optional<float> prefill_threshold) const {
+                      std::optional<int> prefill_min_tokens) const {
     const hina::PackedExperts& pe = *pe_;
     const nb::dlpack::dtype wdt = nb_dtype(pe.dtype());
     if (x.ndim() != 2) bad("x must have shape [T, H], got " + shape_str(shape_of(x)));
@@ -230,9 +230,9 @@ class PyPackedExperts {
     else if (path == "decode") p.path = hina::MoePath::kDecode;
     else if (path == "prefill") p.path = hina::MoePath::kPrefill;
     else bad("path '" + path + "' is unknown; expected auto, decode or prefill");
-    if (prefill_threshold) {
-      if (!(*prefill_threshold > 0.0f)) bad("prefill_threshold must be > 0");
-      p.prefill_threshold = *prefill_threshold;
+    if (prefill_min_tokens) {
+      if (*prefill_min_tokens < 1) bad("prefill_min_tokens must be >= 1");
+      p.prefill_min_tokens = *prefill_min_tokens;
     }
     const char* name;
     {
@@ -300,7 +300,7 @@ NB_MODULE(_native, m) {
         nb::arg("name") = "auto",
         "The tier a PackedExperts(isa=name) would use: 'auto' is the best tier here unless the "
         "env var HINA_MOE_ISA names another; raises ValueError for a tier the CPU lacks.");
-  m.attr("DEFAULT_PREFILL_THRESHOLD") = hina::kDefaultPrefillThreshold;
+  m.attr("DEFAULT_PREFILL_MIN_TOKENS") = hina::kDefaultPrefillMinTokens;
   m.def("default_num_threads", &hina::default_num_threads,
         "Threads the op uses when num_threads=0 (CPUs in this process's affinity mask).");
 
@@ -323,7 +323,7 @@ NB_MODULE(_native, m) {
            nb::arg("up_limit") = INFINITY, nb::arg("post_act_limit") = INFINITY,
            nb::arg("up_offset") = 0.0f, nb::arg("weight_on_input") = false,
            nb::arg("num_threads") = 0, nb::arg("path") = "auto",
-           nb::arg("prefill_threshold").none() = nb::none(),
+           nb::arg("prefill_min_tokens").none() = nb::none(),
            "out[T, H] = sum_k topk_w * expert(x) (see moe.h for the exact semantics). "
            "x, out: [T, H] in the experts' dtype; topk_idx: [T, K] int32/int64 (< 0: skip); "
            "topk_w: [T, K] float32. Returns the name of the kernel that ran. GIL released.")

@@ -394,16 +394,7 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
   if (T < 0 || K < 0) throw std::invalid_argument("T and K must be >= 0");
   MoePath path = p.path;
   if (path == MoePath::kAuto) {
-    // Average routed rows per active expert.
-    Scratch& s = tls_scratch;
-    if (idx_bits == 32) check_and_count(static_cast<const int32_t*>(topk_idx), T, K, hdr_.E, s.counts);
-    else check_and_count(static_cast<const int64_t*>(topk_idx), T, K, hdr_.E, s.counts);
-    int64_t rows = 0, active = 0;
-    for (int64_t c : s.counts) { rows += c; active += c > 0; }
-    path = (active > 0 && static_cast<double>(rows) / static_cast<double>(active) >=
-                              static_cast<double>(p.prefill_threshold))
-               ? MoePath::kPrefill
-               : MoePath::kDecode;
+    path = T >= p.prefill_min_tokens ? MoePath::kPrefill : MoePath::kDecode;
   }
   const Selected sel = select_kernels(isa(), dtype(), path);
   return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path), x, T, topk_idx,
@@ -421,7 +412,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   if (idx_bits != 32 && idx_bits != 64) throw std::invalid_argument("topk_idx must be int32 or int64");
   if (T < 0 || K < 0) throw std::invalid_argument("T and K must be >= 0");
   if (p.num_threads < 0) throw std::invalid_argument("num_threads must be >= 0");
-  if (!(p.prefill_threshold > 0.0f)) throw std::invalid_argument("prefill_threshold must be > 0");
+  if (p.prefill_min_tokens < 1) throw std::invalid_argument("prefill_min_tokens must be >= 1");
   if (T == 0) return name;
   if (!x || !out || (K > 0 && (!topk_idx || !topk_w))) throw std::invalid_argument("null pointer argument");
   if (kern.x_bf16 && dt != DType::kBF16) throw std::invalid_argument("kernel needs bf16 weights");

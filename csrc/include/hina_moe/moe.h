@@ -35,10 +35,12 @@ bool act_from_name(const char* name, Act* out);
 enum class MoePath : int { kAuto = 0, kDecode = 1, kPrefill = 2 };
 const char* path_name(MoePath path);  // "auto" | "decode" | "prefill"
 
-// Auto path choice: prefill (tiled GEMM) when the average number of routed rows per *active*
-// expert is >= this. A first guess (below it the FMA kernels are still weight-bandwidth bound);
-// to be tuned by measurement.
-constexpr float kDefaultPrefillThreshold = 8.0f;
+// Auto path choice: the prefill path (tokens grouped per expert; AMX tiles for bf16, 4-row weight
+// reuse on the FMA tiers) from this many tokens on, the decode path (one token at a time) below.
+// Measured on OLMoE-shaped layers (benchmarks/bench_native_paths.py, benchmarks/RESULTS.md): the
+// prefill path is as fast or faster from T = 2 on, on both the AMX and the AVX-512 tier, because
+// the decode path streams each expert's weights once per token.
+constexpr int kDefaultPrefillMinTokens = 2;
 
 // Unpacked weights, caller-owned, C-contiguous, all in `dtype`. Biases are optional (nullptr).
 struct ExpertWeights {
@@ -62,7 +64,7 @@ struct MoeParams {
   bool weight_on_input = false;
   int num_threads = 0;  // 0: default_num_threads()
   MoePath path = MoePath::kAuto;
-  float prefill_threshold = kDefaultPrefillThreshold;
+  int prefill_min_tokens = kDefaultPrefillMinTokens;
 };
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
