@@ -108,6 +108,7 @@ def main() -> int:
         print(f"| {r['arm']} | {r['case']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {r['gb_s']:.1f} | {sp:.2f}x | {r['rel_err']:.1e} |")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(machine=platform.processor() or platform.machine(), commit=commit,
                                                    args=vars(args), results=results), indent=1))
     return 0
