@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 _native = pytest.importorskip("hi_na_moe._native", reason="native extension not built")
+from hi_na_moe.reference import activation  # noqa: E402
 
 ALL_TIERS = ["generic", "avx2", "avx512", "amx"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,22 +61,7 @@ CASES = {
 }
 
 
-def _act(name: str, z: torch.Tensor, alpha: float) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(z)
-    if name == "gelu":
-        return F.gelu(z)
-    if name == "gelu_tanh":
-        return F.gelu(z, approximate="tanh")
-    if name == "relu":
-        return F.relu(z)
-    if name == "relu2":
-        return F.relu(z) ** 2
-    if name == "sigmoid_alpha":
-        return z * torch.sigmoid(alpha * z)
-    if name == "identity":
-        return z
-    raise ValueError(name)
+_act = activation  # the reference path's activations: the layer below the kernels
 
 
 def oracle(prob: dict) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from .spec import ExpertsSpec, GateSpec
 
 
-def _act(name: str, z: torch.Tensor, alpha: float) -> torch.Tensor:
+def activation(name: str, z: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
+    """The activations the kernels implement, by their names in spec.ACTIVATIONS."""
     if name == "silu":
         return F.silu(z)
     if name == "gelu":
@@ -40,7 +41,7 @@ def apply_gate_spec(spec: GateSpec, gate: torch.Tensor, up: torch.Tensor) -> tor
         gate = gate.clamp(max=spec.gate_limit)
     if spec.up_limit != float("inf"):
         up = up.clamp(min=-spec.up_limit, max=spec.up_limit)
-    a = _act(spec.act, gate, spec.alpha)
+    a = activation(spec.act, gate, spec.alpha)
     if spec.post_act_limit != float("inf"):
         a = a.clamp(max=spec.post_act_limit)
     if spec.up_offset:
