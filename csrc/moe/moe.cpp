@@ -7,8 +7,16 @@
 //   2. down + routing weight + scatter-add + output conversion: every thread owns a range of H
 //      panels of the fp32 accumulator, so no two threads ever add into the same element and the
 //      sum over experts runs in ascending expert order (deterministic for any thread count).
+// The tiled (x_bf16, AMX) prefill kernels split both regions dynamically instead: threads claim
+// work items from a shared counter (region 1: (active expert, chunk of <= 8 I panels), expert-
+// major; region 2: chunks of <= 8 H panels, each run over all experts in ascending order), so a
+// thread that runs slower (memory contention, a descheduled vCPU) ends up with less of the work.
+// Every output element is still produced by one item in one fixed order: results do not depend
+// on the split. The FMA-tier kernels (decode and prefill) keep the static split.
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -511,37 +519,50 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     s.row_wt[r] = woi ? 1.0f : s.row_w[r];
   }
 
+  // Dynamic split for the tiled kernels (see the header comment); items of <= 8 panels.
+  const bool dyn = kern.x_bf16 && nthreads > 1;
+  auto chunk_of = [](int64_t np) { return std::max<int64_t>(1, std::min<int64_t>(8, (np + 3) / 4)); };
+
   // ---- region 1: gate/up + activation ----
-  if (S > 0) {
+  auto gateup_expert = [&](int32_t e, int64_t p0, int64_t p1) {
+    const int64_t r0 = s.offsets[e];
+    GateUpJob j;
+    j.w = pe.gate_up_expert(e);
+    j.bias_g = pe.bias_g() ? pe.bias_g() + e * In : nullptr;
+    j.bias_u = pe.bias_u() ? pe.bias_u() + e * In : nullptr;
+    j.p0 = p0;
+    j.p1 = p1;
+    j.x = s.xrows.data() + r0;
+    j.x_stride = xs;
+    j.nt = s.counts[e];
+    j.h = hbuf + hesz * static_cast<size_t>(r0 * hs);
+    j.h_stride = hs;
+    j.L = &L;
+    j.act = &ap;
+    kern.gateup(j);
+  };
+  if (S > 0 && dyn) {
+    const int64_t np = In / kPanelN, chunk = chunk_of(np), nchunks = (np + chunk - 1) / chunk;
+    const int64_t items = nchunks * static_cast<int64_t>(s.active.size());
+    std::atomic<int64_t> next{0};
+    pool.run(nthreads, [&](int, int) {
+      for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+        const int64_t p0 = (it % nchunks) * chunk;
+        gateup_expert(s.active[static_cast<size_t>(it / nchunks)], p0, std::min(np, p0 + chunk));
+      }
+    });
+  } else if (S > 0) {
     pool.run(nthreads, [&](int tid, int n) {
       int64_t p0, p1;
       split_range(In / kPanelN, tid, n, &p0, &p1);
       if (p0 == p1) return;
-      for (int32_t e : s.active) {
-        const int64_t r0 = s.offsets[e];
-        GateUpJob j;
-        j.w = pe.gate_up_expert(e);
-        j.bias_g = pe.bias_g() ? pe.bias_g() + e * In : nullptr;
-        j.bias_u = pe.bias_u() ? pe.bias_u() + e * In : nullptr;
-        j.p0 = p0;
-        j.p1 = p1;
-        j.x = s.xrows.data() + r0;
-        j.x_stride = xs;
-        j.nt = s.counts[e];
-        j.h = hbuf + hesz * static_cast<size_t>(r0 * hs);
-        j.h_stride = hs;
-        j.L = &L;
-        j.act = &ap;
-        kern.gateup(j);
-      }
+      for (int32_t e : s.active) gateup_expert(e, p0, p1);
     });
   }
 
   // ---- region 2: down + weight + scatter-add + conversion to x's dtype ----
-  pool.run(nthreads, [&](int tid, int n) {
-    int64_t p0, p1;
-    split_range(Hn / kPanelN, tid, n, &p0, &p1);
-    if (p0 == p1) return;
+  // H panels [p0, p1) of every token's output, all experts in ascending order.
+  auto down_panels = [&](int64_t p0, int64_t p1) {
     const int64_t c0 = p0 * kPanelN, c1 = p1 * kPanelN;
     for (int64_t t = 0; t < T; ++t) std::memset(acc + t * Hn + c0, 0, sizeof(float) * (c1 - c0));
     for (int32_t e : s.active) {
@@ -568,7 +589,21 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
         for (int64_t c = c0; c < ce; ++c) store_elem(dt, out, t * H + c, a[c]);
       }
     }
-  });
+  };
+  if (dyn) {
+    const int64_t np = Hn / kPanelN, chunk = chunk_of(np), items = (np + chunk - 1) / chunk;
+    std::atomic<int64_t> next{0};
+    pool.run(nthreads, [&](int, int) {
+      for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;)
+        down_panels(it * chunk, std::min(np, (it + 1) * chunk));
+    });
+  } else {
+    pool.run(nthreads, [&](int tid, int n) {
+      int64_t p0, p1;
+      split_range(Hn / kPanelN, tid, n, &p0, &p1);
+      if (p0 != p1) down_panels(p0, p1);
+    });
+  }
   return name;
 }
 
