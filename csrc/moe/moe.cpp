@@ -328,25 +328,19 @@ std::unique_ptr<PackedExperts> PackedExperts::pack(const ExpertWeights& w, Isa i
       const size_t dn_off = static_cast<size_t>(e * w.H * w.I);
       uint8_t* gu_dst = raw->gu_ + static_cast<size_t>(e) * raw->gu_expert_bytes_;
       uint8_t* dn_dst = raw->down_ + static_cast<size_t>(e) * raw->down_expert_bytes_;
-      if (esz == 2) {
-        using E16 = uint16_t;
+      // Packing only moves elements, so the element type is just its size (bf16/fp16 or fp32).
+      auto pack_expert = [&](auto elem) {
+        using El = decltype(elem);
         if (w.gate)
-          pack_matrix(static_cast<const E16*>(w.gate) + gu_off, w.I, w.H,
-                      reinterpret_cast<E16*>(gu_dst), h.In, h.Hk, h.kpack, G, 0);
-        pack_matrix(static_cast<const E16*>(w.up) + gu_off, w.I, w.H,
-                    reinterpret_cast<E16*>(gu_dst), h.In, h.Hk, h.kpack, G, G - 1);
-        pack_matrix(static_cast<const E16*>(w.down) + dn_off, w.H, w.I,
-                    reinterpret_cast<E16*>(dn_dst), h.Hn, h.Ik, h.kpack, 1, 0);
-      } else {
-        using E32 = uint32_t;
-        if (w.gate)
-          pack_matrix(static_cast<const E32*>(w.gate) + gu_off, w.I, w.H,
-                      reinterpret_cast<E32*>(gu_dst), h.In, h.Hk, h.kpack, G, 0);
-        pack_matrix(static_cast<const E32*>(w.up) + gu_off, w.I, w.H,
-                    reinterpret_cast<E32*>(gu_dst), h.In, h.Hk, h.kpack, G, G - 1);
-        pack_matrix(static_cast<const E32*>(w.down) + dn_off, w.H, w.I,
-                    reinterpret_cast<E32*>(dn_dst), h.Hn, h.Ik, h.kpack, 1, 0);
-      }
+          pack_matrix(static_cast<const El*>(w.gate) + gu_off, w.I, w.H,
+                      reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, 0);
+        pack_matrix(static_cast<const El*>(w.up) + gu_off, w.I, w.H,
+                    reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, G - 1);
+        pack_matrix(static_cast<const El*>(w.down) + dn_off, w.H, w.I,
+                    reinterpret_cast<El*>(dn_dst), h.Hn, h.Ik, h.kpack, 1, 0);
+      };
+      if (esz == 2) pack_expert(uint16_t{});
+      else pack_expert(uint32_t{});
       for (int64_t i = 0; i < h.In; ++i) {
         if (raw->bias_g_)
           raw->bias_g_[e * h.In + i] = i < w.I ? load_elem(w.dtype, w.gate_bias, e * w.I + i) : 0.f;
@@ -371,19 +365,15 @@ void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, vo
     const size_t gu_off = static_cast<size_t>(e * h.I * h.H);
     const uint8_t* gu_src = gu_ + static_cast<size_t>(e) * gu_expert_bytes_;
     const uint8_t* dn_src = down_ + static_cast<size_t>(e) * down_expert_bytes_;
-    if (e16) {
-      using E16 = uint16_t;
-      auto* gs = reinterpret_cast<const E16*>(gu_src);
-      if (gate && h.has_gate) unpack_matrix(gs, h.I, h.H, static_cast<E16*>(gate) + gu_off, h.Hk, h.kpack, G, 0);
-      if (up) unpack_matrix(gs, h.I, h.H, static_cast<E16*>(up) + gu_off, h.Hk, h.kpack, G, G - 1);
-      if (down) unpack_matrix(reinterpret_cast<const E16*>(dn_src), h.H, h.I, static_cast<E16*>(down) + gu_off, h.Ik, h.kpack, 1, 0);
-    } else {
-      using E32 = uint32_t;
-      auto* gs = reinterpret_cast<const E32*>(gu_src);
-      if (gate && h.has_gate) unpack_matrix(gs, h.I, h.H, static_cast<E32*>(gate) + gu_off, h.Hk, h.kpack, G, 0);
-      if (up) unpack_matrix(gs, h.I, h.H, static_cast<E32*>(up) + gu_off, h.Hk, h.kpack, G, G - 1);
-      if (down) unpack_matrix(reinterpret_cast<const E32*>(dn_src), h.H, h.I, static_cast<E32*>(down) + gu_off, h.Ik, h.kpack, 1, 0);
-    }
+    auto unpack_expert = [&](auto elem) {  // element type by size only, as in pack()
+      using El = decltype(elem);
+      auto* gs = reinterpret_cast<const El*>(gu_src);
+      if (gate && h.has_gate) unpack_matrix(gs, h.I, h.H, static_cast<El*>(gate) + gu_off, h.Hk, h.kpack, G, 0);
+      if (up) unpack_matrix(gs, h.I, h.H, static_cast<El*>(up) + gu_off, h.Hk, h.kpack, G, G - 1);
+      if (down) unpack_matrix(reinterpret_cast<const El*>(dn_src), h.H, h.I, static_cast<El*>(down) + gu_off, h.Ik, h.kpack, 1, 0);
+    };
+    if (e16) unpack_expert(uint16_t{});
+    else unpack_expert(uint32_t{});
     for (int64_t i = 0; i < h.I; ++i) {
       if (gate_bias && bias_g_) store_elem(dt, gate_bias, e * h.I + i, bias_g_[e * h.In + i]);
       if (up_bias && bias_u_) store_elem(dt, up_bias, e * h.I + i, bias_u_[e * h.In + i]);
