@@ -169,21 +169,23 @@ class NativeExperts:
         return swapped
 
     def restore(self, rebuild: Callable[[], ExpertsSpec]) -> None:
-        """Give the model its own weights back, bit-identical to before `release`."""
+        """Give the model its own weights back, bit-identical to before `release`, and free the
+        packed copy (this runner is done)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if not self._released:
-            return
-        self._swap_in_real()
-        fresh = rebuild()
-        self._copy_into(fresh, self._unpacked())
-        for f in _TENSOR_FIELDS:
-            setattr(self.spec, f, getattr(fresh, f))
-        self.spec.cache.pop("released", None)
-        self._released = []
-        torch_ops.release(self.handle)
-        self.packed = None  # this runner is done; free its copy before the next block unpacks
+        if self._released:
+            self._swap_in_real()
+            fresh = rebuild()
+            self._copy_into(fresh, self._unpacked())
+            for f in _TENSOR_FIELDS:
+                setattr(self.spec, f, getattr(fresh, f))
+            self.spec.cache.pop("released", None)
+            self._released = []
+        if self.handle is not None:
+            torch_ops.release(self.handle)
+            self.handle = None
+        self.packed = None  # freed before the next block unpacks: peak memory stays one block
 
     @property
     def last_kernel(self) -> str | None:
