@@ -27,15 +27,18 @@ def test_check_text_and_json(capsys):
     assert main(["check", "--model", str(shipped_model_dir())]) == 0
     text = capsys.readouterr().out
     assert "best kernel tier" in text and "model.layers.0.mlp.experts" in text
-    assert main(["check", "--model", str(shipped_model_dir()), "--output", "json"]) == 0
+    assert "read bandwidth (measured now" in text and "roofline" in text
+    assert main(["check", "--model", str(shipped_model_dir()), "--output", "json", "--no-bandwidth"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["model"]["summary"]["moe_blocks"] == 4
-    assert "cpu" in data["capabilities"]
+    assert data["model"]["blocks"]["summary"]["moe_blocks"] == 4
+    assert data["model"]["active_bytes_per_token"] > 0 and data["model"]["top_k"] == 2
+    assert "cpu" in data["capabilities"] and data["system"]["numa_nodes"]
 
 
 @pytest.mark.parametrize("argv,message", [
     (["check", "--model", "/no/such/dir"], "does not exist"),
     (["demo", "--model", "/"], "has no config.json"),
+    (["check", "--model", "/"], "is not a model directory"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-m", "hi_na_moe", *argv], capture_output=True, text=True)

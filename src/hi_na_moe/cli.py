@@ -68,21 +68,38 @@ def _tiny_random_model():
 
 
 # ---------------------------------------------------------------------------------------------
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+
 def cmd_check(args) -> int:
     import hi_na_moe
+    from hi_na_moe.system import system_info
 
-    info = {"capabilities": hi_na_moe.capabilities()}
+    info: dict = {"capabilities": hi_na_moe.capabilities(), "system": system_info(measure_bandwidth=not args.no_bandwidth)}
+    bw = info["system"]["read_bandwidth_gbs"]
     if args.model:
-        model, _ = _load(args.model, "bfloat16")
-        report = hi_na_moe.inspect_model(model)
+        from hi_na_moe.plan import model_plan
+
+        path = Path(args.model)
+        if not path.exists():
+            raise UserError(f"model path {args.model!r} does not exist", "pass a local directory saved with save_pretrained")
+        if not (path / "config.json").is_file():
+            raise UserError(f"{args.model!r} is not a model directory (no config.json)",
+                            "pass the directory written by save_pretrained")
+        try:
+            plan = model_plan(path, bw["best"] if bw else None)
+        except (ValueError, OSError) as exc:
+            raise UserError(f"cannot build {args.model!r} from its config: {exc}") from None
+        report = plan.pop("report")
         if not report.blocks:
             raise UserError(f"no MoE block found in {args.model!r} ({report.model_class})",
                             "for a custom model, use hi_na_moe.enable_for_model(model, router_name=...)")
-        info["model"] = report.to_dict()
+        info["model"] = {**plan, "blocks": report.to_dict()}
     if args.output == "json":
         print(json.dumps(info, indent=2))
         return 0
-    cap = info["capabilities"]
+    cap, sysi = info["capabilities"], info["system"]
     print(f"CPU: {cap.get('brand') or cap['machine']}  native library: {cap['native_library']}")
     if cap.get("cpu"):
         have = [k for k, v in cap["cpu"].items() if v]
@@ -94,8 +111,28 @@ def cmd_check(args) -> int:
     print(f"  kernels: decode={cap['kernels']['decode']} prefill={cap['kernels']['prefill']}")
     if cap.get("note"):
         print(f"  note: {cap['note']}")
+    c = sysi["cores"]
+    print(f"cores: {c['physical_cores']} physical, {c['logical_cpus']} logical, "
+          f"{c['usable_by_this_process']} usable by this process; kernel {sysi['kernel']}")
+    for node in sysi["numa_nodes"]:
+        print(f"  NUMA node {node['node']}: CPUs {node['cpus']}, memory {_gib(node['memory_bytes'])}")
+    print("caches: " + ", ".join(f"{x['name']} {x['bytes'] >> 10} KiB" for x in sysi["caches"]))
+    print(f"memory: {_gib(sysi['memory']['total_bytes'])} total, {_gib(sysi['memory']['available_bytes'])} available")
+    if bw:
+        print(f"read bandwidth (measured now, {bw['threads']} threads): {bw['best']:.1f} GB/s best, "
+              f"{bw['median']:.1f} median")
     if args.model:
+        m = info["model"]
         print(str(report))
+        print(f"weights ({m['dtype']}, lossless): {_gib(m['total_bytes'])} total, experts {_gib(m['expert_bytes'])}, "
+              f"dense {_gib(m['dense_bytes'])}; RAM needed when enabled ≈ {_gib(m['ram_estimate_bytes'])} "
+              "(the packed experts replace the model's own)")
+        if m.get("active_bytes_per_token"):
+            line = f"bytes read per decode token: {m['active_bytes_per_token'] / 1e9:.3f} GB (top-{m['top_k']})"
+            if m.get("roofline_decode_tokens_per_s"):
+                line += f" -> roofline {m['roofline_decode_tokens_per_s']:.1f} tokens/s at {bw['best']:.1f} GB/s"
+            print(line)
+        print("int8/int4 expert formats are not available yet (quantised experts arrive with their own issue)")
     return 0
 
 
@@ -216,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hi-na-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("check", help="what this CPU supports, and what hi_na_moe would do with a model")
-    p.add_argument("--model", help="a local model directory (saved with save_pretrained) to inspect")
+    p.add_argument("--model", help="a local model directory to plan for: built on the meta device from its "
+                   "config (no weight is read); lists its MoE blocks, bytes and the roofline tokens/s")
     p.add_argument("--output", choices=("text", "json"), default="text", help="text for people, json for machines")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the ~1-3 s memory bandwidth measurement")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("demo", help="generate natively and with hi_na_moe, compare tokens and speed")
     p.add_argument("--model", help="a local model directory; default: the small MoE shipped with the project")

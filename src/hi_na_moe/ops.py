@@ -49,8 +49,10 @@ def kernel_plan(config: HinaConfig) -> dict[str, str]:
     return dict(_kernel_names(_isa_name(config), torch.bfloat16))
 
 
-def native_unsupported_reason(spec: ExpertsSpec) -> str | None:
-    """None if a native kernel can run this block, else why not (shown in the report)."""
+def native_unsupported_reason(spec: ExpertsSpec, dry_run: bool = False) -> str | None:
+    """None if a native kernel can run this block, else why not (shown in the report).
+    dry_run: the weights will not be read (a plan on the meta device), so their device does not
+    matter."""
     if not native_kernels_available():
         _, why = native_module()
         return f"native kernels not available in this build ({why or 'no PackedExperts'}): reference path"
@@ -60,9 +62,10 @@ def native_unsupported_reason(spec: ExpertsSpec) -> str | None:
         return spec.gate_unrecognised or "gate not recognised"
     if spec.post_expert_norm is not None:
         return "post-expert norm runs per expert output; not fused in the native kernels yet"
-    if any(t.device.type != "cpu" for t in spec.weight_tensors()):
+    devices = ("cpu", "meta") if dry_run else ("cpu",)
+    if any(t.device.type not in devices for t in spec.weight_tensors()):
         return "expert weights are not on the CPU"
-    if any(t.is_meta for t in spec.weight_tensors()):
+    if not dry_run and any(t.is_meta for t in spec.weight_tensors()):
         return "expert weights are on the meta device"
     return None
 
@@ -211,12 +214,12 @@ class NativeExperts:
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
 
 
-def choose(spec: ExpertsSpec, config: HinaConfig) -> Choice:
+def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False) -> Choice:
     """What runs `spec` under `config`. Raises ValueError when config.backend == "native" and no
-    native kernel can run it."""
+    native kernel can run it. Nothing is packed here (NativeExperts.pack does that)."""
     if config.backend == "reference":
         return Choice(reference.experts_forward, "reference", "backend='reference' requested")
-    why_not = native_unsupported_reason(spec)
+    why_not = native_unsupported_reason(spec, dry_run)
     if why_not is None:
         isa = _isa_name(config)
         names = _kernel_names(isa, spec.weight_dtype)

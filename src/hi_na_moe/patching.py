@@ -196,7 +196,7 @@ def inspect_model(
         if match.spec is None:
             report.blocks.append(_block_report(match, "native", None))
         else:
-            report.blocks.append(_block_report(match, "accelerated", ops.choose(match.spec, cfg)))
+            report.blocks.append(_block_report(match, "accelerated", ops.choose(match.spec, cfg, dry_run=True)))
     return report
 
 

@@ -1,0 +1,53 @@
+"""What a model needs on this machine, read from its config alone: the model is built on the
+meta device (no weight is read), its MoE blocks are discovered, and the bytes one decode token
+must stream give the roofline tokens/s for a given memory bandwidth."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .patching import inspect_model
+
+
+def _top_k(config) -> int | None:
+    for c in (config, getattr(config, "text_config", None)):
+        for key in ("num_experts_per_tok", "moe_top_k", "top_k", "moe_topk"):
+            v = getattr(c, key, None) if c is not None else None
+            if isinstance(v, int) and v > 0:
+                return v
+    return None
+
+
+def model_plan(path: str | Path, bandwidth_gbs: float | None = None) -> dict[str, Any]:
+    """Blocks, bytes and roofline of the model in `path` in its own dtype (lossless)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    report = inspect_model(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = out is not None and inp is not None and out.weight is inp.weight
+    # the input embedding is a row lookup per token, not a stream, unless lm_head reads it too
+    lookup = 0 if tied or inp is None else inp.weight.numel() * inp.weight.element_size()
+    experts = sum(b.expert_bytes or 0 for b in report.blocks)
+    k = _top_k(config)
+    routed_per_token = sum((b.expert_bytes or 0) * k / b.experts for b in report.blocks if b.experts) if k else None
+    active = None if routed_per_token is None else (total - experts - lookup) + routed_per_token
+    plan: dict[str, Any] = {
+        "model_type": config.model_type, "dtype": str(dtype).replace("torch.", ""), "top_k": k,
+        "total_bytes": total, "expert_bytes": experts, "dense_bytes": total - experts,
+        "active_bytes_per_token": active,
+        "ram_estimate_bytes": total,  # enabled: the packed experts replace the model's own
+        "report": report,
+    }
+    if bandwidth_gbs and active:
+        plan["roofline_decode_tokens_per_s"] = bandwidth_gbs * 1e9 / active
+    return plan
