@@ -52,3 +52,26 @@ def test_config_error_from_env_is_exit_2():
     env = dict(os.environ, HINA_MOE_BACKEND="fast")
     proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "check"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "HINA_MOE_BACKEND" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_builtin_json(tmp_path, capsys):
+    out_file = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "builtin", "--gen-tokens", "4", "--num-iters", "1", "--warmup", "0",
+               "--seq-len", "8", "--output", "json", "--json-file", str(out_file)])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["greedy_tokens_identical"] is True
+    for arm in ("native", "hina"):
+        r = data["arms"][arm]
+        assert r["tg_tokens_per_s"] > 0 and r["pp_tokens_per_s"] > 0
+        assert set(r["latency_ms"]) == {"avg", "p50", "p95", "p99"}
+        assert len(r["samples"]["decode_step_s"]) == 3  # 4 tokens: 3 decode steps after the first
+        assert r["achieved_gbs"] > 0 and r["peak_rss_bytes"] > 0
+    assert "moe_decode" in data["arms"]["hina"]["kernel"]
+    assert json.loads(out_file.read_text())["arms"].keys() == data["arms"].keys()
+
+
+def test_bench_bad_compare_is_a_user_error():
+    proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "bench", "--model", "builtin", "--compare", "fast"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--compare has 'fast'" in proc.stderr and "Traceback" not in proc.stderr

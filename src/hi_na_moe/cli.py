@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ def _load(path: str | Path, dtype: str):
         AutoConfig.from_pretrained(p)
     except Exception as exc:  # unknown model type, broken json
         raise UserError(f"cannot read the config in {str(p)!r}: {exc}") from None
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype) if dtype else "auto").eval()
     tokenizer = None
     if (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
@@ -121,6 +122,9 @@ def cmd_check(args) -> int:
     if bw:
         print(f"read bandwidth (measured now, {bw['threads']} threads): {bw['best']:.1f} GB/s best, "
               f"{bw['median']:.1f} median")
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        print("tip: OMP_WAIT_POLICY is not PASSIVE: torch's OpenMP workers will busy-wait between layers and "
+              "slow hi_na_moe's kernels (set it before starting Python; see README, Performance)")
     if args.model:
         m = info["model"]
         print(str(report))
@@ -249,6 +253,142 @@ def _demo_workload(args) -> bool:
     return ok
 
 
+def _peak_rss_reset() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS (Linux)
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[max(0, -(-int(q * len(s) * 100) // 100) - 1)] if s else float("nan")
+
+
+def _timed_generate(model, ids, n):
+    """Greedy generation of exactly n tokens; returns (tokens, prefill+first-token seconds,
+    per-token decode latencies) using a logits processor as the per-step clock."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Clock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             logits_processor=LogitsProcessorList([Clock()]))
+    return out, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def cmd_bench(args) -> int:
+    import statistics
+
+    import torch
+
+    import hi_na_moe
+    from hi_na_moe.hardware import native_module
+    from hi_na_moe.plan import plan_for_model
+
+    arms = [a.strip() for a in args.compare.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ("native", "hina")]
+    if bad or not arms:
+        raise UserError(f"--compare has {', '.join(map(repr, bad)) or 'nothing'}", "use native, hina or native,hina")
+    for name in ("batch_size", "seq_len", "gen_tokens", "num_iters"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.gen_tokens < 2:
+        raise UserError("--gen-tokens must be >= 2 (decode latency needs a second token)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    path = shipped_model_dir() if args.model == "builtin" else args.model
+    if path is None:
+        raise UserError("--model builtin: the shipped model (models/hina-tiny-moe) is not in this installation",
+                        "pass --model PATH")
+    model, _ = _load(path, args.dtype) if args.dtype else _load(path, None)
+    native, _ = native_module()
+    bw = native.measure_read_bandwidth(1 << 30, threads, 3)["best_gbs"] if native is not None else None
+    plan = plan_for_model(model, bw)
+    if not plan["report"].blocks:
+        raise UserError(f"no MoE block found in {str(path)!r}", "bench compares MoE acceleration; is this an MoE model?")
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(min(10, vocab - 1), vocab, (args.batch_size, args.seq_len), generator=g)
+    active = plan["active_bytes_per_token"]
+    results, tokens = {}, {}
+    for arm in arms:
+        report = hi_na_moe.enable_for_model(model) if arm == "hina" else None
+        _peak_rss_reset()
+        for _ in range(args.warmup):
+            _timed_generate(model, ids, 2)
+        prefill, decode, outs = [], [], []
+        for _ in range(args.num_iters):
+            out, pre, lat = _timed_generate(model, ids, args.gen_tokens)
+            prefill.append(pre)
+            decode += lat
+            outs.append(out)
+        tokens[arm] = outs[0]
+        step = statistics.median(decode)
+        results[arm] = {
+            "kernel": (report.blocks[0].kernel if report and report.blocks else "transformers"),
+            "prefill_s": statistics.median(prefill),
+            "pp_tokens_per_s": args.batch_size * args.seq_len / statistics.median(prefill),
+            "tg_tokens_per_s": args.batch_size / step,
+            "latency_ms": {"avg": 1e3 * statistics.fmean(decode), "p50": 1e3 * _pct(decode, 0.5),
+                           "p95": 1e3 * _pct(decode, 0.95), "p99": 1e3 * _pct(decode, 0.99)},
+            "achieved_gbs": (active / step / 1e9) if active else None,
+            "memory_bandwidth_util_pct": (100 * active / step / 1e9 / bw) if (active and bw) else None,
+            "peak_rss_bytes": _peak_rss(),
+            "samples": {"prefill_s": prefill, "decode_step_s": decode},
+        }
+        if report is not None:
+            hi_na_moe.disable_for_model(model)
+    same = None
+    if "native" in tokens and "hina" in tokens:
+        same = bool(torch.equal(tokens["native"], tokens["hina"]))
+    data = {"model": str(path), "dtype": plan["dtype"], "threads": threads, "batch_size": args.batch_size,
+            "seq_len": args.seq_len, "gen_tokens": args.gen_tokens, "num_iters": args.num_iters,
+            "machine_read_bandwidth_gbs": bw, "active_bytes_per_token": active,
+            "greedy_tokens_identical": same, "arms": results}
+    if args.output == "json":
+        print(json.dumps(data, indent=2))
+    else:
+        print(f"model {path} ({plan['dtype']}), batch {args.batch_size}, prompt {args.seq_len}, "
+              f"{args.gen_tokens} new tokens x {args.num_iters}, {threads} threads; machine read bandwidth "
+              f"{bw:.1f} GB/s; {active / 1e9:.3f} GB read per decode token" if bw and active else "")
+        print("| arm | kernels | pp t/s | tg t/s | avg ms | p50 ms | p95 ms | p99 ms | GB/s | bw util % | peak RSS GiB | speedup tg |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        base = results[arms[0]]["tg_tokens_per_s"]
+        for arm, r in results.items():
+            lat = r["latency_ms"]
+            gbs = f"{r['achieved_gbs']:.1f}" if r["achieved_gbs"] else "-"
+            util = f"{r['memory_bandwidth_util_pct']:.0f}" if r["memory_bandwidth_util_pct"] else "-"
+            rss = f"{r['peak_rss_bytes'] / 2**30:.2f}" if r["peak_rss_bytes"] else "-"
+            print(f"| {arm} | {r['kernel']} | {r['pp_tokens_per_s']:.1f} | {r['tg_tokens_per_s']:.1f} | {lat['avg']:.2f} | "
+                  f"{lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {gbs} | {util} | {rss} | "
+                  f"{r['tg_tokens_per_s'] / base:.2f}x |")
+        if same is not None:
+            print("greedy tokens: " + ("identical" if same else "DIFFERENT between native and hina"))
+    if args.json_file:
+        Path(args.json_file).write_text(json.dumps(data, indent=2))
+    return 0 if same is not False else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hi-na-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -258,6 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", choices=("text", "json"), default="text", help="text for people, json for machines")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the ~1-3 s memory bandwidth measurement")
     p.set_defaults(func=cmd_check)
+    p = sub.add_parser("bench", help="prefill/decode speed, latency percentiles and GB/s, native vs hi_na_moe")
+    p.add_argument("--model", required=True, help="a local model directory, or 'builtin' for the shipped model")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per batch (default 1)")
+    p.add_argument("--seq-len", type=int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--gen-tokens", type=int, default=32, help="new tokens per run (default 32)")
+    p.add_argument("--num-iters", type=int, default=3, help="timed runs per arm (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per arm first (default 1)")
+    p.add_argument("--threads", type=int, default=0, help="threads (default: torch.get_num_threads())")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="load the weights in this dtype (default: the checkpoint's)")
+    p.add_argument("--compare", default="native,hina", help="arms, in order: native (transformers), hina")
+    p.add_argument("--output", choices=("text", "json"), default="text")
+    p.add_argument("--json-file", help="also write the full results, raw samples included, here")
+    p.set_defaults(func=cmd_bench)
     p = sub.add_parser("demo", help="generate natively and with hi_na_moe, compare tokens and speed")
     p.add_argument("--model", help="a local model directory; default: the small MoE shipped with the project")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt (default 24)")

@@ -21,17 +21,11 @@ def _top_k(config) -> int | None:
     return None
 
 
-def model_plan(path: str | Path, bandwidth_gbs: float | None = None) -> dict[str, Any]:
-    """Blocks, bytes and roofline of the model in `path` in its own dtype (lossless)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None) -> dict[str, Any]:
+    """Blocks, bytes and roofline of an (already built, possibly meta) causal LM."""
+    config = model.config
     report = inspect_model(model)
+    dtype = next(model.parameters()).dtype
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
@@ -51,3 +45,17 @@ def model_plan(path: str | Path, bandwidth_gbs: float | None = None) -> dict[str
     if bandwidth_gbs and active:
         plan["roofline_decode_tokens_per_s"] = bandwidth_gbs * 1e9 / active
     return plan
+
+
+def model_plan(path: str | Path, bandwidth_gbs: float | None = None) -> dict[str, Any]:
+    """plan_for_model for the model in `path`, built on the meta device from its config alone,
+    in its own dtype (lossless): no weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return plan_for_model(model, bandwidth_gbs)
