@@ -389,6 +389,37 @@ def cmd_bench(args) -> int:
     return 0 if same is not False else 1
 
 
+def cmd_debug(args) -> int:
+    from hi_na_moe.debug import compare
+
+    if not args.prompt and not args.prompts:
+        raise UserError("debug needs --prompt TEXT or --prompts FILE")
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        f = Path(args.prompts)
+        if not f.is_file():
+            raise UserError(f"--prompts file {args.prompts!r} does not exist")
+        prompts += [line for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    model, tokenizer = _load(args.model, args.dtype)
+    if tokenizer is None:
+        raise UserError(f"{args.model!r} has no tokenizer to encode the prompts",
+                        "save the tokenizer next to the model (tokenizer.save_pretrained)")
+    config = {k: v for k, v in (("isa", args.isa), ("backend", args.backend)) if v}
+    reports = []
+    for prompt in prompts:
+        inputs = dict(tokenizer(prompt, return_tensors="pt"))
+        rep = compare(model, inputs, tolerance=args.tolerance, **config)
+        reports.append((prompt, rep))
+    ok = all(r.ok for _, r in reports)
+    if args.output == "json":
+        print(json.dumps({"ok": ok, "prompts": [{"prompt": p, **r.to_dict()} for p, r in reports]}, indent=2))
+    else:
+        for prompt, rep in reports:
+            print(f"\nprompt: {prompt!r}")
+            print(rep)
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hi-na-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -412,6 +443,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--json-file", help="also write the full results, raw samples included, here")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("debug", help="replay natively and with hi_na_moe; show where outputs diverge")
+    p.add_argument("--model", required=True, help="a local model directory (with its tokenizer)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts", help="a file with one prompt per line")
+    p.add_argument("--isa", help="kernel tier to compare against native (default: the config's)")
+    p.add_argument("--backend", choices=("auto", "native", "reference"), help="what runs the experts")
+    p.add_argument("--tolerance", type=float, help="relative L2 error per layer (default: 1e-4 fp32, 2e-2 bf16/fp16)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="load the weights in this dtype (default: the checkpoint's)")
+    p.add_argument("--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_debug)
     p = sub.add_parser("demo", help="generate natively and with hi_na_moe, compare tokens and speed")
     p.add_argument("--model", help="a local model directory; default: the small MoE shipped with the project")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt (default 24)")
