@@ -331,14 +331,20 @@ def cmd_bench(args) -> int:
     ids = torch.randint(min(10, vocab - 1), vocab, (args.batch_size, args.seq_len), generator=g)
     active = plan["active_bytes_per_token"]
     results, tokens = {}, {}
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(arms) * (args.warmup + args.num_iters), desc="bench", unit="run", leave=False)
     for arm in arms:
         report = hi_na_moe.enable_for_model(model) if arm == "hina" else None
         _peak_rss_reset()
+        bar.set_postfix_str(arm)
         for _ in range(args.warmup):
             _timed_generate(model, ids, 2)
+            bar.update()
         prefill, decode, outs = [], [], []
         for _ in range(args.num_iters):
             out, pre, lat = _timed_generate(model, ids, args.gen_tokens)
+            bar.update()
             prefill.append(pre)
             decode += lat
             outs.append(out)
@@ -358,6 +364,7 @@ def cmd_bench(args) -> int:
         }
         if report is not None:
             hi_na_moe.disable_for_model(model)
+    bar.close()
     same = None
     if "native" in tokens and "hina" in tokens:
         same = bool(torch.equal(tokens["native"], tokens["hina"]))
