@@ -18,6 +18,12 @@ Runner = Callable[[ExpertsSpec, torch.Tensor, torch.Tensor, torch.Tensor], torch
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# A call that streams less than this many bytes of expert weights runs on one thread: waking a
+# second thread (and fighting torch's busy-waiting OpenMP workers for its core) costs more than
+# it saves. Measured on the shipped model (786 KB per decode call): 1 thread 1.45x native tok/s,
+# 2 threads 0.71x; on OLMoE-shaped layers (100 MB per call) 2 threads win (benchmarks/RESULTS.md).
+SMALL_CALL_BYTES = 4 << 20
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -93,6 +99,7 @@ class NativeExperts:
                            post_act_limit=g.post_act_limit, up_offset=g.up_offset,
                            weight_on_input=spec.weight_on_input)
         self.handle: int | None = None
+        self.expert_bytes = 0
         self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
         self._hook = None
 
@@ -102,6 +109,7 @@ class NativeExperts:
         gb, ub, db = self.spec.canonical_biases()
         c = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
         self.packed = native.PackedExperts(c(gate), c(up), c(down), c(gb), c(ub), c(db), isa=self.isa)
+        self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
         # the custom op (torch.ops.hi_na_moe.experts) takes a handle, not the C++ object
         self.handle = torch_ops.register(self.packed, owner=self)
 
@@ -208,6 +216,8 @@ class NativeExperts:
                 identity = (wf.float() * is_id).sum(-1, keepdim=True) * hidden.detach().float()
                 idx = torch.where(is_id, torch.full_like(idx, -1), idx)
         threads = self.threads or torch.get_num_threads()
+        if threads > 1 and min(x.shape[0] * idx.shape[-1], spec.num_experts) * self.expert_bytes < SMALL_CALL_BYTES:
+            threads = 1
         out = torch_ops.experts_op(self.handle, x, idx, wf, num_threads=threads, **self.kwargs)
         if identity is not None:
             out = (out.float() + identity).to(dtype)
