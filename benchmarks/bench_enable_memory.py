@@ -46,7 +46,7 @@ def main() -> int:
     x, idx, w = make_inputs(cfg, 5, torch.bfloat16, 0)
     with torch.inference_mode():
         want = [layer(x, idx, w) for layer in layers]
-    print(f"| arm | experts GiB | RSS before | peak during enable | RSS enabled | peak during disable | RSS after | outputs after disable |")
+    print("| arm | experts GiB | RSS before | peak during enable | RSS enabled | peak during disable | RSS after | outputs after disable |")
     print("|---|---|---|---|---|---|---|---|")
     for keep in (False, True):
         gc.collect()

@@ -21,12 +21,11 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from hi_na_moe.workload import SHAPES, active_bytes, build_layers, make_inputs, set_impl, time_arm  # noqa: F401
+from hi_na_moe.workload import SHAPES, build_layers, make_inputs, set_impl, time_arm
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

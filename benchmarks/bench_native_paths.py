@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -51,7 +50,7 @@ def main() -> int:
     cfg, layers = build_layers("olmoe", args.layers, torch.bfloat16)
     packs = pack_all(layers, args.isa)
     del layers  # the packed copies are all the benchmark needs
-    E, K, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    K, H = cfg.num_experts_per_tok, cfg.hidden_size
     print(f"# OLMoE experts layer bf16, {args.layers} packed copies ({packs[0].nbytes / 1e6:.0f} MB each), "
           f"{args.threads} threads, tier {packs[0].isa}, prefill path from T >= {_native.DEFAULT_PREFILL_MIN_TOKENS}")
 

@@ -12,7 +12,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 _native = pytest.importorskip("hi_na_moe._native", reason="native extension not built")
 from hi_na_moe.reference import activation  # noqa: E402

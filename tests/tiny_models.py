@@ -18,7 +18,7 @@ from itertools import chain
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel  # noqa: F401  (AutoConfig: for callers)
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 from transformers.core_model_loading import build_glob_alternation
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING

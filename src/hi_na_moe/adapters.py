@@ -19,10 +19,7 @@ import torch
 from torch import nn
 
 from .reference import apply_gate_spec
-from .spec import INF, ExpertsSpec, GateSpec, activation_name
-
-# The op that replaces the experts computation: run(spec, hidden [T,H], idx [T,K], w [T,K]) -> [T,H].
-Runner = Callable[[ExpertsSpec, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from .spec import INF, ExpertsSpec, GateSpec, Runner, activation_name
 
 
 @dataclass

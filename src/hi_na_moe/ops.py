@@ -12,9 +12,7 @@ import torch
 from . import reference, torch_ops
 from .config import HinaConfig
 from .hardware import native_kernels_available, native_module
-from .spec import ExpertsSpec
-
-Runner = Callable[[ExpertsSpec, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from .spec import ExpertsSpec, Runner
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -175,3 +175,8 @@ class ExpertsSpec:
         if self.interleaved:
             return b[:, 0::2], b[:, 1::2], self.down_bias
         return b[:, :I], b[:, I:], self.down_bias
+
+
+# What replaces an experts computation: run(spec, hidden [T, H], top_k_index [T, K],
+# top_k_weights [T, K]) -> [T, H]. The reference path and the native runner both have this shape.
+Runner = Callable[[ExpertsSpec, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -56,7 +56,7 @@ def set_impl(layers, name: str) -> None:
         ex.config._experts_implementation_internal = name
 
 
-def active_bytes(layer, T: int, K: int, idx: torch.Tensor) -> int:
+def active_bytes(layer, idx: torch.Tensor) -> int:
     """Bytes of expert weights one call must read: every distinct expert hit, once."""
     per_expert = sum(p[0].numel() * p.element_size() for p in layer.parameters() if p.dim() == 3)
     return int(torch.unique(idx).numel()) * per_expert
@@ -85,5 +85,5 @@ def time_arm(layers, cfg, T, dtype, iters, warmup, seed0):
             dt = time.perf_counter() - t0
             if i >= warmup:
                 samples.append(dt)
-                nbytes.append(active_bytes(layer, T, idx.shape[1], idx))
+                nbytes.append(active_bytes(layer, idx))
     return samples, nbytes
