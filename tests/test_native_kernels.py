@@ -248,9 +248,9 @@ def test_kernel_table_names_every_path_and_dtype():
     assert _native.resolve_isa() in ALL_TIERS
     assert _native.DEFAULT_PREFILL_MIN_TOKENS > 0
     for path in ("decode", "prefill"):
-        assert set(kt[path]) == set(DTYPES)
+        assert set(kt[path]) == set(DTYPES) | {"int8", "int4"}
         for name in kt[path].values():
-            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16)_(generic|avx2|avx512|amx)", name)
+            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16|int8|int4)_(generic|avx2|avx512|amx)", name)
     if _native.resolve_isa() == "amx":
         assert kt["prefill"]["bfloat16"] == "moe_prefill_bf16_amx"
 

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -150,47 +151,109 @@ nb::object new_array(hina::DType dt, std::vector<size_t> shape, void** data) {
   return nb::cast(a, nb::rv_policy::reference);
 }
 
+hina::WFormat parse_wformat(const std::string& name) {
+  hina::WFormat f;
+  if (!hina::wformat_from_name(name.c_str(), &f))
+    bad("weights '" + name + "' is unknown; expected lossless, int8 or int4");
+  return f;
+}
+
+// Checks a set of expert arrays (E experts, or any E when E < 0) and fills `w`.
+hina::ExpertWeights expert_weights(const std::optional<InArray>& gate, const InArray& up,
+                                   const InArray& down, const std::optional<InArray>& gate_bias,
+                                   const std::optional<InArray>& up_bias,
+                                   const std::optional<InArray>& down_bias) {
+  if (up.ndim() != 3) bad("up must have shape [E, I, H], got " + shape_str(shape_of(up)));
+  const auto dt = to_dtype(up.dtype());
+  if (!dt) bad("up has dtype " + dtype_str(up.dtype()) + "; supported: float32, bfloat16, float16");
+  const int64_t E = up.shape(0), I = up.shape(1), H = up.shape(2);
+  const nb::dlpack::dtype want = up.dtype();
+  check_array("up", up, {E, I, H});
+  if (gate) {
+    check_array("gate", *gate, {E, I, H});
+    check_dtype("gate", *gate, want);
+  }
+  check_array("down", down, {E, H, I});
+  check_dtype("down", down, want);
+  if (gate_bias) {
+    if (!gate) bad("gate_bias given but gate is None");
+    check_array("gate_bias", *gate_bias, {E, I});
+    check_dtype("gate_bias", *gate_bias, want);
+  }
+  if (up_bias) { check_array("up_bias", *up_bias, {E, I}); check_dtype("up_bias", *up_bias, want); }
+  if (down_bias) { check_array("down_bias", *down_bias, {E, H}); check_dtype("down_bias", *down_bias, want); }
+  hina::ExpertWeights w;
+  w.dtype = *dt;
+  w.E = E;
+  w.H = H;
+  w.I = I;
+  w.gate = gate ? gate->data() : nullptr;
+  w.up = up.data();
+  w.down = down.data();
+  w.gate_bias = gate_bias ? gate_bias->data() : nullptr;
+  w.up_bias = up_bias ? up_bias->data() : nullptr;
+  w.down_bias = down_bias ? down_bias->data() : nullptr;
+  return w;
+}
+
+using ByteArray = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using RoByteArray = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+hina::PackedHeader header_from_bytes(const nb::bytes& b) {
+  hina::PackedHeader h;
+  if (b.size() != sizeof(h))
+    bad("packed header must be " + std::to_string(sizeof(h)) + " bytes, got " + std::to_string(b.size()));
+  std::memcpy(&h, b.c_str(), sizeof(h));
+  return h;
+}
+
 class PyPackedExperts {
  public:
   PyPackedExperts(std::optional<InArray> gate, InArray up, InArray down,
                   std::optional<InArray> gate_bias, std::optional<InArray> up_bias,
-                  std::optional<InArray> down_bias, const std::string& isa_name, int num_threads) {
-    if (up.ndim() != 3) bad("up must have shape [E, I, H], got " + shape_str(shape_of(up)));
-    const auto dt = to_dtype(up.dtype());
-    if (!dt) bad("up has dtype " + dtype_str(up.dtype()) + "; supported: float32, bfloat16, float16");
-    const int64_t E = up.shape(0), I = up.shape(1), H = up.shape(2);
-    const nb::dlpack::dtype want = up.dtype();
-    check_array("up", up, {E, I, H});
-    if (gate) {
-      check_array("gate", *gate, {E, I, H});
-      check_dtype("gate", *gate, want);
-    }
-    check_array("down", down, {E, H, I});
-    check_dtype("down", down, want);
-    if (gate_bias) {
-      if (!gate) bad("gate_bias given but gate is None");
-      check_array("gate_bias", *gate_bias, {E, I});
-      check_dtype("gate_bias", *gate_bias, want);
-    }
-    if (up_bias) { check_array("up_bias", *up_bias, {E, I}); check_dtype("up_bias", *up_bias, want); }
-    if (down_bias) { check_array("down_bias", *down_bias, {E, H}); check_dtype("down_bias", *down_bias, want); }
+                  std::optional<InArray> down_bias, const std::string& isa_name, int num_threads,
+                  const std::string& weights, int group_size) {
+    const hina::ExpertWeights w = expert_weights(gate, up, down, gate_bias, up_bias, down_bias);
     if (num_threads < 0) bad("num_threads must be >= 0");
     const hina::Isa isa = hina::resolve_isa(isa_name.c_str());  // invalid_argument -> ValueError
-
-    hina::ExpertWeights w;
-    w.dtype = *dt;
-    w.E = E;
-    w.H = H;
-    w.I = I;
-    w.gate = gate ? gate->data() : nullptr;
-    w.up = up.data();
-    w.down = down.data();
-    w.gate_bias = gate_bias ? gate_bias->data() : nullptr;
-    w.up_bias = up_bias ? up_bias->data() : nullptr;
-    w.down_bias = down_bias ? down_bias->data() : nullptr;
+    const hina::QuantSpec q{parse_wformat(weights), group_size};
     nb::gil_scoped_release release;
-    pe_ = hina::PackedExperts::pack(w, isa, num_threads);
+    pe_ = hina::PackedExperts::pack(w, isa, num_threads, q);
   }
+  PyPackedExperts(std::unique_ptr<hina::PackedExperts> pe, nb::object keep)
+      : pe_(std::move(pe)), keep_(std::move(keep)) {}
+
+  // An empty block for `header`, in `buffer` (writable, e.g. a mmapped file) or allocated.
+  static PyPackedExperts create(const nb::bytes& header, std::optional<ByteArray> buffer) {
+    const hina::PackedHeader h = header_from_bytes(header);
+    if (buffer && buffer->shape(0) != h.nbytes)
+      bad("buffer has " + std::to_string(buffer->shape(0)) + " bytes; the header needs " + std::to_string(h.nbytes));
+    auto pe = hina::PackedExperts::create(h, buffer ? buffer->data() : nullptr);
+    return PyPackedExperts(std::move(pe), buffer ? nb::find(*buffer) : nb::none());
+  }
+  static PyPackedExperts view(const nb::bytes& header, RoByteArray buffer) {
+    const hina::PackedHeader h = header_from_bytes(header);
+    auto pe = hina::PackedExperts::view(h, buffer.data(), buffer.shape(0));
+    PyPackedExperts r(std::move(pe), nb::find(buffer));
+    r.readonly_ = true;
+    return r;
+  }
+
+  void pack_experts(int64_t e0, std::optional<InArray> gate, InArray up, InArray down,
+                    std::optional<InArray> gate_bias, std::optional<InArray> up_bias,
+                    std::optional<InArray> down_bias, int num_threads) {
+    const hina::ExpertWeights w = expert_weights(gate, up, down, gate_bias, up_bias, down_bias);
+    if (readonly_) bad("this block is a read-only view (PackedExperts.view); it cannot be packed into");
+    nb::gil_scoped_release release;
+    pe_->pack_experts(e0, w, num_threads);  // invalid_argument -> ValueError
+  }
+
+  nb::bytes header_bytes() const {
+    const hina::PackedHeader& h = pe_->header();
+    return nb::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+
+  bool readonly_ = false;
 
   std::string forward(InArray x, InArray topk_idx, InArray topk_w, OutArray out,
                       const std::string& act, float alpha, float gate_limit, float up_limit,
@@ -265,7 +328,28 @@ class PyPackedExperts {
 
  private:
   std::unique_ptr<hina::PackedExperts> pe_;
+  nb::object keep_;  // the Python buffer the block lives in (create/view), kept alive
 };
+
+nb::dict header_info(const nb::bytes& b) {
+  const hina::PackedHeader h = header_from_bytes(b);
+  nb::dict d;
+  d["magic"] = h.magic;
+  d["version"] = h.version;
+  d["dtype"] = h.dtype <= 2 ? std::string(hina::dtype_name(static_cast<hina::DType>(h.dtype))) : std::string("unknown");
+  d["isa"] = h.isa <= 4 ? std::string(hina::isa_name(static_cast<hina::Isa>(h.isa))) : std::string("unknown");
+  d["weights"] = h.wfmt <= 2 ? std::string(hina::wformat_name(static_cast<hina::WFormat>(h.wfmt))) : std::string("unknown");
+  d["group_size"] = h.group;
+  d["has_gate"] = h.has_gate != 0;
+  d["gate_bias"] = h.has_gate_bias != 0;
+  d["up_bias"] = h.has_up_bias != 0;
+  d["down_bias"] = h.has_down_bias != 0;
+  d["E"] = h.E;
+  d["H"] = h.H;
+  d["I"] = h.I;
+  d["nbytes"] = h.nbytes;
+  return d;
+}
 
 nb::dict kernel_table() {
   const hina::Isa isa = hina::resolve_isa("auto");
@@ -274,6 +358,8 @@ nb::dict kernel_table() {
     nb::dict per;
     for (hina::DType dt : {hina::DType::kF32, hina::DType::kBF16, hina::DType::kF16})
       per[hina::dtype_name(dt)] = std::string(hina::moe_kernel_name(isa, dt, path));
+    for (hina::WFormat f : {hina::WFormat::kInt8, hina::WFormat::kInt4})
+      per[hina::wformat_name(f)] = std::string(hina::moe_kernel_name(isa, hina::DType::kBF16, path, f));
     d[hina::path_name(path)] = per;
   }
   return d;
@@ -294,8 +380,12 @@ NB_MODULE(_native, m) {
   m.def("isa_supported",
         [](const std::string& name) { return hina::isa_supported(hina::cpu_features(), parse_isa(name)); },
         nb::arg("name"), "Whether the named tier can run on this machine.");
+  m.def("header_info", &header_info, nb::arg("header"),
+        "The fields of a packed header (bytes from PackedExperts.plan / .header) as a dict.");
+  m.attr("PACKED_LAYOUT_VERSION") = hina::PackedHeader{}.version;
   m.def("kernel_table", &kernel_table,
-        "{'decode': {dtype: kernel}, 'prefill': {dtype: kernel}}: what isa='auto' runs.");
+        "{'decode': {format: kernel}, 'prefill': {format: kernel}}: what isa='auto' runs; formats "
+        "are the lossless dtypes and int8 / int4 (for a bfloat16 model).");
   m.def("resolve_isa", [](const std::string& name) { return std::string(hina::isa_name(hina::resolve_isa(name.c_str()))); },
         nb::arg("name") = "auto",
         "The tier a PackedExperts(isa=name) would use: 'auto' is the best tier here unless the "
@@ -306,17 +396,67 @@ NB_MODULE(_native, m) {
 
   nb::class_<PyPackedExperts>(m, "PackedExperts",
       "Experts packed once into the layout the kernels stream (64-byte aligned panels of 16 "
-      "output rows, gate and up interleaved). Lossless: unpack() returns the exact inputs.")
+      "output rows, gate and up interleaved), in the model's dtype (lossless: unpack() returns "
+      "the exact inputs) or quantised (weights='int8' per output row, 'int4' per group of "
+      "group_size).")
       .def(nb::init<std::optional<InArray>, InArray, InArray, std::optional<InArray>,
-                    std::optional<InArray>, std::optional<InArray>, const std::string&, int>(),
+                    std::optional<InArray>, std::optional<InArray>, const std::string&, int,
+                    const std::string&, int>(),
            nb::arg("gate").noconvert().none(), nb::arg("up").noconvert(), nb::arg("down").noconvert(),
            nb::arg("gate_bias").noconvert().none() = nb::none(),
            nb::arg("up_bias").noconvert().none() = nb::none(),
            nb::arg("down_bias").noconvert().none() = nb::none(), nb::arg("isa") = "auto",
-           nb::arg("num_threads") = 0,
+           nb::arg("num_threads") = 0, nb::arg("weights") = "lossless", nb::arg("group_size") = 64,
            "gate/up: [E, I, H] (gate may be None), down: [E, H, I], biases [E, I] / [E, I] / "
            "[E, H]; C-contiguous CPU arrays of one dtype (float32, bfloat16, float16). "
-           "isa: auto | generic | avx2 | avx512 | amx.")
+           "isa: auto | generic | avx2 | avx512 | amx. weights: lossless | int8 | int4; "
+           "group_size (int4): 32, 64 or 128.")
+      .def_static("plan",
+           [](const std::string& dtype, int64_t E, int64_t H, int64_t I, bool has_gate,
+              bool gate_bias, bool up_bias, bool down_bias, const std::string& isa,
+              const std::string& weights, int group_size) {
+             hina::DType dt;
+             if (dtype == "float32") dt = hina::DType::kF32;
+             else if (dtype == "bfloat16") dt = hina::DType::kBF16;
+             else if (dtype == "float16") dt = hina::DType::kF16;
+             else bad("dtype '" + dtype + "' is unknown; expected float32, bfloat16 or float16");
+             const hina::PackedHeader h = hina::plan_packed(
+                 dt, E, H, I, has_gate, gate_bias, up_bias, down_bias,
+                 hina::resolve_isa(isa.c_str()), {parse_wformat(weights), group_size});
+             return nb::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+           },
+           nb::arg("dtype"), nb::arg("E"), nb::arg("H"), nb::arg("I"), nb::arg("has_gate"),
+           nb::arg("gate_bias") = false, nb::arg("up_bias") = false, nb::arg("down_bias") = false,
+           nb::arg("isa") = "auto", nb::arg("weights") = "lossless", nb::arg("group_size") = 64,
+           "The header (bytes) a block of these experts has; block size: header_info(h)['nbytes'].")
+      .def_static("create", &PyPackedExperts::create, nb::arg("header"),
+           nb::arg("buffer").none() = nb::none(),
+           "An empty block for `header`, living in `buffer` (a writable, 64-byte aligned uint8 "
+           "array of exactly nbytes, kept alive by the result) or allocated; fill it with "
+           "pack_experts().")
+      .def_static("view", &PyPackedExperts::view, nb::arg("header"), nb::arg("buffer"),
+           "A read-only PackedExperts over a block written earlier (buffer: uint8 array of "
+           "nbytes, 64-byte aligned, kept alive by the result). Validates the header; raises "
+           "ValueError naming what does not match.")
+      .def("pack_experts", &PyPackedExperts::pack_experts, nb::arg("e0"),
+           nb::arg("gate").noconvert().none(), nb::arg("up").noconvert(), nb::arg("down").noconvert(),
+           nb::arg("gate_bias").noconvert().none() = nb::none(),
+           nb::arg("up_bias").noconvert().none() = nb::none(),
+           nb::arg("down_bias").noconvert().none() = nb::none(), nb::arg("num_threads") = 0,
+           "Packs experts [e0, e0 + n) from arrays of n experts (shapes as in the constructor). "
+           "GIL released.")
+      .def_prop_ro("header", &PyPackedExperts::header_bytes, "The block's header (bytes).")
+      .def_prop_ro("data",
+           [](nb::handle self) {
+             const PyPackedExperts& p = nb::cast<const PyPackedExperts&>(self);
+             const size_t n = p.get().nbytes();
+             return nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>>(
+                 p.get().data(), {n}, self);
+           },
+           nb::rv_policy::reference_internal,
+           "The packed block as a read-only uint8 numpy array (a view; keeps this alive).")
+      .def_prop_ro("weights", [](const PyPackedExperts& p) { return std::string(hina::wformat_name(p.get().wformat())); })
+      .def_prop_ro("group_size", [](const PyPackedExperts& p) { return static_cast<int>(p.get().header().group); })
       .def("forward", &PyPackedExperts::forward, nb::arg("x").noconvert(),
            nb::arg("topk_idx").noconvert(), nb::arg("topk_w").noconvert(), nb::arg("out").noconvert(),
            nb::arg("act") = "silu", nb::arg("alpha") = 1.702f, nb::arg("gate_limit") = INFINITY,
@@ -328,8 +468,9 @@ NB_MODULE(_native, m) {
            "x, out: [T, H] in the experts' dtype; topk_idx: [T, K] int32/int64 (< 0: skip); "
            "topk_w: [T, K] float32. Returns the name of the kernel that ran. GIL released.")
       .def("unpack", &PyPackedExperts::unpack,
-           "(gate, up, down, gate_bias, up_bias, down_bias): new arrays, bit-identical to the "
-           "packed inputs (None where absent). DLPack-capable: use torch.from_dlpack.")
+           "(gate, up, down, gate_bias, up_bias, down_bias): new arrays (None where absent), "
+           "bit-identical to the packed inputs for weights='lossless', the dequantised weights "
+           "(scale * q, in the model's dtype) for int8/int4. DLPack-capable: torch.from_dlpack.")
       .def_prop_ro("nbytes", [](const PyPackedExperts& p) { return p.get().nbytes(); })
       .def_prop_ro("isa", [](const PyPackedExperts& p) { return std::string(hina::isa_name(p.get().isa())); })
       .def_prop_ro("dtype", [](const PyPackedExperts& p) { return std::string(hina::dtype_name(p.get().dtype())); })
@@ -353,6 +494,7 @@ NB_MODULE(_native, m) {
         d["In"] = h.In;
         d["Ik"] = h.Ik;
         d["Hn"] = h.Hn;
+        d["nbytes"] = h.nbytes;
         return d;
       })
       .def("kernel_name",
@@ -361,14 +503,16 @@ NB_MODULE(_native, m) {
              if (path == "decode") mp = hina::MoePath::kDecode;
              else if (path == "prefill") mp = hina::MoePath::kPrefill;
              else bad("path must be 'decode' or 'prefill'");
-             return std::string(hina::moe_kernel_name(p.get().isa(), p.get().dtype(), mp));
+             return std::string(hina::moe_kernel_name(p.get().isa(), p.get().dtype(), mp, p.get().wformat()));
            },
            nb::arg("path"), "The kernel forward() runs on this path for these experts.")
       .def("__repr__", [](const PyPackedExperts& p) {
         const auto& q = p.get();
         return "PackedExperts(E=" + std::to_string(q.E()) + ", H=" + std::to_string(q.H()) +
                ", I=" + std::to_string(q.I()) + ", dtype=" + hina::dtype_name(q.dtype()) +
-               ", isa=" + hina::isa_name(q.isa()) + ", has_gate=" + (q.has_gate() ? "True" : "False") +
+               ", isa=" + hina::isa_name(q.isa()) + ", weights=" + hina::wformat_name(q.wformat()) +
+               (q.wformat() == hina::WFormat::kInt4 ? ", group_size=" + std::to_string(q.header().group) : std::string()) +
+               ", has_gate=" + (q.has_gate() ? "True" : "False") +
                ", nbytes=" + std::to_string(q.nbytes()) + ")";
       });
 

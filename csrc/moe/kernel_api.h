@@ -19,10 +19,24 @@ static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * 
 // Geometry of one packed PackedExperts (see PackedHeader).
 struct Layout {
   DType dtype;
-  int kpack;  // 2 for bf16 (VNNI pairs), 1 otherwise
+  int kpack;  // 2 for native bf16 (VNNI pairs), 1 otherwise
   int G;      // panels of gate/up: 2 (gate, up interleaved) or 1 (up only)
   int64_t H, I, Hk, In, Ik, Hn;
+  WFormat wfmt = WFormat::kLossless;
+  int group = 0;  // int4 group size
 };
+
+// Bytes of one packed panel (16 output rows, reduction length Kp, G matrices interleaved).
+static inline int64_t panel_bytes(DType dt, WFormat wf, int group, int64_t Kp, int G) {
+  switch (wf) {
+    case WFormat::kLossless: return Kp * kPanelN * G * (dt == DType::kF32 ? 4 : 2);
+    case WFormat::kInt8: return 64 * G + Kp * G * kPanelN;
+    case WFormat::kInt4: return (Kp / group) * (64 + group / 2 * G * kPanelN);
+  }
+  return 0;
+}
+static inline int64_t gu_panel_bytes(const Layout& L) { return panel_bytes(L.dtype, L.wfmt, L.group, L.Hk, L.G); }
+static inline int64_t down_panel_bytes(const Layout& L) { return panel_bytes(L.dtype, L.wfmt, L.group, L.Ik, 1); }
 
 struct ActParams {
   Act act;
@@ -72,6 +86,16 @@ bool get_kernels_generic(DType dt, bool amx_twin, KernelImpl* k);
 bool get_kernels_avx2(DType dt, KernelImpl* k);
 bool get_kernels_avx512(DType dt, KernelImpl* k);
 bool get_kernels_amx(DType dt, KernelImpl* k);
+// Quantised weights (int8 / int4); the kernels do not depend on the model's dtype (x and h
+// rows arrive in fp32, or bf16 for the AMX kernels and their generic twin).
+bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k);
+bool get_qkernels_avx2(WFormat wf, KernelImpl* k);
+bool get_qkernels_avx512(WFormat wf, KernelImpl* k);
+bool get_qkernels_amx(WFormat wf, KernelImpl* k);
+
+// Dequantises output rows [n0, n0 + 16) of one quantised panel (matrix gi of G) into fp32
+// w[k][16] for k < Kp (the generic kernels' view of a panel; also the unpack path).
+void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, float* w);
 
 // Runs forward with an explicit kernel (tests use it to run the generic AMX twin).
 const char* forward_with(const PackedExperts& pe, const KernelImpl& k, const char* name,
@@ -166,6 +190,12 @@ static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
   float a = act_scalar(p.act, g, p.alpha);
   a = p.post_act_limit < a ? p.post_act_limit : a;
   return a * (u + p.up_offset);
+}
+
+// int4 helpers: the stored nibble is q + 8.
+static inline float int4_value(const uint8_t* bytes, int64_t k, int G, int gi, int n) {
+  const uint8_t b = bytes[((k >> 1) * G + gi) * kPanelN + n];
+  return static_cast<float>(((k & 1) ? (b >> 4) : (b & 15)) - 8);
 }
 
 // Index of element (k, gi, n) inside one packed panel (gi: 0 = gate, G-1 = up).

@@ -70,6 +70,23 @@ bool act_from_name(const char* name, Act* out) {
   }
   return false;
 }
+const char* wformat_name(WFormat f) {
+  switch (f) {
+    case WFormat::kLossless: return "lossless";
+    case WFormat::kInt8: return "int8";
+    case WFormat::kInt4: return "int4";
+  }
+  return "unknown";
+}
+bool wformat_from_name(const char* name, WFormat* out) {
+  for (WFormat f : {WFormat::kLossless, WFormat::kInt8, WFormat::kInt4}) {
+    if (std::strcmp(name, wformat_name(f)) == 0) {
+      *out = f;
+      return true;
+    }
+  }
+  return false;
+}
 const char* path_name(MoePath path) {
   switch (path) {
     case MoePath::kAuto: return "auto";
@@ -101,23 +118,27 @@ struct Selected {
   Isa kernel_isa;
 };
 
-Selected select_kernels(Isa tier, DType dt, MoePath path) {
+Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf) {
   Selected s{};
   bool ok = false;
+  const bool q = wf != WFormat::kLossless;
+  // The AMX kernels take bf16 x rows; models in other dtypes stay on the FMA tiers, which keep
+  // x in fp32 (rounding an fp32/fp16 model's activations to bf16 would lose precision).
   if (tier == Isa::kAmx && path == MoePath::kPrefill && dt == DType::kBF16) {
-    ok = get_kernels_amx(dt, &s.k);
+    ok = q ? get_qkernels_amx(wf, &s.k) : get_kernels_amx(dt, &s.k);
     s.kernel_isa = Isa::kAmx;
   }
   if (!ok && (tier == Isa::kAmx || tier == Isa::kAvx512)) {
-    ok = get_kernels_avx512(dt, &s.k);
+    ok = q ? get_qkernels_avx512(wf, &s.k) : get_kernels_avx512(dt, &s.k);
     s.kernel_isa = Isa::kAvx512;
   }
   if (!ok && tier == Isa::kAvx2) {
-    ok = get_kernels_avx2(dt, &s.k);
+    ok = q ? get_qkernels_avx2(wf, &s.k) : get_kernels_avx2(dt, &s.k);
     s.kernel_isa = Isa::kAvx2;
   }
   if (!ok) {
-    get_kernels_generic(dt, false, &s.k);
+    if (q) get_qkernels_generic(wf, false, &s.k);
+    else get_kernels_generic(dt, false, &s.k);
     s.kernel_isa = Isa::kGeneric;
   }
   return s;
@@ -145,6 +166,73 @@ void unpack_matrix(const Elem* panels, int64_t N, int64_t K, Elem* dst, int64_t 
     const Elem* panel = panels + (row / kPanelN) * Kp * kPanelN * G;
     const int n = static_cast<int>(row % kPanelN);
     for (int64_t k = 0; k < K; ++k) dst[row * K + k] = panel[panel_index(kpack, G, k, gi, n)];
+  }
+}
+
+// Loads row `row` of an [N, K] matrix in dtype dt as fp32 into buf[0, Kp) (zero beyond K and
+// for rows >= N).
+void load_row(const void* src, DType dt, int64_t N, int64_t K, int64_t row, float* buf, int64_t Kp) {
+  for (int64_t k = 0; k < Kp; ++k) buf[k] = (row < N && k < K) ? load_elem(dt, src, row * K + k) : 0.0f;
+}
+
+// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v2).
+void quant_matrix(const void* src, DType dt, int64_t N, int64_t K, uint8_t* dst, int64_t Np,
+                  int64_t Kp, int G, int gi, WFormat wf, int group, std::vector<float>& buf) {
+  buf.resize(static_cast<size_t>(Kp));
+  const int64_t pbytes = panel_bytes(dt, wf, group, Kp, G);
+  for (int64_t p = 0; p < Np / kPanelN; ++p) {
+    uint8_t* panel = dst + p * pbytes;
+    for (int n = 0; n < kPanelN; ++n) {
+      load_row(src, dt, N, K, p * kPanelN + n, buf.data(), Kp);
+      if (wf == WFormat::kInt8) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < Kp; ++k) amax = std::fabs(buf[k]) > amax ? std::fabs(buf[k]) : amax;
+        const float sc = amax / 127.0f;
+        reinterpret_cast<float*>(panel + gi * 64)[n] = sc;
+        int8_t* q = reinterpret_cast<int8_t*>(panel + 64 * G);
+        for (int64_t k = 0; k < Kp; ++k) {
+          float v = sc > 0.0f ? std::nearbyint(buf[k] / sc) : 0.0f;
+          v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+          q[(k * G + gi) * kPanelN + n] = static_cast<int8_t>(v);
+        }
+      } else {
+        const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+        for (int64_t b = 0; b < Kp / group; ++b) {
+          uint8_t* blk = panel + b * blk_bytes;
+          const float* w = buf.data() + b * group;
+          float m = 0.0f;
+          for (int k = 0; k < group; ++k) m = std::fabs(w[k]) > std::fabs(m) ? w[k] : m;
+          const uint16_t dbits = f32_to_bf16(m / -8.0f);
+          const float d = bf16_to_f32(dbits);
+          reinterpret_cast<uint16_t*>(blk + gi * 32)[n] = dbits;
+          uint8_t* bytes = blk + 64;
+          for (int k = 0; k < group; ++k) {
+            float v = d != 0.0f ? std::nearbyint(w[k] / d) : 0.0f;
+            v = v < -8.0f ? -8.0f : (v > 7.0f ? 7.0f : v);
+            const uint8_t nib = static_cast<uint8_t>(static_cast<int>(v) + 8);
+            uint8_t& byte = bytes[((k >> 1) * G + gi) * kPanelN + n];
+            byte = (k & 1) ? static_cast<uint8_t>((byte & 0x0f) | (nib << 4))
+                           : static_cast<uint8_t>((byte & 0xf0) | nib);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Inverse of quant_matrix: the dequantised [N, K] matrix in dtype dt.
+void dequant_matrix(const uint8_t* panels, DType dt, int64_t N, int64_t K, void* dst, int64_t Kp,
+                    int G, int gi, WFormat wf, int group) {
+  Layout L{};
+  L.dtype = dt;
+  L.wfmt = wf;
+  L.group = group;
+  std::vector<float> w(static_cast<size_t>(Kp * kPanelN));
+  const int64_t pbytes = panel_bytes(dt, wf, group, Kp, G);
+  for (int64_t p = 0; p * kPanelN < N; ++p) {
+    dequant_panel_f32(panels + p * pbytes, L, Kp, G, gi, w.data());
+    for (int n = 0; n < kPanelN && p * kPanelN + n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) store_elem(dt, dst, (p * kPanelN + n) * K + k, w[k * kPanelN + n]);
   }
 }
 
@@ -240,119 +328,217 @@ Isa resolve_isa(const char* name) {
   return isa;
 }
 
-const char* moe_kernel_name(Isa isa, DType dt, MoePath path) {
-  // Names are `<op>_<format>_<isa>`; built once.
+const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf) {
+  // Names are `<op>_<format>_<isa>`; built once. Formats: f32, bf16, f16, int8, int4.
   static std::vector<std::string>* table = [] {
-    auto* t = new std::vector<std::string>(4 * 3 * 2);
+    auto* t = new std::vector<std::string>(4 * 5 * 2);
+    const char* fmts[5] = {"f32", "bf16", "f16", "int8", "int4"};
     for (int i = 0; i < 4; ++i)
-      for (int d = 0; d < 3; ++d)
+      for (int d = 0; d < 5; ++d)
         for (int p = 0; p < 2; ++p)
-          (*t)[(i * 3 + d) * 2 + p] = std::string(p ? "moe_prefill_" : "moe_decode_") +
-                                      dtype_short(static_cast<DType>(d)) + "_" +
-                                      isa_name(static_cast<Isa>(i));
+          (*t)[(i * 5 + d) * 2 + p] = std::string(p ? "moe_prefill_" : "moe_decode_") + fmts[d] +
+                                      "_" + isa_name(static_cast<Isa>(i));
     return t;
   }();
   if (path == MoePath::kAuto) path = MoePath::kDecode;
-  const Isa k = select_kernels(isa, dt, path).kernel_isa;
-  return (*table)[(static_cast<int>(k) * 3 + static_cast<int>(dt)) * 2 +
-                  (path == MoePath::kPrefill ? 1 : 0)]
-      .c_str();
+  const Isa k = select_kernels(isa, dt, path, wf).kernel_isa;
+  const int f = wf == WFormat::kLossless ? static_cast<int>(dt) : (wf == WFormat::kInt8 ? 3 : 4);
+  return (*table)[(static_cast<int>(k) * 5 + f) * 2 + (path == MoePath::kPrefill ? 1 : 0)].c_str();
 }
 
-PackedExperts::~PackedExperts() { std::free(mem_); }
-
-const void* PackedExperts::gate_up_expert(int64_t e) const {
-  return gu_ + static_cast<size_t>(e) * gu_expert_bytes_;
-}
-const void* PackedExperts::down_expert(int64_t e) const {
-  return down_ + static_cast<size_t>(e) * down_expert_bytes_;
-}
-
-std::unique_ptr<PackedExperts> PackedExperts::pack(const ExpertWeights& w, Isa isa,
-                                                   int num_threads) {
-  if (w.E < 1 || w.H < 1 || w.I < 1) {
-    throw std::invalid_argument("experts need E, H, I >= 1 (got E=" + std::to_string(w.E) +
-                                ", H=" + std::to_string(w.H) + ", I=" + std::to_string(w.I) + ")");
+PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
+                         bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q) {
+  if (E < 1 || H < 1 || I < 1) {
+    throw std::invalid_argument("experts need E, H, I >= 1 (got E=" + std::to_string(E) +
+                                ", H=" + std::to_string(H) + ", I=" + std::to_string(I) + ")");
   }
-  if (!w.up || !w.down) throw std::invalid_argument("up and down weights are required");
-  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF16) {
+  if (dt != DType::kF32 && dt != DType::kBF16 && dt != DType::kF16) {
     throw std::invalid_argument("unsupported weight dtype");
   }
+  if (q.fmt != WFormat::kLossless && q.fmt != WFormat::kInt8 && q.fmt != WFormat::kInt4) {
+    throw std::invalid_argument("unknown weight format");
+  }
+  if (q.fmt == WFormat::kInt4 && q.group != 32 && q.group != 64 && q.group != 128) {
+    throw std::invalid_argument("int4 group size must be 32, 64 or 128 (got " +
+                                std::to_string(q.group) + ")");
+  }
+  PackedHeader h;
+  h.dtype = static_cast<uint8_t>(dt);
+  h.isa = static_cast<uint8_t>(isa);
+  h.wfmt = static_cast<uint8_t>(q.fmt);
+  h.group = static_cast<uint16_t>(q.fmt == WFormat::kInt4 ? q.group : 0);
+  h.kpack = (q.fmt == WFormat::kLossless && dt == DType::kBF16) ? 2 : 1;
+  h.k_align = static_cast<uint16_t>(q.fmt == WFormat::kInt4 && q.group > kKAlign ? q.group : kKAlign);
+  h.has_gate = has_gate;
+  h.has_gate_bias = gate_bias;
+  h.has_up_bias = up_bias;
+  h.has_down_bias = down_bias;
+  h.E = E;
+  h.H = H;
+  h.I = I;
+  h.Hk = round_up(H, h.k_align);
+  h.In = round_up(I, kPanelN);
+  h.Ik = round_up(I, h.k_align);
+  h.Hn = round_up(H, kPanelN);
+  const int G = has_gate ? 2 : 1;
+  auto a64 = [](int64_t b) { return static_cast<uint64_t>(round_up(b, 64)); };
+  h.gu_expert_bytes = a64(h.In / kPanelN * panel_bytes(dt, q.fmt, h.group, h.Hk, G));
+  h.down_expert_bytes = a64(h.Hn / kPanelN * panel_bytes(dt, q.fmt, h.group, h.Ik, 1));
+  h.nbytes = (h.gu_expert_bytes + h.down_expert_bytes) * static_cast<uint64_t>(E) +
+             (gate_bias ? a64(4 * E * h.In) : 0) + (up_bias ? a64(4 * E * h.In) : 0) +
+             (down_bias ? a64(4 * E * h.Hn) : 0);
+  return h;
+}
+
+PackedExperts::~PackedExperts() {
+  if (owns_) std::free(mem_);
+}
+
+const void* PackedExperts::gate_up_expert(int64_t e) const {
+  return gu_ + static_cast<size_t>(e) * hdr_.gu_expert_bytes;
+}
+const void* PackedExperts::down_expert(int64_t e) const {
+  return down_ + static_cast<size_t>(e) * hdr_.down_expert_bytes;
+}
+
+void PackedExperts::bind(void* mem) {
+  const PackedHeader& h = hdr_;
+  auto a64 = [](int64_t b) { return static_cast<size_t>(round_up(b, 64)); };
+  mem_ = mem;
+  uint8_t* base = static_cast<uint8_t*>(mem);
+  gu_ = base;
+  down_ = base + h.gu_expert_bytes * static_cast<size_t>(h.E);
+  uint8_t* b = down_ + h.down_expert_bytes * static_cast<size_t>(h.E);
+  bias_g_ = bias_u_ = bias_d_ = nullptr;
+  if (h.has_gate_bias) { bias_g_ = reinterpret_cast<float*>(b); b += a64(4 * h.E * h.In); }
+  if (h.has_up_bias) { bias_u_ = reinterpret_cast<float*>(b); b += a64(4 * h.E * h.In); }
+  if (h.has_down_bias) { bias_d_ = reinterpret_cast<float*>(b); }
+}
+
+namespace {
+void check_tier(Isa isa) {
   if (isa == Isa::kNeon) throw std::invalid_argument("isa 'neon' has no MoE kernels yet");
   if (!isa_supported(cpu_features(), isa)) {
     throw std::invalid_argument(std::string("isa '") + isa_name(isa) +
                                 "' is not supported on this machine (" + cpu_summary() + ")");
   }
+}
+}  // namespace
 
+std::unique_ptr<PackedExperts> PackedExperts::create(const PackedHeader& h, void* mem) {
+  const PackedHeader want = plan_packed(static_cast<DType>(h.dtype), h.E, h.H, h.I, h.has_gate,
+                                        h.has_gate_bias, h.has_up_bias, h.has_down_bias,
+                                        static_cast<Isa>(h.isa),
+                                        {static_cast<WFormat>(h.wfmt), h.group ? h.group : 64});
+  if (std::memcmp(&want, &h, sizeof(h)) != 0) {
+    throw std::invalid_argument("packed header is not what plan_packed gives for its shapes");
+  }
+  check_tier(static_cast<Isa>(h.isa));
+  if (mem && reinterpret_cast<uintptr_t>(mem) % 64 != 0) {
+    throw std::invalid_argument("packed block memory must be 64-byte aligned");
+  }
   std::unique_ptr<PackedExperts> pe(new PackedExperts());
-  PackedHeader& h = pe->hdr_;
-  h.dtype = static_cast<uint8_t>(w.dtype);
-  h.isa = static_cast<uint8_t>(isa);
-  h.kpack = w.dtype == DType::kBF16 ? 2 : 1;
-  h.has_gate = w.gate != nullptr;
-  h.E = w.E;
-  h.H = w.H;
-  h.I = w.I;
-  h.Hk = round_up(w.H, kKAlign);
-  h.In = round_up(w.I, kPanelN);
-  h.Ik = round_up(w.I, kKAlign);
-  h.Hn = round_up(w.H, kPanelN);
+  pe->hdr_ = h;
+  pe->owns_ = mem == nullptr;
+  if (!mem) {
+    mem = aligned_alloc64(h.nbytes);
+    std::memset(mem, 0, h.nbytes);  // padding bytes are part of the block's checksum
+  }
+  pe->bind(mem);
+  return pe;
+}
+
+std::unique_ptr<PackedExperts> PackedExperts::view(const PackedHeader& h, const void* mem,
+                                                   size_t mem_bytes) {
+  if (h.magic != PackedHeader{}.magic) throw std::invalid_argument("not a packed-experts header (bad magic)");
+  if (h.version != PackedHeader{}.version) {
+    throw std::invalid_argument("packed layout version " + std::to_string(h.version) +
+                                " is not this build's version " + std::to_string(PackedHeader{}.version));
+  }
+  if (h.dtype > 2 || h.wfmt > 2 || h.isa > 4) throw std::invalid_argument("packed header has an unknown dtype, format or tier");
+  if (h.nbytes != mem_bytes) {
+    throw std::invalid_argument("packed block is " + std::to_string(mem_bytes) +
+                                " bytes; its header says " + std::to_string(h.nbytes));
+  }
+  if (!mem) throw std::invalid_argument("null packed block");
+  auto pe = create(h, const_cast<void*>(mem));  // never written through: forward/unpack read only
+  return pe;
+}
+
+std::unique_ptr<PackedExperts> PackedExperts::pack(const ExpertWeights& w, Isa isa,
+                                                   int num_threads, QuantSpec q) {
+  if (!w.up || !w.down) throw std::invalid_argument("up and down weights are required");
+  check_tier(isa);
+  const PackedHeader h = plan_packed(w.dtype, w.E, w.H, w.I, w.gate != nullptr,
+                                     w.gate_bias != nullptr, w.up_bias != nullptr,
+                                     w.down_bias != nullptr, isa, q);
+  auto pe = create(h);
+  pe->pack_experts(0, w, num_threads);
+  return pe;
+}
+
+void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_threads) {
+  const PackedHeader& h = hdr_;
+  if (!w.up || !w.down) throw std::invalid_argument("up and down weights are required");
+  if (w.dtype != dtype() || w.H != h.H || w.I != h.I || w.E < 1 || e0 < 0 || e0 + w.E > h.E) {
+    throw std::invalid_argument("pack_experts: experts [" + std::to_string(e0) + ", " +
+                                std::to_string(e0 + w.E) + ") of dtype " + dtype_name(w.dtype) +
+                                " H=" + std::to_string(w.H) + " I=" + std::to_string(w.I) +
+                                " do not fit the block (E=" + std::to_string(h.E) + ", dtype " +
+                                dtype_name(dtype()) + ", H=" + std::to_string(h.H) +
+                                ", I=" + std::to_string(h.I) + ")");
+  }
+  if ((w.gate != nullptr) != has_gate() || (w.gate_bias != nullptr) != has_gate_bias() ||
+      (w.up_bias != nullptr) != has_up_bias() || (w.down_bias != nullptr) != has_down_bias()) {
+    throw std::invalid_argument("pack_experts: gate / bias arrays differ from the block's header");
+  }
   const int G = h.has_gate ? 2 : 1;
   const size_t esz = dtype_size(w.dtype);
-
-  auto a64 = [](size_t b) { return static_cast<size_t>(round_up(static_cast<int64_t>(b), 64)); };
-  pe->gu_expert_bytes_ = a64(static_cast<size_t>(h.In * h.Hk * G) * esz);
-  pe->down_expert_bytes_ = a64(static_cast<size_t>(h.Hn * h.Ik) * esz);
-  const size_t gu_bytes = pe->gu_expert_bytes_ * static_cast<size_t>(w.E);
-  const size_t down_bytes = pe->down_expert_bytes_ * static_cast<size_t>(w.E);
-  const size_t bg_bytes = w.gate_bias ? a64(sizeof(float) * static_cast<size_t>(w.E * h.In)) : 0;
-  const size_t bu_bytes = w.up_bias ? a64(sizeof(float) * static_cast<size_t>(w.E * h.In)) : 0;
-  const size_t bd_bytes = w.down_bias ? a64(sizeof(float) * static_cast<size_t>(w.E * h.Hn)) : 0;
-  pe->nbytes_ = gu_bytes + down_bytes + bg_bytes + bu_bytes + bd_bytes;
-  pe->mem_ = aligned_alloc64(pe->nbytes_);
-  uint8_t* base = static_cast<uint8_t*>(pe->mem_);
-  pe->gu_ = base;
-  pe->down_ = base + gu_bytes;
-  uint8_t* bias_base = base + gu_bytes + down_bytes;
-  if (w.gate_bias) { pe->bias_g_ = reinterpret_cast<float*>(bias_base); bias_base += bg_bytes; }
-  if (w.up_bias) { pe->bias_u_ = reinterpret_cast<float*>(bias_base); bias_base += bu_bytes; }
-  if (w.down_bias) { pe->bias_d_ = reinterpret_cast<float*>(bias_base); }
-
-  PackedExperts* raw = pe.get();
+  const WFormat wf = wformat();
   const int nth = num_threads > 0 ? num_threads : default_num_threads();
-  ThreadPool::global().run(std::min<int64_t>(nth, w.E), [&](int tid, int n) {
-    int64_t e0, e1;
-    split_range(w.E, tid, n, &e0, &e1);
-    for (int64_t e = e0; e < e1; ++e) {
-      const size_t gu_off = static_cast<size_t>(e * w.I * w.H);
-      const size_t dn_off = static_cast<size_t>(e * w.H * w.I);
-      uint8_t* gu_dst = raw->gu_ + static_cast<size_t>(e) * raw->gu_expert_bytes_;
-      uint8_t* dn_dst = raw->down_ + static_cast<size_t>(e) * raw->down_expert_bytes_;
-      // Packing only moves elements, so the element type is just its size (bf16/fp16 or fp32).
-      auto pack_expert = [&](auto elem) {
-        using El = decltype(elem);
-        if (w.gate)
-          pack_matrix(static_cast<const El*>(w.gate) + gu_off, w.I, w.H,
-                      reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, 0);
-        pack_matrix(static_cast<const El*>(w.up) + gu_off, w.I, w.H,
-                    reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, G - 1);
-        pack_matrix(static_cast<const El*>(w.down) + dn_off, w.H, w.I,
-                    reinterpret_cast<El*>(dn_dst), h.Hn, h.Ik, h.kpack, 1, 0);
-      };
-      if (esz == 2) pack_expert(uint16_t{});
-      else pack_expert(uint32_t{});
-      for (int64_t i = 0; i < h.In; ++i) {
-        if (raw->bias_g_)
-          raw->bias_g_[e * h.In + i] = i < w.I ? load_elem(w.dtype, w.gate_bias, e * w.I + i) : 0.f;
-        if (raw->bias_u_)
-          raw->bias_u_[e * h.In + i] = i < w.I ? load_elem(w.dtype, w.up_bias, e * w.I + i) : 0.f;
+  ThreadPool::global().run(static_cast<int>(std::min<int64_t>(nth, w.E)), [&](int tid, int n) {
+    int64_t s0, s1;
+    split_range(w.E, tid, n, &s0, &s1);
+    std::vector<float> buf;
+    for (int64_t se = s0; se < s1; ++se) {
+      const int64_t e = e0 + se;
+      const size_t gu_off = static_cast<size_t>(se * w.I * w.H);
+      const size_t dn_off = static_cast<size_t>(se * w.H * w.I);
+      uint8_t* gu_dst = gu_ + static_cast<size_t>(e) * h.gu_expert_bytes;
+      uint8_t* dn_dst = down_ + static_cast<size_t>(e) * h.down_expert_bytes;
+      if (wf == WFormat::kLossless) {
+        // Packing only moves elements, so the element type is just its size (bf16/fp16 or fp32).
+        auto pack_expert = [&](auto elem) {
+          using El = decltype(elem);
+          if (w.gate)
+            pack_matrix(static_cast<const El*>(w.gate) + gu_off, w.I, w.H,
+                        reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, 0);
+          pack_matrix(static_cast<const El*>(w.up) + gu_off, w.I, w.H,
+                      reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, G - 1);
+          pack_matrix(static_cast<const El*>(w.down) + dn_off, w.H, w.I,
+                      reinterpret_cast<El*>(dn_dst), h.Hn, h.Ik, h.kpack, 1, 0);
+        };
+        if (esz == 2) pack_expert(uint16_t{});
+        else pack_expert(uint32_t{});
+      } else {
+        auto at = [&](const void* base, size_t off) {
+          return static_cast<const uint8_t*>(base) + off * esz;
+        };
+        if (w.gate) quant_matrix(at(w.gate, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, 0, wf, h.group, buf);
+        quant_matrix(at(w.up, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, G - 1, wf, h.group, buf);
+        quant_matrix(at(w.down, dn_off), w.dtype, w.H, w.I, dn_dst, h.Hn, h.Ik, 1, 0, wf, h.group, buf);
       }
-      if (raw->bias_d_)
+      for (int64_t i = 0; i < h.In; ++i) {
+        if (bias_g_)
+          bias_g_[e * h.In + i] = i < w.I ? load_elem(w.dtype, w.gate_bias, se * w.I + i) : 0.f;
+        if (bias_u_)
+          bias_u_[e * h.In + i] = i < w.I ? load_elem(w.dtype, w.up_bias, se * w.I + i) : 0.f;
+      }
+      if (bias_d_)
         for (int64_t c = 0; c < h.Hn; ++c)
-          raw->bias_d_[e * h.Hn + c] = c < w.H ? load_elem(w.dtype, w.down_bias, e * w.H + c) : 0.f;
+          bias_d_[e * h.Hn + c] = c < w.H ? load_elem(w.dtype, w.down_bias, se * w.H + c) : 0.f;
     }
   });
-  return pe;
 }
 
 void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, void* up_bias,
@@ -360,20 +546,29 @@ void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, vo
   const PackedHeader& h = hdr_;
   const int G = h.has_gate ? 2 : 1;
   const DType dt = dtype();
+  const WFormat wf = wformat();
   const bool e16 = dtype_size(dt) == 2;
+  const size_t esz = dtype_size(dt);
   for (int64_t e = 0; e < h.E; ++e) {
     const size_t gu_off = static_cast<size_t>(e * h.I * h.H);
-    const uint8_t* gu_src = gu_ + static_cast<size_t>(e) * gu_expert_bytes_;
-    const uint8_t* dn_src = down_ + static_cast<size_t>(e) * down_expert_bytes_;
-    auto unpack_expert = [&](auto elem) {  // element type by size only, as in pack()
-      using El = decltype(elem);
-      auto* gs = reinterpret_cast<const El*>(gu_src);
-      if (gate && h.has_gate) unpack_matrix(gs, h.I, h.H, static_cast<El*>(gate) + gu_off, h.Hk, h.kpack, G, 0);
-      if (up) unpack_matrix(gs, h.I, h.H, static_cast<El*>(up) + gu_off, h.Hk, h.kpack, G, G - 1);
-      if (down) unpack_matrix(reinterpret_cast<const El*>(dn_src), h.H, h.I, static_cast<El*>(down) + gu_off, h.Ik, h.kpack, 1, 0);
-    };
-    if (e16) unpack_expert(uint16_t{});
-    else unpack_expert(uint32_t{});
+    const uint8_t* gu_src = gu_ + static_cast<size_t>(e) * h.gu_expert_bytes;
+    const uint8_t* dn_src = down_ + static_cast<size_t>(e) * h.down_expert_bytes;
+    if (wf != WFormat::kLossless) {
+      auto at = [&](void* base) { return static_cast<uint8_t*>(base) + gu_off * esz; };
+      if (gate && h.has_gate) dequant_matrix(gu_src, dt, h.I, h.H, at(gate), h.Hk, G, 0, wf, h.group);
+      if (up) dequant_matrix(gu_src, dt, h.I, h.H, at(up), h.Hk, G, G - 1, wf, h.group);
+      if (down) dequant_matrix(dn_src, dt, h.H, h.I, at(down), h.Ik, 1, 0, wf, h.group);
+    } else {
+      auto unpack_expert = [&](auto elem) {  // element type by size only, as in pack()
+        using El = decltype(elem);
+        auto* gs = reinterpret_cast<const El*>(gu_src);
+        if (gate && h.has_gate) unpack_matrix(gs, h.I, h.H, static_cast<El*>(gate) + gu_off, h.Hk, h.kpack, G, 0);
+        if (up) unpack_matrix(gs, h.I, h.H, static_cast<El*>(up) + gu_off, h.Hk, h.kpack, G, G - 1);
+        if (down) unpack_matrix(reinterpret_cast<const El*>(dn_src), h.H, h.I, static_cast<El*>(down) + gu_off, h.Ik, h.kpack, 1, 0);
+      };
+      if (e16) unpack_expert(uint16_t{});
+      else unpack_expert(uint32_t{});
+    }
     for (int64_t i = 0; i < h.I; ++i) {
       if (gate_bias && bias_g_) store_elem(dt, gate_bias, e * h.I + i, bias_g_[e * h.In + i]);
       if (up_bias && bias_u_) store_elem(dt, up_bias, e * h.I + i, bias_u_[e * h.In + i]);
@@ -394,8 +589,8 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
   if (path == MoePath::kAuto) {
     path = T >= p.prefill_min_tokens ? MoePath::kPrefill : MoePath::kDecode;
   }
-  const Selected sel = select_kernels(isa(), dtype(), path);
-  return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path), x, T, topk_idx,
+  const Selected sel = select_kernels(isa(), dtype(), path, wformat());
+  return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path, wformat()), x, T, topk_idx,
                       idx_bits, topk_w, K, out, p);
 }
 
@@ -413,7 +608,6 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   if (p.prefill_min_tokens < 1) throw std::invalid_argument("prefill_min_tokens must be >= 1");
   if (T == 0) return name;
   if (!x || !out || (K > 0 && (!topk_idx || !topk_w))) throw std::invalid_argument("null pointer argument");
-  if (kern.x_bf16 && dt != DType::kBF16) throw std::invalid_argument("kernel needs bf16 weights");
 
   Scratch& s = tls_scratch;
   // Routing metadata: rows grouped per expert, in token order inside an expert.
@@ -431,7 +625,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   if (idx_bits == 32) fill_rows(static_cast<const int32_t*>(topk_idx), topk_w, T, K, s);
   else fill_rows(static_cast<const int64_t*>(topk_idx), topk_w, T, K, s);
 
-  Layout L{dt, hd.kpack, hd.has_gate ? 2 : 1, hd.H, hd.I, hd.Hk, hd.In, hd.Ik, hd.Hn};
+  Layout L{dt, hd.kpack, hd.has_gate ? 2 : 1, hd.H, hd.I, hd.Hk, hd.In, hd.Ik, hd.Hn,
+           pe.wformat(), hd.group};
   ActParams ap{p.act, p.alpha, p.gate_limit, p.up_limit, p.post_act_limit, p.up_offset};
   const int nthreads = p.num_threads > 0 ? p.num_threads : default_num_threads();
   ThreadPool& pool = ThreadPool::global();
@@ -462,8 +657,10 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
         uint16_t* d = reinterpret_cast<uint16_t*>(dst);
         if (woi) {
           for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(scale * load_elem(dt, src, c));
-        } else {
+        } else if (dt == DType::kBF16) {
           std::memcpy(d, src, static_cast<size_t>(H) * 2);
+        } else {
+          for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(load_elem(dt, src, c));
         }
         std::memset(d + H, 0, static_cast<size_t>(xs - H) * 2);
       } else {

@@ -1,4 +1,6 @@
-// The fused MoE experts op (lossless formats: fp32 / bf16 / fp16 weights). Torch-free C++ API.
+// The fused MoE experts op. Torch-free C++ API. Weight formats: the model's own dtype (fp32 /
+// bf16 / fp16, lossless), or quantised (int8 per output channel, int4 group-wise); activations
+// (x, out) are always in the model's dtype.
 //
 // Semantics (the contract with the Python side). Shape letters: T tokens, E experts, K top-k,
 // H hidden, I expert intermediate. For each token t and slot k with e = topk_idx[t,k]
@@ -10,6 +12,16 @@
 //   no gate: h = act(u)
 //   y = W_down[e] @ h + b_down[e]              (W_down [E,H,I])
 //   out_t = sum over slots of w * y            (fp32 accumulation; out written in x's dtype)
+// Quantised weights (WFormat, fixed at pack time; W_* above then means the dequantised weights):
+//   int8: per output row n, s_n = max_k |W[n,k]| / 127, q = clamp(round(W / s_n), -127, 127);
+//         W ~ s_n * q. Kernels compute s_n * sum_k q x_k (fp32 scale, exact factoring).
+//   int4: per output row n and group of `group` consecutive k (32, 64 or 128), m = the element
+//         of largest |W| (first one), d = bf16(m / -8), q = clamp(round(W / d), -8, 7); W ~ d * q
+//         (the largest element maps to -8, so all 16 levels are used). Kernels compute
+//         sum_groups d * sum_{k in group} q x_k.
+//   x and h stay fp32 on the FMA tiers (weights are expanded in registers; no activation
+//   quantisation). The AMX prefill path expands each panel to bf16 (bf16(s * q)) and runs the
+//   bf16 tiles, rounding x and h to bf16 as the lossless AMX path does.
 // h stays in fp32 on every path except the AMX prefill path, where it is rounded to bf16 to
 // feed the tiles (what PyTorch itself does when the model runs in bf16).
 #pragma once
@@ -27,6 +39,15 @@ enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 const char* dtype_name(DType dt);   // "float32" | "bfloat16" | "float16"
 const char* dtype_short(DType dt);  // "f32" | "bf16" | "f16" (the <format> in kernel names)
 size_t dtype_size(DType dt);
+
+// How expert weights are stored. kLossless: the model's dtype, lossless.
+enum class WFormat : int { kLossless = 0, kInt8 = 1, kInt4 = 2 };
+const char* wformat_name(WFormat f);  // "lossless" | "int8" | "int4"
+bool wformat_from_name(const char* name, WFormat* out);
+struct QuantSpec {
+  WFormat fmt = WFormat::kLossless;
+  int group = 64;  // int4 only: 32, 64 or 128
+};
 
 enum class Act : int { kSilu, kGelu, kGeluTanh, kRelu, kRelu2, kSigmoidAlpha, kIdentity };
 const char* act_name(Act act);  // "silu" | "gelu" | "gelu_tanh" | "relu" | "relu2" | "sigmoid_alpha" | "identity"
@@ -68,31 +89,65 @@ struct MoeParams {
 };
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
-// for. Layout v1 (ISA-independent; one layout serves generic/avx2/avx512/amx):
-//   per expert, the output dimension is cut into panels of 16 rows (zero-padded), the reduction
-//   dimension is zero-padded to a multiple of 32; bf16 panels hold [Kp/2][G][16][2] (VNNI pairs,
-//   the AMX B-tile layout), fp32/fp16 panels [Kp][G][16]; G = 2 interleaves gate and up so one
-//   pass streams both, G = 1 for down (and for up without a gate).
+// for. It is a plain struct (no pointers) so it can be stored beside the data on disk.
+// Layout v2 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
+// dimension is cut into panels of 16 rows (zero-padded); the reduction dimension is zero-padded
+// to k_align (32, or the int4 group size when larger). G = 2 interleaves gate and up so one pass
+// streams both; G = 1 for down (and for up without a gate). One panel:
+//   lossless bf16: [Kp/2][G][16][2] (VNNI pairs, the AMX B-tile layout); fp32/fp16: [Kp][G][16]
+//   int8: [G][16] fp32 row scales (64*G bytes), then [Kp][G][16] int8
+//   int4: Kp/group blocks, each [G][16] bf16 scales padded to 64 bytes, then [group/2][G][16]
+//         bytes; a byte holds k even (low nibble) and k odd (high nibble), as q + 8 in 0..15.
+// The block: all experts' gate/up panels, all experts' down panels, then fp32 biases ([E][In]
+// gate, [E][In] up, [E][Hn] down, each present only when the model has it); every part 64-byte
+// aligned; nbytes is the whole block.
 struct PackedHeader {
   uint32_t magic = 0x454D4E48;  // "HNME"
-  uint16_t version = 1;
-  uint8_t dtype = 0;            // DType
+  uint16_t version = 2;
+  uint8_t dtype = 0;            // DType of the model (x, out, and lossless weights)
   uint8_t isa = 0;              // Isa the kernels were chosen for
   uint8_t panel_n = 16;         // output rows per panel
-  uint8_t kpack = 1;            // reduction elements per pair (2 for bf16)
-  uint8_t k_align = 32;         // reduction dimension padding
+  uint8_t kpack = 1;            // reduction elements per pair (2 for lossless bf16)
+  uint8_t wfmt = 0;             // WFormat
   uint8_t has_gate = 0;
+  uint8_t has_gate_bias = 0, has_up_bias = 0, has_down_bias = 0;
+  uint8_t reserved0 = 0;
+  uint16_t group = 0;           // int4 group size (0 otherwise)
+  uint16_t k_align = 32;        // reduction dimension padding
+  uint32_t reserved1 = 0;
   int64_t E = 0, H = 0, I = 0;
   int64_t Hk = 0;  // H padded to k_align (reduction length of gate/up)
   int64_t In = 0;  // I padded to panel_n (output rows of gate/up)
   int64_t Ik = 0;  // I padded to k_align (reduction length of down)
   int64_t Hn = 0;  // H padded to panel_n (output rows of down)
+  uint64_t gu_expert_bytes = 0, down_expert_bytes = 0;  // 64-byte multiples
+  uint64_t nbytes = 0;                                   // the whole block
 };
+static_assert(sizeof(PackedHeader) == 104, "PackedHeader is stored on disk: keep it fixed-size");
+
+// The header pack() would produce for these shapes and format (all derived fields filled).
+// Throws std::invalid_argument on bad shapes, dtype, format or group size.
+PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
+                         bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q);
 
 class PackedExperts {
  public:
-  // Copies and packs. Throws std::invalid_argument on bad shapes or an ISA this machine lacks.
-  static std::unique_ptr<PackedExperts> pack(const ExpertWeights& w, Isa isa, int num_threads = 0);
+  // Copies and packs (quantising when q asks for it). Throws std::invalid_argument on bad
+  // shapes or an ISA this machine lacks.
+  static std::unique_ptr<PackedExperts> pack(const ExpertWeights& w, Isa isa, int num_threads = 0,
+                                             QuantSpec q = {});
+  // An empty block for `h` (from plan_packed), to be filled with pack_experts(). With `mem`
+  // (h.nbytes bytes, 64-byte aligned, caller-owned and outliving the object) the block lives
+  // there, e.g. in a memory-mapped file; otherwise it is allocated.
+  static std::unique_ptr<PackedExperts> create(const PackedHeader& h, void* mem = nullptr);
+  // A read-only view of a block written earlier (e.g. mmapped from the store). Validates the
+  // header (magic, version, derived sizes, nbytes == mem_bytes, tier supported here); throws
+  // std::invalid_argument naming what is wrong. The caller keeps `mem` alive and unchanged.
+  static std::unique_ptr<PackedExperts> view(const PackedHeader& h, const void* mem,
+                                             size_t mem_bytes);
+  // Packs experts [e0, e0 + w.E) from w (w.E experts, shapes as in the header). Biases in w
+  // must be given exactly when the header has them.
+  void pack_experts(int64_t e0, const ExpertWeights& w, int num_threads = 0);
   ~PackedExperts();
 
   // Runs the op; returns the name of the kernel that ran ("moe_decode_bf16_avx512", ...).
@@ -102,12 +157,15 @@ class PackedExperts {
   const char* forward(const void* x, int64_t T, const void* topk_idx, int idx_bits,
                       const float* topk_w, int64_t K, void* out, const MoeParams& p) const;
 
-  // Exact inverse of pack(). Destinations as in ExpertWeights (nullptr: skip that array).
+  // Inverse of pack(): exact for the lossless format; for int8/int4 the dequantised weights
+  // (s * q, rounded to dtype()). Destinations as in ExpertWeights (nullptr: skip that array).
   void unpack(void* gate, void* up, void* down, void* gate_bias, void* up_bias,
               void* down_bias) const;
 
   const PackedHeader& header() const { return hdr_; }
   DType dtype() const { return static_cast<DType>(hdr_.dtype); }
+  WFormat wformat() const { return static_cast<WFormat>(hdr_.wfmt); }
+  const void* data() const { return mem_; }
   Isa isa() const { return static_cast<Isa>(hdr_.isa); }
   int64_t E() const { return hdr_.E; }
   int64_t H() const { return hdr_.H; }
@@ -116,7 +174,7 @@ class PackedExperts {
   bool has_gate_bias() const { return bias_g_ != nullptr; }
   bool has_up_bias() const { return bias_u_ != nullptr; }
   bool has_down_bias() const { return bias_d_ != nullptr; }
-  size_t nbytes() const { return nbytes_; }
+  size_t nbytes() const { return static_cast<size_t>(hdr_.nbytes); }
 
   // Internal views used by the driver and the tests.
   const void* gate_up_expert(int64_t e) const;
@@ -127,10 +185,10 @@ class PackedExperts {
 
  private:
   PackedExperts() = default;
+  void bind(void* mem);  // sets the section pointers from hdr_
   PackedHeader hdr_;
   void* mem_ = nullptr;  // one 64-byte aligned block: gate_up panels, down panels, biases
-  size_t nbytes_ = 0;
-  size_t gu_expert_bytes_ = 0, down_expert_bytes_ = 0;
+  bool owns_ = false;
   uint8_t* gu_ = nullptr;
   uint8_t* down_ = nullptr;
   float* bias_g_ = nullptr;  // [E, In] fp32 (exact copies of the bf16/fp16/fp32 values)
@@ -138,8 +196,9 @@ class PackedExperts {
   float* bias_d_ = nullptr;  // [E, Hn]
 };
 
-// Name of the kernel `forward` would run for this tier, dtype and path (kAuto is not a path).
-const char* moe_kernel_name(Isa isa, DType dt, MoePath path);
+// Name of the kernel `forward` would run for this tier, format and path (kAuto is not a path):
+// `moe_<path>_<format>_<isa>`, format = f32 | bf16 | f16 | int8 | int4.
+const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless);
 // "auto" -> the best tier here, unless the env var HINA_MOE_ISA names a (lower) tier; other
 // names must be supported by this CPU. Throws std::invalid_argument naming the tier and what
 // the CPU supports.

@@ -21,6 +21,10 @@
 //   Threads: the driver hands these kernels small work items dynamically (moe.cpp header).
 //   Epilogue (AVX-512): C tiles stored to a 4 KiB stack buffer; bias, limits, activation,
 //   bf16 rounding (gate/up) or routing weight + scatter-add into fp32 rows (down).
+// Quantised weights (moe_prefill_int8_amx / moe_prefill_int4_amx): each panel is expanded to
+// bf16 (bf16(scale * q), the same VNNI-pair layout) in a per-thread buffer right before its
+// tiles run, then the bf16 tile plan above runs unchanged; the expansion is paid once per panel
+// and expert, and amortised over the expert's rows.
 // Known limits: rows past the expert's last row are read (garbage rows of the next expert or
 // zeroed slack: KernelImpl::row_slack = 16) and their C rows discarded; A tiles are re-loaded
 // per panel (from L1/L2); gate/up has no room for a second panel (2 A + 2 B + 4 C = 8 tiles),
@@ -28,6 +32,9 @@
 // (tried: distance 4-16 k-tiles, T0/T1, and THP-backed weights: no gain above noise on the test
 // VM); bf16 only (no AMX-FP16 here).
 #include <immintrin.h>
+
+#include <cstdlib>
+#include <new>
 
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
@@ -53,7 +60,75 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-template <bool Gated>
+// ---- quantised panels expanded to bf16 VNNI pairs ----
+
+// Rounded bf16 bits of v in the high half of each dword (finite inputs).
+inline __m512i bf16_hi(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+// Stores 16 columns x (k even, k odd) as [16][2] bf16 pairs.
+inline void store_pairs(uint16_t* dst, __m512 even, __m512 odd) {
+  const __m512i e = _mm512_srli_epi32(bf16_hi(even), 16);
+  const __m512i o = _mm512_and_si512(bf16_hi(odd), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  _mm512_store_si512(dst, _mm512_or_si512(e, o));
+}
+
+struct PanelBuf {
+  uint16_t* p = nullptr;
+  size_t cap = 0;
+  ~PanelBuf() { std::free(p); }
+  uint16_t* get(size_t elems) {
+    if (elems > cap) {
+      std::free(p);
+      void* m = nullptr;
+      if (posix_memalign(&m, 64, elems * 2) != 0) throw std::bad_alloc();
+      p = static_cast<uint16_t*>(m);
+      cap = elems;
+    }
+    return p;
+  }
+};
+thread_local PanelBuf tls_panels;
+
+// Expands a quantised panel (G matrices, reduction length Kp) to dst [Kp/2][G][16][2] bf16.
+void expand_panel(const uint8_t* panel, const Layout& L, int64_t Kp, int G, uint16_t* dst) {
+  if (L.wfmt == WFormat::kInt8) {
+    const uint8_t* w = panel + 64 * G;
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512 sc = _mm512_load_ps(reinterpret_cast<const float*>(panel + gi * 64));
+      for (int64_t k = 0; k < Kp; k += 2) {
+        auto q = [&](int64_t kk) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_load_si128(reinterpret_cast<const __m128i*>(w + (kk * G + gi) * kPanelN))));
+        };
+        store_pairs(dst + ((k >> 1) * G + gi) * 32, _mm512_mul_ps(q(k), sc), _mm512_mul_ps(q(k + 1), sc));
+      }
+    }
+    return;
+  }
+  const int group = L.group;
+  const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+  const __m512i low4 = _mm512_set1_epi32(15);
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t b = 0; b < Kp / group; ++b) {
+    const uint8_t* blk = panel + b * blk_bytes;
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + gi * 32))), 16));
+      for (int kk = 0; kk < group; kk += 2) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(
+            reinterpret_cast<const __m128i*>(blk + 64 + ((kk >> 1) * G + gi) * kPanelN)));
+        const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), eight);
+        const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), eight);
+        store_pairs(dst + (((b * group + kk) >> 1) * G + gi) * 32, _mm512_mul_ps(lo, sc), _mm512_mul_ps(hi, sc));
+      }
+    }
+  }
+}
+
+template <bool Gated, WFormat F>
 void gateup_amx(const GateUpJob& j) {
   const Layout& L = *j.L;
   constexpr int G = Gated ? 2 : 1;
@@ -61,11 +136,17 @@ void gateup_amx(const GateUpJob& j) {
   const uint16_t* x0 = static_cast<const uint16_t*>(j.x[0]);
   uint16_t* h = static_cast<uint16_t*>(j.h);
   const int64_t panel_elems = Hk * kPanelN * G;
+  const int64_t qbytes = F == WFormat::kLossless ? 0 : gu_panel_bytes(L);
+  uint16_t* ebuf = F == WFormat::kLossless ? nullptr : tls_panels.get(static_cast<size_t>(panel_elems));
   alignas(64) float cg[2][16][16];
   alignas(64) float cu[2][16][16];
   configure_tiles();
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint16_t* panel = static_cast<const uint16_t*>(j.w) + p * panel_elems;
+    if constexpr (F != WFormat::kLossless) {
+      expand_panel(static_cast<const uint8_t*>(j.w) + p * qbytes, L, Hk, G, ebuf);
+      panel = ebuf;
+    }
     const int64_t col0 = p * kPanelN;
     const __mmask16 valid = v512::valid_mask(col0, L.I);
     const __m512 bg = j.bias_g ? _mm512_load_ps(j.bias_g + col0) : _mm512_setzero_ps();
@@ -115,11 +196,14 @@ void gateup_amx(const GateUpJob& j) {
   _tile_release();
 }
 
+template <WFormat F>
 void down_amx(const DownJob& j) {
   const Layout& L = *j.L;
   const int64_t Ik = L.Ik, hs = j.h_stride;
   const uint16_t* h0 = static_cast<const uint16_t*>(j.h);
   const int64_t panel_elems = Ik * kPanelN;
+  const int64_t qbytes = F == WFormat::kLossless ? 0 : down_panel_bytes(L);
+  uint16_t* ebuf = F == WFormat::kLossless ? nullptr : tls_panels.get(static_cast<size_t>(2 * panel_elems));
   alignas(64) float c[2][2][16][16];  // [panel][row block][row][col]
   configure_tiles();
   // Two panels at a time: tmm6/7 = B of panels p, p+1; tmm4/5 = A rows m0.., m0+16..;
@@ -127,6 +211,12 @@ void down_amx(const DownJob& j) {
   for (int64_t p = j.p0; p < j.p1; p += 2) {
     const bool pp = p + 1 < j.p1;
     const uint16_t* panel = static_cast<const uint16_t*>(j.w) + p * panel_elems;
+    if constexpr (F != WFormat::kLossless) {
+      const uint8_t* q = static_cast<const uint8_t*>(j.w) + p * qbytes;
+      expand_panel(q, L, Ik, 1, ebuf);
+      if (pp) expand_panel(q + qbytes, L, Ik, 1, ebuf + panel_elems);
+      panel = ebuf;
+    }
     const uint16_t* panel1 = panel + panel_elems;
     const int64_t col0 = p * kPanelN;
     const __m512 b0 = j.bias ? _mm512_load_ps(j.bias + col0) : _mm512_setzero_ps();
@@ -178,17 +268,29 @@ void down_amx(const DownJob& j) {
   _tile_release();
 }
 
+template <WFormat F>
 void gateup_dispatch(const GateUpJob& j) {
-  if (j.L->G == 2) gateup_amx<true>(j);
-  else gateup_amx<false>(j);
+  if (j.L->G == 2) gateup_amx<true, F>(j);
+  else gateup_amx<false, F>(j);
 }
 
 }  // namespace
 
 bool get_kernels_amx(DType dt, KernelImpl* k) {
   if (dt != DType::kBF16) return false;
-  k->gateup = &gateup_dispatch;
-  k->down = &down_amx;
+  k->gateup = &gateup_dispatch<WFormat::kLossless>;
+  k->down = &down_amx<WFormat::kLossless>;
+  k->x_bf16 = k->h_bf16 = true;
+  k->row_slack = 16;
+  return true;
+}
+
+bool get_qkernels_amx(WFormat wf, KernelImpl* k) {
+  switch (wf) {
+    case WFormat::kInt8: k->gateup = &gateup_dispatch<WFormat::kInt8>; k->down = &down_amx<WFormat::kInt8>; break;
+    case WFormat::kInt4: k->gateup = &gateup_dispatch<WFormat::kInt4>; k->down = &down_amx<WFormat::kInt4>; break;
+    default: return false;
+  }
   k->x_bf16 = k->h_bf16 = true;
   k->row_slack = 16;
   return true;

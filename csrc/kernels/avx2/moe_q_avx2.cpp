@@ -1,0 +1,173 @@
+// [NOTE] moe_decode_<q>_avx2 / moe_prefill_<q>_avx2 (q: int8, int4)
+// Flags: -mavx2 -mfma -mf16c (tier `avx2`).
+//
+// Data layout: layout v2 quantised panels (PackedHeader; moe_q_generic.cpp has the table); one
+// 16-column panel is two ymm halves (columns 0-7, 8-15).
+// Register plan: weights expanded to fp32 in registers, FMA'd with broadcast fp32 x / h:
+//   int8: vpmovsxbd of 8 bytes + vcvtdq2ps per half; row scale applied once at the end.
+//   int4: vpmovzxbd of 8 bytes; (v & 15) | 0x4B000000 (and + or) is the float 2^23 + nibble,
+//         minus 2^23 + 8 gives q exactly; high nibble shifted down first. Group scale applied
+//         per group with one FMA.
+//   NT <= 2 rows x G matrices x 2 halves accumulators (k even and odd share a chain: AVX2
+//   machines have fewer FMA ports and less bandwidth, so the chain latency is not the limit).
+// Known limits: not tuned; the activation epilogue is scalar (as in moe_avx2.cpp).
+#include <immintrin.h>
+
+#include "moe/kernel_api.h"
+
+namespace hina::detail {
+namespace {
+
+constexpr int kMaxRows = 2;
+constexpr int kPrefetchBytes = 1024;
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+inline __m256 i8x8_to_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8 bf16 scales -> fp32.
+inline __m256 bf16x8_to_ps(const void* p) {
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// out[r][gi][half]: dot products of one quantised panel with NT fp32 rows, scales applied.
+template <WFormat F, int G, int NT>
+inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float* const* x,
+                       __m256 out[][2][2]) {
+  for (int r = 0; r < NT; ++r)
+    for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
+  if constexpr (F == WFormat::kInt8) {
+    const uint8_t* w = panel + 64 * G;
+    for (int64_t k = 0; k < Kp; ++k, w += G * kPanelN) {
+      if ((k & 3) == 0) prefetch(w + kPrefetchBytes);
+      for (int gi = 0; gi < G; ++gi)
+        for (int half = 0; half < 2; ++half) {
+          const __m256 wv = i8x8_to_ps(w + gi * kPanelN + half * 8);
+          for (int r = 0; r < NT; ++r)
+            out[r][gi][half] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(&x[r][k]), out[r][gi][half]);
+        }
+    }
+    for (int gi = 0; gi < G; ++gi)
+      for (int half = 0; half < 2; ++half) {
+        const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(panel + gi * 64) + half * 8);
+        for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_mul_ps(out[r][gi][half], sc);
+      }
+  } else {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256i magic = _mm256_set1_epi32(0x4B000000);
+    const __m256 off = _mm256_set1_ps(8388616.0f);  // 2^23 + 8
+    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+    const uint8_t* blk = panel;
+    for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
+      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + kPrefetchBytes + o);
+      __m256 a[NT][G][2];
+      for (int r = 0; r < NT; ++r)
+        for (int gi = 0; gi < G; ++gi) a[r][gi][0] = a[r][gi][1] = _mm256_setzero_ps();
+      const uint8_t* w = blk + 64;
+      for (int kk = 0; kk < group; kk += 2, w += G * kPanelN) {
+        for (int gi = 0; gi < G; ++gi)
+          for (int half = 0; half < 2; ++half) {
+            const __m256i v = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + gi * kPanelN + half * 8)));
+            const __m256 we = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, low4), magic)), off);
+            const __m256 wo = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(v, 4), magic)), off);
+            for (int r = 0; r < NT; ++r) {
+              a[r][gi][half] = _mm256_fmadd_ps(we, _mm256_broadcast_ss(&x[r][k0 + kk]), a[r][gi][half]);
+              a[r][gi][half] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(&x[r][k0 + kk + 1]), a[r][gi][half]);
+            }
+          }
+      }
+      for (int gi = 0; gi < G; ++gi)
+        for (int half = 0; half < 2; ++half) {
+          const __m256 sc = bf16x8_to_ps(blk + gi * 32 + half * 16);
+          for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(a[r][gi][half], sc, out[r][gi][half]);
+        }
+    }
+  }
+}
+
+template <WFormat F, bool Gated, int NT>
+void qgateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t col0) {
+  constexpr int G = Gated ? 2 : 1;
+  const Layout& L = *j.L;
+  const float* xr[NT];
+  for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
+  __m256 acc[NT][2][2];
+  qpanel_dot<F, G, NT>(panel, L.Hk, L.group, xr, acc);
+  alignas(32) float g[16], u[16];
+  for (int r = 0; r < NT; ++r) {
+    for (int half = 0; half < 2; ++half) {
+      _mm256_store_ps(u + half * 8, acc[r][G - 1][half]);
+      if (Gated) _mm256_store_ps(g + half * 8, acc[r][0][half]);
+    }
+    float* h = static_cast<float*>(j.h) + (r0 + r) * j.h_stride + col0;
+    for (int n = 0; n < kPanelN; ++n) {
+      const int64_t col = col0 + n;
+      if (col >= L.I) { h[n] = 0.0f; continue; }
+      const float gv = (Gated ? g[n] : 0.0f) + (j.bias_g ? j.bias_g[col] : 0.0f);
+      const float uv = u[n] + (j.bias_u ? j.bias_u[col] : 0.0f);
+      h[n] = h_scalar(*j.act, Gated, gv, uv);
+    }
+  }
+}
+
+template <WFormat F, bool Gated>
+void qgateup_avx2(const GateUpJob& j) {
+  const int64_t pbytes = gu_panel_bytes(*j.L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    int64_t r0 = 0;
+    for (; r0 + kMaxRows <= j.nt; r0 += kMaxRows) qgateup_rows<F, Gated, kMaxRows>(j, panel, r0, p * kPanelN);
+    if (r0 < j.nt) qgateup_rows<F, Gated, 1>(j, panel, r0, p * kPanelN);
+  }
+}
+
+template <WFormat F, int NT>
+void qdown_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0) {
+  const float* hr[NT];
+  for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
+  __m256 y[NT][2][2];
+  qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
+  for (int r = 0; r < NT; ++r) {
+    const __m256 w = _mm256_set1_ps(j.wt[r0 + r]);
+    for (int half = 0; half < 2; ++half) {
+      float* a = j.acc[r0 + r] + col0 + half * 8;
+      const __m256 b = j.bias ? _mm256_loadu_ps(j.bias + col0 + half * 8) : _mm256_setzero_ps();
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(w, _mm256_add_ps(y[r][0][half], b), _mm256_loadu_ps(a)));
+    }
+  }
+}
+
+template <WFormat F>
+void qdown_avx2(const DownJob& j) {
+  const int64_t pbytes = down_panel_bytes(*j.L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    int64_t r0 = 0;
+    for (; r0 + kMaxRows <= j.nt; r0 += kMaxRows) qdown_rows<F, kMaxRows>(j, panel, r0, p * kPanelN);
+    if (r0 < j.nt) qdown_rows<F, 1>(j, panel, r0, p * kPanelN);
+  }
+}
+
+template <WFormat F>
+void qgateup_dispatch(const GateUpJob& j) {
+  if (j.L->G == 2) qgateup_avx2<F, true>(j);
+  else qgateup_avx2<F, false>(j);
+}
+
+}  // namespace
+
+bool get_qkernels_avx2(WFormat wf, KernelImpl* k) {
+  k->x_bf16 = k->h_bf16 = false;
+  k->row_slack = 0;
+  switch (wf) {
+    case WFormat::kInt8: k->gateup = &qgateup_dispatch<WFormat::kInt8>; k->down = &qdown_avx2<WFormat::kInt8>; return true;
+    case WFormat::kInt4: k->gateup = &qgateup_dispatch<WFormat::kInt4>; k->down = &qdown_avx2<WFormat::kInt4>; return true;
+    default: return false;
+  }
+}
+
+}  // namespace hina::detail

@@ -1,0 +1,197 @@
+// [NOTE] moe_decode_<q>_avx512 / moe_prefill_<q>_avx512 (q: int8, int4)
+// Flags: -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c (tier `avx512`; no VNNI).
+//
+// Data layout: layout v2 quantised panels (PackedHeader; moe_q_generic.cpp has the table).
+//   int8: 64*G bytes of fp32 row scales, then per k: G x 16 int8 (16 bytes per matrix).
+//   int4: blocks of `group` k: 64 bytes of bf16 scales, then per k pair: G x 16 bytes, low
+//         nibble = k even, high nibble = k odd, stored q + 8.
+// Register plan: one panel = 16 output columns = one zmm per row and matrix. Weights are
+// expanded to fp32 in registers and FMA'd with broadcast fp32 x / h (no activation
+// quantisation, so the result is the dequantised model's, up to summation order):
+//   int8: vpmovsxbd (16 bytes -> 16 dwords) + vcvtdq2ps, two FMA chains (k even / odd); the
+//         row scale multiplies the dot product once at the end (exact factoring).
+//   int4: vpmovzxbd of 16 bytes; nibble -> float without a conversion instruction:
+//         (v & 15) | 0x4B000000 is the float 2^23 + nibble (one vpternlogd), minus 2^23 + 8
+//         gives q exactly; the high nibble is shifted down first. Per group: two chains
+//         (k even / odd) per row and matrix, then acc = fma(chains, group scale, acc).
+//   Rows: NT <= 4 (int8) / 3 (int4) rows share each expanded weight vector (prefill reuse);
+//   the int4 limit keeps 6 accumulators per row plus constants within the 32 zmm registers.
+// Software prefetch kPrefetchBytes ahead in the weight stream, one line per 64 bytes consumed.
+// Known limits: the expansion costs 2-3 vector ops per 16 weights, so int4 decode is bounded
+// by the FMA ports before memory on slow-clocked cores (measured in benchmarks/RESULTS.md);
+// a VNNI (u8 x s8) variant with quantised activations is the next step if it is.
+#include <immintrin.h>
+
+#include "kernels/avx512/vec_avx512.h"
+#include "moe/kernel_api.h"
+
+namespace hina::detail {
+namespace {
+
+constexpr int kPrefetchBytes = 1024;
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+inline __m512 i8x16_to_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16 bf16 scales -> fp32.
+inline __m512 bf16x16_to_ps(const void* p) {
+  const __m256i v = _mm256_load_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Dot products of one quantised panel with NT rows: out[r][gi] for matrices gi < G, 16 columns
+// each, scales applied. x[r] points at row r (fp32, Kp long, zero-padded).
+template <WFormat F, int G, int NT>
+inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float* const* x,
+                       __m512 out[][2]) {
+  for (int r = 0; r < NT; ++r)
+    for (int gi = 0; gi < G; ++gi) out[r][gi] = _mm512_setzero_ps();
+  if constexpr (F == WFormat::kInt8) {
+    __m512 a0[NT][G], a1[NT][G];
+    for (int r = 0; r < NT; ++r)
+      for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
+    const uint8_t* w = panel + 64 * G;
+    for (int64_t k = 0; k < Kp; k += 2, w += 2 * G * kPanelN) {
+      prefetch(w + kPrefetchBytes);
+      if (G == 2) prefetch(w + kPrefetchBytes + 32);  // G == 2 consumes 64 bytes per step
+      for (int gi = 0; gi < G; ++gi) {
+        const __m512 we = i8x16_to_ps(w + gi * kPanelN);
+        const __m512 wo = i8x16_to_ps(w + (G + gi) * kPanelN);
+        for (int r = 0; r < NT; ++r) {
+          a0[r][gi] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[r][k]), a0[r][gi]);
+          a1[r][gi] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r][k + 1]), a1[r][gi]);
+        }
+      }
+    }
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512 sc = _mm512_load_ps(reinterpret_cast<const float*>(panel + gi * 64));
+      for (int r = 0; r < NT; ++r) out[r][gi] = _mm512_mul_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc);
+    }
+  } else {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    const __m512i magic = _mm512_set1_epi32(0x4B000000);  // 2^23
+    const __m512 off = _mm512_set1_ps(8388616.0f);        // 2^23 + 8
+    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+    const uint8_t* blk = panel;
+    for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
+      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + kPrefetchBytes + o);
+      __m512 a0[NT][G], a1[NT][G];
+      for (int r = 0; r < NT; ++r)
+        for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
+      const uint8_t* w = blk + 64;
+      for (int kk = 0; kk < group; kk += 2, w += G * kPanelN) {
+        for (int gi = 0; gi < G; ++gi) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(w + gi * kPanelN)));
+          // (v & 15) | magic: 0xEA is the truth table of (A & B) | C.
+          const __m512 we = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, low4, magic, 0xEA)), off);
+          const __m512 wo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(v, 4), magic)), off);
+          for (int r = 0; r < NT; ++r) {
+            a0[r][gi] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[r][k0 + kk]), a0[r][gi]);
+            a1[r][gi] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r][k0 + kk + 1]), a1[r][gi]);
+          }
+        }
+      }
+      for (int gi = 0; gi < G; ++gi) {
+        const __m512 sc = bf16x16_to_ps(blk + gi * 32);
+        for (int r = 0; r < NT; ++r)
+          out[r][gi] = _mm512_fmadd_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc, out[r][gi]);
+      }
+    }
+  }
+}
+
+template <WFormat F, bool Gated, int NT>
+inline void qgateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t col0,
+                         __m512 bg, __m512 bu, __mmask16 valid) {
+  constexpr int G = Gated ? 2 : 1;
+  const float* xr[NT];
+  for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
+  __m512 acc[NT][2];
+  qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
+  float* h = static_cast<float*>(j.h);
+  for (int r = 0; r < NT; ++r) {
+    const __m512 g = Gated ? _mm512_add_ps(acc[r][0], bg) : _mm512_setzero_ps();
+    const __m512 hv = v512::h_vec(*j.act, Gated, g, _mm512_add_ps(acc[r][G - 1], bu), valid);
+    _mm512_store_ps(h + (r0 + r) * j.h_stride + col0, hv);
+  }
+}
+
+template <WFormat F>
+constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
+
+template <WFormat F, bool Gated>
+void qgateup_avx512(const GateUpJob& j) {
+  const Layout& L = *j.L;
+  constexpr int M = max_rows<F>();
+  const int64_t pbytes = gu_panel_bytes(L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    const int64_t col0 = p * kPanelN;
+    const __mmask16 valid = v512::valid_mask(col0, L.I);
+    const __m512 bg = j.bias_g ? _mm512_load_ps(j.bias_g + col0) : _mm512_setzero_ps();
+    const __m512 bu = j.bias_u ? _mm512_load_ps(j.bias_u + col0) : _mm512_setzero_ps();
+    int64_t r0 = 0;
+    for (; r0 + M <= j.nt; r0 += M) qgateup_rows<F, Gated, M>(j, panel, r0, col0, bg, bu, valid);
+    switch (j.nt - r0) {
+      case 3: if constexpr (M > 3) qgateup_rows<F, Gated, 3>(j, panel, r0, col0, bg, bu, valid); break;
+      case 2: qgateup_rows<F, Gated, 2>(j, panel, r0, col0, bg, bu, valid); break;
+      case 1: qgateup_rows<F, Gated, 1>(j, panel, r0, col0, bg, bu, valid); break;
+      default: break;
+    }
+  }
+}
+
+template <WFormat F, int NT>
+inline void qdown_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0, __m512 b) {
+  const float* hr[NT];
+  for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
+  __m512 y[NT][2];
+  qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
+  for (int r = 0; r < NT; ++r) {
+    float* a = j.acc[r0 + r] + col0;
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(j.wt[r0 + r]), _mm512_add_ps(y[r][0], b),
+                                        _mm512_loadu_ps(a)));
+  }
+}
+
+template <WFormat F>
+void qdown_avx512(const DownJob& j) {
+  constexpr int M = max_rows<F>();
+  const int64_t pbytes = down_panel_bytes(*j.L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    const int64_t col0 = p * kPanelN;
+    const __m512 b = j.bias ? _mm512_load_ps(j.bias + col0) : _mm512_setzero_ps();
+    int64_t r0 = 0;
+    for (; r0 + M <= j.nt; r0 += M) qdown_rows<F, M>(j, panel, r0, col0, b);
+    switch (j.nt - r0) {
+      case 3: if constexpr (M > 3) qdown_rows<F, 3>(j, panel, r0, col0, b); break;
+      case 2: qdown_rows<F, 2>(j, panel, r0, col0, b); break;
+      case 1: qdown_rows<F, 1>(j, panel, r0, col0, b); break;
+      default: break;
+    }
+  }
+}
+
+template <WFormat F>
+void qgateup_dispatch(const GateUpJob& j) {
+  if (j.L->G == 2) qgateup_avx512<F, true>(j);
+  else qgateup_avx512<F, false>(j);
+}
+
+}  // namespace
+
+bool get_qkernels_avx512(WFormat wf, KernelImpl* k) {
+  k->x_bf16 = k->h_bf16 = false;
+  k->row_slack = 0;
+  switch (wf) {
+    case WFormat::kInt8: k->gateup = &qgateup_dispatch<WFormat::kInt8>; k->down = &qdown_avx512<WFormat::kInt8>; return true;
+    case WFormat::kInt4: k->gateup = &qgateup_dispatch<WFormat::kInt4>; k->down = &qdown_avx512<WFormat::kInt4>; return true;
+    default: return false;
+  }
+}
+
+}  // namespace hina::detail

@@ -1,0 +1,120 @@
+// [NOTE] moe_*_int8_generic / moe_*_int4_generic: the scalar oracle for quantised experts.
+//
+// Data layout: layout v2 quantised panels (see PackedHeader in hina_moe/moe.h):
+//   | format | one panel (16 output rows, reduction length Kp, G matrices)                     |
+//   |--------|---------------------------------------------------------------------------------|
+//   | int8   | [G][16] fp32 row scales (64*G B), then [Kp][G][16] int8                          |
+//   | int4   | Kp/group blocks: [G][16] bf16 scales padded to 64 B, then [group/2][G][16] bytes |
+//   |        | (low nibble: k even, high nibble: k odd, stored as q + 8)                        |
+//   x rows [nt][Hk] and h rows [nt][Ik] are fp32 (bf16 for the AMX twin), as for native weights.
+// Plan: each panel is dequantised to fp32 w[k][16] (w = scale * q), then plain loops in k order.
+// The AMX twin rounds w to bf16 first, as the AMX kernels do when they expand a panel to tiles.
+// Limits: slow by design; the reference for every SIMD quantised kernel and the last resort.
+#include <vector>
+
+#include "moe/kernel_api.h"
+
+namespace hina::detail {
+
+void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, float* w) {
+  if (L.wfmt == WFormat::kInt8) {
+    const float* sc = reinterpret_cast<const float*>(panel + gi * 64);
+    const int8_t* q = reinterpret_cast<const int8_t*>(panel + 64 * G);
+    for (int64_t k = 0; k < Kp; ++k)
+      for (int n = 0; n < kPanelN; ++n) w[k * kPanelN + n] = sc[n] * static_cast<float>(q[(k * G + gi) * kPanelN + n]);
+    return;
+  }
+  const int group = L.group;
+  const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+  for (int64_t b = 0; b < Kp / group; ++b) {
+    const uint8_t* blk = panel + b * blk_bytes;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(blk + gi * 32);
+    for (int k = 0; k < group; ++k)
+      for (int n = 0; n < kPanelN; ++n)
+        w[(b * group + k) * kPanelN + n] = bf16_to_f32(sc[n]) * int4_value(blk + 64, k, G, gi, n);
+  }
+}
+
+namespace {
+
+template <bool Bf16>
+inline float act_in(const void* row, int64_t k) {
+  if constexpr (Bf16) return bf16_to_f32(static_cast<const uint16_t*>(row)[k]);
+  else return static_cast<const float*>(row)[k];
+}
+
+// Dequantised panel matrix, rounded to bf16 for the AMX twin.
+template <bool Twin>
+void panel_weights(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, std::vector<float>& w) {
+  w.resize(static_cast<size_t>(Kp * kPanelN));
+  dequant_panel_f32(panel, L, Kp, G, gi, w.data());
+  if constexpr (Twin)
+    for (float& v : w) v = bf16_to_f32(f32_to_bf16(v));
+}
+
+template <bool Twin>
+void qgateup_generic(const GateUpJob& j) {
+  const Layout& L = *j.L;
+  const bool gated = L.G == 2;
+  const int64_t pbytes = gu_panel_bytes(L);
+  std::vector<float> wg, wu;
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    panel_weights<Twin>(panel, L, L.Hk, L.G, L.G - 1, wu);
+    if (gated) panel_weights<Twin>(panel, L, L.Hk, L.G, 0, wg);
+    for (int64_t r = 0; r < j.nt; ++r) {
+      const void* xr = j.x[r];
+      for (int n = 0; n < kPanelN; ++n) {
+        const int64_t col = p * kPanelN + n;
+        float g = 0.0f, u = 0.0f;
+        for (int64_t k = 0; k < L.Hk; ++k) {
+          const float xv = act_in<Twin>(xr, k);
+          u += wu[k * kPanelN + n] * xv;
+          if (gated) g += wg[k * kPanelN + n] * xv;
+        }
+        float h = 0.0f;
+        if (col < L.I) {
+          if (j.bias_g) g += j.bias_g[col];
+          if (j.bias_u) u += j.bias_u[col];
+          h = h_scalar(*j.act, gated, g, u);
+        }
+        if constexpr (Twin) static_cast<uint16_t*>(j.h)[r * j.h_stride + col] = f32_to_bf16(h);
+        else static_cast<float*>(j.h)[r * j.h_stride + col] = h;
+      }
+    }
+  }
+}
+
+template <bool Twin>
+void qdown_generic(const DownJob& j) {
+  const Layout& L = *j.L;
+  const int64_t pbytes = down_panel_bytes(L);
+  std::vector<float> w;
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    panel_weights<Twin>(static_cast<const uint8_t*>(j.w) + p * pbytes, L, L.Ik, 1, 0, w);
+    for (int64_t r = 0; r < j.nt; ++r) {
+      const uint8_t* hr = static_cast<const uint8_t*>(j.h) + r * j.h_stride * (Twin ? 2 : 4);
+      for (int n = 0; n < kPanelN; ++n) {
+        const int64_t col = p * kPanelN + n;
+        if (col >= L.H) break;
+        float y = 0.0f;
+        for (int64_t k = 0; k < L.Ik; ++k) y += w[k * kPanelN + n] * act_in<Twin>(hr, k);
+        if (j.bias) y += j.bias[col];
+        j.acc[r][col] += j.wt[r] * y;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k) {
+  if (wf != WFormat::kInt8 && wf != WFormat::kInt4) return false;
+  k->gateup = amx_twin ? &qgateup_generic<true> : &qgateup_generic<false>;
+  k->down = amx_twin ? &qdown_generic<true> : &qdown_generic<false>;
+  k->x_bf16 = k->h_bf16 = amx_twin;
+  k->row_slack = 0;
+  return true;
+}
+
+}  // namespace hina::detail
