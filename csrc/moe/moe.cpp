@@ -175,6 +175,34 @@ void load_row(const void* src, DType dt, int64_t N, int64_t K, int64_t row, floa
   for (int64_t k = 0; k < Kp; ++k) buf[k] = (row < N && k < K) ? load_elem(dt, src, row * K + k) : 0.0f;
 }
 
+inline float int4_q(float w, float d) {
+  float v = d != 0.0f ? std::nearbyint(w / d) : 0.0f;
+  return v < -8.0f ? -8.0f : (v > 7.0f ? 7.0f : v);
+}
+
+// The int4 scale of one group (bf16 bits): among d_i = bf16(m / -8 * (1 - i / 40)), i = 0..15
+// (m: the group's element of largest magnitude), the one with the smallest squared error
+// sum (w - d q(w, d))^2 (first on ties). Shrinking the scale clips the largest elements a little
+// and refines every other step; on Gaussian weights it gains ~2-3 dB SQNR over d_0 alone.
+uint16_t int4_group_scale(const float* w, int group, float m) {
+  uint16_t best = 0;
+  double best_err = 0.0;
+  for (int i = 0; i < 16; ++i) {
+    const uint16_t bits = f32_to_bf16(m / -8.0f * (1.0f - static_cast<float>(i) / 40.0f));
+    const float d = bf16_to_f32(bits);
+    double err = 0.0;
+    for (int k = 0; k < group; ++k) {
+      const double e = static_cast<double>(w[k] - d * int4_q(w[k], d));
+      err += e * e;
+    }
+    if (i == 0 || err < best_err) {
+      best = bits;
+      best_err = err;
+    }
+  }
+  return best;
+}
+
 // Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v2).
 void quant_matrix(const void* src, DType dt, int64_t N, int64_t K, uint8_t* dst, int64_t Np,
                   int64_t Kp, int G, int gi, WFormat wf, int group, std::vector<float>& buf) {
@@ -202,13 +230,12 @@ void quant_matrix(const void* src, DType dt, int64_t N, int64_t K, uint8_t* dst,
           const float* w = buf.data() + b * group;
           float m = 0.0f;
           for (int k = 0; k < group; ++k) m = std::fabs(w[k]) > std::fabs(m) ? w[k] : m;
-          const uint16_t dbits = f32_to_bf16(m / -8.0f);
+          const uint16_t dbits = int4_group_scale(w, group, m);
           const float d = bf16_to_f32(dbits);
           reinterpret_cast<uint16_t*>(blk + gi * 32)[n] = dbits;
           uint8_t* bytes = blk + 64;
           for (int k = 0; k < group; ++k) {
-            float v = d != 0.0f ? std::nearbyint(w[k] / d) : 0.0f;
-            v = v < -8.0f ? -8.0f : (v > 7.0f ? 7.0f : v);
+            const float v = int4_q(w[k], d);
             const uint8_t nib = static_cast<uint8_t>(static_cast<int>(v) + 8);
             uint8_t& byte = bytes[((k >> 1) * G + gi) * kPanelN + n];
             byte = (k & 1) ? static_cast<uint8_t>((byte & 0x0f) | (nib << 4))

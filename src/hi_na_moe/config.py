@@ -1,9 +1,7 @@
 """One validated configuration object, read from keyword arguments, environment variables and a
 YAML file, in that order of precedence.
 
-Every key here changes what the library does; a key that would do nothing does not exist. Keys
-are added by the features that use them (weights formats and the cache directory arrive with
-quantised experts and the packed-expert store).
+Every key here changes what the library does; a key that would do nothing does not exist.
 """
 
 from __future__ import annotations
@@ -21,6 +19,8 @@ ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
 
 BACKENDS = ("auto", "native", "reference")
 ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
+WEIGHT_FORMATS = ("lossless", "int8", "int4")
+GROUP_SIZES = (32, 64, 128)
 
 
 class ConfigError(ValueError):
@@ -45,7 +45,20 @@ class HinaConfig:
         keep_weights: if true, the model's own expert tensors stay in memory beside the packed
             copy the native kernels read (twice the expert memory; needed to run backward
             through enabled blocks). By default they are released while enabled and rebuilt
-            bit-exactly by `disable_for_model`.
+            bit-exactly by `disable_for_model` (lossless: from the packed copy; int8/int4: from
+            an exact backup written to the packed-expert store).
+        weights: how the native kernels store expert weights: "lossless" (the model's own dtype,
+            the default), "int8" (per output channel) or "int4" (per group of `group_size`
+            weights along the reduction). Quantised formats are lossy; the enable report gives
+            each block's measured SQNR.
+        group_size: int4 group size: 32, 64 (default) or 128. Smaller groups: more accurate,
+            more scale bytes.
+        cache: if true (default), quantised experts are written to the packed-expert store on
+            first enable and memory-mapped from it afterwards (no re-quantising), and the exact
+            originals are backed up there so disable can restore them. If false, quantising
+            happens on every enable and the originals stay in memory.
+        cache_dir: the store's directory; "" means the default (`$XDG_CACHE_HOME/hi_na_moe`, else
+            `~/.cache/hi_na_moe`).
     """
 
     backend: str = "auto"
@@ -53,6 +66,10 @@ class HinaConfig:
     threads: int = 0
     strict: bool = False
     keep_weights: bool = False
+    weights: str = "lossless"
+    group_size: int = 64
+    cache: bool = True
+    cache_dir: str = ""
     # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
     # so that errors and reports can say it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -66,7 +83,17 @@ class HinaConfig:
                 f"config key 'threads' ({src('threads')}) has bad value {self.threads!r}: "
                 "expected a whole number >= 0 (0 means torch.get_num_threads())"
             )
-        for key in ("strict", "keep_weights"):
+        _check_choice("weights", self.weights, WEIGHT_FORMATS, src("weights"))
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise ConfigError(
+                f"config key 'group_size' ({src('group_size')}) has bad value {self.group_size!r}: "
+                f"expected one of {', '.join(map(str, GROUP_SIZES))}"
+            )
+        if not isinstance(self.cache_dir, str):
+            raise ConfigError(
+                f"config key 'cache_dir' ({src('cache_dir')}) has bad value {self.cache_dir!r}: expected a path"
+            )
+        for key in ("strict", "keep_weights", "cache"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
                     f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected true or false"
@@ -74,12 +101,19 @@ class HinaConfig:
         if self.isa not in ("auto", "generic"):
             _check_isa_available(self.isa, src("isa"))
 
+    def store_root(self) -> Path:
+        """The packed-expert store's directory under this config."""
+        from .store import default_cache_dir
+
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
-_TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool}
+_TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
+          "weights": str, "group_size": int, "cache": bool, "cache_dir": str}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:

@@ -4,6 +4,7 @@ and the native runner itself."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,12 +38,12 @@ def _isa_name(config: HinaConfig) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_names(isa: str, dtype: torch.dtype) -> dict[str, str]:
-    """Kernel per path for experts of `dtype` at tier `isa`: a one-expert probe pack answers
-    exactly as a real block would."""
+def _kernel_names(isa: str, dtype: torch.dtype, weights: str = "lossless") -> dict[str, str]:
+    """Kernel per path for experts of `dtype` stored as `weights` at tier `isa`: a one-expert
+    probe pack answers exactly as a real block would."""
     native, _ = native_module()
-    w = torch.zeros(1, 16, 16, dtype=dtype)
-    probe = native.PackedExperts(w, w, w, isa=isa)
+    w = torch.zeros(1, 16, 32, dtype=dtype)
+    probe = native.PackedExperts(w, w, w.transpose(1, 2).contiguous(), isa=isa, weights=weights)
     return {path: probe.kernel_name(path) for path in ("decode", "prefill")}
 
 
@@ -50,7 +51,14 @@ def kernel_plan(config: HinaConfig) -> dict[str, str]:
     """The kernel each path uses for bf16 experts under `config`, for the capabilities report."""
     if config.backend == "reference" or not native_kernels_available():
         return {"decode": "reference", "prefill": "reference"}
-    return dict(_kernel_names(_isa_name(config), torch.bfloat16))
+    return dict(_kernel_names(_isa_name(config), torch.bfloat16, config.weights))
+
+
+def weights_label(weights: str, group_size: int, dtype: torch.dtype) -> str:
+    """How a block's expert weights are stored, for reports: "bfloat16", "int8", "int4-g64"."""
+    if weights == "lossless":
+        return str(dtype).replace("torch.", "")
+    return "int4-g%d" % group_size if weights == "int4" else weights
 
 
 def native_unsupported_reason(spec: ExpertsSpec, dry_run: bool = False) -> str | None:
@@ -80,36 +88,114 @@ _TENSOR_FIELDS = ("gate_up", "gate", "up", "down", "gate_up_bias", "down_bias")
 class NativeExperts:
     """The experts of one block, packed once for the native kernels.
 
-    Packing copies the weights into the kernels' layout. `release` then frees the model's own
-    copy (its parameters keep their shape and dtype, backed by a zero-byte placeholder) so that
-    enabling does not double resident memory; `restore` rebuilds them bit-exactly from the packed
-    copy (packing is lossless). While released, `state_dict()` of the block still returns the
-    real weights (a state-dict hook unpacks them), so saving a model is never corrupted.
+    Packing copies the weights into the kernels' layout (lossless), or quantises them (int8 /
+    int4). `release` then frees the model's own copy (its parameters keep their shape and dtype,
+    backed by a zero-byte placeholder) so that enabling does not double resident memory;
+    `restore` rebuilds them bit-exactly: from the packed copy when it is lossless, else from an
+    exact backup in the packed-expert store. While released, `state_dict()` of the block still
+    returns the real weights (a state-dict hook rebuilds them), so saving a model is never
+    corrupted. Quantised blocks live in the store (memory-mapped) when the config's cache is on.
     """
 
-    def __init__(self, spec: ExpertsSpec, isa: str, threads: int):
+    def __init__(self, spec: ExpertsSpec, isa: str, threads: int, weights: str = "lossless",
+                 group_size: int = 64, store=None, name: str = "experts"):
         self.isa = isa
         self.packed = None  # packed by pack(), at patch time, one block at a time
         self.threads = threads
         self.spec = spec
+        self.weights = weights
+        self.group_size = group_size
+        self.store = store  # a store.PackedStore, or None (no cache)
+        self.name = name
         g = spec.gate_spec
         self.kwargs = dict(act=g.act, alpha=g.alpha, gate_limit=g.gate_limit, up_limit=g.up_limit,
                            post_act_limit=g.post_act_limit, up_offset=g.up_offset,
                            weight_on_input=spec.weight_on_input)
         self.handle: int | None = None
         self.expert_bytes = 0
+        self.sqnr_db: float | None = None  # quantised: measured on a probe batch at pack time
+        self.cache_event: str | None = None  # "built", "reused", "rebuilt (why)", or None
+        self._identity: str | None = None
+        self._entry = None  # the store entry the packed block is mapped from
+        self._backup = None  # (key, name) of the exact originals in the store, for restore
         self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
         self._hook = None
+        # quality measurements: called as recorder(name, hidden, idx, w, out) after each call
+        self.recorder: Callable | None = None
 
-    def pack(self) -> None:
-        native, _ = native_module()
+    @property
+    def lossless(self) -> bool:
+        return self.weights == "lossless"
+
+    def _tensors(self) -> list:
         gate, up, down = self.spec.canonical()
         gb, ub, db = self.spec.canonical_biases()
-        c = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
-        self.packed = native.PackedExperts(c(gate), c(up), c(down), c(gb), c(ub), c(db), isa=self.isa)
+        return [None if t is None else t.detach().contiguous() for t in (gate, up, down, gb, ub, db)]
+
+    def _pack_now(self, tensors: list, weights: str):
+        native, _ = native_module()
+        return native.PackedExperts(*tensors, isa=self.isa, weights=weights, group_size=self.group_size,
+                                    num_threads=self.threads)
+
+    def _key(self, weights: str) -> str:
+        from .store import entry_key, tensor_identity
+
+        native, _ = native_module()
+        if self._identity is None:
+            self._identity = tensor_identity([t for t in self._tensors() if t is not None])
+        return entry_key(self._identity, weights=weights, group_size=self.group_size if weights == "int4" else 0,
+                         isa=self.isa, layout_version=int(native.PACKED_LAYOUT_VERSION))
+
+    def _expect(self, weights: str) -> dict:
+        native, _ = native_module()
+        return {"layout_version": int(native.PACKED_LAYOUT_VERSION), "weights": weights, "isa": self.isa,
+                "group_size": self.group_size if weights == "int4" else 0}
+
+    def _from_store(self, weights: str, name: str):
+        """The packed block for `weights`, from the store (built and written there if absent,
+        stale or corrupt). Returns (PackedExperts view, entry, event)."""
+        native, _ = native_module()
+        tensors = self._tensors()
+
+        def build():
+            pe = self._pack_now(tensors, weights)
+            meta = dict(native.header_info(pe.header), header=pe.header.hex(), block=self.name,
+                        **self._expect(weights))
+            return meta, {"block": pe.data}
+
+        entry, built, reason = self.store.get_or_build(self._key(weights), name, self._expect(weights), build)
+        view = native.PackedExperts.view(bytes.fromhex(entry.meta["header"]), entry.array("block", "uint8"))
+        event = "reused" if not built else (f"rebuilt ({reason})" if reason else "built")
+        return view, entry, event
+
+    def pack(self) -> None:
+        if self.lossless or self.store is None:
+            self.packed = self._pack_now(self._tensors(), self.weights)
+        else:
+            self.packed, self._entry, self.cache_event = self._from_store(self.weights, self.name)
         self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
         # the custom op (torch.ops.hi_na_moe.experts) takes a handle, not the C++ object
         self.handle = torch_ops.register(self.packed, owner=self)
+        if not self.lossless:
+            self.sqnr_db = self.measure_sqnr()
+
+    def measure_sqnr(self) -> float:
+        """SQNR (dB) of this block's output against the original weights' output (the reference
+        path) on a fixed random probe: every expert gets tokens, x ~ N(0, 1). Must run while the
+        original weights are still in memory."""
+        spec = self.spec
+        E, K = spec.num_experts, min(4, spec.num_experts)
+        T = max(4, -(-E // K))
+        gen = torch.Generator().manual_seed(1234)
+        x = torch.randn(T, spec.hidden, generator=gen).to(spec.weight_dtype)
+        idx = torch.tensor([[(t * K + k) % E for k in range(K)] for t in range(T)], dtype=torch.int64)
+        w = torch.full((T, K), 1.0 / K)
+        with torch.no_grad():
+            ref = reference.experts_forward(spec, x, idx, w).float()
+            out = self(spec, x, idx, w).float()
+        err = float((out - ref).pow(2).sum())
+        sig = float(ref.pow(2).sum())
+        return float("inf") if err == 0 else 10.0 * math.log10(max(sig, 1e-30) / err)
 
     # --- memory: hand the model's own expert storage back to the OS while packed ------------
     @staticmethod
@@ -123,7 +209,25 @@ class NativeExperts:
                     yield mod, name, p
 
     def _unpacked(self):
-        return [None if a is None else torch.from_dlpack(a) for a in self.packed.unpack()]
+        """The exact original weights: unpacked from the packed copy (lossless) or the backup."""
+        if self.lossless:
+            source = self.packed
+        else:
+            key, name = self._backup
+            native, _ = native_module()
+            try:
+                with self.store.open(key, name, expect=self._expect("lossless")) as entry:
+                    # unpack copies out of the mapping, so the entry can close right after
+                    source = native.PackedExperts.view(bytes.fromhex(entry.meta["header"]),
+                                                       entry.array("block", "uint8"))
+                    return [None if a is None else torch.from_dlpack(a) for a in source.unpack()]
+            except Exception as exc:
+                raise RuntimeError(
+                    f"hi_na_moe: cannot restore the original expert weights of {self.name!r}: their exact "
+                    f"backup in the packed-expert store is unreadable ({exc}). The block keeps running "
+                    f"on its {self.weights} copy; reload the model from its checkpoint to get the originals."
+                ) from exc
+        return [None if a is None else torch.from_dlpack(a) for a in source.unpack()]
 
     def _copy_into(self, spec: ExpertsSpec, arrays) -> None:
         gate, up, down = spec.canonical()
@@ -134,7 +238,16 @@ class NativeExperts:
                     dst.copy_(src.view(dst.shape))
 
     def release(self, module: torch.nn.Module, rebuild: Callable[[], ExpertsSpec]) -> int:
-        """Free the model's own copy of the weights the packed copy holds; returns bytes freed."""
+        """Free the model's own copy of the weights the packed copy holds; returns bytes freed.
+        Quantised blocks first write an exact backup of the originals to the store (none: the
+        originals stay, and 0 is returned)."""
+        if not self.lossless:
+            if self.store is None:
+                return 0
+            name = self.name + ".original"
+            _, entry, _ = self._from_store("lossless", name)
+            entry.close()
+            self._backup = (self._key("lossless"), name)
         freed = 0
         for mod, name, p in list(self._owned_params(module, self.spec)):
             self._released.append((mod, name, p.shape, p.stride()))
@@ -191,6 +304,9 @@ class NativeExperts:
                 setattr(self.spec, f, getattr(fresh, f))
             self.spec.cache.pop("released", None)
             self._released = []
+        if self._entry is not None:
+            self._entry.close()  # the mapping lives on while the view's buffer is referenced
+            self._entry = None
         if self.handle is not None:
             torch_ops.release(self.handle)
             self.handle = None
@@ -219,10 +335,13 @@ class NativeExperts:
         out = torch_ops.experts_op(self.handle, x, idx, wf, num_threads=threads, **self.kwargs)
         if identity is not None:
             out = (out.float() + identity).to(dtype)
-        return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+        out = out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+        if self.recorder is not None:
+            self.recorder(self.name, hidden, idx, w, out)
+        return out
 
 
-def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False) -> Choice:
+def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: str = "experts") -> Choice:
     """What runs `spec` under `config`. Raises ValueError when config.backend == "native" and no
     native kernel can run it. Nothing is packed here (NativeExperts.pack does that)."""
     if config.backend == "reference":
@@ -230,8 +349,14 @@ def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False) -> Choi
     why_not = native_unsupported_reason(spec, dry_run)
     if why_not is None:
         isa = _isa_name(config)
-        names = _kernel_names(isa, spec.weight_dtype)
-        return Choice(NativeExperts(spec, isa, config.threads), f"{names['decode']}|{names['prefill']}")
+        names = _kernel_names(isa, spec.weight_dtype, config.weights)
+        store = None
+        if config.weights != "lossless" and config.cache and not dry_run:
+            from .store import PackedStore
+
+            store = PackedStore(config.store_root())
+        runner = NativeExperts(spec, isa, config.threads, config.weights, config.group_size, store, name)
+        return Choice(runner, f"{names['decode']}|{names['prefill']}")
     if config.backend == "native":
         raise ValueError(f"backend='native' but this block cannot run natively: {why_not}")
     return Choice(reference.experts_forward, "reference", why_not)

@@ -45,7 +45,8 @@ class BlockReport:
     status: str
     reason: str | None = None  # why native, or why the reference path rather than a kernel
     kernel: str | None = None
-    weights: str | None = None  # storage dtype of the expert weights (lossless: the model's own)
+    weights: str | None = None  # how the kernels store the experts: the model's dtype (lossless), int8, int4-g64
+    sqnr_db: float | None = None  # quantised: output SQNR vs the original weights on a random probe
     experts: int | None = None
     hidden: int | None = None
     intermediate: int | None = None
@@ -53,6 +54,7 @@ class BlockReport:
     expert_bytes: int | None = None
     packed_bytes: int | None = None  # the native kernels' packed copy
     released_bytes: int | None = None  # the model's own copy freed while enabled
+    cache: str | None = None  # quantised: "built", "reused" or "rebuilt (why)" in the packed-expert store
 
 
 @dataclass
@@ -95,9 +97,12 @@ class EnableReport:
         ]
         if not self.blocks:
             lines.append("  no MoE blocks found (pass router_name= for a custom model)")
-        rows = [("block", "status", "kernel", "weights", "E", "H", "I", "gate", "note")]
+        quant = any(b.sqnr_db is not None for b in self.blocks)
+        rows = [("block", "status", "kernel", "weights") + (("SQNR dB", "cache") if quant else ())
+                + ("E", "H", "I", "gate", "note")]
         for b in self.blocks:
-            rows.append((b.name, b.status, b.kernel or "-", b.weights or "-", str(b.experts or "-"),
+            q = (f"{b.sqnr_db:.1f}" if b.sqnr_db is not None else "-", b.cache or "-") if quant else ()
+            rows.append((b.name, b.status, b.kernel or "-", b.weights or "-") + q + (str(b.experts or "-"),
                          str(b.hidden or "-"), str(b.intermediate or "-"), b.gate or "-", b.reason or ""))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
@@ -115,6 +120,8 @@ def _block_report(match: adapters.BlockMatch, status: str, choice: ops.Choice | 
     rep.kernel = choice.kernel
     rep.reason = choice.note if choice else None
     rep.weights = str(spec.weight_dtype).replace("torch.", "")
+    if choice is not None and isinstance(choice.runner, ops.NativeExperts):
+        rep.weights = ops.weights_label(choice.runner.weights, choice.runner.group_size, spec.weight_dtype)
     rep.experts, rep.hidden, rep.intermediate = spec.num_experts, spec.hidden, spec.intermediate
     if spec.gate_spec is not None:
         rep.gate = spec.gate_spec.describe() + ("" if spec.has_gate else " (no gate)")
@@ -163,6 +170,8 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
     if isinstance(choice.runner, ops.NativeExperts):
         choice.runner.pack()
         block.packed_bytes = choice.runner.packed.nbytes
+        block.sqnr_db = choice.runner.sqnr_db
+        block.cache = choice.runner.cache_event
     state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
     new_forward = match.make_forward(match, _guarded(choice.runner, m))
     m.forward = types.MethodType(new_forward, m)
@@ -171,6 +180,9 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
     if isinstance(choice.runner, ops.NativeExperts) and not cfg.keep_weights:
         # released right after packing: peak memory grows by one block, not by the model
         block.released_bytes = choice.runner.release(m, match.rebuild)
+        if not choice.runner.lossless and choice.runner.store is None:
+            note = "originals kept in memory (cache=False: no exact backup to restore them from)"
+            block.reason = f"{block.reason}; {note}" if block.reason else note
     return block
 
 
@@ -196,7 +208,7 @@ def inspect_model(
         if match.spec is None:
             report.blocks.append(_block_report(match, "native", None))
         else:
-            report.blocks.append(_block_report(match, "accelerated", ops.choose(match.spec, cfg, dry_run=True)))
+            report.blocks.append(_block_report(match, "accelerated", ops.choose(match.spec, cfg, dry_run=True, name=match.name)))
     return report
 
 
@@ -210,7 +222,8 @@ def enable_for_model(
         config: a HinaConfig; by default built from env vars (`HINA_MOE_*`) and the YAML file.
         router_name: dotted path of a router module, for custom models whose MoE blocks the
             discovery cannot find by itself; the experts module next to it is accelerated.
-        **config_kwargs: config keys (backend, isa, threads, strict) overriding `config`.
+        **config_kwargs: config keys (backend, isa, threads, strict, keep_weights, weights,
+            group_size, cache, cache_dir) overriding `config`.
 
     Returns:
         An EnableReport: per MoE block, accelerated or left native and why, and what runs it.
@@ -236,7 +249,7 @@ def enable_for_model(
                     f"block {match.name!r} is already accelerated through another enable_for_model call "
                     "(on a parent or child module); disable that one first"
                 )
-            plans.append((match, ops.choose(match.spec, cfg)))
+            plans.append((match, ops.choose(match.spec, cfg, name=match.name)))
         if cfg.strict and report.native:
             names = ", ".join(f"{b.name} ({b.reason})" for b in report.native)
             raise RuntimeError(f"strict=True and some MoE blocks cannot be accelerated: {names}")
