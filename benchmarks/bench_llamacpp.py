@@ -1,0 +1,223 @@
+"""Time llama.cpp (through llama-cpp-python) on a GGUF file: decode, prefill-512, memory.
+
+The llama.cpp arm of the end-to-end comparison: the GGUF comes from the same checkpoint the
+transformers/hi_na_moe runs load (benchmarks/make_checkpoint.py -> benchmarks/make_gguf.py).
+Runs in the llama.cpp venv (benchmarks/requirements-llamacpp.txt).
+
+    python benchmarks/bench_llamacpp.py /work/ckpt/gguf/olmoe-1b-7b-q4_0.gguf --repeats 3 --json
+
+What is measured (all on one llama_context: n_threads = n_threads_batch = --threads,
+n_ctx 1024, n_batch = n_ubatch = 512, weights memory-mapped unless --no-mmap, llama.cpp's
+CPU weight repacking as built, i.e. on):
+- load: wall time of `Llama(...)` (file mapping, repacking, context creation).
+- warm-up (not timed): one prefill of --prompt-warmup tokens and 4 decode steps, so that the
+  weights' pages are resident and the thread pool is up before anything is timed.
+- tg (decode), per repeat: the KV cache is cleared, a --prompt-len (16) token prompt is
+  evaluated (not part of tg; its time is reported as `prompt_ms`), then --gen (128) tokens are
+  generated greedily, one llama_decode of one token per step. A step's time is the wall time
+  of that llama_decode call; the greedy pick (argmax over the last-token logits, read from
+  llama.cpp's logits buffer) happens outside it. tokens/s = gen / sum(step times). Reported:
+  tokens/s, median and p90 ms/step, all step times in the JSON.
+- pp (prefill), per repeat: the KV cache is cleared and --prefill (512) tokens are evaluated
+  as one batch; reported as ms and tokens/s.
+- memory: peak RSS of this process (getrusage ru_maxrss: includes mapped weight pages that
+  were touched), and RSS after load split into anonymous and file-backed pages
+  (/proc/self/status).
+Prompts are random token ids (seeded; ids above the synthetic vocabulary's special and byte
+tokens): with random weights there is no meaningful text, and the work per token does not
+depend on the ids. Every step's logits are checked to be finite, so a broken build or file
+fails instead of timing garbage. Repeats report the median over repeats, with every sample
+kept in the JSON.
+
+Check the build (no AMX: ggml's AMX path died with SIGILL here): the JSON's `system_info` must
+not list AMX_INT8; `llama_cpp.llama_print_system_info()` prints the same string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def rss_breakdown() -> dict:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                fields[key] = int(rest.split()[0]) * 1024
+    return {
+        "rss_bytes": fields.get("VmRSS"),
+        "rss_anon_bytes": fields.get("RssAnon"),
+        "rss_file_bytes": fields.get("RssFile"),
+    }
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+class Runner:
+    """Thin wrapper over one llama_context: clear, evaluate, read last logits."""
+
+    def __init__(self, llm, llama_cpp):
+        self.llm = llm
+        self.lc = llama_cpp
+        self.n_vocab = llm.n_vocab()
+
+    def clear(self) -> None:
+        self.llm.reset()  # n_tokens = 0; the next eval removes every cached position
+
+    def eval(self, tokens: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.llm.eval(tokens)
+        return time.perf_counter() - t0
+
+    def last_logits(self) -> np.ndarray:
+        ptr = self.lc.llama_get_logits_ith(self.llm.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        if not np.isfinite(logits).all():
+            raise RuntimeError("non-finite logits")
+        return logits
+
+    def decode(self, prompt: list[int], n_gen: int) -> tuple[float, list[float], list[int]]:
+        self.clear()
+        prompt_s = self.eval(prompt)
+        tok = int(np.argmax(self.last_logits()))
+        steps, out = [], []
+        for _ in range(n_gen):
+            steps.append(self.eval([tok]))
+            out.append(tok)
+            tok = int(np.argmax(self.last_logits()))
+        return prompt_s, steps, out
+
+    def prefill(self, tokens: list[int]) -> float:
+        self.clear()
+        t = self.eval(tokens)
+        self.last_logits()
+        return t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--prompt-warmup", type=int, default=512, help="tokens of the untimed warm-up prefill (0: no warm-up)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-mmap", action="store_true", help="read the weights into anonymous memory at load")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--verbose", action="store_true", help="let llama.cpp log")
+    args = ap.parse_args(argv)
+    if args.prompt_len + args.gen > args.n_ctx or args.prefill > args.n_ctx or args.prompt_warmup > args.n_ctx:
+        ap.error("prompt-len + gen, prefill and prompt-warmup must each fit in n-ctx")
+
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=str(args.gguf),
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=args.n_ctx,
+        n_batch=512,
+        n_ubatch=512,
+        use_mmap=not args.no_mmap,
+        logits_all=False,
+        verbose=args.verbose,
+    )
+    load_s = time.perf_counter() - t0
+    mem_after_load = rss_breakdown()
+    run = Runner(llm, llama_cpp)
+
+    rng = np.random.default_rng(args.seed)
+    lo = 259 if run.n_vocab > 1000 else 0  # past <unk>, <s>, </s> and the 256 byte tokens
+
+    def ids(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(lo, run.n_vocab, size=n)]
+
+    if args.prompt_warmup:
+        run.prefill(ids(args.prompt_warmup))
+        run.decode(ids(args.prompt_len), 4)
+
+    tg, pp = [], []
+    for _ in range(args.repeats):
+        prompt_s, steps, out = run.decode(ids(args.prompt_len), args.gen)
+        ms = [s * 1e3 for s in steps]
+        tg.append({
+            "tokens_per_s": len(steps) / sum(steps),
+            "median_ms": statistics.median(ms),
+            "p90_ms": percentile(ms, 90),
+            "prompt_ms": prompt_s * 1e3,
+            "distinct_tokens": len(set(out)),
+            "step_ms": [round(x, 3) for x in ms],
+        })
+        pp_s = run.prefill(ids(args.prefill))
+        pp.append({"ms": pp_s * 1e3, "tokens_per_s": args.prefill / pp_s})
+
+    meta = llm.metadata
+    ftype = meta.get("general.file_type")
+    result = {
+        "engine": "llama.cpp",
+        "llama_cpp_python": llama_cpp.__version__,
+        "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "gguf": str(args.gguf),
+        "gguf_bytes": args.gguf.stat().st_size,
+        "architecture": meta.get("general.architecture"),
+        "file_type": int(ftype) if ftype is not None else None,
+        "n_vocab": run.n_vocab,
+        "threads": args.threads,
+        "n_ctx": args.n_ctx,
+        "mmap": not args.no_mmap,
+        "repeats": args.repeats,
+        "load_s": load_s,
+        f"tg{args.gen}": {
+            "prompt_len": args.prompt_len,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in tg),
+            "median_ms": statistics.median(r["median_ms"] for r in tg),
+            "p90_ms": statistics.median(r["p90_ms"] for r in tg),
+            "runs": tg,
+        },
+        f"pp{args.prefill}": {
+            "ms": statistics.median(r["ms"] for r in pp),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in pp),
+            "runs": pp,
+        },
+        "memory": {"after_load": mem_after_load, "peak_rss_bytes": peak_rss_bytes()},
+        "host": {"cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]},
+    }
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        g, p = result[f"tg{args.gen}"], result[f"pp{args.prefill}"]
+        gib = 1 << 30
+        print("| file | test | t/s | median ms | p90 ms |")
+        print("|---|---|---|---|---|")
+        print(f"| {args.gguf.name} | tg{args.gen} | {g['tokens_per_s']:.2f} | {g['median_ms']:.1f} | {g['p90_ms']:.1f} |")
+        print(f"| {args.gguf.name} | pp{args.prefill} | {p['tokens_per_s']:.1f} | {p['ms']:.0f} | |")
+        print(
+            f"load {load_s:.1f} s; RSS after load {mem_after_load['rss_bytes'] / gib:.2f} GiB "
+            f"(anon {mem_after_load['rss_anon_bytes'] / gib:.2f}), peak {result['memory']['peak_rss_bytes'] / gib:.2f} GiB; "
+            f"{args.threads} threads, {args.repeats} repeat(s), loadavg {result['host']['loadavg_1m']:.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Write a llama.cpp GGUF file from a transformers MoE checkpoint directory, streaming.
+
+So that llama.cpp and transformers/hi_na_moe are timed on the same weights: the GGUF holds
+exactly the checkpoint's tensors (bit-identical in bf16, quantised from them in q8_0/q4_0).
+Runs in the llama.cpp venv (benchmarks/requirements-llamacpp.txt): needs only numpy and the
+PyPI `gguf` package; no torch, no transformers.
+
+    python benchmarks/make_gguf.py /work/ckpt/olmoe-1b-7b --type q4_0 --out /work/ckpt/gguf/olmoe-1b-7b-q4_0.gguf
+
+What is written:
+- Architecture "olmoe" for OlmoeForCausalLM checkpoints ("qwen3moe" for Qwen3MoeForCausalLM),
+  tensor names from gguf's TensorNameMap, hyper-parameters under the keys GGUFWriter's
+  helpers define (block_count, context/embedding/feed_forward length, head counts, rope base,
+  rms eps, expert count/used, key/value length, expert_feed_forward_length for qwen3moe).
+- Per-expert tensors stacked into one [E, rows, cols] tensor per projection (ffn_gate_exps,
+  ffn_up_exps, ffn_down_exps), as llama.cpp's loader wants.
+- Types: 1-D tensors (norms) and the router (ffn_gate_inp) stay F32, as llama.cpp's own
+  converter keeps them; every other matrix, token_embd and output included, is --type. So
+  q4_0 is the "pure" recipe (llama-quantize --pure): real Q4_0 files usually keep `output`
+  at Q6_K, which gguf's Python quantiser cannot produce.
+- Quantisation by gguf.quants (bit-exact with ggml's reference Q8_0/Q4_0 quantisers).
+- A synthetic SentencePiece-style vocabulary of the checkpoint's vocab_size (<unk>, <s>, </s>,
+  256 byte tokens, filler pieces): enough for llama.cpp to load and run from token ids; it
+  tokenises nothing like the real model.
+
+Memory: each source tensor is memory-mapped on its own and converted in pieces (one expert,
+or a block of rows, at a time); the largest buffer is one stacked expert tensor in the output
+type (about 0.27 GB for OLMoE in bf16). `--check` reads the file back with gguf's reader and
+reports, per type, the error of a few dequantised tensors against the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType as QT
+
+ARCHS = {
+    "OlmoeForCausalLM": gguf.MODEL_ARCH.OLMOE,
+    "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+}
+TYPES = {
+    "bf16": (QT.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (QT.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}  # bf16 read as raw bits
+
+EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+ROWS_PER_PIECE = 4096  # rows converted at once for 2-D tensors (32 MB of fp32 at 2048 columns)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One tensor of the checkpoint: where its bytes are, never the bytes themselves."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute, in bytes
+
+    def map(self) -> np.ndarray:
+        return np.memmap(self.file, dtype=ST_DTYPES[self.dtype], mode="r", offset=self.offset, shape=self.shape)
+
+
+def read_checkpoint(ckpt: Path) -> dict[str, Source]:
+    """Parse the safetensors headers (8-byte length + JSON) of every shard of `ckpt`."""
+    index = ckpt / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    sources: dict[str, Source] = {}
+    for fname in files:
+        path = ckpt / fname
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in ST_DTYPES:
+                raise ValueError(f"{name}: unsupported dtype {info['dtype']}")
+            sources[name] = Source(path, info["dtype"], tuple(info["shape"]), 8 + n + info["data_offsets"][0])
+    return sources
+
+
+def to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (np.asarray(a, dtype=np.uint32) << 16).view(np.float32)
+    return np.asarray(a, dtype=np.float32)
+
+
+@dataclass
+class Planned:
+    name: str  # GGUF name
+    sources: list[Source]  # one, or one per expert (stacked on a new first axis)
+    shape: tuple[int, ...]  # numpy order (GGUF stores it reversed)
+    qtype: QT
+
+    @property
+    def nbytes(self) -> int:
+        if self.qtype == QT.F32:
+            return int(np.prod(self.shape)) * 4
+        if self.qtype == QT.BF16:
+            return int(np.prod(self.shape)) * 2
+        return int(np.prod(gguf.quant_shape_to_byte_shape(self.shape, self.qtype)))
+
+
+def plan_tensors(sources: dict[str, Source], arch, n_layers: int, qtype: QT) -> list[Planned]:
+    tmap = gguf.get_tensor_name_map(arch, n_layers)
+    experts: dict[tuple[str, str], dict[int, Source]] = {}
+    plain: list[tuple[str, Source]] = []
+    for name, src in sources.items():
+        m = EXPERT_RE.match(name)
+        if m:
+            experts.setdefault((m.group(1), m.group(4)), {})[int(m.group(3))] = src
+        else:
+            plain.append((name, src))
+    merged = []
+    for (prefix, proj), by_e in experts.items():
+        if sorted(by_e) != list(range(len(by_e))):
+            raise ValueError(f"{prefix}.*.{proj}: experts {sorted(by_e)} are not 0..E-1")
+        shapes = {s.shape for s in by_e.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"{prefix}.*.{proj}: experts of different shapes {shapes}")
+        merged.append((f"{prefix}.{proj}.weight", [by_e[e] for e in range(len(by_e))]))
+    plan = []
+    for hf_name, srcs in [(n, [s]) for n, s in plain] + merged:
+        found = tmap.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if found is None:
+            raise ValueError(f"no GGUF name for {hf_name} in arch {arch.name}")
+        kind, name = found
+        shape = srcs[0].shape if len(srcs) == 1 else (len(srcs), *srcs[0].shape)
+        if len(shape) == 1 or name.endswith("_norm.weight") or kind == gguf.MODEL_TENSOR.FFN_GATE_INP:
+            t = QT.F32
+        else:
+            t = qtype
+        plan.append(Planned(name, srcs, shape, t))
+
+    def order(p: Planned):
+        m = re.match(r"blk\.(\d+)\.", p.name)
+        if m:
+            return (1, int(m.group(1)), p.name)
+        return (0 if p.name.startswith("token_embd") else 2, 0, p.name)
+
+    return sorted(plan, key=order)
+
+
+def convert_piece(raw: np.ndarray, dtype: str, qtype: QT) -> np.ndarray:
+    if qtype == QT.BF16 and dtype == "BF16":
+        return np.asarray(raw)  # the same bits: lossless
+    x = to_f32(raw, dtype)
+    if qtype == QT.F32:
+        return x
+    return gguf.quants.quantize(x, qtype)
+
+
+def convert(p: Planned, bar) -> np.ndarray:
+    """The whole tensor in its GGUF type, built piece by piece from memory-mapped sources."""
+    out_dtype = {QT.F32: np.float32, QT.BF16: np.uint16}.get(p.qtype, np.uint8)
+    out_shape = p.shape if out_dtype is not np.uint8 else gguf.quant_shape_to_byte_shape(p.shape, p.qtype)
+    out = np.empty(out_shape, dtype=out_dtype)
+    for e, src in enumerate(p.sources):
+        arr = src.map()
+        dst = out[e] if len(p.sources) > 1 else out
+        if arr.ndim == 1:
+            dst[...] = convert_piece(arr, src.dtype, p.qtype)
+        else:
+            for r in range(0, arr.shape[0], ROWS_PER_PIECE):
+                dst[r : r + ROWS_PER_PIECE] = convert_piece(arr[r : r + ROWS_PER_PIECE], src.dtype, p.qtype)
+        bar.update(arr.nbytes)
+        del arr  # unmaps this source tensor
+    return out
+
+
+def synthetic_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
+    """SentencePiece-shaped: llama.cpp's SPM loader wants <unk>/<s>/</s> and the byte tokens."""
+    if n < 3 + 256:
+        raise ValueError(f"vocab_size {n} too small for a synthetic SPM vocabulary")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    tokens += [f"\u2581t{i}" for i in range(n - len(tokens))]
+    types += [gguf.TokenType.NORMAL] * (n - len(types))
+    scores = [0.0] * 259 + [-float(i) for i in range(n - 259)]
+    return tokens, scores, [int(t) for t in types]
+
+
+def add_metadata(w: gguf.GGUFWriter, cfg: dict, arch, ftype, name: str) -> None:
+    w.add_name(name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    # olmoe: llama.cpp reads the experts' width from feed_forward_length (OLMoE has no dense
+    # MLP); qwen3moe reads it from expert_feed_forward_length.
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    if "moe_intermediate_size" in cfg:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tokens, scores, types = synthetic_vocab(cfg["vocab_size"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
+def check(path: Path, plan: list[Planned], n_samples: int = 3) -> None:
+    """Read the file back; compare a few tensors (first expert of stacked ones) to the source."""
+    reader = gguf.GGUFReader(path)
+    got = {t.name: t for t in reader.tensors}
+    missing = [p.name for p in plan if p.name not in got]
+    if missing or len(got) != len(plan):
+        raise RuntimeError(f"read-back: {len(got)} tensors, expected {len(plan)}; missing {missing[:5]}")
+    for p in plan:
+        t = got[p.name]
+        if t.tensor_type != p.qtype or tuple(int(d) for d in reversed(t.shape)) != p.shape:
+            raise RuntimeError(f"{p.name}: read back {t.tensor_type.name} {list(t.shape)}, wrote {p.qtype.name} {p.shape}")
+    picks = [p for p in plan if p.qtype == QT.F32][:1] + [p for p in plan if p.qtype != QT.F32][:n_samples]
+    picks += [p for p in plan if "exps" in p.name][:1]
+    for p in picks:
+        data = got[p.name].data
+        first = data[0] if len(p.sources) > 1 else data
+        src = p.sources[0]
+        ref = to_f32(src.map(), src.dtype)
+        if p.qtype == QT.BF16:
+            # the reader hands bf16 out as raw bytes
+            deq = (np.asarray(first).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif p.qtype == QT.F32:
+            deq = np.asarray(first, dtype=np.float32)
+        else:
+            deq = gguf.quants.dequantize(np.asarray(first), p.qtype)
+        deq = deq.reshape(ref.shape)
+        err = float(np.sum((deq - ref) ** 2))
+        sig = float(np.sum(ref**2))
+        sqnr = float("inf") if err == 0 else 10 * np.log10(sig / err)
+        print(f"check: {p.name:28s} {p.qtype.name:5s} SQNR vs checkpoint {sqnr:6.1f} dB" + (" (bit-exact)" if err == 0 else ""))
+    print(f"check: {len(plan)} tensors read back with the written names, types and shapes")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("checkpoint", type=Path, help="directory with config.json and safetensors")
+    ap.add_argument("--type", choices=sorted(TYPES), required=True)
+    ap.add_argument("--out", type=Path, help="output .gguf (default: <checkpoint>-<type>.gguf beside it)")
+    ap.add_argument("--check", action="store_true", help="read the file back and compare to the checkpoint")
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    cfg = json.loads((args.checkpoint / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    if not archs or archs[0] not in ARCHS:
+        print(f"unsupported architecture {archs}; supported: {sorted(ARCHS)}", file=sys.stderr)
+        return 2
+    arch = ARCHS[archs[0]]
+    qtype, ftype = TYPES[args.type]
+    out = args.out or args.checkpoint.with_name(f"{args.checkpoint.name}-{args.type}.gguf")
+
+    sources = read_checkpoint(args.checkpoint)
+    plan = plan_tensors(sources, arch, cfg["num_hidden_layers"], qtype)
+    total_out = sum(p.nbytes for p in plan)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < total_out + (1 << 30):
+        print(f"not enough disk for {out}: need {total_out / 1e9:.1f} GB + 1 GB, have {free / 1e9:.1f} GB", file=sys.stderr)
+        return 2
+
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
+    print(f"{args.checkpoint} -> {out}: {arch_name}, {len(plan)} tensors, {args.type}, {total_out / 1e9:.2f} GB")
+    tmp = out.with_name(out.name + ".partial")
+    w = gguf.GGUFWriter(tmp, arch_name)
+    add_metadata(w, cfg, arch, ftype, f"{args.checkpoint.name} (random weights) {args.type}")
+    for p in plan:
+        dtype = {QT.F32: np.float32, QT.BF16: np.uint16}.get(p.qtype, np.uint8)
+        shape = p.shape if dtype is not np.uint8 else gguf.quant_shape_to_byte_shape(p.shape, p.qtype)
+        raw = None if p.qtype == QT.F32 else p.qtype
+        w.add_tensor_info(p.name, shape, np.dtype(dtype), p.nbytes, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total_in = sum(int(np.prod(s.shape)) * np.dtype(ST_DTYPES[s.dtype]).itemsize for p in plan for s in p.sources)
+    with tqdm(total=total_in, unit="B", unit_scale=True, desc=f"{args.type}", mininterval=0.5 if sys.stderr.isatty() else 15) as bar:
+        for p in plan:
+            w.write_tensor_data(convert(p, bar))
+    w.close()
+    os.replace(tmp, out)
+    print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB)")
+    if args.check:
+        check(out, plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
