@@ -4,6 +4,9 @@
     report = hi_na_moe.enable_for_model(model)   # every MoE block, found automatically
     hi_na_moe.disable_for_model(model)           # exact restore
 
+    # quantised experts straight from a checkpoint, never holding the bf16 experts in memory
+    model = hi_na_moe.from_pretrained("path/to/checkpoint", weights="int4")
+
 Importing the package also registers `experts_implementation="hi_na_moe"` with transformers.
 """
 
@@ -17,7 +20,17 @@ from .patching import (
     inspect_model,
     is_enabled,
     register_experts_interface,
+    report_for,
 )
+
+
+
+def from_pretrained(path, weights: str = "int4", **kwargs):
+    """See hi_na_moe.loading.from_pretrained (imported lazily: it pulls in transformers)."""
+    from .loading import from_pretrained as _from_pretrained
+
+    return _from_pretrained(path, weights, **kwargs)
+
 
 __version__ = "0.1.0"
 
@@ -29,9 +42,11 @@ __all__ = [
     "capabilities",
     "disable_for_model",
     "enable_for_model",
+    "from_pretrained",
     "inspect_model",
     "is_enabled",
     "load_config",
+    "report_for",
 ]
 
 register_experts_interface()

@@ -122,6 +122,12 @@ class NativeExperts:
         self._hook = None
         # quality measurements: called as recorder(name, hidden, idx, w, out) after each call
         self.recorder: Callable | None = None
+        # hi_na_moe.from_pretrained: the weights were never loaded; they live in the checkpoint
+        # (loading.CheckpointOrigin), the packed block in the store under the checkpoint's key
+        self.origin = None
+        self.allow_build = True  # False: the store entry must exist (the weights are placeholders)
+        self.preset_sqnr: float | None = None
+        self.preset_event: str | None = None
 
     @property
     def lossless(self) -> bool:
@@ -142,7 +148,10 @@ class NativeExperts:
 
         native, _ = native_module()
         if self._identity is None:
-            self._identity = tensor_identity([t for t in self._tensors() if t is not None])
+            if self.origin is not None:
+                self._identity = f"checkpoint:{self.origin.identity}:{self.name}"
+            else:
+                self._identity = tensor_identity([t for t in self._tensors() if t is not None])
         return entry_key(self._identity, weights=weights, group_size=self.group_size if weights == "int4" else 0,
                          isa=self.isa, layout_version=int(native.PACKED_LAYOUT_VERSION))
 
@@ -155,9 +164,14 @@ class NativeExperts:
         """The packed block for `weights`, from the store (built and written there if absent,
         stale or corrupt). Returns (PackedExperts view, entry, event)."""
         native, _ = native_module()
-        tensors = self._tensors()
+        tensors = self._tensors() if self.allow_build else None
 
         def build():
+            if not self.allow_build:
+                raise RuntimeError(
+                    f"hi_na_moe: the packed experts of {self.name!r} are no longer in the store "
+                    f"({self.store.root}) and this model never loaded their weights; load it again "
+                    "with hi_na_moe.from_pretrained")
             pe = self._pack_now(tensors, weights)
             meta = dict(native.header_info(pe.header), header=pe.header.hex(), block=self.name,
                         **self._expect(weights))
@@ -169,7 +183,14 @@ class NativeExperts:
         return view, entry, event
 
     def pack(self) -> None:
-        if self.lossless or self.store is None:
+        if self.origin is not None and not self.allow_build:
+            self.packed, self._entry, event = self._from_store(self.weights, self.name)
+            self.cache_event = self.preset_event or event
+            self.sqnr_db = self.preset_sqnr
+            self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
+            self.handle = torch_ops.register(self.packed, owner=self)
+            return
+        if (self.lossless and self.origin is None) or self.store is None:
             self.packed = self._pack_now(self._tensors(), self.weights)
         else:
             self.packed, self._entry, self.cache_event = self._from_store(self.weights, self.name)
@@ -210,6 +231,8 @@ class NativeExperts:
 
     def _unpacked(self):
         """The exact original weights: unpacked from the packed copy (lossless) or the backup."""
+        if self.origin is not None and not self.allow_build:
+            raise AssertionError("checkpoint-backed blocks restore by parameter name (_fill_real)")
         if self.lossless:
             source = self.packed
         else:
@@ -241,6 +264,8 @@ class NativeExperts:
         """Free the model's own copy of the weights the packed copy holds; returns bytes freed.
         Quantised blocks first write an exact backup of the originals to the store (none: the
         originals stay, and 0 is returned)."""
+        if self.origin is not None and not self.allow_build:
+            return self._release_placeholders(module, rebuild)
         if not self.lossless:
             if self.store is None:
                 return 0
@@ -260,13 +285,18 @@ class NativeExperts:
         for f in _TENSOR_FIELDS:
             setattr(self.spec, f, getattr(fresh, f))
         self.spec.cache["released"] = True
+        self._register_state_dict_hook(module, rebuild)
+        return freed
+
+    def _register_state_dict_hook(self, module: torch.nn.Module, rebuild) -> None:
+        """While released, `state_dict()` still returns the real weights."""
 
         def fill_state_dict(mod, state_dict, prefix, local_metadata):
-            # unpack into real tensors in the model's own layout: swap them in for the
-            # placeholders just long enough to copy through the spec's views
+            # rebuild real tensors in the model's own layout: swap them in for the placeholders
+            # just long enough to copy through the spec's views
             real = self._swap_in_real()
             try:
-                self._copy_into(rebuild(), self._unpacked())
+                self._fill_real(rebuild, real)
             finally:
                 for (m2, n2), (placeholder, _) in real.items():
                     getattr(m2, n2).data = placeholder
@@ -278,7 +308,35 @@ class NativeExperts:
                     state_dict[key] = tensor
 
         self._hook = module.register_state_dict_post_hook(fill_state_dict)
-        return freed
+
+    def _fill_real(self, rebuild, real: dict) -> None:
+        """Write the exact original weights into the fresh storage `real` (from _swap_in_real)."""
+        if self.origin is not None and not self.allow_build:
+            from .loading import load_originals
+
+            names = {self._full_names[key]: key for key in real}
+            got = load_originals(self.origin, set(names))
+            with torch.no_grad():
+                for full, key in names.items():
+                    real[key][1].copy_(got[full])
+            return
+        self._copy_into(rebuild(), self._unpacked())
+
+    def _release_placeholders(self, module: torch.nn.Module, rebuild) -> int:
+        """from_pretrained: the parameters already are placeholders (never loaded). Record them
+        (and their full names, to read them back from the checkpoint) as released."""
+        names = {id(sub): sub_name for sub_name, sub in module.named_modules()}
+        self._full_names = {}
+        for mod, name, p in list(self._owned_params(module, self.spec)):
+            # a loaded parameter would be contiguous (the placeholder's own strides are 0)
+            stride = tuple(torch.empty(p.shape, device="meta").stride())
+            self._released.append((mod, name, p.shape, stride))
+            # full names in the root model: the block's own path, then the path inside the block
+            path = ".".join(x for x in (self.name, names.get(id(mod), ""), name) if x)
+            self._full_names[(mod, name)] = path
+        self.spec.cache["released"] = True
+        self._register_state_dict_hook(module, rebuild)
+        return 0
 
     def _swap_in_real(self) -> dict:
         """Give each released parameter fresh real storage; returns {(module, name): (old data, new)}."""
@@ -297,9 +355,14 @@ class NativeExperts:
             self._hook.remove()
             self._hook = None
         if self._released:
-            self._swap_in_real()
+            real = self._swap_in_real()
+            try:
+                self._fill_real(rebuild, real)
+            except BaseException:
+                for (m2, n2), (placeholder, _) in real.items():
+                    getattr(m2, n2).data = placeholder  # still released: the model stays usable
+                raise
             fresh = rebuild()
-            self._copy_into(fresh, self._unpacked())
             for f in _TENSOR_FIELDS:
                 setattr(self.spec, f, getattr(fresh, f))
             self.spec.cache.pop("released", None)

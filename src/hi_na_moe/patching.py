@@ -164,10 +164,12 @@ def _make_repr(match: adapters.BlockMatch, kernel: str, original: Any):
     return extra_repr
 
 
-def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig) -> BlockReport:
+def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, prepare=None) -> BlockReport:
     m = match.module
     block = _block_report(match, "accelerated", choice)
     if isinstance(choice.runner, ops.NativeExperts):
+        if prepare is not None:
+            prepare(choice.runner)
         choice.runner.pack()
         block.packed_bytes = choice.runner.packed.nbytes
         block.sqnr_db = choice.runner.sqnr_db
@@ -180,7 +182,10 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
     if isinstance(choice.runner, ops.NativeExperts) and not cfg.keep_weights:
         # released right after packing: peak memory grows by one block, not by the model
         block.released_bytes = choice.runner.release(m, match.rebuild)
-        if not choice.runner.lossless and choice.runner.store is None:
+        if choice.runner.origin is not None:
+            note = "expert weights never loaded: streamed from the checkpoint into the store"
+            block.reason = f"{block.reason}; {note}" if block.reason else note
+        elif not choice.runner.lossless and choice.runner.store is None:
             note = "originals kept in memory (cache=False: no exact backup to restore them from)"
             block.reason = f"{block.reason}; {note}" if block.reason else note
     return block
@@ -213,7 +218,8 @@ def inspect_model(
 
 
 def enable_for_model(
-    model: nn.Module, config: HinaConfig | None = None, router_name: str | None = None, **config_kwargs: Any
+    model: nn.Module, config: HinaConfig | None = None, router_name: str | None = None, *, _prepare=None,
+    **config_kwargs: Any
 ) -> EnableReport:
     """Accelerate every MoE block in `model` (any nn.Module holding MoE blocks).
 
@@ -256,7 +262,7 @@ def enable_for_model(
         patched: list = []
         try:
             for match, choice in plans:
-                report.blocks.append(_patch_block(match, choice, cfg))
+                report.blocks.append(_patch_block(match, choice, cfg, _prepare))
                 patched.append((match.module, match, choice))
         except BaseException:
             _unpatch(patched)  # leave the model exactly as it was
@@ -284,6 +290,12 @@ def disable_for_model(model: nn.Module) -> EnableReport:
 
 def is_enabled(model: nn.Module) -> bool:
     return model in _ROOTS
+
+
+def report_for(model: nn.Module) -> EnableReport | None:
+    """The EnableReport of the enable currently active on `model` (None if not enabled)."""
+    entry = _ROOTS.get(model)
+    return entry[1] if entry is not None else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,327 @@
+"""`hi_na_moe.from_pretrained`: load a checkpoint with its experts packed (or quantised) straight
+from the files, never holding the model's full set of expert weights in memory.
+
+How: transformers loads the model as usual (its own classes, config, key renames and weight
+conversions, dense weights), but while it runs, the conversion step of every expert parameter
+of an MoE block is intercepted. The converted tensor goes to the block's packer instead of the
+model; once a block's tensors are all there, it is packed into the packed-expert store and the
+tensors are dropped, so at most one block's original weights are in memory at a time. The model
+gets zero-byte placeholders of the right shape and dtype in their place. A block already in the
+store (keyed by the checkpoint's identity, the block and the format) is not read from the files
+at all: its conversion is skipped.
+
+transformers 5 loads tensors on worker threads, all submitted up front; for the interception to
+bound memory, loading runs with `HF_DEACTIVATE_ASYNC_LOAD=1` (tensors are read when converted).
+The interception point is `transformers.core_model_loading`'s `WeightTransform.convert`, an
+internal API: it is checked against the pinned transformers version at call time, and a
+mismatch is a clear error, never a silent full load.
+
+`disable_for_model` on such a model reads the blocks' original weights back from the checkpoint
+the same way (every other tensor is skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+_LOAD_LOCK = threading.Lock()  # the interception is process-wide: one load at a time
+
+
+def placeholder(shape, dtype) -> torch.Tensor:
+    """A zero-byte stand-in with the shape and dtype of a tensor (what released weights hold)."""
+    return torch.zeros((), dtype=dtype).expand(tuple(shape))
+
+
+@dataclass(frozen=True)
+class CheckpointOrigin:
+    """Where a model's expert weights live when they were never loaded: the checkpoint."""
+
+    path: str
+    identity: str  # store.checkpoint_identity(path)
+    model_class: Any  # the transformers class from_pretrained was called on
+    kwargs: dict = field(default_factory=dict, hash=False, compare=False)  # from_pretrained kwargs
+
+
+def _target_names(transform, layer_name: str) -> list[str]:
+    """The full parameter names `transform.convert(layer_name)` produces, computed without
+    running it (mirrors how transformers expands target patterns to full names)."""
+    targets = list(getattr(transform, "target_patterns", None) or [])
+    if len(targets) <= 1:
+        return [layer_name]
+    full = layer_name.replace("*.", "0.") if "*." in layer_name else layer_name
+    first = next((t for t in targets if t in full), None)
+    if first is None:
+        return [layer_name]
+    prefix, _, suffix = full.partition(first)
+    return [prefix + t + suffix for t in targets]
+
+
+@contextlib.contextmanager
+def intercept_conversions(policy: Callable[[Any, str, Callable[[], dict], Any], dict]):
+    """While active, every `WeightTransform.convert(layer_name, model=...)` call transformers makes
+    goes through policy(transform, layer_name, run_original, model) -> {full name: tensor}."""
+    try:
+        from transformers import core_model_loading as cml
+    except ImportError as exc:  # pragma: no cover - transformers < 5
+        raise RuntimeError(f"hi_na_moe.from_pretrained needs transformers 5 ({exc})") from None
+    classes = [c for c in (getattr(cml, "WeightConverter", None), getattr(cml, "WeightRenaming", None)) if c]
+    if len(classes) != 2 or not all(callable(getattr(c, "convert", None)) for c in classes):
+        import transformers
+
+        raise RuntimeError(
+            f"hi_na_moe.from_pretrained does not know this transformers version ({transformers.__version__}): "
+            "its weight-conversion API changed; load with transformers' from_pretrained and call "
+            "hi_na_moe.enable_for_model instead"
+        )
+    with _LOAD_LOCK:
+        originals = {c: c.__dict__["convert"] for c in classes if "convert" in c.__dict__}
+
+        def make(orig):
+            def convert(self, layer_name, model=None, **kw):
+                return policy(self, layer_name, lambda: orig(self, layer_name, model=model, **kw), model)
+
+            return convert
+
+        old_env = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+        os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+        for c, orig in originals.items():
+            setattr(c, "convert", make(orig))
+        try:
+            yield
+        finally:
+            for c, orig in originals.items():
+                setattr(c, "convert", orig)
+            if old_env is None:
+                os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
+            else:
+                os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = old_env
+
+
+def _first(v):
+    return v[0] if isinstance(v, list) else v
+
+
+def _meta_shape_dtype(model, name: str):
+    try:
+        p = model.get_parameter(name)
+    except AttributeError:
+        p = model.get_buffer(name)
+    return p.shape, p.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Block:
+    name: str
+    match: Any  # adapters.BlockMatch on the meta model
+    params: dict[str, tuple[nn.Module, str]]  # full name -> (meta module, attribute)
+    cached: bool = False
+    got: dict[str, torch.Tensor] = field(default_factory=dict)
+    sqnr_db: float | None = None
+    event: str | None = None
+
+
+def _plan_blocks(meta_model: nn.Module, cfg) -> list[_Block]:
+    from . import adapters, ops
+
+    names = {id(m): n for n, m in meta_model.named_modules()}
+    blocks = []
+    for match in adapters.discover(meta_model):
+        if match.spec is None:
+            continue
+        choice = ops.choose(match.spec, cfg, dry_run=True, name=match.name)
+        if not isinstance(choice.runner, ops.NativeExperts):
+            continue
+        params = {}
+        for mod, pname, _ in ops.NativeExperts._owned_params(match.module, match.spec):
+            full = names[id(mod)] + "." + pname if names[id(mod)] else pname
+            params[full] = (mod, pname)
+        if params:
+            blocks.append(_Block(match.name, match, params))
+    return blocks
+
+
+def _runner_for(block: _Block, spec, cfg, origin: CheckpointOrigin, store):
+    from . import ops
+
+    native_isa = ops._isa_name(cfg)
+    r = ops.NativeExperts(spec, native_isa, cfg.threads, cfg.weights, cfg.group_size, store, block.name)
+    r.origin = origin
+    return r
+
+
+def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_size: int | None = None,
+                    config=None, model_class=None, progress: bool = True, **kwargs: Any):
+    """Load a local transformers MoE checkpoint with hi_na_moe already enabled, packing (or
+    quantising) its experts straight from the safetensors files into the packed-expert store.
+
+    Args:
+        path: a local checkpoint directory (config.json + *.safetensors); no hub downloads.
+        weights: "int4" (default), "int8" or "lossless".
+        group_size: int4 group size (default: the config's, 64).
+        config: a HinaConfig for the other keys (isa, threads, cache_dir, ...); `cache` must be on.
+        model_class: the transformers class to load with (default AutoModelForCausalLM).
+        progress: show a progress bar over the blocks being packed.
+        **kwargs: passed to transformers' from_pretrained (dtype, attn_implementation, ...).
+
+    Returns the model, enabled; its EnableReport is `hi_na_moe.report_for(model)`. A second load of the same checkpoint and format reads the
+    packed experts from the store without reading the experts from the files.
+    """
+    import transformers
+
+    from . import ops, patching
+    from .config import load_config
+    from .store import PackedStore, checkpoint_identity
+
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"hi_na_moe.from_pretrained needs a local checkpoint directory with config.json and *.safetensors "
+            f"files; {str(path)!r} has none (download it first; hi_na_moe never fetches from a hub)"
+        )
+    extra = {"weights": weights}
+    if group_size is not None:
+        extra["group_size"] = group_size
+    cfg = load_config(config, **extra)
+    if not cfg.cache:
+        raise ValueError("hi_na_moe.from_pretrained streams experts into the packed-expert store: cache must be on")
+    if cfg.backend == "reference":
+        raise ValueError("hi_na_moe.from_pretrained packs experts for the native kernels; backend='reference' "
+                         "cannot use them (load with transformers and enable_for_model instead)")
+    cls = model_class or transformers.AutoModelForCausalLM
+    hf_config = transformers.AutoConfig.from_pretrained(path)
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
+    if dtype == "auto" or dtype is None:
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        meta_model = cls.from_config(hf_config, dtype=dtype)
+    store = PackedStore(cfg.store_root())
+    origin = CheckpointOrigin(str(path), checkpoint_identity(path), cls, dict(kwargs))
+    blocks = _plan_blocks(meta_model, cfg)
+    owner = {full: b for b in blocks for full in b.params}
+
+    # which blocks the store already has (valid entries)
+    for b in blocks:
+        probe = _runner_for(b, b.match.spec, cfg, origin, store)
+        try:
+            store.open(probe._key(cfg.weights), b.name, expect=probe._expect(cfg.weights)).close()
+            b.cached = True
+            b.event = "reused"
+        except Exception:
+            b.cached = False
+
+    bar = None
+    todo = [b for b in blocks if not b.cached]
+    if progress and todo:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc=f"hi_na_moe: packing experts ({cfg.weights})", unit="block")
+
+    def pack_block(b: _Block) -> None:
+        # the block's real tensors go into the meta model's module just long enough to build the
+        # spec the packer reads; then everything is dropped again
+        saved = {}
+        for full, t in b.got.items():
+            mod, pname = b.params[full]
+            saved[full] = mod._parameters[pname]
+            mod._parameters[pname] = nn.Parameter(t, requires_grad=False)
+        try:
+            spec = b.match.rebuild()
+            runner = _runner_for(b, spec, cfg, origin, store)
+            runner.pack()  # builds and writes the store entry, measures SQNR on the originals
+            b.sqnr_db = runner.sqnr_db
+            b.event = runner.cache_event
+            runner.restore(lambda: None)  # frees the packed copy (nothing was released)
+        finally:
+            for full, p in saved.items():
+                mod, pname = b.params[full]
+                mod._parameters[pname] = p
+            b.got.clear()
+        if bar is not None:
+            bar.update(1)
+
+    def policy(transform, layer_name, run, model):
+        names = _target_names(transform, layer_name)
+        mine = [n for n in names if n in owner]
+        if not mine:
+            return run()
+        if len(mine) == len(names) and all(owner[n].cached for n in mine):
+            return {n: placeholder(*_meta_shape_dtype(model, n)) for n in names}  # not read at all
+        out = run()
+        for n in list(out):
+            b = owner.get(n)
+            if b is None:
+                continue
+            t = _first(out[n])
+            out[n] = placeholder(t.shape, t.dtype)
+            if b.cached:
+                continue
+            b.got[n] = t
+            if len(b.got) == len(b.params):
+                pack_block(b)
+        return out
+
+    try:
+        with intercept_conversions(policy):
+            model = cls.from_pretrained(path, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
+    incomplete = [b.name for b in blocks if not b.cached and b.event is None]
+    if incomplete:
+        raise RuntimeError(
+            f"hi_na_moe.from_pretrained: the checkpoint did not provide every expert tensor of {incomplete[:3]} "
+            "(a key layout this loader does not recognise); load with transformers and call enable_for_model"
+        )
+    model.eval()
+    # enable: every block's packed experts are in the store now; the runners only map them
+    by_name = {b.name: b for b in blocks}
+
+    def prepare(runner: ops.NativeExperts) -> None:
+        b = by_name.get(runner.name)
+        if b is None:
+            return
+        runner.origin = origin
+        runner.store = store  # lossless blocks too: they were packed into the store at load
+        runner.allow_build = False
+        runner.preset_sqnr = b.sqnr_db
+        runner.preset_event = b.event
+
+    patching.enable_for_model(model, cfg, _prepare=prepare)
+    return model
+
+
+def load_originals(origin: CheckpointOrigin, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` (full parameter names) as transformers would load them from the
+    checkpoint, reading nothing else: every other tensor's conversion is skipped."""
+    got: dict[str, torch.Tensor] = {}
+
+    def policy(transform, layer_name, run, model):
+        targets = _target_names(transform, layer_name)
+        if not any(n in names for n in targets):
+            return {n: placeholder(*_meta_shape_dtype(model, n)) for n in targets}
+        out = run()
+        for n in list(out):
+            t = _first(out[n])
+            if n in names:
+                got[n] = t
+            out[n] = placeholder(t.shape, t.dtype)
+        return out
+
+    with intercept_conversions(policy):
+        origin.model_class.from_pretrained(origin.path, **origin.kwargs)
+    missing = names - set(got)
+    if missing:
+        raise RuntimeError(f"the checkpoint {origin.path!r} did not provide {sorted(missing)[:3]}")
+    return got

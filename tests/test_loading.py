@@ -1,0 +1,109 @@
+"""hi_na_moe.from_pretrained: experts streamed from the checkpoint into the packed-expert store.
+Same outputs as transformers' load + enable_for_model, exact state_dict and restore, and a warm
+load that neither packs nor reads the expert tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hi_na_moe
+from hi_na_moe import ops
+from hi_na_moe.hardware import native_kernels_available
+
+from tiny_models import build_tiny
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="native library not built")
+
+# per-expert checkpoint keys (olmoe, mixtral, qwen2_moe + shared experts), fused 3-D keys with
+# biases (gpt_oss)
+FAMILIES = ["olmoe", "mixtral", "qwen2_moe", "gpt_oss"]
+
+
+@pytest.fixture(autouse=True)
+def _store(tmp_path, monkeypatch):
+    monkeypatch.setenv("HINA_MOE_CACHE_DIR", str(tmp_path / "store"))
+
+
+def _checkpoint(model_type, tmp_path):
+    tiny = build_tiny(model_type, torch.bfloat16)
+    path = tmp_path / model_type
+    tiny.model.save_pretrained(path)
+    return path, tiny.vocab_size
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "lossless"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_same_as_enable_for_model_and_exact_restore(model_type, weights, tmp_path):
+    path, vocab = _checkpoint(model_type, tmp_path)
+    ids = torch.randint(3, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    base = _logits(ref, ids)
+    sd0 = {k: v.clone() for k, v in ref.state_dict().items()}
+    hi_na_moe.enable_for_model(ref, weights=weights, cache_dir=str(tmp_path / "other"))
+    want = _logits(ref, ids)
+    hi_na_moe.disable_for_model(ref)
+
+    model = hi_na_moe.from_pretrained(path, weights=weights, dtype=torch.bfloat16, progress=False)
+    rep = hi_na_moe.report_for(model)
+    assert rep.accelerated and not rep.native, rep
+    assert all("never loaded" in (b.reason or "") for b in rep.accelerated)
+    assert torch.equal(_logits(model, ids), want), f"{model_type} {weights}: differs from enable_for_model"
+    if weights != "lossless":
+        assert all(b.sqnr_db is not None for b in rep.accelerated)
+    # the experts were never in memory: placeholders (stride 0) where their parameters are
+    runner = next(c.runner for _, _, c in hi_na_moe.patching._ROOTS[model][0] if isinstance(c.runner, ops.NativeExperts))
+    assert all(t.numel() == 0 or 0 in t.stride() for t in runner.spec.weight_tensors()
+               if t.dim() == 3), "expert weights were materialised"
+    sd = model.state_dict()
+    bad = [k for k in sd0 if not torch.equal(sd[k], sd0[k])]
+    assert not bad, f"{model_type}: state_dict differs from the checkpoint while enabled: {bad[:3]}"
+    hi_na_moe.disable_for_model(model)
+    assert torch.equal(_logits(model, ids), base), f"{model_type}: restore from the checkpoint not exact"
+
+
+def test_warm_load_neither_packs_nor_reads_experts(tmp_path, monkeypatch):
+    import transformers.core_model_loading as cml
+
+    path, vocab = _checkpoint("olmoe", tmp_path)
+    reads = []
+    real = cml._materialize_copy
+
+    def counting(tensor, *a, **k):
+        reads.append(tuple(tensor.shape) if hasattr(tensor, "shape") else None)
+        return real(tensor, *a, **k)
+
+    monkeypatch.setattr(cml, "_materialize_copy", counting)
+    cold = hi_na_moe.from_pretrained(path, weights="int4", dtype=torch.bfloat16, progress=False)
+    cold_reads = len(reads)
+    assert {b.cache for b in hi_na_moe.report_for(cold).accelerated} == {"built"}
+    reads.clear()
+
+    def no_packing(self, tensors, weights):
+        raise AssertionError("packed again although the store has every block")
+
+    monkeypatch.setattr(ops.NativeExperts, "_pack_now", no_packing)
+    warm = hi_na_moe.from_pretrained(path, weights="int4", dtype=torch.bfloat16, progress=False)
+    assert {b.cache for b in hi_na_moe.report_for(warm).accelerated} == {"reused"}
+    # per-expert checkpoint: 3 tensors per expert per layer were not read the second time
+    cfg = warm.config
+    experts = cfg.num_experts * 3 * cfg.num_hidden_layers
+    assert cold_reads - len(reads) == experts, (cold_reads, len(reads), experts)
+    ids = torch.randint(3, vocab, (1, 7), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_logits(cold, ids), _logits(warm, ids))
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json and \\*.safetensors"):
+        hi_na_moe.from_pretrained(tmp_path / "nothing-here")
+    path, _ = _checkpoint("olmoe", tmp_path)
+    with pytest.raises(ValueError, match="cache must be on"):
+        hi_na_moe.from_pretrained(path, config=hi_na_moe.load_config(cache=False))
+    with pytest.raises(hi_na_moe.ConfigError, match="group_size"):
+        hi_na_moe.from_pretrained(path, weights="int4", group_size=48)
