@@ -392,22 +392,29 @@ std::vector<float> quantise_ref(DType dt, const std::vector<uint8_t>& src, int64
         return std::min(hi, std::max(lo, qv));
       };
       float s = amax / 127.0f;
-      if (q.fmt == WFormat::kInt4) {  // scale search: smallest squared error among 16 shrinks
-        double best = -1.0;
-        for (int i = 0; i < 16; ++i) {
-          const float d = detail::bf16_to_f32(detail::f32_to_bf16(m / -8.0f * (1.0f - i / 40.0f)));
-          double err = 0.0;
+      float mul = s != 0.0f ? 1.0f / s : 0.0f;  // int8: round(w / s); int4: round(w * (1/d))
+      bool by_inverse = false;
+      if (q.fmt == WFormat::kInt4) {  // scale search: smallest squared error among 8 shrinks
+        float best = -1.0f;
+        by_inverse = true;
+        for (int i = 0; i < 8; ++i) {
+          const float d = detail::bf16_to_f32(detail::f32_to_bf16(m / -8.0f * (1.0f - i / 20.0f)));
+          const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+          float err = 0.0f;
           for (int64_t k = k0; k < k0 + q.group; ++k) {  // padding (k >= K) is 0: error 0
             const float v = k < K ? load_elem(dt, src.data(), row * K + k) : 0.0f;
-            const double e = static_cast<double>(v - d * quant(v, d));
+            const float qv = std::min(hi, std::max(lo, std::nearbyint(v * inv)));
+            const float dq = d * qv;
+            const float e = v - dq;
             err += e * e;
           }
-          if (best < 0.0 || err < best) { best = err; s = d; }
+          if (best < 0.0f || err < best) { best = err; s = d; mul = inv; }
         }
       }
       for (int64_t k = k0; k < k1; ++k) {
         const float v = load_elem(dt, src.data(), row * K + k);
-        out[static_cast<size_t>(row * K + k)] = s * quant(v, s);
+        const float qv = by_inverse ? std::min(hi, std::max(lo, std::nearbyint(v * mul))) : quant(v, s);
+        out[static_cast<size_t>(row * K + k)] = s * qv;
       }
     }
   }

@@ -16,8 +16,9 @@
 //   int8: per output row n, s_n = max_k |W[n,k]| / 127, q = clamp(round(W / s_n), -127, 127);
 //         W ~ s_n * q. Kernels compute s_n * sum_k q x_k (fp32 scale, exact factoring).
 //   int4: per output row n and group of `group` consecutive k (32, 64 or 128), m = the element
-//         of largest |W| (first one); d = the d_i = bf16(m / -8 * (1 - i/40)), i = 0..15, with
-//         the smallest sum (W - d q)^2 (first on ties), q = clamp(round(W / d), -8, 7); W ~ d * q
+//         of largest |W| (first one); d = the d_i = bf16(m / -8 * (1 - i/20)), i = 0..7, with
+//         the smallest float sum in k order of (W - d q)^2 (first on ties), where
+//         q = clamp(round(W * (1/d)), -8, 7); W ~ d * q
 //         (the largest element maps to about -8, so all 16 levels are used). Kernels compute
 //         sum_groups d * sum_{k in group} q x_k.
 //   x and h stay fp32 on the FMA tiers (weights are expanded in registers; no activation
