@@ -75,3 +75,31 @@ def test_bench_bad_compare_is_a_user_error():
     proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "bench", "--model", "builtin", "--compare", "fast"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--compare has 'fast'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_shows_every_expert_format(capsys):
+    assert main(["check", "--model", str(shipped_model_dir()), "--output", "json", "--no-bandwidth"]) == 0
+    formats = {f["weights"]: f for f in json.loads(capsys.readouterr().out)["model"]["formats"]}
+    assert set(formats) == {"lossless", "int8", "int4-g64"}
+    # fp32 shipped model: int8 ~ 1/4 and int4 ~ 1/8 of the lossless expert bytes (plus scales)
+    assert formats["int8"]["expert_bytes"] < 0.3 * formats["lossless"]["expert_bytes"]
+    assert formats["int4-g64"]["expert_bytes"] < formats["int8"]["expert_bytes"] * 0.6
+    assert formats["int4-g64"]["active_bytes_per_token"] < formats["lossless"]["active_bytes_per_token"]
+
+
+def test_bench_and_debug_with_quantised_weights(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HINA_MOE_CACHE_DIR", str(tmp_path / "store"))
+    rc = main(["bench", "--model", "builtin", "--gen-tokens", "3", "--num-iters", "1", "--warmup", "0",
+               "--seq-len", "8", "--weights", "int8", "--output", "json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    hina, native = data["arms"]["hina"], data["arms"]["native"]
+    assert "int8" in hina["kernel"] and hina["weights"] == "int8"
+    assert hina["bytes_per_token"] < native["bytes_per_token"]
+    q = hina["quality_vs_native"]
+    assert 0 <= q["kl"] < 0.05 and q["top1"] >= 0.75 and q["sqnr_min_db"] > 30
+    rc = main(["debug", "--model", str(shipped_model_dir()), "--prompt", "def parse(text):", "--weights", "int4",
+               "--output", "json"])
+    assert rc == 0, "int4 within the int4 tolerance on the shipped model"
+    rep = json.loads(capsys.readouterr().out)
+    assert any("int4" in k for k in rep["prompts"][0]["kernels"])

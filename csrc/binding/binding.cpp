@@ -259,7 +259,7 @@ class PyPackedExperts {
                       const std::string& act, float alpha, float gate_limit, float up_limit,
                       float post_act_limit, float up_offset, bool weight_on_input,
                       int num_threads, const std::string& path,
-                      std::optional<int> prefill_min_tokens) const {
+                      std::optional<int> prefill_min_tokens, const std::string& split) const {
     const hina::PackedExperts& pe = *pe_;
     const nb::dlpack::dtype wdt = nb_dtype(pe.dtype());
     if (x.ndim() != 2) bad("x must have shape [T, H], got " + shape_str(shape_of(x)));
@@ -297,6 +297,8 @@ class PyPackedExperts {
       if (*prefill_min_tokens < 1) bad("prefill_min_tokens must be >= 1");
       p.prefill_min_tokens = *prefill_min_tokens;
     }
+    if (split == "static") p.static_split = true;
+    else if (split != "dynamic") bad("split '" + split + "' is unknown; expected dynamic or static");
     const char* name;
     {
       nb::gil_scoped_release release;
@@ -463,7 +465,7 @@ NB_MODULE(_native, m) {
            nb::arg("up_limit") = INFINITY, nb::arg("post_act_limit") = INFINITY,
            nb::arg("up_offset") = 0.0f, nb::arg("weight_on_input") = false,
            nb::arg("num_threads") = 0, nb::arg("path") = "auto",
-           nb::arg("prefill_min_tokens").none() = nb::none(),
+           nb::arg("prefill_min_tokens").none() = nb::none(), nb::arg("split") = "dynamic",
            "out[T, H] = sum_k topk_w * expert(x) (see moe.h for the exact semantics). "
            "x, out: [T, H] in the experts' dtype; topk_idx: [T, K] int32/int64 (< 0: skip); "
            "topk_w: [T, K] float32. Returns the name of the kernel that ran. GIL released.")

@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "hina_moe/moe.h"
 
@@ -15,6 +17,30 @@ constexpr int kPanelN = 16;  // output rows per packed panel
 constexpr int kKAlign = 32;  // reduction padding (one AMX bf16 k-tile)
 
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+inline void* aligned_alloc64(size_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, bytes < 64 ? 64 : bytes) != 0) throw std::bad_alloc();
+  return p;
+}
+
+// Grow-only 64-byte aligned scratch (kept thread_local by its users).
+struct AlignedBuf {
+  void* p = nullptr;
+  size_t cap = 0;
+  AlignedBuf() = default;
+  AlignedBuf(const AlignedBuf&) = delete;
+  AlignedBuf& operator=(const AlignedBuf&) = delete;
+  ~AlignedBuf() { std::free(p); }
+  void* get(size_t bytes) {
+    if (bytes > cap) {
+      std::free(p);
+      p = aligned_alloc64(bytes);
+      cap = bytes;
+    }
+    return p;
+  }
+};
 
 // Geometry of one packed PackedExperts (see PackedHeader).
 struct Layout {

@@ -7,12 +7,13 @@
 //   2. down + routing weight + scatter-add + output conversion: every thread owns a range of H
 //      panels of the fp32 accumulator, so no two threads ever add into the same element and the
 //      sum over experts runs in ascending expert order (deterministic for any thread count).
-// The tiled (x_bf16, AMX) prefill kernels split both regions dynamically instead: threads claim
-// work items from a shared counter (region 1: (active expert, chunk of <= 8 I panels), expert-
-// major; region 2: chunks of <= 8 H panels, each run over all experts in ascending order), so a
-// thread that runs slower (memory contention, a descheduled vCPU) ends up with less of the work.
-// Every output element is still produced by one item in one fixed order: results do not depend
-// on the split. The FMA-tier kernels (decode and prefill) keep the static split.
+// By default (MoeParams::static_split false) both regions are split dynamically instead:
+// threads claim work items from a shared counter (region 1: (active expert, chunk of <= 8 I
+// panels), expert-major; region 2: chunks of <= 8 H panels, each run over all experts in
+// ascending order), so a thread that runs slower (memory contention, a vCPU taken by another
+// process, torch's OpenMP workers still spinning on its core) ends up with less of the work
+// instead of holding everyone up. Every output element is still produced by one item in one
+// fixed order: results do not depend on the split (tested bit-identical).
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
@@ -302,27 +303,6 @@ void dequant_matrix(const uint8_t* panels, DType dt, int64_t N, int64_t K, void*
       for (int64_t k = 0; k < K; ++k) store_elem(dt, dst, (p * kPanelN + n) * K + k, w[k * kPanelN + n]);
   }
 }
-
-void* aligned_alloc64(size_t bytes) {
-  void* p = nullptr;
-  if (posix_memalign(&p, 64, bytes < 64 ? 64 : bytes) != 0) throw std::bad_alloc();
-  return p;
-}
-
-// Grow-only 64-byte aligned scratch.
-struct AlignedBuf {
-  void* p = nullptr;
-  size_t cap = 0;
-  ~AlignedBuf() { std::free(p); }
-  void* get(size_t bytes) {
-    if (bytes > cap) {
-      std::free(p);
-      p = aligned_alloc64(bytes);
-      cap = bytes;
-    }
-    return p;
-  }
-};
 
 struct Scratch {
   AlignedBuf xbuf, hbuf, acc;
@@ -773,8 +753,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     s.row_wt[r] = woi ? 1.0f : s.row_w[r];
   }
 
-  // Dynamic split for the tiled kernels (see the header comment); items of <= 8 panels.
-  const bool dyn = kern.x_bf16 && nthreads > 1;
+  // Dynamic split (see the header comment); items of <= 8 panels.
+  const bool dyn = !p.static_split && nthreads > 1;
   auto chunk_of = [](int64_t np) { return std::max<int64_t>(1, std::min<int64_t>(8, (np + 3) / 4)); };
 
   // ---- region 1: gate/up + activation ----

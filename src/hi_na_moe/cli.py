@@ -92,11 +92,15 @@ def cmd_check(args) -> int:
             plan = model_plan(path, bw["best"] if bw else None)
         except (ValueError, OSError) as exc:
             raise UserError(f"cannot build {args.model!r} from its config: {exc}") from None
-        report = plan.pop("report")
+        report = plan["report"]
         if not report.blocks:
             raise UserError(f"no MoE block found in {args.model!r} ({report.model_class})",
                             "for a custom model, use hi_na_moe.enable_for_model(model, router_name=...)")
-        info["model"] = {**plan, "blocks": report.to_dict()}
+        from hi_na_moe.plan import format_table
+
+        formats = format_table(plan, bw["best"] if bw else None, args.group_size)
+        plan.pop("report")
+        info["model"] = {**plan, "blocks": report.to_dict(), "formats": formats}
     if args.output == "json":
         print(json.dumps(info, indent=2))
         return 0
@@ -136,7 +140,13 @@ def cmd_check(args) -> int:
             if m.get("roofline_decode_tokens_per_s"):
                 line += f" -> roofline {m['roofline_decode_tokens_per_s']:.1f} tokens/s at {bw['best']:.1f} GB/s"
             print(line)
-        print("int8/int4 expert formats are not available yet (quantised experts arrive with their own issue)")
+        if m.get("formats"):
+            print("per expert format (packed bytes, scales included; hi_na_moe.from_pretrained loads without the bf16 copy):")
+            print("  | weights | experts | read per decode token | roofline tokens/s |")
+            for f in m["formats"]:
+                roof = f"{f['roofline_decode_tokens_per_s']:.1f}" if f.get("roofline_decode_tokens_per_s") else "-"
+                per = f"{f['active_bytes_per_token'] / 1e9:.3f} GB" if f.get("active_bytes_per_token") else "-"
+                print(f"  | {f['weights']} | {_gib(f['expert_bytes'])} | {per} | {roof} |")
     return 0
 
 
@@ -338,12 +348,27 @@ def cmd_bench(args) -> int:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(10, vocab - 1), vocab, (args.batch_size, args.seq_len), generator=g)
     active = plan["active_bytes_per_token"]
+    if args.weights != "lossless":
+        from hi_na_moe.plan import format_table
+
+        row = next((f for f in format_table(plan, bw, args.group_size) if f["weights"].startswith(args.weights)), None)
+        active_hina = row["active_bytes_per_token"] if row else None
+    else:
+        active_hina = active
+    quality: dict = {}
+    native_logits = None
+    if args.weights != "lossless":
+        with torch.inference_mode():
+            native_logits = model(ids).logits.float()
     results, tokens = {}, {}
     from tqdm import tqdm
 
     bar = tqdm(total=len(arms) * (args.warmup + args.num_iters), desc="bench", unit="run", leave=False)
     for arm in arms:
-        report = hi_na_moe.enable_for_model(model) if arm == "hina" else None
+        report = hi_na_moe.enable_for_model(model, weights=args.weights, group_size=args.group_size) \
+            if arm == "hina" else None
+        if report is not None and args.weights != "lossless":
+            quality[arm] = _quality_vs_native(model, ids, native_logits, report)
         _peak_rss_reset()
         bar.set_postfix_str(arm)
         for _ in range(args.warmup):
@@ -365,8 +390,13 @@ def cmd_bench(args) -> int:
             "tg_tokens_per_s": args.batch_size / step,
             "latency_ms": {"avg": 1e3 * statistics.fmean(decode), "p50": 1e3 * _pct(decode, 0.5),
                            "p95": 1e3 * _pct(decode, 0.95), "p99": 1e3 * _pct(decode, 0.99)},
-            "achieved_gbs": (active / step / 1e9) if active else None,
-            "memory_bandwidth_util_pct": (100 * active / step / 1e9 / bw) if (active and bw) else None,
+            "weights": args.weights if arm == "hina" else plan["dtype"],
+            "bytes_per_token": (active_hina if arm == "hina" else active),
+            "achieved_gbs": ((active_hina if arm == "hina" else active) / step / 1e9)
+            if (active_hina if arm == "hina" else active) else None,
+            "memory_bandwidth_util_pct": (100 * (active_hina if arm == "hina" else active) / step / 1e9 / bw)
+            if ((active_hina if arm == "hina" else active) and bw) else None,
+            "quality_vs_native": quality.get(arm),
             "peak_rss_bytes": _peak_rss(),
             "samples": {"prefill_s": prefill, "decode_step_s": decode},
         }
@@ -397,11 +427,30 @@ def cmd_bench(args) -> int:
             print(f"| {arm} | {r['kernel']} | {r['pp_tokens_per_s']:.1f} | {r['tg_tokens_per_s']:.1f} | {lat['avg']:.2f} | "
                   f"{lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {gbs} | {util} | {rss} | "
                   f"{r['tg_tokens_per_s'] / base:.2f}x |")
+        for arm, q in quality.items():
+            print(f"{arm} ({args.weights}) vs native on the prompt: logits KL {q['kl']:.4f} nats/token, top-1 agreement "
+                  f"{100 * q['top1']:.1f} %, block SQNR {q['sqnr_min_db']:.1f}-{q['sqnr_max_db']:.1f} dB (random probe)")
         if same is not None:
-            print("greedy tokens: " + ("identical" if same else "DIFFERENT between native and hina"))
+            print("greedy tokens: " + ("identical" if same else "DIFFERENT between native and hina")
+                  + ("" if args.weights == "lossless" else f" (expected to differ with {args.weights} weights)"))
     if args.json_file:
         Path(args.json_file).write_text(json.dumps(data, indent=2))
-    return 0 if same is not False else 1
+    # lossless: any difference in greedy tokens is a failure; quantised: differences are expected
+    return 0 if same is not False or args.weights != "lossless" else 1
+
+
+def _quality_vs_native(model, ids, native_logits, report) -> dict:
+    """KL and top-1 agreement of the enabled model's logits on `ids` against native, and the
+    range of the report's per-block SQNR."""
+    import torch
+
+    with torch.inference_mode():
+        q = model(ids).logits.float()
+    pa, pb = native_logits.log_softmax(-1), q.log_softmax(-1)
+    sq = [b.sqnr_db for b in report.blocks if b.sqnr_db is not None]
+    return {"kl": max(0.0, float((pa.exp() * (pa - pb)).sum(-1).mean())),
+            "top1": float((pa.argmax(-1) == pb.argmax(-1)).float().mean()),
+            "sqnr_min_db": min(sq) if sq else float("nan"), "sqnr_max_db": max(sq) if sq else float("nan")}
 
 
 def cmd_debug(args) -> int:
@@ -419,7 +468,8 @@ def cmd_debug(args) -> int:
     if tokenizer is None:
         raise UserError(f"{args.model!r} has no tokenizer to encode the prompts",
                         "save the tokenizer next to the model (tokenizer.save_pretrained)")
-    config = {k: v for k, v in (("isa", args.isa), ("backend", args.backend)) if v}
+    config = {k: v for k, v in (("isa", args.isa), ("backend", args.backend), ("weights", args.weights),
+                                 ("group_size", args.group_size)) if v}
     reports = []
     for prompt in prompts:
         inputs = dict(tokenizer(prompt, return_tensors="pt"))
@@ -443,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "config (no weight is read); lists its MoE blocks, bytes and the roofline tokens/s")
     p.add_argument("--output", choices=("text", "json"), default="text", help="text for people, json for machines")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the ~1-3 s memory bandwidth measurement")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="int4 group size for the per-format table (default 64)")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="prefill/decode speed, latency percentiles and GB/s, native vs hi_na_moe")
     p.add_argument("--model", required=True, help="a local model directory, or 'builtin' for the shipped model")
@@ -455,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="load the weights in this dtype (default: the checkpoint's)")
     p.add_argument("--compare", default="native,hina", help="arms, in order: native (transformers), hina")
+    p.add_argument("--weights", choices=("lossless", "int8", "int4"), default="lossless",
+                   help="expert format of the hina arm (quantised: also prints KL / top-1 vs native and SQNR)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="int4 group size (default 64)")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--json-file", help="also write the full results, raw samples included, here")
     p.set_defaults(func=cmd_bench)
@@ -464,7 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="a file with one prompt per line")
     p.add_argument("--isa", help="kernel tier to compare against native (default: the config's)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), help="what runs the experts")
-    p.add_argument("--tolerance", type=float, help="relative L2 error per layer (default: 1e-4 fp32, 2e-2 bf16/fp16)")
+    p.add_argument("--weights", choices=("lossless", "int8", "int4"), help="expert format (default: the config's)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), help="int4 group size")
+    p.add_argument("--tolerance", type=float, help="relative L2 error per layer (default: 1e-4 fp32, 2e-2 bf16/fp16; "
+                   "int8 5e-2, int4 2.5e-1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="load the weights in this dtype (default: the checkpoint's)")
     p.add_argument("--output", choices=("text", "json"), default="text")

@@ -39,10 +39,18 @@ class DebugReport:
     logits_kl: float = 0.0
     top1_agreement: float = 1.0
     kernels: list[str] = field(default_factory=list)
+    # Lossless: the final logits must agree on the top-1 token (>= 99 % of positions).
+    # Quantised experts change the logits by design, and on a short prompt one flipped argmax
+    # is a large share, so there the criterion is the logits' KL divergence instead.
+    max_kl: float | None = None
 
     @property
     def ok(self) -> bool:
-        return self.first_divergent_layer is None and self.top1_agreement >= 0.99
+        if self.first_divergent_layer is not None:
+            return False
+        if self.max_kl is not None:
+            return self.logits_kl <= self.max_kl
+        return self.top1_agreement >= 0.99
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -56,8 +64,10 @@ class DebugReport:
             agree = "-" if d.topk_agreement is None else f"{100 * d.topk_agreement:.1f} %"
             flag = "  <-- beyond tolerance" if d.rel_l2 > self.tolerance else ""
             lines.append(f"| {d.name} | {d.max_abs:.3g} | {d.rel_l2:.3g} | {d.cosine:.6f} | {agree} |{flag}")
+        crit = (f" (quantised experts: pass if KL <= {self.max_kl:g})" if self.max_kl is not None
+                else " (pass if top-1 >= 99 %)")
         lines.append(f"final logits: KL(native || hi_na_moe) = {self.logits_kl:.3g}, "
-                     f"top-1 agreement {100 * self.top1_agreement:.1f} %")
+                     f"top-1 agreement {100 * self.top1_agreement:.1f} %{crit}")
         lines.append("first layer beyond tolerance: " + (self.first_divergent_layer or "none") +
                      ("  -> OK" if self.ok else "  -> FAILED"))
         return "\n".join(lines)
@@ -111,6 +121,14 @@ def _record(model: nn.Module, blocks: list[adapters.BlockMatch], layers, inputs:
     return rec
 
 
+# Quantised experts differ from native by design; beyond these per-layer relative errors a layer
+# is reported as divergent (int4 on random-weight models measured 0.1-0.2 per layer).
+QUANT_TOLERANCE = {"int8": 5e-2, "int4": 2.5e-1}
+# ... and beyond this KL(native || hi_na_moe) of the final logits (nats per token; measured on the
+# shipped model's held-out text: int8 0.0001, int4-g64 0.0012).
+QUANT_MAX_KL = {"int8": 0.01, "int4": 0.05}
+
+
 def compare(model: nn.Module, inputs: dict, tolerance: float | None = None, **config: Any) -> DebugReport:
     """Run `model(**inputs)` natively, then with hi_na_moe enabled (config keys as for
     enable_for_model), and localise any difference."""
@@ -118,13 +136,16 @@ def compare(model: nn.Module, inputs: dict, tolerance: float | None = None, **co
     layers = _decoder_layers(model)
     dtype = next(model.parameters()).dtype
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(dtype, 1e-4)
+    if tolerance is None and config.get("weights") in QUANT_TOLERANCE:
+        tol = max(tol, QUANT_TOLERANCE[config["weights"]])
     native = _record(model, blocks, layers, inputs)
     report_enable = enable_for_model(model, **config)
     try:
         ours = _record(model, blocks, layers, inputs)
     finally:
         disable_for_model(model)
-    rep = DebugReport(tolerance=tol, kernels=[b.kernel for b in report_enable.blocks if b.kernel])
+    rep = DebugReport(tolerance=tol, kernels=[b.kernel for b in report_enable.blocks if b.kernel],
+                      max_kl=QUANT_MAX_KL.get(config.get("weights")))
     for name, _ in layers:
         if name in native and name in ours:
             d = _diff(name, native[name], ours[name])

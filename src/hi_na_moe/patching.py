@@ -260,8 +260,13 @@ def enable_for_model(
             names = ", ".join(f"{b.name} ({b.reason})" for b in report.native)
             raise RuntimeError(f"strict=True and some MoE blocks cannot be accelerated: {names}")
         patched: list = []
+        from tqdm.auto import tqdm
+
+        # a bar on terminals only (disable=None), and only when there is real packing to wait for
+        bar = tqdm(plans, desc=f"hi_na_moe: packing experts ({cfg.weights})", unit="block", leave=False,
+                   disable=None if sum(isinstance(c.runner, ops.NativeExperts) for _, c in plans) > 1 else True)
         try:
-            for match, choice in plans:
+            for match, choice in bar:
                 report.blocks.append(_patch_block(match, choice, cfg, _prepare))
                 patched.append((match.module, match, choice))
         except BaseException:

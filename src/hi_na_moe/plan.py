@@ -21,6 +21,41 @@ def _top_k(config) -> int | None:
     return None
 
 
+def packed_expert_bytes(block, weights: str, group_size: int = 64) -> int | None:
+    """Bytes of one block's experts packed as `weights` (the native core's own layout plan, scales
+    included; biases not counted), or None without the native library."""
+    from .hardware import native_module
+
+    native, _ = native_module()
+    if native is None or not block.experts or not block.hidden or not block.intermediate:
+        return None
+    gated = "(no gate)" not in (block.gate or "")
+    dtype = (block.weights or "bfloat16") if weights == "lossless" else "bfloat16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        dtype = "bfloat16"
+    header = native.PackedExperts.plan(dtype, block.experts, block.hidden, block.intermediate, gated,
+                                       isa="generic", weights=weights, group_size=group_size)
+    return int(native.header_info(header)["nbytes"])
+
+
+def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: int = 64) -> list[dict[str, Any]]:
+    """Per expert format: expert bytes, bytes read per decode token, roofline tokens/s."""
+    report, k = plan["report"], plan["top_k"]
+    dense_active = (plan["active_bytes_per_token"] or 0) - sum(
+        (b.expert_bytes or 0) * k / b.experts for b in report.blocks if b.experts) if k else None
+    rows = []
+    for weights in ("lossless", "int8", "int4"):
+        sizes = [(b, packed_expert_bytes(b, weights, group_size)) for b in report.blocks if b.experts]
+        if not sizes or any(n is None for _, n in sizes):
+            continue
+        experts = sum(n for _, n in sizes)
+        active = None if dense_active is None else dense_active + sum(n * k / b.experts for b, n in sizes)
+        rows.append({"weights": weights if weights != "int4" else f"int4-g{group_size}", "expert_bytes": experts,
+                     "active_bytes_per_token": active,
+                     "roofline_decode_tokens_per_s": bandwidth_gbs * 1e9 / active if bandwidth_gbs and active else None})
+    return rows
+
+
 def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None) -> dict[str, Any]:
     """Blocks, bytes and roofline of an (already built, possibly meta) causal LM."""
     config = model.config

@@ -88,6 +88,9 @@ struct MoeParams {
   int num_threads = 0;  // 0: default_num_threads()
   MoePath path = MoePath::kAuto;
   int prefill_min_tokens = kDefaultPrefillMinTokens;
+  // Threads own fixed, equal ranges of panels instead of claiming chunks from a shared counter
+  // (the default, which tolerates a thread that runs late). For measurements and tests.
+  bool static_split = false;
 };
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written

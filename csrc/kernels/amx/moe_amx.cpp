@@ -33,9 +33,6 @@
 // VM); bf16 only (no AMX-FP16 here).
 #include <immintrin.h>
 
-#include <cstdlib>
-#include <new>
-
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
 
@@ -75,22 +72,7 @@ inline void store_pairs(uint16_t* dst, __m512 even, __m512 odd) {
   _mm512_store_si512(dst, _mm512_or_si512(e, o));
 }
 
-struct PanelBuf {
-  uint16_t* p = nullptr;
-  size_t cap = 0;
-  ~PanelBuf() { std::free(p); }
-  uint16_t* get(size_t elems) {
-    if (elems > cap) {
-      std::free(p);
-      void* m = nullptr;
-      if (posix_memalign(&m, 64, elems * 2) != 0) throw std::bad_alloc();
-      p = static_cast<uint16_t*>(m);
-      cap = elems;
-    }
-    return p;
-  }
-};
-thread_local PanelBuf tls_panels;
+thread_local AlignedBuf tls_panels;
 
 // Expands a quantised panel (G matrices, reduction length Kp) to dst [Kp/2][G][16][2] bf16.
 void expand_panel(const uint8_t* panel, const Layout& L, int64_t Kp, int G, uint16_t* dst) {
@@ -137,7 +119,7 @@ void gateup_amx(const GateUpJob& j) {
   uint16_t* h = static_cast<uint16_t*>(j.h);
   const int64_t panel_elems = Hk * kPanelN * G;
   const int64_t qbytes = F == WFormat::kLossless ? 0 : gu_panel_bytes(L);
-  uint16_t* ebuf = F == WFormat::kLossless ? nullptr : tls_panels.get(static_cast<size_t>(panel_elems));
+  uint16_t* ebuf = F == WFormat::kLossless ? nullptr : static_cast<uint16_t*>(tls_panels.get(2 * static_cast<size_t>(panel_elems)));
   alignas(64) float cg[2][16][16];
   alignas(64) float cu[2][16][16];
   configure_tiles();
@@ -203,7 +185,7 @@ void down_amx(const DownJob& j) {
   const uint16_t* h0 = static_cast<const uint16_t*>(j.h);
   const int64_t panel_elems = Ik * kPanelN;
   const int64_t qbytes = F == WFormat::kLossless ? 0 : down_panel_bytes(L);
-  uint16_t* ebuf = F == WFormat::kLossless ? nullptr : tls_panels.get(static_cast<size_t>(2 * panel_elems));
+  uint16_t* ebuf = F == WFormat::kLossless ? nullptr : static_cast<uint16_t*>(tls_panels.get(4 * static_cast<size_t>(panel_elems)));
   alignas(64) float c[2][2][16][16];  // [panel][row block][row][col]
   configure_tiles();
   // Two panels at a time: tmm6/7 = B of panels p, p+1; tmm4/5 = A rows m0.., m0+16..;
