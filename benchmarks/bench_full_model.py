@@ -545,7 +545,8 @@ def driver_main(args) -> int:
 
     runs = []
     for a in arms:
-        runs += [(a, "cold"), (a, "warm")] if a.startswith("hina-") else [(a, None)]
+        phases = [ph for ph in ("cold", "warm") if ph in args.phases.split(",")]
+        runs += [(a, ph) for ph in phases] if a.startswith("hina-") else [(a, None)]
 
     # in a short subprocess: the driver itself stays free of torch (~0.25 GB) while the arms run
     probe = ("from hi_na_moe import _native; "
@@ -649,6 +650,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compete", action="store_true",
                     help="run a busy-looping process (no affinity) during the arms; the arms then run without chrt")
     ap.add_argument("--no-chrt", action="store_true", help="do not run the arms under chrt -f 1")
+    ap.add_argument("--phases", default="cold,warm",
+                    help="hina arms: cold,warm (default) or warm alone (the store entries must exist)")
     ap.add_argument("--clear-cache-after", action="store_true", help="remove the hina arms' store entries at the end")
     ap.add_argument("--json", help="write the full results (per-step samples, tokens) to this file")
     # child mode (the driver runs these)

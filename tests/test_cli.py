@@ -103,3 +103,14 @@ def test_bench_and_debug_with_quantised_weights(tmp_path, capsys, monkeypatch):
     assert rc == 0, "int4 within the int4 tolerance on the shipped model"
     rep = json.loads(capsys.readouterr().out)
     assert any("int4" in k for k in rep["prompts"][0]["kernels"])
+
+
+def test_debug_against_another_format_and_bad_against(capsys):
+    rc = main(["debug", "--model", str(shipped_model_dir()), "--prompt", "import os", "--weights", "int4",
+               "--against", "weights=int8", "--output", "json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)["prompts"][0]
+    assert rep["logits_kl"] > 0 and all("int4" in k for k in rep["kernels"])
+    proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "debug", "--model", str(shipped_model_dir()),
+                           "--prompt", "x", "--against", "fast"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--against 'fast'" in proc.stderr and "Traceback" not in proc.stderr

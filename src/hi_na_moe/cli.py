@@ -142,11 +142,11 @@ def cmd_check(args) -> int:
             print(line)
         if m.get("formats"):
             print("per expert format (packed bytes, scales included; hi_na_moe.from_pretrained loads without the bf16 copy):")
-            print("  | weights | experts | read per decode token | roofline tokens/s |")
+            print("  | weights | experts | RAM when enabled | read per decode token | roofline tokens/s |")
             for f in m["formats"]:
                 roof = f"{f['roofline_decode_tokens_per_s']:.1f}" if f.get("roofline_decode_tokens_per_s") else "-"
                 per = f"{f['active_bytes_per_token'] / 1e9:.3f} GB" if f.get("active_bytes_per_token") else "-"
-                print(f"  | {f['weights']} | {_gib(f['expert_bytes'])} | {per} | {roof} |")
+                print(f"  | {f['weights']} | {_gib(f['expert_bytes'])} | ≈ {_gib(f['ram_estimate_bytes'])} | {per} | {roof} |")
     return 0
 
 
@@ -202,9 +202,44 @@ def cmd_demo(args) -> int:
             print(f"  hi_na_moe {n / tb:7.1f} tok/s | identical tokens")
     kernel = "reference path" if not report.accelerated else "native kernels"
     print(f"\n{'all outputs identical' if same else 'OUTPUTS DIFFER'} (lossless mode, hi_na_moe on its {kernel})")
+    if report.accelerated:
+        _demo_quantised(model, tokenizer, prompts, batch, native, n)
     if args.model is None and not args.skip_workload:
         same &= _demo_workload(args)
     return 0 if same else 1
+
+
+def _demo_quantised(model, tokenizer, prompts, batch, native, n) -> None:
+    """Part 1b: the same prompts with int8 and int4 experts: texts, tokens/s, and how many of the
+    generated tokens agree with native (quantised experts are lossy by design: not a failure).
+    The packed experts go to a temporary store, so the demo leaves nothing in the user's cache."""
+    import tempfile
+
+    import hi_na_moe
+
+    with tempfile.TemporaryDirectory(prefix="hi_na_moe-demo-") as cache:
+        for weights in ("int8", "int4"):
+            report = hi_na_moe.enable_for_model(model, weights=weights, cache_dir=cache)
+            try:
+                _generate(model, batch[0], 2)
+                runs = [_generate(model, ids, n) for ids in batch]
+            finally:
+                hi_na_moe.disable_for_model(model)
+            label = report.accelerated[0].weights if report.accelerated else weights
+            sq = [b.sqnr_db for b in report.blocks if b.sqnr_db is not None]
+            agree = total = 0
+            print(f"\n{label} experts (block SQNR {min(sq):.1f}-{max(sq):.1f} dB on a random probe):")
+            for prompt, ids, (a, _), (b, tb) in zip(prompts, batch, native, runs):
+                new_a, new_b = a[0, ids.shape[1]:], b[0, ids.shape[1]:]
+                same = int((new_a == new_b).sum())
+                first = next((i for i, (x, y) in enumerate(zip(new_a.tolist(), new_b.tolist())) if x != y), len(new_a))
+                agree += same
+                total += len(new_a)
+                text = tokenizer.decode(b[0], skip_special_tokens=True) if tokenizer is not None else str(b[0].tolist())
+                print(f"  {prompt!r}: {n / tb:7.1f} tok/s | {text!r}")
+                print(f"      {same}/{len(new_a)} tokens equal to native, first difference at token "
+                      f"{first if first < len(new_a) else 'none'}")
+            print(f"  {label}: {agree}/{total} generated tokens equal to native ({100 * agree / max(1, total):.0f} %)")
 
 
 def _bandwidth(threads: int) -> float:
@@ -470,10 +505,17 @@ def cmd_debug(args) -> int:
                         "save the tokenizer next to the model (tokenizer.save_pretrained)")
     config = {k: v for k, v in (("isa", args.isa), ("backend", args.backend), ("weights", args.weights),
                                  ("group_size", args.group_size)) if v}
+    baseline = None
+    if args.against != "native":
+        key, _, value = args.against.partition("=")
+        if key not in ("weights", "isa") or not value:
+            raise UserError(f"--against {args.against!r}: expected native, weights=FORMAT or isa=TIER",
+                            "e.g. --weights int4 --against weights=int8, or --isa avx2 --against isa=avx512")
+        baseline = {key: value, **({"group_size": args.group_size} if key == "weights" and args.group_size else {})}
     reports = []
     for prompt in prompts:
         inputs = dict(tokenizer(prompt, return_tensors="pt"))
-        rep = compare(model, inputs, tolerance=args.tolerance, **config)
+        rep = compare(model, inputs, tolerance=args.tolerance, baseline=baseline, **config)
         reports.append((prompt, rep))
     ok = all(r.ok for _, r in reports)
     if args.output == "json":
@@ -521,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "native", "reference"), help="what runs the experts")
     p.add_argument("--weights", choices=("lossless", "int8", "int4"), help="expert format (default: the config's)")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), help="int4 group size")
+    p.add_argument("--against", default="native",
+                   help="what to compare with: native (default), or hi_na_moe with weights=FORMAT / isa=TIER")
     p.add_argument("--tolerance", type=float, help="relative L2 error per layer (default: 1e-4 fp32, 2e-2 bf16/fp16; "
                    "int8 5e-2, int4 2.5e-1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,

@@ -129,16 +129,26 @@ QUANT_TOLERANCE = {"int8": 5e-2, "int4": 2.5e-1}
 QUANT_MAX_KL = {"int8": 0.01, "int4": 0.05}
 
 
-def compare(model: nn.Module, inputs: dict, tolerance: float | None = None, **config: Any) -> DebugReport:
-    """Run `model(**inputs)` natively, then with hi_na_moe enabled (config keys as for
-    enable_for_model), and localise any difference."""
+def compare(model: nn.Module, inputs: dict, tolerance: float | None = None, baseline: dict | None = None,
+            **config: Any) -> DebugReport:
+    """Run `model(**inputs)` natively (or, with `baseline`, enabled with those config keys:
+    e.g. {"weights": "int8"} to compare int4 against int8, or {"isa": "generic"} to compare
+    tiers), then with hi_na_moe enabled (config keys as for enable_for_model), and localise any
+    difference."""
     blocks = [b for b in adapters.discover(model) if b.spec is not None]
     layers = _decoder_layers(model)
     dtype = next(model.parameters()).dtype
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(dtype, 1e-4)
     if tolerance is None and config.get("weights") in QUANT_TOLERANCE:
         tol = max(tol, QUANT_TOLERANCE[config["weights"]])
-    native = _record(model, blocks, layers, inputs)
+    if baseline is None:
+        native = _record(model, blocks, layers, inputs)
+    else:
+        enable_for_model(model, **baseline)
+        try:
+            native = _record(model, blocks, layers, inputs)
+        finally:
+            disable_for_model(model)
     report_enable = enable_for_model(model, **config)
     try:
         ours = _record(model, blocks, layers, inputs)

@@ -51,6 +51,7 @@ def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: 
         experts = sum(n for _, n in sizes)
         active = None if dense_active is None else dense_active + sum(n * k / b.experts for b, n in sizes)
         rows.append({"weights": weights if weights != "int4" else f"int4-g{group_size}", "expert_bytes": experts,
+                     "ram_estimate_bytes": plan["dense_bytes"] + experts,
                      "active_bytes_per_token": active,
                      "roofline_decode_tokens_per_s": bandwidth_gbs * 1e9 / active if bandwidth_gbs and active else None})
     return rows
