@@ -3,6 +3,8 @@
 #   bash scripts/dev.sh demo [args]   the main job: hi-na-moe demo
 #   bash scripts/dev.sh test [args]   the whole test suite (C++ kernel tests + pytest)
 #   bash scripts/dev.sh setup         only the set-up
+#   bash scripts/dev.sh test-aarch64  the C++ kernel tests cross-compiled for aarch64, run under
+#                                     qemu (needs g++-aarch64-linux-gnu and qemu-user)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -48,11 +50,34 @@ run_tests() {
   exit $rc
 }
 
+# The C++ core cross-compiled for aarch64 (generic kernels: no NEON tier yet) and its test runner
+# run under qemu-user, so the ARM build is checked from an x86 machine.
+run_aarch64_tests() {
+  for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+      echo "$tool not found: install the cross toolchain and qemu (Debian: apt-get install g++-aarch64-linux-gnu qemu-user)" >&2
+      exit 2
+    fi
+  done
+  local build="$root/build/aarch64" tc="$root/build/aarch64-toolchain.cmake"
+  mkdir -p "$root/build"
+  cat > "$tc" <<'TC'
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR aarch64)
+set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
+set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
+TC
+  cmake -S . -B "$build" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_TOOLCHAIN_FILE="$tc" >/dev/null
+  cmake --build "$build" --target hina_tests >/dev/null
+  qemu-aarch64 -L /usr/aarch64-linux-gnu "$build/hina_tests" "$@"
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
   setup) setup ;;
   demo) setup; exec hi-na-moe demo "$@" ;;
   test) setup; run_tests "$@" ;;
-  *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+  test-aarch64) run_aarch64_tests "$@" ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|setup|test-aarch64} [args]" >&2; exit 2 ;;
 esac
