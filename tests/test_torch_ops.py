@@ -330,3 +330,31 @@ if __name__ == "__main__":
             print(mode)
             for k, us in res.items():
                 print(f"  {k:42s} {us:7.2f} us  ({us - base:+6.2f})")
+
+
+def test_whole_enabled_model_compiles_without_graph_breaks():
+    """torch.compile of a whole enabled model (the shipped one): same logits, and hi_na_moe adds
+    no graph break (get_num_threads() is not called while compiling)."""
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    import hi_na_moe
+
+    model = AutoModelForCausalLM.from_pretrained(Path(__file__).resolve().parent.parent / "models" / "hina-tiny-moe").eval()
+    ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    hi_na_moe.enable_for_model(model)
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="aot_eager")
+        with torch.no_grad():
+            out = compiled(ids).logits
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        assert float((out - ref).norm() / ref.norm()) < 1e-5
+    finally:
+        hi_na_moe.disable_for_model(model)
+        torch._dynamo.reset()

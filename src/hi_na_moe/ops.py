@@ -112,6 +112,7 @@ class NativeExperts:
                            post_act_limit=g.post_act_limit, up_offset=g.up_offset,
                            weight_on_input=spec.weight_on_input)
         self.handle: int | None = None
+        self._pack_threads = torch.get_num_threads()
         self.expert_bytes = 0
         self.sqnr_db: float | None = None  # quantised: measured on a probe batch at pack time
         self.cache_event: str | None = None  # "built", "reused", "rebuilt (why)", or None
@@ -392,7 +393,8 @@ class NativeExperts:
             if bool(is_id.any()):
                 identity = (wf.float() * is_id).sum(-1, keepdim=True) * hidden.detach().float()
                 idx = torch.where(is_id, torch.full_like(idx, -1), idx)
-        threads = self.threads or torch.get_num_threads()
+        # under torch.compile, get_num_threads() would break the graph: use the value at pack time
+        threads = self.threads or (self._pack_threads if torch.compiler.is_compiling() else torch.get_num_threads())
         if threads > 1 and min(x.shape[0] * idx.shape[-1], spec.num_experts) * self.expert_bytes < SMALL_CALL_BYTES:
             threads = 1
         out = torch_ops.experts_op(self.handle, x, idx, wf, num_threads=threads, **self.kwargs)
