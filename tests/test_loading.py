@@ -17,8 +17,9 @@ from tiny_models import build_tiny
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="native library not built")
 
 # per-expert checkpoint keys (olmoe, mixtral, qwen2_moe + shared experts), fused 3-D keys with
-# biases (gpt_oss)
-FAMILIES = ["olmoe", "mixtral", "qwen2_moe", "gpt_oss"]
+# biases (gpt_oss), a block adapter whose dense MLP has the experts' sizes (doge: on the meta
+# device, tensors of equal size once got confused)
+FAMILIES = ["olmoe", "mixtral", "qwen2_moe", "gpt_oss", "doge"]
 
 
 @pytest.fixture(autouse=True)
@@ -107,3 +108,21 @@ def test_bad_input_is_a_clear_error(tmp_path):
         hi_na_moe.from_pretrained(path, config=hi_na_moe.load_config(cache=False))
     with pytest.raises(hi_na_moe.ConfigError, match="group_size"):
         hi_na_moe.from_pretrained(path, weights="int4", group_size=48)
+
+
+def test_block_not_made_of_whole_parameters_is_loaded_normally(tmp_path):
+    """LongCat's experts are rows of a larger tensor (zero-computation experts beside them): the
+    block is not streamed, transformers loads it and enable_for_model packs it; same outputs."""
+    path, vocab = _checkpoint("longcat_flash", tmp_path)
+    ids = torch.randint(3, vocab, (1, 9), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    base = _logits(ref, ids)
+    hi_na_moe.enable_for_model(ref, weights="int4", cache_dir=str(tmp_path / "other"))
+    want = _logits(ref, ids)
+    hi_na_moe.disable_for_model(ref)
+    model = hi_na_moe.from_pretrained(path, weights="int4", dtype=torch.bfloat16, progress=False)
+    rep = hi_na_moe.report_for(model)
+    assert rep.accelerated and not any("never loaded" in (b.reason or "") for b in rep.accelerated)
+    assert torch.equal(_logits(model, ids), want)
+    hi_na_moe.disable_for_model(model)
+    assert torch.equal(_logits(model, ids), base)

@@ -142,13 +142,31 @@ def _plan_blocks(meta_model: nn.Module, cfg) -> list[_Block]:
         choice = ops.choose(match.spec, cfg, dry_run=True, name=match.name)
         if not isinstance(choice.runner, ops.NativeExperts):
             continue
+        owned = _covering_params(match.module, match.spec)
+        if not owned:
+            continue  # loaded by transformers as usual, packed by enable_for_model afterwards
         params = {}
-        for mod, pname, _ in ops.NativeExperts._owned_params(match.module, match.spec):
+        for mod, pname in owned:
             full = names[id(mod)] + "." + pname if names[id(mod)] else pname
             params[full] = (mod, pname)
-        if params:
-            blocks.append(_Block(match.name, match, params))
+        blocks.append(_Block(match.name, match, params))
     return blocks
+
+
+def _covering_params(module: nn.Module, spec) -> list[tuple[nn.Module, str]] | None:
+    """The (module, name) of the parameters a spec's tensors are whole views of, on the meta
+    device (where data pointers cannot tell tensors apart: the view's base is compared
+    instead). None when some spec tensor is not a whole parameter (e.g. LongCat's expert rows
+    inside a larger tensor): such a block is not streamed, transformers loads it."""
+    params = {id(p): (mod, name) for mod in module.modules() for name, p in mod.named_parameters(recurse=False)}
+    sizes = {id(p): p.numel() for mod in module.modules() for _, p in mod.named_parameters(recurse=False)}
+    owned: dict[int, tuple[nn.Module, str]] = {}
+    for t in spec.weight_tensors():
+        base = t if t._base is None else t._base
+        if id(base) not in params or sizes[id(base)] != t.numel():
+            return None
+        owned[id(base)] = params[id(base)]
+    return list(owned.values())
 
 
 def _runner_for(block: _Block, spec, cfg, origin: CheckpointOrigin, store):
