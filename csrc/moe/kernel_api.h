@@ -119,6 +119,12 @@ bool get_qkernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qkernels_avx512(WFormat wf, KernelImpl* k);
 bool get_qkernels_amx(WFormat wf, KernelImpl* k);
 
+// Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
+// matrix gi of `panel` (layout v2). x86 builds have AVX-512 and AVX2 copies of the portable
+// code (moe/quant_panel.h); all write identical bytes.
+void quant_panel_avx512(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
+void quant_panel_avx2(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
+
 // Dequantises output rows [n0, n0 + 16) of one quantised panel (matrix gi of G) into fp32
 // w[k][16] for k < Kp (the generic kernels' view of a panel; also the unpack path).
 void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, float* w);

@@ -26,6 +26,7 @@
 #include "hina_moe/moe.h"
 #include "hina_moe/thread_pool.h"
 #include "moe/kernel_api.h"
+#include "moe/quant_panel.h"
 
 namespace hina {
 
@@ -170,122 +171,52 @@ void unpack_matrix(const Elem* panels, int64_t N, int64_t K, Elem* dst, int64_t 
   }
 }
 
-// Loads row `row` of an [N, K] matrix in dtype dt as fp32 into buf[0, Kp) (zero beyond K and
-// for rows >= N).
-void load_row(const void* src, DType dt, int64_t N, int64_t K, int64_t row, float* buf, int64_t Kp) {
-  for (int64_t k = 0; k < Kp; ++k) buf[k] = (row < N && k < K) ? load_elem(dt, src, row * K + k) : 0.0f;
-}
 
-// round-to-nearest-even of v for |v| <= 2^22 without a libm call (vectorisable): adding and
-// subtracting 1.5 * 2^23 leaves v rounded in the default rounding mode. Same result as
-// std::nearbyint on that range.
-// (Without -ffast-math the compiler keeps both roundings.)
-inline float rne_small(float v) {
-  constexpr float c = 12582912.0f;
-  return (v + c) - c;
-}
-// q = clamp(round(w * inv), -8, 7) with inv = 1 / d (0 when d == 0).
-inline float int4_q(float w, float inv) {
-  float v = w * inv;
-  v = v == v ? v : 0.0f;  // NaN (a NaN weight) quantises to 0 instead of an undefined cast
-  v = v < -9.0f ? -9.0f : (v > 8.0f ? 8.0f : v);  // clamp first so rne_small's range holds
-  v = rne_small(v);
-  return v < -8.0f ? -8.0f : (v > 7.0f ? 7.0f : v);
-}
-
-// The int4 scale of one group (bf16 bits): among d_i = bf16(m / -8 * (1 - i / 20)), i = 0..7
-// (m: the group's element of largest magnitude), the one with the smallest squared error
-// sum_k (w - d q(w, 1/d))^2, summed in float in k order (first on ties). Shrinking the scale
-// clips the largest elements a little and refines every other step; on Gaussian weights it
-// gains ~1-2 dB SQNR over d_0 alone.
-// Lane-wise float vectors (GCC/Clang vector extensions: SSE2 on x86-64, NEON on aarch64); every
-// lane does exactly the scalar operations, so results equal the scalar definition.
-typedef float v4f __attribute__((vector_size(16)));
-
-uint16_t int4_group_scale(const float* w, int group, float m) {
-  constexpr int kCand = 8;
-  uint16_t bits[kCand];
-  alignas(16) float d[kCand], inv[kCand];
-  for (int i = 0; i < kCand; ++i) {
-    bits[i] = f32_to_bf16(m / -8.0f * (1.0f - static_cast<float>(i) / 20.0f));
-    d[i] = bf16_to_f32(bits[i]);
-    inv[i] = d[i] != 0.0f ? 1.0f / d[i] : 0.0f;
-  }
-  // the 8 candidates side by side in two vectors; each lane sums its errors in k order
-  v4f dv[2], iv[2], err[2] = {v4f{} , v4f{}};
-  std::memcpy(&dv[0], d, 16);
-  std::memcpy(&dv[1], d + 4, 16);
-  std::memcpy(&iv[0], inv, 16);
-  std::memcpy(&iv[1], inv + 4, 16);
-  const v4f lo9 = v4f{} - 9.0f, hi8 = v4f{} + 8.0f, lo8 = v4f{} - 8.0f, hi7 = v4f{} + 7.0f;
-  const v4f magic = v4f{} + 12582912.0f, zero = v4f{};
-  for (int k = 0; k < group; ++k) {
-    const v4f wk = v4f{} + w[k];
-    for (int h = 0; h < 2; ++h) {
-      v4f v = wk * iv[h];
-      v = v == v ? v : zero;
-      v = v < lo9 ? lo9 : (v > hi8 ? hi8 : v);
-      v = (v + magic) - magic;
-      v = v < lo8 ? lo8 : (v > hi7 ? hi7 : v);
-      const v4f dq = dv[h] * v;
-      const v4f e = wk - dq;
-      err[h] += e * e;
-    }
-  }
-  alignas(16) float e[kCand];
-  std::memcpy(e, &err[0], 16);
-  std::memcpy(e + 4, &err[1], 16);
-  int best = 0;
-  for (int i = 1; i < kCand; ++i)
-    if (e[i] < e[best]) best = i;
-  return bits[best];
-}
-
-// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v2).
+// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v2): each
+// panel's 16 rows are transposed into fp32 and handed to the panel quantiser (moe/quant_panel.h;
+// its AVX-512 build where the CPU has it: same bytes, several times faster).
 void quant_matrix(const void* src, DType dt, int64_t N, int64_t K, uint8_t* dst, int64_t Np,
-                  int64_t Kp, int G, int gi, WFormat wf, int group, std::vector<float>& buf) {
-  buf.resize(static_cast<size_t>(Kp));
+                  int64_t Kp, int G, int gi, WFormat wf, int group, std::vector<float>& buf, Isa tier) {
+  buf.assign(static_cast<size_t>(Kp * kPanelN), 0.0f);
   const int64_t pbytes = panel_bytes(dt, wf, group, Kp, G);
+  // the block's own tier decides (tiers below avx512 use the portable build: the tests pack at
+  // every tier and compare both builds with the same independent quantisation)
+  const bool avx512 = tier == Isa::kAvx512 || tier == Isa::kAmx;
+  const bool avx2 = tier == Isa::kAvx2;
   for (int64_t p = 0; p < Np / kPanelN; ++p) {
-    uint8_t* panel = dst + p * pbytes;
     for (int n = 0; n < kPanelN; ++n) {
-      load_row(src, dt, N, K, p * kPanelN + n, buf.data(), Kp);
-      if (wf == WFormat::kInt8) {
-        float amax = 0.0f;
-        for (int64_t k = 0; k < Kp; ++k) amax = std::fabs(buf[k]) > amax ? std::fabs(buf[k]) : amax;
-        const float sc = amax / 127.0f;
-        reinterpret_cast<float*>(panel + gi * 64)[n] = sc;
-        int8_t* q = reinterpret_cast<int8_t*>(panel + 64 * G);
-        for (int64_t k = 0; k < Kp; ++k) {
-          float v = sc > 0.0f ? buf[k] / sc : 0.0f;
-          v = v == v ? v : 0.0f;
-          v = rne_small(v < -128.0f ? -128.0f : (v > 128.0f ? 128.0f : v));
-          v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
-          q[(k * G + gi) * kPanelN + n] = static_cast<int8_t>(v);
-        }
-      } else {
-        const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
-        for (int64_t b = 0; b < Kp / group; ++b) {
-          uint8_t* blk = panel + b * blk_bytes;
-          const float* w = buf.data() + b * group;
-          float m = 0.0f;
-          for (int k = 0; k < group; ++k) m = std::fabs(w[k]) > std::fabs(m) ? w[k] : m;
-          const uint16_t dbits = int4_group_scale(w, group, m);
-          const float d = bf16_to_f32(dbits);
-          const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-          reinterpret_cast<uint16_t*>(blk + gi * 32)[n] = dbits;
-          uint8_t* bytes = blk + 64;
-          for (int k = 0; k < group; ++k) {
-            const float v = int4_q(w[k], inv);
-            const uint8_t nib = static_cast<uint8_t>(static_cast<int>(v) + 8);
-            uint8_t& byte = bytes[((k >> 1) * G + gi) * kPanelN + n];
-            byte = (k & 1) ? static_cast<uint8_t>((byte & 0x0f) | (nib << 4))
-                           : static_cast<uint8_t>((byte & 0xf0) | nib);
-          }
-        }
+      const int64_t row = p * kPanelN + n;
+      float* col = buf.data() + n;
+      if (row >= N) {
+        for (int64_t k = 0; k < Kp; ++k) col[k * kPanelN] = 0.0f;
+        continue;
       }
+      if (dt == DType::kBF16) {
+        const uint16_t* r = static_cast<const uint16_t*>(src) + row * K;
+        for (int64_t k = 0; k < K; ++k) col[k * kPanelN] = bf16_to_f32(r[k]);
+      } else if (dt == DType::kF32) {
+        const float* r = static_cast<const float*>(src) + row * K;
+        for (int64_t k = 0; k < K; ++k) col[k * kPanelN] = r[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) col[k * kPanelN] = load_elem(dt, src, row * K + k);
+      }
+      for (int64_t k = K; k < Kp; ++k) col[k * kPanelN] = 0.0f;
     }
+    uint8_t* panel = dst + p * pbytes;
+#if defined(HINA_HAVE_X86_KERNELS)
+    if (avx512) {
+      quant_panel_avx512(buf.data(), Kp, G, gi, wf, group, panel);
+      continue;
+    }
+    if (avx2) {
+      quant_panel_avx2(buf.data(), Kp, G, gi, wf, group, panel);
+      continue;
+    }
+#endif
+    qp::quant_panel<4>(buf.data(), Kp, G, gi, wf, group, panel);
   }
+  (void)avx512;
+  (void)avx2;
 }
 
 // Inverse of quant_matrix: the dequantised [N, K] matrix in dtype dt.
@@ -571,9 +502,9 @@ void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_thr
         auto at = [&](const void* base, size_t off) {
           return static_cast<const uint8_t*>(base) + off * esz;
         };
-        if (w.gate) quant_matrix(at(w.gate, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, 0, wf, h.group, buf);
-        quant_matrix(at(w.up, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, G - 1, wf, h.group, buf);
-        quant_matrix(at(w.down, dn_off), w.dtype, w.H, w.I, dn_dst, h.Hn, h.Ik, 1, 0, wf, h.group, buf);
+        if (w.gate) quant_matrix(at(w.gate, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, 0, wf, h.group, buf, isa());
+        quant_matrix(at(w.up, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, G - 1, wf, h.group, buf, isa());
+        quant_matrix(at(w.down, dn_off), w.dtype, w.H, w.I, dn_dst, h.Hn, h.Ik, 1, 0, wf, h.group, buf, isa());
       }
       for (int64_t i = 0; i < h.In; ++i) {
         if (bias_g_)

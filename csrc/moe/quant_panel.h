@@ -1,0 +1,133 @@
+// Quantisation of one 16-row panel (the contract in hina_moe/moe.h), written once with GCC/Clang
+// vector extensions so that the same lane-wise operations compile to SSE2/NEON in the baseline
+// translation unit and to AVX-512 in kernels/avx512/quant_avx512.cpp: lane n is output row n,
+// and every lane performs exactly the scalar definition's operations in the same order (each
+// TU including this is built with -ffp-contract=off, so no FMA contraction changes a rounding).
+// The bytes written are therefore identical whichever TU runs (tested against an independent
+// scalar quantisation in csrc/tests/test_moe.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "moe/kernel_api.h"
+
+namespace hina::detail::qp {
+
+// W lanes per vector: 16 (AVX-512), 8 (AVX2), 4 (SSE2 / NEON): the width each build's registers
+// hold natively (a wider generic vector would be lowered element by element). A panel's 16 rows
+// are processed as 16 / W independent chunks of W rows.
+typedef float f4v __attribute__((vector_size(16)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef float f16v __attribute__((vector_size(64)));
+template <int W> struct VecOf;
+template <> struct VecOf<4> { typedef f4v type; };
+template <> struct VecOf<8> { typedef f8v type; };
+template <> struct VecOf<16> { typedef f16v type; };
+
+// (The vector type comes from a namespace-scope typedef: GCC ignores vector_size on a typedef
+// that depends on a template parameter.)
+template <int W>
+struct Lanes {
+  typedef typename VecOf<W>::type F;
+
+  static inline F splat(float x) { return F{} + x; }
+  static inline F load(const float* p) {
+    F v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static inline F absv(F v) { return v < 0.0f ? -v : v; }
+  // Round to nearest even for |v| <= 2^22 (callers clamp first): two roundings of 1.5 * 2^23.
+  static inline F rne_small(F v) { return (v + 12582912.0f) - 12582912.0f; }
+  static inline F clampv(F v, float lo, float hi) { return v < lo ? splat(lo) : (v > hi ? splat(hi) : v); }
+  static inline F int4_q(F w, F inv) {
+    F v = w * inv;
+    v = v == v ? v : splat(0.0f);
+    return clampv(rne_small(clampv(v, -9.0f, 8.0f)), -8.0f, 7.0f);
+  }
+
+  // Lanes [c0, c0 + W) of the panel. wt: the panel's 16 rows, transposed and zero-padded:
+  // wt[k * 16 + n], k < Kp.
+  static void chunk(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel, int c0) {
+    if (wf == WFormat::kInt8) {
+      F amax = splat(0.0f);
+      for (int64_t k = 0; k < Kp; ++k) {
+        const F a = absv(load(wt + k * kPanelN + c0));
+        amax = a > amax ? a : amax;
+      }
+      const F sc = amax / 127.0f;
+      std::memcpy(panel + gi * 64 + c0 * 4, &sc, sizeof(sc));
+      uint8_t* q = panel + 64 * G;
+      for (int64_t k = 0; k < Kp; ++k) {
+        F v = sc > 0.0f ? load(wt + k * kPanelN + c0) / sc : splat(0.0f);
+        v = v == v ? v : splat(0.0f);
+        v = clampv(rne_small(clampv(v, -128.0f, 128.0f)), -127.0f, 127.0f);
+        int8_t* dst = reinterpret_cast<int8_t*>(q + (k * G + gi) * kPanelN + c0);
+        for (int n = 0; n < W; ++n) dst[n] = static_cast<int8_t>(static_cast<int>(v[n]));
+      }
+      return;
+    }
+    constexpr int kCand = 8;
+    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+    for (int64_t b = 0; b < Kp / group; ++b) {
+      uint8_t* blk = panel + b * blk_bytes;
+      const float* w = wt + b * group * kPanelN + c0;
+      F m = splat(0.0f);
+      for (int k = 0; k < group; ++k) {
+        const F x = load(w + k * kPanelN);
+        m = absv(x) > absv(m) ? x : m;
+      }
+      // the candidate scales per lane (bf16-rounded in scalar code: 8 W values per group)
+      alignas(64) float mv[W], dl[kCand][W], il[kCand][W];
+      uint16_t bits[kCand][W];
+      std::memcpy(mv, &m, sizeof(mv));
+      for (int i = 0; i < kCand; ++i)
+        for (int n = 0; n < W; ++n) {
+          bits[i][n] = f32_to_bf16(mv[n] / -8.0f * (1.0f - static_cast<float>(i) / 20.0f));
+          dl[i][n] = bf16_to_f32(bits[i][n]);
+          il[i][n] = dl[i][n] != 0.0f ? 1.0f / dl[i][n] : 0.0f;
+        }
+      F dv[kCand], iv[kCand], err[kCand];
+      for (int i = 0; i < kCand; ++i) {
+        dv[i] = load(dl[i]);
+        iv[i] = load(il[i]);
+        err[i] = splat(0.0f);
+      }
+      for (int k = 0; k < group; ++k) {
+        const F x = load(w + k * kPanelN);
+        for (int i = 0; i < kCand; ++i) {
+          const F dq = dv[i] * int4_q(x, iv[i]);
+          const F e = x - dq;
+          err[i] += e * e;
+        }
+      }
+      alignas(64) float el[kCand][W], ibest[W];
+      for (int i = 0; i < kCand; ++i) std::memcpy(el[i], &err[i], sizeof(err[i]));
+      uint16_t* scales = reinterpret_cast<uint16_t*>(blk + gi * 32) + c0;
+      for (int n = 0; n < W; ++n) {
+        int best = 0;
+        for (int i = 1; i < kCand; ++i)
+          if (el[i][n] < el[best][n]) best = i;
+        scales[n] = bits[best][n];
+        ibest[n] = il[best][n];
+      }
+      const F inv = load(ibest);
+      uint8_t* bytes = blk + 64;
+      for (int k = 0; k < group; k += 2) {
+        const F lo = int4_q(load(w + k * kPanelN), inv) + 8.0f;
+        const F hi = int4_q(load(w + (k + 1) * kPanelN), inv) + 8.0f;
+        uint8_t* dst = bytes + ((k >> 1) * G + gi) * kPanelN + c0;
+        for (int n = 0; n < W; ++n)
+          dst[n] = static_cast<uint8_t>(static_cast<int>(lo[n]) | (static_cast<int>(hi[n]) << 4));
+      }
+    }
+  }
+};
+
+template <int W>
+static inline void quant_panel(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel) {
+  for (int c0 = 0; c0 < kPanelN; c0 += W) Lanes<W>::chunk(wt, Kp, G, gi, wf, group, panel, c0);
+}
+
+}  // namespace hina::detail::qp
