@@ -114,7 +114,7 @@ bool get_kernels_avx512(DType dt, KernelImpl* k);
 bool get_kernels_amx(DType dt, KernelImpl* k);
 // Quantised weights (int8 / int4); the kernels do not depend on the model's dtype (x and h
 // rows arrive in fp32, or bf16 for the AMX kernels and their generic twin).
-bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k);
+bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k);  // any format, lossless included
 bool get_qkernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qkernels_avx512(WFormat wf, KernelImpl* k);
 bool get_qkernels_amx(WFormat wf, KernelImpl* k);

@@ -1,7 +1,7 @@
 // [NOTE] moe_decode_<q>_avx2 / moe_prefill_<q>_avx2 (q: int8, int4)
 // Flags: -mavx2 -mfma -mf16c (tier `avx2`).
 //
-// Data layout: layout v2 quantised panels (PackedHeader; moe_q_generic.cpp has the table); one
+// Data layout: layout v2 quantised panels (PackedHeader; moe_generic.cpp has the table); one
 // 16-column panel is two ymm halves (columns 0-7, 8-15).
 // Register plan: weights expanded to fp32 in registers, FMA'd with broadcast fp32 x / h:
 //   int8: vpmovsxbd of 8 bytes + vcvtdq2ps per half; row scale applied once at the end.

@@ -1,7 +1,7 @@
 // [NOTE] moe_decode_<q>_avx512 / moe_prefill_<q>_avx512 (q: int8, int4)
 // Flags: -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c (tier `avx512`; no VNNI).
 //
-// Data layout: layout v2 quantised panels (PackedHeader; moe_q_generic.cpp has the table).
+// Data layout: layout v2 quantised panels (PackedHeader; moe_generic.cpp has the table).
 //   int8: 64*G bytes of fp32 row scales, then per k: G x 16 int8 (16 bytes per matrix).
 //   int4: blocks of `group` k: 64 bytes of bf16 scales, then per k pair: G x 16 bytes, low
 //         nibble = k even, high nibble = k odd, stored q + 8.

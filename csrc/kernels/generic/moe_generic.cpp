@@ -1,43 +1,86 @@
-// [NOTE] moe_*_generic: the scalar oracle every SIMD MoE kernel is tested against.
+// [NOTE] moe_*_generic: the scalar oracle every SIMD MoE kernel is tested against, for every
+// weight format (lossless f32/bf16/f16, int8, int4).
 //
-// Data layout (shared by all ISAs, see PackedHeader, layout v1):
-//   | array            | shape                                  | notes                          |
-//   |------------------|----------------------------------------|--------------------------------|
-//   | gate/up panel    | bf16: [Hk/2][G][16][2]; else [Hk][G][16] | 16 rows of I, G=2: gate, up  |
-//   | down panel       | bf16: [Ik/2][16][2];    else [Ik][16]    | 16 rows of H                 |
-//   | x rows (input)   | [nt][Hk] fp32 (or bf16 for the AMX twin), zero-padded               |
-//   | h rows           | [nt][Ik] fp32 (or bf16 for the AMX twin), columns >= I are 0        |
-//   | acc rows         | [T][Hn] fp32, out_t accumulates w * y                               |
-// Plan: plain loops, fp32 accumulation in k order; no blocking, no vectors (compiled at the
-// baseline flags, so it runs everywhere).
+// Data layout: layout v2 quantised panels (see PackedHeader in hina_moe/moe.h):
+//   | format | one panel (16 output rows, reduction length Kp, G matrices)                     |
+//   |--------|---------------------------------------------------------------------------------|
+//   | int8   | [G][16] fp32 row scales (64*G B), then [Kp][G][16] int8                          |
+//   | int4   | Kp/group blocks: [G][16] bf16 scales padded to 64 B, then [group/2][G][16] bytes |
+//   |        | (low nibble: k even, high nibble: k odd, stored as q + 8)                        |
+//   x rows [nt][Hk] and h rows [nt][Ik] are fp32 (bf16 for the AMX twin), as for native weights.
+//   Lossless panels: bf16 [Kp/2][G][16][2] (VNNI pairs), f32/f16 [Kp][G][16].
+// Plan: each panel is expanded to fp32 w[k][16] (lossless: the values; quantised: scale * q),
+// then plain loops with fp32 accumulation in k order; no blocking, no vectors (baseline flags).
+// The AMX twin reads x and h as bf16 and rounds w to bf16 (a no-op for bf16 weights), as the
+// AMX kernels do when they expand a quantised panel to tiles.
 // Limits: slow by design; only meant as the reference and the last-resort fallback.
+#include <vector>
+
 #include "moe/kernel_api.h"
 
 namespace hina::detail {
+
+void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, float* w) {
+  if (L.wfmt == WFormat::kInt8) {
+    const float* sc = reinterpret_cast<const float*>(panel + gi * 64);
+    const int8_t* q = reinterpret_cast<const int8_t*>(panel + 64 * G);
+    for (int64_t k = 0; k < Kp; ++k)
+      for (int n = 0; n < kPanelN; ++n) w[k * kPanelN + n] = sc[n] * static_cast<float>(q[(k * G + gi) * kPanelN + n]);
+    return;
+  }
+  const int group = L.group;
+  const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+  for (int64_t b = 0; b < Kp / group; ++b) {
+    const uint8_t* blk = panel + b * blk_bytes;
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(blk + gi * 32);
+    for (int k = 0; k < group; ++k)
+      for (int n = 0; n < kPanelN; ++n)
+        w[(b * group + k) * kPanelN + n] = bf16_to_f32(sc[n]) * int4_value(blk + 64, k, G, gi, n);
+  }
+}
+
 namespace {
 
-template <bool XBf16>
-inline float xval(const void* row, int64_t k) {
-  if constexpr (XBf16) return bf16_to_f32(static_cast<const uint16_t*>(row)[k]);
+template <bool Bf16>
+inline float act_in(const void* row, int64_t k) {
+  if constexpr (Bf16) return bf16_to_f32(static_cast<const uint16_t*>(row)[k]);
   else return static_cast<const float*>(row)[k];
 }
 
-template <bool XBf16, bool HBf16>
+// One panel matrix as fp32 w[k][16], rounded to bf16 for the AMX twin.
+template <bool Twin>
+void panel_weights(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, std::vector<float>& w) {
+  w.resize(static_cast<size_t>(Kp * kPanelN));
+  if (L.wfmt == WFormat::kLossless) {
+    for (int64_t k = 0; k < Kp; ++k)
+      for (int n = 0; n < kPanelN; ++n)
+        w[k * kPanelN + n] = load_elem(L.dtype, panel, panel_index(L.kpack, G, k, gi, n));
+  } else {
+    dequant_panel_f32(panel, L, Kp, G, gi, w.data());
+  }
+  if constexpr (Twin)
+    for (float& v : w) v = bf16_to_f32(f32_to_bf16(v));
+}
+
+template <bool Twin>
 void gateup_generic(const GateUpJob& j) {
   const Layout& L = *j.L;
-  const int64_t panel_elems = L.Hk * kPanelN * L.G;
   const bool gated = L.G == 2;
+  const int64_t pbytes = gu_panel_bytes(L);
+  std::vector<float> wg, wu;
   for (int64_t p = j.p0; p < j.p1; ++p) {
-    const int64_t pbase = p * panel_elems;
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    panel_weights<Twin>(panel, L, L.Hk, L.G, L.G - 1, wu);
+    if (gated) panel_weights<Twin>(panel, L, L.Hk, L.G, 0, wg);
     for (int64_t r = 0; r < j.nt; ++r) {
       const void* xr = j.x[r];
       for (int n = 0; n < kPanelN; ++n) {
         const int64_t col = p * kPanelN + n;
         float g = 0.0f, u = 0.0f;
         for (int64_t k = 0; k < L.Hk; ++k) {
-          const float xv = xval<XBf16>(xr, k);
-          u += load_elem(L.dtype, j.w, pbase + panel_index(L.kpack, L.G, k, L.G - 1, n)) * xv;
-          if (gated) g += load_elem(L.dtype, j.w, pbase + panel_index(L.kpack, L.G, k, 0, n)) * xv;
+          const float xv = act_in<Twin>(xr, k);
+          u += wu[k * kPanelN + n] * xv;
+          if (gated) g += wg[k * kPanelN + n] * xv;
         }
         float h = 0.0f;
         if (col < L.I) {
@@ -45,29 +88,27 @@ void gateup_generic(const GateUpJob& j) {
           if (j.bias_u) u += j.bias_u[col];
           h = h_scalar(*j.act, gated, g, u);
         }
-        if constexpr (HBf16) static_cast<uint16_t*>(j.h)[r * j.h_stride + col] = f32_to_bf16(h);
+        if constexpr (Twin) static_cast<uint16_t*>(j.h)[r * j.h_stride + col] = f32_to_bf16(h);
         else static_cast<float*>(j.h)[r * j.h_stride + col] = h;
       }
     }
   }
 }
 
-template <bool HBf16>
+template <bool Twin>
 void down_generic(const DownJob& j) {
   const Layout& L = *j.L;
-  const int64_t panel_elems = L.Ik * kPanelN;
+  const int64_t pbytes = down_panel_bytes(L);
+  std::vector<float> w;
   for (int64_t p = j.p0; p < j.p1; ++p) {
-    const int64_t pbase = p * panel_elems;
+    panel_weights<Twin>(static_cast<const uint8_t*>(j.w) + p * pbytes, L, L.Ik, 1, 0, w);
     for (int64_t r = 0; r < j.nt; ++r) {
+      const uint8_t* hr = static_cast<const uint8_t*>(j.h) + r * j.h_stride * (Twin ? 2 : 4);
       for (int n = 0; n < kPanelN; ++n) {
         const int64_t col = p * kPanelN + n;
         if (col >= L.H) break;
         float y = 0.0f;
-        for (int64_t k = 0; k < L.Ik; ++k) {
-          const float hv = HBf16 ? bf16_to_f32(static_cast<const uint16_t*>(j.h)[r * j.h_stride + k])
-                                 : static_cast<const float*>(j.h)[r * j.h_stride + k];
-          y += load_elem(L.dtype, j.w, pbase + panel_index(L.kpack, 1, k, 0, n)) * hv;
-        }
+        for (int64_t k = 0; k < L.Ik; ++k) y += w[k * kPanelN + n] * act_in<Twin>(hr, k);
         if (j.bias) y += j.bias[col];
         j.acc[r][col] += j.wt[r] * y;
       }
@@ -78,17 +119,14 @@ void down_generic(const DownJob& j) {
 }  // namespace
 
 bool get_kernels_generic(DType dt, bool amx_twin, KernelImpl* k) {
-  if (amx_twin) {
-    if (dt != DType::kBF16) return false;
-    k->gateup = &gateup_generic<true, true>;
-    k->down = &down_generic<true>;
-    k->x_bf16 = k->h_bf16 = true;
-    k->row_slack = 0;
-    return true;
-  }
-  k->gateup = &gateup_generic<false, false>;
-  k->down = &down_generic<false>;
-  k->x_bf16 = k->h_bf16 = false;
+  if (amx_twin && dt != DType::kBF16) return false;
+  return get_qkernels_generic(WFormat::kLossless, amx_twin, k);
+}
+
+bool get_qkernels_generic(WFormat, bool amx_twin, KernelImpl* k) {  // every format: see panel_weights
+  k->gateup = amx_twin ? &gateup_generic<true> : &gateup_generic<false>;
+  k->down = amx_twin ? &down_generic<true> : &down_generic<false>;
+  k->x_bf16 = k->h_bf16 = amx_twin;
   k->row_slack = 0;
   return true;
 }
