@@ -17,6 +17,7 @@ from torch import nn
 
 from . import adapters
 from .patching import disable_for_model, enable_for_model
+from .quality import logits_agreement
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
@@ -170,8 +171,5 @@ def compare(model: nn.Module, inputs: dict, tolerance: float | None = None, base
         if ta is not None and tb is not None and ta.shape == tb.shape:
             d.topk_agreement = (ta.sort(-1).values == tb.sort(-1).values).all(-1).float().mean().item()
         rep.moe_blocks.append(d)
-    la, lb = native["#logits"].double(), ours["#logits"].double()
-    pa, pb = la.log_softmax(-1), lb.log_softmax(-1)
-    rep.logits_kl = max(0.0, (pa.exp() * (pa - pb)).sum(-1).mean().item())  # >= 0 up to rounding
-    rep.top1_agreement = (la.argmax(-1) == lb.argmax(-1)).float().mean().item()
+    rep.logits_kl, rep.top1_agreement = logits_agreement(native["#logits"], ours["#logits"])
     return rep

@@ -26,17 +26,25 @@ class FormatQuality:
         return min(self.block_sqnr_db.values()) if self.block_sqnr_db else None
 
 
+def logits_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(p_ref || p) in nats per position, share of positions with the same argmax), in
+    float64; the KL is clamped at 0 (it can round to a tiny negative)."""
+    pa, pb = ref_logits.double().log_softmax(-1), logits.double().log_softmax(-1)
+    kl = max(0.0, float((pa.exp() * (pa - pb)).sum(-1).mean()))
+    return kl, float((pa.argmax(-1) == pb.argmax(-1)).float().mean())
+
+
 def _runners(model) -> list[ops.NativeExperts]:
     patched, _ = patching._ROOTS[model]
     return [c.runner for _, _, c in patched if isinstance(c.runner, ops.NativeExperts)]
 
 
-def _nll_and_logprobs(model, chunks: torch.Tensor):
+def _nll_and_logits(model, chunks: torch.Tensor):
     with torch.no_grad():
-        logits = model(input_ids=chunks).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        logits = model(input_ids=chunks).logits.float()[:, :-1]
+    logp = torch.log_softmax(logits, dim=-1)
     nll = -logp.gather(-1, chunks[:, 1:, None]).squeeze(-1)
-    return float(nll.mean()), logp
+    return float(nll.mean()), logits
 
 
 def measure(model, chunks: torch.Tensor, formats: Iterable[tuple[str, int]], progress=None,
@@ -55,21 +63,19 @@ def measure(model, chunks: torch.Tensor, formats: Iterable[tuple[str, int]], pro
     try:
         for r in _runners(model):
             r.recorder = record
-        base_nll, base_logp = _nll_and_logprobs(model, chunks)
+        base_nll, base_logits = _nll_and_logits(model, chunks)
     finally:
         for r in _runners(model):
             r.recorder = None
         patching.disable_for_model(model)
     results = [FormatQuality("lossless", math.exp(base_nll), 0.0, 1.0)]
-    base_top = base_logp.argmax(-1)
     for weights, group in formats:
         if progress:
             progress(weights, group)
         rep = patching.enable_for_model(model, weights=weights, group_size=group, **config)
         try:
-            nll, logp = _nll_and_logprobs(model, chunks)
-            kl = float((base_logp.exp() * (base_logp - logp)).sum(-1).mean())
-            top1 = float((logp.argmax(-1) == base_top).float().mean())
+            nll, logits = _nll_and_logits(model, chunks)
+            kl, top1 = logits_agreement(base_logits, logits)
             sq: dict[str, float] = {}
             with torch.no_grad():
                 for r in _runners(model):
