@@ -333,8 +333,8 @@ class PyPackedExperts {
   nb::object keep_;  // the Python buffer the block lives in (create/view), kept alive
 };
 
-nb::dict header_info(const nb::bytes& b) {
-  const hina::PackedHeader h = header_from_bytes(b);
+// Every field of a packed header, names as in moe.h (enums by name).
+nb::dict header_dict(const hina::PackedHeader& h) {
   nb::dict d;
   d["magic"] = h.magic;
   d["version"] = h.version;
@@ -349,6 +349,13 @@ nb::dict header_info(const nb::bytes& b) {
   d["E"] = h.E;
   d["H"] = h.H;
   d["I"] = h.I;
+  d["panel_n"] = h.panel_n;
+  d["kpack"] = h.kpack;
+  d["k_align"] = h.k_align;
+  d["Hk"] = h.Hk;
+  d["In"] = h.In;
+  d["Ik"] = h.Ik;
+  d["Hn"] = h.Hn;
   d["nbytes"] = h.nbytes;
   return d;
 }
@@ -382,7 +389,7 @@ NB_MODULE(_native, m) {
   m.def("isa_supported",
         [](const std::string& name) { return hina::isa_supported(hina::cpu_features(), parse_isa(name)); },
         nb::arg("name"), "Whether the named tier can run on this machine.");
-  m.def("header_info", &header_info, nb::arg("header"),
+  m.def("header_info", [](const nb::bytes& b) { return header_dict(header_from_bytes(b)); }, nb::arg("header"),
         "The fields of a packed header (bytes from PackedExperts.plan / .header) as a dict.");
   m.attr("PACKED_LAYOUT_VERSION") = hina::PackedHeader{}.version;
   m.def("kernel_table", &kernel_table,
@@ -417,11 +424,11 @@ NB_MODULE(_native, m) {
            [](const std::string& dtype, int64_t E, int64_t H, int64_t I, bool has_gate,
               bool gate_bias, bool up_bias, bool down_bias, const std::string& isa,
               const std::string& weights, int group_size) {
-             hina::DType dt;
-             if (dtype == "float32") dt = hina::DType::kF32;
-             else if (dtype == "bfloat16") dt = hina::DType::kBF16;
-             else if (dtype == "float16") dt = hina::DType::kF16;
-             else bad("dtype '" + dtype + "' is unknown; expected float32, bfloat16 or float16");
+             hina::DType dt = hina::DType::kF32;
+             bool known = false;
+             for (hina::DType d : {hina::DType::kF32, hina::DType::kBF16, hina::DType::kF16})
+               if (dtype == hina::dtype_name(d)) { dt = d; known = true; }
+             if (!known) bad("dtype '" + dtype + "' is unknown; expected float32, bfloat16 or float16");
              const hina::PackedHeader h = hina::plan_packed(
                  dt, E, H, I, has_gate, gate_bias, up_bias, down_bias,
                  hina::resolve_isa(isa.c_str()), {parse_wformat(weights), group_size});
@@ -484,21 +491,8 @@ NB_MODULE(_native, m) {
         const auto& q = p.get();
         return q.has_gate_bias() || q.has_up_bias() || q.has_down_bias();
       })
-      .def_prop_ro("layout", [](const PyPackedExperts& p) {
-        const hina::PackedHeader& h = p.get().header();
-        nb::dict d;
-        d["magic"] = h.magic;
-        d["version"] = h.version;
-        d["panel_n"] = h.panel_n;
-        d["kpack"] = h.kpack;
-        d["k_align"] = h.k_align;
-        d["Hk"] = h.Hk;
-        d["In"] = h.In;
-        d["Ik"] = h.Ik;
-        d["Hn"] = h.Hn;
-        d["nbytes"] = h.nbytes;
-        return d;
-      })
+      .def_prop_ro("layout", [](const PyPackedExperts& p) { return header_dict(p.get().header()); },
+                   "The packed header's fields (as header_info gives them).")
       .def("kernel_name",
            [](const PyPackedExperts& p, const std::string& path) {
              hina::MoePath mp;
