@@ -127,8 +127,8 @@ def cmd_check(args) -> int:
         print(f"read bandwidth (measured now, {bw['threads']} threads): {bw['best']:.1f} GB/s best, "
               f"{bw['median']:.1f} median")
     if os.environ.get("OMP_WAIT_POLICY"):
-        print(f"note: OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} is set; on the whole-model benchmark PASSIVE made "
-              "decode slower, not faster (README, Performance)")
+        print(f"note: OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} is set; on the whole-model benchmark PASSIVE "
+              "gave no decode gain with hi_na_moe and slowed transformers' own ops (README, Performance)")
     if args.model:
         m = info["model"]
         print(str(report))
