@@ -15,14 +15,13 @@
 #include <immintrin.h>
 
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 
 namespace hina::detail {
 namespace {
 
 constexpr int kMaxRows = 2;
-constexpr int kPrefetchBytes = 1024;
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { pf::line(p); }
 
 inline void bf16_pair(const uint16_t* p, __m256& even, __m256& odd) {
   const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
@@ -49,8 +48,8 @@ inline void gateup_block(const void* panel, int64_t Hk, const float* const* x, _
   if constexpr (D == DType::kBF16) {
     const uint16_t* w = static_cast<const uint16_t*>(panel);
     for (int64_t k = 0; k < Hk; k += 2, w += G * 32) {
-      prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes);
-      if (Gated) prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64);
+      prefetch(reinterpret_cast<const char*>(w) + pf::bytes());
+      if (Gated) prefetch(reinterpret_cast<const char*>(w) + pf::bytes() + 64);
       for (int half = 0; half < 2; ++half) {
         __m256 ue, uo, ge, go;
         bf16_pair(w + (G - 1) * 32 + half * 16, ue, uo);
@@ -67,7 +66,7 @@ inline void gateup_block(const void* panel, int64_t Hk, const float* const* x, _
     constexpr int64_t esz = D == DType::kF32 ? 4 : 2;
     const char* wb = static_cast<const char*>(panel);
     for (int64_t k = 0; k < Hk; ++k) {
-      prefetch(wb + (k * G * 16) * esz + kPrefetchBytes);
+      prefetch(wb + (k * G * 16) * esz + pf::bytes());
       const int64_t ub = (k * G + G - 1) * 16, gb = k * G * 16;
       const __m256 ul = load8<D>(panel, ub), uh = load8<D>(panel, ub + 8);
       __m256 gl, gh;
@@ -91,7 +90,7 @@ inline void down_block(const void* panel, int64_t Ik, const float* h, int64_t hs
   if constexpr (D == DType::kBF16) {
     const uint16_t* w = static_cast<const uint16_t*>(panel);
     for (int64_t k = 0; k < Ik; k += 2, w += 32) {
-      prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes);
+      prefetch(reinterpret_cast<const char*>(w) + pf::bytes());
       for (int half = 0; half < 2; ++half) {
         __m256 we, wo;
         bf16_pair(w + half * 16, we, wo);
@@ -105,7 +104,7 @@ inline void down_block(const void* panel, int64_t Ik, const float* h, int64_t hs
     constexpr int64_t esz = D == DType::kF32 ? 4 : 2;
     const char* wb = static_cast<const char*>(panel);
     for (int64_t k = 0; k < Ik; ++k) {
-      prefetch(wb + k * 16 * esz + kPrefetchBytes);
+      prefetch(wb + k * 16 * esz + pf::bytes());
       const __m256 wl = load8<D>(panel, k * 16), wh = load8<D>(panel, k * 16 + 8);
       for (int r = 0; r < NT; ++r) {
         const __m256 hv = _mm256_broadcast_ss(&h[r * hs + k]);
@@ -168,6 +167,7 @@ inline void down_rows(const DownJob& j, const void* panel, int64_t r0, int64_t c
 
 template <DType D>
 void down_avx2(const DownJob& j) {
+  pf::reload();
   const int64_t panel_bytes = j.L->Ik * kPanelN * (D == DType::kF32 ? 4 : 2);
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const void* panel = static_cast<const char*>(j.w) + p * panel_bytes;
@@ -179,6 +179,7 @@ void down_avx2(const DownJob& j) {
 
 template <DType D>
 void gateup_dispatch(const GateUpJob& j) {
+  pf::reload();
   if (j.L->G == 2) gateup_avx2<D, true>(j);
   else gateup_avx2<D, false>(j);
 }

@@ -17,7 +17,7 @@
 //   f16: vcvtph2ps of a 32-byte load; f32: plain loads; k unrolled by 2 for two chains.
 //   Loop order: panel outer, 4-row chunks inner, so a panel (Hk*64*G bytes) is read from DRAM
 //   once and re-read from L2 by the following row chunks (prefill fallback).
-// Software prefetch kPrefetchBytes ahead in the weight stream (a first guess; tune later).
+// Software prefetch of the weight stream: moe/prefetch.h (4 KiB ahead, into L2).
 // Activation, limits, bias, column masking and the routing-weighted scatter-add are fused
 // (vectorised exp/erfc in vec_avx512.h; |rel err| of silu/gelu vs libm ~1e-7).
 // Known limits: activations are kept in fp32 (no vdpbf16ps: that would round x/h to bf16);
@@ -26,14 +26,13 @@
 
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 
 namespace hina::detail {
 namespace {
 
 constexpr int kMaxRows = 4;
-constexpr int kPrefetchBytes = 1024;
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { pf::line(p); }
 
 inline void bf16_pair(const uint16_t* p, __m512& even, __m512& odd) {
   const __m512i v = _mm512_load_si512(p);
@@ -61,8 +60,8 @@ inline void gateup_block(const void* panel, int64_t Hk, const float* const* x, _
   if constexpr (D == DType::kBF16) {
     const uint16_t* w = static_cast<const uint16_t*>(panel);
     for (int64_t k = 0; k < Hk; k += 2, w += G * 32) {
-      prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes);
-      if (Gated) prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64);
+      prefetch(reinterpret_cast<const char*>(w) + pf::bytes());
+      if (Gated) prefetch(reinterpret_cast<const char*>(w) + pf::bytes() + 64);
       __m512 ue, uo, ge, go;
       bf16_pair(w + (G - 1) * 32, ue, uo);
       if constexpr (Gated) bf16_pair(w, ge, go);
@@ -80,8 +79,8 @@ inline void gateup_block(const void* panel, int64_t Hk, const float* const* x, _
     constexpr int64_t esz = D == DType::kF32 ? 4 : 2;
     const char* wb = static_cast<const char*>(panel);
     for (int64_t k = 0; k < Hk; k += 2) {
-      prefetch(wb + (k * G * 16) * esz + kPrefetchBytes);
-      if (Gated || esz == 4) prefetch(wb + (k * G * 16) * esz + kPrefetchBytes + 64);
+      prefetch(wb + (k * G * 16) * esz + pf::bytes());
+      if (Gated || esz == 4) prefetch(wb + (k * G * 16) * esz + pf::bytes() + 64);
       const __m512 ua = load16<D>(panel, (k * G + G - 1) * 16);
       const __m512 ub = load16<D>(panel, ((k + 1) * G + G - 1) * 16);
       __m512 ga, gb;
@@ -113,7 +112,7 @@ inline void down_block(const void* panel, int64_t Ik, const float* h, int64_t hs
   if constexpr (D == DType::kBF16) {
     const uint16_t* w = static_cast<const uint16_t*>(panel);
     for (int64_t k = 0; k < Ik; k += 2, w += 32) {
-      prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes);
+      prefetch(reinterpret_cast<const char*>(w) + pf::bytes());
       __m512 we, wo;
       bf16_pair(w, we, wo);
       for (int r = 0; r < NT; ++r) {
@@ -125,8 +124,8 @@ inline void down_block(const void* panel, int64_t Ik, const float* h, int64_t hs
     constexpr int64_t esz = D == DType::kF32 ? 4 : 2;
     const char* wb = static_cast<const char*>(panel);
     for (int64_t k = 0; k < Ik; k += 2) {
-      prefetch(wb + k * 16 * esz + kPrefetchBytes);
-      if (esz == 4) prefetch(wb + k * 16 * esz + kPrefetchBytes + 64);
+      prefetch(wb + k * 16 * esz + pf::bytes());
+      if (esz == 4) prefetch(wb + k * 16 * esz + pf::bytes() + 64);
       const __m512 wa = load16<D>(panel, k * 16), wbv = load16<D>(panel, (k + 1) * 16);
       for (int r = 0; r < NT; ++r) {
         a0[r] = _mm512_fmadd_ps(wa, _mm512_set1_ps(h[r * hs + k]), a0[r]);
@@ -188,6 +187,7 @@ inline void down_rows(const DownJob& j, const void* panel, int64_t r0, int64_t c
 
 template <DType D>
 void down_avx512(const DownJob& j) {
+  pf::reload();
   const Layout& L = *j.L;
   const int64_t panel_bytes = L.Ik * kPanelN * (D == DType::kF32 ? 4 : 2);
   for (int64_t p = j.p0; p < j.p1; ++p) {
@@ -207,6 +207,7 @@ void down_avx512(const DownJob& j) {
 
 template <DType D>
 void gateup_dispatch(const GateUpJob& j) {
+  pf::reload();
   if (j.L->G == 2) gateup_avx512<D, true>(j);
   else gateup_avx512<D, false>(j);
 }
