@@ -1,58 +1,81 @@
-"""One MoE experts layer, side by side: transformers eager / grouped_mm vs hi_na_moe (reference
-path and native kernels per tier). Real transformers experts classes, random bf16 weights.
+"""One MoE experts layer per model shape, side by side: transformers eager / grouped_mm vs
+hi_na_moe (reference path and native kernels per tier). Real transformers experts classes,
+random bf16 weights.
 
-The working set is far larger than the 300 MB L3: `--layers` separate copies of the layer are
-cycled (OLMoE-1B-7B shape: 805 MB of experts per layer), and each call gets fresh tokens and
-fresh random routing. Every arm's output is checked against the reference before it is timed.
+Shapes (from the public configs; `--shape all` runs the six in one process):
+  olmoe             OLMoE-1B-7B        H2048 I1024  E64  top-8
+  qwen3             Qwen3-30B-A3B      H2048 I768   E128 top-8
+  mixtral           Mixtral-8x7B       H4096 I14336 E8   top-2
+  qwen15            Qwen1.5-MoE-A2.7B  H2048 I1408  E60  top-4, shared expert I5632
+  deepseek-v2-lite  DeepSeek-V2-Lite   H2048 I1408  E64  top-6, 2 shared experts
+  gpt-oss-20b       GPT-OSS-20B        H2880 I2880  E32  top-4, biases, clamped SwiGLU
 
-    python benchmarks/bench_moe_layer.py                     # OLMoE shape, decode T=1 and prefill T=512
-    python benchmarks/bench_moe_layer.py --shape mixtral --layers 2 --prefill 128
-    chrt -f 1 python benchmarks/bench_moe_layer.py ...       # stable figures on a shared machine
+The working set is far larger than the 300 MB L3: enough separate copies of the layer are
+cycled that they hold >= 3 GB of experts (or `--layers N`), and each call gets fresh tokens and
+fresh random routing. Every arm's output is checked against the reference path before it is
+timed. The machine's read bandwidth (our streaming probe) and bf16 matmul peak (torch.mm,
+4096^3, oneDNN/AMX here) are measured in the same run, so shares are against this run's
+figures. Shared experts are dense MLPs that PyTorch runs in every arm (hi_na_moe accelerates
+the routed experts); their decode time is reported in its own row.
 
-Prints a markdown table (median ms, achieved GB/s over the bytes of the experts actually read,
-speedup vs eager) and, with --json FILE, writes raw samples.
+    python benchmarks/bench_moe_layer.py                       # OLMoE, decode T=1 and prefill T=512
+    python benchmarks/bench_moe_layer.py --shape all --arms grouped_mm,native,native-avx2
+    chrt -f 1 python benchmarks/bench_moe_layer.py ...         # stable figures on a shared machine
+
+Prints one markdown table (median ms, active bytes, GB/s and share of the measured bandwidth
+for decode, GFLOP/s and share of the measured matmul peak for prefill, speedup vs the first
+arm) and, with --json FILE, writes raw samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from hi_na_moe.workload import SHAPES, build_layers, make_inputs, set_impl, time_arm
+from hi_na_moe.workload import SHAPES, build_layers, build_shared, make_inputs, set_impl, shape_dims, time_arm
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="olmoe")
-    ap.add_argument("--layers", type=int, default=4, help="separate layer copies cycled (working set ≫ L3)")
-    ap.add_argument("--decode-iters", type=int, default=40)
-    ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
-    ap.add_argument("--prefill-iters", type=int, default=5)
-    ap.add_argument("--arms", default="eager,grouped_mm,reference,native",
-                    help="comma list of: eager, grouped_mm, reference, native, native-<isa>")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", help="write raw samples here")
-    ap.add_argument("--compete", action="store_true",
-                    help="run a busy-looping process (one core) during the timings: a shared machine")
-    args = ap.parse_args()
 
+def matmul_peak_gflops(threads: int, n: int = 4096, reps: int = 5) -> float:
+    """Best bf16 torch.mm GFLOP/s over `reps` n^3 products (the machine's matmul peak as
+    PyTorch reaches it)."""
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n).bfloat16()
+    b = torch.randn(n, n).bfloat16()
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def p90(s: list[float]) -> float:
+    return sorted(s)[max(0, -(-9 * len(s) // 10) - 1)]
+
+
+def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]:
     import hi_na_moe
 
-    torch.set_num_threads(args.threads)
     dtype = torch.bfloat16
-    cfg, layers = build_layers(args.shape, args.layers, dtype)
-    layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-    print(f"# {args.shape} experts layer, bf16, {args.layers} copies x {layer_bytes / 1e6:.0f} MB = "
-          f"{args.layers * layer_bytes / 1e9:.2f} GB cycled, {args.threads} threads, torch {torch.__version__}")
-
-    arms = args.arms.split(",")
-    ref_out = {}
+    E, H, I, K = shape_dims(shape)
+    bf16_layer = 3 * E * H * I * 2
+    n_layers = args.layers or max(2, -(-int(3e9) // bf16_layer))
+    cfg, layers = build_layers(shape, n_layers, dtype)
+    shared = build_shared(shape, n_layers, dtype)
+    print(f"# {shape}: E{E} H{H} I{I} top-{K}, {n_layers} copies x {bf16_layer / 1e6:.0f} MB = "
+          f"{n_layers * bf16_layer / 1e9:.2f} GB cycled" + (", with a shared expert" if shared is not None else ""),
+          flush=True)
+    rows = []
     # correctness first: every arm on the same input vs the reference path
     x, idx, w = make_inputs(cfg, 33, dtype, 999)
     hi_na_moe.enable_for_model(layers, backend="reference")
@@ -60,55 +83,124 @@ def main() -> int:
         ref_out = layers[0](x, idx, w).float()
     hi_na_moe.disable_for_model(layers)
 
-    competitor = None
-    if args.compete:
-        competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        print("# a competing busy process runs during the timings")
-    results = []
-    for arm in arms:
+    cases = [("decode T=1", 1, args.decode_iters)]
+    if args.prefill:
+        cases.append((f"prefill T={args.prefill}", args.prefill, args.prefill_iters))
+    for arm in args.arms.split(","):
         enabled = False
         if arm in ("eager", "grouped_mm"):
             set_impl(layers, arm)
+            label = f"transformers {arm}"
         elif arm == "reference":
             hi_na_moe.enable_for_model(layers, backend="reference")
-            enabled = True
+            enabled, label = True, "hi_na_moe reference"
         elif arm.startswith("native"):
             isa = arm.split("-", 1)[1] if "-" in arm else "auto"
             rep = hi_na_moe.enable_for_model(layers, backend="native", isa=isa, threads=args.threads)
             enabled = True
-            arm = f"hi_na_moe:{rep.blocks[0].kernel}"
+            label = f"hi_na_moe {rep.blocks[0].kernel}"  # "<decode kernel>|<prefill kernel>"
         else:
-            raise SystemExit(f"unknown arm {arm!r}")
+            raise SystemExit(f"unknown arm {arm!r}: use eager, grouped_mm, reference, native or native-<tier>")
         with torch.inference_mode():
             got = layers[0](x, idx, w).float()
         err = ((got - ref_out).norm() / ref_out.norm()).item()
         if err > 2e-2:
-            raise SystemExit(f"{arm}: output differs from the reference (rel L2 {err:.2e}); not timing it")
-        for label, T, iters in (("decode T=1", 1, args.decode_iters), (f"prefill T={args.prefill}", args.prefill, args.prefill_iters)):
-            if T == 0:
-                continue
+            raise SystemExit(f"{shape} {label}: output differs from the reference (rel L2 {err:.2e}); not timing it")
+        for case, T, iters in cases:
             s, b = time_arm(layers, cfg, T, dtype, iters, warmup=max(2, len(layers)), seed0=1000)
             med = statistics.median(s)
-            gbs = statistics.median([bb / ss for bb, ss in zip(b, s)]) / 1e9
-            results.append(dict(arm=arm, case=label, median_ms=med * 1e3, p90_ms=sorted(s)[max(0, -(-9 * len(s) // 10) - 1)] * 1e3,
-                                gb_s=gbs, rel_err=err, samples_ms=[v * 1e3 for v in s]))
+            name = label.split("|")[0 if T == 1 else -1] if "|" in label else label
+            row = dict(shape=shape, arm=name, case=case, T=T, median_ms=med * 1e3, p90_ms=p90(s) * 1e3,
+                       active_mb=statistics.median(b) / 1e6, rel_err=err, samples_ms=[v * 1e3 for v in s])
+            if T == 1:
+                row["gb_s"] = statistics.median([bb / ss for bb, ss in zip(b, s)]) / 1e9
+                row["share"] = row["gb_s"] / bw_gbs
+            else:
+                row["gflop_s"] = 2 * T * K * 3 * H * I / med / 1e9
+                row["share"] = row["gflop_s"] / peak_gflops
+            rows.append(row)
+            print(f"  {label:55s} {case:15s} {row['median_ms']:8.2f} ms  share {row['share']:.0%}", flush=True)
         if enabled:
             hi_na_moe.disable_for_model(layers)
         set_impl(layers, "grouped_mm")
 
-    if competitor is not None:
-        competitor.kill()
-    base_arm = "eager" if "eager" in arms else results[0]["arm"]
-    base = {r["case"]: r["median_ms"] for r in results if r["arm"] == base_arm}
-    print(f"\n| provider | case | median ms | p90 ms | achieved GB/s | vs {base_arm} | rel err vs ref |")
-    print("|---|---|---|---|---|---|---|")
+    if shared is not None:
+        samples = []
+        nbytes = sum(p.numel() * p.element_size() for p in shared[0].parameters())
+        with torch.inference_mode():
+            for i in range(len(shared) + args.decode_iters):
+                xs = torch.randn(1, H).to(dtype)
+                t0 = time.perf_counter()
+                shared[i % len(shared)](xs)
+                if i >= len(shared):
+                    samples.append(time.perf_counter() - t0)
+        med = statistics.median(samples)
+        rows.append(dict(shape=shape, arm="shared expert MLP (PyTorch, every arm)", case="decode T=1", T=1,
+                         median_ms=med * 1e3, p90_ms=p90(samples) * 1e3, active_mb=nbytes / 1e6,
+                         gb_s=nbytes / med / 1e9, share=nbytes / med / 1e9 / bw_gbs, rel_err=float("nan"),
+                         samples_ms=[v * 1e3 for v in samples]))
+    del layers, shared
+    gc.collect()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="olmoe", help=f"one of {', '.join(SHAPES)}, a comma list, or all")
+    ap.add_argument("--layers", type=int, default=0, help="layer copies cycled (0: enough for >= 3 GB, 10x the L3)")
+    ap.add_argument("--decode-iters", type=int, default=40)
+    ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
+    ap.add_argument("--prefill-iters", type=int, default=5)
+    ap.add_argument("--arms", default="eager,grouped_mm,reference,native",
+                    help="comma list of: eager, grouped_mm, reference, native, native-<tier>")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", help="write raw samples here")
+    ap.add_argument("--compete", action="store_true",
+                    help="run a busy-looping process (one core) during the timings: a shared machine")
+    args = ap.parse_args()
+    shapes = list(SHAPES) if args.shape == "all" else args.shape.split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"--shape {s!r}: unknown shape; choose from {', '.join(SHAPES)} or all")
+
+    from hi_na_moe import _native
+
+    torch.set_num_threads(args.threads)
+    bw = max(_native.measure_read_bandwidth(1 << 30, args.threads, 3)["best_gbs"] for _ in range(2))
+    peak = matmul_peak_gflops(args.threads)
+    print(f"# measured in this run: read bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s "
+          f"(torch.mm 4096^3), {args.threads} threads, torch {torch.__version__}", flush=True)
+
+    competitor = None
+    if args.compete:
+        competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        print("# a competing busy process runs during the timings")
+    try:
+        results = [r for s in shapes for r in run_shape(s, args, bw, peak)]
+    finally:
+        if competitor is not None:
+            competitor.kill()
+
+    print(f"\nread bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s (this run)\n")
+    print("| shape | provider | case | median ms | p90 ms | active MB | GB/s | GFLOP/s | share of roofline | vs first arm | rel err vs ref |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    first = {}
     for r in results:
-        sp = base.get(r["case"], float("nan")) / r["median_ms"]
-        print(f"| {r['arm']} | {r['case']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {r['gb_s']:.1f} | {sp:.2f}x | {r['rel_err']:.1e} |")
+        key = (r["shape"], r["case"])
+        if not r["arm"].startswith("shared"):
+            first.setdefault(key, r["median_ms"])
+        gbs = f"{r['gb_s']:.1f}" if "gb_s" in r else ""
+        gfl = f"{r['gflop_s']:.0f}" if "gflop_s" in r else ""
+        active = f"{r['active_mb']:.0f}" if r["T"] == 1 else ""
+        vs = "" if r["arm"].startswith("shared") else f"{first[key] / r['median_ms']:.2f}x"
+        err = "" if r["rel_err"] != r["rel_err"] else f"{r['rel_err']:.1e}"
+        print(f"| {r['shape']} | {r['arm']} | {r['case']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {active} | {gbs} | "
+              f"{gfl} | {r['share']:.0%} | {vs} | {err} |")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(machine=platform.processor() or platform.machine(), commit=commit,
+                                                   bandwidth_gbs=bw, matmul_peak_gflops=peak,
                                                    args=vars(args), results=results), indent=1))
     return 0
 
