@@ -63,6 +63,12 @@ def p90(s: list[float]) -> float:
     return sorted(s)[max(0, -(-9 * len(s) // 10) - 1)]
 
 
+def read_bandwidth(threads: int) -> float:
+    from hi_na_moe import _native
+
+    return max(_native.measure_read_bandwidth(1 << 30, threads, 3)["best_gbs"] for _ in range(2))
+
+
 def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]:
     import hi_na_moe
 
@@ -75,6 +81,10 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
     print(f"# {shape}: E{E} H{H} I{I} top-{K}, {n_layers} copies x {bf16_layer / 1e6:.0f} MB = "
           f"{n_layers * bf16_layer / 1e9:.2f} GB cycled" + (", with a shared expert" if shared is not None else ""),
           flush=True)
+    # the machine drifts: shares of bandwidth use the higher of the run's first probe and this one
+    bw_here = read_bandwidth(args.threads)
+    print(f"#   read bandwidth now {bw_here:.1f} GB/s (run start {bw_gbs:.1f})", flush=True)
+    bw_gbs = max(bw_gbs, bw_here)
     rows = []
     # correctness first: every arm on the same input vs the reference path
     x, idx, w = make_inputs(cfg, 33, dtype, 999)
@@ -98,7 +108,7 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
             isa = arm.split("-", 1)[1] if "-" in arm else "auto"
             rep = hi_na_moe.enable_for_model(layers, backend="native", isa=isa, threads=args.threads)
             enabled = True
-            label = f"hi_na_moe {rep.blocks[0].kernel}"  # "<decode kernel>|<prefill kernel>"
+            label = f"hi_na_moe {rep.blocks[0].kernel}"  # "hi_na_moe <decode kernel>|<prefill kernel>"
         else:
             raise SystemExit(f"unknown arm {arm!r}: use eager, grouped_mm, reference, native or native-<tier>")
         with torch.inference_mode():
@@ -109,8 +119,11 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
         for case, T, iters in cases:
             s, b = time_arm(layers, cfg, T, dtype, iters, warmup=max(2, len(layers)), seed0=1000)
             med = statistics.median(s)
-            name = label.split("|")[0 if T == 1 else -1] if "|" in label else label
-            row = dict(shape=shape, arm=name, case=case, T=T, median_ms=med * 1e3, p90_ms=p90(s) * 1e3,
+            name = label
+            if "|" in label:
+                decode_k, prefill_k = label.split(" ", 1)[1].split("|")
+                name = f"hi_na_moe {decode_k if T == 1 else prefill_k}"
+            row = dict(shape=shape, arm=name, case=case, T=T, bw_gbs=bw_gbs, median_ms=med * 1e3, p90_ms=p90(s) * 1e3,
                        active_mb=statistics.median(b) / 1e6, rel_err=err, samples_ms=[v * 1e3 for v in s])
             if T == 1:
                 row["gb_s"] = statistics.median([bb / ss for bb, ss in zip(b, s)]) / 1e9
@@ -135,7 +148,7 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
                 if i >= len(shared):
                     samples.append(time.perf_counter() - t0)
         med = statistics.median(samples)
-        rows.append(dict(shape=shape, arm="shared expert MLP (PyTorch, every arm)", case="decode T=1", T=1,
+        rows.append(dict(shape=shape, arm="shared expert MLP (PyTorch, every arm)", case="decode T=1", T=1, bw_gbs=bw_gbs,
                          median_ms=med * 1e3, p90_ms=p90(samples) * 1e3, active_mb=nbytes / 1e6,
                          gb_s=nbytes / med / 1e9, share=nbytes / med / 1e9 / bw_gbs, rel_err=float("nan"),
                          samples_ms=[v * 1e3 for v in samples]))
@@ -163,10 +176,8 @@ def main() -> int:
         if s not in SHAPES:
             raise SystemExit(f"--shape {s!r}: unknown shape; choose from {', '.join(SHAPES)} or all")
 
-    from hi_na_moe import _native
-
     torch.set_num_threads(args.threads)
-    bw = max(_native.measure_read_bandwidth(1 << 30, args.threads, 3)["best_gbs"] for _ in range(2))
+    bw = read_bandwidth(args.threads)
     peak = matmul_peak_gflops(args.threads)
     print(f"# measured in this run: read bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s "
           f"(torch.mm 4096^3), {args.threads} threads, torch {torch.__version__}", flush=True)
@@ -181,9 +192,10 @@ def main() -> int:
         if competitor is not None:
             competitor.kill()
 
-    print(f"\nread bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s (this run)\n")
-    print("| shape | provider | case | median ms | p90 ms | active MB | GB/s | GFLOP/s | share of roofline | vs first arm | rel err vs ref |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\nread bandwidth {bw:.1f} GB/s at the start (per shape: the higher of that and a probe right before "
+          f"the shape), bf16 matmul peak {peak:.0f} GFLOP/s (this run)\n")
+    print("| shape | provider | case | median ms | p90 ms | active MB | GB/s | GFLOP/s | share of roofline | roofline | vs first arm | rel err vs ref |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     first = {}
     for r in results:
         key = (r["shape"], r["case"])
@@ -192,10 +204,11 @@ def main() -> int:
         gbs = f"{r['gb_s']:.1f}" if "gb_s" in r else ""
         gfl = f"{r['gflop_s']:.0f}" if "gflop_s" in r else ""
         active = f"{r['active_mb']:.0f}" if r["T"] == 1 else ""
+        roof = f"{r['bw_gbs']:.1f} GB/s" if r["T"] == 1 else f"{peak:.0f} GFLOP/s"
         vs = "" if r["arm"].startswith("shared") else f"{first[key] / r['median_ms']:.2f}x"
         err = "" if r["rel_err"] != r["rel_err"] else f"{r['rel_err']:.1e}"
         print(f"| {r['shape']} | {r['arm']} | {r['case']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {active} | {gbs} | "
-              f"{gfl} | {r['share']:.0%} | {vs} | {err} |")
+              f"{gfl} | {r['share']:.0%} | {roof} | {vs} | {err} |")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
