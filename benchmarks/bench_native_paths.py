@@ -4,7 +4,9 @@
    decode (weight-streaming) path and the prefill (tiled GEMM) path forced, side by side, to find
    where prefill starts to win; the library's default threshold is printed next to it.
 2. oversubscription: a decode step timed alone, and right after torch ran a matmul on its
-   OpenMP pool (whose threads may still be spinning); the ratio should stay near 1.
+   OpenMP pool (whose threads may still be spinning), on each thread-pool backend (`pool`:
+   the library's own workers, and torch's OpenMP team), interleaved round by round; the ratio
+   should stay near 1.
 
 Working set: `--layers` copies cycled (805 MB each), fresh routing per call.
 
@@ -81,31 +83,33 @@ def main() -> int:
 
     if args.skip_oversubscription:
         return 0
-    # oversubscription: decode alone vs right after torch's OpenMP pool worked
+    # oversubscription: decode alone vs right after torch's OpenMP pool worked, per pool backend
     a = torch.randn(1024, 1024)
-    alone, after = [], []
+    backends = ["own"] + (["openmp"] if _native.openmp_runtime() else [])
+    times = {(b, c): [] for b in backends for c in ("alone", "after")}
     for i in range(40):
         x, idx, w = make_inputs(cfg, 1, torch.bfloat16, 500 + i)
         idx, w = idx.to(torch.int32), w.float()
         out = torch.empty(1, H, dtype=torch.bfloat16)
-        p = packs[i % len(packs)]
-        if i % 2:
-            torch.mm(a, a)  # torch's pool just ran: its threads may still spin
+        for j, (b, case) in enumerate(times):
+            _native.set_pool_backend(b)
+            p = packs[(i * len(times) + j) % len(packs)]
+            if case == "after":
+                torch.mm(a, a)  # torch's pool just ran: its threads may still spin
+            else:
+                # past libgomp's spin window: after a torch op its workers spin 5-10 ms here
+                time.sleep(0.02)
             t0 = time.perf_counter()
             p.forward(x, idx, w, out, num_threads=args.threads)
-            after.append(time.perf_counter() - t0)
-        else:
-            time.sleep(0.002)
-            t0 = time.perf_counter()
-            p.forward(x, idx, w, out, num_threads=args.threads)
-            alone.append(time.perf_counter() - t0)
-    ma, mb = statistics.median(alone), statistics.median(after)
+            times[(b, case)].append(time.perf_counter() - t0)
+    _native.set_pool_backend("auto")
     active = 8 * 3 * H * cfg.intermediate_size * 2
-    print(f"\n| decode T=1 | median ms | GB/s (8 experts, {active / 1e6:.0f} MB) |")
-    print("|---|---|---|")
-    print(f"| alone | {ma * 1e3:.2f} | {active / ma / 1e9:.1f} |")
-    print(f"| right after a torch matmul | {mb * 1e3:.2f} | {active / mb / 1e9:.1f} |")
-    print(f"ratio after/alone: {mb / ma:.2f}")
+    print(f"\n| pool backend | decode T=1 alone ms | right after a torch matmul ms | ratio after/alone | "
+          f"GB/s alone / after ({active / 1e6:.0f} MB) |")
+    print("|---|---|---|---|---|")
+    for b in backends:
+        ma, mb = statistics.median(times[(b, "alone")]), statistics.median(times[(b, "after")])
+        print(f"| {b} | {ma * 1e3:.2f} | {mb * 1e3:.2f} | {mb / ma:.2f} | {active / ma / 1e9:.1f} / {active / mb / 1e9:.1f} |")
     return 0
 
 

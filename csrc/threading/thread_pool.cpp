@@ -13,7 +13,12 @@
 #define HINA_PAUSE() ((void)0)
 #endif
 
+#include <cstring>
+#include <string>
+
 #if defined(__linux__)
+#include <dlfcn.h>
+#include <link.h>
 #include <sched.h>
 #endif
 #if defined(__unix__) || defined(__APPLE__)
@@ -88,10 +93,107 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
   }
 }
 
+namespace {
+// The loaded GNU OpenMP runtime's entry points (all null when there is none).
+struct Gomp {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
+  int (*thread_num)() = nullptr;
+  int (*num_threads)() = nullptr;
+  int (*in_parallel)() = nullptr;
+  std::string path;
+};
+
+#if defined(__linux__)
+int find_libgomp(struct dl_phdr_info* info, size_t, void* out) {
+  const char* name = info->dlpi_name;
+  const char* base = name ? std::strrchr(name, '/') : nullptr;
+  base = base ? base + 1 : name;
+  // libgomp.so.1, or a wheel's vendored copy such as libgomp-a34b3233.so.1
+  if (base && std::strncmp(base, "libgomp", 7) == 0 && std::strstr(base, ".so")) {
+    *static_cast<std::string*>(out) = name;
+    return 1;
+  }
+  return 0;
+}
+#endif
+
+// Looked up at every region until found (torch may be imported after our first region), then
+// kept: a loaded libgomp is never unloaded while something uses it.
+const Gomp* loaded_gomp() {
+  static std::atomic<const Gomp*> found{nullptr};
+  static std::atomic<int64_t> last_try_us{-1000000};
+  if (const Gomp* g = found.load(std::memory_order_acquire)) return g;
+#if defined(__linux__)
+  const int64_t now = now_us();  // dl_iterate_phdr takes the loader lock: at most once a second
+  if (now - last_try_us.load(std::memory_order_relaxed) < 1000000) return nullptr;
+  last_try_us.store(now, std::memory_order_relaxed);
+  std::string path;
+  dl_iterate_phdr(find_libgomp, &path);
+  if (path.empty()) return nullptr;
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (!h) return nullptr;
+  auto* g = new Gomp;  // leaked on purpose, like the pool
+  g->parallel = reinterpret_cast<decltype(g->parallel)>(dlsym(h, "GOMP_parallel"));
+  g->thread_num = reinterpret_cast<decltype(g->thread_num)>(dlsym(h, "omp_get_thread_num"));
+  g->num_threads = reinterpret_cast<decltype(g->num_threads)>(dlsym(h, "omp_get_num_threads"));
+  g->in_parallel = reinterpret_cast<decltype(g->in_parallel)>(dlsym(h, "omp_in_parallel"));
+  g->path = path;
+  if (!g->parallel || !g->thread_num || !g->num_threads || !g->in_parallel) {
+    delete g;
+    return nullptr;
+  }
+  const Gomp* expected = nullptr;
+  if (!found.compare_exchange_strong(expected, g)) delete g;
+  return found.load(std::memory_order_acquire);
+#else
+  return nullptr;
+#endif
+}
+
+struct GompRegion {
+  void (*call)(void*, int, int);
+  void* ctx;
+  int n;
+  const Gomp* api;
+};
+
+void gomp_region(void* p) {
+  const GompRegion& r = *static_cast<const GompRegion*>(p);
+  // The runtime may give fewer threads than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC): the team
+  // then runs every tid anyway, round robin.
+  const int tid = r.api->thread_num(), nt = r.api->num_threads();
+  const bool was = tls_in_region;
+  tls_in_region = true;
+  for (int i = tid; i < r.n; i += nt) r.call(r.ctx, i, r.n);
+  tls_in_region = was;
+}
+}  // namespace
+
+std::string loaded_openmp_runtime() {
+  const Gomp* g = loaded_gomp();
+  return g ? g->path : std::string();
+}
+
+void ThreadPool::set_backend(PoolBackend b) { backend_.store(b, std::memory_order_relaxed); }
+
+std::string ThreadPool::backend_name() const {
+  const PoolBackend b = backend();
+  if (b == PoolBackend::kOwn) return "own";
+  if (const Gomp* g = loaded_gomp()) return "openmp (" + g->path + ")";
+  return b == PoolBackend::kOpenMP ? "own (openmp requested, no libgomp loaded in this process)" : "own";
+}
+
 void ThreadPool::run_impl(int n, Call call, void* ctx) {
   if (n <= 1 || tls_in_region || current_pid() != owner_pid_) {
     for (int i = 0; i < (n < 1 ? 1 : n); ++i) call(ctx, i, n < 1 ? 1 : n);
     return;
+  }
+  if (backend() != PoolBackend::kOwn) {
+    if (const Gomp* g = loaded_gomp(); g && !g->in_parallel()) {
+      GompRegion r{call, ctx, n, g};
+      g->parallel(&gomp_region, &r, static_cast<unsigned>(n), 0);
+      return;
+    }
   }
   std::lock_guard<std::mutex> call_lk(call_mu_);
   grow(n - 1);

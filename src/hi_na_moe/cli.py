@@ -114,6 +114,8 @@ def cmd_check(args) -> int:
               f"(AMX permission: {os_['amx_permission']})")
         print(f"  best kernel tier: {cap['best_isa']}; selected: {cap['selected_isa']}")
     print(f"  kernels: decode={cap['kernels']['decode']} prefill={cap['kernels']['prefill']}")
+    if cap.get("pool"):
+        print(f"  kernel threads: {cap['pool']}")
     if cap.get("note"):
         print(f"  note: {cap['note']}")
     c = sysi["cores"]

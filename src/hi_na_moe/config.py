@@ -21,6 +21,7 @@ BACKENDS = ("auto", "native", "reference")
 ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
 WEIGHT_FORMATS = ("lossless", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
+POOLS = ("auto", "own", "openmp")
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,11 @@ class HinaConfig:
             happens on every enable and the originals stay in memory.
         cache_dir: the store's directory; "" means the default (`$XDG_CACHE_HOME/hi_na_moe`, else
             `~/.cache/hi_na_moe`).
+        pool: which threads run the native kernels' parallel regions: "openmp" runs them on the
+            team of the GNU OpenMP runtime PyTorch already loaded (the threads that just ran
+            torch's ops, so the two never compete for cores), "own" on hi_na_moe's own workers
+            (spin briefly, then sleep), "auto" (default) picks openmp when a libgomp is loaded
+            in the process and own otherwise. Process-wide: the last enable's value applies.
     """
 
     backend: str = "auto"
@@ -70,6 +76,7 @@ class HinaConfig:
     group_size: int = 64
     cache: bool = True
     cache_dir: str = ""
+    pool: str = "auto"
     # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
     # so that errors and reports can say it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -84,6 +91,7 @@ class HinaConfig:
                 "expected a whole number >= 0 (0 means torch.get_num_threads())"
             )
         _check_choice("weights", self.weights, WEIGHT_FORMATS, src("weights"))
+        _check_choice("pool", self.pool, POOLS, src("pool"))
         if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
             raise ConfigError(
                 f"config key 'group_size' ({src('group_size')}) has bad value {self.group_size!r}: "
@@ -113,7 +121,8 @@ class HinaConfig:
 
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
 _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
-          "weights": str, "group_size": int, "cache": bool, "cache_dir": str}
+          "weights": str, "group_size": int, "cache": bool, "cache_dir": str,
+          "pool": str}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:

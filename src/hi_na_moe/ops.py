@@ -421,6 +421,8 @@ def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: s
 
             store = PackedStore(config.store_root())
         runner = NativeExperts(spec, isa, config.threads, config.weights, config.group_size, store, name)
+        if not dry_run:
+            native_module()[0].set_pool_backend(config.pool)
         return Choice(runner, f"{names['decode']}|{names['prefill']}")
     if config.backend == "native":
         raise ValueError(f"backend='native' but this block cannot run natively: {why_not}")

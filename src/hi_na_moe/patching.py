@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import adapters, ops, reference
+from .hardware import native_module
 from .config import HinaConfig, load_config
 
 _LOCK = threading.RLock()
@@ -65,6 +66,8 @@ class EnableReport:
     config: dict[str, Any]
     blocks: list[BlockReport] = field(default_factory=list)
     dry_run: bool = False
+    # what the native kernels' parallel regions run on (config key `pool`), once any block is native
+    pool: str | None = None
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -80,7 +83,7 @@ class EnableReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model_class": self.model_class, "dry_run": self.dry_run, "config": self.config,
+            "model_class": self.model_class, "dry_run": self.dry_run, "config": self.config, "pool": self.pool,
             "summary": {"moe_blocks": len(self.blocks), "accelerated": len(self.accelerated),
                         "reference": len(self.reference), "native": len(self.native)},
             "blocks": [asdict(b) for b in self.blocks],
@@ -97,6 +100,8 @@ class EnableReport:
         ]
         if not self.blocks:
             lines.append("  no MoE blocks found (pass router_name= for a custom model)")
+        if self.pool:
+            lines.append(f"  kernel threads: {self.pool}")
         quant = any(b.sqnr_db is not None for b in self.blocks)
         rows = [("block", "status", "kernel", "weights") + (("SQNR dB", "cache") if quant else ())
                 + ("E", "H", "I", "gate", "note")]
@@ -275,6 +280,8 @@ def enable_for_model(
         # keep the module order of discovery in the report
         order = {match.name: i for i, match in enumerate(matches)}
         report.blocks.sort(key=lambda b: order[b.name])
+        if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
+            report.pool = native_module()[0].pool_backend()
         _ROOTS[model] = (patched, report)
     return report
 

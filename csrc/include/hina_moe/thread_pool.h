@@ -1,23 +1,43 @@
-// The library's own thread pool. Persistent workers; a parallel region runs fn(tid, n) for
-// tid in [0, n) with tid 0 on the calling thread. Idle workers spin briefly (kSpinMicros of
-// `pause`) and then sleep on a condition variable: never spin forever, because on a shared
-// machine a spin-barrier pool collapses as soon as another process is runnable.
-// Not OpenMP, so it never fights torch's OpenMP pool for the same cores.
+// Parallel regions: fn(tid, n) for tid in [0, n), tid 0 on the calling thread, on one of two
+// backends (set_backend):
+// - own: the library's persistent workers. Idle workers spin briefly (kSpinMicros of `pause`)
+//   and then sleep on a condition variable: never spin forever, because on a shared machine a
+//   spin-barrier pool collapses as soon as another process is runnable.
+// - openmp: the team of the GNU OpenMP runtime (libgomp) already loaded in the process, e.g.
+//   by PyTorch, entered through its stable ABI entry point GOMP_parallel (found with dlopen
+//   RTLD_NOLOAD on the loaded library; nothing is linked). When PyTorch's OpenMP workers have
+//   just run an op they keep spinning for a while; with the own backend those spinners and our
+//   workers fight for the same cores (a decode step measured 1.3-1.6x slower right after a
+//   torch matmul), while on the openmp backend the spinning workers are the ones that pick up
+//   our region (ratio 0.99-1.01). benchmarks/RESULTS.md, "Thread pool backends".
+// kAuto (the default) is openmp when a libgomp is loaded, own otherwise. Either way a call from
+// inside a region (ours or an OpenMP one) or in a forked child runs inline on the caller.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
 namespace hina {
 
+enum class PoolBackend : int { kAuto = 0, kOwn = 1, kOpenMP = 2 };
+
 class ThreadPool {
  public:
   static constexpr int64_t kSpinMicros = 80;
+
+  // Process-wide choice of backend (thread-safe; takes effect at the next region). kOpenMP
+  // without a loaded libgomp falls back to the own workers, and backend_name() says so.
+  void set_backend(PoolBackend b);
+  PoolBackend backend() const { return backend_.load(std::memory_order_relaxed); }
+  // What regions run on now: "own", "openmp (<path of the libgomp>)", or
+  // "own (openmp requested, no libgomp loaded in this process)".
+  std::string backend_name() const;
 
   // The process-wide pool (created on first use, grown on demand, never destroyed).
   static ThreadPool& global();
@@ -41,7 +61,8 @@ class ThreadPool {
   void worker_loop(int id, uint64_t seen);
   void grow(int workers);
 
-  std::mutex call_mu_;  // one region at a time
+  std::atomic<PoolBackend> backend_{PoolBackend::kAuto};
+  std::mutex call_mu_;  // one region at a time (own backend)
   std::mutex mu_;       // guards sleeping / waking
   std::condition_variable cv_work_, cv_done_;
   std::vector<std::thread> workers_;
@@ -52,6 +73,9 @@ class ThreadPool {
   int n_ = 0;
   long owner_pid_ = 0;  // process that owns the workers
 };
+
+// Path of the GNU OpenMP runtime loaded in this process ("" when there is none).
+std::string loaded_openmp_runtime();
 
 // Splits [0, total) into n near-equal contiguous chunks; chunk `i` is [*begin, *end).
 inline void split_range(int64_t total, int i, int n, int64_t* begin, int64_t* end) {

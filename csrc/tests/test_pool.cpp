@@ -1,0 +1,133 @@
+// Thread-pool backends (own workers / the loaded GNU OpenMP runtime's team): every tid runs
+// exactly once per region, nesting runs inline, a forked child runs inline, an OpenMP region
+// of the caller's runs ours inline, and the MoE op gives bit-identical results on both.
+// Linked with OpenMP so that a libgomp is loaded in this process, as it is under PyTorch.
+#include <omp.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hina_moe/moe.h"
+#include "hina_moe/thread_pool.h"
+
+using namespace hina;
+
+namespace {
+int g_pass = 0, g_fail = 0;
+void report(bool ok, const std::string& what) {
+  ok ? ++g_pass : ++g_fail;
+  if (!ok) std::printf("FAIL %s\n", what.c_str());
+}
+
+// Each tid of an n-region exactly once, on distinct threads for tid 0 (the caller).
+bool covers(int n) {
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+  for (auto& h : hits) h = 0;
+  std::atomic<int> wrong_n{0};
+  ThreadPool::global().run(n, [&](int tid, int nt) {
+    if (nt != n) wrong_n++;
+    hits[static_cast<size_t>(tid)]++;
+  });
+  for (auto& h : hits)
+    if (h != 1) return false;
+  return wrong_n == 0;
+}
+
+std::vector<float> moe_run(const PackedExperts& pe, const std::vector<uint16_t>& x, int64_t T,
+                           const std::vector<int32_t>& idx, const std::vector<float>& w, int K) {
+  std::vector<uint16_t> out(static_cast<size_t>(T * pe.H()));
+  MoeParams p;
+  p.num_threads = 2;
+  pe.forward(x.data(), T, idx.data(), 32, w.data(), K, out.data(), p);
+  std::vector<float> f(out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    const uint32_t b = static_cast<uint32_t>(out[i]) << 16;
+    std::memcpy(&f[i], &b, 4);
+  }
+  return f;
+}
+}  // namespace
+
+int main() {
+  ThreadPool& pool = ThreadPool::global();
+  // Make sure the runtime is loaded and has run a region of its own (as torch's ops do).
+  int team = 0;
+#pragma omp parallel num_threads(2)
+  {
+#pragma omp single
+    team = omp_get_num_threads();
+  }
+  report(team >= 1, "libgomp region ran");
+
+  for (PoolBackend b : {PoolBackend::kOwn, PoolBackend::kOpenMP, PoolBackend::kAuto}) {
+    pool.set_backend(b);
+    const std::string name = pool.backend_name();
+    const std::string tag = "backend " + std::to_string(static_cast<int>(b)) + " (" + name + ")";
+    report((b == PoolBackend::kOwn) == (name == "own"), tag + ": name says which backend runs");
+    if (b != PoolBackend::kOwn) report(name.rfind("openmp (", 0) == 0, tag + ": the loaded libgomp is found");
+    for (int n : {2, 3, 7}) report(covers(n), tag + ": every tid once, n=" + std::to_string(n));
+    // nested: a region inside a region runs inline on that thread
+    std::atomic<int> inner{0};
+    pool.run(2, [&](int, int) { pool.run(3, [&](int, int) { inner++; }); });
+    report(inner == 6, tag + ": nested regions run inline");
+    // from inside the caller's own OpenMP region: ours runs inline, no nested team
+    std::atomic<int> in_omp{0}, bad{0};
+#pragma omp parallel num_threads(2)
+    {
+      pool.run(2, [&](int, int nt) {
+        in_omp++;
+        if (nt != 2) bad++;
+      });
+    }
+    report(in_omp == 2 * team && bad == 0, tag + ": inside an OpenMP region, every tid runs inline");
+    // a forked child runs regions inline (its copy of any pool has no threads)
+    const pid_t pid = fork();
+    if (pid == 0) _exit(covers(3) ? 0 : 1);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    report(WIFEXITED(status) && WEXITSTATUS(status) == 0, tag + ": forked child runs regions inline");
+  }
+
+  // The op on both backends: bit-identical (the split never changes the summation order).
+  const int64_t E = 12, H = 200, I = 136, T = 5, K = 3;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 0.05f);
+  auto bf16 = [&](size_t n) {
+    std::vector<uint16_t> v(n);
+    for (auto& e : v) {
+      const float f = nd(rng);
+      uint32_t b;
+      std::memcpy(&b, &f, 4);
+      e = static_cast<uint16_t>(b >> 16);
+    }
+    return v;
+  };
+  const auto g = bf16(E * I * H), u = bf16(E * I * H), d = bf16(E * H * I), x = bf16(T * H);
+  std::vector<int32_t> idx(T * K);
+  std::vector<float> w(T * K, 0.3f);
+  for (int64_t i = 0; i < T * K; ++i) idx[i] = static_cast<int32_t>((i * 5) % E);
+  ExpertWeights ew;
+  ew.dtype = DType::kBF16;
+  ew.E = E;
+  ew.H = H;
+  ew.I = I;
+  ew.gate = g.data();
+  ew.up = u.data();
+  ew.down = d.data();
+  auto pe = PackedExperts::pack(ew, resolve_isa("auto"), 2);
+  pool.set_backend(PoolBackend::kOwn);
+  const auto a1 = moe_run(*pe, x, 1, idx, w, K), aT = moe_run(*pe, x, T, idx, w, K);
+  pool.set_backend(PoolBackend::kOpenMP);
+  const auto b1 = moe_run(*pe, x, 1, idx, w, K), bT = moe_run(*pe, x, T, idx, w, K);
+  report(a1 == b1 && aT == bT, "MoE op: own and openmp backends bit-identical (decode and prefill)");
+  pool.set_backend(PoolBackend::kAuto);
+
+  std::printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail == 0 ? 0 : 1;
+}

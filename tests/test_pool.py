@@ -1,0 +1,156 @@
+"""The kernels' thread-pool backends (config key `pool`): the library's own workers, or the team
+of the GNU OpenMP runtime PyTorch loaded. Same results on both, named in the report, safe from
+several Python threads and in a forked child. (Their speed is a benchmark:
+benchmarks/bench_native_paths.py, RESULTS.md "Thread pool backends".)"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import pytest
+import torch
+
+import hi_na_moe
+from hi_na_moe.config import ConfigError
+from hi_na_moe.hardware import native_module, pool_description
+
+_native, _why = native_module()
+pytestmark = pytest.mark.skipif(_native is None, reason=f"native library not loaded: {_why}")
+
+E, H, I, K = 10, 96, 80, 3
+
+
+@pytest.fixture(autouse=True)
+def _restore_backend():
+    yield
+    _native.set_pool_backend("auto")
+
+
+def _problem(T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = [(torch.randn(*s, generator=g) * 0.1).bfloat16() for s in ((E, I, H), (E, I, H), (E, H, I))]
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    tw = torch.rand(T, K, generator=g)
+    return w, x, idx, tw
+
+
+def _run(pe, x, idx, tw, threads=2):
+    out = torch.empty_like(x)
+    pe.forward(x, idx, tw, out, num_threads=threads)
+    return out
+
+
+def test_torch_brings_a_libgomp_and_auto_uses_it():
+    runtime = _native.openmp_runtime()
+    if not runtime:
+        pytest.skip("this PyTorch build loads no GNU OpenMP runtime")
+    assert "libgomp" in runtime
+    _native.set_pool_backend("auto")
+    assert _native.pool_backend() == f"openmp ({runtime})"
+    _native.set_pool_backend("own")
+    assert _native.pool_backend() == "own"
+    assert pool_description("own") == "own"
+    assert pool_description("auto") == f"openmp ({runtime})"
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_backends_give_bit_identical_results(T):
+    (g, u, d), x, idx, tw = _problem(T)
+    pe = _native.PackedExperts(g, u, d)
+    outs = {}
+    for backend in ("own", "openmp", "auto"):
+        _native.set_pool_backend(backend)
+        outs[backend] = _run(pe, x, idx, tw)
+    assert torch.equal(outs["own"], outs["openmp"])
+    assert torch.equal(outs["own"], outs["auto"])
+
+
+def test_bad_backend_names_the_choices():
+    with pytest.raises(ValueError, match="'auto', 'own' or 'openmp'"):
+        _native.set_pool_backend("gomp")
+    with pytest.raises(ConfigError, match=r"config key 'pool'.*did you mean 'openmp'"):
+        hi_na_moe.load_config(pool="opnmp")
+
+
+def test_enable_applies_the_pool_and_reports_it(monkeypatch):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, num_experts=4, num_experts_per_tok=2)
+    model = OlmoeForCausalLM(cfg).eval()
+    rep = hi_na_moe.enable_for_model(model, pool="own")
+    try:
+        assert rep.pool == "own" and _native.pool_backend() == "own"
+        assert "kernel threads: own" in str(rep)
+        assert rep.to_dict()["pool"] == "own"
+    finally:
+        hi_na_moe.disable_for_model(model)
+    monkeypatch.setenv("HINA_MOE_POOL", "openmp")
+    rep = hi_na_moe.enable_for_model(model)
+    try:
+        assert rep.config["pool"] == "openmp"
+        assert rep.pool == pool_description("openmp") == _native.pool_backend()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("backend", ["own", "openmp"])
+def test_python_threads_at_once_match_serial(backend):
+    _native.set_pool_backend(backend)
+    problems = [_problem(T, seed) for seed, T in enumerate((1, 5, 1, 12))]
+    packs = [_native.PackedExperts(*p[0]) for p in problems]
+    serial = [_run(pe, p[1], p[2], p[3]) for pe, p in zip(packs, problems)]
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            for rep in range(20):
+                j = (i + rep) % len(packs)  # the same PackedExperts from several threads too
+                p = problems[j]
+                results[(i, rep)] = (j, _run(packs[j], p[1], p[2], p[3]))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for j, out in results.values():
+        assert torch.equal(out, serial[j])
+
+
+_FORK_PROBLEM: dict = {}
+
+
+def _child(backend, q):
+    # Only our op here: PyTorch's own parallel ops hang in a child forked after its OpenMP team
+    # ran (a libgomp limitation), so the inputs were made in the parent.
+    try:
+        _native.set_pool_backend(backend)
+        pe, x, idx, tw = _FORK_PROBLEM["args"]
+        q.put(_run(pe, x, idx, tw).float().sum().item())
+    except BaseException as exc:
+        q.put(repr(exc))
+
+
+@pytest.mark.parametrize("backend", ["own", "openmp"])
+def test_forked_child_runs_the_op(backend):
+    _native.set_pool_backend(backend)
+    (g, u, d), x, idx, tw = _problem(7)
+    pe = _native.PackedExperts(g, u, d)
+    parent = _run(pe, x, idx, tw).float().sum().item()  # both pools now have threads
+    _FORK_PROBLEM["args"] = (pe, x, idx, tw)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(backend, q))
+    proc.start()
+    proc.join(60)
+    if proc.exitcode is None:
+        proc.kill()
+    assert proc.exitcode == 0, "forked child hung or crashed"
+    assert q.get(timeout=5) == parent
