@@ -224,10 +224,23 @@ static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
   return a * (u + p.up_offset);
 }
 
-// int4 helpers: the stored nibble is q + 8.
+// Layout v3 quantised panels: 4 consecutive k of one output row share a 32-bit lane (the
+// operand shape of vpdpbusd / vpmaddubsw+vpmaddwd / sdot), 16 lanes (64 bytes) per k step.
+// int8: byte of (k, gi, n) after the [G][16] fp32 scales: quad k/4, matrix gi, lane n, byte k%4.
+static inline int64_t q8_index(int64_t k, int G, int gi, int n) {
+  return ((k >> 2) * G + gi) * (kPanelN * 4) + n * 4 + (k & 3);
+}
+// int4: byte of (k, gi, n) after a block's 64 scale bytes, k relative to the block: 8 k per
+// lane, byte k%4, low nibble for k%8 < 4, high nibble for k%8 >= 4; the nibble is q + 8.
+static inline int64_t q4_index(int64_t k, int G, int gi, int n) {
+  return ((k >> 3) * G + gi) * (kPanelN * 4) + n * 4 + (k & 3);
+}
+static inline int int4_q(const uint8_t* bytes, int64_t k, int G, int gi, int n) {
+  const uint8_t b = bytes[q4_index(k, G, gi, n)];
+  return ((k & 4) ? (b >> 4) : (b & 15)) - 8;
+}
 static inline float int4_value(const uint8_t* bytes, int64_t k, int G, int gi, int n) {
-  const uint8_t b = bytes[((k >> 1) * G + gi) * kPanelN + n];
-  return static_cast<float>(((k & 1) ? (b >> 4) : (b & 15)) - 8);
+  return static_cast<float>(int4_q(bytes, k, G, gi, n));
 }
 
 // Index of element (k, gi, n) inside one packed panel (gi: 0 = gate, G-1 = up).

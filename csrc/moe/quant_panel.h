@@ -63,8 +63,9 @@ struct Lanes {
         F v = sc > 0.0f ? load(wt + k * kPanelN + c0) / sc : splat(0.0f);
         v = v == v ? v : splat(0.0f);
         v = clampv(rne_small(clampv(v, -128.0f, 128.0f)), -127.0f, 127.0f);
-        int8_t* dst = reinterpret_cast<int8_t*>(q + (k * G + gi) * kPanelN + c0);
-        for (int n = 0; n < W; ++n) dst[n] = static_cast<int8_t>(static_cast<int>(v[n]));
+        // layout v3: lane n of quad k/4 holds k % 4 in byte k & 3
+        int8_t* dst = reinterpret_cast<int8_t*>(q + q8_index(k, G, gi, c0));
+        for (int n = 0; n < W; ++n) dst[4 * n] = static_cast<int8_t>(static_cast<int>(v[n]));
       }
       return;
     }
@@ -114,13 +115,15 @@ struct Lanes {
       }
       const F inv = load(ibest);
       uint8_t* bytes = blk + 64;
-      for (int k = 0; k < group; k += 2) {
-        const F lo = int4_q(load(w + k * kPanelN), inv) + 8.0f;
-        const F hi = int4_q(load(w + (k + 1) * kPanelN), inv) + 8.0f;
-        uint8_t* dst = bytes + ((k >> 1) * G + gi) * kPanelN + c0;
-        for (int n = 0; n < W; ++n)
-          dst[n] = static_cast<uint8_t>(static_cast<int>(lo[n]) | (static_cast<int>(hi[n]) << 4));
-      }
+      // layout v3: per 8 k, byte j of lane n holds k = j (low nibble) and k = j + 4 (high)
+      for (int k8 = 0; k8 < group; k8 += 8)
+        for (int jb = 0; jb < 4; ++jb) {
+          const F lo = int4_q(load(w + (k8 + jb) * kPanelN), inv) + 8.0f;
+          const F hi = int4_q(load(w + (k8 + jb + 4) * kPanelN), inv) + 8.0f;
+          uint8_t* dst = bytes + q4_index(k8 + jb, G, gi, c0);
+          for (int n = 0; n < W; ++n)
+            dst[4 * n] = static_cast<uint8_t>(static_cast<int>(lo[n]) | (static_cast<int>(hi[n]) << 4));
+        }
     }
   }
 };

@@ -95,20 +95,24 @@ struct MoeParams {
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
 // for. It is a plain struct (no pointers) so it can be stored beside the data on disk.
-// Layout v2 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
+// Layout v3 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
 // dimension is cut into panels of 16 rows (zero-padded); the reduction dimension is zero-padded
 // to k_align (32, or the int4 group size when larger). G = 2 interleaves gate and up so one pass
 // streams both; G = 1 for down (and for up without a gate). One panel:
 //   lossless bf16: [Kp/2][G][16][2] (VNNI pairs, the AMX B-tile layout); fp32/fp16: [Kp][G][16]
-//   int8: [G][16] fp32 row scales (64*G bytes), then [Kp][G][16] int8
-//   int4: Kp/group blocks, each [G][16] bf16 scales padded to 64 bytes, then [group/2][G][16]
-//         bytes; a byte holds k even (low nibble) and k odd (high nibble), as q + 8 in 0..15.
+//   int8: [G][16] fp32 row scales (64*G bytes), then [Kp/4][G][16][4] int8 (q, signed): 4
+//         consecutive k of one output row in one 32-bit lane, the operand shape of integer dot
+//         products (vpdpbusd, vpmaddubsw + vpmaddwd, sdot)
+//   int4: Kp/group blocks, each [G][16] bf16 scales padded to 64 bytes, then [group/8][G][16][4]
+//         bytes; byte j of a lane holds k = j (low nibble) and k = j + 4 (high nibble) of its
+//         8 k, as q + 8 in 0..15 (so v & 0x0f and (v >> 4) & 0x0f are two u8 quads).
+// (v2, before: int8 [Kp][G][16], int4 bytes holding k even / k odd; v1: no quantised formats.)
 // The block: all experts' gate/up panels, all experts' down panels, then fp32 biases ([E][In]
 // gate, [E][In] up, [E][Hn] down, each present only when the model has it); every part 64-byte
 // aligned; nbytes is the whole block.
 struct PackedHeader {
   uint32_t magic = 0x454D4E48;  // "HNME"
-  uint16_t version = 2;
+  uint16_t version = 3;
   uint8_t dtype = 0;            // DType of the model (x, out, and lossless weights)
   uint8_t isa = 0;              // Isa the kernels were chosen for
   uint8_t panel_n = 16;         // output rows per panel

@@ -1,12 +1,12 @@
 // [NOTE] moe_*_generic: the scalar oracle every SIMD MoE kernel is tested against, for every
 // weight format (lossless f32/bf16/f16, int8, int4).
 //
-// Data layout: layout v2 quantised panels (see PackedHeader in hina_moe/moe.h):
-//   | format | one panel (16 output rows, reduction length Kp, G matrices)                     |
-//   |--------|---------------------------------------------------------------------------------|
-//   | int8   | [G][16] fp32 row scales (64*G B), then [Kp][G][16] int8                          |
-//   | int4   | Kp/group blocks: [G][16] bf16 scales padded to 64 B, then [group/2][G][16] bytes |
-//   |        | (low nibble: k even, high nibble: k odd, stored as q + 8)                        |
+// Data layout: layout v3 quantised panels (see PackedHeader in hina_moe/moe.h):
+//   | format | one panel (16 output rows, reduction length Kp, G matrices)                       |
+//   |--------|-----------------------------------------------------------------------------------|
+//   | int8   | [G][16] fp32 row scales (64*G B), then [Kp/4][G][16][4] int8 (4 k per 32-bit lane) |
+//   | int4   | Kp/group blocks: [G][16] bf16 scales padded to 64 B, then [group/8][G][16][4] bytes |
+//   |        | (byte j of a lane: k = j low nibble, k = j + 4 high nibble, stored as q + 8)        |
 //   x rows [nt][Hk] and h rows [nt][Ik] are fp32 (bf16 for the AMX twin), as for native weights.
 //   Lossless panels: bf16 [Kp/2][G][16][2] (VNNI pairs), f32/f16 [Kp][G][16].
 // Plan: each panel is expanded to fp32 w[k][16] (lossless: the values; quantised: scale * q),
@@ -25,7 +25,7 @@ void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G,
     const float* sc = reinterpret_cast<const float*>(panel + gi * 64);
     const int8_t* q = reinterpret_cast<const int8_t*>(panel + 64 * G);
     for (int64_t k = 0; k < Kp; ++k)
-      for (int n = 0; n < kPanelN; ++n) w[k * kPanelN + n] = sc[n] * static_cast<float>(q[(k * G + gi) * kPanelN + n]);
+      for (int n = 0; n < kPanelN; ++n) w[k * kPanelN + n] = sc[n] * static_cast<float>(q[q8_index(k, G, gi, n)]);
     return;
   }
   const int group = L.group;
