@@ -104,7 +104,26 @@ struct KernelImpl {
   bool x_bf16 = false;      // x rows are bf16 and contiguous at stride Hk (AMX A tiles)
   bool h_bf16 = false;      // h rows are bf16 (AMX)
   int row_slack = 0;        // rows readable past the last row of x/h buffers (tile over-read)
+  // Integer-dot kernels: the x rows (GateUpJob::x) and the h rows DownJob reads are quantised
+  // activation rows (below; DownJob::h_stride is then in bytes); gate/up still writes fp32 h,
+  // which the driver quantises between the two regions.
+  bool qdot = false;
 };
+
+// A quantised activation row of Kp values (Kp a multiple of 32; moe.h has the numerics):
+// [Kp] int8 q, then [Kp/32] fp32 block scales, then [Kp/32] int32 block sums of q; the row is
+// padded to 64 bytes.
+constexpr int kActBlock = 32;
+static inline int64_t qrow_bytes(int64_t Kp) { return round_up(Kp + Kp / 4, 64); }
+static inline const float* qrow_scales(const void* row, int64_t Kp) {
+  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(row) + Kp);
+}
+static inline const int32_t* qrow_sums(const void* row, int64_t Kp) {
+  return reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(row) + Kp + Kp / 8);
+}
+// Quantises x[0, Kp) into a row as above (moe.cpp, baseline flags: the one definition every
+// kernel's input comes from).
+void quant_act_row(const float* x, int64_t Kp, uint8_t* row);
 
 // Per-ISA providers; false when that TU has no kernel for the dtype.
 // `amx_twin`: the generic kernel that rounds exactly where the AMX kernel does (x, h in bf16).
@@ -118,6 +137,11 @@ bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k);  // any for
 bool get_qkernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qkernels_avx512(WFormat wf, KernelImpl* k);
 bool get_qkernels_amx(WFormat wf, KernelImpl* k);
+// Integer-dot kernels (int8 / int4 only; KernelImpl::qdot). The generic one is the exact
+// emulation of the contract; the avx512vnni TU needs AVX512-VNNI at run time.
+bool get_qdot_kernels_generic(WFormat wf, KernelImpl* k);
+bool get_qdot_kernels_avx512vnni(WFormat wf, KernelImpl* k);
+bool get_qdot_kernels_avx2(WFormat wf, KernelImpl* k);
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
 // matrix gi of `panel` (layout v2). x86 builds have AVX-512 and AVX2 copies of the portable

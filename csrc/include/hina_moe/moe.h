@@ -21,9 +21,29 @@
 //         q = clamp(round(W * (1/d)), -8, 7); W ~ d * q
 //         (the largest element maps to about -8, so all 16 levels are used). Kernels compute
 //         sum_groups d * sum_{k in group} q x_k.
-//   x and h stay fp32 on the FMA tiers (weights are expanded in registers; no activation
-//   quantisation). The AMX prefill path expands each panel to bf16 (bf16(s * q)) and runs the
-//   bf16 tiles, rounding x and h to bf16 as the lossless AMX path does.
+// Two kernel families compute quantised experts (MoeParams::qdot picks; both are tested):
+//   expand (qdot = expand; current numerics): x and h stay fp32 on the FMA tiers (weights are
+//   expanded in registers; no activation quantisation). The AMX prefill path expands each panel
+//   to bf16 (bf16(s * q)) and runs the bf16 tiles, rounding x and h to bf16 as the lossless AMX
+//   path does.
+//   integer dot (qdot = int; W8A8 / W4A8): the fp32 input rows (xin of every token, or of every
+//   routed row with weight_on_input; h of every routed row, after the activation) are quantised
+//   per row in blocks of 32 consecutive k (the row zero-padded to a multiple of 32; padding
+//   quantises to 0):
+//     a = max_k |v_k| over the block (NaN if one is NaN), s_b = a / 127 (fp32 division),
+//     qx_k = 0 if s_b is not > 0, else round-to-nearest-even(clamp(v_k / s_b, -127, 127))
+//     (a NaN quotient gives 0; the NaN or inf in s_b then reaches the output),
+//   and every dot product is computed from exact int32 block sums I_b = sum_{k in b} q_k qx_k:
+//     int8: y = s_n * A,  A = fma(float(I_b), s_b, A) over blocks b in ascending order, A = 0
+//     int4: y = sum over groups g in order of fma(B_g, d_g, y),
+//           B_g = fma(float(I_b), s_b, B_g) over the blocks b of group g in order, B_g = 0
+//   (fma: one rounding). Bias, activation, routing weight (acc = fma(w, y + b_down, acc)) as
+//   above. Every kernel of this family computes exactly these values (the generic oracle
+//   emulates it), so SIMD results differ from it only where their activation function
+//   differs from the scalar one by an ulp and that moves an h element across a rounding step.
+//   Kernels that run: avx512vnni (vpdpbusd zmm; tiers avx512 and amx on CPUs with
+//   AVX512-VNNI), avx2dot (vpmaddubsw + vpmaddwd; tier avx2, and avx512 without VNNI),
+//   genericdot (the scalar emulation; tier generic, only when asked for).
 // h stays in fp32 on every path except the AMX prefill path, where it is rounded to bf16 to
 // feed the tiles (what PyTorch itself does when the model runs in bf16).
 #pragma once
@@ -65,6 +85,14 @@ const char* path_name(MoePath path);  // "auto" | "decode" | "prefill"
 // the decode path streams each expert's weights once per token.
 constexpr int kDefaultPrefillMinTokens = 2;
 
+// Which kernel family computes quantised weights (see the numerics above). kAuto: the integer
+// dot where the tier has a SIMD kernel for it, except the AMX prefill path of bf16 models,
+// which keeps its bf16 tiles; kInt: always the integer dot (the generic tier runs its scalar
+// emulation); kExpand: always the expansion kernels. Lossless weights ignore it.
+enum class QDot : int { kAuto = 0, kInt = 1, kExpand = 2 };
+const char* qdot_name(QDot q);  // "auto" | "int" | "expand"
+bool qdot_from_name(const char* name, QDot* out);
+
 // Unpacked weights, caller-owned, C-contiguous, all in `dtype`. Biases are optional (nullptr).
 struct ExpertWeights {
   DType dtype = DType::kBF16;
@@ -91,6 +119,7 @@ struct MoeParams {
   // Threads own fixed, equal ranges of panels instead of claiming chunks from a shared counter
   // (the default, which tolerates a thread that runs late). For measurements and tests.
   bool static_split = false;
+  QDot qdot = QDot::kAuto;  // quantised weights only
 };
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
@@ -205,9 +234,12 @@ class PackedExperts {
   float* bias_d_ = nullptr;  // [E, Hn]
 };
 
-// Name of the kernel `forward` would run for this tier, format and path (kAuto is not a path):
-// `moe_<path>_<format>_<isa>`, format = f32 | bf16 | f16 | int8 | int4.
-const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless);
+// Name of the kernel `forward` would run for this tier, format, path and qdot (kAuto is not a
+// path): `moe_<path>_<format>_<kernel>`, format = f32 | bf16 | f16 | int8 | int4; kernel = the
+// tier of the kernel that runs (generic | avx2 | avx512 | amx) for the lossless and expansion
+// kernels, avx512vnni | avx2dot | genericdot for the integer-dot kernels.
+const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless,
+                            QDot qdot = QDot::kAuto);
 // "auto" -> the best tier here, unless the env var HINA_MOE_ISA names a (lower) tier; other
 // names must be supported by this CPU. Throws std::invalid_argument naming the tier and what
 // the CPU supports.

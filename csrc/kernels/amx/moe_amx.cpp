@@ -24,7 +24,8 @@
 // Quantised weights (moe_prefill_int8_amx / moe_prefill_int4_amx): each panel (layout v3: 4 k
 // per 32-bit lane) is expanded to bf16 (bf16(scale * q), the same VNNI-pair layout) in a
 // per-thread buffer right before its tiles run, then the bf16 tile plan above runs unchanged;
-// the expansion is paid once per panel and expert, and amortised over the expert's rows.
+// the expansion is paid once per panel and expert, and amortised over the expert's rows. (No
+// AMX-INT8 variant: qdot='int' sends the AMX tier's prefill to the avx512vnni kernels.)
 // Known limits: rows past the expert's last row are read (garbage rows of the next expert or
 // zeroed slack: KernelImpl::row_slack = 16) and their C rows discarded; A tiles are re-loaded
 // per panel (from L1/L2); gate/up has no room for a second panel (2 A + 2 B + 4 C = 8 tiles),

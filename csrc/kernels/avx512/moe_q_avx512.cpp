@@ -20,8 +20,7 @@
 // Software prefetch kPrefetchBytes ahead in the weight stream, one line per 64 bytes consumed.
 // Known limits: the expansion costs 2-3 vector ops per 16 weights, so int4 decode is bounded
 // by the FMA ports before memory on slow-clocked cores (measured in benchmarks/RESULTS.md);
-// a VNNI (u8 x s8) variant with quantised activations is the next step if it is (layout v3
-// already has its operand shape).
+// the integer-dot kernels (moe_qdot_avx512vnni.cpp) avoid the expansion entirely.
 #include <immintrin.h>
 
 #include <type_traits>

@@ -8,4 +8,6 @@ bool get_kernels_amx(DType, KernelImpl*) { return false; }
 bool get_qkernels_avx2(WFormat, KernelImpl*) { return false; }
 bool get_qkernels_avx512(WFormat, KernelImpl*) { return false; }
 bool get_qkernels_amx(WFormat, KernelImpl*) { return false; }
+bool get_qdot_kernels_avx512vnni(WFormat, KernelImpl*) { return false; }
+bool get_qdot_kernels_avx2(WFormat, KernelImpl*) { return false; }
 }  // namespace hina::detail
