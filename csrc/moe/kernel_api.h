@@ -121,9 +121,12 @@ static inline const float* qrow_scales(const void* row, int64_t Kp) {
 static inline const int32_t* qrow_sums(const void* row, int64_t Kp) {
   return reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(row) + Kp + Kp / 8);
 }
-// Quantises x[0, Kp) into a row as above (moe.cpp, baseline flags: the one definition every
-// kernel's input comes from).
+// Quantises x[0, Kp) into a row as above: the lane-wise code in moe/quant_panel.h, its AVX-512
+// or AVX2 build where the CPU has it, else the portable build in moe.cpp (same bytes; tested).
 void quant_act_row(const float* x, int64_t Kp, uint8_t* row);
+void quant_act_row_portable(const float* x, int64_t Kp, uint8_t* row);
+void quant_act_row_avx512(const float* x, int64_t Kp, uint8_t* row);
+void quant_act_row_avx2(const float* x, int64_t Kp, uint8_t* row);
 
 // Per-ISA providers; false when that TU has no kernel for the dtype.
 // `amx_twin`: the generic kernel that rounds exactly where the AMX kernel does (x, h in bf16).

@@ -119,33 +119,24 @@ bool qdot_from_name(const char* name, QDot* out) {
 
 namespace detail {
 
-// The activation quantisation of the integer-dot kernels (moe.h). Baseline flags, no FMA
-// contraction (moe.cpp is built with -ffp-contract=off): every kernel gets the same bytes.
+// The activation quantisation of the integer-dot kernels (moe.h): the portable build of
+// moe/quant_panel.h's lane-wise code here (no FMA contraction in moe.cpp), the AVX-512 / AVX2
+// builds where the CPU has them (same bytes: tested).
+void quant_act_row_portable(const float* x, int64_t Kp, uint8_t* row) { qp::quant_act_row<4>(x, Kp, row); }
+
 void quant_act_row(const float* x, int64_t Kp, uint8_t* row) {
-  int8_t* q = reinterpret_cast<int8_t*>(row);
-  float* sc = reinterpret_cast<float*>(row + Kp);
-  int32_t* sums = reinterpret_cast<int32_t*>(row + Kp + Kp / 8);
-  for (int64_t b = 0; b < Kp / kActBlock; ++b) {
-    const float* xb = x + b * kActBlock;
-    float amax = 0.0f;
-    for (int i = 0; i < kActBlock; ++i) {
-      const float a = std::fabs(xb[i]);
-      amax = (a > amax || a != a) ? a : amax;
-    }
-    const float s = amax / 127.0f;
-    sc[b] = s;
-    int32_t tot = 0;
-    for (int i = 0; i < kActBlock; ++i) {
-      float v = s > 0.0f ? xb[i] / s : 0.0f;
-      v = v == v ? v : 0.0f;
-      v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
-      v = (v + 12582912.0f) - 12582912.0f;  // round to nearest even (|v| <= 127)
-      const int32_t qi = static_cast<int32_t>(v);
-      q[b * kActBlock + i] = static_cast<int8_t>(qi);
-      tot += qi;
-    }
-    sums[b] = tot;
+#if defined(HINA_HAVE_X86_KERNELS)
+  static const int best = isa_supported(cpu_features(), Isa::kAvx512) ? 2 : isa_supported(cpu_features(), Isa::kAvx2) ? 1 : 0;
+  if (best == 2) {
+    quant_act_row_avx512(x, Kp, row);
+    return;
   }
+  if (best == 1) {
+    quant_act_row_avx2(x, Kp, row);
+    return;
+  }
+#endif
+  quant_act_row_portable(x, Kp, row);
 }
 
 }  // namespace detail

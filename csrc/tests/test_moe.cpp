@@ -217,14 +217,15 @@ std::vector<float> oracle(const Problem& p, const Deq* dq = nullptr) {
 }
 
 std::vector<float> run(const PackedExperts& pe, const Problem& p, MoePath path, int threads,
-                       const char** name, const detail::KernelImpl* twin = nullptr) {
+                       const char** name, const detail::KernelImpl* twin = nullptr,
+                       const char* twin_name = "generic_amx_twin") {
   std::vector<uint8_t> out(static_cast<size_t>(p.c.T * p.c.H) * dtype_size(p.dt), 0xCD);
   MoeParams mp = p.params;
   mp.path = path;
   mp.num_threads = threads;
   const char* n;
   if (twin) {
-    n = detail::forward_with(pe, *twin, "generic_amx_twin", p.x.data(), p.c.T, p.idx.data(), 32,
+    n = detail::forward_with(pe, *twin, twin_name, p.x.data(), p.c.T, p.idx.data(), 32,
                              p.w.data(), p.c.K, out.data(), mp);
   } else {
     n = pe.forward(p.x.data(), p.c.T, p.idx.data(), 32, p.w.data(), p.c.K, out.data(), mp);
@@ -566,6 +567,18 @@ void test_qdot_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, const
              tag + " " + name + " vs genericdot: rel err " + std::to_string(e));
       note(std::string(name) + " vs genericdot", e);
     }
+    // every 256-bit build this CPU can run, whatever the selection prefers
+    const CpuFeatures& f = cpu_features();
+    struct Forced { const char* kname; bool (*get)(WFormat, detail::KernelImpl*); bool ok; };
+    for (const Forced& fk : {Forced{"avx2dot", &detail::get_qdot_kernels_avx2, isa_supported(f, Isa::kAvx2)}}) {
+      detail::KernelImpl k;
+      if (!fk.ok || !fk.get(q.fmt, &k)) continue;
+      const std::string kn = std::string("moe_") + path_name(path) + "_" + q.name + "_" + fk.kname + " (forced)";
+      const std::vector<float> got = run(*gen, p, path, 2, nullptr, &k, kn.c_str());
+      const double e = rel_err(got, ref);
+      report(e <= dtol, tag + " " + kn + " vs genericdot: rel err " + std::to_string(e));
+      note(kn + " vs genericdot", e);
+    }
   }
 }
 
@@ -635,6 +648,49 @@ void test_quant_act_row() {
     ok = ok && sums[b] == tot && sc[b] == amax / 127.0f;
   }
   report(ok, "quant_act_row: blocks of 32, RNE ties, zero block, sums");
+  // the portable and the AVX-512 builds write the same bytes (random rows, ties, NaN, inf, zeros)
+  std::vector<float> y(32 * 40);
+  for (size_t i = 0; i < y.size(); ++i) y[i] = u(rng) * (i % 97 == 0 ? 1e-30f : 1.0f);
+  for (int i = 0; i < 32; ++i) y[32 + i] = 0.5f * static_cast<float>(i - 16);  // many exact ties
+  y[70] = NAN;
+  y[100] = INFINITY;
+  for (int i = 0; i < 32; ++i) y[128 + i] = 0.0f;
+  std::vector<uint8_t> a(static_cast<size_t>(detail::qrow_bytes(32 * 40))), bb(a.size());
+  detail::quant_act_row_portable(y.data(), 32 * 40, a.data());
+  bool same = true;
+#if defined(__x86_64__)
+  if (isa_supported(cpu_features(), Isa::kAvx512)) {
+    detail::quant_act_row_avx512(y.data(), 32 * 40, bb.data());
+    same = same && std::memcmp(a.data(), bb.data(), 32 * 40 * 5 / 4) == 0;
+  }
+  if (isa_supported(cpu_features(), Isa::kAvx2)) {
+    std::fill(bb.begin(), bb.end(), 0x5A);
+    detail::quant_act_row_avx2(y.data(), 32 * 40, bb.data());
+    same = same && std::memcmp(a.data(), bb.data(), 32 * 40 * 5 / 4) == 0;
+  }
+#endif
+  report(same, "quant_act_row: portable, AVX2 and AVX-512 builds write the same bytes");
+  // and the portable build is the scalar definition above on all of them
+  bool def = true;
+  for (int b = 0; b < 40; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) {
+      const float v = std::fabs(y[b * 32 + i]);
+      amax = (v > amax || v != v) ? v : amax;
+    }
+    const float s = amax / 127.0f;
+    int32_t tot = 0;
+    for (int i = 0; i < 32; ++i) {
+      float v = s > 0.0f ? y[b * 32 + i] / s : 0.0f;
+      v = v == v ? std::min(127.0f, std::max(-127.0f, v)) : 0.0f;
+      const int qi = static_cast<int>(std::nearbyint(v));
+      def = def && reinterpret_cast<const int8_t*>(a.data())[b * 32 + i] == qi;
+      tot += qi;
+    }
+    const float got_s = detail::qrow_scales(a.data(), 32 * 40)[b];
+    def = def && (got_s == s || (got_s != got_s && s != s)) && detail::qrow_sums(a.data(), 32 * 40)[b] == tot;
+  }
+  report(def, "quant_act_row: every block is the definition (NaN, inf, tiny, ties)");
 }
 
 // Packing: the dequantised weights (unpack) equal the independent quantisation, and the
