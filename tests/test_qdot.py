@@ -21,7 +21,7 @@ from hi_na_moe.config import ConfigError, HinaConfig  # noqa: E402
 from test_native_kernels import CASES, TIERS, fwd_kwargs, problem, rel_err  # noqa: E402
 
 FORMATS = [("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)]
-DOT = r"(genericdot|avx2dot|avx512vnni)"
+DOT = r"(genericdot|avx2dot|avxvnni|avx512vnni)"
 # Cases through both families; each says why in test_native_kernels.CASES, plus:
 QCASES = ["decode_t1", "t_lt_tile", "tails", "prime_e_k1", "k_eq_e", "empty_experts", "skip_slots",
           "relu2_nogate", "gelu", "gpt_oss", "weight_on_input", "past_block", "past_block_t1"]
@@ -63,7 +63,7 @@ def test_tier_matches_generic_of_its_family(tier, case, weights, group, dtype_na
     if qdot == "int":
         assert re.fullmatch(rf"moe_{path}_{fmt}_genericdot", gen_name), gen_name
         assert re.fullmatch(rf"moe_{path}_{fmt}_{DOT}", name), name
-        assert name.endswith("avx2dot") if tier == "avx2" else not name.endswith("genericdot")
+        assert name.endswith(("avx2dot", "avxvnni")) if tier == "avx2" else not name.endswith("genericdot")
     else:
         assert gen_name == f"moe_{path}_{fmt}_generic"
         assert re.fullmatch(rf"moe_{path}_{fmt}_(avx2|avx512|amx)", name), name
@@ -125,7 +125,9 @@ def test_auto_picks_the_integer_dot_where_the_tier_has_it():
     feats = _native.cpu_features()
     if best == "generic":
         pytest.skip("no SIMD tier here")
-    dot = "avx512vnni" if best in ("avx512", "amx") and feats["cpu"]["avx512vnni"] else "avx2dot"
+    cpu = feats["cpu"]
+    dot = ("avx512vnni" if best in ("avx512", "amx") and cpu["avx512vnni"]
+           else "avxvnni" if cpu["avx_vnni"] else "avx2dot")
     for fmt in ("int8", "int4"):
         assert kt["decode"][fmt] == f"moe_decode_{fmt}_{dot}"
         # the AMX prefill of bf16 models keeps its bf16 tiles

@@ -145,6 +145,7 @@ bool get_qkernels_amx(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_generic(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avx512vnni(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avx2(WFormat wf, KernelImpl* k);
+bool get_qdot_kernels_avxvnni(WFormat wf, KernelImpl* k);  // needs AVX-VNNI at run time
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
 // matrix gi of `panel` (layout v2). x86 builds have AVX-512 and AVX2 copies of the portable

@@ -159,12 +159,13 @@ std::string cpu_summary() {
 
 // Which kernels run for (tier, dtype, concrete path, format, qdot), and under which name.
 // `kernel` is the <kernel> part of the name: an Isa (0..3) or one of the integer-dot kinds.
-enum KernelKind : int { kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kNumKinds = 7 };
+enum KernelKind : int { kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kNumKinds = 8 };
 const char* kind_name(int kind) {
   switch (kind) {
     case kKindGenericDot: return "genericdot";
     case kKindAvx2Dot: return "avx2dot";
     case kKindAvx512Vnni: return "avx512vnni";
+    case kKindAvxVnni: return "avxvnni";
     default: return isa_name(static_cast<Isa>(kind));
   }
 }
@@ -180,6 +181,10 @@ bool select_qdot(Isa tier, WFormat wf, Selected* s) {
   if ((tier == Isa::kAvx512 || tier == Isa::kAmx) && cpu_features().avx512vnni &&
       get_qdot_kernels_avx512vnni(wf, &s->k)) {
     s->kind = kKindAvx512Vnni;
+    return true;
+  }
+  if (x86 && cpu_features().avx_vnni && get_qdot_kernels_avxvnni(wf, &s->k)) {
+    s->kind = kKindAvxVnni;
     return true;
   }
   if (x86 && get_qdot_kernels_avx2(wf, &s->k)) {

@@ -567,10 +567,12 @@ void test_qdot_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, const
              tag + " " + name + " vs genericdot: rel err " + std::to_string(e));
       note(std::string(name) + " vs genericdot", e);
     }
-    // every 256-bit build this CPU can run, whatever the selection prefers
+    // every 256-bit build this CPU can run, whatever the selection prefers (avx2dot is what
+    // AVX2 CPUs without AVX-VNNI run; this one may have AVX-VNNI)
     const CpuFeatures& f = cpu_features();
     struct Forced { const char* kname; bool (*get)(WFormat, detail::KernelImpl*); bool ok; };
-    for (const Forced& fk : {Forced{"avx2dot", &detail::get_qdot_kernels_avx2, isa_supported(f, Isa::kAvx2)}}) {
+    for (const Forced& fk : {Forced{"avx2dot", &detail::get_qdot_kernels_avx2, isa_supported(f, Isa::kAvx2)},
+                             Forced{"avxvnni", &detail::get_qdot_kernels_avxvnni, isa_supported(f, Isa::kAvx2) && f.avx_vnni}}) {
       detail::KernelImpl k;
       if (!fk.ok || !fk.get(q.fmt, &k)) continue;
       const std::string kn = std::string("moe_") + path_name(path) + "_" + q.name + "_" + fk.kname + " (forced)";
@@ -594,8 +596,9 @@ void test_qdot_selection(const std::vector<Isa>& tiers) {
       const bool avx2dot = detail::get_qdot_kernels_avx2(wf, &probe);
       const std::string exp = isa == Isa::kAmx ? "avx512" : isa_name(isa);
       const bool vnni = isa != Isa::kAvx2 && f.avx512vnni;
-      const std::string dot = vnni ? "avx512vnni" : avx2dot ? "avx2dot" : "genericdot";
-      const std::string adot = vnni || avx2dot ? dot : exp;  // auto: expansion without a SIMD dot
+      const bool avxvnni = f.avx_vnni && detail::get_qdot_kernels_avxvnni(wf, &probe);
+      const std::string dot = vnni ? "avx512vnni" : avxvnni ? "avxvnni" : avx2dot ? "avx2dot" : "genericdot";
+      const std::string adot = vnni || avxvnni || avx2dot ? dot : exp;  // auto: expansion without a SIMD dot
       auto name = [&](DType dt, MoePath path, QDot qd) { return std::string(moe_kernel_name(isa, dt, path, wf, qd)); };
       report(name(DType::kBF16, MoePath::kDecode, QDot::kAuto) == "moe_decode_" + fmt + "_" + adot,
              "qdot selection: " + std::string(isa_name(isa)) + " " + fmt + " decode auto = " + name(DType::kBF16, MoePath::kDecode, QDot::kAuto));

@@ -42,7 +42,8 @@
 //   emulates it), so SIMD results differ from it only where their activation function
 //   differs from the scalar one by an ulp and that moves an h element across a rounding step.
 //   Kernels that run: avx512vnni (vpdpbusd zmm; tiers avx512 and amx on CPUs with
-//   AVX512-VNNI), avx2dot (vpmaddubsw + vpmaddwd; tier avx2, and avx512 without VNNI),
+//   AVX512-VNNI), avxvnni (vpdpbusd ymm; tier avx2, and avx512 without AVX512-VNNI, on CPUs
+//   with AVX-VNNI), avx2dot (vpmaddubsw + vpmaddwd; the same tiers without AVX-VNNI),
 //   genericdot (the scalar emulation; tier generic, only when asked for).
 // h stays in fp32 on every path except the AMX prefill path, where it is rounded to bf16 to
 // feed the tiles (what PyTorch itself does when the model runs in bf16).
@@ -237,7 +238,7 @@ class PackedExperts {
 // Name of the kernel `forward` would run for this tier, format, path and qdot (kAuto is not a
 // path): `moe_<path>_<format>_<kernel>`, format = f32 | bf16 | f16 | int8 | int4; kernel = the
 // tier of the kernel that runs (generic | avx2 | avx512 | amx) for the lossless and expansion
-// kernels, avx512vnni | avx2dot | genericdot for the integer-dot kernels.
+// kernels, avx512vnni | avxvnni | avx2dot | genericdot for the integer-dot kernels.
 const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless,
                             QDot qdot = QDot::kAuto);
 // "auto" -> the best tier here, unless the env var HINA_MOE_ISA names a (lower) tier; other
