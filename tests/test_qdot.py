@@ -103,6 +103,21 @@ def test_qdot_int_is_deterministic_across_threads_and_splits(tier):
             assert all(torch.equal(o, same[0]) for o in same[1:]), (tier, weights, path)
 
 
+@pytest.mark.parametrize("tier", [t for t in TIERS if t.values[0] != "generic"])
+def test_qdot_int_is_batch_invariant(tier):
+    """Activations are quantised per token, so a token's output does not depend on the other
+    tokens of the call: the T = 1 decode calls equal the batched prefill call bit for bit."""
+    p = problem("skip_slots", "float32")
+    for weights, group in (("int8", 64), ("int4", 64)):
+        pe = _pack(p, tier, weights, group)
+        batch = torch.empty_like(p["x"])
+        pe.forward(p["x"], p["idx"], p["w"], batch, path="prefill", qdot="int")
+        for t in range(p["x"].shape[0]):
+            one = torch.empty_like(p["x"][t:t + 1])
+            name = pe.forward(p["x"][t:t + 1], p["idx"][t:t + 1], p["w"][t:t + 1], one, qdot="int")
+            assert "_decode_" in name and torch.equal(one, batch[t:t + 1]), (tier, weights, t, name)
+
+
 def test_qdot_is_validated_and_ignored_for_lossless():
     p = problem("decode_t1", "float32")
     pe = _pack(p, "generic", "int8", 64)
