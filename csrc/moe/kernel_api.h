@@ -91,7 +91,7 @@ struct DownJob {
   const float* bias;        // [Hn] fp32 or nullptr
   int64_t p0, p1;
   const void* h;            // nt rows at stride h_stride, each Ik long (zero beyond I)
-  int64_t h_stride;
+  int64_t h_stride;         // elements; bytes for the integer-dot kernels (quantised rows)
   int64_t nt;
   const float* wt;          // [nt] routing weight per row
   float* const* acc;        // [nt] fp32 accumulator rows (Hn long)
@@ -148,7 +148,7 @@ bool get_qdot_kernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avxvnni(WFormat wf, KernelImpl* k);  // needs AVX-VNNI at run time
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
-// matrix gi of `panel` (layout v2). x86 builds have AVX-512 and AVX2 copies of the portable
+// matrix gi of `panel` (layout v3). x86 builds have AVX-512 and AVX2 copies of the portable
 // code (moe/quant_panel.h); all write identical bytes.
 void quant_panel_avx512(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
 void quant_panel_avx2(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);

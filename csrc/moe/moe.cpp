@@ -255,7 +255,7 @@ void unpack_matrix(const Elem* panels, int64_t N, int64_t K, Elem* dst, int64_t 
 }
 
 
-// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v2): each
+// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v3): each
 // panel's 16 rows are transposed into fp32 and handed to the panel quantiser (moe/quant_panel.h;
 // its AVX-512 build where the CPU has it: same bytes, several times faster).
 void quant_matrix(const void* src, DType dt, int64_t N, int64_t K, uint8_t* dst, int64_t Np,
