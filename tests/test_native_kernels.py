@@ -250,7 +250,12 @@ def test_kernel_table_names_every_path_and_dtype():
     for path in ("decode", "prefill"):
         assert set(kt[path]) == set(DTYPES) | {"int8", "int4"}
         for name in kt[path].values():
-            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16|int8|int4)_(generic|avx2|avx512|amx)", name)
+            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16|int8|int4)_(generic|avx2|avx512|amx|avx2dot|avxvnni|avx512vnni)", name)
+    for qdot in ("int", "expand"):  # the quantised formats' kernel family is selectable
+        for path, per in _native.kernel_table(qdot).items():
+            for fmt in ("int8", "int4"):
+                dot = re.fullmatch(rf"moe_{path}_{fmt}_(genericdot|avx2dot|avxvnni|avx512vnni)", per[fmt]) is not None
+                assert dot == (qdot == "int"), (qdot, per[fmt])
     if _native.resolve_isa() == "amx":
         assert kt["prefill"]["bfloat16"] == "moe_prefill_bf16_amx"
 

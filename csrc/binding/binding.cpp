@@ -260,7 +260,8 @@ class PyPackedExperts {
                       const std::string& act, float alpha, float gate_limit, float up_limit,
                       float post_act_limit, float up_offset, bool weight_on_input,
                       int num_threads, const std::string& path,
-                      std::optional<int> prefill_min_tokens, const std::string& split) const {
+                      std::optional<int> prefill_min_tokens, const std::string& split,
+                      const std::string& qdot) const {
     const hina::PackedExperts& pe = *pe_;
     const nb::dlpack::dtype wdt = nb_dtype(pe.dtype());
     if (x.ndim() != 2) bad("x must have shape [T, H], got " + shape_str(shape_of(x)));
@@ -300,6 +301,7 @@ class PyPackedExperts {
     }
     if (split == "static") p.static_split = true;
     else if (split != "dynamic") bad("split '" + split + "' is unknown; expected dynamic or static");
+    if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
     const char* name;
     {
       nb::gil_scoped_release release;
@@ -361,15 +363,22 @@ nb::dict header_dict(const hina::PackedHeader& h) {
   return d;
 }
 
-nb::dict kernel_table() {
+hina::QDot parse_qdot(const std::string& name) {
+  hina::QDot q;
+  if (!hina::qdot_from_name(name.c_str(), &q)) bad("qdot '" + name + "' is unknown; expected auto, int or expand");
+  return q;
+}
+
+nb::dict kernel_table(const std::string& qdot) {
   const hina::Isa isa = hina::resolve_isa("auto");
+  const hina::QDot q = parse_qdot(qdot);
   nb::dict d;
   for (hina::MoePath path : {hina::MoePath::kDecode, hina::MoePath::kPrefill}) {
     nb::dict per;
     for (hina::DType dt : {hina::DType::kF32, hina::DType::kBF16, hina::DType::kF16})
       per[hina::dtype_name(dt)] = std::string(hina::moe_kernel_name(isa, dt, path));
     for (hina::WFormat f : {hina::WFormat::kInt8, hina::WFormat::kInt4})
-      per[hina::wformat_name(f)] = std::string(hina::moe_kernel_name(isa, hina::DType::kBF16, path, f));
+      per[hina::wformat_name(f)] = std::string(hina::moe_kernel_name(isa, hina::DType::kBF16, path, f, q));
     d[hina::path_name(path)] = per;
   }
   return d;
@@ -393,9 +402,9 @@ NB_MODULE(_native, m) {
   m.def("header_info", [](const nb::bytes& b) { return header_dict(header_from_bytes(b)); }, nb::arg("header"),
         "The fields of a packed header (bytes from PackedExperts.plan / .header) as a dict.");
   m.attr("PACKED_LAYOUT_VERSION") = hina::PackedHeader{}.version;
-  m.def("kernel_table", &kernel_table,
+  m.def("kernel_table", &kernel_table, nb::arg("qdot") = "auto",
         "{'decode': {format: kernel}, 'prefill': {format: kernel}}: what isa='auto' runs; formats "
-        "are the lossless dtypes and int8 / int4 (for a bfloat16 model).");
+        "are the lossless dtypes and int8 / int4 (for a bfloat16 model, under `qdot`).");
   m.def("resolve_isa", [](const std::string& name) { return std::string(hina::isa_name(hina::resolve_isa(name.c_str()))); },
         nb::arg("name") = "auto",
         "The tier a PackedExperts(isa=name) would use: 'auto' is the best tier here unless the "
@@ -490,9 +499,14 @@ NB_MODULE(_native, m) {
            nb::arg("up_offset") = 0.0f, nb::arg("weight_on_input") = false,
            nb::arg("num_threads") = 0, nb::arg("path") = "auto",
            nb::arg("prefill_min_tokens").none() = nb::none(), nb::arg("split") = "dynamic",
+           nb::arg("qdot") = "auto",
            "out[T, H] = sum_k topk_w * expert(x) (see moe.h for the exact semantics). "
            "x, out: [T, H] in the experts' dtype; topk_idx: [T, K] int32/int64 (< 0: skip); "
-           "topk_w: [T, K] float32. Returns the name of the kernel that ran. GIL released.")
+           "topk_w: [T, K] float32. qdot (int8/int4 weights): 'int' = integer dot products "
+           "with activations quantised per token (W8A8 / W4A8), 'expand' = weights expanded "
+           "in registers (fp32 activations), 'auto' = the integer dot where the tier has a "
+           "kernel for it (not the AMX prefill of bf16 models). Returns the name of the kernel "
+           "that ran. GIL released.")
       .def("unpack", &PyPackedExperts::unpack,
            "(gate, up, down, gate_bias, up_bias, down_bias): new arrays (None where absent), "
            "bit-identical to the packed inputs for weights='lossless', the dequantised weights "
@@ -511,14 +525,16 @@ NB_MODULE(_native, m) {
       .def_prop_ro("layout", [](const PyPackedExperts& p) { return header_dict(p.get().header()); },
                    "The packed header's fields (as header_info gives them).")
       .def("kernel_name",
-           [](const PyPackedExperts& p, const std::string& path) {
+           [](const PyPackedExperts& p, const std::string& path, const std::string& qdot) {
              hina::MoePath mp;
              if (path == "decode") mp = hina::MoePath::kDecode;
              else if (path == "prefill") mp = hina::MoePath::kPrefill;
              else bad("path must be 'decode' or 'prefill'");
-             return std::string(hina::moe_kernel_name(p.get().isa(), p.get().dtype(), mp, p.get().wformat()));
+             return std::string(hina::moe_kernel_name(p.get().isa(), p.get().dtype(), mp, p.get().wformat(),
+                                                      parse_qdot(qdot)));
            },
-           nb::arg("path"), "The kernel forward() runs on this path for these experts.")
+           nb::arg("path"), nb::arg("qdot") = "auto",
+           "The kernel forward() runs on this path for these experts (and this qdot).")
       .def("__repr__", [](const PyPackedExperts& p) {
         const auto& q = p.get();
         return "PackedExperts(E=" + std::to_string(q.E()) + ", H=" + std::to_string(q.H()) +

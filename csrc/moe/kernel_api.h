@@ -91,7 +91,7 @@ struct DownJob {
   const float* bias;        // [Hn] fp32 or nullptr
   int64_t p0, p1;
   const void* h;            // nt rows at stride h_stride, each Ik long (zero beyond I)
-  int64_t h_stride;
+  int64_t h_stride;         // elements; bytes for the integer-dot kernels (quantised rows)
   int64_t nt;
   const float* wt;          // [nt] routing weight per row
   float* const* acc;        // [nt] fp32 accumulator rows (Hn long)
@@ -104,7 +104,29 @@ struct KernelImpl {
   bool x_bf16 = false;      // x rows are bf16 and contiguous at stride Hk (AMX A tiles)
   bool h_bf16 = false;      // h rows are bf16 (AMX)
   int row_slack = 0;        // rows readable past the last row of x/h buffers (tile over-read)
+  // Integer-dot kernels: the x rows (GateUpJob::x) and the h rows DownJob reads are quantised
+  // activation rows (below; DownJob::h_stride is then in bytes); gate/up still writes fp32 h,
+  // which the driver quantises between the two regions.
+  bool qdot = false;
 };
+
+// A quantised activation row of Kp values (Kp a multiple of 32; moe.h has the numerics):
+// [Kp] int8 q, then [Kp/32] fp32 block scales, then [Kp/32] int32 block sums of q; the row is
+// padded to 64 bytes.
+constexpr int kActBlock = 32;
+static inline int64_t qrow_bytes(int64_t Kp) { return round_up(Kp + Kp / 4, 64); }
+static inline const float* qrow_scales(const void* row, int64_t Kp) {
+  return reinterpret_cast<const float*>(static_cast<const uint8_t*>(row) + Kp);
+}
+static inline const int32_t* qrow_sums(const void* row, int64_t Kp) {
+  return reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(row) + Kp + Kp / 8);
+}
+// Quantises x[0, Kp) into a row as above: the lane-wise code in moe/quant_panel.h, its AVX-512
+// or AVX2 build where the CPU has it, else the portable build in moe.cpp (same bytes; tested).
+void quant_act_row(const float* x, int64_t Kp, uint8_t* row);
+void quant_act_row_portable(const float* x, int64_t Kp, uint8_t* row);
+void quant_act_row_avx512(const float* x, int64_t Kp, uint8_t* row);
+void quant_act_row_avx2(const float* x, int64_t Kp, uint8_t* row);
 
 // Per-ISA providers; false when that TU has no kernel for the dtype.
 // `amx_twin`: the generic kernel that rounds exactly where the AMX kernel does (x, h in bf16).
@@ -118,9 +140,15 @@ bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k);  // any for
 bool get_qkernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qkernels_avx512(WFormat wf, KernelImpl* k);
 bool get_qkernels_amx(WFormat wf, KernelImpl* k);
+// Integer-dot kernels (int8 / int4 only; KernelImpl::qdot). The generic one is the exact
+// emulation of the contract; the avx512vnni TU needs AVX512-VNNI at run time.
+bool get_qdot_kernels_generic(WFormat wf, KernelImpl* k);
+bool get_qdot_kernels_avx512vnni(WFormat wf, KernelImpl* k);
+bool get_qdot_kernels_avx2(WFormat wf, KernelImpl* k);
+bool get_qdot_kernels_avxvnni(WFormat wf, KernelImpl* k);  // needs AVX-VNNI at run time
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
-// matrix gi of `panel` (layout v2). x86 builds have AVX-512 and AVX2 copies of the portable
+// matrix gi of `panel` (layout v3). x86 builds have AVX-512 and AVX2 copies of the portable
 // code (moe/quant_panel.h); all write identical bytes.
 void quant_panel_avx512(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
 void quant_panel_avx2(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
@@ -224,10 +252,23 @@ static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
   return a * (u + p.up_offset);
 }
 
-// int4 helpers: the stored nibble is q + 8.
+// Layout v3 quantised panels: 4 consecutive k of one output row share a 32-bit lane (the
+// operand shape of vpdpbusd / vpmaddubsw+vpmaddwd / sdot), 16 lanes (64 bytes) per k step.
+// int8: byte of (k, gi, n) after the [G][16] fp32 scales: quad k/4, matrix gi, lane n, byte k%4.
+static inline int64_t q8_index(int64_t k, int G, int gi, int n) {
+  return ((k >> 2) * G + gi) * (kPanelN * 4) + n * 4 + (k & 3);
+}
+// int4: byte of (k, gi, n) after a block's 64 scale bytes, k relative to the block: 8 k per
+// lane, byte k%4, low nibble for k%8 < 4, high nibble for k%8 >= 4; the nibble is q + 8.
+static inline int64_t q4_index(int64_t k, int G, int gi, int n) {
+  return ((k >> 3) * G + gi) * (kPanelN * 4) + n * 4 + (k & 3);
+}
+static inline int int4_q(const uint8_t* bytes, int64_t k, int G, int gi, int n) {
+  const uint8_t b = bytes[q4_index(k, G, gi, n)];
+  return ((k & 4) ? (b >> 4) : (b & 15)) - 8;
+}
 static inline float int4_value(const uint8_t* bytes, int64_t k, int G, int gi, int n) {
-  const uint8_t b = bytes[((k >> 1) * G + gi) * kPanelN + n];
-  return static_cast<float>(((k & 1) ? (b >> 4) : (b & 15)) - 8);
+  return static_cast<float>(int4_q(bytes, k, G, gi, n));
 }
 
 // Index of element (k, gi, n) inside one packed panel (gi: 0 = gate, G-1 = up).

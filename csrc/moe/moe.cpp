@@ -14,6 +14,7 @@
 // process, torch's OpenMP workers still spinning on its core) ends up with less of the work
 // instead of holding everyone up. Every output element is still produced by one item in one
 // fixed order: results do not depend on the split (tested bit-identical).
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
@@ -98,6 +99,48 @@ const char* path_name(MoePath path) {
   return "unknown";
 }
 
+const char* qdot_name(QDot q) {
+  switch (q) {
+    case QDot::kAuto: return "auto";
+    case QDot::kInt: return "int";
+    case QDot::kExpand: return "expand";
+  }
+  return "unknown";
+}
+bool qdot_from_name(const char* name, QDot* out) {
+  for (QDot q : {QDot::kAuto, QDot::kInt, QDot::kExpand}) {
+    if (std::strcmp(name, qdot_name(q)) == 0) {
+      *out = q;
+      return true;
+    }
+  }
+  return false;
+}
+
+namespace detail {
+
+// The activation quantisation of the integer-dot kernels (moe.h): the portable build of
+// moe/quant_panel.h's lane-wise code here (no FMA contraction in moe.cpp), the AVX-512 / AVX2
+// builds where the CPU has them (same bytes: tested).
+void quant_act_row_portable(const float* x, int64_t Kp, uint8_t* row) { qp::quant_act_row<4>(x, Kp, row); }
+
+void quant_act_row(const float* x, int64_t Kp, uint8_t* row) {
+#if defined(HINA_HAVE_X86_KERNELS)
+  static const int best = isa_supported(cpu_features(), Isa::kAvx512) ? 2 : isa_supported(cpu_features(), Isa::kAvx2) ? 1 : 0;
+  if (best == 2) {
+    quant_act_row_avx512(x, Kp, row);
+    return;
+  }
+  if (best == 1) {
+    quant_act_row_avx2(x, Kp, row);
+    return;
+  }
+#endif
+  quant_act_row_portable(x, Kp, row);
+}
+
+}  // namespace detail
+
 namespace {
 
 std::string cpu_summary() {
@@ -114,34 +157,74 @@ std::string cpu_summary() {
   return s;
 }
 
-// Which kernels run for (tier, dtype, concrete path), and under which name.
+// Which kernels run for (tier, dtype, concrete path, format, qdot), and under which name.
+// `kernel` is the <kernel> part of the name: an Isa (0..3) or one of the integer-dot kinds.
+enum KernelKind : int { kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kNumKinds = 8 };
+const char* kind_name(int kind) {
+  switch (kind) {
+    case kKindGenericDot: return "genericdot";
+    case kKindAvx2Dot: return "avx2dot";
+    case kKindAvx512Vnni: return "avx512vnni";
+    case kKindAvxVnni: return "avxvnni";
+    default: return isa_name(static_cast<Isa>(kind));
+  }
+}
+
 struct Selected {
   KernelImpl k;
-  Isa kernel_isa;
+  int kind;
 };
 
-Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf) {
+// The integer-dot kernels for this tier (false: the tier has no SIMD integer-dot kernel).
+bool select_qdot(Isa tier, WFormat wf, Selected* s) {
+  const bool x86 = tier == Isa::kAvx2 || tier == Isa::kAvx512 || tier == Isa::kAmx;
+  if ((tier == Isa::kAvx512 || tier == Isa::kAmx) && cpu_features().avx512vnni &&
+      get_qdot_kernels_avx512vnni(wf, &s->k)) {
+    s->kind = kKindAvx512Vnni;
+    return true;
+  }
+  if (x86 && cpu_features().avx_vnni && get_qdot_kernels_avxvnni(wf, &s->k)) {
+    s->kind = kKindAvxVnni;
+    return true;
+  }
+  if (x86 && get_qdot_kernels_avx2(wf, &s->k)) {
+    s->kind = kKindAvx2Dot;
+    return true;
+  }
+  return false;
+}
+
+Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
   Selected s{};
   bool ok = false;
   const bool q = wf != WFormat::kLossless;
+  const bool amx_prefill = tier == Isa::kAmx && path == MoePath::kPrefill && dt == DType::kBF16;
+  if (q && (qd == QDot::kInt || (qd == QDot::kAuto && !amx_prefill))) {
+    if (select_qdot(tier, wf, &s)) return s;
+    if (qd == QDot::kInt) {
+      get_qdot_kernels_generic(wf, &s.k);
+      s.kind = kKindGenericDot;
+      return s;
+    }
+  }
   // The AMX kernels take bf16 x rows; models in other dtypes stay on the FMA tiers, which keep
   // x in fp32 (rounding an fp32/fp16 model's activations to bf16 would lose precision).
-  if (tier == Isa::kAmx && path == MoePath::kPrefill && dt == DType::kBF16) {
+  if (amx_prefill) {
     ok = q ? get_qkernels_amx(wf, &s.k) : get_kernels_amx(dt, &s.k);
-    s.kernel_isa = Isa::kAmx;
+    s.kind = static_cast<int>(Isa::kAmx);
   }
   if (!ok && (tier == Isa::kAmx || tier == Isa::kAvx512)) {
     ok = q ? get_qkernels_avx512(wf, &s.k) : get_kernels_avx512(dt, &s.k);
-    s.kernel_isa = Isa::kAvx512;
+    s.kind = static_cast<int>(Isa::kAvx512);
   }
   if (!ok && tier == Isa::kAvx2) {
     ok = q ? get_qkernels_avx2(wf, &s.k) : get_kernels_avx2(dt, &s.k);
-    s.kernel_isa = Isa::kAvx2;
+    s.kind = static_cast<int>(Isa::kAvx2);
   }
   if (!ok) {
     if (q) get_qkernels_generic(wf, false, &s.k);
     else get_kernels_generic(dt, false, &s.k);
-    s.kernel_isa = Isa::kGeneric;
+    s.kind = static_cast<int>(Isa::kGeneric);
   }
   return s;
 }
@@ -172,7 +255,7 @@ void unpack_matrix(const Elem* panels, int64_t N, int64_t K, Elem* dst, int64_t 
 }
 
 
-// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v2): each
+// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v3): each
 // panel's 16 rows are transposed into fp32 and handed to the panel quantiser (moe/quant_panel.h;
 // its AVX-512 build where the CPU has it: same bytes, several times faster).
 void quant_matrix(const void* src, DType dt, int64_t N, int64_t K, uint8_t* dst, int64_t Np,
@@ -236,7 +319,7 @@ void dequant_matrix(const uint8_t* panels, DType dt, int64_t N, int64_t K, void*
 }
 
 struct Scratch {
-  AlignedBuf xbuf, hbuf, acc;
+  AlignedBuf xbuf, hbuf, hqbuf, acc;
   std::vector<int64_t> counts, offsets, cursor;
   std::vector<int32_t> active, row_token;
   std::vector<float> row_w, row_wt;
@@ -306,22 +389,22 @@ Isa resolve_isa(const char* name) {
   return isa;
 }
 
-const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf) {
-  // Names are `<op>_<format>_<isa>`; built once. Formats: f32, bf16, f16, int8, int4.
+const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf, QDot qd) {
+  // Names are `<op>_<format>_<kernel>`; built once. Formats: f32, bf16, f16, int8, int4.
   static std::vector<std::string>* table = [] {
-    auto* t = new std::vector<std::string>(4 * 5 * 2);
+    auto* t = new std::vector<std::string>(kNumKinds * 5 * 2);
     const char* fmts[5] = {"f32", "bf16", "f16", "int8", "int4"};
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < kNumKinds; ++i)
       for (int d = 0; d < 5; ++d)
         for (int p = 0; p < 2; ++p)
           (*t)[(i * 5 + d) * 2 + p] = std::string(p ? "moe_prefill_" : "moe_decode_") + fmts[d] +
-                                      "_" + isa_name(static_cast<Isa>(i));
+                                      "_" + kind_name(i);
     return t;
   }();
   if (path == MoePath::kAuto) path = MoePath::kDecode;
-  const Isa k = select_kernels(isa, dt, path, wf).kernel_isa;
+  const int k = select_kernels(isa, dt, path, wf, qd).kind;
   const int f = wf == WFormat::kLossless ? static_cast<int>(dt) : (wf == WFormat::kInt8 ? 3 : 4);
-  return (*table)[(static_cast<int>(k) * 5 + f) * 2 + (path == MoePath::kPrefill ? 1 : 0)].c_str();
+  return (*table)[(k * 5 + f) * 2 + (path == MoePath::kPrefill ? 1 : 0)].c_str();
 }
 
 PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
@@ -567,9 +650,9 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
   if (path == MoePath::kAuto) {
     path = T >= p.prefill_min_tokens ? MoePath::kPrefill : MoePath::kDecode;
   }
-  const Selected sel = select_kernels(isa(), dtype(), path, wformat());
-  return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path, wformat()), x, T, topk_idx,
-                      idx_bits, topk_w, K, out, p);
+  const Selected sel = select_kernels(isa(), dtype(), path, wformat(), p.qdot);
+  return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path, wformat(), p.qdot), x, T,
+                      topk_idx, idx_bits, topk_w, K, out, p);
 }
 
 namespace detail {
@@ -621,7 +704,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   // the rows onto few L1 sets (4 KiB aliasing), so such strides get one extra cache line.
   auto padded = [](int64_t n, size_t esz) { return (n * static_cast<int64_t>(esz)) % 512 == 0 ? n + 64 / static_cast<int64_t>(esz) : n; };
   const int64_t xs = kern.x_bf16 ? padded(Hk, 2) : Hk;
-  const size_t xrow_bytes = static_cast<size_t>(xs) * (kern.x_bf16 ? 2 : 4);
+  const size_t xrow_bytes = kern.qdot ? static_cast<size_t>(qrow_bytes(Hk))
+                                      : static_cast<size_t>(xs) * (kern.x_bf16 ? 2 : 4);
   uint8_t* xbuf = static_cast<uint8_t*>(
       s.xbuf.get(xrow_bytes * static_cast<size_t>(nx + kern.row_slack)));
   if (kern.row_slack) std::memset(xbuf + xrow_bytes * nx, 0, xrow_bytes * kern.row_slack);
@@ -642,13 +726,17 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
         }
         std::memset(d + H, 0, static_cast<size_t>(xs - H) * 2);
       } else {
-        float* d = reinterpret_cast<float*>(dst);
+        // integer-dot kernels: the fp32 row goes through a per-thread buffer into quant_act_row
+        thread_local std::vector<float> qtmp;
+        if (kern.qdot) qtmp.resize(static_cast<size_t>(Hk));
+        float* d = kern.qdot ? qtmp.data() : reinterpret_cast<float*>(dst);
         if (woi) {
           for (int64_t c = 0; c < H; ++c) d[c] = round_to(dt, scale * load_elem(dt, src, c));
         } else {
           for (int64_t c = 0; c < H; ++c) d[c] = load_elem(dt, src, c);
         }
         std::memset(d + H, 0, static_cast<size_t>(Hk - H) * 4);
+        if (kern.qdot) quant_act_row(d, Hk, dst);
       }
     }
   };
@@ -725,6 +813,25 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     });
   }
 
+  // ---- integer-dot kernels: h rows quantised for down (rows are independent) ----
+  const int64_t hq_bytes = kern.qdot ? qrow_bytes(Ik) : 0;
+  uint8_t* hq = kern.qdot ? static_cast<uint8_t*>(s.hqbuf.get(static_cast<size_t>(S * hq_bytes))) : nullptr;
+  if (kern.qdot && S > 0) {
+    auto quant_h = [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quant_act_row(reinterpret_cast<const float*>(hbuf) + r * hs, Ik, hq + r * hq_bytes);
+    };
+    if (S * Ik >= (1 << 16) && nthreads > 1) {
+      pool.run(nthreads, [&](int tid, int n) {
+        int64_t r0, r1;
+        split_range(S, tid, n, &r0, &r1);
+        quant_h(r0, r1);
+      });
+    } else {
+      quant_h(0, S);
+    }
+  }
+
   // ---- region 2: down + weight + scatter-add + conversion to x's dtype ----
   // H panels [p0, p1) of every token's output, all experts in ascending order.
   auto down_panels = [&](int64_t p0, int64_t p1) {
@@ -737,8 +844,13 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
       j.bias = pe.bias_d() ? pe.bias_d() + e * Hn : nullptr;
       j.p0 = p0;
       j.p1 = p1;
-      j.h = hbuf + hesz * static_cast<size_t>(r0 * hs);
-      j.h_stride = hs;
+      if (kern.qdot) {
+        j.h = hq + r0 * hq_bytes;
+        j.h_stride = hq_bytes;
+      } else {
+        j.h = hbuf + hesz * static_cast<size_t>(r0 * hs);
+        j.h_stride = hs;
+      }
       j.nt = s.counts[e];
       j.wt = s.row_wt.data() + r0;
       j.acc = s.accrows.data() + r0;

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "moe/kernel_api.h"
 
@@ -24,6 +25,17 @@ template <int W> struct VecOf;
 template <> struct VecOf<4> { typedef f4v type; };
 template <> struct VecOf<8> { typedef f8v type; };
 template <> struct VecOf<16> { typedef f16v type; };
+// int32 and int8 lanes of the same widths (activation quantisation)
+typedef int32_t i4v __attribute__((vector_size(16)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef int8_t b4v __attribute__((vector_size(4)));
+typedef int8_t b8v __attribute__((vector_size(8)));
+typedef int8_t b16v __attribute__((vector_size(16)));
+template <int W> struct IntVecOf;
+template <> struct IntVecOf<4> { typedef i4v type; typedef b4v bytes; };
+template <> struct IntVecOf<8> { typedef i8v type; typedef b8v bytes; };
+template <> struct IntVecOf<16> { typedef i16v type; typedef b16v bytes; };
 
 // (The vector type comes from a namespace-scope typedef: GCC ignores vector_size on a typedef
 // that depends on a template parameter.)
@@ -63,8 +75,9 @@ struct Lanes {
         F v = sc > 0.0f ? load(wt + k * kPanelN + c0) / sc : splat(0.0f);
         v = v == v ? v : splat(0.0f);
         v = clampv(rne_small(clampv(v, -128.0f, 128.0f)), -127.0f, 127.0f);
-        int8_t* dst = reinterpret_cast<int8_t*>(q + (k * G + gi) * kPanelN + c0);
-        for (int n = 0; n < W; ++n) dst[n] = static_cast<int8_t>(static_cast<int>(v[n]));
+        // layout v3: lane n of quad k/4 holds k % 4 in byte k & 3
+        int8_t* dst = reinterpret_cast<int8_t*>(q + q8_index(k, G, gi, c0));
+        for (int n = 0; n < W; ++n) dst[4 * n] = static_cast<int8_t>(static_cast<int>(v[n]));
       }
       return;
     }
@@ -114,16 +127,81 @@ struct Lanes {
       }
       const F inv = load(ibest);
       uint8_t* bytes = blk + 64;
-      for (int k = 0; k < group; k += 2) {
-        const F lo = int4_q(load(w + k * kPanelN), inv) + 8.0f;
-        const F hi = int4_q(load(w + (k + 1) * kPanelN), inv) + 8.0f;
-        uint8_t* dst = bytes + ((k >> 1) * G + gi) * kPanelN + c0;
-        for (int n = 0; n < W; ++n)
-          dst[n] = static_cast<uint8_t>(static_cast<int>(lo[n]) | (static_cast<int>(hi[n]) << 4));
-      }
+      // layout v3: per 8 k, byte j of lane n holds k = j (low nibble) and k = j + 4 (high)
+      for (int k8 = 0; k8 < group; k8 += 8)
+        for (int jb = 0; jb < 4; ++jb) {
+          const F lo = int4_q(load(w + (k8 + jb) * kPanelN), inv) + 8.0f;
+          const F hi = int4_q(load(w + (k8 + jb + 4) * kPanelN), inv) + 8.0f;
+          uint8_t* dst = bytes + q4_index(k8 + jb, G, gi, c0);
+          for (int n = 0; n < W; ++n)
+            dst[4 * n] = static_cast<uint8_t>(static_cast<int>(lo[n]) | (static_cast<int>(hi[n]) << 4));
+        }
     }
   }
 };
+
+// v rotated by K lanes (a tree reduction step that keeps the vector type).
+template <int K, typename V, size_t... Is>
+static inline V rotate_lanes(V v, std::index_sequence<Is...>) {
+  return __builtin_shufflevector(v, v, ((Is + K) % sizeof...(Is))...);
+}
+// NaN-propagating max (NaN if either is NaN), exact in any order.
+template <typename V>
+static inline V max_nan(V a, V m) { return (a > m || a != a) ? a : m; }
+
+// The activation quantisation of the integer-dot kernels (moe.h): one row of Kp fp32 values
+// (Kp a multiple of 32) into [Kp] int8, [Kp/32] fp32 scales, [Kp/32] int32 sums. Lane-wise
+// operations only (the block max is exact in any order, NaN-propagating), so every build
+// writes the same bytes.
+template <int W>
+static inline void quant_act_row(const float* x, int64_t Kp, uint8_t* row) {
+  typedef typename VecOf<W>::type F;
+  typedef typename IntVecOf<W>::type I;
+  typedef typename IntVecOf<W>::bytes B;
+  typedef Lanes<W> L;
+  constexpr int NV = kActBlock / W;
+  int8_t* q = reinterpret_cast<int8_t*>(row);
+  float* sc = reinterpret_cast<float*>(row + Kp);
+  int32_t* sums = reinterpret_cast<int32_t*>(row + Kp + Kp / 8);
+  for (int64_t b = 0; b < Kp / kActBlock; ++b) {
+    F xv[NV];
+    F m = L::splat(0.0f);
+    for (int i = 0; i < NV; ++i) {
+      xv[i] = L::load(x + b * kActBlock + i * W);
+      const F a = L::absv(xv[i]);
+      m = (a > m || a != a) ? a : m;
+    }
+    const auto seq = std::make_index_sequence<W>{};
+    if constexpr (W >= 16) m = max_nan(m, rotate_lanes<8>(m, seq));
+    if constexpr (W >= 8) m = max_nan(m, rotate_lanes<4>(m, seq));
+    m = max_nan(m, rotate_lanes<2>(m, seq));
+    m = max_nan(m, rotate_lanes<1>(m, seq));
+    const float s = (m[0] + 0.0f) / 127.0f;  // + 0: an all-zero block's -0 and +0 agree
+    sc[b] = s;
+    int8_t* qb = q + b * kActBlock;
+    if (!(s > 0.0f)) {  // zero block (or NaN scale): q = 0; a NaN scale still reaches the output
+      std::memset(qb, 0, kActBlock);
+      sums[b] = 0;
+      continue;
+    }
+    const F sv = L::splat(s);
+    I tot = I{} + 0;
+    for (int i = 0; i < NV; ++i) {
+      F v = xv[i] / sv;
+      v = v == v ? v : L::splat(0.0f);
+      v = L::rne_small(L::clampv(v, -127.0f, 127.0f));
+      const I qi = __builtin_convertvector(v, I);
+      tot += qi;
+      const B qbv = __builtin_convertvector(qi, B);
+      std::memcpy(qb + i * W, &qbv, W);
+    }
+    if constexpr (W >= 16) tot += rotate_lanes<8>(tot, seq);
+    if constexpr (W >= 8) tot += rotate_lanes<4>(tot, seq);
+    tot += rotate_lanes<2>(tot, seq);
+    tot += rotate_lanes<1>(tot, seq);
+    sums[b] = tot[0];
+  }
+}
 
 template <int W>
 static inline void quant_panel(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel) {

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -34,6 +35,7 @@ namespace {
 int g_passed = 0, g_failed = 0;
 const char* g_filter = nullptr;
 std::map<std::string, double> g_worst;  // kernel + comparison -> worst relative error seen
+std::map<std::string, double> g_min_sqnr;  // integer-dot emulation -> lowest SQNR vs lossless
 
 void note(const std::string& key, double err) {
   double& w = g_worst[key];
@@ -84,6 +86,9 @@ const Case kCases[] = {
     {40, 4, 2, 64, 48, false, true, false, Act::kRelu2, 0, 0, false, "no gate + biases, prefill rows"},
     {6, 4, 2, 72, 56, true, true, false, Act::kSilu, 0, 0, false, "biases on gate, up, down"},
     {6, 4, 2, 72, 56, true, true, false, Act::kSigmoidAlpha, 0, 0, true, "GPT-OSS: limits, up_offset, biases"},
+    {1, 4, 2, 33, 65, true, true, false, Act::kSilu, 0, 0, false, "T=1, H, I one past a 32-k activation block"},
+    {5, 4, 2, 161, 97, true, false, false, Act::kGelu, 0, 0, false, "H, I one past a block, prefill rows"},
+    {1, 4, 2, 72, 56, true, true, false, Act::kSigmoidAlpha, 0, 0, true, "T=1 decode, GPT-OSS clamped SwiGLU"},
     {6, 4, 2, 64, 48, true, false, true, Act::kSilu, 0, 0, false, "weight_on_input (Llama 4)"},
     {48, 4, 1, 64, 48, true, false, true, Act::kSilu, 0, 0, false, "weight_on_input, prefill rows"},
 };
@@ -212,14 +217,15 @@ std::vector<float> oracle(const Problem& p, const Deq* dq = nullptr) {
 }
 
 std::vector<float> run(const PackedExperts& pe, const Problem& p, MoePath path, int threads,
-                       const char** name, const detail::KernelImpl* twin = nullptr) {
+                       const char** name, const detail::KernelImpl* twin = nullptr,
+                       const char* twin_name = "generic_amx_twin") {
   std::vector<uint8_t> out(static_cast<size_t>(p.c.T * p.c.H) * dtype_size(p.dt), 0xCD);
   MoeParams mp = p.params;
   mp.path = path;
   mp.num_threads = threads;
   const char* n;
   if (twin) {
-    n = detail::forward_with(pe, *twin, "generic_amx_twin", p.x.data(), p.c.T, p.idx.data(), 32,
+    n = detail::forward_with(pe, *twin, twin_name, p.x.data(), p.c.T, p.idx.data(), 32,
                              p.w.data(), p.c.K, out.data(), mp);
   } else {
     n = pe.forward(p.x.data(), p.c.T, p.idx.data(), 32, p.w.data(), p.c.K, out.data(), mp);
@@ -462,7 +468,8 @@ void test_quant_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, cons
                           std::to_string(c.H) + " I" + std::to_string(c.I) + " " + act_name(c.act) +
                           " (" + c.why + ")";
   if (!selected(tag)) return;
-  const Problem p = make_problem(dt, c, seed);
+  Problem p = make_problem(dt, c, seed);
+  p.params.qdot = QDot::kExpand;  // the expansion kernels (fp32 activations); qdot: test_qdot_case
   const ExpertWeights w = weights_of(p);
   Deq dq;
   if (c.gated) dq.gate = quantise_ref(dt, p.gate, c.E, c.I, c.H, q);
@@ -498,6 +505,195 @@ void test_quant_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, cons
       }
     }
   }
+}
+
+// 10 log10(sum ref^2 / sum (got - ref)^2)
+double out_sqnr_db(const std::vector<float>& got, const std::vector<float>& ref) {
+  double sig = 0, err = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    sig += double(ref[i]) * ref[i];
+    err += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
+  }
+  if (!(err == err)) return -1e9;
+  return 10.0 * std::log10(std::max(sig, 1e-300) / std::max(err, 1e-300));
+}
+
+// Integer-dot kernels (qdot = int): every tier's kernel vs the generic emulation of the
+// contract (exact integer sums: only the activation epilogue may differ), on both paths; the
+// emulation vs the lossless model by output SQNR (weights and activations both quantised).
+void test_qdot_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, const std::vector<Isa>& tiers) {
+  const std::string tag = std::string("qdot ") + q.name + " " + dtype_short(dt) + " T" + std::to_string(c.T) +
+                          " E" + std::to_string(c.E) + " K" + std::to_string(c.K) + " H" +
+                          std::to_string(c.H) + " I" + std::to_string(c.I) + " " + act_name(c.act) +
+                          " (" + c.why + ")";
+  if (!selected(tag)) return;
+  Problem p = make_problem(dt, c, seed);
+  const ExpertWeights w = weights_of(p);
+  const std::vector<float> lossless = oracle(p);
+  p.params.qdot = QDot::kInt;
+  // fp32 models: the kernels match the emulation to a few ulp of fp32 unless an h element
+  // crosses a rounding step of its block (then by one step: ~ 1 / (127 sqrt(I)) relative).
+  const double dtol = dt == DType::kF32 ? 5e-5 : tol(dt);
+  // uniform random weights and activations; int4 is limited by the weights (~ 20 dB).
+  const double floor = q.fmt == WFormat::kInt8 ? 30.0 : 12.0;
+  auto gen = PackedExperts::pack(w, Isa::kGeneric, 1, {q.fmt, q.group});
+  std::vector<std::unique_ptr<PackedExperts>> packed;
+  for (Isa isa : tiers) packed.push_back(PackedExperts::pack(w, isa, 2, {q.fmt, q.group}));
+  for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+    const char* name = nullptr;
+    const std::vector<float> ref = run(*gen, p, path, 2, &name);
+    report(std::string(name).find("genericdot") != std::string::npos, tag + " generic tier runs " + name);
+    const double db = out_sqnr_db(ref, lossless);
+    const bool all_skipped = c.skip_every == 1;
+    report(all_skipped || db >= floor, tag + " " + name + " vs lossless oracle: SQNR " + std::to_string(db) +
+                                           " dB >= " + std::to_string(floor));
+    // and the activation quantisation costs little next to the weights' own (expansion path)
+    Problem pe = p;
+    pe.params.qdot = QDot::kExpand;
+    const double db_exp = out_sqnr_db(run(*gen, pe, path, 2, nullptr), lossless);
+    const double loss = q.fmt == WFormat::kInt8 ? 7.5 : 1.0;  // W8A8: x and h noise ~ the weights'
+    report(all_skipped || db >= db_exp - loss, tag + " " + name + " SQNR " + std::to_string(db) +
+                                                   " dB within " + std::to_string(loss) + " dB of expansion's " + std::to_string(db_exp));
+    if (!all_skipped) note(std::string(name) + " dB lost to act quant", db_exp - db);
+    if (!all_skipped) {
+      auto it = g_min_sqnr.find(name);
+      if (it == g_min_sqnr.end() || db < it->second) g_min_sqnr[name] = db;
+    }
+    for (size_t i = 0; i < tiers.size(); ++i) {
+      const std::vector<float> got = run(*packed[i], p, path, 2, &name);
+      const double e = rel_err(got, ref);
+      report(e <= dtol && std::string(name).find("_int") != std::string::npos &&
+                 (std::string(name).find("dot") != std::string::npos || std::string(name).find("vnni") != std::string::npos),
+             tag + " " + name + " vs genericdot: rel err " + std::to_string(e));
+      note(std::string(name) + " vs genericdot", e);
+    }
+    // every 256-bit build this CPU can run, whatever the selection prefers (avx2dot is what
+    // AVX2 CPUs without AVX-VNNI run; this one may have AVX-VNNI)
+    const CpuFeatures& f = cpu_features();
+    struct Forced { const char* kname; bool (*get)(WFormat, detail::KernelImpl*); bool ok; };
+    for (const Forced& fk : {Forced{"avx2dot", &detail::get_qdot_kernels_avx2, isa_supported(f, Isa::kAvx2)},
+                             Forced{"avxvnni", &detail::get_qdot_kernels_avxvnni, isa_supported(f, Isa::kAvx2) && f.avx_vnni}}) {
+      detail::KernelImpl k;
+      if (!fk.ok || !fk.get(q.fmt, &k)) continue;
+      const std::string kn = std::string("moe_") + path_name(path) + "_" + q.name + "_" + fk.kname + " (forced)";
+      const std::vector<float> got = run(*gen, p, path, 2, nullptr, &k, kn.c_str());
+      const double e = rel_err(got, ref);
+      report(e <= dtol, tag + " " + kn + " vs genericdot: rel err " + std::to_string(e));
+      note(kn + " vs genericdot", e);
+    }
+  }
+}
+
+// Which kernel runs for each qdot setting (auto: integer dot where the tier has it, except the
+// AMX prefill of bf16 models).
+void test_qdot_selection(const std::vector<Isa>& tiers) {
+  if (!selected("qdot selection")) return;
+  const CpuFeatures& f = cpu_features();
+  for (Isa isa : tiers) {
+    for (WFormat wf : {WFormat::kInt8, WFormat::kInt4}) {
+      const std::string fmt = wformat_name(wf);
+      detail::KernelImpl probe;
+      const bool avx2dot = detail::get_qdot_kernels_avx2(wf, &probe);
+      const std::string exp = isa == Isa::kAmx ? "avx512" : isa_name(isa);
+      const bool vnni = isa != Isa::kAvx2 && f.avx512vnni;
+      const bool avxvnni = f.avx_vnni && detail::get_qdot_kernels_avxvnni(wf, &probe);
+      const std::string dot = vnni ? "avx512vnni" : avxvnni ? "avxvnni" : avx2dot ? "avx2dot" : "genericdot";
+      const std::string adot = vnni || avxvnni || avx2dot ? dot : exp;  // auto: expansion without a SIMD dot
+      auto name = [&](DType dt, MoePath path, QDot qd) { return std::string(moe_kernel_name(isa, dt, path, wf, qd)); };
+      report(name(DType::kBF16, MoePath::kDecode, QDot::kAuto) == "moe_decode_" + fmt + "_" + adot,
+             "qdot selection: " + std::string(isa_name(isa)) + " " + fmt + " decode auto = " + name(DType::kBF16, MoePath::kDecode, QDot::kAuto));
+      report(name(DType::kBF16, MoePath::kDecode, QDot::kExpand) == "moe_decode_" + fmt + "_" + exp,
+             "qdot selection: " + std::string(isa_name(isa)) + " " + fmt + " decode expand = " + name(DType::kBF16, MoePath::kDecode, QDot::kExpand));
+      const std::string pauto = isa == Isa::kAmx ? "amx" : adot;
+      report(name(DType::kBF16, MoePath::kPrefill, QDot::kAuto) == "moe_prefill_" + fmt + "_" + pauto,
+             "qdot selection: " + std::string(isa_name(isa)) + " " + fmt + " prefill auto = " + name(DType::kBF16, MoePath::kPrefill, QDot::kAuto));
+      report(name(DType::kBF16, MoePath::kPrefill, QDot::kInt) == "moe_prefill_" + fmt + "_" + dot,
+             "qdot selection: " + std::string(isa_name(isa)) + " " + fmt + " prefill int = " + name(DType::kBF16, MoePath::kPrefill, QDot::kInt));
+      report(name(DType::kF32, MoePath::kPrefill, QDot::kAuto) == "moe_prefill_" + fmt + "_" + adot,
+             "qdot selection: " + std::string(isa_name(isa)) + " " + fmt + " f32 prefill auto = " + name(DType::kF32, MoePath::kPrefill, QDot::kAuto));
+    }
+  }
+  report(std::string(moe_kernel_name(Isa::kGeneric, DType::kBF16, MoePath::kDecode, WFormat::kInt8)) == "moe_decode_int8_generic",
+         "qdot selection: generic auto = expansion");
+  report(std::string(moe_kernel_name(Isa::kGeneric, DType::kBF16, MoePath::kDecode, WFormat::kInt4, QDot::kInt)) == "moe_decode_int4_genericdot",
+         "qdot selection: generic int = genericdot");
+  report(std::string(moe_kernel_name(Isa::kGeneric, DType::kBF16, MoePath::kDecode, WFormat::kLossless, QDot::kInt)) == "moe_decode_bf16_generic",
+         "qdot selection: lossless ignores qdot");
+}
+
+// The activation quantisation against the contract written out again, on awkward values.
+void test_quant_act_row() {
+  if (!selected("quant_act_row")) return;
+  std::vector<float> x(96, 0.0f);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  for (int i = 0; i < 32; ++i) x[i] = u(rng);
+  // block 1: exact ties at 0.5 steps (127 / 127 scale = 1): 2.5 -> 2, 3.5 -> 4, -0.5 -> -0
+  x[32] = 127.0f; x[33] = 2.5f; x[34] = 3.5f; x[35] = -0.5f; x[36] = -127.0f; x[37] = 1.5f;
+  // block 2: all zero -> scale 0, q 0
+  std::vector<uint8_t> row(static_cast<size_t>(detail::qrow_bytes(96)));
+  detail::quant_act_row(x.data(), 96, row.data());
+  const int8_t* q = reinterpret_cast<const int8_t*>(row.data());
+  const float* sc = detail::qrow_scales(row.data(), 96);
+  const int32_t* sums = detail::qrow_sums(row.data(), 96);
+  bool ok = sc[1] == 1.0f && q[32] == 127 && q[33] == 2 && q[34] == 4 && q[35] == 0 && q[36] == -127 &&
+            q[37] == 2 && sc[2] == 0.0f && sums[2] == 0;
+  for (int b = 0; b < 3 && ok; ++b) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    int32_t tot = 0;
+    for (int i = 0; i < 32; ++i) {
+      const float s = amax / 127.0f;
+      const int qi = s > 0 ? static_cast<int>(std::nearbyint(std::min(127.0f, std::max(-127.0f, x[b * 32 + i] / s)))) : 0;
+      ok = ok && q[b * 32 + i] == qi;
+      tot += qi;
+    }
+    ok = ok && sums[b] == tot && sc[b] == amax / 127.0f;
+  }
+  report(ok, "quant_act_row: blocks of 32, RNE ties, zero block, sums");
+  // the portable and the AVX-512 builds write the same bytes (random rows, ties, NaN, inf, zeros)
+  std::vector<float> y(32 * 40);
+  for (size_t i = 0; i < y.size(); ++i) y[i] = u(rng) * (i % 97 == 0 ? 1e-30f : 1.0f);
+  for (int i = 0; i < 32; ++i) y[32 + i] = 0.5f * static_cast<float>(i - 16);  // many exact ties
+  y[70] = NAN;
+  y[100] = INFINITY;
+  for (int i = 0; i < 32; ++i) y[128 + i] = 0.0f;
+  std::vector<uint8_t> a(static_cast<size_t>(detail::qrow_bytes(32 * 40))), bb(a.size());
+  detail::quant_act_row_portable(y.data(), 32 * 40, a.data());
+  bool same = true;
+#if defined(__x86_64__)
+  if (isa_supported(cpu_features(), Isa::kAvx512)) {
+    detail::quant_act_row_avx512(y.data(), 32 * 40, bb.data());
+    same = same && std::memcmp(a.data(), bb.data(), 32 * 40 * 5 / 4) == 0;
+  }
+  if (isa_supported(cpu_features(), Isa::kAvx2)) {
+    std::fill(bb.begin(), bb.end(), 0x5A);
+    detail::quant_act_row_avx2(y.data(), 32 * 40, bb.data());
+    same = same && std::memcmp(a.data(), bb.data(), 32 * 40 * 5 / 4) == 0;
+  }
+#endif
+  report(same, "quant_act_row: portable, AVX2 and AVX-512 builds write the same bytes");
+  // and the portable build is the scalar definition above on all of them
+  bool def = true;
+  for (int b = 0; b < 40; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) {
+      const float v = std::fabs(y[b * 32 + i]);
+      amax = (v > amax || v != v) ? v : amax;
+    }
+    const float s = amax / 127.0f;
+    int32_t tot = 0;
+    for (int i = 0; i < 32; ++i) {
+      float v = s > 0.0f ? y[b * 32 + i] / s : 0.0f;
+      v = v == v ? std::min(127.0f, std::max(-127.0f, v)) : 0.0f;
+      const int qi = static_cast<int>(std::nearbyint(v));
+      def = def && reinterpret_cast<const int8_t*>(a.data())[b * 32 + i] == qi;
+      tot += qi;
+    }
+    const float got_s = detail::qrow_scales(a.data(), 32 * 40)[b];
+    def = def && (got_s == s || (got_s != got_s && s != s)) && detail::qrow_sums(a.data(), 32 * 40)[b] == tot;
+  }
+  report(def, "quant_act_row: every block is the definition (NaN, inf, tiny, ties)");
 }
 
 // Packing: the dequantised weights (unpack) equal the independent quantisation, and the
@@ -614,6 +810,11 @@ int main(int argc, char** argv) {
   for (const QFmt& q : kQFmts)
     for (DType dt : {DType::kF32, DType::kBF16})
       for (const Case& c : kCases) test_quant_case(dt, q, c, seed++, tiers);
+  for (const QFmt& q : kQFmts)
+    for (DType dt : {DType::kF32, DType::kBF16})
+      for (const Case& c : kCases) test_qdot_case(dt, q, c, seed++, tiers);
+  test_quant_act_row();
+  test_qdot_selection(tiers);
   test_quant_packing(all);
   test_create_view();
   test_threads_deterministic(all);
@@ -621,6 +822,7 @@ int main(int argc, char** argv) {
   test_errors();
   test_fork_child();
   for (const auto& kv : g_worst) std::printf("worst %-48s %.3g\n", kv.first.c_str(), kv.second);
+  for (const auto& kv : g_min_sqnr) std::printf("lowest SQNR vs lossless %-30s %.1f dB\n", kv.first.c_str(), kv.second);
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

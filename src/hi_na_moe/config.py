@@ -20,6 +20,7 @@ ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
 BACKENDS = ("auto", "native", "reference")
 ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
 WEIGHT_FORMATS = ("lossless", "int8", "int4")
+QDOT_MODES = ("auto", "int", "expand")
 GROUP_SIZES = (32, 64, 128)
 POOLS = ("auto", "own", "openmp")
 
@@ -54,6 +55,11 @@ class HinaConfig:
             each block's measured SQNR.
         group_size: int4 group size: 32, 64 (default) or 128. Smaller groups: more accurate,
             more scale bytes.
+        qdot: how the native kernels compute int8/int4 experts: "int" (integer dot products,
+            W8A8 / W4A8: activations quantised per token in blocks of 32, see moe.h), "expand"
+            (weights expanded to fp32/bf16 in registers, activations unquantised) or "auto"
+            (default: "int" where the tier has an integer-dot kernel, except the AMX prefill
+            path of bf16 models, which keeps its bf16 tiles). Ignored for lossless weights.
         cache: if true (default), quantised experts are written to the packed-expert store on
             first enable and memory-mapped from it afterwards (no re-quantising), and the exact
             originals are backed up there so disable can restore them. If false, quantising
@@ -74,6 +80,7 @@ class HinaConfig:
     keep_weights: bool = False
     weights: str = "lossless"
     group_size: int = 64
+    qdot: str = "auto"
     cache: bool = True
     cache_dir: str = ""
     pool: str = "auto"
@@ -97,6 +104,7 @@ class HinaConfig:
                 f"config key 'group_size' ({src('group_size')}) has bad value {self.group_size!r}: "
                 f"expected one of {', '.join(map(str, GROUP_SIZES))}"
             )
+        _check_choice("qdot", self.qdot, QDOT_MODES, src("qdot"))
         if not isinstance(self.cache_dir, str):
             raise ConfigError(
                 f"config key 'cache_dir' ({src('cache_dir')}) has bad value {self.cache_dir!r}: expected a path"
@@ -121,7 +129,7 @@ class HinaConfig:
 
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
 _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
-          "weights": str, "group_size": int, "cache": bool, "cache_dir": str,
+          "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
           "pool": str}
 
 

@@ -173,7 +173,8 @@ def _runner_for(block: _Block, spec, cfg, origin: CheckpointOrigin, store):
     from . import ops
 
     native_isa = ops._isa_name(cfg)
-    r = ops.NativeExperts(spec, native_isa, cfg.threads, cfg.weights, cfg.group_size, store, block.name)
+    r = ops.NativeExperts(spec, native_isa, cfg.threads, cfg.weights, cfg.group_size, store, block.name,
+                          qdot=cfg.qdot)
     r.origin = origin
     return r
 

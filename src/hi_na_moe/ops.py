@@ -38,20 +38,20 @@ def _isa_name(config: HinaConfig) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_names(isa: str, dtype: torch.dtype, weights: str = "lossless") -> dict[str, str]:
-    """Kernel per path for experts of `dtype` stored as `weights` at tier `isa`: a one-expert
-    probe pack answers exactly as a real block would."""
+def _kernel_names(isa: str, dtype: torch.dtype, weights: str = "lossless", qdot: str = "auto") -> dict[str, str]:
+    """Kernel per path for experts of `dtype` stored as `weights` at tier `isa` under `qdot`: a
+    one-expert probe pack answers exactly as a real block would."""
     native, _ = native_module()
     w = torch.zeros(1, 16, 32, dtype=dtype)
     probe = native.PackedExperts(w, w, w.transpose(1, 2).contiguous(), isa=isa, weights=weights)
-    return {path: probe.kernel_name(path) for path in ("decode", "prefill")}
+    return {path: probe.kernel_name(path, qdot) for path in ("decode", "prefill")}
 
 
 def kernel_plan(config: HinaConfig) -> dict[str, str]:
     """The kernel each path uses for bf16 experts under `config`, for the capabilities report."""
     if config.backend == "reference" or not native_kernels_available():
         return {"decode": "reference", "prefill": "reference"}
-    return dict(_kernel_names(_isa_name(config), torch.bfloat16, config.weights))
+    return dict(_kernel_names(_isa_name(config), torch.bfloat16, config.weights, config.qdot))
 
 
 def weights_label(weights: str, group_size: int, dtype: torch.dtype) -> str:
@@ -98,13 +98,14 @@ class NativeExperts:
     """
 
     def __init__(self, spec: ExpertsSpec, isa: str, threads: int, weights: str = "lossless",
-                 group_size: int = 64, store=None, name: str = "experts"):
+                 group_size: int = 64, store=None, name: str = "experts", qdot: str = "auto"):
         self.isa = isa
         self.packed = None  # packed by pack(), at patch time, one block at a time
         self.threads = threads
         self.spec = spec
         self.weights = weights
         self.group_size = group_size
+        self.qdot = qdot  # int8/int4: integer-dot or expansion kernels (PackedExperts.forward)
         self.store = store  # a store.PackedStore, or None (no cache)
         self.name = name
         g = spec.gate_spec
@@ -189,7 +190,7 @@ class NativeExperts:
             self.cache_event = self.preset_event or event
             self.sqnr_db = self.preset_sqnr
             self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
-            self.handle = torch_ops.register(self.packed, owner=self)
+            self.handle = torch_ops.register(self.packed, owner=self, qdot=self.qdot)
             return
         if (self.lossless and self.origin is None) or self.store is None:
             self.packed = self._pack_now(self._tensors(), self.weights)
@@ -197,7 +198,7 @@ class NativeExperts:
             self.packed, self._entry, self.cache_event = self._from_store(self.weights, self.name)
         self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
         # the custom op (torch.ops.hi_na_moe.experts) takes a handle, not the C++ object
-        self.handle = torch_ops.register(self.packed, owner=self)
+        self.handle = torch_ops.register(self.packed, owner=self, qdot=self.qdot)
         if not self.lossless:
             self.sqnr_db = self.measure_sqnr()
 
@@ -414,13 +415,14 @@ def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: s
     why_not = native_unsupported_reason(spec, dry_run)
     if why_not is None:
         isa = _isa_name(config)
-        names = _kernel_names(isa, spec.weight_dtype, config.weights)
+        names = _kernel_names(isa, spec.weight_dtype, config.weights, config.qdot)
         store = None
         if config.weights != "lossless" and config.cache and not dry_run:
             from .store import PackedStore
 
             store = PackedStore(config.store_root())
-        runner = NativeExperts(spec, isa, config.threads, config.weights, config.group_size, store, name)
+        runner = NativeExperts(spec, isa, config.threads, config.weights, config.group_size, store, name,
+                               qdot=config.qdot)
         if not dry_run:
             native_module()[0].set_pool_backend(config.pool)
         return Choice(runner, f"{names['decode']}|{names['prefill']}")

@@ -234,7 +234,7 @@ def enable_for_model(
         router_name: dotted path of a router module, for custom models whose MoE blocks the
             discovery cannot find by itself; the experts module next to it is accelerated.
         **config_kwargs: config keys (backend, isa, threads, strict, keep_weights, weights,
-            group_size, cache, cache_dir) overriding `config`.
+            group_size, qdot, cache, cache_dir) overriding `config`.
 
     Returns:
         An EnableReport: per MoE block, accelerated or left native and why, and what runs it.

@@ -64,10 +64,13 @@ _LOCK = threading.Lock()
 _COUNTER = itertools.count(1)
 _PACKED: dict[int, Any] = {}  # handle -> PackedExperts
 _LAST_KERNEL: dict[int, str] = {}  # handle -> name of the kernel its last call ran
+_QDOT: dict[int, str] = {}  # handle -> qdot mode its forwards run with
 
 
-def register(packed: Any, owner: object | None = None) -> int:
-    """Register packed experts; returns the handle the op takes.
+def register(packed: Any, owner: object | None = None, qdot: str = "auto") -> int:
+    """Register packed experts; returns the handle the op takes. ``qdot`` is passed to every
+    forward on the handle (``PackedExperts.forward(qdot=...)``: integer-dot or expansion kernels
+    for int8/int4 weights).
 
     The registry holds a strong reference until ``release(handle)``. With ``owner`` (any
     weak-referenceable object, e.g. the ``NativeExperts`` that owns ``packed``), the handle is
@@ -77,6 +80,7 @@ def register(packed: Any, owner: object | None = None) -> int:
     with _LOCK:
         handle = next(_COUNTER)
         _PACKED[handle] = packed
+        _QDOT[handle] = qdot
     if owner is not None:
         weakref.finalize(owner, release, handle)
     return handle
@@ -86,6 +90,7 @@ def release(handle: int) -> bool:
     """Drop the registry's reference. Returns whether the handle was registered (idempotent)."""
     with _LOCK:
         _LAST_KERNEL.pop(handle, None)
+        _QDOT.pop(handle, None)
         return _PACKED.pop(handle, None) is not None
 
 
@@ -120,7 +125,7 @@ def _run(x, topk_idx, topk_w, handle, act, alpha, gate_limit, up_limit, post_act
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _LAST_KERNEL[handle] = packed.forward(
         x, topk_idx, topk_w, out, act, alpha, gate_limit, up_limit, post_act_limit, up_offset,
-        weight_on_input, num_threads,
+        weight_on_input, num_threads, qdot=_QDOT.get(handle, "auto"),
     )
     return out
 

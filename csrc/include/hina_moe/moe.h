@@ -21,9 +21,30 @@
 //         q = clamp(round(W * (1/d)), -8, 7); W ~ d * q
 //         (the largest element maps to about -8, so all 16 levels are used). Kernels compute
 //         sum_groups d * sum_{k in group} q x_k.
-//   x and h stay fp32 on the FMA tiers (weights are expanded in registers; no activation
-//   quantisation). The AMX prefill path expands each panel to bf16 (bf16(s * q)) and runs the
-//   bf16 tiles, rounding x and h to bf16 as the lossless AMX path does.
+// Two kernel families compute quantised experts (MoeParams::qdot picks; both are tested):
+//   expand (qdot = expand; current numerics): x and h stay fp32 on the FMA tiers (weights are
+//   expanded in registers; no activation quantisation). The AMX prefill path expands each panel
+//   to bf16 (bf16(s * q)) and runs the bf16 tiles, rounding x and h to bf16 as the lossless AMX
+//   path does.
+//   integer dot (qdot = int; W8A8 / W4A8): the fp32 input rows (xin of every token, or of every
+//   routed row with weight_on_input; h of every routed row, after the activation) are quantised
+//   per row in blocks of 32 consecutive k (the row zero-padded to a multiple of 32; padding
+//   quantises to 0):
+//     a = max_k |v_k| over the block (NaN if one is NaN), s_b = a / 127 (fp32 division),
+//     qx_k = 0 if s_b is not > 0, else round-to-nearest-even(clamp(v_k / s_b, -127, 127))
+//     (a NaN quotient gives 0; the NaN or inf in s_b then reaches the output),
+//   and every dot product is computed from exact int32 block sums I_b = sum_{k in b} q_k qx_k:
+//     int8: y = s_n * A,  A = fma(float(I_b), s_b, A) over blocks b in ascending order, A = 0
+//     int4: y = sum over groups g in order of fma(B_g, d_g, y),
+//           B_g = fma(float(I_b), s_b, B_g) over the blocks b of group g in order, B_g = 0
+//   (fma: one rounding). Bias, activation, routing weight (acc = fma(w, y + b_down, acc)) as
+//   above. Every kernel of this family computes exactly these values (the generic oracle
+//   emulates it), so SIMD results differ from it only where their activation function
+//   differs from the scalar one by an ulp and that moves an h element across a rounding step.
+//   Kernels that run: avx512vnni (vpdpbusd zmm; tiers avx512 and amx on CPUs with
+//   AVX512-VNNI), avxvnni (vpdpbusd ymm; tier avx2, and avx512 without AVX512-VNNI, on CPUs
+//   with AVX-VNNI), avx2dot (vpmaddubsw + vpmaddwd; the same tiers without AVX-VNNI),
+//   genericdot (the scalar emulation; tier generic, only when asked for).
 // h stays in fp32 on every path except the AMX prefill path, where it is rounded to bf16 to
 // feed the tiles (what PyTorch itself does when the model runs in bf16).
 #pragma once
@@ -65,6 +86,14 @@ const char* path_name(MoePath path);  // "auto" | "decode" | "prefill"
 // the decode path streams each expert's weights once per token.
 constexpr int kDefaultPrefillMinTokens = 2;
 
+// Which kernel family computes quantised weights (see the numerics above). kAuto: the integer
+// dot where the tier has a SIMD kernel for it, except the AMX prefill path of bf16 models,
+// which keeps its bf16 tiles; kInt: always the integer dot (the generic tier runs its scalar
+// emulation); kExpand: always the expansion kernels. Lossless weights ignore it.
+enum class QDot : int { kAuto = 0, kInt = 1, kExpand = 2 };
+const char* qdot_name(QDot q);  // "auto" | "int" | "expand"
+bool qdot_from_name(const char* name, QDot* out);
+
 // Unpacked weights, caller-owned, C-contiguous, all in `dtype`. Biases are optional (nullptr).
 struct ExpertWeights {
   DType dtype = DType::kBF16;
@@ -91,24 +120,29 @@ struct MoeParams {
   // Threads own fixed, equal ranges of panels instead of claiming chunks from a shared counter
   // (the default, which tolerates a thread that runs late). For measurements and tests.
   bool static_split = false;
+  QDot qdot = QDot::kAuto;  // quantised weights only
 };
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
 // for. It is a plain struct (no pointers) so it can be stored beside the data on disk.
-// Layout v2 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
+// Layout v3 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
 // dimension is cut into panels of 16 rows (zero-padded); the reduction dimension is zero-padded
 // to k_align (32, or the int4 group size when larger). G = 2 interleaves gate and up so one pass
 // streams both; G = 1 for down (and for up without a gate). One panel:
 //   lossless bf16: [Kp/2][G][16][2] (VNNI pairs, the AMX B-tile layout); fp32/fp16: [Kp][G][16]
-//   int8: [G][16] fp32 row scales (64*G bytes), then [Kp][G][16] int8
-//   int4: Kp/group blocks, each [G][16] bf16 scales padded to 64 bytes, then [group/2][G][16]
-//         bytes; a byte holds k even (low nibble) and k odd (high nibble), as q + 8 in 0..15.
+//   int8: [G][16] fp32 row scales (64*G bytes), then [Kp/4][G][16][4] int8 (q, signed): 4
+//         consecutive k of one output row in one 32-bit lane, the operand shape of integer dot
+//         products (vpdpbusd, vpmaddubsw + vpmaddwd, sdot)
+//   int4: Kp/group blocks, each [G][16] bf16 scales padded to 64 bytes, then [group/8][G][16][4]
+//         bytes; byte j of a lane holds k = j (low nibble) and k = j + 4 (high nibble) of its
+//         8 k, as q + 8 in 0..15 (so v & 0x0f and (v >> 4) & 0x0f are two u8 quads).
+// (v2, before: int8 [Kp][G][16], int4 bytes holding k even / k odd; v1: no quantised formats.)
 // The block: all experts' gate/up panels, all experts' down panels, then fp32 biases ([E][In]
 // gate, [E][In] up, [E][Hn] down, each present only when the model has it); every part 64-byte
 // aligned; nbytes is the whole block.
 struct PackedHeader {
   uint32_t magic = 0x454D4E48;  // "HNME"
-  uint16_t version = 2;
+  uint16_t version = 3;
   uint8_t dtype = 0;            // DType of the model (x, out, and lossless weights)
   uint8_t isa = 0;              // Isa the kernels were chosen for
   uint8_t panel_n = 16;         // output rows per panel
@@ -201,9 +235,12 @@ class PackedExperts {
   float* bias_d_ = nullptr;  // [E, Hn]
 };
 
-// Name of the kernel `forward` would run for this tier, format and path (kAuto is not a path):
-// `moe_<path>_<format>_<isa>`, format = f32 | bf16 | f16 | int8 | int4.
-const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless);
+// Name of the kernel `forward` would run for this tier, format, path and qdot (kAuto is not a
+// path): `moe_<path>_<format>_<kernel>`, format = f32 | bf16 | f16 | int8 | int4; kernel = the
+// tier of the kernel that runs (generic | avx2 | avx512 | amx) for the lossless and expansion
+// kernels, avx512vnni | avxvnni | avx2dot | genericdot for the integer-dot kernels.
+const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless,
+                            QDot qdot = QDot::kAuto);
 // "auto" -> the best tier here, unless the env var HINA_MOE_ISA names a (lower) tier; other
 // names must be supported by this CPU. Throws std::invalid_argument naming the tier and what
 // the CPU supports.

@@ -21,10 +21,11 @@
 //   Threads: the driver hands these kernels small work items dynamically (moe.cpp header).
 //   Epilogue (AVX-512): C tiles stored to a 4 KiB stack buffer; bias, limits, activation,
 //   bf16 rounding (gate/up) or routing weight + scatter-add into fp32 rows (down).
-// Quantised weights (moe_prefill_int8_amx / moe_prefill_int4_amx): each panel is expanded to
-// bf16 (bf16(scale * q), the same VNNI-pair layout) in a per-thread buffer right before its
-// tiles run, then the bf16 tile plan above runs unchanged; the expansion is paid once per panel
-// and expert, and amortised over the expert's rows.
+// Quantised weights (moe_prefill_int8_amx / moe_prefill_int4_amx): each panel (layout v3: 4 k
+// per 32-bit lane) is expanded to bf16 (bf16(scale * q), the same VNNI-pair layout) in a
+// per-thread buffer right before its tiles run, then the bf16 tile plan above runs unchanged;
+// the expansion is paid once per panel and expert, and amortised over the expert's rows. (No
+// AMX-INT8 variant: qdot='int' sends the AMX tier's prefill to the avx512vnni kernels.)
 // Known limits: rows past the expert's last row are read (garbage rows of the next expert or
 // zeroed slack: KernelImpl::row_slack = 16) and their C rows discarded; A tiles are re-loaded
 // per panel (from L1/L2); gate/up has no room for a second panel (2 A + 2 B + 4 C = 8 tiles),
@@ -80,31 +81,30 @@ void expand_panel(const uint8_t* panel, const Layout& L, int64_t Kp, int G, uint
     const uint8_t* w = panel + 64 * G;
     for (int gi = 0; gi < G; ++gi) {
       const __m512 sc = _mm512_load_ps(reinterpret_cast<const float*>(panel + gi * 64));
-      for (int64_t k = 0; k < Kp; k += 2) {
-        auto q = [&](int64_t kk) {
-          return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_load_si128(reinterpret_cast<const __m128i*>(w + (kk * G + gi) * kPanelN))));
-        };
-        store_pairs(dst + ((k >> 1) * G + gi) * 32, _mm512_mul_ps(q(k), sc), _mm512_mul_ps(q(k + 1), sc));
+      for (int64_t k = 0; k < Kp; k += 4) {
+        const __m512i v = _mm512_load_si512(w + q8_index(k, G, gi, 0));
+        store_pairs(dst + ((k >> 1) * G + gi) * 32, _mm512_mul_ps(v512::i8_lane_ps<0>(v), sc),
+                    _mm512_mul_ps(v512::i8_lane_ps<1>(v), sc));
+        store_pairs(dst + (((k >> 1) + 1) * G + gi) * 32, _mm512_mul_ps(v512::i8_lane_ps<2>(v), sc),
+                    _mm512_mul_ps(v512::i8_lane_ps<3>(v), sc));
       }
     }
     return;
   }
   const int group = L.group;
   const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
-  const __m512i low4 = _mm512_set1_epi32(15);
-  const __m512 eight = _mm512_set1_ps(8.0f);
   for (int64_t b = 0; b < Kp / group; ++b) {
     const uint8_t* blk = panel + b * blk_bytes;
     for (int gi = 0; gi < G; ++gi) {
       const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + gi * 32))), 16));
-      for (int kk = 0; kk < group; kk += 2) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(
-            reinterpret_cast<const __m128i*>(blk + 64 + ((kk >> 1) * G + gi) * kPanelN)));
-        const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), eight);
-        const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), eight);
-        store_pairs(dst + (((b * group + kk) >> 1) * G + gi) * 32, _mm512_mul_ps(lo, sc), _mm512_mul_ps(hi, sc));
+      for (int kk = 0; kk < group; kk += 8) {
+        const __m512i v = _mm512_load_si512(blk + 64 + q4_index(kk, G, gi, 0));
+        uint16_t* d = dst + (((b * group + kk) >> 1) * G + gi) * 32;  // 4 pairs, G * 32 apart
+        store_pairs(d, _mm512_mul_ps(v512::i4_lane_ps<0>(v), sc), _mm512_mul_ps(v512::i4_lane_ps<1>(v), sc));
+        store_pairs(d + G * 32, _mm512_mul_ps(v512::i4_lane_ps<2>(v), sc), _mm512_mul_ps(v512::i4_lane_ps<3>(v), sc));
+        store_pairs(d + 2 * G * 32, _mm512_mul_ps(v512::i4_lane_ps<4>(v), sc), _mm512_mul_ps(v512::i4_lane_ps<5>(v), sc));
+        store_pairs(d + 3 * G * 32, _mm512_mul_ps(v512::i4_lane_ps<6>(v), sc), _mm512_mul_ps(v512::i4_lane_ps<7>(v), sc));
       }
     }
   }

@@ -1,17 +1,18 @@
 // [NOTE] moe_decode_<q>_avx2 / moe_prefill_<q>_avx2 (q: int8, int4)
 // Flags: -mavx2 -mfma -mf16c (tier `avx2`).
 //
-// Data layout: layout v2 quantised panels (PackedHeader; moe_generic.cpp has the table); one
-// 16-column panel is two ymm halves (columns 0-7, 8-15).
+// Data layout: layout v3 quantised panels (PackedHeader; moe_generic.cpp has the table); one
+// 16-column panel is two ymm halves (lanes 0-7, 8-15), 32 bytes each per 4 k (int8) / 8 k (int4).
 // Register plan: weights expanded to fp32 in registers, FMA'd with broadcast fp32 x / h:
-//   int8: vpmovsxbd of 8 bytes + vcvtdq2ps per half; row scale applied once at the end.
-//   int4: vpmovzxbd of 8 bytes; (v & 15) | 0x4B000000 (and + or) is the float 2^23 + nibble,
-//         minus 2^23 + 8 gives q exactly; high nibble shifted down first. Group scale applied
-//         per group with one FMA.
-//   NT <= 2 rows x G matrices x 2 halves accumulators (k even and odd share a chain: AVX2
+//   int8: byte j of each lane by vpslld + vpsrad + vcvtdq2ps; row scale applied once at the end.
+//   int4: (v >> shift & 15) | 0x4B000000 is the float 2^23 + nibble, minus 2^23 + 8 gives q
+//         exactly. Group scale applied per group with one FMA.
+//   NT <= 2 rows x G matrices x 2 halves accumulators (all k of a lane share a chain: AVX2
 //   machines have fewer FMA ports and less bandwidth, so the chain latency is not the limit).
 // Known limits: not tuned; the activation epilogue is scalar (as in moe_avx2.cpp).
 #include <immintrin.h>
+
+#include <type_traits>
 
 #include "moe/kernel_api.h"
 
@@ -23,8 +24,19 @@ constexpr int kPrefetchBytes = 1024;
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
-inline __m256 i8x8_to_ps(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// Layout v3 lanes (4 k of one output row per dword): byte J, sign-extended, as fp32.
+template <int J>
+inline __m256 i8_lane_ps(__m256i v) {
+  if constexpr (J == 3) return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+  else return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * J), 24));
+}
+// int4: the nibble of k % 8 = J as q: (n & 15) | 0x4B000000 = float 2^23 + n, minus 2^23 + 8.
+template <int J>
+inline __m256 i4_lane_ps(__m256i v) {
+  constexpr int sh = (J & 3) * 8 + (J >= 4 ? 4 : 0);
+  const __m256i s = sh ? _mm256_srli_epi32(v, sh) : v;
+  const __m256i n = _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(15)), _mm256_set1_epi32(0x4B000000));
+  return _mm256_sub_ps(_mm256_castsi256_ps(n), _mm256_set1_ps(8388616.0f));
 }
 
 // 8 bf16 scales -> fp32.
@@ -41,13 +53,21 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
     for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
   if constexpr (F == WFormat::kInt8) {
     const uint8_t* w = panel + 64 * G;
-    for (int64_t k = 0; k < Kp; ++k, w += G * kPanelN) {
-      if ((k & 3) == 0) prefetch(w + kPrefetchBytes);
+    for (int64_t k = 0; k < Kp; k += 4, w += 4 * G * kPanelN) {
+      prefetch(w + kPrefetchBytes);
+      if (G == 2) prefetch(w + kPrefetchBytes + 64);
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 wv = i8x8_to_ps(w + gi * kPanelN + half * 8);
-          for (int r = 0; r < NT; ++r)
-            out[r][gi][half] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(&x[r][k]), out[r][gi][half]);
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + gi * 4 * kPanelN + half * 32));
+          const __m256 w0 = i8_lane_ps<0>(v), w1 = i8_lane_ps<1>(v);
+          const __m256 w2 = i8_lane_ps<2>(v), w3 = i8_lane_ps<3>(v);
+          for (int r = 0; r < NT; ++r) {
+            __m256 a = out[r][gi][half];
+            a = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(&x[r][k]), a);
+            a = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(&x[r][k + 1]), a);
+            a = _mm256_fmadd_ps(w2, _mm256_broadcast_ss(&x[r][k + 2]), a);
+            out[r][gi][half] = _mm256_fmadd_ps(w3, _mm256_broadcast_ss(&x[r][k + 3]), a);
+          }
         }
     }
     for (int gi = 0; gi < G; ++gi)
@@ -56,9 +76,6 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
         for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_mul_ps(out[r][gi][half], sc);
       }
   } else {
-    const __m256i low4 = _mm256_set1_epi32(15);
-    const __m256i magic = _mm256_set1_epi32(0x4B000000);
-    const __m256 off = _mm256_set1_ps(8388616.0f);  // 2^23 + 8
     const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     const uint8_t* blk = panel;
     for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
@@ -67,17 +84,24 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a[r][gi][0] = a[r][gi][1] = _mm256_setzero_ps();
       const uint8_t* w = blk + 64;
-      for (int kk = 0; kk < group; kk += 2, w += G * kPanelN) {
+      for (int kk = 0; kk < group; kk += 8, w += G * 4 * kPanelN) {
         for (int gi = 0; gi < G; ++gi)
           for (int half = 0; half < 2; ++half) {
-            const __m256i v = _mm256_cvtepu8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + gi * kPanelN + half * 8)));
-            const __m256 we = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, low4), magic)), off);
-            const __m256 wo = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(v, 4), magic)), off);
-            for (int r = 0; r < NT; ++r) {
-              a[r][gi][half] = _mm256_fmadd_ps(we, _mm256_broadcast_ss(&x[r][k0 + kk]), a[r][gi][half]);
-              a[r][gi][half] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(&x[r][k0 + kk + 1]), a[r][gi][half]);
-            }
+            const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + gi * 4 * kPanelN + half * 32));
+            auto step = [&](auto jc) {
+              constexpr int J = decltype(jc)::value;
+              const __m256 wj = i4_lane_ps<J>(v);
+              for (int r = 0; r < NT; ++r)
+                a[r][gi][half] = _mm256_fmadd_ps(wj, _mm256_broadcast_ss(&x[r][k0 + kk + J]), a[r][gi][half]);
+            };
+            step(std::integral_constant<int, 0>{});
+            step(std::integral_constant<int, 1>{});
+            step(std::integral_constant<int, 2>{});
+            step(std::integral_constant<int, 3>{});
+            step(std::integral_constant<int, 4>{});
+            step(std::integral_constant<int, 5>{});
+            step(std::integral_constant<int, 6>{});
+            step(std::integral_constant<int, 7>{});
           }
       }
       for (int gi = 0; gi < G; ++gi)

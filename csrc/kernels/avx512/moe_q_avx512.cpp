@@ -1,26 +1,29 @@
 // [NOTE] moe_decode_<q>_avx512 / moe_prefill_<q>_avx512 (q: int8, int4)
 // Flags: -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c (tier `avx512`; no VNNI).
 //
-// Data layout: layout v2 quantised panels (PackedHeader; moe_generic.cpp has the table).
-//   int8: 64*G bytes of fp32 row scales, then per k: G x 16 int8 (16 bytes per matrix).
-//   int4: blocks of `group` k: 64 bytes of bf16 scales, then per k pair: G x 16 bytes, low
-//         nibble = k even, high nibble = k odd, stored q + 8.
+// Data layout: layout v3 quantised panels (PackedHeader; moe_generic.cpp has the table).
+//   int8: 64*G bytes of fp32 row scales, then per 4 k: G x 64 bytes (16 lanes x 4 k, int8).
+//   int4: blocks of `group` k: 64 bytes of bf16 scales, then per 8 k: G x 64 bytes (16 lanes
+//         x 4 bytes; byte j: k = j in the low nibble, k = j + 4 in the high one, q + 8).
 // Register plan: one panel = 16 output columns = one zmm per row and matrix. Weights are
 // expanded to fp32 in registers and FMA'd with broadcast fp32 x / h (no activation
 // quantisation, so the result is the dequantised model's, up to summation order):
-//   int8: vpmovsxbd (16 bytes -> 16 dwords) + vcvtdq2ps, two FMA chains (k even / odd); the
-//         row scale multiplies the dot product once at the end (exact factoring).
-//   int4: vpmovzxbd of 16 bytes; nibble -> float without a conversion instruction:
-//         (v & 15) | 0x4B000000 is the float 2^23 + nibble (one vpternlogd), minus 2^23 + 8
-//         gives q exactly; the high nibble is shifted down first. Per group: two chains
-//         (k even / odd) per row and matrix, then acc = fma(chains, group scale, acc).
+//   int8: one 64-byte load per 4 k and matrix; byte j of each lane by vpslld + vpsrad (byte 3:
+//         vpsrad only) + vcvtdq2ps; two FMA chains; the row scale multiplies the dot product
+//         once at the end (exact factoring).
+//   int4: one 64-byte load per 8 k and matrix; nibble -> float without a conversion:
+//         (v >> shift & 15) | 0x4B000000 is the float 2^23 + nibble (vpsrld + vpternlogd),
+//         minus 2^23 + 8 gives q exactly. Per group: two chains per row and matrix, then
+//         acc = fma(chains, group scale, acc).
 //   Rows: NT <= 4 (int8) / 3 (int4) rows share each expanded weight vector (prefill reuse);
 //   the int4 limit keeps 6 accumulators per row plus constants within the 32 zmm registers.
 // Software prefetch kPrefetchBytes ahead in the weight stream, one line per 64 bytes consumed.
 // Known limits: the expansion costs 2-3 vector ops per 16 weights, so int4 decode is bounded
 // by the FMA ports before memory on slow-clocked cores (measured in benchmarks/RESULTS.md);
-// a VNNI (u8 x s8) variant with quantised activations is the next step if it is.
+// the integer-dot kernels (moe_qdot_avx512vnni.cpp) avoid the expansion entirely.
 #include <immintrin.h>
+
+#include <type_traits>
 
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
@@ -31,10 +34,6 @@ namespace {
 constexpr int kPrefetchBytes = 1024;
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-
-inline __m512 i8x16_to_ps(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(p))));
-}
 
 // 16 bf16 scales -> fp32.
 inline __m512 bf16x16_to_ps(const void* p) {
@@ -54,15 +53,18 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
     const uint8_t* w = panel + 64 * G;
-    for (int64_t k = 0; k < Kp; k += 2, w += 2 * G * kPanelN) {
+    for (int64_t k = 0; k < Kp; k += 4, w += 4 * G * kPanelN) {
       prefetch(w + kPrefetchBytes);
-      if (G == 2) prefetch(w + kPrefetchBytes + 32);  // G == 2 consumes 64 bytes per step
+      if (G == 2) prefetch(w + kPrefetchBytes + 64);  // G == 2 consumes 128 bytes per step
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 we = i8x16_to_ps(w + gi * kPanelN);
-        const __m512 wo = i8x16_to_ps(w + (G + gi) * kPanelN);
+        const __m512i v = _mm512_load_si512(w + gi * 4 * kPanelN);
+        const __m512 w0 = v512::i8_lane_ps<0>(v), w1 = v512::i8_lane_ps<1>(v);
+        const __m512 w2 = v512::i8_lane_ps<2>(v), w3 = v512::i8_lane_ps<3>(v);
         for (int r = 0; r < NT; ++r) {
-          a0[r][gi] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[r][k]), a0[r][gi]);
-          a1[r][gi] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r][k + 1]), a1[r][gi]);
+          a0[r][gi] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r][k]), a0[r][gi]);
+          a1[r][gi] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r][k + 1]), a1[r][gi]);
+          a0[r][gi] = _mm512_fmadd_ps(w2, _mm512_set1_ps(x[r][k + 2]), a0[r][gi]);
+          a1[r][gi] = _mm512_fmadd_ps(w3, _mm512_set1_ps(x[r][k + 3]), a1[r][gi]);
         }
       }
     }
@@ -71,9 +73,6 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       for (int r = 0; r < NT; ++r) out[r][gi] = _mm512_mul_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc);
     }
   } else {
-    const __m512i low4 = _mm512_set1_epi32(15);
-    const __m512i magic = _mm512_set1_epi32(0x4B000000);  // 2^23
-    const __m512 off = _mm512_set1_ps(8388616.0f);        // 2^23 + 8
     const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     const uint8_t* blk = panel;
     for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
@@ -82,16 +81,27 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
       const uint8_t* w = blk + 64;
-      for (int kk = 0; kk < group; kk += 2, w += G * kPanelN) {
+      for (int kk = 0; kk < group; kk += 8, w += G * 4 * kPanelN) {
         for (int gi = 0; gi < G; ++gi) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(w + gi * kPanelN)));
-          // (v & 15) | magic: 0xEA is the truth table of (A & B) | C.
-          const __m512 we = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, low4, magic, 0xEA)), off);
-          const __m512 wo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(v, 4), magic)), off);
-          for (int r = 0; r < NT; ++r) {
-            a0[r][gi] = _mm512_fmadd_ps(we, _mm512_set1_ps(x[r][k0 + kk]), a0[r][gi]);
-            a1[r][gi] = _mm512_fmadd_ps(wo, _mm512_set1_ps(x[r][k0 + kk + 1]), a1[r][gi]);
-          }
+          const __m512i v = _mm512_load_si512(w + gi * 4 * kPanelN);
+          const float* xk[NT];
+          for (int r = 0; r < NT; ++r) xk[r] = x[r] + k0 + kk;
+          auto step = [&](auto jc) {
+            constexpr int J = decltype(jc)::value;
+            const __m512 wj = v512::i4_lane_ps<J>(v);
+            for (int r = 0; r < NT; ++r) {
+              if constexpr (J & 1) a1[r][gi] = _mm512_fmadd_ps(wj, _mm512_set1_ps(xk[r][J]), a1[r][gi]);
+              else a0[r][gi] = _mm512_fmadd_ps(wj, _mm512_set1_ps(xk[r][J]), a0[r][gi]);
+            }
+          };
+          step(std::integral_constant<int, 0>{});
+          step(std::integral_constant<int, 1>{});
+          step(std::integral_constant<int, 2>{});
+          step(std::integral_constant<int, 3>{});
+          step(std::integral_constant<int, 4>{});
+          step(std::integral_constant<int, 5>{});
+          step(std::integral_constant<int, 6>{});
+          step(std::integral_constant<int, 7>{});
         }
       }
       for (int gi = 0; gi < G; ++gi) {

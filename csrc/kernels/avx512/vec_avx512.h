@@ -97,6 +97,23 @@ static inline __m256i cvt_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// ---- layout v3 quantised lanes (4 k of one output row per dword; see kernel_api.h) ----
+// int8: byte J of each dword, sign-extended, as fp32.
+template <int J>
+static inline __m512 i8_lane_ps(__m512i v) {
+  if constexpr (J == 3) return _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
+  else return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * J), 24));
+}
+// int4: the nibble of k % 8 = J (byte J % 4; high nibble for J >= 4) as q = nibble - 8, exact:
+// (n & 15) | 0x4B000000 is the float 2^23 + n (0xEA: truth table of (A & B) | C), minus 2^23 + 8.
+template <int J>
+static inline __m512 i4_lane_ps(__m512i v) {
+  constexpr int sh = (J & 3) * 8 + (J >= 4 ? 4 : 0);
+  const __m512i s = sh ? _mm512_srli_epi32(v, sh) : v;
+  const __m512i n = _mm512_ternarylogic_epi32(s, _mm512_set1_epi32(15), _mm512_set1_epi32(0x4B000000), 0xEA);
+  return _mm512_sub_ps(_mm512_castsi512_ps(n), _mm512_set1_ps(8388616.0f));
+}
+
 static inline __mmask16 valid_mask(int64_t col0, int64_t limit) {
   const int64_t n = limit - col0;
   if (n >= 16) return 0xffff;

@@ -1,12 +1,12 @@
 // [NOTE] moe_*_generic: the scalar oracle every SIMD MoE kernel is tested against, for every
 // weight format (lossless f32/bf16/f16, int8, int4).
 //
-// Data layout: layout v2 quantised panels (see PackedHeader in hina_moe/moe.h):
-//   | format | one panel (16 output rows, reduction length Kp, G matrices)                     |
-//   |--------|---------------------------------------------------------------------------------|
-//   | int8   | [G][16] fp32 row scales (64*G B), then [Kp][G][16] int8                          |
-//   | int4   | Kp/group blocks: [G][16] bf16 scales padded to 64 B, then [group/2][G][16] bytes |
-//   |        | (low nibble: k even, high nibble: k odd, stored as q + 8)                        |
+// Data layout: layout v3 quantised panels (see PackedHeader in hina_moe/moe.h):
+//   | format | one panel (16 output rows, reduction length Kp, G matrices)                       |
+//   |--------|-----------------------------------------------------------------------------------|
+//   | int8   | [G][16] fp32 row scales (64*G B), then [Kp/4][G][16][4] int8 (4 k per 32-bit lane) |
+//   | int4   | Kp/group blocks: [G][16] bf16 scales padded to 64 B, then [group/8][G][16][4] bytes |
+//   |        | (byte j of a lane: k = j low nibble, k = j + 4 high nibble, stored as q + 8)        |
 //   x rows [nt][Hk] and h rows [nt][Ik] are fp32 (bf16 for the AMX twin), as for native weights.
 //   Lossless panels: bf16 [Kp/2][G][16][2] (VNNI pairs), f32/f16 [Kp][G][16].
 // Plan: each panel is expanded to fp32 w[k][16] (lossless: the values; quantised: scale * q),
@@ -14,6 +14,7 @@
 // The AMX twin reads x and h as bf16 and rounds w to bf16 (a no-op for bf16 weights), as the
 // AMX kernels do when they expand a quantised panel to tiles.
 // Limits: slow by design; only meant as the reference and the last-resort fallback.
+#include <cmath>
 #include <vector>
 
 #include "moe/kernel_api.h"
@@ -25,7 +26,7 @@ void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G,
     const float* sc = reinterpret_cast<const float*>(panel + gi * 64);
     const int8_t* q = reinterpret_cast<const int8_t*>(panel + 64 * G);
     for (int64_t k = 0; k < Kp; ++k)
-      for (int n = 0; n < kPanelN; ++n) w[k * kPanelN + n] = sc[n] * static_cast<float>(q[(k * G + gi) * kPanelN + n]);
+      for (int n = 0; n < kPanelN; ++n) w[k * kPanelN + n] = sc[n] * static_cast<float>(q[q8_index(k, G, gi, n)]);
     return;
   }
   const int group = L.group;
@@ -116,7 +117,90 @@ void down_generic(const DownJob& j) {
   }
 }
 
+// ---- integer dot (qdot): the exact emulation of the contract in moe.h ----
+
+// Column n of matrix gi of a quantised panel dotted with a quantised activation row.
+float qdot_col(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, int n, const void* row) {
+  const int8_t* qx = static_cast<const int8_t*>(row);
+  const float* sx = qrow_scales(row, Kp);
+  if (L.wfmt == WFormat::kInt8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(panel + 64 * G);
+    float a = 0.0f;
+    for (int64_t b = 0; b < Kp / kActBlock; ++b) {
+      int32_t isum = 0;
+      for (int64_t k = b * kActBlock; k < (b + 1) * kActBlock; ++k) isum += q[q8_index(k, G, gi, n)] * qx[k];
+      a = std::fma(static_cast<float>(isum), sx[b], a);
+    }
+    return reinterpret_cast<const float*>(panel + gi * 64)[n] * a;
+  }
+  const int group = L.group;
+  const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+  float y = 0.0f;
+  for (int64_t g = 0; g < Kp / group; ++g) {
+    const uint8_t* blk = panel + g * blk_bytes;
+    float bg = 0.0f;
+    for (int b = 0; b < group / kActBlock; ++b) {
+      int32_t isum = 0;
+      for (int k = b * kActBlock; k < (b + 1) * kActBlock; ++k) isum += int4_q(blk + 64, k, G, gi, n) * qx[g * group + k];
+      bg = std::fma(static_cast<float>(isum), sx[g * group / kActBlock + b], bg);
+    }
+    y = std::fma(bg, bf16_to_f32(reinterpret_cast<const uint16_t*>(blk + gi * 32)[n]), y);
+  }
+  return y;
+}
+
+void gateup_generic_dot(const GateUpJob& j) {
+  const Layout& L = *j.L;
+  const bool gated = L.G == 2;
+  const int64_t pbytes = gu_panel_bytes(L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    for (int64_t r = 0; r < j.nt; ++r) {
+      for (int n = 0; n < kPanelN; ++n) {
+        const int64_t col = p * kPanelN + n;
+        float h = 0.0f;
+        if (col < L.I) {
+          float u = qdot_col(panel, L, L.Hk, L.G, L.G - 1, n, j.x[r]);
+          float g = gated ? qdot_col(panel, L, L.Hk, L.G, 0, n, j.x[r]) : 0.0f;
+          if (j.bias_g) g += j.bias_g[col];
+          if (j.bias_u) u += j.bias_u[col];
+          h = h_scalar(*j.act, gated, g, u);
+        }
+        static_cast<float*>(j.h)[r * j.h_stride + col] = h;
+      }
+    }
+  }
+}
+
+void down_generic_dot(const DownJob& j) {
+  const Layout& L = *j.L;
+  const int64_t pbytes = down_panel_bytes(L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    for (int64_t r = 0; r < j.nt; ++r) {
+      const uint8_t* hr = static_cast<const uint8_t*>(j.h) + r * j.h_stride;  // bytes
+      for (int n = 0; n < kPanelN; ++n) {
+        const int64_t col = p * kPanelN + n;
+        if (col >= L.H) break;
+        float y = qdot_col(panel, L, L.Ik, 1, 0, n, hr);
+        if (j.bias) y += j.bias[col];
+        j.acc[r][col] = std::fma(j.wt[r], y, j.acc[r][col]);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+bool get_qdot_kernels_generic(WFormat wf, KernelImpl* k) {
+  if (wf != WFormat::kInt8 && wf != WFormat::kInt4) return false;
+  k->gateup = &gateup_generic_dot;
+  k->down = &down_generic_dot;
+  k->x_bf16 = k->h_bf16 = false;
+  k->row_slack = 0;
+  k->qdot = true;
+  return true;
+}
 
 bool get_kernels_generic(DType dt, bool amx_twin, KernelImpl* k) {
   if (amx_twin && dt != DType::kBF16) return false;
@@ -128,6 +212,7 @@ bool get_qkernels_generic(WFormat, bool amx_twin, KernelImpl* k) {  // every for
   k->down = amx_twin ? &down_generic<true> : &down_generic<false>;
   k->x_bf16 = k->h_bf16 = amx_twin;
   k->row_slack = 0;
+  k->qdot = false;
   return true;
 }
 

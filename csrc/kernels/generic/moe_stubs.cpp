@@ -8,4 +8,9 @@ bool get_kernels_amx(DType, KernelImpl*) { return false; }
 bool get_qkernels_avx2(WFormat, KernelImpl*) { return false; }
 bool get_qkernels_avx512(WFormat, KernelImpl*) { return false; }
 bool get_qkernels_amx(WFormat, KernelImpl*) { return false; }
+bool get_qdot_kernels_avx512vnni(WFormat, KernelImpl*) { return false; }
+bool get_qdot_kernels_avx2(WFormat, KernelImpl*) { return false; }
+bool get_qdot_kernels_avxvnni(WFormat, KernelImpl*) { return false; }
+void quant_act_row_avx512(const float*, int64_t, uint8_t*) {}
+void quant_act_row_avx2(const float*, int64_t, uint8_t*) {}
 }  // namespace hina::detail

@@ -1,0 +1,246 @@
+// [NOTE] moe_decode_<q>_avx512vnni / moe_prefill_<q>_avx512vnni (q: int8, int4): integer dot
+// products of quantised weights with quantised activations (W8A8 / W4A8).
+// Flags: the avx512 TU's flags + -mavx512vnni; selected for tiers avx512 and amx only when the
+// CPU reports AVX512-VNNI (the tier itself guarantees F/BW/VL only).
+//
+// Data layout: layout v3 quantised panels (PackedHeader; moe_generic.cpp has the table) and
+// quantised activation rows (kernel_api.h: [Kp] int8, [Kp/32] fp32 scales, [Kp/32] int32 sums).
+//   | operand        | register view                                                       |
+//   |----------------|---------------------------------------------------------------------|
+//   | int8 weights   | one zmm per 4 k and matrix: 16 lanes (output rows) x 4 k, signed q  |
+//   | int4 weights   | one zmm per 8 k and matrix: v & 0x0f = k 0..3, v >> 4 & 0x0f = k 4..7 |
+//   | activations    | 4 consecutive int8 qx broadcast to every lane (vpbroadcastd)        |
+// Register plan: vpdpbusd multiplies unsigned bytes by signed bytes, so the WEIGHTS are the
+// unsigned operand: int8 q ^ 0x80 = q + 128 (one vpxord per 64 bytes), int4 the stored q + 8.
+// The offset is removed exactly by starting each block's int32 accumulator at -128 * sum(qx_b)
+// (int8) or -8 * sum(qx_b) (int4): the correction depends only on the activations, so no
+// per-row weight sums are stored. Per 32-k block: 8 vpdpbusd per row and matrix into that
+// accumulator (int8: 8 quads; int4: 4 loads x low/high nibbles), then vcvtdq2ps and one FMA
+// with the block's activation scale; int8 multiplies the row scale once at the end, int4
+// applies each group's bf16 scale with one FMA per group (moe.h fixes this order; the generic
+// emulation follows it, so only the activation epilogue differs from it).
+// NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G int32
+// and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
+// Software prefetch kPrefetchBytes ahead in the weight stream, one line per 64 bytes consumed.
+// Known limits: the block sums are exact int32 (|sum| <= 32 * 255 * 127); a block is 32 k, so
+// a k padding of up to 31 zero columns is multiplied too (Kp is a multiple of 32 anyway).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/avx512/vec_avx512.h"
+#include "moe/kernel_api.h"
+
+namespace hina::detail {
+namespace {
+
+constexpr int kPrefetchBytes = 1024;
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// 4 int8 activations (k .. k+3) in every lane.
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 16 bf16 scales -> fp32.
+inline __m512 bf16x16_to_ps(const void* p) {
+  const __m256i v = _mm256_load_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// NT quantised activation rows of reduction length Kp.
+template <int NT>
+struct QRows {
+  const int8_t* q[NT];
+  const float* s[NT];
+  const int32_t* sum[NT];
+  void set(int r, const void* row, int64_t Kp) {
+    q[r] = static_cast<const int8_t*>(row);
+    s[r] = qrow_scales(row, Kp);
+    sum[r] = qrow_sums(row, Kp);
+  }
+};
+
+// out[r][gi]: 16 columns of matrix gi dotted with row r, all scales applied (moe.h order).
+template <WFormat F, int G, int NT>
+inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<NT>& x, __m512 out[][2]) {
+  if constexpr (F == WFormat::kInt8) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512 af[NT][G];
+    for (int r = 0; r < NT; ++r)
+      for (int gi = 0; gi < G; ++gi) af[r][gi] = _mm512_setzero_ps();
+    const uint8_t* w = panel + 64 * G;
+    for (int64_t b = 0; b < Kp / kActBlock; ++b) {
+      __m512i ai[NT][G];
+      for (int r = 0; r < NT; ++r) {
+        const __m512i c = _mm512_set1_epi32(-128 * x.sum[r][b]);
+        for (int gi = 0; gi < G; ++gi) ai[r][gi] = c;
+      }
+      const int64_t kb = b * kActBlock;
+      for (int qd = 0; qd < kActBlock / 4; ++qd, w += 64 * G) {
+        prefetch(w + kPrefetchBytes);
+        if (G == 2) prefetch(w + kPrefetchBytes + 64);
+        __m512i xb[NT];
+        for (int r = 0; r < NT; ++r) xb[r] = bcast4(x.q[r] + kb + qd * 4);
+        for (int gi = 0; gi < G; ++gi) {
+          const __m512i u = _mm512_xor_si512(_mm512_load_si512(w + gi * 64), flip);
+          for (int r = 0; r < NT; ++r) ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], u, xb[r]);
+        }
+      }
+      for (int r = 0; r < NT; ++r) {
+        const __m512 sb = _mm512_set1_ps(x.s[r][b]);
+        for (int gi = 0; gi < G; ++gi) af[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][gi]), sb, af[r][gi]);
+      }
+    }
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512 sc = _mm512_load_ps(reinterpret_cast<const float*>(panel + gi * 64));
+      for (int r = 0; r < NT; ++r) out[r][gi] = _mm512_mul_ps(af[r][gi], sc);
+    }
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
+    __m512 y[NT][G];
+    for (int r = 0; r < NT; ++r)
+      for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
+    const uint8_t* blk = panel;
+    for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
+      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + kPrefetchBytes + o);
+      __m512 bg[NT][G];
+      for (int r = 0; r < NT; ++r)
+        for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_setzero_ps();
+      const uint8_t* w = blk + 64;
+      for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
+        const int64_t b = kb / kActBlock;
+        __m512i ai[NT][G];
+        for (int r = 0; r < NT; ++r) {
+          const __m512i c = _mm512_set1_epi32(-8 * x.sum[r][b]);
+          for (int gi = 0; gi < G; ++gi) ai[r][gi] = c;
+        }
+        for (int o = 0; o < kActBlock / 8; ++o, w += 64 * G) {
+          __m512i xl[NT], xh[NT];
+          for (int r = 0; r < NT; ++r) {
+            xl[r] = bcast4(x.q[r] + kb + o * 8);
+            xh[r] = bcast4(x.q[r] + kb + o * 8 + 4);
+          }
+          for (int gi = 0; gi < G; ++gi) {
+            const __m512i v = _mm512_load_si512(w + gi * 64);
+            const __m512i lo = _mm512_and_si512(v, m4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            for (int r = 0; r < NT; ++r) {
+              ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]);
+              ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], hi, xh[r]);
+            }
+          }
+        }
+        for (int r = 0; r < NT; ++r) {
+          const __m512 sb = _mm512_set1_ps(x.s[r][b]);
+          for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][gi]), sb, bg[r][gi]);
+        }
+      }
+      for (int gi = 0; gi < G; ++gi) {
+        const __m512 d = bf16x16_to_ps(blk + gi * 32);
+        for (int r = 0; r < NT; ++r) y[r][gi] = _mm512_fmadd_ps(bg[r][gi], d, y[r][gi]);
+      }
+    }
+    for (int r = 0; r < NT; ++r)
+      for (int gi = 0; gi < G; ++gi) out[r][gi] = y[r][gi];
+  }
+}
+
+template <WFormat F, bool Gated, int NT>
+inline void gateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t col0,
+                        __m512 bg, __m512 bu, __mmask16 valid) {
+  constexpr int G = Gated ? 2 : 1;
+  QRows<NT> xr;
+  for (int r = 0; r < NT; ++r) xr.set(r, j.x[r0 + r], j.L->Hk);
+  __m512 acc[NT][2];
+  qdot_panel<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
+  float* h = static_cast<float*>(j.h);
+  for (int r = 0; r < NT; ++r) {
+    const __m512 g = Gated ? _mm512_add_ps(acc[r][0], bg) : _mm512_setzero_ps();
+    const __m512 hv = v512::h_vec(*j.act, Gated, g, _mm512_add_ps(acc[r][G - 1], bu), valid);
+    _mm512_store_ps(h + (r0 + r) * j.h_stride + col0, hv);
+  }
+}
+
+template <WFormat F>
+constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
+
+template <WFormat F, bool Gated>
+void gateup_vnni(const GateUpJob& j) {
+  const Layout& L = *j.L;
+  constexpr int M = max_rows<F>();
+  const int64_t pbytes = gu_panel_bytes(L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    const int64_t col0 = p * kPanelN;
+    const __mmask16 valid = v512::valid_mask(col0, L.I);
+    const __m512 bg = j.bias_g ? _mm512_load_ps(j.bias_g + col0) : _mm512_setzero_ps();
+    const __m512 bu = j.bias_u ? _mm512_load_ps(j.bias_u + col0) : _mm512_setzero_ps();
+    int64_t r0 = 0;
+    for (; r0 + M <= j.nt; r0 += M) gateup_rows<F, Gated, M>(j, panel, r0, col0, bg, bu, valid);
+    switch (j.nt - r0) {
+      case 3: if constexpr (M > 3) gateup_rows<F, Gated, 3>(j, panel, r0, col0, bg, bu, valid); break;
+      case 2: gateup_rows<F, Gated, 2>(j, panel, r0, col0, bg, bu, valid); break;
+      case 1: gateup_rows<F, Gated, 1>(j, panel, r0, col0, bg, bu, valid); break;
+      default: break;
+    }
+  }
+}
+
+template <WFormat F, int NT>
+inline void down_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0, __m512 b) {
+  QRows<NT> hr;
+  for (int r = 0; r < NT; ++r) hr.set(r, static_cast<const uint8_t*>(j.h) + (r0 + r) * j.h_stride, j.L->Ik);
+  __m512 y[NT][2];
+  qdot_panel<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
+  for (int r = 0; r < NT; ++r) {
+    float* a = j.acc[r0 + r] + col0;
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(j.wt[r0 + r]), _mm512_add_ps(y[r][0], b),
+                                        _mm512_loadu_ps(a)));
+  }
+}
+
+template <WFormat F>
+void down_vnni(const DownJob& j) {
+  constexpr int M = max_rows<F>();
+  const int64_t pbytes = down_panel_bytes(*j.L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    const int64_t col0 = p * kPanelN;
+    const __m512 b = j.bias ? _mm512_load_ps(j.bias + col0) : _mm512_setzero_ps();
+    int64_t r0 = 0;
+    for (; r0 + M <= j.nt; r0 += M) down_rows<F, M>(j, panel, r0, col0, b);
+    switch (j.nt - r0) {
+      case 3: if constexpr (M > 3) down_rows<F, 3>(j, panel, r0, col0, b); break;
+      case 2: down_rows<F, 2>(j, panel, r0, col0, b); break;
+      case 1: down_rows<F, 1>(j, panel, r0, col0, b); break;
+      default: break;
+    }
+  }
+}
+
+template <WFormat F>
+void gateup_dispatch(const GateUpJob& j) {
+  if (j.L->G == 2) gateup_vnni<F, true>(j);
+  else gateup_vnni<F, false>(j);
+}
+
+}  // namespace
+
+bool get_qdot_kernels_avx512vnni(WFormat wf, KernelImpl* k) {
+  switch (wf) {
+    case WFormat::kInt8: k->gateup = &gateup_dispatch<WFormat::kInt8>; k->down = &down_vnni<WFormat::kInt8>; break;
+    case WFormat::kInt4: k->gateup = &gateup_dispatch<WFormat::kInt4>; k->down = &down_vnni<WFormat::kInt4>; break;
+    default: return false;
+  }
+  k->x_bf16 = k->h_bf16 = false;
+  k->row_slack = 0;
+  k->qdot = true;
+  return true;
+}
+
+}  // namespace hina::detail
