@@ -82,10 +82,14 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
           f"{n_layers * bf16_layer / 1e9:.2f} GB cycled" + (", with a shared expert" if shared is not None else ""),
           flush=True)
     # the machine drifts: shares of bandwidth use the higher of the run's first probe and this one
-    bw_here, peak_here = read_bandwidth(args.threads), matmul_peak_gflops(args.threads)
-    print(f"#   read bandwidth now {bw_here:.1f} GB/s (run start {bw_gbs:.1f}), matmul peak now "
+    # The machine drifts: the decode shares use the median of read-bandwidth probes taken at the
+    # shape's start and after every arm's decode timing; prefill shares the higher matmul peak of
+    # the run's start and the shape's start.
+    probes = [bw_gbs, read_bandwidth(args.threads)]
+    peak_here = matmul_peak_gflops(args.threads)
+    print(f"#   read bandwidth now {probes[-1]:.1f} GB/s (run start {bw_gbs:.1f}), matmul peak now "
           f"{peak_here:.0f} GFLOP/s (run start {peak_gflops:.0f})", flush=True)
-    bw_gbs, peak_gflops = max(bw_gbs, bw_here), max(peak_gflops, peak_here)
+    peak_gflops = max(peak_gflops, peak_here)
     rows = []
     # correctness first: every arm on the same input vs the reference path
     x, idx, w = make_inputs(cfg, 33, dtype, 999)
@@ -124,16 +128,15 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
             if "|" in label:
                 decode_k, prefill_k = label.split(" ", 1)[1].split("|")
                 name = f"hi_na_moe {decode_k if T == 1 else prefill_k}"
-            row = dict(shape=shape, arm=name, case=case, T=T, bw_gbs=bw_gbs, peak_gflops=peak_gflops, median_ms=med * 1e3, p90_ms=p90(s) * 1e3,
+            row = dict(shape=shape, arm=name, case=case, T=T, peak_gflops=peak_gflops, median_ms=med * 1e3, p90_ms=p90(s) * 1e3,
                        active_mb=statistics.median(b) / 1e6, rel_err=err, samples_ms=[v * 1e3 for v in s])
             if T == 1:
                 row["gb_s"] = statistics.median([bb / ss for bb, ss in zip(b, s)]) / 1e9
-                row["share"] = row["gb_s"] / bw_gbs
+                probes.append(read_bandwidth(args.threads))
             else:
                 row["gflop_s"] = 2 * T * K * 3 * H * I / med / 1e9
-                row["share"] = row["gflop_s"] / peak_gflops
             rows.append(row)
-            print(f"  {name:55s} {case:15s} {row['median_ms']:8.2f} ms  share {row['share']:.0%}", flush=True)
+            print(f"  {name:55s} {case:15s} {row['median_ms']:8.2f} ms", flush=True)
         if enabled:
             hi_na_moe.disable_for_model(layers)
         set_impl(layers, "grouped_mm")
@@ -149,10 +152,17 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
                 if i >= len(shared):
                     samples.append(time.perf_counter() - t0)
         med = statistics.median(samples)
-        rows.append(dict(shape=shape, arm="shared expert MLP (PyTorch, every arm)", case="decode T=1", T=1, bw_gbs=bw_gbs,
+        rows.append(dict(shape=shape, arm="shared expert MLP (PyTorch, every arm)", case="decode T=1", T=1,
                          median_ms=med * 1e3, p90_ms=p90(samples) * 1e3, active_mb=nbytes / 1e6,
-                         gb_s=nbytes / med / 1e9, share=nbytes / med / 1e9 / bw_gbs, rel_err=float("nan"),
-                         samples_ms=[v * 1e3 for v in samples]))
+                         gb_s=nbytes / med / 1e9, rel_err=float("nan"), samples_ms=[v * 1e3 for v in samples]))
+    bw_shape = statistics.median(probes)
+    for r in rows:
+        if r["T"] == 1:
+            r["bw_gbs"], r["share"] = bw_shape, r["gb_s"] / bw_shape
+        else:
+            r["share"] = r["gflop_s"] / peak_gflops
+    print(f"#   read bandwidth probes for this shape: median {bw_shape:.1f}, range {min(probes):.1f}-{max(probes):.1f} GB/s",
+          flush=True)
     del layers, shared
     gc.collect()
     return rows
@@ -193,8 +203,9 @@ def main() -> int:
         if competitor is not None:
             competitor.kill()
 
-    print(f"\nat the start: read bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s; each shape's roofline "
-          f"is the higher of that and a probe right before the shape\n")
+    print(f"\nat the start: read bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s; decode roofline per "
+          f"shape: the median of the probes taken through that shape; prefill: the higher of the run's and the "
+          f"shape's matmul peak\n")
     print("| shape | provider | case | median ms | p90 ms | active MB | GB/s | GFLOP/s | share of roofline | roofline | vs first arm | rel err vs ref |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     first = {}

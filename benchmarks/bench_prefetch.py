@@ -8,7 +8,8 @@ Needs a tuning build, in which the kernels read HINA_PF (bytes ahead) and HINA_P
     chrt -f 1 python benchmarks/bench_prefetch.py --settings 1024:0,4096:1,8192:1 [--isa avx2]
     pip install --no-deps --no-build-isolation -e .        # back to the release build
 
-OLMoE-1B-7B-shaped experts (E64 H2048 I1024 top-8, bf16), 4 packed copies (3.2 GB) cycled,
+OLMoE-1B-7B-shaped experts (E64 H2048 I1024 top-8, bf16; --weights int8/int4 quantises them,
+--qdot picks the kernel family), 4 packed copies (3.2 GB) cycled (int8/int4: 8),
 decode T=1 at op level (PackedExperts.forward). Prints median ms and GB/s per setting and the
 read-bandwidth probe of the same run.
 """
@@ -31,6 +32,8 @@ def main() -> int:
                     help="comma list of <bytes ahead>:<level>")
     ap.add_argument("--rounds", type=int, default=80)
     ap.add_argument("--isa", default="auto")
+    ap.add_argument("--weights", default="lossless", choices=("lossless", "int8", "int4"))
+    ap.add_argument("--qdot", default="auto", choices=("auto", "int", "expand"), help="int8/int4 kernel family")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     settings = [tuple(int(v) for v in s.split(":")) for s in args.settings.split(",")]
@@ -45,10 +48,12 @@ def main() -> int:
         return src.repeat(n // src.numel() + 1)[:n].view(shape)
 
     packs = [_native.PackedExperts(tensor((E, I, H), 7 * i), tensor((E, I, H), 11 * i + 1),
-                                   tensor((E, H, I), 13 * i + 2), isa=args.isa) for i in range(4)]
+                                   tensor((E, H, I), 13 * i + 2), isa=args.isa, weights=args.weights)
+             for i in range(4 if args.weights == "lossless" else 8)]
     per_expert = packs[0].nbytes / E
     times: dict[tuple, list[float]] = {s: [] for s in settings}
     out = torch.empty(1, H, dtype=torch.bfloat16)
+    qdot = {} if args.weights == "lossless" else {"qdot": args.qdot}
     for r in range(args.rounds + 2):
         x = torch.randn(1, H, generator=g).bfloat16()
         idx = torch.randperm(E, generator=g)[:K].int().view(1, K)
@@ -57,11 +62,11 @@ def main() -> int:
             os.environ["HINA_PF"], os.environ["HINA_PFH"] = str(s[0]), str(s[1])
             pe = packs[(r * len(settings) + i) % len(packs)]
             t0 = time.perf_counter()
-            pe.forward(x, idx, w, out, num_threads=args.threads)
+            pe.forward(x, idx, w, out, num_threads=args.threads, **qdot)
             if r >= 2:
                 times[s].append(time.perf_counter() - t0)
     bw = _native.measure_read_bandwidth(1 << 30, args.threads, 5)
-    print(f"# {packs[0].kernel_name('decode')}, {args.threads} threads; read-bandwidth probe of this run: "
+    print(f"# {packs[0].kernel_name('decode', **qdot)}, {args.threads} threads; read-bandwidth probe of this run: "
           f"best {bw['best_gbs']:.1f}, median {bw['median_gbs']:.1f} GB/s")
     print("| bytes ahead | level | median ms | GB/s | share of best probe |")
     print("|---|---|---|---|---|")

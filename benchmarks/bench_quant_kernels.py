@@ -99,6 +99,7 @@ def main() -> int:
 
     per_expert = {f: packs[f][0].nbytes / E for f in fmts}
     results = []
+    probes = [bw]
     cases = [("decode T=1", 1)] + ([(f"prefill T={args.prefill}", args.prefill)] if args.prefill else [])
     for label, T in cases:
         times: dict[str, list[float]] = {a: [] for a, _, _ in arms}
@@ -109,6 +110,8 @@ def main() -> int:
             idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).int()
             w = torch.rand(T, K, generator=gen)
             out = torch.empty(T, H, dtype=torch.bfloat16)
+            if T == 1 and r % 5 == 0:  # the probe interleaved with the rounds: the same conditions
+                probes.append(_native.measure_read_bandwidth(1 << 30, args.threads, 1)["best_gbs"])
             for a, f, q in arms:
                 pe = packs[f][r % len(packs[f])]
                 t0 = time.perf_counter()
@@ -117,6 +120,9 @@ def main() -> int:
                 if r >= 2:  # warm-up rounds
                     times[a].append(dt)
                     active[a].append(len(set(idx.flatten().tolist())))
+        if T == 1:
+            # the machine drifts: shares are against the median of the probes taken during the rounds
+            bw = statistics.median(probes)
         for a, f, q in arms:
             med = statistics.median(times[a])
             nbytes = statistics.median(active[a]) * per_expert[f]
@@ -127,10 +133,11 @@ def main() -> int:
                                 gflop_s=flops / med / 1e9, kernel=packs[f][0].kernel_name("decode" if T == 1 else "prefill", q),
                                 copies=len(packs[f]), set_gb=len(packs[f]) * packs[f][0].nbytes / 1e9))
     if args.json:
-        print(json.dumps(dict(shape=args.shape, group=args.group, bandwidth_gb_s=bw, results=results), indent=1))
+        print(json.dumps(dict(shape=args.shape, group=args.group, bandwidth_gb_s=bw, probes_gb_s=probes,
+                              results=results), indent=1))
         return 0
     print(f"# {args.shape} experts layer (E={E} H={H} I={I} top-{K}), int4 group {args.group}, "
-          f"threads {args.threads or _native.default_num_threads()}, measured read bandwidth {bw:.1f} GB/s")
+          f"threads {args.threads or _native.default_num_threads()}, read bandwidth {bw:.1f} GB/s (median of {len(probes)} probes taken between the decode rounds, range {min(probes):.1f}-{max(probes):.1f})")
     print("| format | case | kernel | median ms | p90 ms | GB/s | share of bandwidth | GFLOP/s | cycled GB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:

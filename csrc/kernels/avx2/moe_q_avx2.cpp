@@ -15,14 +15,14 @@
 #include <type_traits>
 
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 
 namespace hina::detail {
 namespace {
 
 constexpr int kMaxRows = 2;
-constexpr int kPrefetchBytes = 1024;
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { pf::line(p); }
 
 // Layout v3 lanes (4 k of one output row per dword): byte J, sign-extended, as fp32.
 template <int J>
@@ -54,8 +54,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
   if constexpr (F == WFormat::kInt8) {
     const uint8_t* w = panel + 64 * G;
     for (int64_t k = 0; k < Kp; k += 4, w += 4 * G * kPanelN) {
-      prefetch(w + kPrefetchBytes);
-      if (G == 2) prefetch(w + kPrefetchBytes + 64);
+      prefetch(w + pf::bytes());
+      if (G == 2) prefetch(w + pf::bytes() + 64);
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + gi * 4 * kPanelN + half * 32));
@@ -79,7 +79,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
     const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     const uint8_t* blk = panel;
     for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + kPrefetchBytes + o);
+      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
       __m256 a[NT][G][2];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a[r][gi][0] = a[r][gi][1] = _mm256_setzero_ps();
@@ -140,6 +140,7 @@ void qgateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t 
 
 template <WFormat F, bool Gated>
 void qgateup_avx2(const GateUpJob& j) {
+  pf::reload();
   const int64_t pbytes = gu_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
@@ -167,6 +168,7 @@ void qdown_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0
 
 template <WFormat F>
 void qdown_avx2(const DownJob& j) {
+  pf::reload();
   const int64_t pbytes = down_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;

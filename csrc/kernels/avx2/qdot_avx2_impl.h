@@ -33,13 +33,13 @@
 #include <cstring>
 
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 
 namespace hina::detail {
 namespace {  // internal linkage: each including TU keeps its own copy, built with its flags
 
-constexpr int kPrefetchBytes = 1024;
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { pf::line(p); }
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -97,8 +97,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       }
       const int64_t kb = b * kActBlock;
       for (int qd = 0; qd < kActBlock / 4; ++qd, w += 64 * G) {
-        prefetch(w + kPrefetchBytes);
-        if (G == 2) prefetch(w + kPrefetchBytes + 64);
+        prefetch(w + pf::bytes());
+        if (G == 2) prefetch(w + pf::bytes() + 64);
         __m256i xs[NT], xa[NT];
         for (int r = 0; r < NT; ++r) {
           xs[r] = bcast4(x.q[r] + kb + qd * 4);
@@ -136,7 +136,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
     const uint8_t* blk = panel;
     for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + kPrefetchBytes + o);
+      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
       __m256 bg[NT][G][2];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) bg[r][gi][0] = bg[r][gi][1] = _mm256_setzero_ps();
@@ -215,6 +215,7 @@ void gateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t c
 
 template <bool Vnni, WFormat F, bool Gated>
 void gateup_avx2dot(const GateUpJob& j) {
+  pf::reload();
   constexpr int M = max_rows<F>();
   const int64_t pbytes = gu_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {
@@ -243,6 +244,7 @@ void down_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0)
 
 template <bool Vnni, WFormat F>
 void down_avx2dot(const DownJob& j) {
+  pf::reload();
   constexpr int M = max_rows<F>();
   const int64_t pbytes = down_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {

@@ -17,7 +17,7 @@
 //         acc = fma(chains, group scale, acc).
 //   Rows: NT <= 4 (int8) / 3 (int4) rows share each expanded weight vector (prefill reuse);
 //   the int4 limit keeps 6 accumulators per row plus constants within the 32 zmm registers.
-// Software prefetch kPrefetchBytes ahead in the weight stream, one line per 64 bytes consumed.
+// Software prefetch of the weight stream (moe/prefetch.h: 4 KiB ahead, into L2), one line per 64 bytes consumed.
 // Known limits: the expansion costs 2-3 vector ops per 16 weights, so int4 decode is bounded
 // by the FMA ports before memory on slow-clocked cores (measured in benchmarks/RESULTS.md);
 // the integer-dot kernels (moe_qdot_avx512vnni.cpp) avoid the expansion entirely.
@@ -27,13 +27,13 @@
 
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 
 namespace hina::detail {
 namespace {
 
-constexpr int kPrefetchBytes = 1024;
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { pf::line(p); }
 
 // 16 bf16 scales -> fp32.
 inline __m512 bf16x16_to_ps(const void* p) {
@@ -54,8 +54,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
     const uint8_t* w = panel + 64 * G;
     for (int64_t k = 0; k < Kp; k += 4, w += 4 * G * kPanelN) {
-      prefetch(w + kPrefetchBytes);
-      if (G == 2) prefetch(w + kPrefetchBytes + 64);  // G == 2 consumes 128 bytes per step
+      prefetch(w + pf::bytes());
+      if (G == 2) prefetch(w + pf::bytes() + 64);  // G == 2 consumes 128 bytes per step
       for (int gi = 0; gi < G; ++gi) {
         const __m512i v = _mm512_load_si512(w + gi * 4 * kPanelN);
         const __m512 w0 = v512::i8_lane_ps<0>(v), w1 = v512::i8_lane_ps<1>(v);
@@ -76,7 +76,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
     const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     const uint8_t* blk = panel;
     for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + kPrefetchBytes + o);
+      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
       __m512 a0[NT][G], a1[NT][G];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
@@ -134,6 +134,7 @@ constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
 
 template <WFormat F, bool Gated>
 void qgateup_avx512(const GateUpJob& j) {
+  pf::reload();
   const Layout& L = *j.L;
   constexpr int M = max_rows<F>();
   const int64_t pbytes = gu_panel_bytes(L);
@@ -169,6 +170,7 @@ inline void qdown_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64
 
 template <WFormat F>
 void qdown_avx512(const DownJob& j) {
+  pf::reload();
   constexpr int M = max_rows<F>();
   const int64_t pbytes = down_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {

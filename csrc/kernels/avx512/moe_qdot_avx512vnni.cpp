@@ -21,7 +21,7 @@
 // emulation follows it, so only the activation epilogue differs from it).
 // NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G int32
 // and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
-// Software prefetch kPrefetchBytes ahead in the weight stream, one line per 64 bytes consumed.
+// Software prefetch of the weight stream (moe/prefetch.h: 4 KiB ahead, into L2), one line per 64 bytes consumed.
 // Known limits: the block sums are exact int32 (|sum| <= 32 * 255 * 127); a block is 32 k, so
 // a k padding of up to 31 zero columns is multiplied too (Kp is a multiple of 32 anyway).
 #include <immintrin.h>
@@ -30,13 +30,13 @@
 
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 
 namespace hina::detail {
 namespace {
 
-constexpr int kPrefetchBytes = 1024;
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { pf::line(p); }
 
 // 4 int8 activations (k .. k+3) in every lane.
 inline __m512i bcast4(const int8_t* p) {
@@ -81,8 +81,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       }
       const int64_t kb = b * kActBlock;
       for (int qd = 0; qd < kActBlock / 4; ++qd, w += 64 * G) {
-        prefetch(w + kPrefetchBytes);
-        if (G == 2) prefetch(w + kPrefetchBytes + 64);
+        prefetch(w + pf::bytes());
+        if (G == 2) prefetch(w + pf::bytes() + 64);
         __m512i xb[NT];
         for (int r = 0; r < NT; ++r) xb[r] = bcast4(x.q[r] + kb + qd * 4);
         for (int gi = 0; gi < G; ++gi) {
@@ -107,7 +107,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
     const uint8_t* blk = panel;
     for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + kPrefetchBytes + o);
+      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
       __m512 bg[NT][G];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_setzero_ps();
@@ -171,6 +171,7 @@ constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
 
 template <WFormat F, bool Gated>
 void gateup_vnni(const GateUpJob& j) {
+  pf::reload();
   const Layout& L = *j.L;
   constexpr int M = max_rows<F>();
   const int64_t pbytes = gu_panel_bytes(L);
@@ -206,6 +207,7 @@ inline void down_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_
 
 template <WFormat F>
 void down_vnni(const DownJob& j) {
+  pf::reload();
   constexpr int M = max_rows<F>();
   const int64_t pbytes = down_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {
