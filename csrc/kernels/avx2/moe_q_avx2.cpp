@@ -14,6 +14,7 @@
 
 #include <type_traits>
 
+#include "kernels/avx2/qpanel_loops_avx2.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
 
@@ -113,76 +114,25 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
   }
 }
 
-template <WFormat F, bool Gated, int NT>
-void qgateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t col0) {
-  constexpr int G = Gated ? 2 : 1;
-  const Layout& L = *j.L;
-  const float* xr[NT];
-  for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
-  __m256 acc[NT][2][2];
-  qpanel_dot<F, G, NT>(panel, L.Hk, L.group, xr, acc);
-  alignas(32) float g[16], u[16];
-  for (int r = 0; r < NT; ++r) {
-    for (int half = 0; half < 2; ++half) {
-      _mm256_store_ps(u + half * 8, acc[r][G - 1][half]);
-      if (Gated) _mm256_store_ps(g + half * 8, acc[r][0][half]);
-    }
-    float* h = static_cast<float*>(j.h) + (r0 + r) * j.h_stride + col0;
-    for (int n = 0; n < kPanelN; ++n) {
-      const int64_t col = col0 + n;
-      if (col >= L.I) { h[n] = 0.0f; continue; }
-      const float gv = (Gated ? g[n] : 0.0f) + (j.bias_g ? j.bias_g[col] : 0.0f);
-      const float uv = u[n] + (j.bias_u ? j.bias_u[col] : 0.0f);
-      h[n] = h_scalar(*j.act, Gated, gv, uv);
-    }
-  }
-}
+// The expansion family for the shared panel loops (kernels/avx2/qpanel_loops_avx2.h).
+struct Expand {
+  template <WFormat>
+  static constexpr int max_rows() { return kMaxRows; }
 
-template <WFormat F, bool Gated>
-void qgateup_avx2(const GateUpJob& j) {
-  pf::reload();
-  const int64_t pbytes = gu_panel_bytes(*j.L);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    int64_t r0 = 0;
-    for (; r0 + kMaxRows <= j.nt; r0 += kMaxRows) qgateup_rows<F, Gated, kMaxRows>(j, panel, r0, p * kPanelN);
-    if (r0 < j.nt) qgateup_rows<F, Gated, 1>(j, panel, r0, p * kPanelN);
+  template <WFormat F, int G, int NT>
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, __m256 (&acc)[NT][2][2]) {
+    const float* xr[NT];
+    for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
+    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
   }
-}
 
-template <WFormat F, int NT>
-void qdown_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0) {
-  const float* hr[NT];
-  for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
-  __m256 y[NT][2][2];
-  qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
-  for (int r = 0; r < NT; ++r) {
-    const __m256 w = _mm256_set1_ps(j.wt[r0 + r]);
-    for (int half = 0; half < 2; ++half) {
-      float* a = j.acc[r0 + r] + col0 + half * 8;
-      const __m256 b = j.bias ? _mm256_loadu_ps(j.bias + col0 + half * 8) : _mm256_setzero_ps();
-      _mm256_storeu_ps(a, _mm256_fmadd_ps(w, _mm256_add_ps(y[r][0][half], b), _mm256_loadu_ps(a)));
-    }
+  template <WFormat F, int NT>
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, __m256 (&y)[NT][2][2]) {
+    const float* hr[NT];
+    for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
+    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
   }
-}
-
-template <WFormat F>
-void qdown_avx2(const DownJob& j) {
-  pf::reload();
-  const int64_t pbytes = down_panel_bytes(*j.L);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    int64_t r0 = 0;
-    for (; r0 + kMaxRows <= j.nt; r0 += kMaxRows) qdown_rows<F, kMaxRows>(j, panel, r0, p * kPanelN);
-    if (r0 < j.nt) qdown_rows<F, 1>(j, panel, r0, p * kPanelN);
-  }
-}
-
-template <WFormat F>
-void qgateup_dispatch(const GateUpJob& j) {
-  if (j.L->G == 2) qgateup_avx2<F, true>(j);
-  else qgateup_avx2<F, false>(j);
-}
+};
 
 }  // namespace
 
@@ -190,8 +140,14 @@ bool get_qkernels_avx2(WFormat wf, KernelImpl* k) {
   k->x_bf16 = k->h_bf16 = false;
   k->row_slack = 0;
   switch (wf) {
-    case WFormat::kInt8: k->gateup = &qgateup_dispatch<WFormat::kInt8>; k->down = &qdown_avx2<WFormat::kInt8>; return true;
-    case WFormat::kInt4: k->gateup = &qgateup_dispatch<WFormat::kInt4>; k->down = &qdown_avx2<WFormat::kInt4>; return true;
+    case WFormat::kInt8:
+      k->gateup = &qloops256::gateup_dispatch<Expand, WFormat::kInt8>;
+      k->down = &qloops256::down<Expand, WFormat::kInt8>;
+      return true;
+    case WFormat::kInt4:
+      k->gateup = &qloops256::gateup_dispatch<Expand, WFormat::kInt4>;
+      k->down = &qloops256::down<Expand, WFormat::kInt4>;
+      return true;
     default: return false;
   }
 }

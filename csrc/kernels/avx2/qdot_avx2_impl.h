@@ -32,6 +32,7 @@
 
 #include <cstring>
 
+#include "kernels/avx2/qpanel_loops_avx2.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
 
@@ -185,87 +186,38 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
   }
 }
 
-template <WFormat F>
-constexpr int max_rows() { return F == WFormat::kInt8 ? 2 : 1; }
+// The integer-dot family for the shared panel loops (kernels/avx2/qpanel_loops_avx2.h).
+template <bool Vnni>
+struct IntDot {
+  template <WFormat F>
+  static constexpr int max_rows() { return F == WFormat::kInt8 ? 2 : 1; }
 
-template <bool Vnni, WFormat F, bool Gated, int NT>
-void gateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t col0) {
-  constexpr int G = Gated ? 2 : 1;
-  const Layout& L = *j.L;
-  QRows<NT> xr;
-  for (int r = 0; r < NT; ++r) xr.set(r, j.x[r0 + r], L.Hk);
-  __m256 acc[NT][2][2];
-  qdot_panel<Vnni, F, G, NT>(panel, L.Hk, L.group, xr, acc);
-  alignas(32) float g[16], u[16];
-  for (int r = 0; r < NT; ++r) {
-    for (int half = 0; half < 2; ++half) {
-      _mm256_store_ps(u + half * 8, acc[r][G - 1][half]);
-      if (Gated) _mm256_store_ps(g + half * 8, acc[r][0][half]);
-    }
-    float* h = static_cast<float*>(j.h) + (r0 + r) * j.h_stride + col0;
-    for (int n = 0; n < kPanelN; ++n) {
-      const int64_t col = col0 + n;
-      if (col >= L.I) { h[n] = 0.0f; continue; }
-      const float gv = (Gated ? g[n] : 0.0f) + (j.bias_g ? j.bias_g[col] : 0.0f);
-      const float uv = u[n] + (j.bias_u ? j.bias_u[col] : 0.0f);
-      h[n] = h_scalar(*j.act, Gated, gv, uv);
-    }
+  template <WFormat F, int G, int NT>
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, __m256 (&acc)[NT][2][2]) {
+    QRows<NT> xr;
+    for (int r = 0; r < NT; ++r) xr.set(r, j.x[r0 + r], j.L->Hk);
+    qdot_panel<Vnni, F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
   }
-}
 
-template <bool Vnni, WFormat F, bool Gated>
-void gateup_avx2dot(const GateUpJob& j) {
-  pf::reload();
-  constexpr int M = max_rows<F>();
-  const int64_t pbytes = gu_panel_bytes(*j.L);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    int64_t r0 = 0;
-    for (; r0 + M <= j.nt; r0 += M) gateup_rows<Vnni, F, Gated, M>(j, panel, r0, p * kPanelN);
-    if (r0 < j.nt) gateup_rows<Vnni, F, Gated, 1>(j, panel, r0, p * kPanelN);
+  template <WFormat F, int NT>
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, __m256 (&y)[NT][2][2]) {
+    QRows<NT> hr;
+    for (int r = 0; r < NT; ++r) hr.set(r, static_cast<const uint8_t*>(j.h) + (r0 + r) * j.h_stride, j.L->Ik);
+    qdot_panel<Vnni, F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
   }
-}
-
-template <bool Vnni, WFormat F, int NT>
-void down_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0) {
-  QRows<NT> hr;
-  for (int r = 0; r < NT; ++r) hr.set(r, static_cast<const uint8_t*>(j.h) + (r0 + r) * j.h_stride, j.L->Ik);
-  __m256 y[NT][2][2];
-  qdot_panel<Vnni, F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
-  for (int r = 0; r < NT; ++r) {
-    const __m256 w = _mm256_set1_ps(j.wt[r0 + r]);
-    for (int half = 0; half < 2; ++half) {
-      float* a = j.acc[r0 + r] + col0 + half * 8;
-      const __m256 b = j.bias ? _mm256_loadu_ps(j.bias + col0 + half * 8) : _mm256_setzero_ps();
-      _mm256_storeu_ps(a, _mm256_fmadd_ps(w, _mm256_add_ps(y[r][0][half], b), _mm256_loadu_ps(a)));
-    }
-  }
-}
-
-template <bool Vnni, WFormat F>
-void down_avx2dot(const DownJob& j) {
-  pf::reload();
-  constexpr int M = max_rows<F>();
-  const int64_t pbytes = down_panel_bytes(*j.L);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    int64_t r0 = 0;
-    for (; r0 + M <= j.nt; r0 += M) down_rows<Vnni, F, M>(j, panel, r0, p * kPanelN);
-    if (r0 < j.nt) down_rows<Vnni, F, 1>(j, panel, r0, p * kPanelN);
-  }
-}
-
-template <bool Vnni, WFormat F>
-void gateup_dispatch(const GateUpJob& j) {
-  if (j.L->G == 2) gateup_avx2dot<Vnni, F, true>(j);
-  else gateup_avx2dot<Vnni, F, false>(j);
-}
+};
 
 template <bool Vnni>
 bool get_kernels(WFormat wf, KernelImpl* k) {
   switch (wf) {
-    case WFormat::kInt8: k->gateup = &gateup_dispatch<Vnni, WFormat::kInt8>; k->down = &down_avx2dot<Vnni, WFormat::kInt8>; break;
-    case WFormat::kInt4: k->gateup = &gateup_dispatch<Vnni, WFormat::kInt4>; k->down = &down_avx2dot<Vnni, WFormat::kInt4>; break;
+    case WFormat::kInt8:
+      k->gateup = &qloops256::gateup_dispatch<IntDot<Vnni>, WFormat::kInt8>;
+      k->down = &qloops256::down<IntDot<Vnni>, WFormat::kInt8>;
+      break;
+    case WFormat::kInt4:
+      k->gateup = &qloops256::gateup_dispatch<IntDot<Vnni>, WFormat::kInt4>;
+      k->down = &qloops256::down<IntDot<Vnni>, WFormat::kInt4>;
+      break;
     default: return false;
   }
   k->x_bf16 = k->h_bf16 = false;

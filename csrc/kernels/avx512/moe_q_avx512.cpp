@@ -25,6 +25,7 @@
 
 #include <type_traits>
 
+#include "kernels/avx512/qpanel_loops.h"
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
@@ -113,86 +114,25 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
   }
 }
 
-template <WFormat F, bool Gated, int NT>
-inline void qgateup_rows(const GateUpJob& j, const uint8_t* panel, int64_t r0, int64_t col0,
-                         __m512 bg, __m512 bu, __mmask16 valid) {
-  constexpr int G = Gated ? 2 : 1;
-  const float* xr[NT];
-  for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
-  __m512 acc[NT][2];
-  qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
-  float* h = static_cast<float*>(j.h);
-  for (int r = 0; r < NT; ++r) {
-    const __m512 g = Gated ? _mm512_add_ps(acc[r][0], bg) : _mm512_setzero_ps();
-    const __m512 hv = v512::h_vec(*j.act, Gated, g, _mm512_add_ps(acc[r][G - 1], bu), valid);
-    _mm512_store_ps(h + (r0 + r) * j.h_stride + col0, hv);
+// The expansion family for the shared panel loops (kernels/avx512/qpanel_loops.h).
+struct Expand {
+  template <WFormat F>
+  static constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
+
+  template <WFormat F, int G, int NT>
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, __m512 (&acc)[NT][2]) {
+    const float* xr[NT];
+    for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
+    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
   }
-}
 
-template <WFormat F>
-constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
-
-template <WFormat F, bool Gated>
-void qgateup_avx512(const GateUpJob& j) {
-  pf::reload();
-  const Layout& L = *j.L;
-  constexpr int M = max_rows<F>();
-  const int64_t pbytes = gu_panel_bytes(L);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    const int64_t col0 = p * kPanelN;
-    const __mmask16 valid = v512::valid_mask(col0, L.I);
-    const __m512 bg = j.bias_g ? _mm512_load_ps(j.bias_g + col0) : _mm512_setzero_ps();
-    const __m512 bu = j.bias_u ? _mm512_load_ps(j.bias_u + col0) : _mm512_setzero_ps();
-    int64_t r0 = 0;
-    for (; r0 + M <= j.nt; r0 += M) qgateup_rows<F, Gated, M>(j, panel, r0, col0, bg, bu, valid);
-    switch (j.nt - r0) {
-      case 3: if constexpr (M > 3) qgateup_rows<F, Gated, 3>(j, panel, r0, col0, bg, bu, valid); break;
-      case 2: qgateup_rows<F, Gated, 2>(j, panel, r0, col0, bg, bu, valid); break;
-      case 1: qgateup_rows<F, Gated, 1>(j, panel, r0, col0, bg, bu, valid); break;
-      default: break;
-    }
+  template <WFormat F, int NT>
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, __m512 (&y)[NT][2]) {
+    const float* hr[NT];
+    for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
+    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
   }
-}
-
-template <WFormat F, int NT>
-inline void qdown_rows(const DownJob& j, const uint8_t* panel, int64_t r0, int64_t col0, __m512 b) {
-  const float* hr[NT];
-  for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
-  __m512 y[NT][2];
-  qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
-  for (int r = 0; r < NT; ++r) {
-    float* a = j.acc[r0 + r] + col0;
-    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(j.wt[r0 + r]), _mm512_add_ps(y[r][0], b),
-                                        _mm512_loadu_ps(a)));
-  }
-}
-
-template <WFormat F>
-void qdown_avx512(const DownJob& j) {
-  pf::reload();
-  constexpr int M = max_rows<F>();
-  const int64_t pbytes = down_panel_bytes(*j.L);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    const int64_t col0 = p * kPanelN;
-    const __m512 b = j.bias ? _mm512_load_ps(j.bias + col0) : _mm512_setzero_ps();
-    int64_t r0 = 0;
-    for (; r0 + M <= j.nt; r0 += M) qdown_rows<F, M>(j, panel, r0, col0, b);
-    switch (j.nt - r0) {
-      case 3: if constexpr (M > 3) qdown_rows<F, 3>(j, panel, r0, col0, b); break;
-      case 2: qdown_rows<F, 2>(j, panel, r0, col0, b); break;
-      case 1: qdown_rows<F, 1>(j, panel, r0, col0, b); break;
-      default: break;
-    }
-  }
-}
-
-template <WFormat F>
-void qgateup_dispatch(const GateUpJob& j) {
-  if (j.L->G == 2) qgateup_avx512<F, true>(j);
-  else qgateup_avx512<F, false>(j);
-}
+};
 
 }  // namespace
 
@@ -200,8 +140,14 @@ bool get_qkernels_avx512(WFormat wf, KernelImpl* k) {
   k->x_bf16 = k->h_bf16 = false;
   k->row_slack = 0;
   switch (wf) {
-    case WFormat::kInt8: k->gateup = &qgateup_dispatch<WFormat::kInt8>; k->down = &qdown_avx512<WFormat::kInt8>; return true;
-    case WFormat::kInt4: k->gateup = &qgateup_dispatch<WFormat::kInt4>; k->down = &qdown_avx512<WFormat::kInt4>; return true;
+    case WFormat::kInt8:
+      k->gateup = &qloops512::gateup_dispatch<Expand, WFormat::kInt8>;
+      k->down = &qloops512::down<Expand, WFormat::kInt8>;
+      return true;
+    case WFormat::kInt4:
+      k->gateup = &qloops512::gateup_dispatch<Expand, WFormat::kInt4>;
+      k->down = &qloops512::down<Expand, WFormat::kInt4>;
+      return true;
     default: return false;
   }
 }

@@ -1,0 +1,99 @@
+// Panel loops shared by the AVX2 tier's quantised-kernel families: weight expansion
+// (moe_q_avx2.cpp) and integer dot products (qdot_avx2_impl.h, built as avx2dot and avxvnni).
+// They differ only in how a panel is dotted with a block of rows; the loops over panels and row
+// blocks, bias + activation + h store (gate/up) and the routing-weighted scatter-add (down) are
+// here. A family is a struct with
+//   template <WFormat F> static constexpr int max_rows();
+//   template <WFormat F, int G, int NT> static void gateup_dot(const GateUpJob&, const uint8_t* panel,
+//                                                              int64_t r0, __m256 (&acc)[NT][2][2]);
+//   template <WFormat F, int NT> static void down_dot(const DownJob&, const uint8_t* panel,
+//                                                     int64_t r0, __m256 (&y)[NT][2][2]);
+// (acc[r][gi][half]: columns half*8 .. half*8+7 of matrix gi for row r0 + r, scales applied).
+// Include only from TUs compiled with at least -mavx2 -mfma.
+#pragma once
+
+#include <immintrin.h>
+
+#include <type_traits>
+
+#include "moe/kernel_api.h"
+#include "moe/prefetch.h"
+
+namespace hina::detail::qloops256 {
+namespace {  // internal linkage: each including TU (each with its own ISA flags) keeps its copy
+
+// Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M (M <= 2),
+// then a last single row.
+template <int M, class Fn>
+inline void row_blocks(int64_t nt, Fn&& f) {
+  static_assert(M >= 1 && M <= 2, "AVX2 quantised kernels share a weight pass over at most 2 rows");
+  int64_t r0 = 0;
+  for (; r0 + M <= nt; r0 += M) f(std::integral_constant<int, M>{}, r0);
+  if constexpr (M > 1) {
+    if (r0 < nt) f(std::integral_constant<int, 1>{}, r0);
+  }
+}
+
+template <class Fam, WFormat F, bool Gated>
+void gateup(const GateUpJob& j) {
+  pf::reload();
+  constexpr int G = Gated ? 2 : 1;
+  const Layout& L = *j.L;
+  const int64_t pbytes = gu_panel_bytes(L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    const int64_t col0 = p * kPanelN;
+    row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
+      constexpr int NT = decltype(nt_c)::value;
+      __m256 acc[NT][2][2];
+      Fam::template gateup_dot<F, G, NT>(j, panel, r0, acc);
+      alignas(32) float g[16], u[16];
+      for (int r = 0; r < NT; ++r) {
+        for (int half = 0; half < 2; ++half) {
+          _mm256_store_ps(u + half * 8, acc[r][G - 1][half]);
+          if (Gated) _mm256_store_ps(g + half * 8, acc[r][0][half]);
+        }
+        float* h = static_cast<float*>(j.h) + (r0 + r) * j.h_stride + col0;
+        for (int n = 0; n < kPanelN; ++n) {
+          const int64_t col = col0 + n;
+          if (col >= L.I) { h[n] = 0.0f; continue; }
+          const float gv = (Gated ? g[n] : 0.0f) + (j.bias_g ? j.bias_g[col] : 0.0f);
+          const float uv = u[n] + (j.bias_u ? j.bias_u[col] : 0.0f);
+          h[n] = h_scalar(*j.act, Gated, gv, uv);
+        }
+      }
+    });
+  }
+}
+
+template <class Fam, WFormat F>
+void down(const DownJob& j) {
+  pf::reload();
+  const int64_t pbytes = down_panel_bytes(*j.L);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    const int64_t col0 = p * kPanelN;
+    row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
+      constexpr int NT = decltype(nt_c)::value;
+      __m256 y[NT][2][2];
+      Fam::template down_dot<F, NT>(j, panel, r0, y);
+      for (int r = 0; r < NT; ++r) {
+        const __m256 w = _mm256_set1_ps(j.wt[r0 + r]);
+        for (int half = 0; half < 2; ++half) {
+          float* a = j.acc[r0 + r] + col0 + half * 8;
+          const __m256 b = j.bias ? _mm256_loadu_ps(j.bias + col0 + half * 8) : _mm256_setzero_ps();
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(w, _mm256_add_ps(y[r][0][half], b), _mm256_loadu_ps(a)));
+        }
+      }
+    });
+  }
+}
+
+template <class Fam, WFormat F>
+void gateup_dispatch(const GateUpJob& j) {
+  if (j.L->G == 2) gateup<Fam, F, true>(j);
+  else gateup<Fam, F, false>(j);
+}
+
+}  // namespace
+}  // namespace hina::detail::qloops256
