@@ -121,6 +121,18 @@ static inline const float* qrow_scales(const void* row, int64_t Kp) {
 static inline const int32_t* qrow_sums(const void* row, int64_t Kp) {
   return reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(row) + Kp + Kp / 8);
 }
+// Pointers into NT such rows (what the integer-dot kernels read).
+template <int NT>
+struct QRows {
+  const int8_t* q[NT];
+  const float* s[NT];
+  const int32_t* sum[NT];
+  void set(int r, const void* row, int64_t Kp) {
+    q[r] = static_cast<const int8_t*>(row);
+    s[r] = qrow_scales(row, Kp);
+    sum[r] = qrow_sums(row, Kp);
+  }
+};
 // Quantises x[0, Kp) into a row as above: the lane-wise code in moe/quant_panel.h, its AVX-512
 // or AVX2 build where the CPU has it, else the portable build in moe.cpp (same bytes; tested).
 void quant_act_row(const float* x, int64_t Kp, uint8_t* row);

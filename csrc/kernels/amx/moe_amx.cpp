@@ -96,8 +96,7 @@ void expand_panel(const uint8_t* panel, const Layout& L, int64_t Kp, int G, uint
   for (int64_t b = 0; b < Kp / group; ++b) {
     const uint8_t* blk = panel + b * blk_bytes;
     for (int gi = 0; gi < G; ++gi) {
-      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + gi * 32))), 16));
+      const __m512 sc = v512::bf16x16_to_ps(blk + gi * 32);
       for (int kk = 0; kk < group; kk += 8) {
         const __m512i v = _mm512_load_si512(blk + 64 + q4_index(kk, G, gi, 0));
         uint16_t* d = dst + (((b * group + kk) >> 1) * G + gi) * 32;  // 4 pairs, G * 32 apart

@@ -40,12 +40,6 @@ inline __m256 i4_lane_ps(__m256i v) {
   return _mm256_sub_ps(_mm256_castsi256_ps(n), _mm256_set1_ps(8388616.0f));
 }
 
-// 8 bf16 scales -> fp32.
-inline __m256 bf16x8_to_ps(const void* p) {
-  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
 // out[r][gi][half]: dot products of one quantised panel with NT fp32 rows, scales applied.
 template <WFormat F, int G, int NT>
 inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float* const* x,
@@ -107,7 +101,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 sc = bf16x8_to_ps(blk + gi * 32 + half * 16);
+          const __m256 sc = qloops256::bf16x8_to_ps(blk + gi * 32 + half * 16);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(a[r][gi][half], sc, out[r][gi][half]);
         }
     }

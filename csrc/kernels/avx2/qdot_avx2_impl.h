@@ -39,19 +39,12 @@
 namespace hina::detail {
 namespace {  // internal linkage: each including TU keeps its own copy, built with its flags
 
-
 inline void prefetch(const void* p) { pf::line(p); }
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
-}
-
-// 8 bf16 scales -> fp32.
-inline __m256 bf16x8_to_ps(const void* p) {
-  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
 // vpdpbusd ymm (AVX-VNNI) in the TU built with -mavxvnni; never called elsewhere.
@@ -65,18 +58,6 @@ inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
   return acc;
 #endif
 }
-
-template <int NT>
-struct QRows {
-  const int8_t* q[NT];
-  const float* s[NT];
-  const int32_t* sum[NT];
-  void set(int r, const void* row, int64_t Kp) {
-    q[r] = static_cast<const int8_t*>(row);
-    s[r] = qrow_scales(row, Kp);
-    sum[r] = qrow_sums(row, Kp);
-  }
-};
 
 // out[r][gi][half]: dot products of one quantised panel with NT quantised rows, scales applied.
 template <bool Vnni, WFormat F, int G, int NT>
@@ -179,7 +160,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 d = bf16x8_to_ps(blk + gi * 32 + half * 16);
+          const __m256 d = qloops256::bf16x8_to_ps(blk + gi * 32 + half * 16);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(bg[r][gi][half], d, out[r][gi][half]);
         }
     }

@@ -1,4 +1,4 @@
-// Panel loops shared by the AVX2 tier's quantised-kernel families: weight expansion
+// Panel loops (and the bf16 scale conversion) shared by the AVX2 tier's quantised-kernel families: weight expansion
 // (moe_q_avx2.cpp) and integer dot products (qdot_avx2_impl.h, built as avx2dot and avxvnni).
 // They differ only in how a panel is dotted with a block of rows; the loops over panels and row
 // blocks, bias + activation + h store (gate/up) and the routing-weighted scatter-add (down) are
@@ -21,6 +21,12 @@
 
 namespace hina::detail::qloops256 {
 namespace {  // internal linkage: each including TU (each with its own ISA flags) keeps its copy
+
+// 8 bf16 scales -> fp32.
+inline __m256 bf16x8_to_ps(const void* p) {
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
 
 // Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M (M <= 2),
 // then a last single row.

@@ -36,12 +36,6 @@ namespace {
 
 inline void prefetch(const void* p) { pf::line(p); }
 
-// 16 bf16 scales -> fp32.
-inline __m512 bf16x16_to_ps(const void* p) {
-  const __m256i v = _mm256_load_si256(static_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
 // Dot products of one quantised panel with NT rows: out[r][gi] for matrices gi < G, 16 columns
 // each, scales applied. x[r] points at row r (fp32, Kp long, zero-padded).
 template <WFormat F, int G, int NT>
@@ -106,7 +100,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 sc = bf16x16_to_ps(blk + gi * 32);
+        const __m512 sc = v512::bf16x16_to_ps(blk + gi * 32);
         for (int r = 0; r < NT; ++r)
           out[r][gi] = _mm512_fmadd_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc, out[r][gi]);
       }

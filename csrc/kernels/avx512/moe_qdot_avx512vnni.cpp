@@ -36,7 +36,6 @@
 namespace hina::detail {
 namespace {
 
-
 inline void prefetch(const void* p) { pf::line(p); }
 
 // 4 int8 activations (k .. k+3) in every lane.
@@ -45,25 +44,6 @@ inline __m512i bcast4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
-
-// 16 bf16 scales -> fp32.
-inline __m512 bf16x16_to_ps(const void* p) {
-  const __m256i v = _mm256_load_si256(static_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-// NT quantised activation rows of reduction length Kp.
-template <int NT>
-struct QRows {
-  const int8_t* q[NT];
-  const float* s[NT];
-  const int32_t* sum[NT];
-  void set(int r, const void* row, int64_t Kp) {
-    q[r] = static_cast<const int8_t*>(row);
-    s[r] = qrow_scales(row, Kp);
-    sum[r] = qrow_sums(row, Kp);
-  }
-};
 
 // out[r][gi]: 16 columns of matrix gi dotted with row r, all scales applied (moe.h order).
 template <WFormat F, int G, int NT>
@@ -142,7 +122,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 d = bf16x16_to_ps(blk + gi * 32);
+        const __m512 d = v512::bf16x16_to_ps(blk + gi * 32);
         for (int r = 0; r < NT; ++r) y[r][gi] = _mm512_fmadd_ps(bg[r][gi], d, y[r][gi]);
       }
     }

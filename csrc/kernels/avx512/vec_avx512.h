@@ -114,6 +114,12 @@ static inline __m512 i4_lane_ps(__m512i v) {
   return _mm512_sub_ps(_mm512_castsi512_ps(n), _mm512_set1_ps(8388616.0f));
 }
 
+// 16 bf16 values (e.g. int4 group scales; 32-byte aligned) -> fp32.
+static inline __m512 bf16x16_to_ps(const void* p) {
+  const __m256i v = _mm256_load_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 static inline __mmask16 valid_mask(int64_t col0, int64_t limit) {
   const int64_t n = limit - col0;
   if (n >= 16) return 0xffff;
