@@ -386,6 +386,13 @@ nb::dict kernel_table(const std::string& qdot) {
 
 }  // namespace
 
+static hina::PoolBackend pool_backend_from(const std::string& name) {
+  if (name == "auto") return hina::PoolBackend::kAuto;
+  if (name == "own") return hina::PoolBackend::kOwn;
+  if (name == "openmp") return hina::PoolBackend::kOpenMP;
+  throw nb::value_error(("unknown thread-pool backend '" + name + "'; expected 'auto', 'own' or 'openmp'").c_str());
+}
+
 NB_MODULE(_native, m) {
   m.doc() = "hi_na_moe native core (torch-free C++)";
   // PackedExperts live inside patched torch modules, which are often still referenced (module
@@ -412,22 +419,17 @@ NB_MODULE(_native, m) {
   m.attr("DEFAULT_PREFILL_MIN_TOKENS") = hina::kDefaultPrefillMinTokens;
   m.def("default_num_threads", &hina::default_num_threads,
         "Threads the op uses when num_threads=0 (CPUs in this process's affinity mask).");
-  m.def("set_pool_backend", [](const std::string& name) {
-          hina::PoolBackend b;
-          if (name == "auto") b = hina::PoolBackend::kAuto;
-          else if (name == "own") b = hina::PoolBackend::kOwn;
-          else if (name == "openmp") b = hina::PoolBackend::kOpenMP;
-          else throw nb::value_error(("set_pool_backend: unknown backend '" + name +
-                                      "'; expected 'auto', 'own' or 'openmp'").c_str());
-          hina::ThreadPool::global().set_backend(b);
-        }, nb::arg("name"),
+  m.def("set_pool_backend", [](const std::string& name) { hina::ThreadPool::global().set_backend(pool_backend_from(name)); },
+        nb::arg("name"),
         "Process-wide: which threads run the kernels' parallel regions ('auto': the loaded "
         "libgomp's team when there is one, else the library's own workers; 'own'; 'openmp').");
   m.def("openmp_runtime", &hina::loaded_openmp_runtime,
         "Path of the GNU OpenMP runtime (libgomp) loaded in this process, '' if none.");
-  m.def("pool_backend", [] { return hina::ThreadPool::global().backend_name(); },
-        "What parallel regions run on now: 'own', 'openmp (<libgomp path>)', or 'own (openmp "
-        "requested, no libgomp loaded in this process)'.");
+  m.def("pool_backend", [](std::optional<std::string> name) {
+          return name ? hina::ThreadPool::backend_name(pool_backend_from(*name)) : hina::ThreadPool::global().backend_name();
+        }, nb::arg("name") = nb::none(),
+        "What parallel regions run on under backend `name` (default: the current one): 'own', "
+        "'openmp (<libgomp path>)', or 'own (openmp requested, no libgomp loaded in this process)'.");
 
   nb::class_<PyPackedExperts>(m, "PackedExperts",
       "Experts packed once into the layout the kernels stream (64-byte aligned panels of 16 "

@@ -176,8 +176,7 @@ std::string loaded_openmp_runtime() {
 
 void ThreadPool::set_backend(PoolBackend b) { backend_.store(b, std::memory_order_relaxed); }
 
-std::string ThreadPool::backend_name() const {
-  const PoolBackend b = backend();
+std::string ThreadPool::backend_name(PoolBackend b) {
   if (b == PoolBackend::kOwn) return "own";
   if (const Gomp* g = loaded_gomp()) return "openmp (" + g->path + ")";
   return b == PoolBackend::kOpenMP ? "own (openmp requested, no libgomp loaded in this process)" : "own";

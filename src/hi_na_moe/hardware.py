@@ -58,9 +58,4 @@ def capabilities(config: Any = None) -> dict[str, Any]:
 def pool_description(pool: str) -> str:
     """What the native kernels' parallel regions would run on under config key `pool`."""
     native, _ = native_module()
-    runtime = native.openmp_runtime() if native is not None else ""
-    if pool == "own":
-        return "own"
-    if runtime:
-        return f"openmp ({runtime})"
-    return "own (openmp requested, no libgomp loaded in this process)" if pool == "openmp" else "own"
+    return native.pool_backend(pool) if native is not None else "own"

@@ -409,7 +409,8 @@ class NativeExperts:
 
 def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: str = "experts") -> Choice:
     """What runs `spec` under `config`. Raises ValueError when config.backend == "native" and no
-    native kernel can run it. Nothing is packed here (NativeExperts.pack does that)."""
+    native kernel can run it. Nothing is packed here (NativeExperts.pack does that); choosing a
+    native runner (not in a dry run) applies `config.pool` to the process-wide thread pool."""
     if config.backend == "reference":
         return Choice(reference.experts_forward, "reference", "backend='reference' requested")
     why_not = native_unsupported_reason(spec, dry_run)

@@ -35,9 +35,10 @@ class ThreadPool {
   // without a loaded libgomp falls back to the own workers, and backend_name() says so.
   void set_backend(PoolBackend b);
   PoolBackend backend() const { return backend_.load(std::memory_order_relaxed); }
-  // What regions run on now: "own", "openmp (<path of the libgomp>)", or
-  // "own (openmp requested, no libgomp loaded in this process)".
-  std::string backend_name() const;
+  // What regions run on under backend b: "own", "openmp (<path of the libgomp>)", or
+  // "own (openmp requested, no libgomp loaded in this process)"; no argument: the current one.
+  static std::string backend_name(PoolBackend b);
+  std::string backend_name() const { return backend_name(backend()); }
 
   // The process-wide pool (created on first use, grown on demand, never destroyed).
   static ThreadPool& global();
