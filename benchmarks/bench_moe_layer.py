@@ -15,7 +15,8 @@ cycled that they hold >= 3 GB of experts (or `--layers N`), and each call gets f
 fresh random routing. Every arm's output is checked against the reference path before it is
 timed. The machine's read bandwidth (our streaming probe) and bf16 matmul peak (torch.mm,
 4096^3, oneDNN/AMX here) are measured in the same run, so shares are against this run's
-figures. Shared experts are dense MLPs that PyTorch runs in every arm (hi_na_moe accelerates
+figures; every prefill call is also paired with a torch.mm probe right after it (the paired
+share: the median of call / probe), since this machine's AMX throughput swings within minutes. Shared experts are dense MLPs that PyTorch runs in every arm (hi_na_moe accelerates
 the routed experts); their decode time is reported in its own row.
 
     python benchmarks/bench_moe_layer.py                       # OLMoE, decode T=1 and prefill T=512
@@ -42,6 +43,24 @@ from pathlib import Path
 import torch
 
 from hi_na_moe.workload import SHAPES, build_layers, build_shared, make_inputs, set_impl, shape_dims, time_arm
+
+
+class MatmulProbe:
+    """One bf16 torch.mm (n^3) per call, in GFLOP/s: the matmul peak as PyTorch reaches it right
+    now. This machine's AMX throughput swings by 2-3x within minutes (other tenants), so each
+    prefill call is paired with the probe taken right after it."""
+
+    def __init__(self, threads: int, n: int = 4096):
+        torch.set_num_threads(threads)
+        self.n = n
+        self.a = torch.randn(n, n).bfloat16()
+        self.b = torch.randn(n, n).bfloat16()
+        torch.mm(self.a, self.b)
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        torch.mm(self.a, self.b)
+        return 2 * self.n ** 3 / (time.perf_counter() - t0) / 1e9
 
 
 def matmul_peak_gflops(threads: int, n: int = 4096, reps: int = 5) -> float:
@@ -90,6 +109,7 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
     print(f"#   read bandwidth now {probes[-1]:.1f} GB/s (run start {bw_gbs:.1f}), matmul peak now "
           f"{peak_here:.0f} GFLOP/s (run start {peak_gflops:.0f})", flush=True)
     peak_gflops = max(peak_gflops, peak_here)
+    mm_probe = MatmulProbe(args.threads)
     rows = []
     # correctness first: every arm on the same input vs the reference path
     x, idx, w = make_inputs(cfg, 33, dtype, 999)
@@ -122,7 +142,9 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
         if err > 2e-2:
             raise SystemExit(f"{shape} {label}: output differs from the reference (rel L2 {err:.2e}); not timing it")
         for case, T, iters in cases:
-            s, b = time_arm(layers, cfg, T, dtype, iters, warmup=max(2, len(layers)), seed0=1000)
+            paired = []
+            s, b = time_arm(layers, cfg, T, dtype, iters, warmup=max(2, len(layers)), seed0=1000,
+                            after=(lambda: paired.append(mm_probe())) if T > 1 else None)
             med = statistics.median(s)
             name = label
             if "|" in label:
@@ -134,7 +156,11 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
                 row["gb_s"] = statistics.median([bb / ss for bb, ss in zip(b, s)]) / 1e9
                 probes.append(read_bandwidth(args.threads))
             else:
-                row["gflop_s"] = 2 * T * K * 3 * H * I / med / 1e9
+                flop = 2 * T * K * 3 * H * I
+                row["gflop_s"] = flop / med / 1e9
+                row["paired_peaks"] = paired
+                row["paired_peak"] = statistics.median(paired)
+                row["paired_share"] = statistics.median(flop / t / 1e9 / pk for t, pk in zip(s, paired))
             rows.append(row)
             print(f"  {name:55s} {case:15s} {row['median_ms']:8.2f} ms", flush=True)
         if enabled:
@@ -205,9 +231,11 @@ def main() -> int:
 
     print(f"\nat the start: read bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s; decode roofline per "
           f"shape: the median of the probes taken through that shape; prefill: the higher of the run's and the "
-          f"shape's matmul peak\n")
-    print("| shape | provider | case | median ms | p90 ms | active MB | GB/s | GFLOP/s | share of roofline | roofline | vs first arm | rel err vs ref |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"shape's matmul peak, and (paired) the median over calls of each call's GFLOP/s over the torch.mm "
+          f"probe taken right after it\n")
+    print("| shape | provider | case | median ms | p90 ms | active MB | GB/s | GFLOP/s | share of roofline | roofline | "
+          "share of paired matmul peak (median peak) | vs first arm | rel err vs ref |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     first = {}
     for r in results:
         key = (r["shape"], r["case"])
@@ -218,9 +246,10 @@ def main() -> int:
         active = f"{r['active_mb']:.0f}" if r["T"] == 1 else ""
         roof = f"{r['bw_gbs']:.1f} GB/s" if r["T"] == 1 else f"{r['peak_gflops']:.0f} GFLOP/s"
         vs = "" if r["arm"].startswith("shared") else f"{first[key] / r['median_ms']:.2f}x"
+        paired = f"{r['paired_share']:.0%} ({r['paired_peak']:.0f})" if "paired_share" in r else ""
         err = "" if r["rel_err"] != r["rel_err"] else f"{r['rel_err']:.1e}"
         print(f"| {r['shape']} | {r['arm']} | {r['case']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {active} | {gbs} | "
-              f"{gfl} | {r['share']:.0%} | {roof} | {vs} | {err} |")
+              f"{gfl} | {r['share']:.0%} | {roof} | {paired} | {vs} | {err} |")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

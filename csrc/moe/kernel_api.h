@@ -83,6 +83,7 @@ struct GateUpJob {
   int64_t h_stride;
   const Layout* L;
   const ActParams* act;
+  const void* w_next = nullptr;  // panel p0 of the job this thread runs next (prefetch hint)
 };
 
 // down for one expert: acc[r][c] += wt[r] * (W_down h_r + b)[c] for columns c of panels [p0, p1).
@@ -96,6 +97,7 @@ struct DownJob {
   const float* wt;          // [nt] routing weight per row
   float* const* acc;        // [nt] fp32 accumulator rows (Hn long)
   const Layout* L;
+  const void* w_next = nullptr;  // panel p0 of the job this thread runs next (prefetch hint)
 };
 
 struct KernelImpl {

@@ -777,7 +777,13 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   auto chunk_of = [](int64_t np) { return std::max<int64_t>(1, std::min<int64_t>(8, (np + 3) / 4)); };
 
   // ---- region 1: gate/up + activation ----
-  auto gateup_expert = [&](int32_t e, int64_t p0, int64_t p1) {
+  // The kernels prefetch the next job's first panels while their last one runs (w_next):
+  // with the dynamic split each thread claims its next item before running the current one.
+  const int64_t gu_pb = gu_panel_bytes(L), dn_pb = down_panel_bytes(L);
+  auto gu_panel = [&](int32_t e, int64_t p) {
+    return static_cast<const uint8_t*>(pe.gate_up_expert(e)) + p * gu_pb;
+  };
+  auto gateup_expert = [&](int32_t e, int64_t p0, int64_t p1, const void* w_next) {
     const int64_t r0 = s.offsets[e];
     GateUpJob j;
     j.w = pe.gate_up_expert(e);
@@ -792,16 +798,21 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     j.h_stride = hs;
     j.L = &L;
     j.act = &ap;
+    j.w_next = w_next;
     kern.gateup(j);
   };
   if (S > 0 && dyn) {
     const int64_t np = In / kPanelN, chunk = chunk_of(np), nchunks = (np + chunk - 1) / chunk;
     const int64_t items = nchunks * static_cast<int64_t>(s.active.size());
+    auto item_expert = [&](int64_t it) { return s.active[static_cast<size_t>(it / nchunks)]; };
     std::atomic<int64_t> next{0};
     pool.run(nthreads, [&](int, int) {
-      for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < items;) {
+        const int64_t nx = next.fetch_add(1, std::memory_order_relaxed);
         const int64_t p0 = (it % nchunks) * chunk;
-        gateup_expert(s.active[static_cast<size_t>(it / nchunks)], p0, std::min(np, p0 + chunk));
+        gateup_expert(item_expert(it), p0, std::min(np, p0 + chunk),
+                      nx < items ? gu_panel(item_expert(nx), (nx % nchunks) * chunk) : nullptr);
+        it = nx;
       }
     });
   } else if (S > 0) {
@@ -809,7 +820,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
       int64_t p0, p1;
       split_range(In / kPanelN, tid, n, &p0, &p1);
       if (p0 == p1) return;
-      for (int32_t e : s.active) gateup_expert(e, p0, p1);
+      for (size_t a = 0; a < s.active.size(); ++a)
+        gateup_expert(s.active[a], p0, p1, a + 1 < s.active.size() ? gu_panel(s.active[a + 1], p0) : nullptr);
     });
   }
 
@@ -837,7 +849,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   auto down_panels = [&](int64_t p0, int64_t p1) {
     const int64_t c0 = p0 * kPanelN, c1 = p1 * kPanelN;
     for (int64_t t = 0; t < T; ++t) std::memset(acc + t * Hn + c0, 0, sizeof(float) * (c1 - c0));
-    for (int32_t e : s.active) {
+    for (size_t a = 0; a < s.active.size(); ++a) {
+      const int32_t e = s.active[a];
       const int64_t r0 = s.offsets[e];
       DownJob j;
       j.w = pe.down_expert(e);
@@ -855,6 +868,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
       j.wt = s.row_wt.data() + r0;
       j.acc = s.accrows.data() + r0;
       j.L = &L;
+      if (a + 1 < s.active.size())
+        j.w_next = static_cast<const uint8_t*>(pe.down_expert(s.active[a + 1])) + p0 * dn_pb;
       kern.down(j);
     }
     const int64_t ce = std::min(c1, H);

@@ -20,13 +20,17 @@ namespace hina::detail::pf {
 #ifdef HINA_PREFETCH_TUNING
 inline int g_bytes = 4096;
 inline int g_hint = 1;
+inline int g_amx = 2;
 inline void reload() {
   const char* b = std::getenv("HINA_PF");
   const char* h = std::getenv("HINA_PFH");
   g_bytes = b ? std::atoi(b) : 4096;
   g_hint = h ? std::atoi(h) : 1;
+  const char* a = std::getenv("HINA_PFA");
+  g_amx = a ? std::atoi(a) : 2;
 }
 inline int bytes() { return g_bytes; }
+inline int amx_mode() { return g_amx; }
 inline void line(const void* p) {
   const char* c = static_cast<const char*>(p);
   if (g_hint == 0) _mm_prefetch(c, _MM_HINT_T0);
@@ -36,6 +40,7 @@ inline void line(const void* p) {
 #else
 inline void reload() {}
 constexpr int bytes() { return 4096; }
+constexpr int amx_mode() { return 2; }
 inline void line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 #endif
 

@@ -120,9 +120,11 @@ def make_inputs(cfg, T: int, dtype, seed: int):
     return x, idx, w
 
 
-def time_arm(layers, cfg, T, dtype, iters, warmup, seed0):
+def time_arm(layers, cfg, T, dtype, iters, warmup, seed0, after=None):
     """Seconds per call and bytes of experts read per call, each call on the next layer copy
-    with fresh tokens and routing."""
+    with fresh tokens and routing. `after()`, if given, runs (untimed) right after every timed
+    call: a benchmark pairs each call with a probe of the machine taken under the same
+    conditions."""
     samples, nbytes = [], []
     with torch.inference_mode():
         for i in range(warmup + iters):
@@ -134,4 +136,6 @@ def time_arm(layers, cfg, T, dtype, iters, warmup, seed0):
             if i >= warmup:
                 samples.append(dt)
                 nbytes.append(active_bytes(layer, idx))
+                if after is not None:
+                    after()
     return samples, nbytes

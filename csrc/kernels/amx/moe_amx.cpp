@@ -36,6 +36,7 @@
 
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 
 namespace hina::detail {
 namespace {
@@ -74,6 +75,23 @@ inline void store_pairs(uint16_t* dst, __m512 even, __m512 odd) {
 }
 
 thread_local AlignedBuf tls_panels;
+
+// Prefetches the next panel (or pair) into L2 while the current one runs: its cache lines are
+// spread evenly over the current panel's k-tile iterations, so the weight stream overlaps with
+// the tiles instead of stalling the first row block's B loads.
+struct PanelAhead {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int64_t per = 0;
+  void start(const void* base, int64_t bytes, int64_t iters) {
+    p = static_cast<const char*>(base);
+    end = p + (base ? bytes : 0);
+    per = (bytes / 64 + iters - 1) / iters;
+  }
+  void step() {
+    for (int64_t i = 0; i < per && p < end; ++i, p += 64) pf::line(p);
+  }
+};
 
 // Expands a quantised panel (G matrices, reduction length Kp) to dst [Kp/2][G][16][2] bf16.
 void expand_panel(const uint8_t* panel, const Layout& L, int64_t Kp, int G, uint16_t* dst) {
@@ -121,9 +139,16 @@ void gateup_amx(const GateUpJob& j) {
   uint16_t* ebuf = F == WFormat::kLossless ? nullptr : static_cast<uint16_t*>(tls_panels.get(2 * static_cast<size_t>(panel_elems)));
   alignas(64) float cg[2][16][16];
   alignas(64) float cu[2][16][16];
+  pf::reload();
+  const int64_t pbytes = F == WFormat::kLossless ? 2 * panel_elems : qbytes;
+  const int64_t iters = (j.nt + 31) / 32 * (Hk / 32);
+  PanelAhead ahead;
   configure_tiles();
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint16_t* panel = static_cast<const uint16_t*>(j.w) + p * panel_elems;
+    const void* nx = p + 1 < j.p1 ? static_cast<const char*>(j.w) + (p + 1) * pbytes
+                                  : pf::amx_mode() >= 2 ? j.w_next : nullptr;
+    ahead.start(pf::amx_mode() ? nx : nullptr, pbytes, iters);
     if constexpr (F != WFormat::kLossless) {
       expand_panel(static_cast<const uint8_t*>(j.w) + p * qbytes, L, Hk, G, ebuf);
       panel = ebuf;
@@ -143,6 +168,7 @@ void gateup_amx(const GateUpJob& j) {
       const uint16_t* a0 = x0 + m0 * xs;
       const uint16_t* a1 = a0 + 16 * xs;
       for (int64_t kt = 0; kt < Hk / 32; ++kt) {
+        ahead.step();
         const uint16_t* b = panel + kt * 16 * G * 32;
         _tile_loadd(4, a0 + kt * 32, static_cast<int>(xs * 2));
         _tile_loadd(7, b + (G - 1) * 32, G * 64);
@@ -186,12 +212,23 @@ void down_amx(const DownJob& j) {
   const int64_t qbytes = F == WFormat::kLossless ? 0 : down_panel_bytes(L);
   uint16_t* ebuf = F == WFormat::kLossless ? nullptr : static_cast<uint16_t*>(tls_panels.get(4 * static_cast<size_t>(panel_elems)));
   alignas(64) float c[2][2][16][16];  // [panel][row block][row][col]
+  pf::reload();
+  const int64_t pbytes = F == WFormat::kLossless ? 2 * panel_elems : qbytes;
+  const int64_t iters = (j.nt + 31) / 32 * (Ik / 32);
+  PanelAhead ahead;
   configure_tiles();
   // Two panels at a time: tmm6/7 = B of panels p, p+1; tmm4/5 = A rows m0.., m0+16..;
   // C: tmm0 (A0,B0), tmm1 (A0,B1), tmm2 (A1,B0), tmm3 (A1,B1) -> 4 dpbf16ps per 4 loads.
   for (int64_t p = j.p0; p < j.p1; p += 2) {
     const bool pp = p + 1 < j.p1;
     const uint16_t* panel = static_cast<const uint16_t*>(j.w) + p * panel_elems;
+    int64_t pn = std::min<int64_t>(2, j.p1 - (p + 2));  // panels in the next pair
+    const void* nx = static_cast<const char*>(j.w) + (p + 2) * pbytes;
+    if (pn <= 0) {
+      pn = std::min<int64_t>(2, j.p1 - j.p0);
+      nx = pf::amx_mode() >= 2 ? j.w_next : nullptr;
+    }
+    ahead.start(pf::amx_mode() ? nx : nullptr, pn * pbytes, iters);
     if constexpr (F != WFormat::kLossless) {
       const uint8_t* q = static_cast<const uint8_t*>(j.w) + p * qbytes;
       expand_panel(q, L, Ik, 1, ebuf);
@@ -213,6 +250,7 @@ void down_amx(const DownJob& j) {
       const uint16_t* a0 = h0 + m0 * hs;
       const uint16_t* a1 = a0 + 16 * hs;
       for (int64_t kt = 0; kt < Ik / 32; ++kt) {
+        ahead.step();
         _tile_loadd(4, a0 + kt * 32, static_cast<int>(hs * 2));
         _tile_loadd(6, panel + kt * 16 * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
