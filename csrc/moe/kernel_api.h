@@ -227,6 +227,28 @@ static inline void store_elem(DType dt, void* p, int64_t i, float v) {
     case DType::kF16: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
   }
 }
+// dst[0, n) = src[0, n) in dtype dt: the switch outside the loop, so the compiler vectorises
+// each loop (the bf16 rounding is branch-free for that; the same bits as f32_to_bf16).
+static inline void store_row(DType dt, void* dst, const float* src, int64_t n) {
+  switch (dt) {
+    case DType::kF32: std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(n)); break;
+    case DType::kBF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t u = f32_to_bits(src[i]);
+        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const uint32_t qnan = (u >> 16) | 0x40u;
+        d[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? qnan : rounded);
+      }
+      break;
+    }
+    case DType::kF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+      break;
+    }
+  }
+}
 // Rounds an fp32 value to the weight dtype and back (weight_on_input).
 static inline float round_to(DType dt, float v) {
   switch (dt) {

@@ -875,11 +875,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     const int64_t ce = std::min(c1, H);
     for (int64_t t = 0; t < T; ++t) {
       const float* a = acc + t * Hn;
-      if (dt == DType::kF32) {
-        std::memcpy(static_cast<float*>(out) + t * H + c0, a + c0, sizeof(float) * (ce - c0));
-      } else {
-        for (int64_t c = c0; c < ce; ++c) store_elem(dt, out, t * H + c, a[c]);
-      }
+      store_row(dt, static_cast<uint8_t*>(out) + static_cast<size_t>(t * H + c0) * esz, a + c0, ce - c0);
     }
   };
   if (dyn) {
