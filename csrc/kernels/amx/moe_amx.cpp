@@ -29,9 +29,13 @@
 // Known limits: rows past the expert's last row are read (garbage rows of the next expert or
 // zeroed slack: KernelImpl::row_slack = 16) and their C rows discarded; A tiles are re-loaded
 // per panel (from L1/L2); gate/up has no room for a second panel (2 A + 2 B + 4 C = 8 tiles),
-// so with <= 16 rows an expert uses 2 of its 4 accumulators; B tiles are not software-prefetched
-// (tried: distance 4-16 k-tiles, T0/T1, and THP-backed weights: no gain above noise on the test
-// VM); bf16 only (no AMX-FP16 here).
+// so with <= 16 rows an expert uses 2 of its 4 accumulators; bf16 only (no AMX-FP16 here).
+// Weight stream: while a panel (down: a pair) runs, the next one is prefetched into L2, its
+// lines spread over the current panel's k-tile iterations (PanelAhead); the last panel of a job
+// prefetches the first of the job the driver says this thread runs next (w_next). Without it
+// the first row block's B loads stalled on memory and the tiles and the stream took turns:
+// benchmarks/bench_prefetch.py --prefill 512 measured bf16 1.13x, int8 1.25x, int4 even.
+// (Prefetching a few k-tiles ahead inside the same panel gave nothing: too little lead.)
 #include <immintrin.h>
 
 #include "kernels/avx512/vec_avx512.h"
