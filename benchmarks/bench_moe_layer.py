@@ -20,6 +20,7 @@ share: the median of call / probe), since this machine's AMX throughput swings w
 the routed experts); their decode time is reported in its own row.
 
     python benchmarks/bench_moe_layer.py                       # OLMoE, decode T=1 and prefill T=512
+    python benchmarks/bench_moe_layer.py --prefill 128,512     # two prefill sizes
     python benchmarks/bench_moe_layer.py --shape all --arms grouped_mm,native,native-avx2
     chrt -f 1 python benchmarks/bench_moe_layer.py ...         # stable figures on a shared machine
 
@@ -119,8 +120,8 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
     hi_na_moe.disable_for_model(layers)
 
     cases = [("decode T=1", 1, args.decode_iters)]
-    if args.prefill:
-        cases.append((f"prefill T={args.prefill}", args.prefill, args.prefill_iters))
+    for T in (int(v) for v in str(args.prefill).split(",") if int(v) > 0):
+        cases.append((f"prefill T={T}", T, args.prefill_iters))
     for arm in args.arms.split(","):
         enabled = False
         if arm in ("eager", "grouped_mm"):
@@ -199,7 +200,7 @@ def main() -> int:
     ap.add_argument("--shape", default="olmoe", help=f"one of {', '.join(SHAPES)}, a comma list, or all")
     ap.add_argument("--layers", type=int, default=0, help="layer copies cycled (0: enough for >= 3 GB, 10x the L3)")
     ap.add_argument("--decode-iters", type=int, default=40)
-    ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
+    ap.add_argument("--prefill", default="512", help="prefill tokens per call, a comma list (0: skip prefill)")
     ap.add_argument("--prefill-iters", type=int, default=5)
     ap.add_argument("--arms", default="eager,grouped_mm,reference,native",
                     help="comma list of: eager, grouped_mm, reference, native, native-<tier>")
