@@ -13,7 +13,7 @@ import torch
 from . import reference, torch_ops
 from .config import HinaConfig
 from .hardware import native_kernels_available, native_module
-from .spec import ExpertsSpec, Runner
+from .spec import ExpertsSpec, Runner, check_routing, index_range_error
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -383,6 +383,7 @@ class NativeExperts:
         return torch_ops.last_kernel(self.handle) if self.handle is not None else None
 
     def __call__(self, spec: ExpertsSpec, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        check_routing(spec, hidden, idx, w)
         # detached: the kernels have no backward (training runs the reference path, see patching)
         dtype = spec.weight_dtype
         x = hidden.detach().to(dtype)
@@ -392,6 +393,9 @@ class NativeExperts:
         if spec.n_identity:
             is_id = idx >= spec.num_experts
             if bool(is_id.any()):
+                n_total = spec.num_experts + spec.n_identity
+                if bool((idx >= n_total).any()):  # not an identity expert: out of range
+                    raise index_range_error(int(idx.max()), n_total)
                 identity = (wf.float() * is_id).sum(-1, keepdim=True) * hidden.detach().float()
                 idx = torch.where(is_id, torch.full_like(idx, -1), idx)
         # under torch.compile, get_num_threads() would break the graph: use the value at pack time
