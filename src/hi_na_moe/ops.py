@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -122,6 +123,9 @@ class NativeExperts:
         self._backup = None  # (key, name) of the exact originals in the store, for restore
         self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
         self._hook = None
+        # the released parameters' storage is swapped by state_dict() (briefly) and restore():
+        # one at a time, or two threads would leave each other's tensors behind
+        self._swap_lock = threading.RLock()
         # quality measurements: called as recorder(name, hidden, idx, w, out) after each call
         self.recorder: Callable | None = None
         # hi_na_moe.from_pretrained: the weights were never loaded; they live in the checkpoint
@@ -296,12 +300,13 @@ class NativeExperts:
         def fill_state_dict(mod, state_dict, prefix, local_metadata):
             # rebuild real tensors in the model's own layout: swap them in for the placeholders
             # just long enough to copy through the spec's views
-            real = self._swap_in_real()
-            try:
-                self._fill_real(rebuild, real)
-            finally:
-                for (m2, n2), (placeholder, _) in real.items():
-                    getattr(m2, n2).data = placeholder
+            with self._swap_lock:
+                real = self._swap_in_real()
+                try:
+                    self._fill_real(rebuild, real)
+                finally:
+                    for (m2, n2), (placeholder, _) in real.items():
+                        getattr(m2, n2).data = placeholder
             names = {(id(sub), pn): (sub_name + "." if sub_name else "") + pn
                      for sub_name, sub in module.named_modules() for pn, _ in sub.named_parameters(recurse=False)}
             for (m2, n2), (_, tensor) in real.items():
@@ -353,22 +358,24 @@ class NativeExperts:
     def restore(self, rebuild: Callable[[], ExpertsSpec]) -> None:
         """Give the model its own weights back, bit-identical to before `release`, and free the
         packed copy (this runner is done)."""
+        with self._swap_lock:
+            if self._released:
+                real = self._swap_in_real()
+                try:
+                    self._fill_real(rebuild, real)
+                except BaseException:
+                    for (m2, n2), (placeholder, _) in real.items():
+                        getattr(m2, n2).data = placeholder  # still released: the model stays usable
+                    raise
+                fresh = rebuild()
+                for f in _TENSOR_FIELDS:
+                    setattr(self.spec, f, getattr(fresh, f))
+                self.spec.cache.pop("released", None)
+                self._released = []
         if self._hook is not None:
+            # only now: had the weights not come back, state_dict() must still see the real ones
             self._hook.remove()
             self._hook = None
-        if self._released:
-            real = self._swap_in_real()
-            try:
-                self._fill_real(rebuild, real)
-            except BaseException:
-                for (m2, n2), (placeholder, _) in real.items():
-                    getattr(m2, n2).data = placeholder  # still released: the model stays usable
-                raise
-            fresh = rebuild()
-            for f in _TENSOR_FIELDS:
-                setattr(self.spec, f, getattr(fresh, f))
-            self.spec.cache.pop("released", None)
-            self._released = []
         if self._entry is not None:
             self._entry.close()  # the mapping lives on while the view's buffer is referenced
             self._entry = None
