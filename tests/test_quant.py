@@ -178,12 +178,27 @@ def test_cache_off_keeps_the_originals_and_says_so(tmp_path):
     assert torch.equal(_logits(tiny.model, ids), base)
 
 
-def test_lost_backup_is_a_clear_error_at_disable(tmp_path):
+def test_lost_backup_is_a_clear_error_at_disable_and_disable_can_be_retried(tmp_path):
+    import shutil
+
     tiny = build_tiny("olmoe", torch.bfloat16)
+    ids = torch.randint(0, 200, (1, 7), generator=torch.Generator().manual_seed(4))
+    base = _logits(tiny.model, ids)
     hi_na_moe.enable_for_model(tiny.model, weights="int8")
+    quantised = _logits(tiny.model, ids)
+    shutil.copytree(tmp_path / "store", tmp_path / "saved")
     PackedStore(tmp_path / "store").clear()
-    with pytest.raises(RuntimeError, match="cannot restore the original expert weights"):
+    with pytest.raises(RuntimeError, match="could not be restored .*cannot restore the original expert weights"
+                                           ".*disable_for_model can be called again"):
         hi_na_moe.disable_for_model(tiny.model)
+    # nothing was lost: the blocks still run on their int8 copy, and once the backup is back
+    # a second disable restores the originals exactly
+    assert hi_na_moe.is_enabled(tiny.model) and "hi_na_moe=" in repr(tiny.model)
+    assert torch.equal(_logits(tiny.model, ids), quantised)
+    shutil.rmtree(tmp_path / "store")
+    shutil.copytree(tmp_path / "saved", tmp_path / "store")
+    hi_na_moe.disable_for_model(tiny.model)
+    assert not hi_na_moe.is_enabled(tiny.model) and torch.equal(_logits(tiny.model, ids), base)
 
 
 def test_config_errors_name_the_key():

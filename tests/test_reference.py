@@ -95,7 +95,7 @@ def test_skipped_slots_identity_experts_and_weight_on_input():
 def test_out_of_range_index_is_an_error():
     gate, up, down = _weights(3, 8, 4)
     spec = ExpertsSpec(3, 8, 4, gate=gate, up=up, down=down, gate_spec=GateSpec("silu"))
-    with pytest.raises(IndexError, match="top_k_index holds expert 3, but this block has 3 experts"):
+    with pytest.raises(ValueError, match="top_k_index holds expert 3, but this block has 3 experts"):
         reference.experts_forward(spec, torch.randn(2, 8), torch.tensor([[0, 3], [1, 2]]), torch.rand(2, 2))
 
 

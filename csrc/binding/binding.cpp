@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "hina_moe/bandwidth.h"
@@ -57,9 +58,9 @@ hina::Isa parse_isa(const std::string& name) {
 
 // ---- fused MoE experts ------------------------------------------------------------------------
 
-// Inputs are taken as untyped, read-only ndarrays with .noconvert(), then checked here, so a
-// wrong dtype / layout / device raises a ValueError naming the argument instead of being
-// silently copied or converted.
+// Inputs are taken as untyped, read-only ndarrays with .noconvert() (forward(): as the Python
+// objects, converted by array_arg), then checked here, so a wrong dtype / layout / device
+// raises a ValueError naming the argument instead of being silently copied or converted.
 using InArray = nb::ndarray<nb::ro>;
 using OutArray = nb::ndarray<>;
 
@@ -67,14 +68,20 @@ constexpr nb::dlpack::dtype kBf16{static_cast<uint8_t>(nb::dlpack::dtype_code::B
 constexpr nb::dlpack::dtype kF16{static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
 
 std::string dtype_str(nb::dlpack::dtype d) {
-  if (d == nb::dtype<float>()) return "float32";
-  if (d == kBf16) return "bfloat16";
-  if (d == kF16) return "float16";
-  if (d == nb::dtype<double>()) return "float64";
-  if (d == nb::dtype<int32_t>()) return "int32";
-  if (d == nb::dtype<int64_t>()) return "int64";
-  return "dtype(code=" + std::to_string(d.code) + ", bits=" + std::to_string(d.bits) +
-         ", lanes=" + std::to_string(d.lanes) + ")";
+  using C = nb::dlpack::dtype_code;
+  const std::string bits = std::to_string(d.bits);
+  if (d.lanes == 1) {
+    switch (static_cast<C>(d.code)) {
+      case C::Int: return "int" + bits;
+      case C::UInt: return "uint" + bits;
+      case C::Float: return "float" + bits;
+      case C::Bfloat: return "bfloat" + bits;
+      case C::Complex: return "complex" + bits;
+      case C::Bool: return "bool";
+      default: break;
+    }
+  }
+  return "dtype(code=" + std::to_string(d.code) + ", bits=" + bits + ", lanes=" + std::to_string(d.lanes) + ")";
 }
 
 std::optional<hina::DType> to_dtype(nb::dlpack::dtype d) {
@@ -125,9 +132,38 @@ void check_array(const char* name, const A& a, const std::vector<int64_t>& shape
 }
 
 template <typename A>
-void check_dtype(const char* name, const A& a, nb::dlpack::dtype want) {
+void check_dtype(const char* name, const A& a, nb::dlpack::dtype want, const char* hint = "") {
   if (a.dtype() != want)
-    bad(std::string(name) + " has dtype " + dtype_str(a.dtype()) + ", expected " + dtype_str(want));
+    bad(std::string(name) + " has dtype " + dtype_str(a.dtype()) + ", expected " + dtype_str(want) + hint);
+}
+
+std::string describe(nb::handle h) {
+  std::string d = nb::type_name(h.type()).c_str();
+  nb::object dev = nb::getattr(h, "device", nb::none());
+  if (!dev.is_none()) d += " on device " + std::string(nb::str(dev).c_str());
+  return d;
+}
+
+// One array argument of forward(), taken as the Python object so that what cannot be read
+// as-is is an error naming the argument (never a silent copy or a wrong value):
+// - torch's DLPack export ignores a tensor's lazy negation bit (torch._neg_view; what some
+//   conj/neg views produce): its memory holds -x. Such tensors are refused (.resolve_neg()).
+// - an object that is not a CPU array (a meta or GPU tensor, a list, a read-only `out`) is a
+//   TypeError naming the argument, instead of nanobind's list of overloads.
+template <typename Arr>
+Arr array_arg(const char* name, nb::handle h) {
+  nb::object is_neg = nb::getattr(h, "is_neg", nb::none());
+  if (!is_neg.is_none() && PyCallable_Check(is_neg.ptr()) && nb::cast<bool>(is_neg()))
+    bad(std::string(name) + " is a torch tensor with its negative bit set (a lazy negation view; its memory "
+        "holds the negated values); call .resolve_neg() first");
+  Arr a;
+  if (!nb::try_cast(h, a, false)) {
+    throw nb::type_error((std::string(name) + " must be a " +
+                          (std::is_same_v<Arr, OutArray> ? "writable " : "") +
+                          "CPU array (torch tensor, numpy array, or any DLPack / buffer-protocol array), got " +
+                          describe(h)).c_str());
+  }
+  return a;
 }
 
 nb::dlpack::dtype nb_dtype(hina::DType dt) {
@@ -256,7 +292,7 @@ class PyPackedExperts {
 
   bool readonly_ = false;
 
-  std::string forward(InArray x, InArray topk_idx, InArray topk_w, OutArray out,
+  std::string forward(nb::handle x_obj, nb::handle idx_obj, nb::handle w_obj, nb::handle out_obj,
                       const std::string& act, float alpha, float gate_limit, float up_limit,
                       float post_act_limit, float up_offset, bool weight_on_input,
                       int num_threads, const std::string& path,
@@ -264,10 +300,14 @@ class PyPackedExperts {
                       const std::string& qdot) const {
     const hina::PackedExperts& pe = *pe_;
     const nb::dlpack::dtype wdt = nb_dtype(pe.dtype());
+    const InArray x = array_arg<InArray>("x", x_obj);
+    const InArray topk_idx = array_arg<InArray>("topk_idx", idx_obj);
+    const InArray topk_w = array_arg<InArray>("topk_w", w_obj);
+    OutArray out = array_arg<OutArray>("out", out_obj);
     if (x.ndim() != 2) bad("x must have shape [T, H], got " + shape_str(shape_of(x)));
     const int64_t T = x.shape(0);
     check_array("x", x, {T, pe.H()});
-    check_dtype("x", x, wdt);
+    check_dtype("x", x, wdt, " (the experts' dtype); convert x first");
     if (topk_idx.ndim() != 2) bad("topk_idx must have shape [T, K], got " + shape_str(shape_of(topk_idx)));
     const int64_t K = topk_idx.shape(1);
     check_array("topk_idx", topk_idx, {T, K});
@@ -276,9 +316,9 @@ class PyPackedExperts {
     else if (topk_idx.dtype() == nb::dtype<int64_t>()) idx_bits = 64;
     else bad("topk_idx has dtype " + dtype_str(topk_idx.dtype()) + ", expected int32 or int64");
     check_array("topk_w", topk_w, {T, K});
-    check_dtype("topk_w", topk_w, nb::dtype<float>());
+    check_dtype("topk_w", topk_w, nb::dtype<float>(), "; convert it first (e.g. .float())");
     check_array("out", out, {T, pe.H()});
-    check_dtype("out", out, wdt);
+    check_dtype("out", out, wdt, " (the experts' dtype)");
 
     hina::MoeParams p;
     if (!hina::act_from_name(act.c_str(), &p.act))

@@ -46,7 +46,20 @@ def _load(path: str | Path, dtype: str):
         AutoConfig.from_pretrained(p)
     except Exception as exc:  # unknown model type, broken json
         raise UserError(f"cannot read the config in {str(p)!r}: {exc}") from None
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, dtype) if dtype else "auto").eval()
+    from .loading import PickleRefused, check_no_pickles, safetensors_only
+
+    try:
+        check_no_pickles(p)
+        with safetensors_only():  # a model directory's pickles are never unpickled
+            model = AutoModelForCausalLM.from_pretrained(
+                p, dtype=getattr(torch, dtype) if dtype else "auto", use_safetensors=True).eval()
+    except PickleRefused as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        if "safetensors" not in str(exc):
+            raise
+        raise UserError(f"{str(p)!r} has no safetensors weights ({exc})",
+                        "hi_na_moe never loads pickled (*.bin) weights; convert the checkpoint with save_pretrained")
     tokenizer = None
     if (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer

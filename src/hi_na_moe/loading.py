@@ -35,6 +35,88 @@ from torch import nn
 _LOAD_LOCK = threading.Lock()  # the interception is process-wide: one load at a time
 
 
+class PickleRefused(RuntimeError):
+    """A checkpoint file that is not safetensors (a pickle: *.bin, *.pt) would have been read."""
+
+
+_GUARD_LOCK = threading.Lock()
+_GUARD = {"depth": 0, "original": None}
+
+
+@contextlib.contextmanager
+def safetensors_only():
+    """While active, transformers' checkpoint reader (`modeling_utils.load_state_dict`, which
+    falls back to `torch.load` for anything not named *.safetensors) refuses every file that is
+    not safetensors, so nothing in a model directory is ever unpickled: not a pytorch_model.bin
+    beside safetensors, not a .bin shard named by a *.safetensors.index.json, not the
+    `adapter_model.bin` a config.json may name in `transformers_weights`. Loads pass
+    `use_safetensors=True` as well, so transformers itself never looks for pickles; this guard
+    covers the paths that ignore that flag. Process-wide while active (other threads' loads
+    through transformers refuse pickles too), restored after the last nested use."""
+    import transformers.modeling_utils as mu
+
+    with _GUARD_LOCK:
+        if _GUARD["depth"] == 0:
+            original = mu.load_state_dict
+
+            def load_state_dict(checkpoint_file, *args, **kwargs):
+                if not os.fspath(checkpoint_file).endswith(".safetensors"):
+                    raise PickleRefused(
+                        f"hi_na_moe reads only safetensors checkpoints; refusing to unpickle {os.fspath(checkpoint_file)!r} "
+                        "(a pickle can run code when loaded). Convert the checkpoint to safetensors (save_pretrained "
+                        "writes them by default) or load it with transformers yourself"
+                    )
+                return original(checkpoint_file, *args, **kwargs)
+
+            _GUARD["original"] = original
+            mu.load_state_dict = load_state_dict
+        _GUARD["depth"] += 1
+    try:
+        yield
+    finally:
+        with _GUARD_LOCK:
+            _GUARD["depth"] -= 1
+            if _GUARD["depth"] == 0:
+                mu.load_state_dict = _GUARD["original"]
+                _GUARD["original"] = None
+
+
+def check_no_pickles(path: str | os.PathLike) -> None:
+    """Refuse (PickleRefused) a local checkpoint directory whose config.json or safetensors
+    index names a weights file that is not safetensors, before transformers opens anything: a
+    clear error instead of an unpickling (stopped by `safetensors_only`) or a parse error."""
+    import json
+
+    path = Path(path)
+    names = []
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        if isinstance(cfg, dict) and isinstance(cfg.get("transformers_weights"), str):
+            names.append(("config.json (transformers_weights)", cfg["transformers_weights"]))
+    except (OSError, ValueError):
+        pass  # transformers reports an unreadable config itself
+    for index in sorted(path.glob("*.safetensors.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(weight_map, dict):
+            names += [(index.name, f) for f in sorted(set(map(str, weight_map.values())))]
+    for where, name in names:
+        if not (name.endswith(".safetensors") or name.endswith(".safetensors.index.json")):
+            raise PickleRefused(
+                f"{where} in {str(path)!r} names the weights file {name!r}, which is not safetensors; hi_na_moe "
+                "reads only safetensors checkpoints (a pickle can run code when loaded)"
+            )
+
+
+def safetensors_kwargs(kwargs: dict) -> dict:
+    """transformers from_pretrained kwargs with use_safetensors=True (an explicit False is refused)."""
+    if kwargs.get("use_safetensors", True) is not True:
+        raise ValueError("hi_na_moe loads safetensors checkpoints only (use_safetensors=False would allow pickles)")
+    return {**kwargs, "use_safetensors": True}
+
+
 def placeholder(shape, dtype) -> torch.Tensor:
     """A zero-byte stand-in with the shape and dtype of a tensor (what released weights hold)."""
     return torch.zeros((), dtype=dtype).expand(tuple(shape))
@@ -185,7 +267,9 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
     quantising) its experts straight from the safetensors files into the packed-expert store.
 
     Args:
-        path: a local checkpoint directory (config.json + *.safetensors); no hub downloads.
+        path: a local checkpoint directory (config.json + *.safetensors); no hub downloads. Only
+            safetensors are read: a pickle (*.bin) in the directory is never loaded (PickleRefused
+            if transformers would need one).
         weights: "int4" (default), "int8" or "lossless".
         group_size: int4 group size (default: the config's, 64).
         config: a HinaConfig for the other keys (isa, threads, cache_dir, ...); `cache` must be on.
@@ -217,6 +301,8 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
     if cfg.backend == "reference":
         raise ValueError("hi_na_moe.from_pretrained packs experts for the native kernels; backend='reference' "
                          "cannot use them (load with transformers and enable_for_model instead)")
+    safetensors_kwargs(kwargs)  # refuse use_safetensors=False before anything is read
+    check_no_pickles(path)
     cls = model_class or transformers.AutoModelForCausalLM
     hf_config = transformers.AutoConfig.from_pretrained(path)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
@@ -292,8 +378,8 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
         return out
 
     try:
-        with intercept_conversions(policy):
-            model = cls.from_pretrained(path, **kwargs)
+        with intercept_conversions(policy), safetensors_only():
+            model = cls.from_pretrained(path, **safetensors_kwargs(kwargs))
     finally:
         if bar is not None:
             bar.close()
@@ -338,8 +424,9 @@ def load_originals(origin: CheckpointOrigin, names: set[str]) -> dict[str, torch
             out[n] = placeholder(t.shape, t.dtype)
         return out
 
-    with intercept_conversions(policy):
-        origin.model_class.from_pretrained(origin.path, **origin.kwargs)
+    check_no_pickles(origin.path)
+    with intercept_conversions(policy), safetensors_only():
+        origin.model_class.from_pretrained(origin.path, **safetensors_kwargs(origin.kwargs))
     missing = names - set(got)
     if missing:
         raise RuntimeError(f"the checkpoint {origin.path!r} did not provide {sorted(missing)[:3]}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,7 +14,7 @@ import torch
 from . import reference, torch_ops
 from .config import HinaConfig
 from .hardware import native_kernels_available, native_module
-from .spec import ExpertsSpec, Runner
+from .spec import ExpertsSpec, Runner, check_routing, index_range_error
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -122,6 +123,9 @@ class NativeExperts:
         self._backup = None  # (key, name) of the exact originals in the store, for restore
         self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
         self._hook = None
+        # the released parameters' storage is swapped by state_dict() (briefly) and restore():
+        # one at a time, or two threads would leave each other's tensors behind
+        self._swap_lock = threading.RLock()
         # quality measurements: called as recorder(name, hidden, idx, w, out) after each call
         self.recorder: Callable | None = None
         # hi_na_moe.from_pretrained: the weights were never loaded; they live in the checkpoint
@@ -296,12 +300,13 @@ class NativeExperts:
         def fill_state_dict(mod, state_dict, prefix, local_metadata):
             # rebuild real tensors in the model's own layout: swap them in for the placeholders
             # just long enough to copy through the spec's views
-            real = self._swap_in_real()
-            try:
-                self._fill_real(rebuild, real)
-            finally:
-                for (m2, n2), (placeholder, _) in real.items():
-                    getattr(m2, n2).data = placeholder
+            with self._swap_lock:
+                real = self._swap_in_real()
+                try:
+                    self._fill_real(rebuild, real)
+                finally:
+                    for (m2, n2), (placeholder, _) in real.items():
+                        getattr(m2, n2).data = placeholder
             names = {(id(sub), pn): (sub_name + "." if sub_name else "") + pn
                      for sub_name, sub in module.named_modules() for pn, _ in sub.named_parameters(recurse=False)}
             for (m2, n2), (_, tensor) in real.items():
@@ -353,22 +358,24 @@ class NativeExperts:
     def restore(self, rebuild: Callable[[], ExpertsSpec]) -> None:
         """Give the model its own weights back, bit-identical to before `release`, and free the
         packed copy (this runner is done)."""
+        with self._swap_lock:
+            if self._released:
+                real = self._swap_in_real()
+                try:
+                    self._fill_real(rebuild, real)
+                except BaseException:
+                    for (m2, n2), (placeholder, _) in real.items():
+                        getattr(m2, n2).data = placeholder  # still released: the model stays usable
+                    raise
+                fresh = rebuild()
+                for f in _TENSOR_FIELDS:
+                    setattr(self.spec, f, getattr(fresh, f))
+                self.spec.cache.pop("released", None)
+                self._released = []
         if self._hook is not None:
+            # only now: had the weights not come back, state_dict() must still see the real ones
             self._hook.remove()
             self._hook = None
-        if self._released:
-            real = self._swap_in_real()
-            try:
-                self._fill_real(rebuild, real)
-            except BaseException:
-                for (m2, n2), (placeholder, _) in real.items():
-                    getattr(m2, n2).data = placeholder  # still released: the model stays usable
-                raise
-            fresh = rebuild()
-            for f in _TENSOR_FIELDS:
-                setattr(self.spec, f, getattr(fresh, f))
-            self.spec.cache.pop("released", None)
-            self._released = []
         if self._entry is not None:
             self._entry.close()  # the mapping lives on while the view's buffer is referenced
             self._entry = None
@@ -383,6 +390,7 @@ class NativeExperts:
         return torch_ops.last_kernel(self.handle) if self.handle is not None else None
 
     def __call__(self, spec: ExpertsSpec, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        check_routing(spec, hidden, idx, w)
         # detached: the kernels have no backward (training runs the reference path, see patching)
         dtype = spec.weight_dtype
         x = hidden.detach().to(dtype)
@@ -392,6 +400,9 @@ class NativeExperts:
         if spec.n_identity:
             is_id = idx >= spec.num_experts
             if bool(is_id.any()):
+                n_total = spec.num_experts + spec.n_identity
+                if bool((idx >= n_total).any()):  # not an identity expert: out of range
+                    raise index_range_error(int(idx.max()), n_total)
                 identity = (wf.float() * is_id).sum(-1, keepdim=True) * hidden.detach().float()
                 idx = torch.where(is_id, torch.full_like(idx, -1), idx)
         # under torch.compile, get_num_threads() would break the graph: use the value at pack time

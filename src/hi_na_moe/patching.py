@@ -4,12 +4,22 @@ registration.
 Patching is per instance: the replacement forward is set as an attribute of the module object
 (never on its class), the original attribute state is kept, and disable removes exactly what
 enable added. Weights are not touched, so outputs after disable are bit-identical to before.
+
+Threads: forwards may run on any number of threads at once. enable_for_model and
+disable_for_model change the blocks' weights (release / restore), so they are serialised
+against forwards on the same model (see `_Gate`): enable waits until no other thread is
+inside a block it is about to release, disable until no forward is inside a patched block;
+forwards arriving meanwhile wait at the gate and then run the accelerated path (enable done)
+or the block's own forward (disable done). A wait longer than DRAIN_TIMEOUT_S raises a
+RuntimeError and leaves the model as it was.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
+import time
 import types
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -27,7 +37,130 @@ _LOCK = threading.RLock()
 _PATCHED: "weakref.WeakKeyDictionary[nn.Module, _PatchState]" = weakref.WeakKeyDictionary()
 # root passed to enable_for_model -> the modules it patched and its report
 _ROOTS: "weakref.WeakKeyDictionary[nn.Module, tuple[list, EnableReport]]" = weakref.WeakKeyDictionary()
+# root -> the gate between its patched blocks' forwards and its enable/disable
+_GATES: "weakref.WeakKeyDictionary[nn.Module, _Gate]" = weakref.WeakKeyDictionary()
 _MISSING = object()
+
+# How long enable_for_model / disable_for_model wait for forwards in flight on the same model
+# before they give up with a RuntimeError (the model is then left as it was).
+DRAIN_TIMEOUT_S = 60.0
+
+
+class _Gate:
+    """A readers-writer lock (writer preference) between the forwards of the blocks one
+    enable_for_model patched (readers: any number at once, from any threads) and that enable's
+    weight changes (the writer: enable while it releases the model's weights, disable while it
+    restores them). A forward arriving while the writer works waits here, then runs the
+    accelerated path if the blocks are still enabled (`active`), or the block's own forward,
+    restored by then. So no forward ever reads weights in the middle of being swapped."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer: int | None = None  # thread id of the enable/disable at work
+        self._writers_waiting = 0
+        self.parked: set[int] = set()  # threads waiting here (inside a block, but not reading it)
+        self.active = True  # False once the blocks are restored (disable, or a failed enable)
+        self._tls = threading.local()  # per thread: how many forwards it has inside the gate
+
+    def enter(self) -> None:
+        tls = self._tls
+        depth = getattr(tls, "depth", 0)
+        with self._cond:
+            if depth == 0 and (self._writer is not None or self._writers_waiting):
+                me = threading.get_ident()
+                if self._writer != me:
+                    self.parked.add(me)
+                    try:
+                        while self._writer is not None or self._writers_waiting:
+                            self._cond.wait()
+                    finally:
+                        self.parked.discard(me)
+            self._readers += 1
+        tls.depth = depth + 1
+
+    def exit(self) -> None:
+        self._tls.depth -= 1
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0 and self._writers_waiting:
+                self._cond.notify_all()
+
+    def inside(self) -> bool:
+        """Whether the calling thread is inside a forward of a block behind this gate."""
+        return getattr(self._tls, "depth", 0) > 0
+
+    def acquire_write(self, timeout: float, what: str) -> None:
+        if self.inside():
+            raise RuntimeError(
+                f"hi_na_moe: {what} was called from inside a forward of the same model (a hook?); it would "
+                "wait for that forward forever. Call it after the forward returns"
+            )
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer is not None or self._readers:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise RuntimeError(
+                            f"hi_na_moe: {what} waited {timeout:g} s for {self._readers} forward(s) still running "
+                            "in this model's MoE blocks on other threads and gave up; the model is unchanged. "
+                            "Call it again once those forwards have returned"
+                        )
+                    self._cond.wait(left)
+                self._writer = threading.get_ident()
+            finally:
+                self._writers_waiting -= 1
+                if self._writer is None:
+                    self._cond.notify_all()  # forwards held back by this writer may go on
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = None
+            self._cond.notify_all()
+
+
+def _threads_inside(modules: set[int], skip: set[int]) -> list[int]:
+    """Other threads now executing code of a module whose id is in `modules` (a frame on their
+    stack has it as `self`: its forward, a hook, or nn.Module's call wrapper, which is where a
+    forward about to start looks its `forward` up). Threads in `skip` are left out."""
+    me = threading.get_ident()
+    busy = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me or ident in skip:
+            continue
+        f = frame
+        while f is not None:
+            code = f.f_code
+            if code.co_argcount and code.co_varnames[0] == "self" and id(f.f_locals.get("self")) in modules:
+                busy.append(ident)
+                break
+            f = f.f_back
+    return busy
+
+
+def _wait_native_forwards(module: nn.Module, gate: _Gate, name: str, timeout: float) -> None:
+    """Before enable releases a block's weights: wait until no other thread is still running
+    the block's own (native) forward, which reads those weights. Forwards that start from now
+    on take the patched forward, which waits at the gate (those threads are skipped)."""
+    ids = {id(m) for m in module.modules()}
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while True:
+        with gate._cond:
+            parked = set(gate.parked)
+        busy = _threads_inside(ids, parked)
+        if not busy:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"hi_na_moe: enable_for_model waited {timeout:g} s for {len(busy)} thread(s) still running the native "
+                f"forward of {name!r} (whose weights it must release) and gave up; the model is unchanged. "
+                "Call it again once those forwards have returned, or enable with keep_weights=True"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 @dataclass
@@ -169,7 +302,29 @@ def _make_repr(match: adapters.BlockMatch, kernel: str, original: Any):
     return extra_repr
 
 
-def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, prepare=None) -> BlockReport:
+def _gated(gate: _Gate, forward):
+    """The patched forward behind `gate` (see _Gate)."""
+
+    def gated(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # traced once into a graph; a lock cannot be traced (compiled graphs are not gated)
+            return forward(self, *args, **kwargs)
+        gate.enter()
+        try:
+            if gate.active:
+                return forward(self, *args, **kwargs)
+        finally:
+            gate.exit()
+        # disabled while this call waited at the gate: the block's own forward, restored by now
+        return self.forward(*args, **kwargs)
+
+    return gated
+
+
+def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, gate: _Gate, patched: list,
+                 prepare=None) -> BlockReport:
+    """Patch one block; it joins `patched` as soon as its forward is replaced, so that a failure
+    after that point (releasing its weights) is undone with the others."""
     m = match.module
     block = _block_report(match, "accelerated", choice)
     if isinstance(choice.runner, ops.NativeExperts):
@@ -181,10 +336,13 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
         block.cache = choice.runner.cache_event
     state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
     new_forward = match.make_forward(match, _guarded(choice.runner, m))
-    m.forward = types.MethodType(new_forward, m)
+    m.forward = types.MethodType(_gated(gate, new_forward), m)
     m.extra_repr = types.MethodType(_make_repr(match, choice.kernel, m.extra_repr), m)
     _PATCHED[m] = state
+    patched.append((m, match, choice))
     if isinstance(choice.runner, ops.NativeExperts) and not cfg.keep_weights:
+        # forwards that started before the patch still run the block's own code on its weights
+        _wait_native_forwards(m, gate, match.name, DRAIN_TIMEOUT_S)
         # released right after packing: peak memory grows by one block, not by the model
         block.released_bytes = choice.runner.release(m, match.rebuild)
         if choice.runner.origin is not None:
@@ -196,16 +354,25 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
     return block
 
 
-def _unpatch(patched: list) -> None:
-    for m, match, choice in patched:
+def _unpatch(patched: list) -> list:
+    """Restore every block of `patched`. Returns [(entry, exception)] for the blocks whose
+    weights could not be restored: those stay patched (and keep running on their packed copy)."""
+    failed = []
+    for item in patched:
+        m, match, choice = item
         if isinstance(choice.runner, ops.NativeExperts):
-            choice.runner.restore(match.rebuild)
+            try:
+                choice.runner.restore(match.rebuild)
+            except Exception as exc:
+                failed.append((item, exc))
+                continue
         state = _PATCHED.pop(m)
         for attr, old in (("forward", state.forward), ("extra_repr", state.extra_repr)):
             if old is _MISSING:
                 m.__dict__.pop(attr, None)
             else:
                 setattr(m, attr, old)
+    return failed
 
 
 def inspect_model(
@@ -270,33 +437,66 @@ def enable_for_model(
         # a bar on terminals only (disable=None), and only when there is real packing to wait for
         bar = tqdm(plans, desc=f"hi_na_moe: packing experts ({cfg.weights})", unit="block", leave=False,
                    disable=None if sum(isinstance(c.runner, ops.NativeExperts) for _, c in plans) > 1 else True)
+        # held while weights are released: forwards reaching a patched block wait for the end
+        gate = _Gate()
+        gate.acquire_write(DRAIN_TIMEOUT_S, "enable_for_model")
         try:
             for match, choice in bar:
-                report.blocks.append(_patch_block(match, choice, cfg, _prepare))
-                patched.append((match.module, match, choice))
+                report.blocks.append(_patch_block(match, choice, cfg, gate, patched, _prepare))
         except BaseException:
-            _unpatch(patched)  # leave the model exactly as it was
+            # leave the model exactly as it was (a block that cannot be restored stays enabled,
+            # so that disable_for_model can be tried again)
+            failed = _unpatch(patched)
+            if failed:
+                _ROOTS[model] = ([item for item, _ in failed], report)
+                _GATES[model] = gate
+            else:
+                gate.active = False
             raise
+        finally:
+            gate.release_write()
         # keep the module order of discovery in the report
         order = {match.name: i for i, match in enumerate(matches)}
         report.blocks.sort(key=lambda b: order[b.name])
         if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
             report.pool = native_module()[0].pool_backend()
         _ROOTS[model] = (patched, report)
+        _GATES[model] = gate
     return report
 
 
 def disable_for_model(model: nn.Module) -> EnableReport:
     """Undo enable_for_model exactly: every patched block gets back its own forward. Returns the
-    report of the enable being undone."""
+    report of the enable being undone.
+
+    Forwards running on other threads are waited for (up to DRAIN_TIMEOUT_S, then a
+    RuntimeError, the model still enabled); forwards starting meanwhile wait, then run the
+    blocks' own code. Called from inside a forward of the same model: a RuntimeError."""
     with _LOCK:
         if model not in _ROOTS:
             raise RuntimeError(
                 f"hi_na_moe is not enabled on this {type(model).__name__} (call disable_for_model on the "
                 "same module that was passed to enable_for_model)"
             )
-        patched, report = _ROOTS.pop(model)
-        _unpatch(patched)
+        patched, report = _ROOTS[model]
+        gate = _GATES[model]
+        gate.acquire_write(DRAIN_TIMEOUT_S, "disable_for_model")
+        try:
+            failed = _unpatch(patched)
+            if failed:
+                # those blocks still run on their packed copy; disable can be tried again
+                _ROOTS[model] = ([item for item, _ in failed], report)
+                (_, match, _), exc = failed[0]
+                raise RuntimeError(
+                    f"hi_na_moe: disable_for_model restored {len(patched) - len(failed)} of {len(patched)} MoE "
+                    f"block(s); {match.name!r} could not be restored ({exc}); the block(s) not restored stay "
+                    "enabled and working, and disable_for_model can be called again"
+                ) from exc
+            del _ROOTS[model]
+            del _GATES[model]
+            gate.active = False
+        finally:
+            gate.release_write()
     return report
 
 

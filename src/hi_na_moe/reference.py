@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .spec import ExpertsSpec, GateSpec
+from .spec import ExpertsSpec, GateSpec, check_routing, index_range_error
 
 
 def activation(name: str, z: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
@@ -85,6 +85,7 @@ def experts_forward(
     hidden: [T, H]; top_k_index: [T, K] (int); top_k_weights: [T, K] (float). Returns [T, H] in
     hidden's dtype.
     """
+    check_routing(spec, hidden, top_k_index, top_k_weights)
     T, H = hidden.shape
     K = top_k_index.shape[-1]
     out = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)
@@ -94,8 +95,7 @@ def experts_forward(
     flat_e = top_k_index.reshape(-1)
     flat_w = top_k_weights.reshape(-1)
     if bool((flat_e >= n_total).any()):
-        bad = int(flat_e.max())
-        raise IndexError(f"top_k_index holds expert {bad}, but this block has {n_total} experts")
+        raise index_range_error(int(flat_e.max()), n_total)
     order = torch.argsort(flat_e, stable=True)
     counts = torch.bincount(flat_e.clamp(min=-1) + 1, minlength=n_total + 1).tolist()
     tokens = order // K

@@ -177,6 +177,40 @@ class ExpertsSpec:
         return b[:, :I], b[:, I:], self.down_bias
 
 
+def check_routing(spec: ExpertsSpec, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> None:
+    """The checks every experts runner makes on its inputs before computing anything (cheap: no
+    data is read; the index range is checked where the indices are read, see the runners).
+    hidden [T, H] of a floating dtype; top_k_index [T, K] of an integer dtype; top_k_weights
+    [T, K] of a floating dtype. Raises TypeError / ValueError naming the argument."""
+    if not hidden.is_floating_point():
+        raise TypeError(f"hi_na_moe: hidden_states must be floating point, got {hidden.dtype}")
+    if hidden.dim() != 2 or hidden.shape[-1] != spec.hidden:
+        raise ValueError(
+            f"hi_na_moe: hidden_states has shape {tuple(hidden.shape)}, expected [tokens, {spec.hidden}] "
+            "(the experts' hidden size)")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype is torch.bool:
+        raise TypeError(
+            f"hi_na_moe: top_k_index must hold integer expert indices, got {top_k_index.dtype}; pass the router's "
+            "top-k indices (e.g. torch.topk(...).indices)")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"hi_na_moe: top_k_index has shape {tuple(top_k_index.shape)}, expected [{hidden.shape[0]}, K] "
+            "(one row of expert indices per token of hidden_states)")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"hi_na_moe: top_k_weights must be floating point, got {top_k_weights.dtype}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"hi_na_moe: top_k_weights has shape {tuple(top_k_weights.shape)}, expected {tuple(top_k_index.shape)} "
+            "(the shape of top_k_index: one weight per routed expert)")
+
+
+def index_range_error(bad: int, n_total: int) -> ValueError:
+    return ValueError(
+        f"hi_na_moe: top_k_index holds expert {bad}, but this block has {n_total} experts (valid: 0..{n_total - 1}; "
+        "negative indices mean 'skip this slot')")
+
+
 # What replaces an experts computation: run(spec, hidden [T, H], top_k_index [T, K],
 # top_k_weights [T, K]) -> [T, H]. The reference path and the native runner both have this shape.
 Runner = Callable[[ExpertsSpec, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

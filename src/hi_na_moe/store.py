@@ -49,6 +49,9 @@ outside ``[A-Za-z0-9_.-]`` and a leading ``.`` become ``%XX``; a name whose enco
 than 180 characters is cut to 120 and followed by ``~`` and 32 hex of its SHA-256 (the real
 name is in the header). Beside each entry: ``<name>.hnm.lock`` (the build lock) and, while a
 write is in flight, ``.<name>.hnm.tmp-<pid>-<random>``. Directories are 0700, files 0600.
+The store directory itself must be this user's and not writable by group or others
+(UnsafeEntry otherwise; it may be a symlink to such a directory); when it is missing it is
+created, with every missing parent, 0700 whatever the umask.
 
 File format, version ``STORE_FORMAT_VERSION = 1`` (all integers little-endian)::
 
@@ -325,6 +328,47 @@ def _check_private_dir(path: Path) -> None:
         raise UnsafeEntry(path, f"refusing a directory writable by group or others (mode {mode:04o})")
 
 
+def _chmod_dir_nofollow(path: Path, mode: int) -> None:
+    """chmod a directory we just created, never through a symlink swapped in since."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Create `path` and its missing parents, each 0700 whatever the umask (what the XDG base
+    directory spec asks of a cache directory it has to create: os.makedirs would give the
+    parents 0777 under umask 0). Existing directories are left as they are."""
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p.parent != p:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile by another process
+        _chmod_dir_nofollow(d, 0o700)
+
+
+def _check_root(root: Path) -> None:
+    """The store's own directory (a symlink to it is fine: the user may have put it on another
+    disk) must be this user's and not writable by others, who could otherwise swap key
+    directories between our checks and our opens."""
+    st = os.stat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeEntry(root, "refusing it as the store directory: not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeEntry(root, f"refusing a store directory owned by uid {st.st_uid}, not by this user "
+                                "(set cache_dir / HINA_MOE_CACHE_DIR to a directory of your own)")
+    if st.st_mode & 0o022:
+        raise UnsafeEntry(root, f"refusing a store directory writable by group or others (mode "
+                                f"{stat.S_IMODE(st.st_mode):04o}); chmod 700 it")
+
+
 def _read_exact(fd: int, n: int, offset: int) -> bytes:
     out = bytearray()
     while len(out) < n:
@@ -487,16 +531,15 @@ class PackedStore:
         return self.root / key / (encode_name(name) + LOCK_SUFFIX)
 
     def _ensure_key_dir(self, key: str) -> Path:
-        if not self.root.exists():
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            os.chmod(self.root, 0o700)  # whatever the umask
+        _make_private_dirs(self.root)
+        _check_root(self.root)
         d = self.root / key
         try:
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
         else:
-            os.chmod(d, 0o700)
+            _chmod_dir_nofollow(d, 0o700)  # whatever the umask
             _fsync_dir(self.root)
         _check_private_dir(d)
         return d
@@ -615,6 +658,7 @@ class PackedStore:
             raise ValueError(f"verify must be 'full' or 'header', got {verify!r}")
         path = self.path_for(key, name)
         try:
+            _check_root(self.root)
             _check_private_dir(path.parent)
         except FileNotFoundError:
             raise MissingEntry(path, "no such entry") from None

@@ -27,10 +27,13 @@ handle dynamic, e.g. one compiled MoE forward shared by every layer, it still tr
 
 Semantics are those of ``PackedExperts.forward`` (csrc/include/hina_moe/moe.h) with
 ``path="auto"`` and the default prefill threshold; ``out`` ([T, H], x's dtype) is allocated
-inside. Inputs must already be what the binding accepts (x: [T, H] C-contiguous in the experts'
-dtype; topk_idx: [T, K] int32/int64; topk_w: [T, K] float32); the binding raises ValueError
-naming the argument otherwise. ``experts_op`` does the cheap normalisation (contiguity, index
-and weight dtypes) before calling the op.
+inside. Inputs, as any torch op takes them: x [T, H] in the experts' dtype, any strides;
+topk_idx [T, K] of an integer dtype (int32/int64 as they are, others widened; negative = skip
+the slot, >= E = ValueError naming topk_idx); topk_w [T, K] of a floating dtype (converted to
+float32). Non-contiguous inputs are copied (no-ops when contiguous). Anything else raises
+before the kernel runs: TypeError for a float/bool topk_idx or a non-float topk_w, ValueError
+(from the binding) naming the argument for a wrong x dtype or a wrong shape. T = 0 gives an
+empty output. NaN/Inf propagate as in the reference (per token; never to other tokens).
 
 Cost: the dispatcher round trip of a Python custom op is ~10-12 us per call under
 inference_mode and ~17-21 us under no_grad on the development machine (2-core Xeon, noisy;
@@ -115,6 +118,33 @@ def registered_handles() -> list[int]:
     return list(_PACKED)
 
 
+def _normalise(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor):
+    """What the binding takes (C-contiguous, int32/int64 indices, float32 weights), from what a
+    torch op accepts; a TypeError naming the argument for what cannot be meant as one."""
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        if topk_idx.is_floating_point() or topk_idx.is_complex() or topk_idx.dtype is torch.bool:
+            raise TypeError(
+                f"hi_na_moe: topk_idx must hold integer expert indices (int32 or int64), got {topk_idx.dtype}; "
+                "pass the router's top-k indices, e.g. torch.topk(...).indices"
+            )
+        topk_idx = topk_idx.long()
+    if topk_w.dtype is not torch.float32:  # (a no-op .to() still costs ~1.8 us)
+        if not topk_w.is_floating_point():
+            raise TypeError(
+                f"hi_na_moe: topk_w must hold floating-point routing weights (float32; other float dtypes are "
+                f"converted), got {topk_w.dtype}"
+            )
+        topk_w = topk_w.float()
+    # a lazy negation view (torch._neg_view) would reach the kernels as its negated memory
+    # (compiled graphs go through the dispatcher, which resolves it; Dynamo cannot trace is_neg)
+    if not torch.compiler.is_compiling():
+        if x.is_neg():
+            x = x.resolve_neg()
+        if topk_w.is_neg():
+            topk_w = topk_w.resolve_neg()
+    return x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
+
+
 def _run(x, topk_idx, topk_w, handle, act, alpha, gate_limit, up_limit, post_act_limit, up_offset,
          weight_on_input, num_threads) -> torch.Tensor:
     """The op's CPU kernel: look the experts up, allocate out, run the native forward."""
@@ -147,6 +177,7 @@ def experts(
 ) -> torch.Tensor:
     """out[T, H] = sum_k topk_w[t, k] * expert_{topk_idx[t, k]}(x[t]) with the packed experts
     registered under ``handle`` (see the module docstring)."""
+    x, topk_idx, topk_w = _normalise(x, topk_idx, topk_w)
     return _run(x, topk_idx, topk_w, handle, act, alpha, gate_limit, up_limit, post_act_limit,
                 up_offset, weight_on_input, num_threads)
 
@@ -154,6 +185,7 @@ def experts(
 @experts.register_fake
 def _experts_fake(x, topk_idx, topk_w, handle, act, alpha, gate_limit, up_limit, post_act_limit,
                   up_offset, weight_on_input, num_threads):
+    _normalise(x, topk_idx, topk_w)  # the same TypeErrors while tracing
     return x.new_empty(x.shape)
 
 
@@ -212,7 +244,8 @@ def experts_op(
 ) -> torch.Tensor:
     """Run the experts registered under ``handle`` on ``x`` [T, H] (already in the experts'
     dtype; ValueError from the binding otherwise) with the routing ``topk_idx``/``topk_w``
-    [T, K]. Normalises like ``NativeExperts``: indices int32/int64 (others become int64),
+    [T, K]. Normalises as the op does (see the module docstring): integer indices int32/int64
+    (other integer dtypes become int64; float or bool indices are a TypeError), floating
     weights float32, all three contiguous (no-ops when they already are).
 
     The keyword arguments are ``GateSpec``'s fields plus ``weight_on_input`` and
@@ -225,11 +258,7 @@ def experts_op(
     tests/test_torch_ops.py); the result is bit-identical either way. True / False force it (False also skips the
     no-backward guard: the output then simply carries no autograd history).
     Under torch.compile(fullgraph=True) this traces to a single op node."""
-    if topk_idx.dtype not in (torch.int32, torch.int64):
-        topk_idx = topk_idx.long()
-    if topk_w.dtype is not torch.float32:  # (a no-op .to() still costs ~1.8 us)
-        topk_w = topk_w.float()
-    x, topk_idx, topk_w = x.contiguous(), topk_idx.contiguous(), topk_w.contiguous()
+    x, topk_idx, topk_w = _normalise(x, topk_idx, topk_w)
     args = (x, topk_idx, topk_w, handle, act, float(alpha), float(gate_limit), float(up_limit),
             float(post_act_limit), float(up_offset), bool(weight_on_input), int(num_threads))
     if torch.compiler.is_compiling():

@@ -1,0 +1,372 @@
+"""Threads: forwards and greedy generation from several threads on one enabled model and on two
+enabled models at once give the serial outputs; enable/disable racing forwards is serialised
+(README, "Guarantees"): enable waits for native forwards still inside a block it releases,
+disable for forwards inside patched blocks, forwards arriving meanwhile wait at the gate; a
+wait beyond DRAIN_TIMEOUT_S is a RuntimeError leaving the model as it was.
+
+Every thread is joined with a timeout, so a deadlock fails the test instead of hanging the run.
+The only waits on the clock are "this thread is still blocked" checks, which a correct
+implementation passes however slow the machine is.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import hi_na_moe
+from hi_na_moe import ops, patching
+from tiny_models import build_tiny
+
+JOIN_S = 60.0  # a deadlock fails the test after this long
+BLOCKED_S = 0.3  # "still blocked after this long" checks
+
+
+def _tiny(model_type="olmoe", seed=0):
+    tiny = build_tiny(model_type, seed=seed)
+    return tiny.model, tiny.vocab_size
+
+
+def _prompts(vocab, n=4, length=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, min(vocab, 200), (1, length + i), generator=g) for i in range(n)]
+
+
+def _generate(model, ids):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+class Worker(threading.Thread):
+    """Runs fn() `repeat` times (or until `stop` is set), keeping results or the exception."""
+
+    def __init__(self, fn, repeat=1, stop: threading.Event | None = None, start_barrier=None):
+        super().__init__(daemon=True)
+        self.fn, self.repeat, self.stop, self.barrier = fn, repeat, stop, start_barrier
+        self.results, self.error = [], None
+
+    def run(self):
+        try:
+            if self.barrier is not None:
+                self.barrier.wait(JOIN_S)
+            n = 0
+            while (self.stop is None and n < self.repeat) or (self.stop is not None and not self.stop.is_set()):
+                self.results.append(self.fn())
+                n += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+def _join(*threads):
+    for t in threads:
+        t.join(JOIN_S)
+        assert not t.is_alive(), f"{t} still running after {JOIN_S} s: deadlock"
+    for t in threads:
+        if getattr(t, "error", None) is not None:
+            raise t.error
+
+
+def test_generate_from_several_threads_on_one_enabled_model():
+    model, vocab = _tiny()
+    prompts = _prompts(vocab)
+    hi_na_moe.enable_for_model(model)
+    try:
+        serial = [_generate(model, ids) for ids in prompts]
+        barrier = threading.Barrier(len(prompts))
+        workers = [Worker(lambda ids=ids: _generate(model, ids), repeat=3, start_barrier=barrier) for ids in prompts]
+        for w in workers:
+            w.start()
+        _join(*workers)
+    finally:
+        hi_na_moe.disable_for_model(model)
+    for w, want in zip(workers, serial):
+        assert len(w.results) == 3 and all(torch.equal(r, want) for r in w.results)
+
+
+def test_two_enabled_models_at_once():
+    a, vocab_a = _tiny("olmoe")
+    b, vocab_b = _tiny("qwen3_moe", seed=3)
+    pa, pb = _prompts(vocab_a, n=2), _prompts(vocab_b, n=2, seed=2)
+    hi_na_moe.enable_for_model(a)
+    hi_na_moe.enable_for_model(b, weights="int8")  # a quantised one, mapped from the store
+    try:
+        serial = [_generate(a, ids) for ids in pa] + [_generate(b, ids) for ids in pb]
+        jobs = [(a, ids) for ids in pa] + [(b, ids) for ids in pb]
+        barrier = threading.Barrier(len(jobs))
+        workers = [Worker(lambda m=m, ids=ids: _generate(m, ids), repeat=2, start_barrier=barrier) for m, ids in jobs]
+        for w in workers:
+            w.start()
+        _join(*workers)
+    finally:
+        hi_na_moe.disable_for_model(a)
+        hi_na_moe.disable_for_model(b)
+    for w, want in zip(workers, serial):
+        assert all(torch.equal(r, want) for r in w.results)
+
+
+@pytest.mark.parametrize("pool", ["own", "openmp"])
+def test_packed_forward_from_threads_on_both_pools(pool):
+    # big enough for the kernels to open parallel regions (num_threads=2): concurrent callers
+    # share the process-wide pool and each keeps its own scratch
+    native = pytest.importorskip("hi_na_moe._native")
+    E, I, H, T, K = 8, 96, 160, 48, 2
+    g = torch.Generator().manual_seed(0)
+    w = [torch.randn(E, I, H, generator=g) * 0.05, torch.randn(E, I, H, generator=g) * 0.05,
+         torch.randn(E, H, I, generator=g) * 0.05]
+    pe = native.PackedExperts(*w)
+    problems = []
+    for s in range(4):
+        gs = torch.Generator().manual_seed(10 + s)
+        x = torch.randn(T - s, H, generator=gs)
+        idx = torch.stack([torch.randperm(E, generator=gs)[:K] for _ in range(T - s)]).int()
+        problems.append((x, idx, torch.rand(T - s, K, generator=gs)))
+
+    def run(p):
+        out = torch.empty_like(p[0])
+        pe.forward(*p, out, num_threads=2)
+        return out
+
+    native.set_pool_backend(pool)
+    try:
+        serial = [run(p) for p in problems]
+        barrier = threading.Barrier(len(problems))
+        workers = [Worker(lambda p=p: run(p), repeat=20, start_barrier=barrier) for p in problems]
+        for wk in workers:
+            wk.start()
+        _join(*workers)
+    finally:
+        native.set_pool_backend("auto")
+    for wk, want in zip(workers, serial):
+        assert all(torch.equal(r, want) for r in wk.results)
+
+
+class _HeldKernel:
+    """Replaces the kernel call of enabled blocks: the first call blocks (inside the block's
+    forward, past the gate) until released."""
+
+    def __init__(self, monkeypatch):
+        self.real = ops.torch_ops.experts_op
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.calls = 0
+        monkeypatch.setattr(ops.torch_ops, "experts_op", self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            assert self.go.wait(JOIN_S)
+        return self.real(*args, **kwargs)
+
+
+def test_disable_waits_for_a_forward_in_flight(monkeypatch):
+    model, vocab = _tiny()
+    ids = _prompts(vocab, n=1)[0]
+    native = _logits(model, ids)
+    hi_na_moe.enable_for_model(model)
+    held = _HeldKernel(monkeypatch)
+    fwd = Worker(lambda: _logits(model, ids))
+    fwd.start()
+    assert held.entered.wait(JOIN_S)
+    dis = Worker(lambda: hi_na_moe.disable_for_model(model))
+    dis.start()
+    dis.join(BLOCKED_S)
+    assert dis.is_alive(), "disable_for_model did not wait for the forward in flight"
+    assert hi_na_moe.is_enabled(model)
+    held.go.set()
+    _join(fwd, dis)
+    # its first MoE layer ran on the packed experts, the next ones (after disable) natively
+    torch.testing.assert_close(fwd.results[0], native, rtol=1e-4, atol=1e-5)
+    assert not hi_na_moe.is_enabled(model) and "hi_na_moe=" not in repr(model)
+    assert torch.equal(_logits(model, ids), native)  # restored exactly
+
+
+def test_a_forward_arriving_during_disable_runs_the_restored_block(monkeypatch):
+    model, vocab = _tiny()
+    ids = _prompts(vocab, n=1)[0]
+    native = _logits(model, ids)
+    hi_na_moe.enable_for_model(model)
+    held = _HeldKernel(monkeypatch)
+    first = Worker(lambda: _logits(model, ids))
+    first.start()
+    assert held.entered.wait(JOIN_S)
+    dis = Worker(lambda: hi_na_moe.disable_for_model(model))
+    dis.start()
+    gate = patching._GATES[model]
+    for _ in range(int(JOIN_S * 100)):  # the writer is queued: new forwards park at the gate
+        with gate._cond:
+            if gate._writers_waiting:
+                break
+        threading.Event().wait(0.01)
+    second = Worker(lambda: _logits(model, ids))
+    second.start()
+    for _ in range(int(JOIN_S * 100)):
+        with gate._cond:
+            if gate.parked:
+                break
+        threading.Event().wait(0.01)
+    assert gate.parked, "the second forward did not wait at the gate"
+    held.go.set()
+    _join(first, dis, second)
+    # the second forward waited for disable, then ran the model's own code on its own weights
+    assert torch.equal(second.results[0], native)
+
+
+def test_enable_waits_for_a_native_forward_in_flight():
+    model, vocab = _tiny()
+    ids = _prompts(vocab, n=1)[0]
+    native = _logits(model, ids)
+    experts = model.model.layers[0].mlp.experts
+    entered, go = threading.Event(), threading.Event()
+
+    def pause(module, args):
+        # between the experts' gate_up and down projections: the forward still has weights to read
+        if not entered.is_set():
+            entered.set()
+            assert go.wait(JOIN_S)
+
+    hook = experts.act_fn.register_forward_pre_hook(pause)
+    try:
+        fwd = Worker(lambda: _logits(model, ids))
+        fwd.start()
+        assert entered.wait(JOIN_S)
+        en = Worker(lambda: hi_na_moe.enable_for_model(model))
+        en.start()
+        en.join(BLOCKED_S)
+        assert en.is_alive(), "enable_for_model released weights a native forward was still reading"
+        go.set()
+        _join(fwd, en)
+    finally:
+        hook.remove()
+    try:
+        # its first MoE layer ran natively on intact weights, the next ones natively or (if
+        # enable got there first) accelerated: never on released weights
+        torch.testing.assert_close(fwd.results[0], native, rtol=1e-4, atol=1e-5)
+        assert en.results[0].accelerated
+        torch.testing.assert_close(_logits(model, ids), native, rtol=1e-4, atol=1e-5)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_forwards_through_repeated_enable_and_disable():
+    # forwards on two threads while the main thread enables and disables the model again and
+    # again: every forward computes the model (native or accelerated), never a half-swapped one
+    model, vocab = _tiny()
+    ids = _prompts(vocab, n=1)[0]
+    native = _logits(model, ids)
+    stop = threading.Event()
+    workers = [Worker(lambda: _logits(model, ids), stop=stop) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in range(12):
+            hi_na_moe.enable_for_model(model)
+            hi_na_moe.disable_for_model(model)
+    finally:
+        stop.set()
+        _join(*workers)
+    results = [r for w in workers for r in w.results]
+    assert results
+    for r in results:
+        torch.testing.assert_close(r, native, rtol=1e-4, atol=1e-5)
+    assert torch.equal(_logits(model, ids), native)
+
+
+def test_disable_from_inside_a_forward_is_a_clear_error():
+    model, vocab = _tiny()
+    ids = _prompts(vocab, n=1)[0]
+    report = hi_na_moe.enable_for_model(model)
+    runner = next(iter(patching._ROOTS[model][0]))[2].runner
+    assert isinstance(runner, ops.NativeExperts) and report.accelerated
+
+    def recorder(*args):
+        hi_na_moe.disable_for_model(model)
+
+    runner.recorder = recorder
+    try:
+        with pytest.raises(RuntimeError, match="from inside a forward of the same model"):
+            _logits(model, ids)
+        assert hi_na_moe.is_enabled(model)
+    finally:
+        runner.recorder = None
+        hi_na_moe.disable_for_model(model)
+
+
+def test_disable_gives_up_after_the_timeout_and_leaves_the_model_enabled(monkeypatch):
+    model, vocab = _tiny()
+    ids = _prompts(vocab, n=1)[0]
+    hi_na_moe.enable_for_model(model)
+    enabled = _logits(model, ids)
+    held = _HeldKernel(monkeypatch)
+    fwd = Worker(lambda: _logits(model, ids))
+    fwd.start()
+    assert held.entered.wait(JOIN_S)
+    monkeypatch.setattr(patching, "DRAIN_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(RuntimeError, match=r"disable_for_model waited 0.2 s for 1 forward\(s\).*unchanged"):
+            hi_na_moe.disable_for_model(model)
+        assert hi_na_moe.is_enabled(model)
+    finally:
+        held.go.set()
+        _join(fwd)
+    assert torch.equal(fwd.results[0], enabled) and torch.equal(_logits(model, ids), enabled)
+    hi_na_moe.disable_for_model(model)
+
+
+def test_enable_gives_up_after_the_timeout_and_leaves_the_model_native(monkeypatch):
+    model, vocab = _tiny()
+    ids = _prompts(vocab, n=1)[0]
+    native = _logits(model, ids)
+    before = repr(model)
+    experts = model.model.layers[0].mlp.experts
+    entered, go = threading.Event(), threading.Event()
+
+    def pause(module, args):
+        if not entered.is_set():
+            entered.set()
+            assert go.wait(JOIN_S)
+
+    hook = experts.act_fn.register_forward_pre_hook(pause)
+    fwd = Worker(lambda: _logits(model, ids))
+    fwd.start()
+    assert entered.wait(JOIN_S)
+    monkeypatch.setattr(patching, "DRAIN_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(RuntimeError, match=r"waited 0.2 s for 1 thread\(s\) still running the native forward of "
+                                               r"'model.layers.0.mlp.experts'.*unchanged"):
+            hi_na_moe.enable_for_model(model)
+        assert not hi_na_moe.is_enabled(model) and repr(model) == before
+    finally:
+        go.set()
+        _join(fwd)
+        hook.remove()
+    assert torch.equal(fwd.results[0], native) and torch.equal(_logits(model, ids), native)
+    hi_na_moe.enable_for_model(model)  # and a later enable works
+    hi_na_moe.disable_for_model(model)
+
+
+def test_state_dict_from_threads_while_enabled():
+    # state_dict() swaps real storage in for the released weights just long enough to copy them;
+    # concurrent calls must neither see each other's half-filled tensors nor leave them behind
+    model, _ = _tiny()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    hi_na_moe.enable_for_model(model)
+    try:
+        barrier = threading.Barrier(4)
+        workers = [Worker(model.state_dict, repeat=10, start_barrier=barrier) for _ in range(4)]
+        for w in workers:
+            w.start()
+        _join(*workers)
+        for w in workers:
+            for sd in w.results:
+                assert all(torch.equal(sd[k], want[k]) for k in want)
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.stride() == (0, 0, 0)  # still released (placeholders)
+    finally:
+        hi_na_moe.disable_for_model(model)
