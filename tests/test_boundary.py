@@ -411,36 +411,16 @@ def test_enabled_experts_module_behaves_as_native(model_type, backend):
         hi_na_moe.disable_for_model(model)
 
 
-# Kernel deviations from torch's NaN semantics, found by these tests and reported (the kernels
-# are not this file's to fix). Each entry: strict xfail, so the fix turns it into a pass.
-#  1. AVX-512 tiers (avx512, amx): h_vec clamps with _mm512_min_ps(g, limit) and
-#     _mm512_max_ps(u, -limit), which return the limit when g / u is NaN; with both gate_limit and
-#     up_limit finite (GPT-OSS), a NaN token's output is finite. generic and avx2 propagate it.
-#  2. Every tier (generic included: `z > 0 ? z : 0`): relu / relu2 map NaN to 0 where
-#     torch.relu keeps it; visible for experts without a gate (Nemotron-H's relu2), where no NaN
-#     up-projection multiplies it back.
-_TIER = _native.resolve_isa("auto")
-_CLAMP_BUG = "kernel bug 1 (see above): AVX-512 min/max clamps turn NaN gate/up into the limit"
-_RELU_BUG = "kernel bug 2 (see above): relu/relu2 map NaN to 0 in the kernels"
-
-
-def _nan_bug(tier: str, act: str, gated: bool, limits: bool) -> str | None:
-    if limits and gated and tier in ("avx512", "amx"):
-        return _CLAMP_BUG
-    if act in ("relu", "relu2") and not gated:
-        return _RELU_BUG
-    return None
+# Two kernel deviations from torch's NaN semantics were found by these tests and fixed (the
+# clamps of the AVX-512 h_vec returned the limit for a NaN gate/up, and relu/relu2 mapped NaN to
+# 0 on every tier): the tests below pin them.
 
 
 @pytest.mark.parametrize("model_type", EXPERTS_FAMILIES)
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_enabled_experts_propagate_nan_and_inf_as_native(model_type, backend, request):
+def test_enabled_experts_propagate_nan_and_inf_as_native(model_type, backend):
     model = build_tiny(model_type).model
     match = _match(model)
-    g = match.spec.gate_spec
-    bug = _nan_bug(_TIER, g.act, match.spec.has_gate, math.isfinite(g.gate_limit) and math.isfinite(g.up_limit))
-    if backend == "auto" and bug:
-        request.applymarker(pytest.mark.xfail(reason=bug, strict=True))
     ex = match.module
     x, idx, w = _experts_cases(match.spec, match.spec.weight_dtype)["plain"]
     x, w = x.clone(), w.clone()
@@ -460,17 +440,14 @@ def _tiers():
     return [t for t in ("generic", "avx2", "avx512", "amx") if _native.isa_supported(t)]
 
 
-# the reproducer of both kernel deviations, at the binding, per tier, path and activation form
+# NaN through every activation form and both clamps, at the binding, per tier, path and activation form
 @pytest.mark.parametrize("tier", _tiers())
 @pytest.mark.parametrize("form", ["silu", "silu+limits", "sigmoid_alpha+limits", "relu", "relu2 no gate", "relu no gate"])
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-def test_kernels_propagate_nan_like_torch(tier, form, path, request):
+def test_kernels_propagate_nan_like_torch(tier, form, path):
     act, _, rest = form.partition("+")
     act = act.split()[0]
     gated, limits = "no gate" not in form, rest == "limits"
-    bug = _nan_bug(tier, act, gated, limits)
-    if bug:
-        request.applymarker(pytest.mark.xfail(reason=bug, strict=True))
     gate, up, down = _weights(torch.float32)
     pe = _native.PackedExperts(gate if gated else None, up, down, isa=tier)
     x, (idx, w) = _x(3, torch.float32), _routing(3)
@@ -479,7 +456,9 @@ def test_kernels_propagate_nan_like_torch(tier, form, path, request):
     out = torch.empty(3, H)
     pe.forward(x, idx, w, out, path=path, **kw)
     spec = ExpertsSpec(E, H, I, gate=gate if gated else None, up=up, down=down, has_gate=gated,
-                       gate_spec=GateSpec(act, gate_limit=7.0 if limits else INF, up_limit=7.0 if limits else INF))
+                       gate_spec=GateSpec(act, gate_limit=7.0 if limits else INF, up_limit=7.0 if limits else INF),
+                       # without a gate the reference needs the plain activation h = act(u)
+                       act_fn=None if gated else (lambda u: reference.activation(act, u, 1.702)))
     want = reference.experts_forward(spec, x, idx, w)
     assert want[0].isnan().all()
     assert_like(out, want)

@@ -268,8 +268,8 @@ static inline float act_scalar(Act a, float z, float alpha) {
       const float y = 0.79788456080286536f * (z + 0.044715f * z * z * z);
       return 0.5f * z * (1.0f + std::tanh(y));
     }
-    case Act::kRelu: return z > 0.0f ? z : 0.0f;
-    case Act::kRelu2: { const float r = z > 0.0f ? z : 0.0f; return r * r; }
+    case Act::kRelu: return z < 0.0f ? 0.0f : z;  // NaN stays NaN, -0 stays -0 (torch.relu)
+    case Act::kRelu2: { const float r = z < 0.0f ? 0.0f : z; return r * r; }
     case Act::kSigmoidAlpha: return z / (1.0f + std::exp(-alpha * z));
     case Act::kIdentity: return z;
   }

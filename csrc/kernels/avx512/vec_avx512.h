@@ -65,8 +65,9 @@ static inline __m512 act(const ActParams& a, __m512 z) {
                                      _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), z3, z));
       return z_sigmoid(z, _mm512_add_ps(y, y));
     }
-    case Act::kRelu: return _mm512_max_ps(z, _mm512_setzero_ps());
-    case Act::kRelu2: { const __m512 r = _mm512_max_ps(z, _mm512_setzero_ps()); return _mm512_mul_ps(r, r); }
+    // max_ps(a, b) = a > b ? a : b, so a NaN z comes through as in the scalar z < 0 ? 0 : z
+    case Act::kRelu: return _mm512_max_ps(_mm512_setzero_ps(), z);
+    case Act::kRelu2: { const __m512 r = _mm512_max_ps(_mm512_setzero_ps(), z); return _mm512_mul_ps(r, r); }
     case Act::kSigmoidAlpha: return z_sigmoid(z, _mm512_mul_ps(_mm512_set1_ps(a.alpha), z));
     case Act::kIdentity: return z;
   }
@@ -79,9 +80,10 @@ static inline __m512 h_vec(const ActParams& a, bool gated, __m512 g, __m512 u, _
   if (!gated) {
     h = act(a, u);
   } else {
-    g = _mm512_min_ps(g, _mm512_set1_ps(a.gate_limit));
-    u = _mm512_min_ps(_mm512_max_ps(u, _mm512_set1_ps(-a.up_limit)), _mm512_set1_ps(a.up_limit));
-    __m512 ag = _mm512_min_ps(act(a, g), _mm512_set1_ps(a.post_act_limit));
+    // min_ps(a, b) = a < b ? a : b: the limit first, so NaN passes as in the scalar definitions
+    g = _mm512_min_ps(_mm512_set1_ps(a.gate_limit), g);
+    u = _mm512_min_ps(_mm512_set1_ps(a.up_limit), _mm512_max_ps(_mm512_set1_ps(-a.up_limit), u));
+    __m512 ag = _mm512_min_ps(_mm512_set1_ps(a.post_act_limit), act(a, g));
     h = _mm512_mul_ps(ag, _mm512_add_ps(u, _mm512_set1_ps(a.up_offset)));
   }
   return _mm512_maskz_mov_ps(valid, h);
