@@ -779,6 +779,34 @@ void test_create_view() {
     report(threw, std::string("create/view ") + q.name + ": inconsistent header refused");
     std::free(mem);
   }
+  // Shapes whose byte counts would wrap: found by the fuzz driver (a store header with E = 2^60,
+  // H 160, I 129, int4, nbytes 0 was accepted with an empty block); now refused by the planner.
+  for (const int64_t big : {int64_t{1} << 60, int64_t{1} << 31, INT64_MAX}) {
+    for (int dim = 0; dim < 3; ++dim) {
+      bool refused = false;
+      try {
+        plan_packed(DType::kF16, dim == 0 ? big : 2, dim == 1 ? big : 160, dim == 2 ? big : 129, true,
+                    false, false, false, Isa::kGeneric, {WFormat::kInt4, 32});
+      } catch (const std::invalid_argument&) { refused = true; }
+      report(refused, "create/view: " + std::string(dim == 0 ? "E" : dim == 1 ? "H" : "I") + " = " +
+                          std::to_string(big) + " refused by plan_packed");
+    }
+  }
+  {  // E within int32 but the block beyond 2^62 bytes
+    bool refused = false;
+    try { plan_packed(DType::kF32, INT32_MAX, INT32_MAX, INT32_MAX, true, true, true, true, Isa::kGeneric, {}); }
+    catch (const std::invalid_argument& e) { refused = std::string(e.what()).find("2^62") != std::string::npos; }
+    report(refused, "create/view: a block over 2^62 bytes refused");
+  }
+  {  // the fuzzer's input itself: a header that wraps to nbytes 0, with an empty block
+    PackedHeader h = plan_packed(DType::kF16, 1, 160, 129, true, false, false, false, Isa::kGeneric, {WFormat::kInt4, 32});
+    h.E = int64_t{1} << 60;
+    h.nbytes = 0;
+    alignas(64) static uint8_t empty[64];
+    bool refused = false;
+    try { PackedExperts::view(h, empty, 0); } catch (const std::invalid_argument&) { refused = true; }
+    report(refused, "create/view: header with E = 2^60 and nbytes 0 (wrapped) refused");
+  }
   bool threw = false;
   try { plan_packed(DType::kBF16, 2, 64, 64, true, false, false, false, Isa::kGeneric, {WFormat::kInt4, 48}); }
   catch (const std::invalid_argument& e) { threw = std::string(e.what()).find("32, 64 or 128") != std::string::npos; }
