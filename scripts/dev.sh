@@ -49,10 +49,11 @@ san_available() {
   echo 'int main() { return 0; }' | ${CXX:-c++} -x c++ -fsanitize="$1" - -o /dev/null >/dev/null 2>&1
 }
 san_build() {  # build dir, -fsanitize list, targets...
-  local dir="$1" list="$2"
+  local dir="$1" list="$2" t0=$SECONDS
   shift 2
   cmake -S . -B "$dir" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release -DHINA_SANITIZE="$list" >/dev/null
   cmake --build "$dir" -j "$jobs" --target "$@" >/dev/null
+  echo "[sanitize] built $(basename "$dir") ($*): $((SECONDS - t0)) s"
 }
 # hina_tests output without the per-kernel 'worst' / SQNR lines (FAIL lines and the closing
 # "N passed, N failed" stay)
@@ -66,7 +67,9 @@ run_sanitizers() {
   if [ "$mode" = ci ]; then every=3; iters=3000; fi
   san_env
   if san_available address,undefined; then
-    echo "[sanitize] ASan+UBSan: hina_tests --every $every, hina_pool_tests, fuzz driver ($iters inputs)"
+    local which="every case"
+    [ "$every" -gt 1 ] && which="--every $every"
+    echo "[sanitize] ASan+UBSan: hina_tests ($which), hina_pool_tests, fuzz driver ($iters inputs)"
     san_build "$asan" address,undefined hina_tests hina_pool_tests hina_fuzz_header
     "$asan/hina_tests" --every "$every" | quiet_kernels
     if [ -x "$asan/hina_pool_tests" ]; then "$asan/hina_pool_tests"; fi
