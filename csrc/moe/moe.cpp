@@ -411,7 +411,7 @@ PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gat
                          bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q) {
   // Headers also come back from stores (view): sizes must never wrap. Each dimension fits int32
   // (the driver keeps expert ids and token rows in int32), and the block's bytes are summed
-  // with overflow checks below 2^62, so every derived size and offset is exact.
+  // with overflow checks up to 2^62, so every derived size and offset is exact.
   constexpr int64_t kMaxDim = INT32_MAX;
   constexpr uint64_t kMaxBytes = uint64_t{1} << 62;
   if (E < 1 || H < 1 || I < 1 || E > kMaxDim || H > kMaxDim || I > kMaxDim) {
