@@ -5,6 +5,11 @@
 #   bash scripts/dev.sh setup         only the set-up
 #   bash scripts/dev.sh test-aarch64  the C++ kernel tests cross-compiled for aarch64, run under
 #                                     qemu (needs g++-aarch64-linux-gnu and qemu-user)
+#   bash scripts/dev.sh sanitize      the C++ runners under ASan+UBSan and under TSan (full sets)
+#   bash scripts/dev.sh fuzz          the packed-header fuzz target: gcc driver under ASan+UBSan,
+#                                     then libFuzzer (clang; installed with apt-get when missing)
+#   bash scripts/dev.sh test-asan-python [pytest args]
+#                                     pytest against an ASan+UBSan build of the extension
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -30,6 +35,131 @@ setup() {
   python -c "import hi_na_moe, sys; from hi_na_moe.hardware import native_module; m, why = native_module(); sys.exit(0 if m else f'native core failed to load: {why}')"
 }
 
+jobs="${HINA_JOBS:-2}"  # build jobs (2-core machines share them with whoever else runs)
+
+# ---- sanitizer builds of the C++ core (CMake HINA_SANITIZE) ----
+# Reports fail the run: UBSan and TSan halt on the first one, ASan always does.
+san_env() {
+  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
+  export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+  export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}"
+}
+# Whether the compiler can link -fsanitize=$1 (the runtime libraries are installed).
+san_available() {
+  echo 'int main() { return 0; }' | ${CXX:-c++} -x c++ -fsanitize="$1" - -o /dev/null >/dev/null 2>&1
+}
+san_build() {  # build dir, -fsanitize list, targets...
+  local dir="$1" list="$2" t0=$SECONDS
+  shift 2
+  cmake -S . -B "$dir" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release -DHINA_SANITIZE="$list" >/dev/null
+  cmake --build "$dir" -j "$jobs" --target "$@" >/dev/null
+  echo "[sanitize] built $(basename "$dir") ($*): $((SECONDS - t0)) s"
+}
+# hina_tests output without the per-kernel 'worst' / SQNR lines (FAIL lines and the closing
+# "N passed, N failed" stay)
+quiet_kernels() { grep -v -e '^worst ' -e '^lowest SQNR' || true; }
+
+# The sanitizer runs. ci: the reduced set `test` runs (about 2-3 minutes on 2 cores): hina_tests
+# on one in 3 of its per-case runs and the pool tests under ASan+UBSan, a short fuzz-driver run,
+# the pool tests under TSan. full: every case under both, the fuzz driver longer.
+run_sanitizers() {
+  local mode="$1" t0=$SECONDS every=1 iters=20000 asan="$root/build/san-asan" tsan="$root/build/san-tsan"
+  if [ "$mode" = ci ]; then every=3; iters=3000; fi
+  san_env
+  if san_available address,undefined; then
+    local which="every case"
+    [ "$every" -gt 1 ] && which="--every $every"
+    echo "[sanitize] ASan+UBSan: hina_tests ($which), hina_pool_tests, fuzz driver ($iters inputs)"
+    san_build "$asan" address,undefined hina_tests hina_pool_tests hina_fuzz_header
+    "$asan/hina_tests" --every "$every" | quiet_kernels
+    if [ -x "$asan/hina_pool_tests" ]; then "$asan/hina_pool_tests"; fi
+    (cd "$root/build" && "$asan/hina_fuzz_header" --iters "$iters")
+  else
+    echo "(compiler cannot link -fsanitize=address,undefined: ASan/UBSan runs skipped)"
+  fi
+  if san_available thread; then
+    local targets=(hina_pool_tests)
+    [ "$mode" = full ] && targets+=(hina_tests)
+    echo "[sanitize] TSan: ${targets[*]}"
+    san_build "$tsan" thread "${targets[@]}"
+    if [ -x "$tsan/hina_pool_tests" ]; then "$tsan/hina_pool_tests"; else echo "(compiler without OpenMP: pool tests not built)"; fi
+    if [ "$mode" = full ]; then "$tsan/hina_tests" | quiet_kernels; fi
+  else
+    echo "(compiler cannot link -fsanitize=thread: TSan runs skipped)"
+  fi
+  echo "[sanitize] $mode set: $((SECONDS - t0)) s"
+}
+
+# The packed-header fuzz target (csrc/tests/fuzz_packed_header.cpp): the deterministic gcc driver
+# under ASan+UBSan, then libFuzzer for HINA_FUZZ_SECONDS (default 120). libFuzzer needs clang:
+# installed with apt-get when missing and this is root on a Debian-like system.
+run_fuzz() {
+  local asan="$root/build/san-asan" lf="$root/build/fuzz-clang" out="$root/build/fuzz"
+  local secs="${HINA_FUZZ_SECONDS:-120}"
+  san_env
+  echo "[fuzz] gcc driver under ASan+UBSan: ${HINA_FUZZ_ITERS:-200000} mutated inputs"
+  san_build "$asan" address,undefined hina_fuzz_header
+  mkdir -p "$out"
+  (cd "$out" && "$asan/hina_fuzz_header" --iters "${HINA_FUZZ_ITERS:-200000}" --seed "${HINA_FUZZ_SEED:-1}")
+  if ! command -v clang++ >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      echo "[fuzz] clang++ not found: installing clang with apt-get"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y clang >/dev/null 2>&1 ||
+        { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y clang >/dev/null; }
+    else
+      echo "clang++ not found: libFuzzer needs clang (Debian: apt-get install clang); only the gcc driver ran" >&2
+      exit 2
+    fi
+  fi
+  echo "[fuzz] libFuzzer (clang, ASan+UBSan) for $secs s; corpus build/fuzz/corpus, crashes build/fuzz/crash-*"
+  CXX=clang++ cmake -S . -B "$lf" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
+    -DHINA_SANITIZE=address,undefined -DHINA_LIBFUZZER=ON >/dev/null
+  cmake --build "$lf" -j "$jobs" --target hina_fuzz_header_libfuzzer >/dev/null
+  rm -rf "$out/seeds"
+  mkdir -p "$out/seeds" "$out/corpus"
+  "$asan/hina_fuzz_header" --write-seeds "$out/seeds" >/dev/null
+  local rc=0
+  "$lf/hina_fuzz_header_libfuzzer" -max_total_time="$secs" -max_len=65536 -print_final_stats=1 \
+    -artifact_prefix="$out/" "$out/corpus" "$out/seeds" >"$out/libfuzzer.log" 2>&1 || rc=$?
+  if [ $rc -ne 0 ]; then
+    tail -n 60 "$out/libfuzzer.log"
+    echo "libFuzzer failed (exit $rc); full log build/fuzz/libfuzzer.log, replay: build/san-asan/hina_fuzz_header build/fuzz/crash-*" >&2
+    exit $rc
+  fi
+  grep -E '^#[0-9]+[[:space:]]+DONE|^stat::' "$out/libfuzzer.log"
+  local execs
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out/libfuzzer.log")
+  echo "libFuzzer: $execs inputs in $secs s, no crash"
+  echo "$execs passed, 0 failed"
+}
+
+# pytest against an ASan+UBSan build of the extension, in a second venv (build/venv-asan) that
+# sees the main venv's packages through a .pth file, so nothing is installed twice and the
+# main venv's build is untouched. libasan must be the first library loaded (LD_PRELOAD) and
+# libstdc++ with it, or ASan cannot intercept C++ throws from the extension; leak checking is
+# off because CPython and torch keep allocations until exit by design.
+run_asan_python() {
+  local av="$root/build/venv-asan"
+  if [ ! -x "$av/bin/python" ]; then "$py" -m venv "$av"; fi
+  local main_site asan_site
+  main_site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  asan_site="$("$av/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$main_site" > "$asan_site/hina-main-venv.pth"
+  echo "[asan-python] building the extension with HINA_SANITIZE=address,undefined (build/asan-ext)"
+  "$av/bin/python" -m pip install -q --no-deps --no-build-isolation -e . \
+    -Ccmake.define.HINA_SANITIZE=address,undefined -Cbuild-dir=build/asan-ext 2>&1 |
+    grep -v -e "^WARNING: Location" -e "outside environment" -e "No files were found to uninstall" || true
+  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0}"
+  san_env
+  echo "[asan-python] pytest ${*:-tests}"
+  set +e
+  LD_PRELOAD="$(${CXX:-c++} -print-file-name=libasan.so) $(${CXX:-c++} -print-file-name=libstdc++.so)" \
+    "$av/bin/python" -m pytest -p no:cacheprovider "${@:-tests}"
+  local rc=$?
+  set -e
+  exit $rc
+}
+
 run_tests() {
   local build="$root/build/cpp-tests"
   if [ -f csrc/tests/CMakeLists.txt ] || grep -q HINA_BUILD_TESTS CMakeLists.txt; then
@@ -39,6 +169,8 @@ run_tests() {
     "$build/hina_tests"
     # the thread pool's OpenMP backend (built when the compiler has OpenMP)
     if [ -x "$build/hina_pool_tests" ]; then "$build/hina_pool_tests"; else echo "(compiler without OpenMP: thread-pool backend tests not built)"; fi
+    # the reduced sanitizer set (HINA_SKIP_SANITIZE=1 skips it; `sanitize` runs the full one)
+    if [ "${HINA_SKIP_SANITIZE:-0}" != 1 ]; then run_sanitizers ci; fi
   fi
   echo "[test] pytest"
   set +e
@@ -81,5 +213,8 @@ case "$cmd" in
   demo) setup; exec hi-na-moe demo "$@" ;;
   test) setup; run_tests "$@" ;;
   test-aarch64) run_aarch64_tests "$@" ;;
-  *) echo "usage: bash scripts/dev.sh {demo|test|setup|test-aarch64} [args]" >&2; exit 2 ;;
+  sanitize) run_sanitizers full ;;
+  fuzz) run_fuzz ;;
+  test-asan-python) setup; run_asan_python "$@" ;;
+  *) echo "usage: bash scripts/dev.sh {demo|test|setup|test-aarch64|sanitize|fuzz|test-asan-python} [args]" >&2; exit 2 ;;
 esac

@@ -409,8 +409,13 @@ const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf, QDot qd
 
 PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
                          bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q) {
-  if (E < 1 || H < 1 || I < 1) {
-    throw std::invalid_argument("experts need E, H, I >= 1 (got E=" + std::to_string(E) +
+  // Headers also come back from stores (view): sizes must never wrap. Each dimension fits int32
+  // (the driver keeps expert ids and token rows in int32), and the block's bytes are summed
+  // with overflow checks up to 2^62, so every derived size and offset is exact.
+  constexpr int64_t kMaxDim = INT32_MAX;
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 62;
+  if (E < 1 || H < 1 || I < 1 || E > kMaxDim || H > kMaxDim || I > kMaxDim) {
+    throw std::invalid_argument("experts need 1 <= E, H, I <= 2^31 - 1 (got E=" + std::to_string(E) +
                                 ", H=" + std::to_string(H) + ", I=" + std::to_string(I) + ")");
   }
   if (dt != DType::kF32 && dt != DType::kBF16 && dt != DType::kF16) {
@@ -442,12 +447,30 @@ PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gat
   h.Ik = round_up(I, h.k_align);
   h.Hn = round_up(H, kPanelN);
   const int G = has_gate ? 2 : 1;
-  auto a64 = [](int64_t b) { return static_cast<uint64_t>(round_up(b, 64)); };
-  h.gu_expert_bytes = a64(h.In / kPanelN * panel_bytes(dt, q.fmt, h.group, h.Hk, G));
-  h.down_expert_bytes = a64(h.Hn / kPanelN * panel_bytes(dt, q.fmt, h.group, h.Ik, 1));
-  h.nbytes = (h.gu_expert_bytes + h.down_expert_bytes) * static_cast<uint64_t>(E) +
-             (gate_bias ? a64(4 * E * h.In) : 0) + (up_bias ? a64(4 * E * h.In) : 0) +
-             (down_bias ? a64(4 * E * h.Hn) : 0);
+  auto too_big = [&]() {
+    throw std::invalid_argument("packed experts of E=" + std::to_string(E) + ", H=" + std::to_string(H) +
+                                ", I=" + std::to_string(I) + " would take more than 2^62 bytes");
+  };
+  auto mul = [&](uint64_t a, uint64_t b) {
+    if (a != 0 && b > kMaxBytes / a) too_big();
+    return a * b;
+  };
+  auto add = [&](uint64_t a, uint64_t b) {
+    if (b > kMaxBytes - a) too_big();
+    return a + b;
+  };
+  auto a64 = [&](uint64_t b) { return add(b, 63) / 64 * 64; };
+  // panel_bytes stays in int64 for dimensions <= 2^31 + 128 (at most 2^38 bytes per panel)
+  const uint64_t gu_panel = static_cast<uint64_t>(panel_bytes(dt, q.fmt, h.group, h.Hk, G));
+  const uint64_t dn_panel = static_cast<uint64_t>(panel_bytes(dt, q.fmt, h.group, h.Ik, 1));
+  const uint64_t e = static_cast<uint64_t>(E);
+  h.gu_expert_bytes = a64(mul(static_cast<uint64_t>(h.In / kPanelN), gu_panel));
+  h.down_expert_bytes = a64(mul(static_cast<uint64_t>(h.Hn / kPanelN), dn_panel));
+  uint64_t n = mul(add(h.gu_expert_bytes, h.down_expert_bytes), e);
+  if (gate_bias) n = add(n, a64(mul(mul(4, e), static_cast<uint64_t>(h.In))));
+  if (up_bias) n = add(n, a64(mul(mul(4, e), static_cast<uint64_t>(h.In))));
+  if (down_bias) n = add(n, a64(mul(mul(4, e), static_cast<uint64_t>(h.Hn))));
+  h.nbytes = n;
   return h;
 }
 

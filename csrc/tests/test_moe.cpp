@@ -4,11 +4,14 @@
 // Build and run (from the repository root):
 //   cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release && cmake --build build/cpp
 //   ./build/cpp/hina_tests            # optional filter: ./build/cpp/hina_tests bf16
+//   ./build/cpp/hina_tests --every 3  # every 3rd (case, dtype, format) run only, rotating so each
+//                                     # case still runs in some dtype/format (sanitizer runs in CI)
 // Exits non-zero on any mismatch; the last line is "N passed, N failed".
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -34,12 +37,18 @@ namespace {
 
 int g_passed = 0, g_failed = 0;
 const char* g_filter = nullptr;
+int g_every = 1;      // --every N: run one in N of the per-case runs
+long g_case_runs = 0;  // per-case runs seen (selected or not), for --every
+// Whether this per-case run is one of the every-N-th (the other tests always run).
+bool sampled();
 std::map<std::string, double> g_worst;  // kernel + comparison -> worst relative error seen
+std::map<std::string, int> g_compared;  // kernel + comparison -> how many runs were compared
 std::map<std::string, double> g_min_sqnr;  // integer-dot emulation -> lowest SQNR vs lossless
 
 void note(const std::string& key, double err) {
   double& w = g_worst[key];
   if (!(err <= w)) w = err;
+  ++g_compared[key];
 }
 
 void report(bool ok, const std::string& what) {
@@ -89,9 +98,26 @@ const Case kCases[] = {
     {1, 4, 2, 33, 65, true, true, false, Act::kSilu, 0, 0, false, "T=1, H, I one past a 32-k activation block"},
     {5, 4, 2, 161, 97, true, false, false, Act::kGelu, 0, 0, false, "H, I one past a block, prefill rows"},
     {1, 4, 2, 72, 56, true, true, false, Act::kSigmoidAlpha, 0, 0, true, "T=1 decode, GPT-OSS clamped SwiGLU"},
+    // One past a boundary of every tier (rows per expert made exact by routing to the first
+    // expert(s) only): AMX A tiles of 16 rows and blocks of 32, AVX-512 4-row and AVX2 2-row
+    // blocks; 16-row panels of H and I, 32-k tiles / activation blocks, int4 groups 64 and 128;
+    // an odd number of H panels (the AMX down kernel takes panels in pairs).
+    {17, 2, 1, 129, 17, true, false, false, Act::kSilu, 0, 1, false, "17 rows on one expert: an AMX tile + 1; H = 128+1, I = 16+1"},
+    {33, 3, 2, 65, 33, true, true, false, Act::kSilu, 0, 2, false, "33 rows on each of 2 experts: a 32-row block + 1; H = 64+1, I = 32+1"},
+    {65, 2, 1, 33, 129, true, false, false, Act::kGelu, 0, 1, false, "65 rows on one expert: two 32-row blocks + 1; H = 32+1 (3 H panels), I = 128+1"},
+    {9, 3, 1, 49, 81, false, true, false, Act::kRelu2, 0, 1, false, "no gate, 9 rows on one expert (4-row and 2-row blocks + 1); H = 48+1, I = 80+1"},
+    {1, 4, 2, 257, 129, true, false, false, Act::kSilu, 0, 0, false, "T=1 decode, H = 256+1 (17 H panels), I = 128+1"},
     {6, 4, 2, 64, 48, true, false, true, Act::kSilu, 0, 0, false, "weight_on_input (Llama 4)"},
     {48, 4, 1, 64, 48, true, false, true, Act::kSilu, 0, 0, false, "weight_on_input, prefill rows"},
 };
+
+constexpr long kNumCases = static_cast<long>(sizeof(kCases) / sizeof(kCases[0]));
+// The per-case runs come in passes over kCases (one per dtype / format); with --every N, pass p
+// runs the cases c with c = p (mod N), so every case runs in some dtypes and formats.
+bool sampled() {
+  const long i = g_case_runs++;
+  return (i % kNumCases) % g_every == (i / kNumCases) % g_every;
+}
 
 struct Problem {
   DType dt;
@@ -252,6 +278,7 @@ double tol(DType dt) { return dt == DType::kF32 ? 1e-5 : dt == DType::kF16 ? 3e-
 bool selected(const std::string& name) { return !g_filter || name.find(g_filter) != std::string::npos; }
 
 void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& tiers) {
+  if (!sampled()) return;
   const std::string tag = std::string(dtype_short(dt)) + " T" + std::to_string(c.T) + " E" +
                           std::to_string(c.E) + " K" + std::to_string(c.K) + " H" +
                           std::to_string(c.H) + " I" + std::to_string(c.I) + " " + act_name(c.act) +
@@ -463,6 +490,7 @@ double sqnr_db(const std::vector<uint8_t>& src, DType dt, const std::vector<floa
 }
 
 void test_quant_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, const std::vector<Isa>& tiers) {
+  if (!sampled()) return;
   const std::string tag = std::string(q.name) + " " + dtype_short(dt) + " T" + std::to_string(c.T) +
                           " E" + std::to_string(c.E) + " K" + std::to_string(c.K) + " H" +
                           std::to_string(c.H) + " I" + std::to_string(c.I) + " " + act_name(c.act) +
@@ -522,6 +550,7 @@ double out_sqnr_db(const std::vector<float>& got, const std::vector<float>& ref)
 // contract (exact integer sums: only the activation epilogue may differ), on both paths; the
 // emulation vs the lossless model by output SQNR (weights and activations both quantised).
 void test_qdot_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, const std::vector<Isa>& tiers) {
+  if (!sampled()) return;
   const std::string tag = std::string("qdot ") + q.name + " " + dtype_short(dt) + " T" + std::to_string(c.T) +
                           " E" + std::to_string(c.E) + " K" + std::to_string(c.K) + " H" +
                           std::to_string(c.H) + " I" + std::to_string(c.I) + " " + act_name(c.act) +
@@ -779,6 +808,34 @@ void test_create_view() {
     report(threw, std::string("create/view ") + q.name + ": inconsistent header refused");
     std::free(mem);
   }
+  // Shapes whose byte counts would wrap: found by the fuzz driver (a store header with E = 2^60,
+  // H 160, I 129, int4, nbytes 0 was accepted with an empty block); now refused by the planner.
+  for (const int64_t big : {int64_t{1} << 60, int64_t{1} << 31, INT64_MAX}) {
+    for (int dim = 0; dim < 3; ++dim) {
+      bool refused = false;
+      try {
+        plan_packed(DType::kF16, dim == 0 ? big : 2, dim == 1 ? big : 160, dim == 2 ? big : 129, true,
+                    false, false, false, Isa::kGeneric, {WFormat::kInt4, 32});
+      } catch (const std::invalid_argument&) { refused = true; }
+      report(refused, "create/view: " + std::string(dim == 0 ? "E" : dim == 1 ? "H" : "I") + " = " +
+                          std::to_string(big) + " refused by plan_packed");
+    }
+  }
+  {  // E within int32 but the block beyond 2^62 bytes
+    bool refused = false;
+    try { plan_packed(DType::kF32, INT32_MAX, INT32_MAX, INT32_MAX, true, true, true, true, Isa::kGeneric, {}); }
+    catch (const std::invalid_argument& e) { refused = std::string(e.what()).find("2^62") != std::string::npos; }
+    report(refused, "create/view: a block over 2^62 bytes refused");
+  }
+  {  // the fuzzer's input itself: a header that wraps to nbytes 0, with an empty block
+    PackedHeader h = plan_packed(DType::kF16, 1, 160, 129, true, false, false, false, Isa::kGeneric, {WFormat::kInt4, 32});
+    h.E = int64_t{1} << 60;
+    h.nbytes = 0;
+    alignas(64) static uint8_t empty[64];
+    bool refused = false;
+    try { PackedExperts::view(h, empty, 0); } catch (const std::invalid_argument&) { refused = true; }
+    report(refused, "create/view: header with E = 2^60 and nbytes 0 (wrapped) refused");
+  }
   bool threw = false;
   try { plan_packed(DType::kBF16, 2, 64, 64, true, false, false, false, Isa::kGeneric, {WFormat::kInt4, 48}); }
   catch (const std::invalid_argument& e) { threw = std::string(e.what()).find("32, 64 or 128") != std::string::npos; }
@@ -787,7 +844,16 @@ void test_create_view() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1) g_filter = argv[1];
+  for (int a = 1; a < argc; ++a) {
+    if (std::strcmp(argv[a], "--every") == 0 && a + 1 < argc) {
+      g_every = std::max(1, std::atoi(argv[++a]));
+    } else if (argv[a][0] == '-') {
+      std::fprintf(stderr, "usage: %s [--every N] [filter]\n", argv[0]);
+      return 2;
+    } else {
+      g_filter = argv[a];
+    }
+  }
   const CpuFeatures& f = cpu_features();
   std::vector<Isa> tiers;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAmx}) {
@@ -821,8 +887,10 @@ int main(int argc, char** argv) {
   test_split_deterministic(all);
   test_errors();
   test_fork_child();
-  for (const auto& kv : g_worst) std::printf("worst %-48s %.3g\n", kv.first.c_str(), kv.second);
+  for (const auto& kv : g_worst)
+    std::printf("worst %-48s %-9.3g (%d runs)\n", kv.first.c_str(), kv.second, g_compared[kv.first]);
   for (const auto& kv : g_min_sqnr) std::printf("lowest SQNR vs lossless %-30s %.1f dB\n", kv.first.c_str(), kv.second);
+  if (g_every > 1) std::printf("--every %d: about 1 in %d of %ld per-case runs\n", g_every, g_every, g_case_runs);
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -18,7 +18,57 @@
 
 using namespace hina;
 
+// TSan builds: libgomp is not instrumented, so this test's own OpenMP regions get the fork and
+// join edges OpenMP guarantees annotated, as the pool does for its own (thread_pool.cpp).
+#if defined(__SANITIZE_THREAD__)
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#define OMP_FORK() __tsan_release(&g_omp_fork)
+#define OMP_ENTER() __tsan_acquire(&g_omp_fork)
+#define OMP_LEAVE() __tsan_release(&g_omp_join)
+#define OMP_JOINED() __tsan_acquire(&g_omp_join)
+#else
+#define OMP_FORK() ((void)0)
+#define OMP_ENTER() ((void)0)
+#define OMP_LEAVE() ((void)0)
+#define OMP_JOINED() ((void)0)
+#endif
+
 namespace {
+[[maybe_unused]] char g_omp_fork, g_omp_join;
+// What the test's own OpenMP regions touch lives at namespace scope: a region's shared locals go
+// through an argument block the compiler fills at the pragma, after any annotation before it.
+std::atomic<int> g_team{0}, g_in_omp{0}, g_bad{0};
+
+// The runtime's own region (as torch's ops run one): how many threads its team has.
+void omp_team_size() {
+  OMP_FORK();
+#pragma omp parallel num_threads(2)
+  {
+    OMP_ENTER();
+#pragma omp single
+    g_team = omp_get_num_threads();
+    OMP_LEAVE();
+  }
+  OMP_JOINED();
+}
+
+// A pool region opened from inside an OpenMP region of the caller's (counts in g_in_omp, g_bad).
+void pool_inside_omp() {
+  g_in_omp = 0;
+  g_bad = 0;
+  OMP_FORK();
+#pragma omp parallel num_threads(2)
+  {
+    OMP_ENTER();
+    ThreadPool::global().run(2, [](int, int nt) {
+      g_in_omp++;
+      if (nt != 2) g_bad++;
+    });
+    OMP_LEAVE();
+  }
+  OMP_JOINED();
+}
 int g_pass = 0, g_fail = 0;
 void report(bool ok, const std::string& what) {
   ok ? ++g_pass : ++g_fail;
@@ -57,12 +107,8 @@ std::vector<float> moe_run(const PackedExperts& pe, const std::vector<uint16_t>&
 int main() {
   ThreadPool& pool = ThreadPool::global();
   // Make sure the runtime is loaded and has run a region of its own (as torch's ops do).
-  int team = 0;
-#pragma omp parallel num_threads(2)
-  {
-#pragma omp single
-    team = omp_get_num_threads();
-  }
+  omp_team_size();
+  const int team = g_team;
   report(team >= 1, "libgomp region ran");
 
   for (PoolBackend b : {PoolBackend::kOwn, PoolBackend::kOpenMP, PoolBackend::kAuto}) {
@@ -77,15 +123,8 @@ int main() {
     pool.run(2, [&](int, int) { pool.run(3, [&](int, int) { inner++; }); });
     report(inner == 6, tag + ": nested regions run inline");
     // from inside the caller's own OpenMP region: ours runs inline, no nested team
-    std::atomic<int> in_omp{0}, bad{0};
-#pragma omp parallel num_threads(2)
-    {
-      pool.run(2, [&](int, int nt) {
-        in_omp++;
-        if (nt != 2) bad++;
-      });
-    }
-    report(in_omp == 2 * team && bad == 0, tag + ": inside an OpenMP region, every tid runs inline");
+    pool_inside_omp();
+    report(g_in_omp == 2 * team && g_bad == 0, tag + ": inside an OpenMP region, every tid runs inline");
     // a forked child runs regions inline (its copy of any pool has no threads)
     const pid_t pid = fork();
     if (pid == 0) _exit(covers(3) ? 0 : 1);
