@@ -106,6 +106,7 @@ struct KernelImpl {
   bool x_bf16 = false;      // x rows are bf16 and contiguous at stride Hk (AMX A tiles)
   bool h_bf16 = false;      // h rows are bf16 (AMX)
   int row_slack = 0;        // rows readable past the last row of x/h buffers (tile over-read)
+  bool uses_w_next = false; // the kernels prefetch the job's w_next (the driver claims ahead)
   // Integer-dot kernels: the x rows (GateUpJob::x) and the h rows DownJob reads are quantised
   // activation rows (below; DownJob::h_stride is then in bytes); gate/up still writes fp32 h,
   // which the driver quantises between the two regions.

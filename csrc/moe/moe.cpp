@@ -830,12 +830,15 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     auto item_expert = [&](int64_t it) { return s.active[static_cast<size_t>(it / nchunks)]; };
     std::atomic<int64_t> next{0};
     pool.run(nthreads, [&](int, int) {
+      // kernels that prefetch w_next claim their next item before running the current one;
+      // the others claim as they go (a thread then holds no item another could take)
+      const bool ahead = kern.uses_w_next;
       for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < items;) {
-        const int64_t nx = next.fetch_add(1, std::memory_order_relaxed);
+        const int64_t nx = ahead ? next.fetch_add(1, std::memory_order_relaxed) : items;
         const int64_t p0 = (it % nchunks) * chunk;
         gateup_expert(item_expert(it), p0, std::min(np, p0 + chunk),
                       nx < items ? gu_panel(item_expert(nx), (nx % nchunks) * chunk) : nullptr);
-        it = nx;
+        it = ahead ? nx : next.fetch_add(1, std::memory_order_relaxed);
       }
     });
   } else if (S > 0) {

@@ -305,6 +305,7 @@ bool get_kernels_amx(DType dt, KernelImpl* k) {
   k->down = &down_amx<WFormat::kLossless>;
   k->x_bf16 = k->h_bf16 = true;
   k->row_slack = 16;
+  k->uses_w_next = true;
   return true;
 }
 
@@ -316,6 +317,7 @@ bool get_qkernels_amx(WFormat wf, KernelImpl* k) {
   }
   k->x_bf16 = k->h_bf16 = true;
   k->row_slack = 16;
+  k->uses_w_next = true;
   return true;
 }
 
