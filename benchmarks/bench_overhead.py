@@ -1,0 +1,90 @@
+"""What a whole-model decode step costs besides the experts' weight stream: the baselines of
+the whole-model issue (dense layers, per-token overhead).
+
+1. Framework overhead: OLMoE's module graph (16 layers, 64 experts top-8, attention with q/k
+   norms) with tiny matrices (hidden 64), so a decode step reads almost no bytes and its time
+   is Python, dispatch and small-op overhead: transformers alone, then with hi_na_moe enabled.
+2. The dense layers in PyTorch: bf16 torch.nn.functional.linear at T=1 on OLMoE-1B-7B's
+   attention projections (64 matrices of 2048x2048 = 16 layers x q/k/v/o, 537 MB) and its
+   lm_head (50304x2048, 206 MB), in GB/s next to the read-bandwidth probe of the same run.
+
+    chrt -f 1 python benchmarks/bench_overhead.py [--steps 60] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def decode_ms(model, cfg, steps: int) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = DynamicCache(config=cfg)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[5:]) * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    import hi_na_moe
+    from hi_na_moe import _native
+
+    torch.set_num_threads(args.threads)
+    cfg = OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=16, num_attention_heads=4,
+                      num_key_value_heads=4, num_experts=64, num_experts_per_tok=8, vocab_size=512,
+                      max_position_embeddings=512, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    model = OlmoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    print("1. framework overhead per decode step (OLMoE graph, 16 layers, hidden 64), median ms:")
+    print("| round | transformers | hi_na_moe enabled |")
+    print("|---|---|---|")
+    for r in range(args.rounds):
+        native = decode_ms(model, cfg, args.steps)
+        hi_na_moe.enable_for_model(model, threads=args.threads)
+        ours = decode_ms(model, cfg, args.steps)
+        hi_na_moe.disable_for_model(model)
+        print(f"| {r + 1} | {native:.2f} | {ours:.2f} |", flush=True)
+
+    print("\n2. dense layers in PyTorch, bf16 linear at T=1:")
+    g = torch.Generator().manual_seed(0)
+    attn = [torch.randn(2048, 2048, generator=g).bfloat16() for _ in range(64)]
+    lm_head = torch.randn(50304, 2048, generator=g).bfloat16()
+    x = torch.randn(1, 2048, generator=g).bfloat16()
+    attn_bytes = sum(w.numel() * 2 for w in attn)
+    print("| round | attention projections ms (GB/s) | lm_head ms (GB/s) | read-bandwidth probe GB/s |")
+    print("|---|---|---|---|")
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            for w in attn:
+                torch.nn.functional.linear(x, w)
+            ta = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, lm_head)
+            tl = time.perf_counter() - t0
+            bw = _native.measure_read_bandwidth(1 << 30, args.threads, 3)["median_gbs"]
+            print(f"| {r + 1} | {ta * 1e3:.1f} ({attn_bytes / ta / 1e9:.1f}) | {tl * 1e3:.1f} "
+                  f"({lm_head.numel() * 2 / tl / 1e9:.1f}) | {bw:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
