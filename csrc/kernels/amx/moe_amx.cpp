@@ -227,8 +227,10 @@ void down_amx(const DownJob& j) {
     const bool pp = p + 1 < j.p1;
     const uint16_t* panel = static_cast<const uint16_t*>(j.w) + p * panel_elems;
     int64_t pn = std::min<int64_t>(2, j.p1 - (p + 2));  // panels in the next pair
-    const void* nx = static_cast<const char*>(j.w) + (p + 2) * pbytes;
-    if (pn <= 0) {
+    const void* nx = nullptr;
+    if (pn > 0) {
+      nx = static_cast<const char*>(j.w) + (p + 2) * pbytes;
+    } else {  // the next job's first pair (the same panels of the next expert)
       pn = std::min<int64_t>(2, j.p1 - j.p0);
       nx = pf::amx_mode() >= 2 ? j.w_next : nullptr;
     }
