@@ -15,8 +15,9 @@ cycled that they hold >= 3 GB of experts (or `--layers N`), and each call gets f
 fresh random routing. Every arm's output is checked against the reference path before it is
 timed. The machine's read bandwidth (our streaming probe) and bf16 matmul peak (torch.mm,
 4096^3, oneDNN/AMX here) are measured in the same run, so shares are against this run's
-figures; every prefill call is also paired with a torch.mm probe right after it (the paired
-share: the median of call / probe), since this machine's AMX throughput swings within minutes. Shared experts are dense MLPs that PyTorch runs in every arm (hi_na_moe accelerates
+figures; every call is also paired with a probe right after it (decode: a 256 MB read of a 1 GB
+buffer allocated once, round robin; prefill: one torch.mm): the paired share is the median of
+call / probe, since this machine's bandwidth and AMX throughput swing within minutes. Shared experts are dense MLPs that PyTorch runs in every arm (hi_na_moe accelerates
 the routed experts); their decode time is reported in its own row.
 
     python benchmarks/bench_moe_layer.py                       # OLMoE, decode T=1 and prefill T=512
@@ -111,6 +112,9 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
           f"{peak_here:.0f} GFLOP/s (run start {peak_gflops:.0f})", flush=True)
     peak_gflops = max(peak_gflops, peak_here)
     mm_probe = MatmulProbe(args.threads)
+    from hi_na_moe import _native
+
+    bw_probe = _native.BandwidthProbe(1 << 30, args.threads)  # 256 MB per decode call, round robin
     rows = []
     # correctness first: every arm on the same input vs the reference path
     x, idx, w = make_inputs(cfg, 33, dtype, 999)
@@ -145,7 +149,7 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
         for case, T, iters in cases:
             paired = []
             s, b = time_arm(layers, cfg, T, dtype, iters, warmup=max(2, len(layers)), seed0=1000,
-                            after=(lambda: paired.append(mm_probe())) if T > 1 else None)
+                            after=lambda: paired.append(mm_probe() if T > 1 else bw_probe.read(256 << 20)))
             med = statistics.median(s)
             name = label
             if "|" in label:
@@ -155,6 +159,9 @@ def run_shape(shape: str, args, bw_gbs: float, peak_gflops: float) -> list[dict]
                        active_mb=statistics.median(b) / 1e6, rel_err=err, samples_ms=[v * 1e3 for v in s])
             if T == 1:
                 row["gb_s"] = statistics.median([bb / ss for bb, ss in zip(b, s)]) / 1e9
+                row["paired_peaks"] = paired
+                row["paired_peak"] = statistics.median(paired)
+                row["paired_share"] = statistics.median(bb / ss / 1e9 / pk for bb, ss, pk in zip(b, s, paired))
                 probes.append(read_bandwidth(args.threads))
             else:
                 flop = 2 * T * K * 3 * H * I
@@ -232,10 +239,10 @@ def main() -> int:
 
     print(f"\nat the start: read bandwidth {bw:.1f} GB/s, bf16 matmul peak {peak:.0f} GFLOP/s; decode roofline per "
           f"shape: the median of the probes taken through that shape; prefill: the higher of the run's and the "
-          f"shape's matmul peak, and (paired) the median over calls of each call's GFLOP/s over the torch.mm "
-          f"probe taken right after it\n")
+          f"shape's matmul peak; paired: the median over calls of each call's GB/s (GFLOP/s) over the "
+          f"bandwidth (torch.mm) probe taken right after it\n")
     print("| shape | provider | case | median ms | p90 ms | active MB | GB/s | GFLOP/s | share of roofline | roofline | "
-          "share of paired matmul peak (median peak) | vs first arm | rel err vs ref |")
+          "paired share (median probe) | vs first arm | rel err vs ref |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     first = {}
     for r in results:
@@ -247,7 +254,8 @@ def main() -> int:
         active = f"{r['active_mb']:.0f}" if r["T"] == 1 else ""
         roof = f"{r['bw_gbs']:.1f} GB/s" if r["T"] == 1 else f"{r['peak_gflops']:.0f} GFLOP/s"
         vs = "" if r["arm"].startswith("shared") else f"{first[key] / r['median_ms']:.2f}x"
-        paired = f"{r['paired_share']:.0%} ({r['paired_peak']:.0f})" if "paired_share" in r else ""
+        paired = (f"{r['paired_share']:.0%} ({r['paired_peak']:.{1 if r['T'] == 1 else 0}f})"
+                  if "paired_share" in r else "")
         err = "" if r["rel_err"] != r["rel_err"] else f"{r['rel_err']:.1e}"
         print(f"| {r['shape']} | {r['arm']} | {r['case']} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {active} | {gbs} | "
               f"{gfl} | {r['share']:.0%} | {roof} | {paired} | {vs} | {err} |")

@@ -587,6 +587,25 @@ NB_MODULE(_native, m) {
                ", nbytes=" + std::to_string(q.nbytes()) + ")";
       });
 
+  nb::class_<hina::BandwidthProbe>(m, "BandwidthProbe",
+                                   "A read-bandwidth probe on a buffer allocated and touched once: "
+                                   "read(bytes) times one read of the buffer's next `bytes` (round "
+                                   "robin) and returns GB/s. For pairing every timed call with a probe.")
+      .def("__init__",
+           [](hina::BandwidthProbe* self, size_t bytes, int threads) {
+             if (threads <= 0) threads = hina::default_num_threads();
+             nb::gil_scoped_release release;
+             new (self) hina::BandwidthProbe(bytes, threads);
+           },
+           nb::arg("bytes") = size_t(1) << 30, nb::arg("threads") = 0)
+      .def("read",
+           [](hina::BandwidthProbe& self, size_t bytes) {
+             nb::gil_scoped_release release;
+             return self.pass(bytes);
+           },
+           nb::arg("bytes") = size_t(256) << 20)
+      .def_prop_ro("size", &hina::BandwidthProbe::size);
+
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {
           hina::BandwidthResult r;

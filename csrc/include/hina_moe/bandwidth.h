@@ -19,4 +19,24 @@ struct BandwidthResult {
 // contiguous slice. Baseline-ISA C++ with independent accumulators (the compiler vectorises it).
 BandwidthResult measure_read_bandwidth(size_t bytes, int threads, int passes);
 
+// The same read, on a buffer allocated and touched once, for benchmarks that pair every timed
+// call with a probe: pass(bytes) reads the next `bytes` of the buffer (round robin over it, so
+// with bytes <= size / 3 the slice read was last touched two passes ago, long out of the
+// last-level cache when the buffer is far larger than it) and returns GB/s.
+class BandwidthProbe {
+ public:
+  BandwidthProbe(size_t bytes, int threads);
+  ~BandwidthProbe();
+  BandwidthProbe(const BandwidthProbe&) = delete;
+  BandwidthProbe& operator=(const BandwidthProbe&) = delete;
+  double pass(size_t bytes);
+  size_t size() const { return n_ * sizeof(unsigned long long); }
+
+ private:
+  unsigned long long* buf_ = nullptr;
+  size_t n_ = 0;
+  size_t pos_ = 0;
+  int threads_ = 1;
+};
+
 }  // namespace hina
