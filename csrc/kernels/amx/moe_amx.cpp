@@ -139,12 +139,11 @@ void gateup_amx(const GateUpJob& j) {
   const uint16_t* x0 = static_cast<const uint16_t*>(j.x[0]);
   uint16_t* h = static_cast<uint16_t*>(j.h);
   const int64_t panel_elems = Hk * kPanelN * G;
-  const int64_t qbytes = F == WFormat::kLossless ? 0 : gu_panel_bytes(L);
+  const int64_t pbytes = gu_panel_bytes(L);  // one stored panel, any format
   uint16_t* ebuf = F == WFormat::kLossless ? nullptr : static_cast<uint16_t*>(tls_panels.get(2 * static_cast<size_t>(panel_elems)));
   alignas(64) float cg[2][16][16];
   alignas(64) float cu[2][16][16];
   pf::reload();
-  const int64_t pbytes = F == WFormat::kLossless ? 2 * panel_elems : qbytes;
   const int64_t iters = (j.nt + 31) / 32 * (Hk / 32);
   PanelAhead ahead;
   configure_tiles();
@@ -154,7 +153,7 @@ void gateup_amx(const GateUpJob& j) {
                                   : pf::amx_mode() >= 2 ? j.w_next : nullptr;
     ahead.start(pf::amx_mode() ? nx : nullptr, pbytes, iters);
     if constexpr (F != WFormat::kLossless) {
-      expand_panel(static_cast<const uint8_t*>(j.w) + p * qbytes, L, Hk, G, ebuf);
+      expand_panel(static_cast<const uint8_t*>(j.w) + p * pbytes, L, Hk, G, ebuf);
       panel = ebuf;
     }
     const int64_t col0 = p * kPanelN;
@@ -213,11 +212,10 @@ void down_amx(const DownJob& j) {
   const int64_t Ik = L.Ik, hs = j.h_stride;
   const uint16_t* h0 = static_cast<const uint16_t*>(j.h);
   const int64_t panel_elems = Ik * kPanelN;
-  const int64_t qbytes = F == WFormat::kLossless ? 0 : down_panel_bytes(L);
+  const int64_t pbytes = down_panel_bytes(L);  // one stored panel, any format
   uint16_t* ebuf = F == WFormat::kLossless ? nullptr : static_cast<uint16_t*>(tls_panels.get(4 * static_cast<size_t>(panel_elems)));
   alignas(64) float c[2][2][16][16];  // [panel][row block][row][col]
   pf::reload();
-  const int64_t pbytes = F == WFormat::kLossless ? 2 * panel_elems : qbytes;
   const int64_t iters = (j.nt + 31) / 32 * (Ik / 32);
   PanelAhead ahead;
   configure_tiles();
@@ -236,9 +234,9 @@ void down_amx(const DownJob& j) {
     }
     ahead.start(pf::amx_mode() ? nx : nullptr, pn * pbytes, iters);
     if constexpr (F != WFormat::kLossless) {
-      const uint8_t* q = static_cast<const uint8_t*>(j.w) + p * qbytes;
+      const uint8_t* q = static_cast<const uint8_t*>(j.w) + p * pbytes;
       expand_panel(q, L, Ik, 1, ebuf);
-      if (pp) expand_panel(q + qbytes, L, Ik, 1, ebuf + panel_elems);
+      if (pp) expand_panel(q + pbytes, L, Ik, 1, ebuf + panel_elems);
       panel = ebuf;
     }
     const uint16_t* panel1 = panel + panel_elems;
