@@ -182,11 +182,12 @@ static inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); r
 static inline uint32_t f32_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
 static inline float bf16_to_f32(uint16_t b) { return bits_to_f32(static_cast<uint32_t>(b) << 16); }
+// Round to nearest even; a NaN stays a quiet NaN. Branch-free, so loops over it vectorise.
 static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u = f32_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // qNaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = f32_to_bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t qnan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? qnan : rounded);
 }
 
 static inline float f16_to_f32(uint16_t h) {
@@ -229,18 +230,13 @@ static inline void store_elem(DType dt, void* p, int64_t i, float v) {
   }
 }
 // dst[0, n) = src[0, n) in dtype dt: the switch outside the loop, so the compiler vectorises
-// each loop (the bf16 rounding is branch-free for that; the same bits as f32_to_bf16).
+// each loop.
 static inline void store_row(DType dt, void* dst, const float* src, int64_t n) {
   switch (dt) {
     case DType::kF32: std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(n)); break;
     case DType::kBF16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) {
-        const uint32_t u = f32_to_bits(src[i]);
-        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        const uint32_t qnan = (u >> 16) | 0x40u;
-        d[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? qnan : rounded);
-      }
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
       break;
     }
     case DType::kF16: {
