@@ -104,7 +104,7 @@ BandwidthProbe::BandwidthProbe(size_t bytes, int threads) : n_(bytes / sizeof(ui
   if (threads < 1 || bytes < (3u << 20)) {
     throw std::invalid_argument("BandwidthProbe: need threads >= 1 and bytes >= 3 MiB");
   }
-  buf_ = reinterpret_cast<unsigned long long*>(alloc_touched(n_, threads));
+  buf_ = alloc_touched(n_, threads);
 }
 
 BandwidthProbe::~BandwidthProbe() { std::free(buf_); }
@@ -116,7 +116,7 @@ double BandwidthProbe::pass(size_t bytes) {
                                 std::to_string(size()) + " bytes)");
   }
   if (pos_ + want > n_) pos_ = 0;
-  const double gbs = read_pass(reinterpret_cast<const uint64_t*>(buf_) + pos_, want, threads_);
+  const double gbs = read_pass(buf_ + pos_, want, threads_);
   pos_ += want;
   return gbs;
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace hina {
 
@@ -30,10 +31,10 @@ class BandwidthProbe {
   BandwidthProbe(const BandwidthProbe&) = delete;
   BandwidthProbe& operator=(const BandwidthProbe&) = delete;
   double pass(size_t bytes);
-  size_t size() const { return n_ * sizeof(unsigned long long); }
+  size_t size() const { return n_ * sizeof(uint64_t); }
 
  private:
-  unsigned long long* buf_ = nullptr;
+  uint64_t* buf_ = nullptr;
   size_t n_ = 0;
   size_t pos_ = 0;
   int threads_ = 1;
