@@ -68,16 +68,8 @@ class MatmulProbe:
 def matmul_peak_gflops(threads: int, n: int = 4096, reps: int = 5) -> float:
     """Best bf16 torch.mm GFLOP/s over `reps` n^3 products (the machine's matmul peak as
     PyTorch reaches it)."""
-    torch.set_num_threads(threads)
-    a = torch.randn(n, n).bfloat16()
-    b = torch.randn(n, n).bfloat16()
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
+    probe = MatmulProbe(threads, n)
+    return max(probe() for _ in range(reps))
 
 
 def p90(s: list[float]) -> float:

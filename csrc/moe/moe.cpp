@@ -800,8 +800,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   auto chunk_of = [](int64_t np) { return std::max<int64_t>(1, std::min<int64_t>(8, (np + 3) / 4)); };
 
   // ---- region 1: gate/up + activation ----
-  // The kernels prefetch the next job's first panels while their last one runs (w_next):
-  // with the dynamic split each thread claims its next item before running the current one.
+  // Every job carries the first panel of the job its thread runs next (w_next); kernels that
+  // prefetch it (KernelImpl::uses_w_next, AMX) get the dynamic split's next item claimed ahead.
   const int64_t gu_pb = gu_panel_bytes(L), dn_pb = down_panel_bytes(L);
   auto gu_panel = [&](int32_t e, int64_t p) {
     return static_cast<const uint8_t*>(pe.gate_up_expert(e)) + p * gu_pb;
