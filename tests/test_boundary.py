@@ -124,9 +124,9 @@ def _bad_binding_calls(dtype):
          lambda pe, out: pe.forward(x, huge, w, out)),
         ("topk_idx", ValueError, "topk_idx must be C-contiguous",
          lambda pe, out: pe.forward(x, idx.t().contiguous().t(), w, out)),
-        ("topk_w", ValueError, r"topk_w has dtype float64, expected float32; convert it",
+        ("topk_w", ValueError, r"topk_w has dtype float64, expected float32, bfloat16 or float16",
          lambda pe, out: pe.forward(x, idx, w.double(), out)),
-        ("topk_w", ValueError, r"topk_w has dtype bfloat16", lambda pe, out: pe.forward(x, idx, w.bfloat16(), out)),
+        ("topk_w", ValueError, r"topk_w has dtype int32", lambda pe, out: pe.forward(x, idx, idx.int(), out)),
         ("topk_w", ValueError, r"topk_w has shape \[5, 3\], expected \[5, 2\]",
          lambda pe, out: pe.forward(x, idx, torch.rand(T, K + 1), out)),
         ("topk_w", ValueError, r"topk_w has shape \[4, 2\], expected \[5, 2\]", lambda pe, out: pe.forward(x, idx, w[1:], out)),
@@ -136,6 +136,25 @@ def _bad_binding_calls(dtype):
         ("out", TypeError, "out must be a writable CPU array",
          lambda pe, out: pe.forward(x.float().numpy(), idx.numpy(), w.numpy(), ro_out)),
     ]
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+def test_routing_weights_in_half_precision_are_read_exactly(experts, w_dtype):
+    """bf16/f16 routing weights (what routers hand over in bf16/f16 models) are read as they are:
+    the same output as the same values converted to float32 first, from forward() and from the
+    unchecked BoundForward that torch_ops uses."""
+    dtype, pe = experts["dtype"], experts["packed"]
+    g = torch.Generator().manual_seed(5)
+    T, K = 7, 2
+    x = torch.randn(T, H, generator=g).to(dtype)
+    idx = torch.randint(0, 6, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g).to(w_dtype)
+    want, got, bound = (torch.empty(T, H, dtype=dtype) for _ in range(3))
+    pe.forward(x, idx, w.float(), want)
+    pe.forward(x, idx, w, got)
+    pe.bind()(x.data_ptr(), T, idx.data_ptr(), 64, K, w.data_ptr(), {torch.bfloat16: 1, torch.float16: 2}[w_dtype],
+              bound.data_ptr(), 0)
+    assert torch.equal(got, want) and torch.equal(bound, want)
 
 
 @pytest.mark.parametrize("case", range(len(_bad_binding_calls(torch.float32))))

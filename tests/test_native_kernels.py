@@ -301,7 +301,7 @@ def _bad_forward_calls():
             lambda pe: pe.forward(torch.empty(T, 2 * x.shape[1], dtype=x.dtype)[:, ::2], idx, w, out),
         ],
         "topk_w": [
-            lambda pe: pe.forward(x, idx, w.bfloat16(), out),
+            lambda pe: pe.forward(x, idx, w.double(), out),
             lambda pe: pe.forward(x, idx, w[:-1], out),
         ],
         "out": [

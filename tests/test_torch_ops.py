@@ -70,6 +70,43 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+class _ForwardForbidden:
+    """Stands in for a PackedExperts whose checked forward() must not run: bind() and the
+    properties the direct path reads are the real block's."""
+
+    def __init__(self, packed):
+        self.packed, self.dtype, self.H = packed, packed.dtype, packed.H
+
+    def bind(self, *args, **kwargs):
+        return self.packed.bind(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("forward() ran")
+
+
+@pytest.mark.parametrize("how", ["direct", "dispatch"])
+def test_valid_calls_take_the_bound_path_and_others_reach_forward(case, how):
+    """What the Python checks accept runs through the BoundForward with raw addresses, bit-equal
+    to forward(); routing weights in bf16 go the same way, read exactly. What they refuse goes
+    to the checked forward() (here a stand-in that raises), never to the raw call."""
+    h = torch_ops.register(_ForwardForbidden(case["packed"]))
+    try:
+        opts = dict(OPTS, num_threads=2, dispatch=how == "dispatch")
+        got = torch_ops.experts_op(h, case["x"], case["idx"], case["w"], **opts)
+        assert _same(got, case["want"])
+        w16 = case["w"].bfloat16()
+        want16 = torch.empty_like(case["x"])
+        case["packed"].forward(case["x"], case["idx"], w16.float(), want16, num_threads=2, **OPTS)
+        assert _same(torch_ops.experts_op(h, case["x"], case["idx"], w16, **opts), want16)
+        wrong = torch.float16 if case["x"].dtype != torch.float16 else torch.float32
+        for bad in (case["x"].to(wrong), case["x"][:, 1:]):  # the experts' dtype, their H
+            with pytest.raises(AssertionError, match="forward"):
+                torch_ops.experts_op(h, bad, case["idx"], case["w"], **opts)
+    finally:
+        torch_ops.release(h)
+    assert h not in torch_ops._BOUND
+
+
 def test_schema_is_the_documented_one():
     s = str(torch.ops.hi_na_moe.experts.default._schema)
     # custom_op infers `int` arguments as SymInt (a superset of int: a handle that Dynamo made

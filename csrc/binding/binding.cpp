@@ -316,7 +316,8 @@ class PyPackedExperts {
     else if (topk_idx.dtype() == nb::dtype<int64_t>()) idx_bits = 64;
     else bad("topk_idx has dtype " + dtype_str(topk_idx.dtype()) + ", expected int32 or int64");
     check_array("topk_w", topk_w, {T, K});
-    check_dtype("topk_w", topk_w, nb::dtype<float>(), "; convert it first (e.g. .float())");
+    const auto w_dt = to_dtype(topk_w.dtype());
+    if (!w_dt) bad("topk_w has dtype " + dtype_str(topk_w.dtype()) + ", expected float32, bfloat16 or float16");
     check_array("out", out, {T, pe.H()});
     check_dtype("out", out, wdt, " (the experts' dtype)");
 
@@ -342,13 +343,30 @@ class PyPackedExperts {
     if (split == "static") p.static_split = true;
     else if (split != "dynamic") bad("split '" + split + "' is unknown; expected dynamic or static");
     if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
+    p.topk_w_dtype = *w_dt;
     const char* name;
     {
       nb::gil_scoped_release release;
-      name = pe.forward(x.data(), T, topk_idx.data(), idx_bits,
-                        static_cast<const float*>(topk_w.data()), K, out.data(), p);
+      name = pe.forward(x.data(), T, topk_idx.data(), idx_bits, topk_w.data(), K, out.data(), p);
     }
     return name;
+  }
+
+  // The per-call parameters of forward() parsed once, for bind().
+  hina::MoeParams params(const std::string& act, float alpha, float gate_limit, float up_limit,
+                         float post_act_limit, float up_offset, bool weight_on_input,
+                         const std::string& qdot) const {
+    hina::MoeParams p;
+    if (!hina::act_from_name(act.c_str(), &p.act))
+      bad("act '" + act + "' is unknown; expected silu, gelu, gelu_tanh, relu, relu2, sigmoid_alpha or identity");
+    p.alpha = alpha;
+    p.gate_limit = gate_limit;
+    p.up_limit = up_limit;
+    p.post_act_limit = post_act_limit;
+    p.up_offset = up_offset;
+    p.weight_on_input = weight_on_input;
+    if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
+    return p;
   }
 
   nb::tuple unpack() const {
@@ -374,6 +392,35 @@ class PyPackedExperts {
  private:
   std::unique_ptr<hina::PackedExperts> pe_;
   nb::object keep_;  // the Python buffer the block lives in (create/view), kept alive
+};
+
+// forward() with its parameters fixed, called with raw addresses: see BoundForward's doc string
+// in the module definition. DLPack import of the four arrays is ~10 of the ~15 us a T=1
+// forward() spends in the binding; a decode step calls this once per MoE layer.
+class BoundForward {
+ public:
+  BoundForward(nb::object owner, const hina::PackedExperts* pe, hina::MoeParams p)
+      : owner_(std::move(owner)), pe_(pe), p_(p) {}
+  std::string call(uintptr_t x, int64_t T, uintptr_t idx, int idx_bits, int64_t K, uintptr_t w,
+                   int w_dtype, uintptr_t out, int num_threads) const {
+    // forward() refuses negative T, K, num_threads, other idx_bits and null addresses
+    if (w_dtype < 0 || w_dtype > 2) bad("w_dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)");
+    hina::MoeParams p = p_;
+    p.num_threads = num_threads;
+    p.topk_w_dtype = static_cast<hina::DType>(w_dtype);
+    const char* name;
+    {
+      nb::gil_scoped_release release;
+      name = pe_->forward(reinterpret_cast<const void*>(x), T, reinterpret_cast<const void*>(idx), idx_bits,
+                          reinterpret_cast<const void*>(w), K, reinterpret_cast<void*>(out), p);
+    }
+    return name;
+  }
+
+ private:
+  nb::object owner_;  // the PackedExperts object: keeps pe_ alive
+  const hina::PackedExperts* pe_;
+  hina::MoeParams p_;
 };
 
 // Every field of a packed header, names as in moe.h (enums by name).
@@ -544,11 +591,24 @@ NB_MODULE(_native, m) {
            nb::arg("qdot") = "auto",
            "out[T, H] = sum_k topk_w * expert(x) (see moe.h for the exact semantics). "
            "x, out: [T, H] in the experts' dtype; topk_idx: [T, K] int32/int64 (< 0: skip); "
-           "topk_w: [T, K] float32. qdot (int8/int4 weights): 'int' = integer dot products "
+           "topk_w: [T, K] float32, bfloat16 or float16. qdot (int8/int4 weights): 'int' = integer dot products "
            "with activations quantised per token (W8A8 / W4A8), 'expand' = weights expanded "
            "in registers (fp32 activations), 'auto' = the integer dot where the tier has a "
            "kernel for it (not the AMX prefill of bf16 models). Returns the name of the kernel "
            "that ran. GIL released.")
+      .def("bind",
+           [](nb::handle self, const std::string& act, float alpha, float gate_limit, float up_limit,
+              float post_act_limit, float up_offset, bool weight_on_input, const std::string& qdot) {
+             const PyPackedExperts& pp = nb::cast<const PyPackedExperts&>(self);
+             return BoundForward(nb::borrow(self), &pp.get(),
+                                 pp.params(act, alpha, gate_limit, up_limit, post_act_limit, up_offset,
+                                           weight_on_input, qdot));
+           },
+           nb::arg("act") = "silu", nb::arg("alpha") = 1.702f, nb::arg("gate_limit") = INFINITY,
+           nb::arg("up_limit") = INFINITY, nb::arg("post_act_limit") = INFINITY,
+           nb::arg("up_offset") = 0.0f, nb::arg("weight_on_input") = false, nb::arg("qdot") = "auto",
+           "A BoundForward: forward() with these parameters fixed (checked now), for callers that "
+           "pass raw addresses (see BoundForward).")
       .def("unpack", &PyPackedExperts::unpack,
            "(gate, up, down, gate_bias, up_bias, down_bias): new arrays (None where absent), "
            "bit-identical to the packed inputs for weights='lossless', the dequantised weights "
@@ -586,6 +646,19 @@ NB_MODULE(_native, m) {
                ", has_gate=" + (q.has_gate() ? "True" : "False") +
                ", nbytes=" + std::to_string(q.nbytes()) + ")";
       });
+
+  nb::class_<BoundForward>(m, "BoundForward",
+      "PackedExperts.forward with its parameters bound (PackedExperts.bind), called as "
+      "f(x, T, topk_idx, idx_bits, K, topk_w, w_dtype, out, num_threads) with the data "
+      "addresses of C-contiguous x [T, H] and out [T, H] in the experts' dtype, topk_idx [T, K] "
+      "int32/int64 (idx_bits 32/64) and topk_w [T, K] float32/bfloat16/float16 (w_dtype 0/1/2). "
+      "UNCHECKED: nothing verifies the addresses, "
+      "shapes or dtypes; a wrong one reads or writes arbitrary memory. For hi_na_moe.torch_ops, "
+      "which checks them first; everything else calls forward(). Expert indices are checked "
+      "(< E) as in forward(). Returns the kernel's name. GIL released.")
+      .def("__call__", &BoundForward::call, nb::arg("x"), nb::arg("T"), nb::arg("topk_idx"),
+           nb::arg("idx_bits"), nb::arg("K"), nb::arg("topk_w"), nb::arg("w_dtype"), nb::arg("out"),
+           nb::arg("num_threads"));
 
   nb::class_<hina::BandwidthProbe>(m, "BandwidthProbe",
                                    "A read-bandwidth probe on a buffer allocated and touched once: "

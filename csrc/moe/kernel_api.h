@@ -175,7 +175,7 @@ void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G,
 // Runs forward with an explicit kernel (tests use it to run the generic AMX twin).
 const char* forward_with(const PackedExperts& pe, const KernelImpl& k, const char* name,
                          const void* x, int64_t T, const void* topk_idx, int idx_bits,
-                         const float* topk_w, int64_t K, void* out, const MoeParams& p);
+                         const void* topk_w, int64_t K, void* out, const MoeParams& p);
 
 // ---- scalar conversions (bit-exact, round-to-nearest-even) ----
 static inline float bits_to_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }

@@ -345,7 +345,7 @@ void check_and_count(const IdxT* idx, int64_t T, int64_t K, int64_t E, std::vect
 }
 
 template <typename IdxT>
-void fill_rows(const IdxT* idx, const float* topk_w, int64_t T, int64_t K, Scratch& s) {
+void fill_rows(const IdxT* idx, const void* topk_w, DType w_dt, int64_t T, int64_t K, Scratch& s) {
   s.cursor.assign(s.offsets.begin(), s.offsets.end() - 1);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t k = 0; k < K; ++k) {
@@ -353,7 +353,7 @@ void fill_rows(const IdxT* idx, const float* topk_w, int64_t T, int64_t K, Scrat
       if (e < 0) continue;
       const int64_t r = s.cursor[static_cast<size_t>(e)]++;
       s.row_token[static_cast<size_t>(r)] = static_cast<int32_t>(t);
-      s.row_w[static_cast<size_t>(r)] = topk_w[t * K + k];
+      s.row_w[static_cast<size_t>(r)] = load_elem(w_dt, topk_w, t * K + k);
     }
   }
 }
@@ -663,7 +663,7 @@ void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, vo
 }
 
 const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_idx, int idx_bits,
-                                   const float* topk_w, int64_t K, void* out,
+                                   const void* topk_w, int64_t K, void* out,
                                    const MoeParams& p) const {
   // Path choice needs the routing counts, so forward_with does the routing and calls back here
   // through `select` below; keep a single implementation.
@@ -682,7 +682,7 @@ namespace detail {
 
 const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const char* name,
                          const void* x, int64_t T, const void* topk_idx, int idx_bits,
-                         const float* topk_w, int64_t K, void* out, const MoeParams& p) {
+                         const void* topk_w, int64_t K, void* out, const MoeParams& p) {
   const PackedHeader& hd = pe.header();
   const DType dt = pe.dtype();
   const int64_t E = hd.E;
@@ -706,8 +706,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   const int64_t S = s.offsets[E];
   s.row_token.resize(static_cast<size_t>(S));
   s.row_w.resize(static_cast<size_t>(S));
-  if (idx_bits == 32) fill_rows(static_cast<const int32_t*>(topk_idx), topk_w, T, K, s);
-  else fill_rows(static_cast<const int64_t*>(topk_idx), topk_w, T, K, s);
+  if (idx_bits == 32) fill_rows(static_cast<const int32_t*>(topk_idx), topk_w, p.topk_w_dtype, T, K, s);
+  else fill_rows(static_cast<const int64_t*>(topk_idx), topk_w, p.topk_w_dtype, T, K, s);
 
   Layout L{dt, hd.kpack, hd.has_gate ? 2 : 1, hd.H, hd.I, hd.Hk, hd.In, hd.Ik, hd.Hn,
            pe.wformat(), hd.group};

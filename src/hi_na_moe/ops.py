@@ -113,6 +113,9 @@ class NativeExperts:
         self.kwargs = dict(act=g.act, alpha=g.alpha, gate_limit=g.gate_limit, up_limit=g.up_limit,
                            post_act_limit=g.post_act_limit, up_offset=g.up_offset,
                            weight_on_input=spec.weight_on_input)
+        # the same, as torch_ops.call takes them (built once: a decode step calls every block)
+        self._params = (g.act, float(g.alpha), float(g.gate_limit), float(g.up_limit), float(g.post_act_limit),
+                        float(g.up_offset), bool(spec.weight_on_input))
         self.handle: int | None = None
         self._pack_threads = torch.get_num_threads()
         self.expert_bytes = 0
@@ -393,9 +396,10 @@ class NativeExperts:
         check_routing(spec, hidden, idx, w)
         # detached: the kernels have no backward (training runs the reference path, see patching)
         dtype = spec.weight_dtype
-        x = hidden.detach().to(dtype)
-        idx = idx.detach()
-        wf = w.detach()
+        x = hidden if hidden.dtype is dtype else hidden.to(dtype)
+        if x.requires_grad:
+            x = x.detach()
+        wf = w.detach() if w.requires_grad else w
         identity = None
         if spec.n_identity:
             is_id = idx >= spec.num_experts
@@ -409,7 +413,7 @@ class NativeExperts:
         threads = self.threads or (self._pack_threads if torch.compiler.is_compiling() else torch.get_num_threads())
         if threads > 1 and min(x.shape[0] * idx.shape[-1], spec.num_experts) * self.expert_bytes < SMALL_CALL_BYTES:
             threads = 1
-        out = torch_ops.experts_op(self.handle, x, idx, wf, num_threads=threads, **self.kwargs)
+        out = torch_ops.call(self.handle, x, idx, wf, self._params, threads)
         if identity is not None:
             out = (out.float() + identity).to(dtype)
         out = out if out.dtype == hidden.dtype else out.to(hidden.dtype)

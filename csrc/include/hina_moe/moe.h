@@ -121,6 +121,9 @@ struct MoeParams {
   // (the default, which tolerates a thread that runs late). For measurements and tests.
   bool static_split = false;
   QDot qdot = QDot::kAuto;  // quantised weights only
+  // dtype of forward()'s topk_w: routers often hand over their weights in the model's dtype,
+  // and converting them in the caller costs an op call per layer (~35 us with cold caches).
+  DType topk_w_dtype = DType::kF32;
 };
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
@@ -191,10 +194,10 @@ class PackedExperts {
 
   // Runs the op; returns the name of the kernel that ran ("moe_decode_bf16_avx512", ...).
   // x, out: [T, H] in dtype(); topk_idx: [T, K] int32 (idx_bits 32) or int64 (idx_bits 64);
-  // topk_w: [T, K] fp32. out is overwritten. Throws std::invalid_argument on a bad argument
+  // topk_w: [T, K] in p.topk_w_dtype (fp32 by default). out is overwritten. Throws std::invalid_argument on a bad argument
   // (e.g. an expert index >= E) before touching out.
   const char* forward(const void* x, int64_t T, const void* topk_idx, int idx_bits,
-                      const float* topk_w, int64_t K, void* out, const MoeParams& p) const;
+                      const void* topk_w, int64_t K, void* out, const MoeParams& p) const;
 
   // Inverse of pack(): exact for the lossless format; for int8/int4 the dequantised weights
   // (s * q, rounded to dtype()). Destinations as in ExpertWeights (nullptr: skip that array).
