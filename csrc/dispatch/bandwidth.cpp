@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "hina_moe/cpu_features.h"
+#include "moe/kernel_api.h"
 #include "hina_moe/thread_pool.h"
 
 namespace hina {
@@ -38,8 +39,8 @@ uint64_t read_streams_generic(const uint64_t* const* base, int streams, int64_t 
 namespace {
 
 uint64_t* alloc_touched(size_t n, int threads) {
-  auto* buf = static_cast<uint64_t*>(std::aligned_alloc(64, n * sizeof(uint64_t)));
-  if (!buf) throw std::bad_alloc();
+  // huge pages where the kernel grants them, as the packed weights get (alloc_weights)
+  auto* buf = static_cast<uint64_t*>(detail::alloc_weights(n * sizeof(uint64_t)));
   // Touch every page (from the pool, so pages land where the readers run).
   ThreadPool::global().run(threads, [&](int tid, int nt) {
     int64_t b, e;

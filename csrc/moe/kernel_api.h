@@ -24,6 +24,11 @@ inline void* aligned_alloc64(size_t bytes) {
   return p;
 }
 
+// Memory for a packed block (freed with std::free). Blocks of 4 MiB and more are 2 MiB aligned
+// and asked for transparent huge pages (Linux madvise; a hint the kernel may ignore): decode
+// streams GBs of weights, and with 4 KiB pages every 4 KiB of the stream needs a new TLB entry.
+void* alloc_weights(size_t bytes);
+
 // Grow-only 64-byte aligned scratch (kept thread_local by its users).
 struct AlignedBuf {
   void* p = nullptr;

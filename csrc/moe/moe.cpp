@@ -15,6 +15,9 @@
 // instead of holding everyone up. Every output element is still produced by one item in one
 // fixed order: results do not depend on the split (tested bit-identical).
 #include <cmath>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
@@ -525,7 +528,7 @@ std::unique_ptr<PackedExperts> PackedExperts::create(const PackedHeader& h, void
   pe->hdr_ = h;
   pe->owns_ = mem == nullptr;
   if (!mem) {
-    mem = aligned_alloc64(h.nbytes);
+    mem = alloc_weights(h.nbytes);
     std::memset(mem, 0, h.nbytes);  // padding bytes are part of the block's checksum
   }
   pe->bind(mem);
@@ -679,6 +682,22 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
 }
 
 namespace detail {
+
+void* alloc_weights(size_t bytes) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  if (bytes < 2 * kHuge) return aligned_alloc64(bytes);
+  void* p = nullptr;
+  if (posix_memalign(&p, kHuge, bytes) != 0) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+#ifdef HINA_PREFETCH_TUNING
+  const char* thp = std::getenv("HINA_THP");  // tuning builds: 0 = no huge-page hint
+  if (thp && std::atoi(thp) == 0) return p;
+#endif
+  // whole huge pages inside the block only; a hint: failure changes nothing
+  madvise(p, bytes / kHuge * kHuge, MADV_HUGEPAGE);
+#endif
+  return p;
+}
 
 const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const char* name,
                          const void* x, int64_t T, const void* topk_idx, int idx_bits,
