@@ -134,6 +134,35 @@ def test_training_mode_keeps_autograd_working():
         hi_na_moe.disable_for_model(model)
 
 
+def test_inference_calls_take_the_one_frame_path(monkeypatch):
+    """After a block's first call, inference forwards with plain inputs run NativeExperts.fast
+    (one frame to the kernel) and give the same bits as the full path; what fast() does not
+    take (here a float32 hidden for bf16 experts: a conversion) still goes through __call__."""
+    if not native_kernels_available():
+        pytest.skip("the one-frame path is the native runner's")
+    from hi_na_moe import ops
+
+    model = _olmoe().to(torch.bfloat16)
+    hi_na_moe.enable_for_model(model, backend="native")
+    try:
+        with torch.inference_mode():
+            first = model(IDS).logits  # the full path (makes each block's BoundForward)
+            full_calls = []
+            real_call = ops.NativeExperts.__call__
+            monkeypatch.setattr(ops.NativeExperts, "__call__",
+                                lambda self, *a: full_calls.append(1) or real_call(self, *a))
+            again = model(IDS).logits
+            assert not full_calls, "an inference forward went through NativeExperts.__call__"
+            assert torch.equal(first, again)
+            experts = model.model.layers[0].mlp.experts
+            h = torch.randn(3, 64)
+            idx, w = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.rand(3, 2)
+            got = experts(h, idx, w)
+            assert full_calls and torch.equal(got, experts(h.bfloat16(), idx, w))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_training_with_released_weights_is_a_clear_error():
     if not native_kernels_available():
         pytest.skip("weights are only released for native kernels")

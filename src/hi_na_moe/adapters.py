@@ -99,7 +99,7 @@ def recognise_gate(module: nn.Module, interleaved: bool) -> tuple[GateSpec | Non
 # Experts-level paths: rebind the experts module's forward(hidden, top_k_index, top_k_weights).
 # ---------------------------------------------------------------------------------------------
 
-def _experts_forward_factory(match: BlockMatch, run: Runner) -> Callable:
+def experts_forward_factory(match: BlockMatch, run: Runner) -> Callable:
     spec = match.spec
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
@@ -365,9 +365,9 @@ def discover(model: nn.Module, router_name: str | None = None) -> list[BlockMatc
         if cls in BLOCK_ADAPTERS:
             adapter, (build, factory) = f"block:{cls}", BLOCK_ADAPTERS[cls]
         elif _is_interface_experts(m):
-            adapter, build, factory = "experts-interface", spec_from_interface, _experts_forward_factory
+            adapter, build, factory = "experts-interface", spec_from_interface, experts_forward_factory
         elif _takes_top_k(m) or id(m) in extra:
-            adapter, build, factory = "experts-structural", spec_from_structure, _experts_forward_factory
+            adapter, build, factory = "experts-structural", spec_from_structure, experts_forward_factory
         else:
             continue
         spec, why = build(m)

@@ -302,6 +302,21 @@ def _make_repr(match: adapters.BlockMatch, kernel: str, original: Any):
     return extra_repr
 
 
+def _fast_first(runner: ops.NativeExperts, forward):
+    """An experts-level forward that tries the runner's one-frame path first (NativeExperts.fast:
+    inference calls with plain inputs) and runs the full `forward` for everything else (training
+    with autograd, conversions, errors)."""
+
+    def fast_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            out = runner.fast(hidden_states, top_k_index, top_k_weights)
+            if out is not None:
+                return out
+        return forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
+    return fast_forward
+
+
 def _gated(gate: _Gate, forward):
     """The patched forward behind `gate` (see _Gate)."""
 
@@ -336,6 +351,8 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
         block.cache = choice.runner.cache_event
     state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
     new_forward = match.make_forward(match, _guarded(choice.runner, m))
+    if isinstance(choice.runner, ops.NativeExperts) and match.make_forward is adapters.experts_forward_factory:
+        new_forward = _fast_first(choice.runner, new_forward)
     m.forward = types.MethodType(_gated(gate, new_forward), m)
     m.extra_repr = types.MethodType(_make_repr(match, choice.kernel, m.extra_repr), m)
     _PATCHED[m] = state
