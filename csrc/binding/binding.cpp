@@ -352,6 +352,39 @@ class PyPackedExperts {
     return name;
   }
 
+  std::string linear(nb::handle x_obj, nb::handle out_obj, int num_threads, const std::string& path,
+                     std::optional<int> prefill_min_tokens, const std::string& qdot) const {
+    const hina::PackedExperts& pe = *pe_;
+    if (!pe.up_only()) bad("linear() runs blocks made by pack_linear; this block is MoE experts (use forward())");
+    const nb::dlpack::dtype wdt = nb_dtype(pe.dtype());
+    const InArray x = array_arg<InArray>("x", x_obj);
+    OutArray out = array_arg<OutArray>("out", out_obj);
+    if (x.ndim() != 2) bad("x must have shape [T, in_features], got " + shape_str(shape_of(x)));
+    const int64_t T = x.shape(0);
+    check_array("x", x, {T, pe.H()});
+    check_dtype("x", x, wdt, " (the layer's dtype); convert x first");
+    check_array("out", out, {T, pe.I()});
+    check_dtype("out", out, wdt, " (the layer's dtype)");
+    hina::MoeParams p;
+    if (num_threads < 0) bad("num_threads must be >= 0");
+    p.num_threads = num_threads;
+    if (path == "auto") p.path = hina::MoePath::kAuto;
+    else if (path == "decode") p.path = hina::MoePath::kDecode;
+    else if (path == "prefill") p.path = hina::MoePath::kPrefill;
+    else bad("path '" + path + "' is unknown; expected auto, decode or prefill");
+    if (prefill_min_tokens) {
+      if (*prefill_min_tokens < 1) bad("prefill_min_tokens must be >= 1");
+      p.prefill_min_tokens = *prefill_min_tokens;
+    }
+    if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
+    const char* name;
+    {
+      nb::gil_scoped_release release;
+      name = pe.linear(x.data(), T, out.data(), p);
+    }
+    return name;
+  }
+
   // The per-call parameters of forward() parsed once, for bind().
   hina::MoeParams params(const std::string& act, float alpha, float gate_limit, float up_limit,
                          float post_act_limit, float up_offset, bool weight_on_input,
@@ -374,6 +407,15 @@ class PyPackedExperts {
     const hina::DType dt = pe.dtype();
     const size_t E = pe.E(), H = pe.H(), I = pe.I();
     void *g = nullptr, *u = nullptr, *d = nullptr, *bg = nullptr, *bu = nullptr, *bd = nullptr;
+    if (pe.up_only()) {  // a linear layer: (None, weight [I, H], None, None, bias [I] or None, None)
+      nb::object ou = new_array(dt, {I, H}, &u);
+      nb::object obu = pe.has_up_bias() ? new_array(dt, {I}, &bu) : nb::none();
+      {
+        nb::gil_scoped_release release;
+        pe.unpack(nullptr, u, nullptr, nullptr, bu, nullptr);
+      }
+      return nb::make_tuple(nb::none(), ou, nb::none(), nb::none(), obu, nb::none());
+    }
     nb::object og = pe.has_gate() ? new_array(dt, {E, I, H}, &g) : nb::none();
     nb::object ou = new_array(dt, {E, I, H}, &u);
     nb::object od = new_array(dt, {E, H, I}, &d);
@@ -416,6 +458,17 @@ class BoundForward {
     }
     return name;
   }
+  // An up-only block's linear(): x [T, H] -> out [T, I], addresses unchecked as above.
+  std::string linear(uintptr_t x, int64_t T, uintptr_t out, int num_threads) const {
+    hina::MoeParams p = p_;
+    p.num_threads = num_threads;
+    const char* name;
+    {
+      nb::gil_scoped_release release;
+      name = pe_->linear(reinterpret_cast<const void*>(x), T, reinterpret_cast<void*>(out), p);
+    }
+    return name;
+  }
 
  private:
   nb::object owner_;  // the PackedExperts object: keeps pe_ alive
@@ -433,6 +486,7 @@ nb::dict header_dict(const hina::PackedHeader& h) {
   d["weights"] = h.wfmt <= 2 ? std::string(hina::wformat_name(static_cast<hina::WFormat>(h.wfmt))) : std::string("unknown");
   d["group_size"] = h.group;
   d["has_gate"] = h.has_gate != 0;
+  d["up_only"] = h.up_only != 0;
   d["gate_bias"] = h.has_gate_bias != 0;
   d["up_bias"] = h.has_up_bias != 0;
   d["down_bias"] = h.has_down_bias != 0;
@@ -538,7 +592,7 @@ NB_MODULE(_native, m) {
       .def_static("plan",
            [](const std::string& dtype, int64_t E, int64_t H, int64_t I, bool has_gate,
               bool gate_bias, bool up_bias, bool down_bias, const std::string& isa,
-              const std::string& weights, int group_size) {
+              const std::string& weights, int group_size, bool up_only) {
              hina::DType dt = hina::DType::kF32;
              bool known = false;
              for (hina::DType d : {hina::DType::kF32, hina::DType::kBF16, hina::DType::kF16})
@@ -546,13 +600,45 @@ NB_MODULE(_native, m) {
              if (!known) bad("dtype '" + dtype + "' is unknown; expected float32, bfloat16 or float16");
              const hina::PackedHeader h = hina::plan_packed(
                  dt, E, H, I, has_gate, gate_bias, up_bias, down_bias,
-                 hina::resolve_isa(isa.c_str()), {parse_wformat(weights), group_size});
+                 hina::resolve_isa(isa.c_str()), {parse_wformat(weights), group_size}, up_only);
              return nb::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
            },
            nb::arg("dtype"), nb::arg("E"), nb::arg("H"), nb::arg("I"), nb::arg("has_gate"),
            nb::arg("gate_bias") = false, nb::arg("up_bias") = false, nb::arg("down_bias") = false,
            nb::arg("isa") = "auto", nb::arg("weights") = "lossless", nb::arg("group_size") = 64,
-           "The header (bytes) a block of these experts has; block size: header_info(h)['nbytes'].")
+           nb::arg("up_only") = false,
+           "The header (bytes) a block of these experts has; block size: header_info(h)['nbytes']. "
+           "up_only: a dense linear layer (E=1, no gate, I outputs, H inputs; see pack_linear).")
+      .def_static("pack_linear",
+           [](InArray weight, std::optional<InArray> bias, const std::string& isa, int num_threads,
+              const std::string& weights, int group_size) {
+             if (weight.ndim() != 2) bad("weight must have shape [out_features, in_features], got " + shape_str(shape_of(weight)));
+             const auto dt = to_dtype(weight.dtype());
+             if (!dt) bad("weight has dtype " + dtype_str(weight.dtype()) + "; supported: float32, bfloat16, float16");
+             const int64_t O = weight.shape(0), In = weight.shape(1);
+             check_array("weight", weight, {O, In});
+             if (bias) {
+               check_array("bias", *bias, {O});
+               check_dtype("bias", *bias, weight.dtype());
+             }
+             if (num_threads < 0) bad("num_threads must be >= 0");
+             const hina::Isa tier = hina::resolve_isa(isa.c_str());
+             const hina::QuantSpec q{parse_wformat(weights), group_size};
+             std::unique_ptr<hina::PackedExperts> pe;
+             {
+               nb::gil_scoped_release release;
+               pe = hina::PackedExperts::pack_linear(*dt, O, In, weight.data(), bias ? bias->data() : nullptr,
+                                                     tier, num_threads, q);
+             }
+             return PyPackedExperts(std::move(pe), nb::none());
+           },
+           nb::arg("weight").noconvert(), nb::arg("bias").noconvert().none() = nb::none(),
+           nb::arg("isa") = "auto", nb::arg("num_threads") = 0, nb::arg("weights") = "lossless",
+           nb::arg("group_size") = 64,
+           "A dense linear layer y = x weight^T (+ bias) packed for the same kernels (an up-only "
+           "block: E=1, I = out_features, H = in_features); run it with linear(). weight "
+           "[out_features, in_features], bias [out_features]: C-contiguous CPU arrays of one dtype. "
+           "unpack() gives (None, weight, None, None, bias, None).")
       .def_static("create", &PyPackedExperts::create, nb::arg("header"),
            nb::arg("buffer").none() = nb::none(),
            "An empty block for `header`, living in `buffer` (a writable, 64-byte aligned uint8 "
@@ -596,6 +682,14 @@ NB_MODULE(_native, m) {
            "in registers (fp32 activations), 'auto' = the integer dot where the tier has a "
            "kernel for it (not the AMX prefill of bf16 models). Returns the name of the kernel "
            "that ran. GIL released.")
+      .def("linear", &PyPackedExperts::linear, nb::arg("x").noconvert(), nb::arg("out").noconvert(),
+           nb::arg("num_threads") = 0, nb::arg("path") = "auto",
+           nb::arg("prefill_min_tokens").none() = nb::none(), nb::arg("qdot") = "auto",
+           "out[T, out_features] = x[T, in_features] weight^T (+ bias), for a block made by "
+           "pack_linear; x and out in the layer's dtype. fp32 accumulation, one rounding. "
+           "Returns the name of the kernel that ran. GIL released.")
+      .def_prop_ro("up_only", [](const PyPackedExperts& p) { return p.get().up_only(); },
+                   "Whether this block is a dense linear layer (pack_linear) rather than experts.")
       .def("bind",
            [](nb::handle self, const std::string& act, float alpha, float gate_limit, float up_limit,
               float post_act_limit, float up_offset, bool weight_on_input, const std::string& qdot) {
@@ -658,7 +752,10 @@ NB_MODULE(_native, m) {
       "(< E) as in forward(). Returns the kernel's name. GIL released.")
       .def("__call__", &BoundForward::call, nb::arg("x"), nb::arg("T"), nb::arg("topk_idx"),
            nb::arg("idx_bits"), nb::arg("K"), nb::arg("topk_w"), nb::arg("w_dtype"), nb::arg("out"),
-           nb::arg("num_threads"));
+           nb::arg("num_threads"))
+      .def("linear", &BoundForward::linear, nb::arg("x"), nb::arg("T"), nb::arg("out"), nb::arg("num_threads"),
+           "An up-only block's linear(): addresses of C-contiguous x [T, in_features] and out "
+           "[T, out_features] in the layer's dtype. UNCHECKED, as __call__.");
 
   nb::class_<hina::BandwidthProbe>(m, "BandwidthProbe",
                                    "A read-bandwidth probe on a buffer allocated and touched once: "

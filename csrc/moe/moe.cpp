@@ -411,7 +411,8 @@ const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf, QDot qd
 }
 
 PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
-                         bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q) {
+                         bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q,
+                         bool up_only) {
   // Headers also come back from stores (view): sizes must never wrap. Each dimension fits int32
   // (the driver keeps expert ids and token rows in int32), and the block's bytes are summed
   // with overflow checks up to 2^62, so every derived size and offset is exact.
@@ -431,7 +432,11 @@ PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gat
     throw std::invalid_argument("int4 group size must be 32, 64 or 128 (got " +
                                 std::to_string(q.group) + ")");
   }
+  if (up_only && (E != 1 || has_gate || gate_bias || down_bias)) {
+    throw std::invalid_argument("an up-only (linear) block has E = 1, no gate, no gate or down bias");
+  }
   PackedHeader h;
+  h.up_only = up_only;
   h.dtype = static_cast<uint8_t>(dt);
   h.isa = static_cast<uint8_t>(isa);
   h.wfmt = static_cast<uint8_t>(q.fmt);
@@ -468,7 +473,7 @@ PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gat
   const uint64_t dn_panel = static_cast<uint64_t>(panel_bytes(dt, q.fmt, h.group, h.Ik, 1));
   const uint64_t e = static_cast<uint64_t>(E);
   h.gu_expert_bytes = a64(mul(static_cast<uint64_t>(h.In / kPanelN), gu_panel));
-  h.down_expert_bytes = a64(mul(static_cast<uint64_t>(h.Hn / kPanelN), dn_panel));
+  h.down_expert_bytes = up_only ? 0 : a64(mul(static_cast<uint64_t>(h.Hn / kPanelN), dn_panel));
   uint64_t n = mul(add(h.gu_expert_bytes, h.down_expert_bytes), e);
   if (gate_bias) n = add(n, a64(mul(mul(4, e), static_cast<uint64_t>(h.In))));
   if (up_bias) n = add(n, a64(mul(mul(4, e), static_cast<uint64_t>(h.In))));
@@ -516,7 +521,7 @@ std::unique_ptr<PackedExperts> PackedExperts::create(const PackedHeader& h, void
   const PackedHeader want = plan_packed(static_cast<DType>(h.dtype), h.E, h.H, h.I, h.has_gate,
                                         h.has_gate_bias, h.has_up_bias, h.has_down_bias,
                                         static_cast<Isa>(h.isa),
-                                        {static_cast<WFormat>(h.wfmt), h.group ? h.group : 64});
+                                        {static_cast<WFormat>(h.wfmt), h.group ? h.group : 64}, h.up_only != 0);
   if (std::memcmp(&want, &h, sizeof(h)) != 0) {
     throw std::invalid_argument("packed header is not what plan_packed gives for its shapes");
   }
@@ -552,6 +557,25 @@ std::unique_ptr<PackedExperts> PackedExperts::view(const PackedHeader& h, const 
   return pe;
 }
 
+std::unique_ptr<PackedExperts> PackedExperts::pack_linear(DType dt, int64_t out_features, int64_t in_features,
+                                                          const void* weight, const void* bias, Isa isa,
+                                                          int num_threads, QuantSpec q) {
+  if (!weight) throw std::invalid_argument("the weight is required");
+  check_tier(isa);
+  const PackedHeader h = plan_packed(dt, 1, in_features, out_features, false, false, bias != nullptr, false,
+                                     isa, q, true);
+  ExpertWeights w;
+  w.dtype = dt;
+  w.E = 1;
+  w.H = in_features;
+  w.I = out_features;
+  w.up = weight;
+  w.up_bias = bias;
+  auto pe = create(h);
+  pe->pack_experts(0, w, num_threads);
+  return pe;
+}
+
 std::unique_ptr<PackedExperts> PackedExperts::pack(const ExpertWeights& w, Isa isa,
                                                    int num_threads, QuantSpec q) {
   if (!w.up || !w.down) throw std::invalid_argument("up and down weights are required");
@@ -566,7 +590,8 @@ std::unique_ptr<PackedExperts> PackedExperts::pack(const ExpertWeights& w, Isa i
 
 void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_threads) {
   const PackedHeader& h = hdr_;
-  if (!w.up || !w.down) throw std::invalid_argument("up and down weights are required");
+  if (!w.up || (!w.down && !up_only())) throw std::invalid_argument("up and down weights are required");
+  if (w.down && up_only()) throw std::invalid_argument("an up-only (linear) block takes no down weights");
   if (w.dtype != dtype() || w.H != h.H || w.I != h.I || w.E < 1 || e0 < 0 || e0 + w.E > h.E) {
     throw std::invalid_argument("pack_experts: experts [" + std::to_string(e0) + ", " +
                                 std::to_string(e0 + w.E) + ") of dtype " + dtype_name(w.dtype) +
@@ -602,8 +627,9 @@ void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_thr
                         reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, 0);
           pack_matrix(static_cast<const El*>(w.up) + gu_off, w.I, w.H,
                       reinterpret_cast<El*>(gu_dst), h.In, h.Hk, h.kpack, G, G - 1);
-          pack_matrix(static_cast<const El*>(w.down) + dn_off, w.H, w.I,
-                      reinterpret_cast<El*>(dn_dst), h.Hn, h.Ik, h.kpack, 1, 0);
+          if (w.down)
+            pack_matrix(static_cast<const El*>(w.down) + dn_off, w.H, w.I,
+                        reinterpret_cast<El*>(dn_dst), h.Hn, h.Ik, h.kpack, 1, 0);
         };
         if (esz == 2) pack_expert(uint16_t{});
         else pack_expert(uint32_t{});
@@ -613,7 +639,7 @@ void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_thr
         };
         if (w.gate) quant_matrix(at(w.gate, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, 0, wf, h.group, buf, isa());
         quant_matrix(at(w.up, gu_off), w.dtype, w.I, w.H, gu_dst, h.In, h.Hk, G, G - 1, wf, h.group, buf, isa());
-        quant_matrix(at(w.down, dn_off), w.dtype, w.H, w.I, dn_dst, h.Hn, h.Ik, 1, 0, wf, h.group, buf, isa());
+        if (w.down) quant_matrix(at(w.down, dn_off), w.dtype, w.H, w.I, dn_dst, h.Hn, h.Ik, 1, 0, wf, h.group, buf, isa());
       }
       for (int64_t i = 0; i < h.In; ++i) {
         if (bias_g_)
@@ -644,14 +670,14 @@ void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, vo
       auto at = [&](void* base) { return static_cast<uint8_t*>(base) + gu_off * esz; };
       if (gate && h.has_gate) dequant_matrix(gu_src, dt, h.I, h.H, at(gate), h.Hk, G, 0, wf, h.group);
       if (up) dequant_matrix(gu_src, dt, h.I, h.H, at(up), h.Hk, G, G - 1, wf, h.group);
-      if (down) dequant_matrix(dn_src, dt, h.H, h.I, at(down), h.Ik, 1, 0, wf, h.group);
+      if (down && !h.up_only) dequant_matrix(dn_src, dt, h.H, h.I, at(down), h.Ik, 1, 0, wf, h.group);
     } else {
       auto unpack_expert = [&](auto elem) {  // element type by size only, as in pack()
         using El = decltype(elem);
         auto* gs = reinterpret_cast<const El*>(gu_src);
         if (gate && h.has_gate) unpack_matrix(gs, h.I, h.H, static_cast<El*>(gate) + gu_off, h.Hk, h.kpack, G, 0);
         if (up) unpack_matrix(gs, h.I, h.H, static_cast<El*>(up) + gu_off, h.Hk, h.kpack, G, G - 1);
-        if (down) unpack_matrix(reinterpret_cast<const El*>(dn_src), h.H, h.I, static_cast<El*>(down) + gu_off, h.Ik, h.kpack, 1, 0);
+        if (down && !h.up_only) unpack_matrix(reinterpret_cast<const El*>(dn_src), h.H, h.I, static_cast<El*>(down) + gu_off, h.Ik, h.kpack, 1, 0);
       };
       if (e16) unpack_expert(uint16_t{});
       else unpack_expert(uint32_t{});
@@ -670,6 +696,7 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
                                    const MoeParams& p) const {
   // Path choice needs the routing counts, so forward_with does the routing and calls back here
   // through `select` below; keep a single implementation.
+  if (up_only()) throw std::invalid_argument("this block is a dense linear layer (up-only): run it with linear()");
   if (idx_bits != 32 && idx_bits != 64) throw std::invalid_argument("topk_idx must be int32 or int64");
   if (T < 0 || K < 0) throw std::invalid_argument("T and K must be >= 0");
   MoePath path = p.path;
@@ -679,6 +706,30 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
   const Selected sel = select_kernels(isa(), dtype(), path, wformat(), p.qdot);
   return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path, wformat(), p.qdot), x, T,
                       topk_idx, idx_bits, topk_w, K, out, p);
+}
+
+const char* PackedExperts::linear(const void* x, int64_t T, void* out, const MoeParams& p) const {
+  if (!up_only()) throw std::invalid_argument("linear() runs up-only blocks (pack_linear); this block is MoE experts");
+  if (T < 0) throw std::invalid_argument("T must be >= 0");
+  MoeParams lp = p;
+  lp.act = Act::kIdentity;
+  lp.alpha = 1.0f;
+  lp.gate_limit = lp.up_limit = lp.post_act_limit = INFINITY;
+  lp.up_offset = 0.0f;
+  lp.weight_on_input = false;
+  lp.topk_w_dtype = DType::kF32;
+  MoePath path = lp.path;
+  if (path == MoePath::kAuto) path = T >= lp.prefill_min_tokens ? MoePath::kPrefill : MoePath::kDecode;
+  // every token routed to the one expert with weight 1 (the weight is not read: no down pass)
+  thread_local std::vector<int32_t> zeros;
+  thread_local std::vector<float> ones;
+  if (static_cast<int64_t>(zeros.size()) < T) {
+    zeros.assign(static_cast<size_t>(T), 0);
+    ones.assign(static_cast<size_t>(T), 1.0f);
+  }
+  const Selected sel = select_kernels(isa(), dtype(), path, wformat(), lp.qdot);
+  return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path, wformat(), lp.qdot), x, T,
+                      zeros.data(), 32, ones.data(), 1, out, lp);
 }
 
 namespace detail {
@@ -868,6 +919,31 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
       for (size_t a = 0; a < s.active.size(); ++a)
         gateup_expert(s.active[a], p0, p1, a + 1 < s.active.size() ? gu_panel(s.active[a + 1], p0) : nullptr);
     });
+  }
+
+  // ---- up-only blocks (linear layers, via linear()): h rows are the output ----
+  // E = 1 and K = 1, so routed row r is token r; h already holds x W^T + b (identity act).
+  if (hd.up_only) {
+    const int64_t I = hd.I;
+    if (kern.h_bf16 && dt != DType::kBF16) throw std::logic_error("bf16 h rows for a non-bf16 block");
+    auto emit = [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        uint8_t* dst = static_cast<uint8_t*>(out) + static_cast<size_t>(r * I) * esz;
+        const uint8_t* src = hbuf + hesz * static_cast<size_t>(r * hs);
+        if (kern.h_bf16) std::memcpy(dst, src, static_cast<size_t>(I) * 2);  // rounded once, by the kernel
+        else store_row(dt, dst, reinterpret_cast<const float*>(src), I);
+      }
+    };
+    if (S * I >= (1 << 16) && nthreads > 1) {
+      pool.run(nthreads, [&](int tid, int n) {
+        int64_t r0, r1;
+        split_range(S, tid, n, &r0, &r1);
+        emit(r0, r1);
+      });
+    } else {
+      emit(0, S);
+    }
+    return name;
   }
 
   // ---- integer-dot kernels: h rows quantised for down (rows are independent) ----

@@ -52,7 +52,7 @@ const Field kFields[] = {
     HINA_F(magic, false), HINA_F(version, false), HINA_F(dtype, false), HINA_F(isa, false),
     HINA_F(panel_n, false), HINA_F(kpack, false), HINA_F(wfmt, false), HINA_F(has_gate, false),
     HINA_F(has_gate_bias, false), HINA_F(has_up_bias, false), HINA_F(has_down_bias, false),
-    HINA_F(reserved0, false), HINA_F(group, false), HINA_F(k_align, false), HINA_F(reserved1, false),
+    HINA_F(up_only, false), HINA_F(group, false), HINA_F(k_align, false), HINA_F(reserved1, false),
     HINA_F(E, true), HINA_F(H, true), HINA_F(I, true), HINA_F(Hk, true), HINA_F(In, true),
     HINA_F(Ik, true), HINA_F(Hn, true), HINA_F(gu_expert_bytes, false),
     HINA_F(down_expert_bytes, false), HINA_F(nbytes, false)};

@@ -153,7 +153,7 @@ struct PackedHeader {
   uint8_t wfmt = 0;             // WFormat
   uint8_t has_gate = 0;
   uint8_t has_gate_bias = 0, has_up_bias = 0, has_down_bias = 0;
-  uint8_t reserved0 = 0;
+  uint8_t up_only = 0;          // 1: a dense linear layer (E = 1, no gate, no down): linear() runs it
   uint16_t group = 0;           // int4 group size (0 otherwise)
   uint16_t k_align = 32;        // reduction dimension padding
   uint32_t reserved1 = 0;
@@ -168,9 +168,12 @@ struct PackedHeader {
 static_assert(sizeof(PackedHeader) == 104, "PackedHeader is stored on disk: keep it fixed-size");
 
 // The header pack() would produce for these shapes and format (all derived fields filled).
-// Throws std::invalid_argument on bad shapes, dtype, format or group size.
+// Throws std::invalid_argument on bad shapes, dtype, format or group size. up_only: a dense
+// linear layer y = x W^T (+ b) packed as the up projection of one expert (W [I, H]: I outputs,
+// H inputs; E = 1, no gate, no down, no gate/down bias); its block holds no down panels.
 PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
-                         bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q);
+                         bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q,
+                         bool up_only = false);
 
 class PackedExperts {
  public:
@@ -178,6 +181,11 @@ class PackedExperts {
   // shapes or an ISA this machine lacks.
   static std::unique_ptr<PackedExperts> pack(const ExpertWeights& w, Isa isa, int num_threads = 0,
                                              QuantSpec q = {});
+  // A dense linear layer: weight [out_features, in_features], bias [out_features] or nullptr,
+  // in dt; packed as an up-only block (plan_packed's up_only), run with linear().
+  static std::unique_ptr<PackedExperts> pack_linear(DType dt, int64_t out_features, int64_t in_features,
+                                                    const void* weight, const void* bias, Isa isa,
+                                                    int num_threads = 0, QuantSpec q = {});
   // An empty block for `h` (from plan_packed), to be filled with pack_experts(). With `mem`
   // (h.nbytes bytes, 64-byte aligned, caller-owned and outliving the object) the block lives
   // there, e.g. in a memory-mapped file; otherwise it is allocated.
@@ -198,6 +206,11 @@ class PackedExperts {
   // (e.g. an expert index >= E) before touching out.
   const char* forward(const void* x, int64_t T, const void* topk_idx, int idx_bits,
                       const void* topk_w, int64_t K, void* out, const MoeParams& p) const;
+  // An up-only block's layer: out [T, I] = x [T, H] W^T (+ b), in dtype(), with the same
+  // kernels as forward()'s gate/up pass (identity activation; p's act and limits are ignored;
+  // fp32 accumulation, one rounding to dtype()). Throws std::invalid_argument on a block with
+  // a down projection (and forward() on an up-only block).
+  const char* linear(const void* x, int64_t T, void* out, const MoeParams& p) const;
 
   // Inverse of pack(): exact for the lossless format; for int8/int4 the dequantised weights
   // (s * q, rounded to dtype()). Destinations as in ExpertWeights (nullptr: skip that array).
@@ -213,6 +226,7 @@ class PackedExperts {
   int64_t H() const { return hdr_.H; }
   int64_t I() const { return hdr_.I; }
   bool has_gate() const { return hdr_.has_gate != 0; }
+  bool up_only() const { return hdr_.up_only != 0; }
   bool has_gate_bias() const { return bias_g_ != nullptr; }
   bool has_up_bias() const { return bias_u_ != nullptr; }
   bool has_down_bias() const { return bias_d_ != nullptr; }
