@@ -20,6 +20,9 @@ Arms (each is `--arm X --child` of this script; the driver runs it):
   tensors in the checkpoint). The store is cleared only inside a --cache-dir this script owns:
   one it created (it leaves a marker file there) or an empty one. "Cold" is about the store
   only: the OS page cache (checkpoint files, store files) is whatever earlier runs left.
+- `hina-<format>-all`: the same with `scope="all"` (the dense linear layers on the native
+  kernels too, lm_head kept lossless: hi_na_moe.dense). Warm only: it maps the store its
+  format's `hina-<format>` arm wrote (run that arm first, or in the same series before it).
 - `llamacpp-<type>` (bf16, q8_0, q4_0): benchmarks/bench_llamacpp.py, run with the llama.cpp
   venv's python (--llamacpp-python) on --gguf-pattern with {type} filled in
   (/work/ckpt/gguf/olmoe-1b-7b-<type>.gguf by default, made by benchmarks/make_gguf.py from
@@ -88,7 +91,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 HINA_FORMATS = ("lossless", "int8", "int4")
 LLAMA_TYPES = ("bf16", "q8_0", "q4_0")
-ARMS = ("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES)
+ARMS = (("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"hina-{f}-all" for f in HINA_FORMATS)
+        + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES))
 OWNER_MARK = ".bench_full_model-owned"
 GIB = 1 << 30
 WARMUP_DECODE_STEPS = 4  # as bench_llamacpp.py
@@ -278,7 +282,8 @@ def run_torch_arm(args) -> dict:
     res: dict = {"arm": arm, "phase": args.phase, "engine": "transformers" if arm == "transformers" else "hi_na_moe",
                  "torch": torch.__version__, "transformers": transformers.__version__,
                  "threads": torch.get_num_threads(), "host_start": host_facts()}
-    fmt = arm.split("-", 1)[1] if arm.startswith("hina-") else None
+    fmt = arm.split("-")[1] if arm.startswith("hina-") else None
+    scope = "all" if arm.endswith("-all") else "experts"
     if fmt:
         from hi_na_moe.store import PackedStore
 
@@ -294,7 +299,7 @@ def run_torch_arm(args) -> dict:
     t0 = time.perf_counter()
     if fmt:
         model = hi_na_moe.from_pretrained(ckpt, weights=fmt, dtype=torch.bfloat16, progress=False,
-                                          config=hi_na_moe.load_config(cache_dir=str(root)))
+                                          config=hi_na_moe.load_config(cache_dir=str(root), scope=scope))
     else:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     model.eval()
@@ -325,11 +330,17 @@ def run_torch_arm(args) -> dict:
             "cache_events": [b.cache for b in report.blocks],
             "sqnr_db": [b.sqnr_db for b in report.blocks],
             "packed_bytes": sum(b.packed_bytes or 0 for b in report.blocks),
+            "dense_layers": len(report.dense),
+            "dense_formats": sorted({d.weights for d in report.dense}),
+            "dense_packed_bytes": sum(d.packed_bytes for d in report.dense),
         }
         res["store"] = store_stats(root)
     else:
         experts_active = sum(b["expert_bytes"] / b["experts"] * k for b in shape["blocks"].values())
-    res["bytes_per_token"] = {"total": shape["dense_bytes"] + experts_active, "dense": shape["dense_bytes"],
+    dense_bytes = shape["dense_bytes"]
+    if fmt and report.dense:  # scope="all": the packed layers replace their bf16 bytes
+        dense_bytes += sum(d.packed_bytes - 2 * d.out_features * d.in_features for d in report.dense)
+    res["bytes_per_token"] = {"total": dense_bytes + experts_active, "dense": dense_bytes,
                               "experts_active": experts_active, "top_k": k}
 
     # timings
@@ -546,6 +557,8 @@ def driver_main(args) -> int:
     runs = []
     for a in arms:
         phases = [ph for ph in ("cold", "warm") if ph in args.phases.split(",")]
+        if a.endswith("-all"):
+            phases = ["warm"]  # shares its format's store with hina-<format>: never clears it
         runs += [(a, ph) for ph in phases] if a.startswith("hina-") else [(a, None)]
 
     # in a short subprocess: the driver itself stays free of torch (~0.25 GB) while the arms run

@@ -23,6 +23,7 @@ WEIGHT_FORMATS = ("lossless", "int8", "int4")
 QDOT_MODES = ("auto", "int", "expand")
 GROUP_SIZES = (32, 64, 128)
 POOLS = ("auto", "own", "openmp")
+SCOPES = ("experts", "all")
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,14 @@ class HinaConfig:
             torch's ops, so the two never compete for cores), "own" on hi_na_moe's own workers
             (spin briefly, then sleep), "auto" (default) picks openmp when a libgomp is loaded
             in the process and own otherwise. Process-wide: the last enable's value applies.
+        scope: "experts" (default) accelerates the MoE experts only; "all" also runs the model's
+            dense linear layers (attention projections, shared experts, dense MLPs, lm_head) on
+            the native kernels, in the `weights` format (see hi_na_moe.dense).
+        dense_lossless: with scope="all" and int8/int4 weights, the dense layers whose names
+            match these comma-separated fnmatch patterns stay in the model's own dtype (default
+            "lm_head").
+        dense_exclude: with scope="all", dense layers whose names match these patterns are left
+            to PyTorch (default: none).
     """
 
     backend: str = "auto"
@@ -84,6 +93,9 @@ class HinaConfig:
     cache: bool = True
     cache_dir: str = ""
     pool: str = "auto"
+    scope: str = "experts"
+    dense_lossless: str = "lm_head"
+    dense_exclude: str = ""
     # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
     # so that errors and reports can say it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -105,6 +117,13 @@ class HinaConfig:
                 f"expected one of {', '.join(map(str, GROUP_SIZES))}"
             )
         _check_choice("qdot", self.qdot, QDOT_MODES, src("qdot"))
+        _check_choice("scope", self.scope, SCOPES, src("scope"))
+        for key in ("dense_lossless", "dense_exclude"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(
+                    f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected a "
+                    "comma-separated list of module-name patterns, e.g. 'lm_head,*.self_attn.*'"
+                )
         if not isinstance(self.cache_dir, str):
             raise ConfigError(
                 f"config key 'cache_dir' ({src('cache_dir')}) has bad value {self.cache_dir!r}: expected a path"
@@ -130,7 +149,7 @@ class HinaConfig:
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
 _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
-          "pool": str}
+          "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:

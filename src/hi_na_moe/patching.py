@@ -39,6 +39,8 @@ _PATCHED: "weakref.WeakKeyDictionary[nn.Module, _PatchState]" = weakref.WeakKeyD
 _ROOTS: "weakref.WeakKeyDictionary[nn.Module, tuple[list, EnableReport]]" = weakref.WeakKeyDictionary()
 # root -> the gate between its patched blocks' forwards and its enable/disable
 _GATES: "weakref.WeakKeyDictionary[nn.Module, _Gate]" = weakref.WeakKeyDictionary()
+# scope="all": per enabled model, the dense layers patched (hi_na_moe.dense.patch)
+_DENSE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 _MISSING = object()
 
 # How long enable_for_model / disable_for_model wait for forwards in flight on the same model
@@ -201,6 +203,8 @@ class EnableReport:
     dry_run: bool = False
     # what the native kernels' parallel regions run on (config key `pool`), once any block is native
     pool: str | None = None
+    # scope="all": the dense linear layers on the native kernels (hi_na_moe.dense.DenseReport)
+    dense: list = field(default_factory=list)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -220,6 +224,7 @@ class EnableReport:
             "summary": {"moe_blocks": len(self.blocks), "accelerated": len(self.accelerated),
                         "reference": len(self.reference), "native": len(self.native)},
             "blocks": [asdict(b) for b in self.blocks],
+            "dense": [asdict(d) for d in self.dense],
         }
 
     def to_json(self) -> str:
@@ -245,6 +250,14 @@ class EnableReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        if self.dense:
+            by_fmt: dict[str, int] = {}
+            for d in self.dense:
+                by_fmt[d.weights] = by_fmt.get(d.weights, 0) + 1
+            fmts = ", ".join(f"{n} {f}" for f, n in by_fmt.items())
+            freed = sum(d.released_bytes for d in self.dense)
+            lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
+                         f"{freed / 2**20:.0f} MiB of their own weights released")
         return "\n".join(lines)
 
 
@@ -457,9 +470,16 @@ def enable_for_model(
         # held while weights are released: forwards reaching a patched block wait for the end
         gate = _Gate()
         gate.acquire_write(DRAIN_TIMEOUT_S, "enable_for_model")
+        dense_done: list = []
         try:
             for match, choice in bar:
                 report.blocks.append(_patch_block(match, choice, cfg, gate, patched, _prepare))
+            if cfg.scope == "all" and cfg.backend != "reference":
+                from . import dense
+
+                if native_module()[0] is None:
+                    raise RuntimeError(f"hi_na_moe: scope='all' needs the native kernels: {native_module()[1]}")
+                dense_done, report.dense = dense.patch(model, cfg, gate, [m.module for m, _ in plans], _gated)
         except BaseException:
             # leave the model exactly as it was (a block that cannot be restored stays enabled,
             # so that disable_for_model can be tried again)
@@ -479,6 +499,7 @@ def enable_for_model(
             report.pool = native_module()[0].pool_backend()
         _ROOTS[model] = (patched, report)
         _GATES[model] = gate
+        _DENSE[model] = dense_done
     return report
 
 
@@ -499,6 +520,11 @@ def disable_for_model(model: nn.Module) -> EnableReport:
         gate = _GATES[model]
         gate.acquire_write(DRAIN_TIMEOUT_S, "disable_for_model")
         try:
+            if _DENSE.get(model):
+                from . import dense
+
+                dense.unpatch(_DENSE[model])
+                _DENSE[model] = []
             failed = _unpatch(patched)
             if failed:
                 # those blocks still run on their packed copy; disable can be tried again
@@ -511,6 +537,7 @@ def disable_for_model(model: nn.Module) -> EnableReport:
                 ) from exc
             del _ROOTS[model]
             del _GATES[model]
+            _DENSE.pop(model, None)
             gate.active = False
         finally:
             gate.release_write()

@@ -1,0 +1,153 @@
+"""scope="all" (hi_na_moe.dense): the model's dense linear layers on the native kernels.
+Against native transformers on tiny models: outputs, state_dict while enabled, exact restore,
+tied weights, exclusions, the lossless list, training, and the config keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+import hi_na_moe
+from hi_na_moe.config import ConfigError
+from hi_na_moe.hardware import native_kernels_available
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+
+IDS = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])
+
+
+def _olmoe(tied=False, dtype=torch.bfloat16):
+    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=512, num_experts=8, num_experts_per_tok=2,
+                      tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(cfg).eval().to(dtype)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _logits(model, ids=IDS):
+    with torch.inference_mode():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_lossless_all_matches_native_and_restores_exactly(dtype):
+    model = _olmoe(dtype=dtype)
+    sd0 = {k: v.clone() for k, v in model.state_dict().items()}
+    want, want1 = _logits(model), _logits(model, IDS[:, :1])
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        names = {d.name for d in rep.dense}
+        # every attention projection and the lm_head; no expert and nothing tiny
+        assert "lm_head" in names and "model.layers.0.self_attn.q_proj" in names
+        assert not any(".experts" in n for n in names)
+        assert all(d.weights == "lossless" and d.released_bytes > 0 for d in rep.dense)
+        assert "dense linear layers on native kernels" in str(rep)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert _rel(_logits(model), want) < tol  # prefill path (T = 8)
+        assert _rel(_logits(model, IDS[:, :1]), want1) < tol  # decode path (T = 1)
+        q = model.model.layers[0].self_attn.q_proj
+        assert q.weight.untyped_storage().nbytes() <= q.weight.element_size()  # released
+        sd = model.state_dict()  # while enabled: the real weights
+        assert all(torch.equal(sd[k], v) for k, v in sd0.items())
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert all(torch.equal(v, sd0[k]) for k, v in model.state_dict().items())
+    assert "forward" not in model.lm_head.__dict__
+    assert torch.equal(_logits(model), want)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantised_all_keeps_lm_head_lossless_and_stays_close(weights):
+    model = _olmoe()
+    want = _logits(model)
+    rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache=False)
+    try:
+        fmt = {d.name: d.weights for d in rep.dense}
+        assert fmt.pop("lm_head") == "lossless" and set(fmt.values()) == {weights}
+        # quantised layers keep their originals (no exact backup yet); the lossless lm_head is released
+        assert all((d.released_bytes == 0) == (d.weights != "lossless") for d in rep.dense)
+        err = _rel(_logits(model), want)
+        assert err < (0.05 if weights == "int8" else 0.35), err
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert torch.equal(_logits(model), want)
+
+
+def test_exclusions_and_lossless_patterns():
+    model = _olmoe()
+    rep = hi_na_moe.enable_for_model(model, scope="all", weights="int8", cache=False,
+                                     dense_exclude="*.k_proj,*.v_proj", dense_lossless="lm_head,*.o_proj")
+    try:
+        fmt = {d.name: d.weights for d in rep.dense}
+        assert not any(n.endswith((".k_proj", ".v_proj")) for n in fmt)
+        assert "forward" not in model.model.layers[0].self_attn.k_proj.__dict__
+        assert fmt["model.layers.1.self_attn.o_proj"] == "lossless" and fmt["model.layers.1.self_attn.q_proj"] == "int8"
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_tied_lm_head_is_run_but_never_released():
+    model = _olmoe(tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    emb = model.model.embed_tokens.weight.clone()
+    want = _logits(model)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        head = next(d for d in rep.dense if d.name == "lm_head")
+        assert head.released_bytes == 0
+        assert torch.equal(model.model.embed_tokens.weight, emb)  # the embedding still works
+        assert _rel(_logits(model), want) < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_shared_experts_run_on_the_kernels():
+    cfg = Qwen2MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=300, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(cfg).eval().to(torch.bfloat16)
+    want = _logits(model)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        names = {d.name for d in rep.dense}
+        assert "model.layers.0.mlp.shared_expert.down_proj" in names
+        assert "model.layers.0.mlp.shared_expert_gate" not in names  # 256 weights: left to PyTorch
+        assert _rel(_logits(model), want) < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_training_through_a_released_layer_is_a_clear_error():
+    model = _olmoe().train()
+    hi_na_moe.enable_for_model(model, scope="all", keep_weights=False)
+    try:
+        with pytest.raises(RuntimeError, match="scope='experts'"):
+            model(IDS, labels=IDS).loss.backward()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_scope_experts_is_the_default_and_touches_no_linear():
+    model = _olmoe()
+    rep = hi_na_moe.enable_for_model(model)
+    try:
+        assert rep.dense == [] and "forward" not in model.lm_head.__dict__
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(scope="everything"), r"config key 'scope' .* expected one of 'experts', 'all'"),
+    (dict(scope="al"), "did you mean 'all'"),
+    (dict(dense_exclude=3), "config key 'dense_exclude'.*comma-separated list of module-name patterns"),
+])
+def test_config_errors_name_the_key(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        hi_na_moe.load_config(**kw)
