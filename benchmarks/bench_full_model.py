@@ -284,6 +284,8 @@ def run_torch_arm(args) -> dict:
                  "threads": torch.get_num_threads(), "host_start": host_facts()}
     fmt = arm.split("-")[1] if arm.startswith("hina-") else None
     scope = "all" if arm.endswith("-all") else "experts"
+    if scope == "all":
+        res["dense_lossless"] = args.dense_lossless
     if fmt:
         from hi_na_moe.store import PackedStore
 
@@ -299,7 +301,8 @@ def run_torch_arm(args) -> dict:
     t0 = time.perf_counter()
     if fmt:
         model = hi_na_moe.from_pretrained(ckpt, weights=fmt, dtype=torch.bfloat16, progress=False,
-                                          config=hi_na_moe.load_config(cache_dir=str(root), scope=scope))
+                                          config=hi_na_moe.load_config(cache_dir=str(root), scope=scope,
+                                                                       dense_lossless=args.dense_lossless))
     else:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     model.eval()
@@ -587,7 +590,8 @@ def driver_main(args) -> int:
     common = ["--ckpt", str(ckpt), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
               "--prompt-len", str(args.prompt_len), "--prefill", str(args.prefill), "--repeats", str(args.repeats),
               "--prefill-reps", str(args.prefill_reps), "--seed", str(args.seed), "--cache-dir", str(cache_dir),
-              "--gguf-pattern", args.gguf_pattern, "--llamacpp-python", args.llamacpp_python]
+              "--gguf-pattern", args.gguf_pattern, "--llamacpp-python", args.llamacpp_python,
+              "--dense-lossless", args.dense_lossless]
     results = []
     competitor = None
     tmp = Path(tempfile.mkdtemp(prefix="bench_full_model-"))
@@ -663,6 +667,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compete", action="store_true",
                     help="run a busy-looping process (no affinity) during the arms; the arms then run without chrt")
     ap.add_argument("--no-chrt", action="store_true", help="do not run the arms under chrt -f 1")
+    ap.add_argument("--dense-lossless", default="lm_head",
+                    help="hina-<format>-all arms: the config key dense_lossless (default lm_head; '' quantises "
+                         "every dense layer, as llama.cpp's pure q8_0/q4_0 files made by make_gguf.py)")
     ap.add_argument("--phases", default="cold,warm",
                     help="hina arms: cold,warm (default) or warm alone (the store entries must exist)")
     ap.add_argument("--clear-cache-after", action="store_true", help="remove the hina arms' store entries at the end")
