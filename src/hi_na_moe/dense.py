@@ -109,9 +109,10 @@ class NativeLinear:
             raise ValueError(f"hi_na_moe: {self.name}: input is on {x2.device}; the layer runs on the CPU")
         T = x2.shape[0]
         out = torch.empty((T, self.out_features), dtype=self.dtype)
+        # every thread, also for small layers: OLMoE's int4 attention projections (2.2 MB) on one
+        # thread (the experts' ops.SMALL_CALL_BYTES rule) made a whole decode step 10-25 % slower
+        # (benchmarks/RESULTS.md, session 5)
         threads = self.threads or torch.get_num_threads()
-        if threads > 1 and self.nbytes < (4 << 20) and T == 1:
-            threads = 1  # as for the experts (ops.SMALL_CALL_BYTES): waking a thread costs more
         self.bound.linear(x2.data_ptr(), T, out.data_ptr(), threads)
         if out.dtype is not x.dtype:
             out = out.to(x.dtype)
