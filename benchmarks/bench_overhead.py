@@ -4,9 +4,11 @@ the whole-model issue (dense layers, per-token overhead).
 1. Framework overhead: OLMoE's module graph (16 layers, 64 experts top-8, attention with q/k
    norms) with tiny matrices (hidden 64), so a decode step reads almost no bytes and its time
    is Python, dispatch and small-op overhead: transformers alone, then with hi_na_moe enabled.
-2. The dense layers in PyTorch: bf16 torch.nn.functional.linear at T=1 on OLMoE-1B-7B's
-   attention projections (64 matrices of 2048x2048 = 16 layers x q/k/v/o, 537 MB) and its
-   lm_head (50304x2048, 206 MB), in GB/s next to the read-bandwidth probe of the same run.
+2. The dense layers: bf16 torch.nn.functional.linear at T=1 on OLMoE-1B-7B's attention
+   projections (64 matrices of 2048x2048 = 16 layers x q/k/v/o, 537 MB) and its lm_head
+   (50304x2048, 206 MB), and the same matrices on hi_na_moe's kernels (scope="all":
+   PackedExperts.pack_linear, lossless / int8 / int4), in GB/s of what each arm reads, next to
+   the read-bandwidth probe of the same round.
 
     chrt -f 1 python benchmarks/bench_overhead.py [--steps 60] [--rounds 3]
 """
@@ -63,26 +65,45 @@ def main() -> int:
         hi_na_moe.disable_for_model(model)
         print(f"| {r + 1} | {native:.2f} | {ours:.2f} |", flush=True)
 
-    print("\n2. dense layers in PyTorch, bf16 linear at T=1:")
+    print("\n2. dense layers at T=1, bf16: PyTorch's linear, and the same matrices packed for hi_na_moe's kernels "
+          "(pack_linear, lossless, and int8/int4 from the same weights; scope='all'), each arm timed back to back "
+          "in every round:")
     g = torch.Generator().manual_seed(0)
     attn = [torch.randn(2048, 2048, generator=g).bfloat16() for _ in range(64)]
     lm_head = torch.randn(50304, 2048, generator=g).bfloat16()
     x = torch.randn(1, 2048, generator=g).bfloat16()
     attn_bytes = sum(w.numel() * 2 for w in attn)
-    print("| round | attention projections ms (GB/s) | lm_head ms (GB/s) | read-bandwidth probe GB/s |")
-    print("|---|---|---|---|")
+
+    arms = {"PyTorch F.linear": (None, None)}
+    for fmt in ("lossless", "int8", "int4"):
+        packs = [_native.PackedExperts.pack_linear(w, weights=fmt) for w in attn]
+        head = _native.PackedExperts.pack_linear(lm_head, weights=fmt)
+        arms[f"hi_na_moe {fmt}"] = (packs, head)
+    outs = {2048: torch.empty(1, 2048, dtype=torch.bfloat16), 50304: torch.empty(1, 50304, dtype=torch.bfloat16)}
+    print("| round | arm | attention projections ms (GB/s) | lm_head ms (GB/s) | read-bandwidth probe GB/s |")
+    print("|---|---|---|---|---|")
     with torch.inference_mode():
         for r in range(args.rounds):
-            t0 = time.perf_counter()
-            for w in attn:
-                torch.nn.functional.linear(x, w)
-            ta = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, lm_head)
-            tl = time.perf_counter() - t0
-            bw = _native.measure_read_bandwidth(1 << 30, args.threads, 3)["median_gbs"]
-            print(f"| {r + 1} | {ta * 1e3:.1f} ({attn_bytes / ta / 1e9:.1f}) | {tl * 1e3:.1f} "
-                  f"({lm_head.numel() * 2 / tl / 1e9:.1f}) | {bw:.1f} |", flush=True)
+            for name, (packs, head) in arms.items():
+                t0 = time.perf_counter()
+                if packs is None:
+                    for w in attn:
+                        torch.nn.functional.linear(x, w)
+                else:
+                    for pk in packs:
+                        pk.linear(x, outs[2048], num_threads=args.threads)
+                ta = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if head is None:
+                    torch.nn.functional.linear(x, lm_head)
+                else:
+                    head.linear(x, outs[50304], num_threads=args.threads)
+                tl = time.perf_counter() - t0
+                ab = attn_bytes if packs is None else sum(pk.nbytes for pk in packs)
+                hb = lm_head.numel() * 2 if head is None else head.nbytes
+                bw = _native.measure_read_bandwidth(1 << 30, args.threads, 3)["median_gbs"]
+                print(f"| {r + 1} | {name} | {ta * 1e3:.1f} ({ab / ta / 1e9:.1f}) | {tl * 1e3:.1f} "
+                      f"({hb / tl / 1e9:.1f}) | {bw:.1f} |", flush=True)
     return 0
 
 
