@@ -415,10 +415,15 @@ def cmd_bench(args) -> int:
 
     bar = tqdm(total=len(arms) * (args.warmup + args.num_iters), desc="bench", unit="run", leave=False)
     for arm in arms:
-        report = hi_na_moe.enable_for_model(model, weights=args.weights, group_size=args.group_size) \
+        report = hi_na_moe.enable_for_model(model, weights=args.weights, group_size=args.group_size,
+                                            **({"scope": args.scope} if args.scope else {})) \
             if arm == "hina" else None
         if report is not None and args.weights != "lossless":
             quality[arm] = _quality_vs_native(model, ids, native_logits, report)
+        if report is not None and report.dense and active_hina:
+            # scope="all": the dense layers read their packed bytes instead of the model's own
+            esize = next(model.parameters()).element_size()
+            active_hina += sum(d.packed_bytes - d.out_features * d.in_features * esize for d in report.dense)
         _peak_rss_reset()
         bar.set_postfix_str(arm)
         for _ in range(args.warmup):
@@ -447,6 +452,7 @@ def cmd_bench(args) -> int:
             "memory_bandwidth_util_pct": (100 * (active_hina if arm == "hina" else active) / step / 1e9 / bw)
             if ((active_hina if arm == "hina" else active) and bw) else None,
             "quality_vs_native": quality.get(arm),
+            "dense_layers": len(report.dense) if report is not None else 0,
             "peak_rss_bytes": _peak_rss(),
             "samples": {"prefill_s": prefill, "decode_step_s": decode},
         }
@@ -567,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=("lossless", "int8", "int4"), default="lossless",
                    help="expert format of the hina arm (quantised: also prints KL / top-1 vs native and SQNR)")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="int4 group size (default 64)")
+    p.add_argument("--scope", choices=("experts", "all"), default=None,
+                   help="'all' also runs the dense linear layers on the kernels (default: the config's, 'experts')")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--json-file", help="also write the full results, raw samples included, here")
     p.set_defaults(func=cmd_bench)
