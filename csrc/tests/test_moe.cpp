@@ -843,6 +843,74 @@ void test_create_view() {
 }
 }  // namespace
 
+// Dense linear layers (pack_linear / linear): every tier vs a double-precision reference on the
+// weights the block holds (lossless: the inputs; int8/int4: unpack()'s dequantised ones), decode
+// (T = 1) and prefill shapes, widths one past a panel and a k block, with and without bias;
+// forward() on such a block and linear() on experts are errors.
+void test_linear(const std::vector<Isa>& tiers) {
+  if (!selected("linear")) return;
+  struct L { int64_t O, In, T; };
+  const L shapes[] = {{17, 33, 1}, {33, 65, 5}, {129, 64, 17}, {16, 32, 1}};
+  std::mt19937 rng(11);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (WFormat wf : {WFormat::kLossless, WFormat::kInt8, WFormat::kInt4}) {
+      for (const L& l : shapes) {
+        for (bool bias : {false, true}) {
+          const auto w = random_array(dt, l.O * l.In, 1.0f / std::sqrt(float(l.In)), rng);
+          const auto b = random_array(dt, l.O, 0.1f, rng);
+          const auto x = random_array(dt, l.T * l.In, 1.0f, rng);
+          for (Isa isa : tiers) {
+            for (QDot qd : {QDot::kExpand, QDot::kInt}) {
+              if (wf == WFormat::kLossless && qd == QDot::kInt) continue;
+              auto pe = PackedExperts::pack_linear(dt, l.O, l.In, w.data(), bias ? b.data() : nullptr, isa, 2,
+                                                   {wf, 64});
+              std::vector<uint8_t> wq(w.size()), bq(b.size());
+              pe->unpack(nullptr, wq.data(), nullptr, nullptr, bias ? bq.data() : nullptr, nullptr);
+              std::vector<float> ref(static_cast<size_t>(l.T * l.O));
+              for (int64_t t = 0; t < l.T; ++t)
+                for (int64_t o = 0; o < l.O; ++o) {
+                  double acc = bias ? load_elem(dt, bq.data(), o) : 0.0;
+                  for (int64_t k = 0; k < l.In; ++k)
+                    acc += double(load_elem(dt, wq.data(), o * l.In + k)) * load_elem(dt, x.data(), t * l.In + k);
+                  ref[static_cast<size_t>(t * l.O + o)] = static_cast<float>(acc);
+                }
+              std::vector<uint8_t> out(static_cast<size_t>(l.T * l.O) * dtype_size(dt), 0xff);
+              MoeParams p;
+              p.num_threads = 2;
+              p.qdot = qd;
+              const std::string name = pe->linear(x.data(), l.T, out.data(), p);
+              std::vector<float> got(ref.size());
+              for (size_t i = 0; i < got.size(); ++i) got[i] = load_elem(dt, out.data(), static_cast<int64_t>(i));
+              // the integer dot also quantises x per token (8 bits, blocks of 32)
+              const bool qdot_kernel = name.find("dot") != std::string::npos || name.find("vnni") != std::string::npos;
+              const double lim = qdot_kernel ? 3e-2 : tol(dt);
+              const double err = rel_err(got, ref);
+              note("linear " + name, err);
+              report(err <= lim, "linear " + name + " O=" + std::to_string(l.O) + " In=" + std::to_string(l.In) +
+                                     " T=" + std::to_string(l.T) + (bias ? " bias" : "") + ": err " + std::to_string(err));
+            }
+          }
+        }
+      }
+    }
+  }
+  // each entry refuses the other kind of block
+  const std::vector<float> w(32 * 16, 0.5f), x(2 * 32, 1.0f);
+  auto lin = PackedExperts::pack_linear(DType::kF32, 16, 32, w.data(), nullptr, Isa::kGeneric, 1);
+  std::vector<float> out(64);
+  const int32_t idx[2] = {0, 0};
+  const float tw[2] = {1.f, 1.f};
+  bool threw = false;
+  try { lin->forward(x.data(), 2, idx, 32, tw, 1, out.data(), MoeParams{}); } catch (const std::invalid_argument&) { threw = true; }
+  report(threw, "forward() on a linear block raises");
+  Case c{2, 4, 2, 32, 16, true, false, false, Act::kSilu, 0, 0, false, "linear errors"};
+  Problem pr = make_problem(DType::kF32, c, 3);
+  auto experts = PackedExperts::pack(weights_of(pr), Isa::kGeneric, 1);
+  threw = false;
+  try { experts->linear(x.data(), 2, out.data(), MoeParams{}); } catch (const std::invalid_argument&) { threw = true; }
+  report(threw, "linear() on experts raises");
+}
+
 int main(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--every") == 0 && a + 1 < argc) {
@@ -886,6 +954,7 @@ int main(int argc, char** argv) {
   test_threads_deterministic(all);
   test_split_deterministic(all);
   test_errors();
+  test_linear(all);
   test_fork_child();
   for (const auto& kv : g_worst)
     std::printf("worst %-48s %-9.3g (%d runs)\n", kv.first.c_str(), kv.second, g_compared[kv.first]);
