@@ -9,6 +9,8 @@ the whole-model issue (dense layers, per-token overhead).
    (50304x2048, 206 MB), and the same matrices on hi_na_moe's kernels (scope="all":
    PackedExperts.pack_linear, lossless / int8 / int4), in GB/s of what each arm reads, next to
    the read-bandwidth probe of the same round.
+3. Attention math of a decode step (torch's SDPA, bf16 KV cache) at 512-4096 tokens of
+   context: how much of a step it is, and whether it streams its KV cache at the bandwidth.
 
     chrt -f 1 python benchmarks/bench_overhead.py [--steps 60] [--rounds 3]
 """
@@ -43,6 +45,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-attention", action="store_true", help="skip part 3 (attention by context length)")
     args = ap.parse_args()
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
@@ -104,6 +107,32 @@ def main() -> int:
                 bw = _native.measure_read_bandwidth(1 << 30, args.threads, 3)["median_gbs"]
                 print(f"| {r + 1} | {name} | {ta * 1e3:.1f} ({ab / ta / 1e9:.1f}) | {tl * 1e3:.1f} "
                       f"({hb / tl / 1e9:.1f}) | {bw:.1f} |", flush=True)
+
+    if args.skip_attention:
+        return 0
+    print("\n3. attention math of one decode step in PyTorch (OLMoE-1B-7B: 16 layers, 16 heads x 128, bf16 KV "
+          "cache; torch's scaled_dot_product_attention, one query token), by context length; bytes = the K and V "
+          "read:")
+    print("| context | ms per step (16 layers) | KV bytes per step | GB/s |")
+    print("|---|---|---|---|")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.inference_mode():
+        for ctx in (512, 1024, 2048, 4096):
+            kv = [(torch.randn(1, 16, ctx, 128, generator=g).bfloat16(), torch.randn(1, 16, ctx, 128, generator=g).bfloat16())
+                  for _ in range(16)]
+            q = torch.randn(1, 16, 1, 128, generator=g).bfloat16()
+            for k, v in kv:
+                sdpa(q, k, v)
+            times = []
+            for _ in range(args.rounds * 3):
+                t0 = time.perf_counter()
+                for k, v in kv:
+                    sdpa(q, k, v)
+                times.append(time.perf_counter() - t0)
+            t = statistics.median(times)
+            nbytes = sum(k.numel() * 2 + v.numel() * 2 for k, v in kv)
+            print(f"| {ctx} | {t * 1e3:.2f} | {nbytes / 1e6:.0f} MB | {nbytes / t / 1e9:.1f} |", flush=True)
+            del kv
     return 0
 
 
