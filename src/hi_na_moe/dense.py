@@ -85,6 +85,24 @@ class NativeLinear:
 
     # -- the forward --------------------------------------------------------------------------
     def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        # the common inference call in few operations: with the caches a decode step leaves,
+        # every torch op here costs ~30 us (benchmarks/bench_call_overhead.py), and a step
+        # calls every dense layer once
+        if (type(x) is torch.Tensor and x.dtype is self.dtype and x.is_contiguous() and x.is_cpu
+                and not x.requires_grad and not x.is_neg() and x.dim() >= 1 and x.shape[-1] == self.in_features
+                and not (module.training and torch.is_grad_enabled())):
+            out = torch.empty(x.shape[:-1] + (self.out_features,), dtype=self.dtype)
+            # every thread, also for small layers: OLMoE's int4 attention projections (2.2 MB) on
+            # one thread (the experts' ops.SMALL_CALL_BYTES rule) made a whole decode step 10-25 %
+            # slower (benchmarks/RESULTS.md, session 5)
+            self.bound.linear(x.data_ptr(), x.numel() // self.in_features, out.data_ptr(),
+                              self.threads or torch.get_num_threads())
+            return out
+        return self._forward_general(module, x)
+
+    def _forward_general(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """Everything forward()'s first branch does not take: training with autograd, other
+        dtypes, strided or lazily negated inputs, wrong shapes and devices (errors)."""
         if module.training and torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
             if self._released:
                 raise RuntimeError(
@@ -92,31 +110,16 @@ class NativeLinear:
                     "native kernels (scope='all') with its weight released; disable_for_model(model) first, or "
                     "enable with scope='experts' to train")
             return torch.nn.functional.linear(x, module.weight, module.bias)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"hi_na_moe: {self.name}: input has {x.shape[-1]} features, the layer takes "
-                             f"{self.in_features}")
-        shape = x.shape
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.dtype is not self.dtype:
-            x2 = x2.to(self.dtype)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        if x2.requires_grad:
-            x2 = x2.detach()
-        if x2.is_neg():
-            x2 = x2.resolve_neg()
-        if not x2.is_cpu:
-            raise ValueError(f"hi_na_moe: {self.name}: input is on {x2.device}; the layer runs on the CPU")
-        T = x2.shape[0]
-        out = torch.empty((T, self.out_features), dtype=self.dtype)
-        # every thread, also for small layers: OLMoE's int4 attention projections (2.2 MB) on one
-        # thread (the experts' ops.SMALL_CALL_BYTES rule) made a whole decode step 10-25 % slower
-        # (benchmarks/RESULTS.md, session 5)
-        threads = self.threads or torch.get_num_threads()
-        self.bound.linear(x2.data_ptr(), T, out.data_ptr(), threads)
-        if out.dtype is not x.dtype:
-            out = out.to(x.dtype)
-        return out if x.dim() == 2 else out.view(*shape[:-1], self.out_features)
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"hi_na_moe: {self.name}: input has shape {tuple(x.shape)}; the layer takes "
+                             f"[..., {self.in_features}]")
+        if not x.is_cpu:
+            raise ValueError(f"hi_na_moe: {self.name}: input is on {x.device}; the layer runs on the CPU")
+        x2 = x.detach().to(self.dtype).resolve_neg().contiguous()
+        out = torch.empty(x.shape[:-1] + (self.out_features,), dtype=self.dtype)
+        self.bound.linear(x2.data_ptr(), x2.numel() // self.in_features, out.data_ptr(),
+                          self.threads or torch.get_num_threads())
+        return out if out.dtype is x.dtype else out.to(x.dtype)
 
     # -- memory -------------------------------------------------------------------------------
     def release(self) -> int:
@@ -173,7 +176,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[
             fmt = "lossless" if cfg.weights == "lossless" or _matches(name, cfg.dense_lossless) else cfg.weights
             runner = NativeLinear(name, m, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot)
             old = m.__dict__.get("forward", _MISSING)
-            m.forward = types.MethodType(gated(gate, lambda self, x, _r=runner: _r.forward(self, x)), m)
+            m.forward = types.MethodType(gated(gate, runner.forward), m)
             done.append((m, runner, old))
             freed = 0 if cfg.keep_weights or seen.get(id(m.weight), 0) > 1 else runner.release()
             reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel, runner.nbytes, freed))
