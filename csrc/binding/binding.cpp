@@ -321,28 +321,10 @@ class PyPackedExperts {
     check_array("out", out, {T, pe.H()});
     check_dtype("out", out, wdt, " (the experts' dtype)");
 
-    hina::MoeParams p;
-    if (!hina::act_from_name(act.c_str(), &p.act))
-      bad("act '" + act + "' is unknown; expected silu, gelu, gelu_tanh, relu, relu2, sigmoid_alpha or identity");
-    p.alpha = alpha;
-    p.gate_limit = gate_limit;
-    p.up_limit = up_limit;
-    p.post_act_limit = post_act_limit;
-    p.up_offset = up_offset;
-    p.weight_on_input = weight_on_input;
-    if (num_threads < 0) bad("num_threads must be >= 0");
-    p.num_threads = num_threads;
-    if (path == "auto") p.path = hina::MoePath::kAuto;
-    else if (path == "decode") p.path = hina::MoePath::kDecode;
-    else if (path == "prefill") p.path = hina::MoePath::kPrefill;
-    else bad("path '" + path + "' is unknown; expected auto, decode or prefill");
-    if (prefill_min_tokens) {
-      if (*prefill_min_tokens < 1) bad("prefill_min_tokens must be >= 1");
-      p.prefill_min_tokens = *prefill_min_tokens;
-    }
+    hina::MoeParams p = params(act, alpha, gate_limit, up_limit, post_act_limit, up_offset, weight_on_input, qdot);
+    set_run_options(p, num_threads, path, prefill_min_tokens);
     if (split == "static") p.static_split = true;
     else if (split != "dynamic") bad("split '" + split + "' is unknown; expected dynamic or static");
-    if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
     p.topk_w_dtype = *w_dt;
     const char* name;
     {
@@ -366,6 +348,19 @@ class PyPackedExperts {
     check_array("out", out, {T, pe.I()});
     check_dtype("out", out, wdt, " (the layer's dtype)");
     hina::MoeParams p;
+    if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
+    set_run_options(p, num_threads, path, prefill_min_tokens);
+    const char* name;
+    {
+      nb::gil_scoped_release release;
+      name = pe.linear(x.data(), T, out.data(), p);
+    }
+    return name;
+  }
+
+  // forward()'s and linear()'s threads and path options, checked, into p.
+  static void set_run_options(hina::MoeParams& p, int num_threads, const std::string& path,
+                              std::optional<int> prefill_min_tokens) {
     if (num_threads < 0) bad("num_threads must be >= 0");
     p.num_threads = num_threads;
     if (path == "auto") p.path = hina::MoePath::kAuto;
@@ -376,16 +371,9 @@ class PyPackedExperts {
       if (*prefill_min_tokens < 1) bad("prefill_min_tokens must be >= 1");
       p.prefill_min_tokens = *prefill_min_tokens;
     }
-    if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
-    const char* name;
-    {
-      nb::gil_scoped_release release;
-      name = pe.linear(x.data(), T, out.data(), p);
-    }
-    return name;
   }
 
-  // The per-call parameters of forward() parsed once, for bind().
+  // The activation parameters and qdot of forward(), checked (also what bind() fixes).
   hina::MoeParams params(const std::string& act, float alpha, float gate_limit, float up_limit,
                          float post_act_limit, float up_offset, bool weight_on_input,
                          const std::string& qdot) const {

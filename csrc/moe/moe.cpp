@@ -734,6 +734,21 @@ const char* PackedExperts::linear(const void* x, int64_t T, void* out, const Moe
 
 namespace detail {
 
+// f(r0, r1) over rows [0, n), split over the threads when the rows hold enough elements
+// (n * per_row) to be worth a parallel region.
+template <class F>
+void for_rows(ThreadPool& pool, int nthreads, int64_t n, int64_t per_row, F&& f) {
+  if (n * per_row < (1 << 16) || nthreads < 2) {
+    f(int64_t{0}, n);
+    return;
+  }
+  pool.run(nthreads, [&](int tid, int nt) {
+    int64_t r0, r1;
+    split_range(n, tid, nt, &r0, &r1);
+    f(r0, r1);
+  });
+}
+
 void* alloc_weights(size_t bytes) {
   constexpr size_t kHuge = size_t(2) << 20;
   if (bytes < 2 * kHuge) return aligned_alloc64(bytes);
@@ -833,15 +848,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
       }
     }
   };
-  if (nx * H >= (1 << 16) && nthreads > 1) {
-    pool.run(nthreads, [&](int tid, int n) {
-      int64_t r0, r1;
-      split_range(nx, tid, n, &r0, &r1);
-      prep_x(r0, r1);
-    });
-  } else {
-    prep_x(0, nx);
-  }
+  for_rows(pool, nthreads, nx, H, prep_x);
   s.xrows.resize(static_cast<size_t>(S));
   for (int64_t r = 0; r < S; ++r)
     s.xrows[r] = xbuf + xrow_bytes * static_cast<size_t>(per_row ? r : s.row_token[r]);
@@ -934,15 +941,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
         else store_row(dt, dst, reinterpret_cast<const float*>(src), I);
       }
     };
-    if (S * I >= (1 << 16) && nthreads > 1) {
-      pool.run(nthreads, [&](int tid, int n) {
-        int64_t r0, r1;
-        split_range(S, tid, n, &r0, &r1);
-        emit(r0, r1);
-      });
-    } else {
-      emit(0, S);
-    }
+    for_rows(pool, nthreads, S, I, emit);
     return name;
   }
 
@@ -954,15 +953,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
       for (int64_t r = r0; r < r1; ++r)
         quant_act_row(reinterpret_cast<const float*>(hbuf) + r * hs, Ik, hq + r * hq_bytes);
     };
-    if (S * Ik >= (1 << 16) && nthreads > 1) {
-      pool.run(nthreads, [&](int tid, int n) {
-        int64_t r0, r1;
-        split_range(S, tid, n, &r0, &r1);
-        quant_h(r0, r1);
-      });
-    } else {
-      quant_h(0, S);
-    }
+    for_rows(pool, nthreads, S, Ik, quant_h);
   }
 
   // ---- region 2: down + weight + scatter-add + conversion to x's dtype ----
