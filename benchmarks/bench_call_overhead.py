@@ -1,7 +1,8 @@
 """What one T=1 call of an enabled experts module costs outside the kernels, hot and cold.
 
 A tiny Qwen3-MoE experts block (H64 I32 E8 top-2, bf16: the kernels' own work is ~1 us) is
-enabled with the native backend and called as transformers calls it; "cold" calls follow a
+enabled with the native backend and called as transformers calls it, and a 256x256 bf16
+Linear under scope="all" is called next to the same layer in PyTorch; "cold" calls follow a
 64 MB read of a bandwidth-probe buffer, which evicts the caches the way a decode step's weight
 stream does between two MoE layers. Also timed, the same way: torch.empty_like, a bf16 -> fp32
 conversion (each one torch op), torch_ops._run (the direct kernel call), and a no-op.
@@ -54,8 +55,15 @@ def main() -> int:
             s.append(time.perf_counter() - t)
         return statistics.median(s) * 1e6
 
+    # a dense layer under scope="all" (hi_na_moe.dense), and the same layer in PyTorch
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False)).bfloat16().eval()
+    plain = torch.nn.Linear(256, 256, bias=False).bfloat16().eval()
+    hi_na_moe.enable_for_model(lin, scope="all", threads=2)
+    xl = torch.randn(1, 1, 256, generator=g).bfloat16()
     rows = {
         "enabled experts module, T=1": lambda: ex(x, idx, w),
+        "Linear 256x256 under scope='all', T=1": lambda: lin[0](xl),
+        "the same Linear in PyTorch": lambda: plain(xl),
         "torch_ops._run (direct kernel call)": lambda: torch_ops._run(x, idx, wf, handle, "silu", 1.702, inf, inf, inf,
                                                                       0.0, False, 1),
         "torch.empty_like": lambda: torch.empty_like(x),
