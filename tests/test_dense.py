@@ -134,6 +134,33 @@ def test_training_through_a_released_layer_is_a_clear_error():
         hi_na_moe.disable_for_model(model)
 
 
+def test_inspect_model_plans_the_dense_layers_without_packing():
+    model = _olmoe()
+    rep = hi_na_moe.inspect_model(model, scope="all", weights="int4")
+    assert rep.dry_run and "forward" not in model.lm_head.__dict__
+    fmt = {d.name: d.weights for d in rep.dense}
+    assert fmt["lm_head"] == "lossless" and fmt["model.layers.0.self_attn.q_proj"] == "int4"
+    enabled = hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache=False)
+    try:  # the plan is what enable then does, bytes and kernels included
+        assert [(d.name, d.weights, d.kernel, d.packed_bytes) for d in rep.dense] == \
+               [(d.name, d.weights, d.kernel, d.packed_bytes) for d in enabled.dense]
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert "would run on native kernels" in str(rep)
+    with torch.device("meta"):  # planned from shapes alone
+        meta = OlmoeForCausalLM(model.config)
+    assert len(hi_na_moe.inspect_model(meta, scope="all").dense) == len(rep.dense)
+
+
+def test_scope_all_with_the_reference_backend_says_it_does_nothing():
+    model = _olmoe()
+    rep = hi_na_moe.enable_for_model(model, scope="all", backend="reference")
+    try:
+        assert rep.dense == [] and "does nothing with backend='reference'" in str(rep)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_scope_experts_is_the_default_and_touches_no_linear():
     model = _olmoe()
     rep = hi_na_moe.enable_for_model(model)

@@ -47,13 +47,14 @@ def _matches(name: str, patterns: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p.strip()) for p in patterns.split(",") if p.strip())
 
 
-def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str) -> list[tuple[str, nn.Linear]]:
+def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str,
+                 devices: tuple[str, ...] = ("cpu",)) -> list[tuple[str, nn.Linear]]:
     """(name, module) of the linears scope="all" runs, in module order."""
     skip = {id(m) for blk in inside for m in blk.modules()}
     found = []
     for name, m in model.named_modules():
         if (type(m) is nn.Linear and id(m) not in skip and not _matches(name, exclude)
-                and m.weight.numel() >= MIN_WEIGHTS and m.weight.device.type == "cpu"
+                and m.weight.numel() >= MIN_WEIGHTS and m.weight.device.type in devices
                 and m.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
             found.append((name, m))
     return found
@@ -154,6 +155,26 @@ class NativeLinear:
                 self._hook.remove()
                 self._hook = None
             self.packed = self.bound = None
+
+
+def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
+    """What patch() would do, without packing (inspect_model): the layers, their format, the
+    decode kernel and the packed bytes (from the planner: works on the meta device too)."""
+    from .hardware import native_module
+    from .ops import _isa_name, _kernel_names
+
+    native, _ = native_module()
+    isa = _isa_name(cfg)
+    reports = []
+    for name, m in find_linears(model, inside, cfg.dense_exclude, devices=("cpu", "meta")):
+        fmt = "lossless" if cfg.weights == "lossless" or _matches(name, cfg.dense_lossless) else cfg.weights
+        dt = str(m.weight.dtype).replace("torch.", "")
+        header = native.PackedExperts.plan(dt, 1, m.in_features, m.out_features, False, up_bias=m.bias is not None,
+                                           isa=isa, weights=fmt, group_size=cfg.group_size, up_only=True)
+        reports.append(DenseReport(name, m.out_features, m.in_features, fmt,
+                                   _kernel_names(isa, m.weight.dtype, fmt, cfg.qdot)["decode"],
+                                   native.header_info(header)["nbytes"], 0))
+    return reports
 
 
 def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[list, list[DenseReport]]:

@@ -250,14 +250,20 @@ class EnableReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        if self.config.get("scope") == "all" and self.config.get("backend") == "reference":
+            lines.append("  scope='all' does nothing with backend='reference': the dense layers stay PyTorch's")
         if self.dense:
             by_fmt: dict[str, int] = {}
             for d in self.dense:
                 by_fmt[d.weights] = by_fmt.get(d.weights, 0) + 1
             fmts = ", ".join(f"{n} {f}" for f, n in by_fmt.items())
             freed = sum(d.released_bytes for d in self.dense)
-            lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
-                         f"{freed / 2**20:.0f} MiB of their own weights released")
+            if self.dry_run:
+                lines.append(f"  dense linear layers scope='all' would run on native kernels: {len(self.dense)} ({fmts}), "
+                             f"{sum(d.packed_bytes for d in self.dense) / 2**20:.0f} MiB packed")
+            else:
+                lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
+                             f"{freed / 2**20:.0f} MiB of their own weights released")
         return "\n".join(lines)
 
 
@@ -411,11 +417,16 @@ def inspect_model(
     """The report `enable_for_model` would return, changing nothing."""
     cfg = load_config(config, **config_kwargs)
     report = EnableReport(type(model).__name__, cfg.to_dict(), dry_run=True)
-    for match in adapters.discover(model, router_name):
+    matches = adapters.discover(model, router_name)
+    for match in matches:
         if match.spec is None:
             report.blocks.append(_block_report(match, "native", None))
         else:
             report.blocks.append(_block_report(match, "accelerated", ops.choose(match.spec, cfg, dry_run=True, name=match.name)))
+    if cfg.scope == "all" and cfg.backend != "reference" and native_module()[0] is not None:
+        from . import dense
+
+        report.dense = dense.plan(model, cfg, [m.module for m in matches if m.spec is not None])
     return report
 
 
