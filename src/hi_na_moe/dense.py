@@ -47,6 +47,11 @@ def _matches(name: str, patterns: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p.strip()) for p in patterns.split(",") if p.strip())
 
 
+def _format_of(name: str, cfg) -> str:
+    """The weight format the dense layer `name` runs in under `cfg`."""
+    return "lossless" if cfg.weights == "lossless" or _matches(name, cfg.dense_lossless) else cfg.weights
+
+
 def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str,
                  devices: tuple[str, ...] = ("cpu",)) -> list[tuple[str, nn.Linear]]:
     """(name, module) of the linears scope="all" runs, in module order."""
@@ -167,7 +172,7 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     isa = _isa_name(cfg)
     reports = []
     for name, m in find_linears(model, inside, cfg.dense_exclude, devices=("cpu", "meta")):
-        fmt = "lossless" if cfg.weights == "lossless" or _matches(name, cfg.dense_lossless) else cfg.weights
+        fmt = _format_of(name, cfg)
         dt = str(m.weight.dtype).replace("torch.", "")
         header = native.PackedExperts.plan(dt, 1, m.in_features, m.out_features, False, up_bias=m.bias is not None,
                                            isa=isa, weights=fmt, group_size=cfg.group_size, up_only=True)
@@ -194,7 +199,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[
     try:
         for name, m in tqdm(todo, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
                             leave=False, disable=None if len(todo) > 8 else True):
-            fmt = "lossless" if cfg.weights == "lossless" or _matches(name, cfg.dense_lossless) else cfg.weights
+            fmt = _format_of(name, cfg)
             runner = NativeLinear(name, m, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot)
             old = m.__dict__.get("forward", _MISSING)
             m.forward = types.MethodType(gated(gate, runner.forward), m)

@@ -393,8 +393,9 @@ class NativeExperts:
         return torch_ops.last_kernel(self.handle) if self.handle is not None else None
 
     def fast(self, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        """``self(self.spec, hidden, idx, w)`` in one frame, for what a transformers MoE block
-        passes in inference: plain CPU tensors, contiguous, hidden [T, H] in the experts' dtype
+        """``self(self.spec, hidden, idx, w)`` with the least Python on the way (its own checks,
+        then torch_ops.call_bound, shared with the op's direct path), for what a transformers
+        MoE block passes in inference: plain CPU tensors, contiguous, hidden [T, H] in the experts' dtype
         and not requiring grad, int32/int64 indices [T, K], fp32/bf16/fp16 weights [T, K];
         nothing observing the call (no dispatch or function mode), no identity experts, no
         recorder, and the block already run once (its BoundForward made). None for anything
@@ -406,27 +407,15 @@ class NativeExperts:
         bound = torch_ops._BOUND.get(self.handle)
         if (bound is None or bound[0] != self._params or self.recorder is not None or self.spec.n_identity
                 or type(hidden) is not torch.Tensor or type(idx) is not torch.Tensor or type(w) is not torch.Tensor
-                or hidden.dtype is not bound[2] or hidden.dim() != 2 or hidden.shape[1] != bound[3]
-                or idx.dim() != 2 or idx.shape[0] != hidden.shape[0] or w.dim() != 2
-                or w.shape[0] != hidden.shape[0] or w.shape[1] != idx.shape[1]
                 or hidden.requires_grad or w.requires_grad or hidden.is_neg() or w.is_neg()
-                or not (hidden.is_cpu and idx.is_cpu and w.is_cpu)
-                or not (hidden.is_contiguous() and idx.is_contiguous() and w.is_contiguous())
                 or torch_ops._len_dispatch_modes() or torch_ops._function_mode_on()):
             return None
-        idx_dtype = idx.dtype
-        w_code = torch_ops._W_DTYPES.get(w.dtype)
-        if w_code is None or not (idx_dtype is torch.int64 or idx_dtype is torch.int32):
-            return None
-        T, K = hidden.shape[0], idx.shape[1]
         threads = self.threads or torch.get_num_threads()
-        if threads > 1 and min(T * K, self.spec.num_experts) * self.expert_bytes < SMALL_CALL_BYTES:
+        if (threads > 1 and hidden.dim() == 2 and idx.dim() == 2
+                and min(hidden.shape[0] * idx.shape[1], self.spec.num_experts) * self.expert_bytes < SMALL_CALL_BYTES):
             threads = 1
-        out = torch.empty_like(hidden)
-        torch_ops._LAST_KERNEL[self.handle] = bound[1](
-            hidden.data_ptr(), T, idx.data_ptr(), 64 if idx_dtype is torch.int64 else 32, K, w.data_ptr(), w_code,
-            out.data_ptr(), threads)
-        return out
+        # shapes, dtypes, device and layout: checked there (None when the kernels cannot read them as they are)
+        return torch_ops.call_bound(self.handle, bound, hidden, idx, w, threads)
 
     def __call__(self, spec: ExpertsSpec, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         check_routing(spec, hidden, idx, w)

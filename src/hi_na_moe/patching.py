@@ -322,7 +322,7 @@ def _make_repr(match: adapters.BlockMatch, kernel: str, original: Any):
 
 
 def _fast_first(runner: ops.NativeExperts, forward):
-    """An experts-level forward that tries the runner's one-frame path first (NativeExperts.fast:
+    """An experts-level forward that tries the runner's short path first (NativeExperts.fast:
     inference calls with plain inputs) and runs the full `forward` for everything else (training
     with autograd, conversions, errors)."""
 
