@@ -61,6 +61,12 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   once by the driver before the arms (`hi_na_moe._native.measure_read_bandwidth(1 << 30,
   threads, 3)['best_gbs']`, in a short subprocess at the driver's priority, before any
   competitor starts).
+- paired share (--paired-probe, torch arms): after every timed decode step, untimed, a 256 MB
+  read of a 1 GiB probe buffer (`_native.BandwidthProbe`, round robin, as bench_moe_layer.py's
+  decode pairing); the share is the median over steps of (GB/token / step time) / that step's
+  probe. The machine's bandwidth swings within minutes, so the driver's one probe before the
+  arms cannot judge a run taken later; the paired one can. The probe buffer adds 1 GiB to RSS
+  and the probe evicts the caches between steps (conservative for every arm).
 - same tokens: how many of the first round's greedy tokens equal the transformers arm's (torch
   arms; llama.cpp's JSON does not list its tokens).
 
@@ -359,7 +365,13 @@ def run_torch_arm(args) -> dict:
             raise RuntimeError(f"{arm}: non-finite logits")
         return logits
 
-    def decode(prompt: list[int], n: int):
+    probe, probe_gbs = None, []
+    if args.paired_probe:
+        from hi_na_moe import _native
+
+        probe = _native.BandwidthProbe(1 << 30, args.threads)  # 256 MB per step, round robin
+
+    def decode(prompt: list[int], n: int, paired: bool = False):
         cache = DynamicCache(config=cfg)
         t = time.perf_counter()
         out = fwd(prompt, cache)
@@ -372,6 +384,8 @@ def run_torch_arm(args) -> dict:
             steps.append(time.perf_counter() - t)
             toks.append(tok)
             tok = int(last_logits(out).argmax())
+            if paired:
+                probe_gbs.append(probe.read(256 << 20))
         return prompt_s, steps, toks
 
     def prefill(ids: list[int]) -> float:
@@ -390,7 +404,7 @@ def run_torch_arm(args) -> dict:
         for r in range(rounds):
             prompt = stream.ids(args.prompt_len)  # drawn every round, to stay in step with llama.cpp
             if r < args.repeats:
-                p_s, steps, toks = decode(prompt, args.new_tokens)
+                p_s, steps, toks = decode(prompt, args.new_tokens, paired=probe is not None)
                 dec_rounds.append([s * 1e3 for s in steps])
                 prompt_ms.append(p_s * 1e3)
                 tokens = tokens or toks
@@ -400,6 +414,14 @@ def run_torch_arm(args) -> dict:
     res["decode"] = decode_summary(dec_rounds, prompt_ms)
     res["decode"].update(new_tokens=args.new_tokens, prompt_len=args.prompt_len, tokens=tokens)
     res["prefill"] = prefill_summary(pre_ms, args.prefill)
+    if probe is not None:
+        steps_s = [x / 1e3 for r in dec_rounds for x in r]
+        total = res["bytes_per_token"]["total"]
+        res["paired_probe"] = {
+            "gbs": [round(g, 2) for g in probe_gbs],
+            "median_gbs": statistics.median(probe_gbs),
+            "share": statistics.median(total / s / 1e9 / g for s, g in zip(steps_s, probe_gbs)),
+        }
     res["memory"]["peak_rss_bytes"] = proc_status()["VmHWM"]
     res["host_end"] = host_facts()
     return res
@@ -516,6 +538,10 @@ def table(results: list[dict], bw: float, args) -> str:
                     break
                 n += 1
             same = f"{n}/{len(d['tokens'])}"
+        paired = ""
+        if "paired_probe" in r:
+            pp = r["paired_probe"]
+            paired = f" (paired {100 * pp['share']:.0f} % of {pp['median_gbs']:.1f})"
         store = "-"
         if "report" in r:
             ev = r["report"]["cache_events"]
@@ -525,7 +551,7 @@ def table(results: list[dict], bw: float, args) -> str:
         lines.append(
             f"| {label} | {r.get('phase') or '-'} | {r['load_s']:.1f} | {fmt_gib(m['rss_after_load_bytes'])} "
             f"| {fmt_gib(m['peak_rss_bytes'])} | {d['tokens_per_s']:.2f} | {d['median_ms']:.1f} | {d['p90_ms']:.1f} "
-            f"| {b / 1e9:.3f} | {gbs:.1f} | {100 * gbs / bw:.0f} % | {vs} | {r['prefill']['ms'] / 1e3:.2f} "
+            f"| {b / 1e9:.3f} | {gbs:.1f} | {100 * gbs / bw:.0f} %{paired} | {vs} | {r['prefill']['ms'] / 1e3:.2f} "
             f"| {same} | {store} |")
     return "\n".join(lines)
 
@@ -591,7 +617,7 @@ def driver_main(args) -> int:
               "--prompt-len", str(args.prompt_len), "--prefill", str(args.prefill), "--repeats", str(args.repeats),
               "--prefill-reps", str(args.prefill_reps), "--seed", str(args.seed), "--cache-dir", str(cache_dir),
               "--gguf-pattern", args.gguf_pattern, "--llamacpp-python", args.llamacpp_python,
-              "--dense-lossless", args.dense_lossless]
+              "--dense-lossless", args.dense_lossless] + (["--paired-probe"] if args.paired_probe else [])
     results = []
     competitor = None
     tmp = Path(tempfile.mkdtemp(prefix="bench_full_model-"))
@@ -670,6 +696,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-lossless", default="lm_head",
                     help="hina-<format>-all arms: the config key dense_lossless (default lm_head; '' quantises "
                          "every dense layer, as llama.cpp's pure q8_0/q4_0 files made by make_gguf.py)")
+    ap.add_argument("--paired-probe", action="store_true",
+                    help="torch arms: a 256 MB read-bandwidth probe after every decode step (untimed); "
+                         "the share is then also given against those paired probes")
     ap.add_argument("--phases", default="cold,warm",
                     help="hina arms: cold,warm (default) or warm alone (the store entries must exist)")
     ap.add_argument("--clear-cache-after", action="store_true", help="remove the hina arms' store entries at the end")
