@@ -11,6 +11,7 @@ from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2Moe
 import hi_na_moe
 from hi_na_moe.config import ConfigError
 from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.store import PackedStore
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 
@@ -69,13 +70,65 @@ def test_quantised_all_keeps_lm_head_lossless_and_stays_close(weights):
     try:
         fmt = {d.name: d.weights for d in rep.dense}
         assert fmt.pop("lm_head") == "lossless" and set(fmt.values()) == {weights}
-        # quantised layers keep their originals (no exact backup yet); the lossless lm_head is released
+        # cache=False: no store to back the originals up in, so quantised layers keep theirs;
+        # the lossless lm_head is released
         assert all((d.released_bytes == 0) == (d.weights != "lossless") for d in rep.dense)
+        assert all(d.cache is None for d in rep.dense)
         err = _rel(_logits(model), want)
         assert err < (0.05 if weights == "int8" else 0.35), err
     finally:
         hi_na_moe.disable_for_model(model)
     assert torch.equal(_logits(model), want)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantised_layers_live_in_the_store_and_restore_exactly(weights, tmp_path):
+    sd0 = {k: v.clone() for k, v in _olmoe().state_dict().items()}
+    want = _logits(_olmoe())
+    got = []
+    for _ in range(2):  # the second model (same weights) maps what the first one wrote
+        model = _olmoe()
+        rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
+        try:
+            quant = [d for d in rep.dense if d.weights == weights]
+            assert quant and all(d.released_bytes > 0 for d in quant)  # backed up, then released
+            q = model.model.layers[0].self_attn.q_proj
+            assert q.weight.untyped_storage().nbytes() <= q.weight.element_size()
+            got.append((sorted({d.cache for d in quant}), _logits(model)))
+            sd = model.state_dict()  # while enabled: the exact originals, from the backup
+            assert all(torch.equal(sd[k], v) for k, v in sd0.items())
+            assert "in the packed-expert store" in str(rep)
+        finally:
+            hi_na_moe.disable_for_model(model)
+        assert all(torch.equal(v, sd0[k]) for k, v in model.state_dict().items())
+        assert torch.equal(_logits(model), want)
+    assert got[0][0] == ["built"] and got[1][0] == ["reused"]
+    assert torch.equal(got[0][1], got[1][1])  # the mapped entries compute the same
+    entries = {e.name for e in PackedStore(tmp_path).entries()}
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj.original"} <= entries
+    assert "lm_head" not in entries  # lossless layers are packed in memory
+
+
+def test_unreadable_backup_of_a_dense_layer_is_a_clear_error_and_the_layer_keeps_running(tmp_path):
+    model = _olmoe()
+    want = _logits(model)
+    hi_na_moe.enable_for_model(model, scope="all", weights="int8", cache_dir=str(tmp_path))
+    store = PackedStore(tmp_path)
+    for e in store.entries():
+        if e.name.endswith(".original"):
+            with open(store.path_for(e.key, e.name), "r+b") as f:  # flip a payload byte near the end: checksum mismatch
+                f.seek(-3, 2)
+                b = f.read(1)
+                f.seek(-3, 2)
+                f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(RuntimeError, match="exact backup in the packed-expert store is unreadable"):
+        hi_na_moe.disable_for_model(model)
+    assert hi_na_moe.is_enabled(model)
+    assert _rel(_logits(model), want) < 0.05  # still enabled, the broken layers on their int8 copy
+    store.clear()  # the backups gone for good: still a clear error, still working
+    with pytest.raises(RuntimeError, match="could not restore .* dense linear layer"):
+        hi_na_moe.disable_for_model(model)
+    assert _rel(_logits(model), want) < 0.05
 
 
 def test_exclusions_and_lossless_patterns():

@@ -13,10 +13,14 @@ such as a shared expert's 1-output gate, have no bytes worth a kernel call). Lay
 `dense_lossless` (default "lm_head") stay in the model's own dtype when `weights` is int8/int4.
 Patterns are fnmatch patterns on the module's name in the model ("lm_head", "*.self_attn.*").
 
-Memory: a lossless layer's own weight is released (a zero-byte placeholder) and rebuilt
-bit-exactly from the packed copy by disable and by state_dict(); a quantised layer keeps its
-own weight (no exact backup of dense layers in the store yet), so int8/int4 with scope="all"
-costs the dense weights once more.
+Memory and the store: a lossless layer is packed in memory, its own weight released (a
+zero-byte placeholder) and rebuilt bit-exactly from the packed copy by disable and by
+state_dict(). A quantised layer, with the config's cache on (the default), lives in the
+packed-expert store like the experts: it is quantised and written there on the first enable
+and memory-mapped afterwards (keyed by a hash of its weight and bias, the format and the tier),
+next to an exact lossless backup of its originals; its own weight is then released and rebuilt
+from that backup by disable and by state_dict(). With cache=False a quantised layer is
+quantised at every enable and keeps its own weight (no backup to restore it from).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class DenseReport:
     kernel: str  # the decode kernel's name
     packed_bytes: int  # what a decode step reads for this layer
     released_bytes: int
+    cache: str | None = None  # quantised with the store: "built", "reused" or "rebuilt (why)"
 
 
 def _matches(name: str, patterns: str) -> bool:
@@ -69,17 +74,24 @@ class NativeLinear:
     """One nn.Linear on the native kernels: pack, the replacement forward, release, restore."""
 
     def __init__(self, name: str, module: nn.Linear, weights: str, group_size: int, isa: str, threads: int,
-                 qdot: str):
-        from .hardware import native_module
-
+                 qdot: str, store=None):
         self.name, self.module = name, module
         self.weights, self.threads = weights, threads
-        native, _ = native_module()
-        w = module.weight.detach()
-        b = module.bias.detach() if module.bias is not None else None
-        self.packed = native.PackedExperts.pack_linear(
-            w.contiguous(), None if b is None else b.contiguous(), isa=isa, num_threads=threads,
-            weights=weights, group_size=group_size)
+        self.isa, self.group_size = isa, group_size
+        w = module.weight.detach().contiguous()
+        b = module.bias.detach().contiguous() if module.bias is not None else None
+        # quantised layers live in the store (store.PackedStore), lossless ones in memory
+        self.store = store if weights != "lossless" else None
+        self.cache_event: str | None = None
+        self._entry = None  # the store entry the packed layer is mapped from
+        self._backup = None  # (key, entry name) of the exact originals in the store
+        if self.store is None:
+            self.packed = self._pack_now(w, b, weights)
+        else:
+            from .store import tensor_identity
+
+            self._identity = tensor_identity([t for t in (w, b) if t is not None])
+            self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, name)
         self.bound = self.packed.bind(qdot=qdot)
         self.dtype = w.dtype
         self.in_features, self.out_features = module.in_features, module.out_features
@@ -88,6 +100,45 @@ class NativeLinear:
         self._released = False
         self._hook = None
         self._lock = threading.Lock()
+
+    # -- packing and the store ----------------------------------------------------------------
+    def _pack_now(self, w: torch.Tensor, b: torch.Tensor | None, weights: str):
+        from .hardware import native_module
+
+        return native_module()[0].PackedExperts.pack_linear(
+            w, b, isa=self.isa, num_threads=self.threads, weights=weights, group_size=self.group_size)
+
+    def _expect(self, weights: str) -> dict:
+        from .hardware import native_module
+
+        return {"layout_version": int(native_module()[0].PACKED_LAYOUT_VERSION), "weights": weights,
+                "isa": self.isa, "group_size": self.group_size if weights == "int4" else 0, "up_only": True}
+
+    def _key(self, weights: str) -> str:
+        from .store import entry_key
+
+        return entry_key(self._identity, kind="linear", **self._expect(weights))
+
+    def _from_store(self, w, b, weights: str, name: str):
+        """The packed layer in `weights` from the store, built and written there if absent,
+        stale or corrupt. Returns (PackedExperts view, entry, event)."""
+        from .hardware import native_module
+
+        native, _ = native_module()
+
+        def build():
+            pe = self._pack_now(w, b, weights)
+            meta = dict(native.header_info(pe.header), header=pe.header.hex(), layer=self.name,
+                        **self._expect(weights))
+            return meta, {"block": pe.data}
+
+        entry, built, reason = self.store.get_or_build(self._key(weights), name, self._expect(weights), build)
+        view = native.PackedExperts.view(bytes.fromhex(entry.meta["header"]), entry.array("block", "uint8"))
+        if not view.up_only:
+            entry.close()
+            raise RuntimeError(f"hi_na_moe: the store entry for {self.name!r} ({entry.path}) is not a linear layer")
+        event = "reused" if not built else (f"rebuilt ({reason})" if reason else "built")
+        return view, entry, event
 
     # -- the forward --------------------------------------------------------------------------
     def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -129,10 +180,18 @@ class NativeLinear:
 
     # -- memory -------------------------------------------------------------------------------
     def release(self) -> int:
-        """Lossless layers: free the module's own weight (rebuilt exactly from the packed copy).
-        Returns the bytes freed (0 for quantised layers, which keep theirs)."""
+        """Free the module's own weight; it is rebuilt exactly from the packed copy (lossless)
+        or from the backup written to the store first (quantised). Returns the bytes freed
+        (0 for a quantised layer without a store, which keeps its weight)."""
         if self.weights != "lossless":
-            return 0
+            if self.store is None:
+                return 0
+            w = self.module.weight.detach().contiguous()
+            b = self.module.bias.detach().contiguous() if self.module.bias is not None else None
+            backup = self.name + ".original"
+            _, entry, _ = self._from_store(w, b, "lossless", backup)
+            entry.close()
+            self._backup = (self._key("lossless"), backup)
         p = self.module.weight
         freed = p.numel() * p.element_size()
         self._shape, self._stride = p.shape, p.stride()
@@ -148,8 +207,26 @@ class NativeLinear:
         return freed
 
     def _unpacked(self) -> torch.Tensor:
-        _, w, _, _, _, _ = self.packed.unpack()
-        return torch.empty_strided(self._shape, self._stride, dtype=self.dtype).copy_(torch.from_dlpack(w))
+        """The exact original weight, in the module's own strides."""
+        out = torch.empty_strided(self._shape, self._stride, dtype=self.dtype)
+        if self._backup is None:
+            _, w, _, _, _, _ = self.packed.unpack()
+            return out.copy_(torch.from_dlpack(w))
+        from .hardware import native_module
+
+        key, name = self._backup
+        try:
+            with self.store.open(key, name, expect=self._expect("lossless")) as entry:
+                # unpack copies out of the mapping, so the entry can close right after
+                view = native_module()[0].PackedExperts.view(bytes.fromhex(entry.meta["header"]),
+                                                               entry.array("block", "uint8"))
+                _, w, _, _, _, _ = view.unpack()
+                return out.copy_(torch.from_dlpack(w))
+        except Exception as exc:
+            raise RuntimeError(
+                f"hi_na_moe: cannot restore the original weight of {self.name!r}: its exact backup in the "
+                f"packed-expert store is unreadable ({exc}). The layer keeps running on its {self.weights} "
+                "copy; reload the model from its checkpoint to get the original.") from exc
 
     def restore(self) -> None:
         with self._lock:
@@ -160,6 +237,9 @@ class NativeLinear:
                 self._hook.remove()
                 self._hook = None
             self.packed = self.bound = None
+            if self._entry is not None:
+                self._entry.close()
+                self._entry = None
 
 
 def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
@@ -191,6 +271,11 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[
 
     isa = _isa_name(cfg)
     todo = find_linears(model, inside, cfg.dense_exclude)
+    store = None
+    if cfg.weights != "lossless" and cfg.cache and todo:
+        from .store import PackedStore
+
+        store = PackedStore(cfg.store_root())
     # a weight shared with another module (tied lm_head / embeddings) is never released
     seen: dict[int, int] = {}
     for _, prm in model.named_parameters(remove_duplicate=False):
@@ -200,12 +285,13 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[
         for name, m in tqdm(todo, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
                             leave=False, disable=None if len(todo) > 8 else True):
             fmt = _format_of(name, cfg)
-            runner = NativeLinear(name, m, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot)
+            runner = NativeLinear(name, m, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store)
             old = m.__dict__.get("forward", _MISSING)
             m.forward = types.MethodType(gated(gate, runner.forward), m)
             done.append((m, runner, old))
             freed = 0 if cfg.keep_weights or seen.get(id(m.weight), 0) > 1 else runner.release()
-            reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel, runner.nbytes, freed))
+            reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel, runner.nbytes, freed,
+                                       runner.cache_event))
     except BaseException:
         unpatch(done)
         raise
@@ -215,10 +301,20 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[
 _MISSING = object()
 
 
-def unpatch(done: list) -> None:
-    for m, runner, old in reversed(done):
-        runner.restore()
+def unpatch(done: list) -> list:
+    """Restore every layer of `done`. Returns [((module, runner, old forward), exception)] for
+    the layers whose weight could not be restored: those stay patched, running on their packed
+    copy, so unpatch can be called again on them."""
+    failed = []
+    for item in reversed(done):
+        m, runner, old = item
+        try:
+            runner.restore()
+        except Exception as exc:
+            failed.append((item, exc))
+            continue
         if old is _MISSING:
             m.__dict__.pop("forward", None)
         else:
             m.forward = old
+    return failed[::-1]

@@ -262,8 +262,14 @@ class EnableReport:
                 lines.append(f"  dense linear layers scope='all' would run on native kernels: {len(self.dense)} ({fmts}), "
                              f"{sum(d.packed_bytes for d in self.dense) / 2**20:.0f} MiB packed")
             else:
+                events: dict[str, int] = {}
+                for d in self.dense:
+                    if d.cache:
+                        events[d.cache] = events.get(d.cache, 0) + 1
+                store = ("; in the packed-expert store: " + ", ".join(f"{k} {n}" for k, n in events.items())
+                         if events else "")
                 lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
-                             f"{freed / 2**20:.0f} MiB of their own weights released")
+                             f"{freed / 2**20:.0f} MiB of their own weights released{store}")
         return "\n".join(lines)
 
 
@@ -534,8 +540,15 @@ def disable_for_model(model: nn.Module) -> EnableReport:
             if _DENSE.get(model):
                 from . import dense
 
-                dense.unpatch(_DENSE[model])
-                _DENSE[model] = []
+                dense_failed = dense.unpatch(_DENSE[model])
+                _DENSE[model] = [item for item, _ in dense_failed]
+                if dense_failed:
+                    (_, runner, _), exc = dense_failed[0]
+                    raise RuntimeError(
+                        f"hi_na_moe: disable_for_model could not restore {len(dense_failed)} dense linear layer(s), "
+                        f"first {runner.name!r}: {exc}. Those stay enabled and working (the other dense layers are "
+                        "restored, the MoE blocks not yet); disable_for_model can be called again"
+                    ) from exc
             failed = _unpatch(patched)
             if failed:
                 # those blocks still run on their packed copy; disable can be tried again
