@@ -24,9 +24,10 @@ Arms (each is `--arm X --child` of this script; the driver runs it):
   kernels too, lm_head kept lossless: hi_na_moe.dense). Warm only: it maps the store its
   format's `hina-<format>` arm wrote (run that arm first, or in the same series before it).
 - `llamacpp-<type>` (bf16, q8_0, q4_0): benchmarks/bench_llamacpp.py, run with the llama.cpp
-  venv's python (--llamacpp-python) on --gguf-pattern with {type} filled in
-  (/work/ckpt/gguf/olmoe-1b-7b-<type>.gguf by default, made by benchmarks/make_gguf.py from
-  the same checkpoint; see benchmarks/LLAMACPP.md). Its JSON is read back and its raw samples
+  venv's python (--llamacpp-python) on --gguf-pattern with {type} filled in (by default
+  /work/ckpt/gguf/<checkpoint directory name>-<type>.gguf, e.g. olmoe-1b-7b-q4_0.gguf or
+  qwen1.5-moe-a2.7b-4l-q4_0.gguf: the names benchmarks/LLAMACPP.md gives the files that
+  benchmarks/make_gguf.py writes from the same checkpoint). Its JSON is read back and its raw samples
   go through the same formulas as the other arms.
 
 Definitions (the same for every arm; --threads 2 by default: torch.set_num_threads and the
@@ -52,11 +53,14 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   peak RSS: VmHWM at the end of the arm's process (llama.cpp: getrusage ru_maxrss, the same
   high-water mark). Mapped files count when touched (transformers keeps the safetensors mapped;
   hi_na_moe maps its store; llama.cpp maps the GGUF).
-- GB/token: bytes one decode token reads. Dense (non-expert) parameters in full (attention,
-  norms, routers, lm_head; the input embedding as one row unless tied), plus per MoE block
-  top_k/E of its experts' bytes: the bf16 bytes for transformers, the packed bytes from
-  `hi_na_moe.report_for(model)` for the hina arms, the GGUF tensors' bytes for llama.cpp
-  (`*_exps` tensors are the experts). Computed from a meta-device model / the GGUF header.
+- GB/token: bytes one decode token reads. Dense (non-expert) parameters in full (attention and
+  its biases, norms, routers, shared experts and their gates, lm_head; the input embedding as
+  one row unless tied), plus per MoE block top_k/E of its routed experts' bytes: the bf16
+  bytes for transformers, the packed bytes from `hi_na_moe.report_for(model)` for the hina
+  arms, the GGUF tensors' bytes for llama.cpp (only `*_exps` tensors are routed experts; a
+  shared expert's `*_shexp` tensors count as dense). Computed from a meta-device model / the
+  GGUF header. (hi_na_moe's blocks are the routed experts' modules, so a shared expert is in
+  the dense total on the torch side too; under scope="all" with its packed bytes.)
 - GB/s = GB/token / median decode step; "share" = GB/s / the machine's read bandwidth, measured
   once by the driver before the arms (`hi_na_moe._native.measure_read_bandwidth(1 << 30,
   threads, 3)['best_gbs']`, in a short subprocess at the driver's priority, before any
@@ -255,7 +259,7 @@ k = int(r.fields[arch + ".expert_used_count"].contents())
 dense = experts = 0
 for t in r.tensors:
     n = int(t.n_bytes)
-    if "_exps" in t.name:
+    if "_exps." in t.name:          # routed experts; ffn_*_shexp (shared expert) is dense
         experts += n
     elif t.name == "token_embd.weight" and any(x.name == "output.weight" for x in r.tensors):
         rows = 1
@@ -687,8 +691,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", default=None,
                     help="packed-expert stores of the hina arms, one per format below it "
                          "(default /work/ckpt/hina-cache/bench_full_model-<checkpoint name>)")
-    ap.add_argument("--gguf-pattern", default="/work/ckpt/gguf/olmoe-1b-7b-{type}.gguf",
-                    help="GGUF file of the llamacpp-<type> arms; {type} is bf16, q8_0 or q4_0")
+    ap.add_argument("--gguf-pattern", default=None,
+                    help="GGUF file of the llamacpp-<type> arms; {type} is bf16, q8_0 or q4_0 "
+                         "(default /work/ckpt/gguf/<checkpoint name>-{type}.gguf)")
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
     ap.add_argument("--compete", action="store_true",
                     help="run a busy-looping process (no affinity) during the arms; the arms then run without chrt")
@@ -711,6 +716,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cache_dir is None:
         args.cache_dir = f"/work/ckpt/hina-cache/bench_full_model-{Path(args.ckpt).resolve().name}"
+    if args.gguf_pattern is None:
+        args.gguf_pattern = f"/work/ckpt/gguf/{Path(args.ckpt).resolve().name}-{{type}}.gguf"
     for key in ("new_tokens", "prompt_len", "prefill", "repeats", "prefill_reps", "threads"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")

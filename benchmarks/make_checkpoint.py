@@ -8,10 +8,10 @@ fuses again on load, safetensors shards + `model.safetensors.index.json`, `confi
 `generation_config.json`), but streams it tensor by tensor in fixed-size chunks, so the writer
 needs a few hundred MB of RAM whatever the model's size.
 
-Weights: normal(0, --std) for every matrix, 1 for every norm; with std 0.02 and RMSNorm in
-front of every block the activations stay O(1) through all layers in bf16. Each tensor is drawn
-from its own generator seeded by (--seed, tensor name), so the values do not depend on the
-sharding or on the order of writing.
+Weights: normal(0, --std) for every matrix and bias, 1 for every norm; with std 0.02 and
+RMSNorm in front of every block the activations stay O(1) through all layers in bf16. Each
+tensor is drawn from its own generator seeded by (--seed, tensor name), so the values do not
+depend on the sharding or on the order of writing.
 
 Before writing, the key set and shapes this script would write are checked against what
 `save_pretrained` writes for a tiny config of the same model type, so a change in
@@ -20,6 +20,10 @@ re-initialised weights.
 
     python benchmarks/make_checkpoint.py --shape olmoe-1b-7b --out /work/ckpt/olmoe-1b-7b
     python benchmarks/make_checkpoint.py --shape qwen3-30b-a3b --layers 2 --out /tmp/q2 --verify
+    python benchmarks/make_checkpoint.py --shape qwen1.5-moe-a2.7b --layers 4 --out /work/ckpt/qwen1.5-moe-a2.7b-4l
+
+Shapes: olmoe-1b-7b (OLMoE-1B-7B), qwen3-30b-a3b (Qwen3-30B-A3B), qwen1.5-moe-a2.7b
+(Qwen1.5-MoE-A2.7B: routed experts plus a shared expert and q/k/v biases).
 
 `--verify` loads the result with `AutoModelForCausalLM.from_pretrained` (the whole model in
 RAM: use it on small `--layers`), fails on missing/unexpected/mismatched keys, checks a few
@@ -42,8 +46,9 @@ from pathlib import Path
 import torch
 
 # The real models' hyper-parameters (from their published config.json files). OlmoeConfig's
-# own defaults differ from OLMoE-1B-7B in intermediate_size (2048 vs 1024), and Qwen3MoeConfig's
-# in layers, head_dim and rope, so every value that matters is spelled out here.
+# own defaults differ from OLMoE-1B-7B in intermediate_size (2048 vs 1024), Qwen3MoeConfig's
+# in layers, head_dim and rope, and Qwen2MoeConfig's from Qwen1.5-MoE-A2.7B in context length
+# and rope, so every value that matters is spelled out here.
 SHAPES: dict[str, dict] = {
     "olmoe-1b-7b": dict(
         model_type="olmoe",
@@ -86,7 +91,39 @@ SHAPES: dict[str, dict] = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    # Qwen1.5-MoE-A2.7B: 60 routed experts (top-4, not renormalised) plus a shared expert of
+    # width 5632 behind a sigmoid gate in every layer, and biases on q/k/v (qkv_bias, True by
+    # default in Qwen2MoeConfig; spelled out). intermediate_size is unused while every layer is
+    # sparse (mlp_only_layers empty, decoder_sparse_step 1). The published config has no sliding
+    # window in use (use_sliding_window false; max_window_layers then does nothing).
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5632,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=60,
+        num_experts_per_tok=4,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        qkv_bias=True,
+        use_sliding_window=False,
+        max_window_layers=21,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    ),
 }
+
+ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 DTYPES = {
     "bf16": (torch.bfloat16, "BF16"),
@@ -109,8 +146,13 @@ class TensorSpec:
         return math.prod(self.shape)
 
     @property
+    def is_bias(self) -> bool:
+        return self.name.endswith(".bias")
+
+    @property
     def is_norm(self) -> bool:
-        return len(self.shape) == 1
+        # every 1-D weight of these models is a norm's scale; biases (qwen2_moe's q/k/v) are not
+        return len(self.shape) == 1 and not self.is_bias
 
 
 def build_config(shape: str, layers: int | None, dtype: str):
@@ -173,6 +215,10 @@ def check_against_save_pretrained(model_type: str) -> None:
     )
     if model_type == "olmoe":
         params.update(intermediate_size=48, num_key_value_heads=4)
+    elif model_type == "qwen2_moe":
+        # head_dim is hidden / heads (16) here: Qwen2MoeConfig has no head_dim field
+        params.update(intermediate_size=80, moe_intermediate_size=48, shared_expert_intermediate_size=112,
+                      num_key_value_heads=2)
     else:
         params.update(intermediate_size=80, moe_intermediate_size=48, num_key_value_heads=2, head_dim=16)
     config = AutoConfig.for_model(model_type, **params)
@@ -282,6 +328,10 @@ def verify(out: Path, specs: list[TensorSpec], seed: int, std: float, dtype: tor
         "model.norm.weight": state["model.norm.weight"],
         "lm_head.weight": state["lm_head.weight"],
     }
+    for name in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.shared_expert.down_proj.weight",
+                 "model.layers.0.mlp.shared_expert_gate.weight"):
+        if name in state:  # qwen2_moe only
+            checks[name] = state[name]
     fused = "model.layers.0.mlp.experts."
     if fused + "gate_up_proj" in state:
         gate_up, down = state[fused + "gate_up_proj"], state[fused + "down_proj"]
@@ -358,7 +408,7 @@ def main(argv=None) -> int:
             "weight_map": {s.name: fname for fname, shard in zip(names, shards) for s in shard},
         }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config.architectures = [{"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[config.model_type]]
+    config.architectures = [ARCHITECTURES[config.model_type]]
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     (out / "RANDOM_WEIGHTS.txt").write_text(

@@ -8,16 +8,22 @@ PyPI `gguf` package; no torch, no transformers.
     python benchmarks/make_gguf.py /work/ckpt/olmoe-1b-7b --type q4_0 --out /work/ckpt/gguf/olmoe-1b-7b-q4_0.gguf
 
 What is written:
-- Architecture "olmoe" for OlmoeForCausalLM checkpoints ("qwen3moe" for Qwen3MoeForCausalLM),
-  tensor names from gguf's TensorNameMap, hyper-parameters under the keys GGUFWriter's
-  helpers define (block_count, context/embedding/feed_forward length, head counts, rope base,
-  rms eps, expert count/used, key/value length, expert_feed_forward_length for qwen3moe).
+- Architecture "olmoe" for OlmoeForCausalLM checkpoints, "qwen3moe" for Qwen3MoeForCausalLM,
+  "qwen2moe" for Qwen2MoeForCausalLM (Qwen1.5-MoE); tensor names from gguf's TensorNameMap,
+  hyper-parameters under the keys GGUFWriter's helpers define (block_count, context/embedding/
+  feed_forward length, head counts, rope base, rms eps, expert count/used, key/value length;
+  expert_feed_forward_length for qwen3moe/qwen2moe, expert_shared_feed_forward_length for
+  qwen2moe).
 - Per-expert tensors stacked into one [E, rows, cols] tensor per projection (ffn_gate_exps,
-  ffn_up_exps, ffn_down_exps), as llama.cpp's loader wants.
-- Types: 1-D tensors (norms) and the router (ffn_gate_inp) stay F32, as llama.cpp's own
-  converter keeps them; every other matrix, token_embd and output included, is --type. So
-  q4_0 is the "pure" recipe (llama-quantize --pure): real Q4_0 files usually keep `output`
-  at Q6_K, which gguf's Python quantiser cannot produce.
+  ffn_up_exps, ffn_down_exps), as llama.cpp's loader wants. qwen2moe's shared expert is an
+  ordinary MLP: mlp.shared_expert.{gate,up,down}_proj -> ffn_{gate,up,down}_shexp, and its
+  sigmoid gate mlp.shared_expert_gate ([1, hidden]) -> ffn_gate_inp_shexp; q/k/v biases ->
+  attn_{q,k,v}.bias.
+- Types: 1-D tensors (norms, biases), the router (ffn_gate_inp) and the shared expert's gate
+  (ffn_gate_inp_shexp) stay F32, as llama.cpp's own converter keeps them; every other matrix,
+  the shared expert's, token_embd and output included, is --type. So q4_0 is the "pure"
+  recipe (llama-quantize --pure): real Q4_0 files usually keep `output` at Q6_K, which gguf's
+  Python quantiser cannot produce.
 - Quantisation by gguf.quants (bit-exact with ggml's reference Q8_0/Q4_0 quantisers).
 - A synthetic SentencePiece-style vocabulary of the checkpoint's vocab_size (<unk>, <s>, </s>,
   256 byte tokens, filler pieces): enough for llama.cpp to load and run from token ids; it
@@ -49,7 +55,11 @@ from gguf import GGMLQuantizationType as QT
 ARCHS = {
     "OlmoeForCausalLM": gguf.MODEL_ARCH.OLMOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
+    "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
 }
+# Matrices llama.cpp's converter never quantises: the router and qwen2moe's shared-expert gate
+# (one output row; a product with it decides a whole branch's weight).
+KEEP_F32 = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
 TYPES = {
     "bf16": (QT.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
@@ -140,7 +150,7 @@ def plan_tensors(sources: dict[str, Source], arch, n_layers: int, qtype: QT) -> 
             raise ValueError(f"no GGUF name for {hf_name} in arch {arch.name}")
         kind, name = found
         shape = srcs[0].shape if len(srcs) == 1 else (len(srcs), *srcs[0].shape)
-        if len(shape) == 1 or name.endswith("_norm.weight") or kind == gguf.MODEL_TENSOR.FFN_GATE_INP:
+        if len(shape) == 1 or name.endswith("_norm.weight") or kind in KEEP_F32:
             t = QT.F32
         else:
             t = qtype
@@ -207,10 +217,14 @@ def add_metadata(w: gguf.GGUFWriter, cfg: dict, arch, ftype, name: str) -> None:
     w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     # olmoe: llama.cpp reads the experts' width from feed_forward_length (OLMoE has no dense
-    # MLP); qwen3moe reads it from expert_feed_forward_length.
+    # MLP); qwen3moe and qwen2moe read it from expert_feed_forward_length, and qwen2moe the
+    # shared expert's width from expert_shared_feed_forward_length (both fall back to values
+    # derived from feed_forward_length when absent, which would be wrong here).
     w.add_feed_forward_length(cfg["intermediate_size"])
     if "moe_intermediate_size" in cfg:
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in cfg:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
@@ -240,6 +254,9 @@ def check(path: Path, plan: list[Planned], n_samples: int = 3) -> None:
             raise RuntimeError(f"{p.name}: read back {t.tensor_type.name} {list(t.shape)}, wrote {p.qtype.name} {p.shape}")
     picks = [p for p in plan if p.qtype == QT.F32][:1] + [p for p in plan if p.qtype != QT.F32][:n_samples]
     picks += [p for p in plan if "exps" in p.name][:1]
+    # qwen2moe: a shared-expert matrix, its gate and a bias too
+    for want in ("ffn_down_shexp", "ffn_gate_inp_shexp", "attn_q.bias"):
+        picks += [p for p in plan if want in p.name and p not in picks][:1]
     for p in picks:
         data = got[p.name].data
         first = data[0] if len(p.sources) > 1 else data
@@ -256,7 +273,7 @@ def check(path: Path, plan: list[Planned], n_samples: int = 3) -> None:
         err = float(np.sum((deq - ref) ** 2))
         sig = float(np.sum(ref**2))
         sqnr = float("inf") if err == 0 else 10 * np.log10(sig / err)
-        print(f"check: {p.name:28s} {p.qtype.name:5s} SQNR vs checkpoint {sqnr:6.1f} dB" + (" (bit-exact)" if err == 0 else ""))
+        print(f"check: {p.name:32s} {p.qtype.name:5s} SQNR vs checkpoint {sqnr:6.1f} dB" + (" (bit-exact)" if err == 0 else ""))
     print(f"check: {len(plan)} tensors read back with the written names, types and shapes")
 
 
