@@ -1,10 +1,30 @@
-"""Where a whole-model decode step goes: the step, and inside it the time of hi_na_moe's experts
-op (timed around every MoE block's runner call); the rest is attention, router, norms, lm_head
-in PyTorch and Python. Loads with hi_na_moe.from_pretrained (warm: the store must hold the
-format, e.g. after benchmarks/bench_full_model.py), 16-token prompt, then --steps decode steps.
+"""Where a whole-model decode step goes, by part of the model.
 
-    python benchmarks/bench_decode_breakdown.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
-        --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4 [--torch-threads 2] [--steps 40]
+Loads with hi_na_moe.from_pretrained (warm: the store must hold the format, e.g. after
+benchmarks/bench_full_model.py), or with plain transformers (--weights native), then times
+--steps decode steps after a --prompt-len token prompt. Inside each step, forward hooks time
+every module of these kinds (exclusive time: a part's children are subtracted from it):
+
+- experts: the MoE block's experts module (hi_na_moe's kernel call when enabled);
+- linear: every nn.Linear (attention projections, shared experts, router, lm_head; hi_na_moe's
+  kernels under --scope all);
+- attention: the attention modules minus their linears (RoPE, the KV-cache update, SDPA);
+- moe glue: the MoE block minus experts and its linears (router softmax/top-k, the weighted
+  sum, shared-expert gating);
+- norms: the RMSNorm modules;
+- rest: the step minus all of the above (decoder-layer residual adds, embedding, the model's
+  Python between modules, the hooks' own cost).
+
+--ab-norms (with --scope all): the RMSNorm modules alternate, four steps at a time, between
+hi_na_moe's native RMSNorm and their own forward, and the table is printed for each arm (an
+in-process A/B: the machine's drift hits both alike).
+
+The hooks add a few microseconds per module call, counted in "rest" (compare the step median
+with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
+paired probe's bandwidth give the streaming floor, printed beside the parts.
+
+    python benchmarks/bench_decode_breakdown.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --scope all \\
+        --dense-lossless "" --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
 Run it with and without OMP_WAIT_POLICY=PASSIVE in the environment to compare.
 """
 from __future__ import annotations
@@ -14,55 +34,136 @@ import os
 import statistics
 import time
 
+PARTS = ("experts", "linear", "attention", "moe glue", "norms")
+
+
+def classify(name: str, module) -> str | None:
+    from torch import nn
+
+    kind = type(module).__name__
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if name.endswith(".experts") or name.endswith(".mlp.experts"):
+        return "experts"
+    if kind.endswith("Attention"):
+        return "attention"
+    if "SparseMoe" in kind or "MoeBlock" in kind or kind.endswith("MoE") or name.endswith(".mlp") and hasattr(module, "experts"):
+        return "moe glue"
+    if "Norm" in kind:
+        return "norms"
+    return None
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "int8", "int4"))
-    ap.add_argument("--cache-dir", required=True)
+    ap.add_argument("--weights", default="int4", choices=("native", "lossless", "int8", "int4"))
+    ap.add_argument("--scope", default="experts", choices=("experts", "all"))
+    ap.add_argument("--dense-lossless", default="lm_head")
+    ap.add_argument("--cache-dir", help="the store of --weights (hi_na_moe arms)")
     ap.add_argument("--torch-threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--ab-norms", action="store_true", help="alternate native / PyTorch RMSNorm (scope all)")
     args = ap.parse_args()
     import torch
-    from transformers import DynamicCache
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     import hi_na_moe
-    from hi_na_moe import ops, patching
+    from hi_na_moe import _native
 
     torch.set_num_threads(args.torch_threads)
-    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                      config=hi_na_moe.load_config(cache_dir=args.cache_dir))
-    if any(b.cache != "reused" for b in hi_na_moe.report_for(model).blocks):
-        raise SystemExit(f"the store {args.cache_dir} did not hold every block: run the cold load first")
-    spent = [0.0]
+    if args.weights == "native":
+        model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16)
+    else:
+        if not args.cache_dir:
+            raise SystemExit("--cache-dir is needed with hi_na_moe weights")
+        cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope=args.scope, dense_lossless=args.dense_lossless)
+        model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
+                                          config=cfg)
+        if any(b.cache != "reused" for b in hi_na_moe.report_for(model).blocks):
+            raise SystemExit(f"the store {args.cache_dir} did not hold every block: run the cold load first")
+    model.eval()
 
-    class Timed(ops.NativeExperts):
-        def __call__(self, *a):
-            t = time.perf_counter()
-            out = super().__call__(*a)
-            spent[0] += time.perf_counter() - t
-            return out
+    # exclusive time per part: a stack of open module calls; a child's time is taken off its parent
+    spent = {p: 0.0 for p in PARTS}
+    stack: list[list] = []  # [part, start, children's time]
 
-    for _, _, choice in patching._ROOTS[model][0]:
-        if isinstance(choice.runner, ops.NativeExperts):
-            choice.runner.__class__ = Timed
-    ids = torch.randint(3, 50000, (1, 16), generator=torch.Generator().manual_seed(0))
-    steps, experts = [], []
+    def pre(part):
+        def hook(mod, inputs):
+            stack.append([part, time.perf_counter(), 0.0])
+        return hook
+
+    def post(mod, inputs, output):
+        part, t0, child = stack.pop()
+        total = time.perf_counter() - t0
+        spent[part] += total - child
+        if stack:
+            stack[-1][2] += total
+
+    counted = {p: 0 for p in PARTS}
+    for name, m in model.named_modules():
+        part = classify(name, m)
+        if part:
+            m.register_forward_pre_hook(pre(part))
+            m.register_forward_hook(post)
+            counted[part] += 1
+
+    arms = ["native norms", "PyTorch norms"] if args.ab_norms else [""]
+    norm_forwards = {}
+    if args.ab_norms:
+        if args.scope != "all":
+            raise SystemExit("--ab-norms needs --scope all")
+        mods = dict(model.named_modules())
+        norm_forwards = {mods[n]: mods[n].__dict__["forward"] for n in hi_na_moe.report_for(model).norms}
+        if not norm_forwards:
+            raise SystemExit("--ab-norms: no RMSNorm module runs on the native kernel in this model")
+
+    def use_arm(arm: str) -> None:
+        for m, fwd in norm_forwards.items():
+            if arm == "native norms":
+                m.forward = fwd
+            else:
+                m.__dict__.pop("forward", None)
+
+    probe = _native.BandwidthProbe(1 << 30, args.torch_threads)
+    ids = torch.randint(300, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    steps = {a: [] for a in arms}
+    parts = {a: {p: [] for p in PARTS} for a in arms}
+    bws = {a: [] for a in arms}
     with torch.inference_mode():
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(args.steps):
-            spent[0] = 0.0
+        for i in range(args.steps * len(arms) + 4):
+            arm = arms[(i // 4) % len(arms)]
+            use_arm(arm)
+            for p in PARTS:
+                spent[p] = 0.0
             t = time.perf_counter()
             out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            steps.append(time.perf_counter() - t)
-            experts.append(spent[0])
+            dt = time.perf_counter() - t
             nxt = out.logits[:, -1:].argmax(-1)
-    step, exp = statistics.median(steps), statistics.median(experts)
-    print(f"{args.weights}, torch threads {args.torch_threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: "
-          f"step {1e3 * step:.1f} ms = experts op {1e3 * exp:.1f} ms + rest {1e3 * (step - exp):.1f} ms "
-          f"(medians of {args.steps} steps)")
+            bw = probe.read(256 << 20)
+            if i >= 4:  # warm-up steps
+                steps[arm].append(dt)
+                bws[arm].append(bw)
+                for p in PARTS:
+                    parts[arm][p].append(spent[p])
+    use_arm(arms[0])
+    for arm in arms:
+        st = steps[arm]
+        step = statistics.median(st)
+        med = {p: statistics.median(parts[arm][p]) for p in PARTS}
+        rest = statistics.median(s - sum(parts[arm][p][i] for p in PARTS) for i, s in enumerate(st))
+        print(f"{args.weights}, scope {args.scope}{', ' + arm if arm else ''}, torch threads {args.torch_threads}, "
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: step {1e3 * step:.1f} ms (median of {len(st)}); "
+              f"paired probe median {statistics.median(bws[arm]):.1f} GB/s")
+        print("| part | modules | ms per step (median) | share of the step |")
+        print("|---|---|---|---|")
+        for p in PARTS:
+            print(f"| {p} | {counted[p]} | {1e3 * med[p]:.1f} | {100 * med[p] / step:.0f} % |")
+        print(f"| rest | - | {1e3 * rest:.1f} | {100 * rest / step:.0f} % |\n")
     return 0
 
 

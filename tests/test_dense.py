@@ -231,3 +231,91 @@ def test_scope_experts_is_the_default_and_touches_no_linear():
 def test_config_errors_name_the_key(kw, match):
     with pytest.raises(ConfigError, match=match):
         hi_na_moe.load_config(**kw)
+
+
+# -- RMSNorm (scope="all") ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_native_rms_norm_matches_transformers(dtype):
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+    from hi_na_moe.hardware import native_module
+
+    native = native_module()[0]
+    gen = torch.Generator().manual_seed(3)
+    for n in (2048, 128, 77, 1):
+        norm = OlmoeRMSNorm(n, eps=1e-6).to(dtype)
+        norm.weight.data = torch.randn(n, generator=gen).to(dtype)
+        x = (torch.randn(6, n, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)).to(dtype)
+        out = torch.empty_like(x)
+        native.rms_norm(x, norm.weight.data, 1e-6, out)
+        want = norm(x)
+        if dtype == torch.bfloat16:  # the last bit can differ (sum order); in bf16 none did here
+            assert torch.equal(out, want)
+        else:
+            rtol = {torch.float16: 2.0**-10, torch.float32: 2.0**-20}[dtype]
+            assert ((out.float() - want.float()).abs() <= rtol * want.float().abs()).all()
+
+
+def test_native_rms_norm_refuses_bad_arguments():
+    from hi_na_moe.hardware import native_module
+
+    native = native_module()[0]
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="weight has shape"):
+        native.rms_norm(x, torch.randn(7), 1e-6, torch.empty_like(x))
+    with pytest.raises(ValueError, match="out has dtype"):
+        native.rms_norm(x, w, 1e-6, torch.empty_like(x, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="overlap"):
+        native.rms_norm(x, w, 1e-6, x)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        native.rms_norm(torch.randn(8, 2).t(), w, 1e-6, torch.empty(2, 8))
+
+
+def test_rms_norms_run_natively_for_decode_and_are_restored():
+    model = _olmoe()
+    for n, p in model.named_parameters():
+        if "norm" in n:
+            p.data.normal_(1.0, 0.2)  # not all ones: a swapped weight would show
+    want, want1 = _logits(model), _logits(model, IDS[:, :1])
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        # 2 layers x (input, post-attention, q, k) + the final norm
+        assert len(rep.norms) == 9 and not rep.norms_differ
+        assert "RMSNorm modules on the native kernel" in str(rep)
+        norm = model.model.layers[0].input_layernorm
+        assert "forward" in norm.__dict__
+        x = torch.randn(1, 1, 256).bfloat16()
+        with torch.inference_mode():  # bf16: the same bits as the module's own forward here
+            assert torch.equal(norm(x), type(norm).forward(norm, x))
+            big = torch.randn(2, 40, 256).bfloat16()  # more rows than NORM_MAX_ROWS: its own forward
+            assert torch.equal(norm(big), type(norm).forward(norm, big))
+        assert _rel(_logits(model), want) < 2e-2
+        assert _rel(_logits(model, IDS[:, :1]), want1) < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert "forward" not in model.model.layers[0].input_layernorm.__dict__
+    assert torch.equal(_logits(model), want)
+
+
+def test_an_rms_norm_that_computes_something_else_is_left_alone():
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+    class OnePlusRMSNorm(OlmoeRMSNorm):  # Gemma-style: scales by (1 + weight)
+        def forward(self, x):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return ((1.0 + self.weight.float()) * h).to(x.dtype)
+
+    model = _olmoe()
+    for layer in model.model.layers:
+        old = layer.input_layernorm
+        layer.input_layernorm = OnePlusRMSNorm(old.weight.numel(), eps=old.variance_epsilon).bfloat16()
+    want = _logits(model, IDS[:, :1])
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert sorted(rep.norms_differ) == ["model.layers.0.input_layernorm", "model.layers.1.input_layernorm"]
+        assert "forward" not in model.model.layers[0].input_layernorm.__dict__
+        assert "left to PyTorch" in str(rep)
+        assert _rel(_logits(model, IDS[:, :1]), want) < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)

@@ -764,6 +764,44 @@ NB_MODULE(_native, m) {
            nb::arg("bytes") = size_t(256) << 20)
       .def_prop_ro("size", &hina::BandwidthProbe::size);
 
+  m.def("rms_norm",
+        [](nb::handle x_obj, nb::handle w_obj, float eps, nb::handle out_obj) {
+          const InArray x = array_arg<InArray>("x", x_obj);
+          const InArray w = array_arg<InArray>("weight", w_obj);
+          OutArray out = array_arg<OutArray>("out", out_obj);
+          if (x.ndim() != 2) bad("x must have shape [rows, n], got " + shape_str(shape_of(x)));
+          const int64_t rows = x.shape(0), n = x.shape(1);
+          if (n < 1) bad("x must have n >= 1 values per row");
+          check_array("x", x, {rows, n});
+          check_array("weight", w, {n});
+          check_array("out", out, {rows, n});
+          hina::DType dt;
+          if (x.dtype() == nb::dtype<float>()) dt = hina::DType::kF32;
+          else if (x.dtype() == kBf16) dt = hina::DType::kBF16;
+          else if (x.dtype() == kF16) dt = hina::DType::kF16;
+          else bad("x has dtype " + dtype_str(x.dtype()) + ", expected float32, bfloat16 or float16");
+          check_dtype("weight", w, x.dtype(), " (x's dtype)");
+          check_dtype("out", out, x.dtype(), " (x's dtype)");
+          if (!(eps >= 0.f)) bad("eps must be >= 0");
+          const char* xb = static_cast<const char*>(x.data());
+          const char* ob = static_cast<const char*>(out.data());
+          const size_t bytes = static_cast<size_t>(rows * n) * hina::dtype_size(dt);
+          if (rows > 0 && ob < xb + bytes && xb < ob + bytes) bad("out must not overlap x");
+          hina::rms_norm(dt, x.data(), rows, n, w.data(), eps, out.data());
+        },
+        nb::arg("x").noconvert(), nb::arg("weight").noconvert(), nb::arg("eps"), nb::arg("out").noconvert(),
+        "RMSNorm of the rows of x [rows, n] into out, with weight [n], all of one dtype (float32, "
+        "bfloat16, float16): out = weight * round(x / sqrt(mean(x^2) + eps)), fp32 math, in the "
+        "order of roundings of transformers' Llama-family RMSNorm (see csrc/moe/norm.cpp).");
+  m.def("rms_norm_raw",
+        [](uintptr_t x, int64_t rows, int64_t n, uintptr_t w, float eps, uintptr_t out, int dtype) {
+          hina::rms_norm(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), rows, n,
+                         reinterpret_cast<const void*>(w), eps, reinterpret_cast<void*>(out));
+        },
+        nb::arg("x"), nb::arg("rows"), nb::arg("n"), nb::arg("weight"), nb::arg("eps"), nb::arg("out"),
+        nb::arg("dtype"),
+        "rms_norm() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16): "
+        "for callers that checked the tensors themselves (hi_na_moe.dense). Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {
           hina::BandwidthResult r;

@@ -911,6 +911,37 @@ void test_linear(const std::vector<Isa>& tiers) {
   report(threw, "linear() on experts raises");
 }
 
+// rms_norm against a double-precision RMSNorm: within one rounding of h and one of the product.
+void test_rms_norm() {
+  if (!selected("rms_norm")) return;
+  std::mt19937 rng(5);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (int64_t n : {1, 15, 16, 17, 128, 2048}) {
+      const int64_t rows = 3;
+      auto x = random_array(dt, rows * n, 1.0f, rng);
+      const auto w = random_array(dt, n, 1.0f, rng);
+      std::vector<uint8_t> out(static_cast<size_t>(rows * n) * dtype_size(dt), 0xff);
+      rms_norm(dt, x.data(), rows, n, w.data(), 1e-6f, out.data());
+      double worst = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        double ss = 0;
+        for (int64_t k = 0; k < n; ++k) ss += double(load_elem(dt, x.data(), r * n + k)) * load_elem(dt, x.data(), r * n + k);
+        const double inv = 1.0 / std::sqrt(ss / double(n) + 1e-6);
+        for (int64_t k = 0; k < n; ++k) {
+          const double ref = double(load_elem(dt, w.data(), k)) * load_elem(dt, x.data(), r * n + k) * inv;
+          const double got = load_elem(dt, out.data(), r * n + k);
+          worst = std::max(worst, std::fabs(got - ref) / std::max(std::fabs(ref), 1e-30));
+        }
+      }
+      // two roundings to the dtype (h, then w*h): 2 ulp relative, plus fp32 noise
+      const double lim = dt == DType::kF32 ? 1e-6 : dt == DType::kBF16 ? 2.0 / 128 : 2.0 / 1024;
+      note(std::string("rms_norm ") + dtype_name(dt), worst);
+      report(worst <= lim, std::string("rms_norm ") + dtype_name(dt) + " n=" + std::to_string(n) + ": rel err " +
+                               std::to_string(worst));
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--every") == 0 && a + 1 < argc) {
@@ -955,6 +986,7 @@ int main(int argc, char** argv) {
   test_split_deterministic(all);
   test_errors();
   test_linear(all);
+  test_rms_norm();
   test_fork_child();
   for (const auto& kv : g_worst)
     std::printf("worst %-48s %-9.3g (%d runs)\n", kv.first.c_str(), kv.second, g_compared[kv.first]);

@@ -262,9 +262,10 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     return reports
 
 
-def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[list, list[DenseReport]]:
-    """Pack and patch the linears of scope="all"; returns ([(module, runner, old forward)], reports).
-    On an error, what was patched is undone before it propagates."""
+def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
+    """Pack and patch the linears of scope="all", then the RMSNorms; returns
+    ([(module, runner, old forward)], linear reports, norm names patched, norm names whose probe
+    did not match). On an error, what was patched is undone before it propagates."""
     from tqdm.auto import tqdm
 
     from .ops import _isa_name
@@ -292,13 +293,121 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated) -> tuple[
             freed = 0 if cfg.keep_weights or seen.get(id(m.weight), 0) > 1 else runner.release()
             reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel, runner.nbytes, freed,
                                        runner.cache_event))
+        norm_done, norms, norms_differ = patch_norms(model, cfg, gate, gated)
+        done += norm_done
     except BaseException:
         unpatch(done)
         raise
-    return done, reports
+    return done, reports, norms, norms_differ
 
 
 _MISSING = object()
+
+# -- RMSNorm ----------------------------------------------------------------------------------
+# A decode step calls every RMSNorm once per token (OLMoE-1B-7B: 65 per step) and PyTorch runs
+# each as ~7 small ops; with the caches the weight streaming leaves behind they cost ~80 us per
+# norm (benchmarks/bench_decode_breakdown.py). One native call replaces them for a few rows.
+
+NORM_MAX_ROWS = 16  # more rows (prefill): the module's own forward, which PyTorch parallelises
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# a probe result may differ from the module's own by this much (relative): the sum of squares
+# is added in another order, so an rsqrt can differ in its last bit and round h differently
+_NORM_RTOL = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _norm_eps(m: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps"):
+        v = getattr(m, attr, None)
+        if isinstance(v, float) and v >= 0:
+            return v
+    return None
+
+
+def find_norms(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the RMSNorm candidates: a class named *RMSNorm with a float `eps` or
+    `variance_epsilon`, one 1-D `weight` parameter (on the CPU, float dtype) and nothing else.
+    What such a module computes is still checked (NativeNorm.matches) before it is patched."""
+    found = []
+    for name, m in model.named_modules():
+        if not type(m).__name__.endswith("RMSNorm") or _matches(name, exclude) or _norm_eps(m) is None:
+            continue
+        params = dict(m.named_parameters(recurse=True))
+        if set(params) != {"weight"} or any(True for _ in m.buffers()):
+            continue
+        w = params["weight"]
+        if w.dim() == 1 and w.device.type == "cpu" and w.dtype in _DTYPE_CODES and w.numel() > 0:
+            found.append((name, m))
+    return found
+
+
+class NativeNorm:
+    """One RMSNorm module on the native kernel (hina_moe rms_norm) for decode-sized inputs."""
+
+    weights = "lossless"
+
+    def __init__(self, name: str, module: nn.Module, original_forward):
+        from .hardware import native_module
+
+        self.name, self.module = name, module
+        self.native = native_module()[0]
+        self.eps = _norm_eps(module)
+        self.n = module.weight.numel()
+        self.original = original_forward  # the module's own forward (bound)
+
+    def matches(self) -> bool:
+        """Whether the module computes what the kernel does: both run on a probe of rows at
+        scales from 1e-3 to 1e3, with the module's own weight; every value within the dtype's
+        rounding of the module's own output."""
+        w = self.module.weight.detach()
+        gen = torch.Generator().manual_seed(7)
+        scale = torch.logspace(-3, 3, 7).unsqueeze(1)
+        x = (torch.randn(7, self.n, generator=gen) * scale).to(w.dtype)
+        with torch.no_grad():
+            try:
+                want = self.original(x)
+            except Exception:
+                return False
+            if not isinstance(want, torch.Tensor) or want.shape != x.shape or want.dtype != x.dtype:
+                return False
+            got = torch.empty_like(x)
+            self.native.rms_norm(x, w.contiguous(), self.eps, got)
+        diff = (got.float() - want.float()).abs()
+        return bool((diff <= _NORM_RTOL[w.dtype] * want.float().abs() + 1e-30).all())
+
+    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        w = module.weight
+        if (type(x) is torch.Tensor and x.dtype is w.dtype and x.is_contiguous() and x.is_cpu
+                and x.dim() >= 1 and x.shape[-1] == self.n and x.numel() <= NORM_MAX_ROWS * self.n
+                and not x.requires_grad and not x.is_neg() and w.is_contiguous() and w.is_cpu
+                and not (module.training and torch.is_grad_enabled() and w.requires_grad)):
+            out = torch.empty(x.shape, dtype=x.dtype)
+            self.native.rms_norm_raw(x.data_ptr(), x.numel() // self.n, self.n, w.data_ptr(), self.eps,
+                                     out.data_ptr(), _DTYPE_CODES[x.dtype])
+            return out
+        return self.original(x)
+
+    def restore(self) -> None:  # the module's weight was never touched
+        pass
+
+
+def patch_norms(model: nn.Module, cfg, gate, gated) -> tuple[list, list[str], list[str]]:
+    """Patch the RMSNorm modules whose probe matches; returns (done, patched names, names left
+    to PyTorch because their probe did not match)."""
+    done, names, differ = [], [], []
+    try:
+        for name, m in find_norms(model, cfg.dense_exclude):
+            old = m.__dict__.get("forward", _MISSING)
+            runner = NativeNorm(name, m, m.forward)
+            if not runner.matches():
+                differ.append(name)
+                continue
+            m.forward = types.MethodType(gated(gate, runner.forward), m)
+            done.append((m, runner, old))
+            names.append(name)
+    except BaseException:
+        unpatch(done)
+        raise
+    return done, names, differ
 
 
 def unpatch(done: list) -> list:

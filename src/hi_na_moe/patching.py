@@ -205,6 +205,10 @@ class EnableReport:
     pool: str | None = None
     # scope="all": the dense linear layers on the native kernels (hi_na_moe.dense.DenseReport)
     dense: list = field(default_factory=list)
+    # scope="all": the RMSNorm modules on the native kernel, and those whose probe did not match
+    # what the kernel computes (left to PyTorch)
+    norms: list = field(default_factory=list)
+    norms_differ: list = field(default_factory=list)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -225,6 +229,7 @@ class EnableReport:
                         "reference": len(self.reference), "native": len(self.native)},
             "blocks": [asdict(b) for b in self.blocks],
             "dense": [asdict(d) for d in self.dense],
+            "norms": list(self.norms), "norms_differ": list(self.norms_differ),
         }
 
     def to_json(self) -> str:
@@ -270,6 +275,10 @@ class EnableReport:
                          if events else "")
                 lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
                              f"{freed / 2**20:.0f} MiB of their own weights released{store}")
+        if self.norms or self.norms_differ:
+            left = (f"; {len(self.norms_differ)} left to PyTorch (they compute something else, e.g. "
+                    f"{self.norms_differ[0]})" if self.norms_differ else "")
+            lines.append(f"  RMSNorm modules on the native kernel for decode-sized inputs: {len(self.norms)}{left}")
         return "\n".join(lines)
 
 
@@ -496,7 +505,8 @@ def enable_for_model(
 
                 if native_module()[0] is None:
                     raise RuntimeError(f"hi_na_moe: scope='all' needs the native kernels: {native_module()[1]}")
-                dense_done, report.dense = dense.patch(model, cfg, gate, [m.module for m, _ in plans], _gated)
+                dense_done, report.dense, report.norms, report.norms_differ = dense.patch(
+                    model, cfg, gate, [m.module for m, _ in plans], _gated)
         except BaseException:
             # leave the model exactly as it was (a block that cannot be restored stays enabled,
             # so that disable_for_model can be tried again)

@@ -265,4 +265,9 @@ Isa resolve_isa(const char* name);
 // Hardware threads this process may run on (sched_getaffinity), >= 1.
 int default_num_threads();
 
+// RMSNorm of `rows` C-contiguous rows of n values (x, weight [n] and out in dtype dt), in
+// transformers' Llama-family order of roundings: out = w * round(x / sqrt(mean(x^2) + eps)),
+// fp32 math (see csrc/moe/norm.cpp). Single-threaded; out may not overlap x.
+void rms_norm(DType dt, const void* x, int64_t rows, int64_t n, const void* weight, float eps, void* out);
+
 }  // namespace hina
