@@ -7,7 +7,7 @@
 // prefetch a page ahead keeps the stream going across pages.
 //
 // A build configured with -DHINA_PREFETCH_TUNING=ON reads HINA_PF (bytes ahead) and HINA_PFH
-// (0: L1, 1: L2, 2: L3) at the start of every kernel job instead, so benchmarks/bench_prefetch.py
+// (0: L1, 1: L2, 2: L3, 3: non-temporal) at the start of every kernel job instead, so benchmarks/bench_prefetch.py
 // can compare settings round by round in one process. Never in a release build.
 #pragma once
 
@@ -35,7 +35,8 @@ inline void line(const void* p) {
   const char* c = static_cast<const char*>(p);
   if (g_hint == 0) _mm_prefetch(c, _MM_HINT_T0);
   else if (g_hint == 1) _mm_prefetch(c, _MM_HINT_T1);
-  else _mm_prefetch(c, _MM_HINT_T2);
+  else if (g_hint == 2) _mm_prefetch(c, _MM_HINT_T2);
+  else _mm_prefetch(c, _MM_HINT_NTA);
 }
 #else
 inline void reload() {}
