@@ -60,6 +60,7 @@ def main() -> int:
     ap.add_argument("--weights", default="int4", choices=("native", "lossless", "int8", "int4"))
     ap.add_argument("--scope", default="experts", choices=("experts", "all"))
     ap.add_argument("--dense-lossless", default="lm_head")
+    ap.add_argument("--no-dense-fuse", action="store_true", help="config dense_fuse=False (one call per layer)")
     ap.add_argument("--cache-dir", help="the store of --weights (hi_na_moe arms)")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -78,7 +79,8 @@ def main() -> int:
     else:
         if not args.cache_dir:
             raise SystemExit("--cache-dir is needed with hi_na_moe weights")
-        cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope=args.scope, dense_lossless=args.dense_lossless)
+        cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope=args.scope, dense_lossless=args.dense_lossless,
+                                    dense_fuse=not args.no_dense_fuse)
         model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
                                           config=cfg)
         if any(b.cache != "reused" for b in hi_na_moe.report_for(model).blocks):
@@ -156,7 +158,8 @@ def main() -> int:
         step = statistics.median(st)
         med = {p: statistics.median(parts[arm][p]) for p in PARTS}
         rest = statistics.median(s - sum(parts[arm][p][i] for p in PARTS) for i, s in enumerate(st))
-        print(f"{args.weights}, scope {args.scope}{', ' + arm if arm else ''}, torch threads {args.torch_threads}, "
+        fuse = "" if args.scope != "all" else (", dense_fuse off" if args.no_dense_fuse else ", dense_fuse on")
+        print(f"{args.weights}, scope {args.scope}{fuse}{', ' + arm if arm else ''}, torch threads {args.torch_threads}, "
               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: step {1e3 * step:.1f} ms (median of {len(st)}); "
               f"paired probe median {statistics.median(bws[arm]):.1f} GB/s")
         print("| part | modules | ms per step (median) | share of the step |")

@@ -105,7 +105,8 @@ def test_quantised_layers_live_in_the_store_and_restore_exactly(weights, tmp_pat
     assert got[0][0] == ["built"] and got[1][0] == ["reused"]
     assert torch.equal(got[0][1], got[1][1])  # the mapped entries compute the same
     entries = {e.name for e in PackedStore(tmp_path).entries()}
-    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj.original"} <= entries
+    qkv = "model.layers.0.self_attn.q_proj+k_proj+v_proj"  # one entry per fused group
+    assert {qkv, qkv + ".original", "model.layers.0.self_attn.o_proj"} <= entries
     assert "lm_head" not in entries  # lossless layers are packed in memory
 
 
@@ -319,3 +320,80 @@ def test_an_rms_norm_that_computes_something_else_is_left_alone():
         assert _rel(_logits(model, IDS[:, :1]), want) < 2e-2
     finally:
         hi_na_moe.disable_for_model(model)
+
+
+# -- sibling projections in one call (dense_fuse) ----------------------------------------------
+def test_fused_siblings_give_the_same_bits_as_one_call_per_layer():
+    want = {}
+    for fuse in (False, True):
+        model = _olmoe()
+        rep = hi_na_moe.enable_for_model(model, scope="all", dense_fuse=fuse)
+        try:
+            groups = {d.group for d in rep.dense}
+            if fuse:
+                assert groups == {None, "model.layers.0.self_attn.q_proj+k_proj+v_proj",
+                                  "model.layers.1.self_attn.q_proj+k_proj+v_proj"}
+                q = next(d for d in rep.dense if d.name == "model.layers.0.self_attn.q_proj")
+                assert q.group and q.released_bytes == 256 * 256 * 2
+            else:
+                assert groups == {None}
+            with torch.inference_mode():
+                got = (_logits(model), _logits(model, IDS[:, :1]))
+            sd = model.state_dict()
+        finally:
+            hi_na_moe.disable_for_model(model)
+        want[fuse] = (got, sd)
+    (p0, d0), sd0 = want[False]
+    (p1, d1), sd1 = want[True]
+    assert torch.equal(p0, p1) and torch.equal(d0, d1)  # prefill and decode: the same bits
+    assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)  # state_dict while enabled: exact
+
+
+def test_fused_members_fed_different_or_modified_inputs_stay_correct():
+    model = _olmoe()
+    attn = model.model.layers[0].self_attn
+    x1, x2 = torch.randn(1, 3, 256).bfloat16(), torch.randn(1, 3, 256).bfloat16()
+    ref = _olmoe()
+    hi_na_moe.enable_for_model(ref, scope="all", dense_fuse=False)  # one call per layer
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        r = ref.model.layers[0].self_attn
+        with torch.inference_mode():
+            # each member with another input: every call computes the group for its own input
+            assert torch.equal(attn.q_proj(x1), r.q_proj(x1))
+            assert torch.equal(attn.k_proj(x2), r.k_proj(x2))
+            assert torch.equal(attn.v_proj(x1), r.v_proj(x1))
+            # the same input, modified in place between two members: recomputed, not reused
+            x = x1.clone()
+            assert torch.equal(attn.q_proj(x), r.q_proj(x))
+            x.mul_(2)
+            assert torch.equal(attn.k_proj(x), r.k_proj(x))
+            # a member asked twice for one input: the second call computes again (never hands
+            # out one tensor twice, which an in-place op on the first could have changed)
+            a = attn.v_proj(x)
+            a.zero_()
+            assert torch.equal(attn.v_proj(x), r.v_proj(x))
+    finally:
+        hi_na_moe.disable_for_model(model)
+        hi_na_moe.disable_for_model(ref)
+
+
+def test_a_fused_group_whose_backup_is_unreadable_stays_patched_as_a_whole(tmp_path):
+    model = _olmoe()
+    want = _logits(model, IDS[:, :1])
+    hi_na_moe.enable_for_model(model, scope="all", weights="int8", cache_dir=str(tmp_path))
+    store = PackedStore(tmp_path)
+    for e in store.entries():
+        if e.name == "model.layers.0.self_attn.q_proj+k_proj+v_proj.original":
+            with open(store.path_for(e.key, e.name), "r+b") as f:
+                f.seek(-3, 2)
+                b = f.read(1)
+                f.seek(-3, 2)
+                f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(RuntimeError, match="q_proj\\+k_proj\\+v_proj"):
+        hi_na_moe.disable_for_model(model)
+    attn = model.model.layers[0].self_attn
+    # q, k and v all still run on the packed group (their weights are released placeholders)
+    assert all("forward" in getattr(attn, n).__dict__ for n in ("q_proj", "k_proj", "v_proj"))
+    assert "forward" not in model.model.layers[1].self_attn.k_proj.__dict__  # the rest is restored
+    assert _rel(_logits(model, IDS[:, :1]), want) < 0.05

@@ -80,6 +80,9 @@ class HinaConfig:
             "lm_head").
         dense_exclude: with scope="all", dense layers whose names match these patterns are left
             to PyTorch (default: none).
+        dense_fuse: with scope="all", sibling projections that read the same input (q/k/v,
+            gate/up) run as one kernel call (default true; exact: the same outputs as one call
+            per layer).
     """
 
     backend: str = "auto"
@@ -96,6 +99,7 @@ class HinaConfig:
     scope: str = "experts"
     dense_lossless: str = "lm_head"
     dense_exclude: str = ""
+    dense_fuse: bool = True
     # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
     # so that errors and reports can say it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -128,7 +132,7 @@ class HinaConfig:
             raise ConfigError(
                 f"config key 'cache_dir' ({src('cache_dir')}) has bad value {self.cache_dir!r}: expected a path"
             )
-        for key in ("strict", "keep_weights", "cache"):
+        for key in ("strict", "keep_weights", "cache", "dense_fuse"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
                     f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected true or false"
@@ -149,7 +153,7 @@ class HinaConfig:
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
 _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
-          "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str}
+          "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:

@@ -25,6 +25,7 @@ quantised at every enable and keeps its own weight (no backup to restore it from
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
 import threading
 import types
@@ -46,6 +47,7 @@ class DenseReport:
     packed_bytes: int  # what a decode step reads for this layer
     released_bytes: int
     cache: str | None = None  # quantised with the store: "built", "reused" or "rebuilt (why)"
+    group: str | None = None  # run in one call with its siblings (q/k/v, gate/up): the group's name
 
 
 def _matches(name: str, patterns: str) -> bool:
@@ -71,15 +73,33 @@ def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str,
 
 
 class NativeLinear:
-    """One nn.Linear on the native kernels: pack, the replacement forward, release, restore."""
+    """One nn.Linear, or a group of sibling linears that read the same input (q/k/v, gate/up),
+    on the native kernels: pack (the group's weights stacked by rows into one block), the
+    replacement forwards, release, restore.
 
-    def __init__(self, name: str, module: nn.Linear, weights: str, group_size: int, isa: str, threads: int,
-                 qdot: str, store=None):
-        self.name, self.module = name, module
+    A group runs as one kernel call: the first member called with an input computes every
+    member's output, and each other member called with that same tensor (the same object, not
+    modified in place since) takes its output from there, once. Any other call computes the
+    group for its own input, so a model that feeds the members different inputs gets correct
+    (if slower) results. The outputs are bit-identical to one call per layer: each output row
+    is its own dot product over the input, accumulated in the same order."""
+
+    def __init__(self, members: list[tuple[str, nn.Linear]], weights: str, group_size: int, isa: str,
+                 threads: int, qdot: str, store=None):
+        self.members = members
+        self.modules = [m for _, m in members]
+        self.name = group_name([n for n, _ in members])
         self.weights, self.threads = weights, threads
         self.isa, self.group_size = isa, group_size
-        w = module.weight.detach().contiguous()
-        b = module.bias.detach().contiguous() if module.bias is not None else None
+        ws = [m.weight.detach() for m in self.modules]
+        w = torch.cat(ws).contiguous() if len(ws) > 1 else ws[0].contiguous()
+        bs = [m.bias.detach() for m in self.modules if m.bias is not None]
+        b = None if not bs else (torch.cat(bs).contiguous() if len(bs) > 1 else bs[0].contiguous())
+        self.bounds = []  # (start row, end row) of each member's outputs
+        row = 0
+        for m in self.modules:
+            self.bounds.append((row, row + m.out_features))
+            row += m.out_features
         # quantised layers live in the store (store.PackedStore), lossless ones in memory
         self.store = store if weights != "lossless" else None
         self.cache_event: str | None = None
@@ -91,15 +111,23 @@ class NativeLinear:
             from .store import tensor_identity
 
             self._identity = tensor_identity([t for t in (w, b) if t is not None])
-            self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, name)
+            self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, self.name)
         self.bound = self.packed.bind(qdot=qdot)
         self.dtype = w.dtype
-        self.in_features, self.out_features = module.in_features, module.out_features
+        self.in_features, self.out_features = self.modules[0].in_features, row
         self.nbytes = self.packed.nbytes
         self.kernel = self.packed.kernel_name("decode", qdot)
-        self._released = False
-        self._hook = None
+        self._released: list[tuple] = []  # (member index, shape, stride) of released weights
+        self._hooks: list = []
         self._lock = threading.Lock()
+        self._outs = None  # a group's outputs not yet taken: [input, its version, outputs, taken]
+
+    def member_bytes(self, i: int) -> int:
+        """Member i's share of the packed bytes (by rows; the shares add up to nbytes)."""
+        lo, hi = self.bounds[i]
+        share = self.nbytes * (hi - lo) // self.out_features
+        return share + (self.nbytes - sum(self.nbytes * (h - l) // self.out_features for l, h in self.bounds)
+                        if i == 0 else 0)
 
     # -- packing and the store ----------------------------------------------------------------
     def _pack_now(self, w: torch.Tensor, b: torch.Tensor | None, weights: str):
@@ -141,6 +169,12 @@ class NativeLinear:
         return view, entry, event
 
     # -- the forward --------------------------------------------------------------------------
+    def forward_of(self, i: int):
+        """The replacement forward of member i (called as forward(module, x))."""
+        if len(self.modules) == 1:
+            return self.forward
+        return lambda module, x: self._member_forward(i, module, x)
+
     def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # the common inference call in few operations: with the caches a decode step leaves,
         # every torch op here costs ~30 us (benchmarks/bench_call_overhead.py), and a step
@@ -155,9 +189,36 @@ class NativeLinear:
             self.bound.linear(x.data_ptr(), x.numel() // self.in_features, out.data_ptr(),
                               self.threads or torch.get_num_threads())
             return out
-        return self._forward_general(module, x)
+        return self._forward_general(0, module, x)
 
-    def _forward_general(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _member_forward(self, i: int, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        # the same input as the group's last computation: the same tensor object, at the same
+        # address, holding the same bytes (compared: inference tensors keep no version counter,
+        # so an in-place change in between could not be seen otherwise)
+        readable = type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and not x.is_neg()
+        if readable:
+            ptr, nbytes = x.data_ptr(), x.numel() * x.element_size()
+            with self._lock:
+                held = self._outs
+                if (held is not None and held[0] is x and held[1] == ptr and not held[4][i]
+                        and ctypes.string_at(ptr, nbytes) == held[2]):
+                    held[4][i] = True
+                    if all(held[4]):
+                        self._outs = None  # every member has its output: drop the input and the rest
+                    return held[3][i]
+        full = self.forward(module, x)  # the whole group for x (or the general path's errors)
+        outs = []
+        for lo, hi in self.bounds:
+            o = full[..., lo:hi]
+            outs.append(o if o.is_contiguous() else o.contiguous())  # one row: already contiguous
+        if readable and not full.requires_grad:
+            taken = [False] * len(outs)
+            taken[i] = True
+            with self._lock:
+                self._outs = [x, ptr, ctypes.string_at(ptr, nbytes), outs, taken]
+        return outs[i]
+
+    def _forward_general(self, i: int, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """Everything forward()'s first branch does not take: training with autograd, other
         dtypes, strided or lazily negated inputs, wrong shapes and devices (errors)."""
         if module.training and torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
@@ -166,7 +227,8 @@ class NativeLinear:
                     f"hi_na_moe: gradients are requested through {self.name!r}, a linear layer packed for the "
                     "native kernels (scope='all') with its weight released; disable_for_model(model) first, or "
                     "enable with scope='experts' to train")
-            return torch.nn.functional.linear(x, module.weight, module.bias)
+            # (a group: every member's own F.linear, stacked, so that _member_forward slices it)
+            return torch.cat([torch.nn.functional.linear(x, m.weight, m.bias) for m in self.modules], dim=-1)
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"hi_na_moe: {self.name}: input has shape {tuple(x.shape)}; the layer takes "
                              f"[..., {self.in_features}]")
@@ -179,39 +241,49 @@ class NativeLinear:
         return out if out.dtype is x.dtype else out.to(x.dtype)
 
     # -- memory -------------------------------------------------------------------------------
-    def release(self) -> int:
-        """Free the module's own weight; it is rebuilt exactly from the packed copy (lossless)
-        or from the backup written to the store first (quantised). Returns the bytes freed
-        (0 for a quantised layer without a store, which keeps its weight)."""
+    def release(self, keep: set[int] = frozenset()) -> list[int]:
+        """Free the members' own weights (except those whose index is in `keep`); they are
+        rebuilt exactly from the packed copy (lossless) or from the backup written to the store
+        first (quantised). Returns the bytes freed per member (all 0 for a quantised group
+        without a store, which keeps its weights)."""
+        freed = [0] * len(self.modules)
+        todo = [i for i in range(len(self.modules)) if i not in keep]
+        if not todo:
+            return freed
         if self.weights != "lossless":
             if self.store is None:
-                return 0
-            w = self.module.weight.detach().contiguous()
-            b = self.module.bias.detach().contiguous() if self.module.bias is not None else None
+                return freed
+            ws = [m.weight.detach() for m in self.modules]
+            w = torch.cat(ws).contiguous() if len(ws) > 1 else ws[0].contiguous()
+            bs = [m.bias.detach() for m in self.modules if m.bias is not None]
+            b = None if not bs else (torch.cat(bs).contiguous() if len(bs) > 1 else bs[0].contiguous())
             backup = self.name + ".original"
             _, entry, _ = self._from_store(w, b, "lossless", backup)
             entry.close()
             self._backup = (self._key("lossless"), backup)
-        p = self.module.weight
-        freed = p.numel() * p.element_size()
-        self._shape, self._stride = p.shape, p.stride()
-        p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
-        self._released = True
+        for i in todo:
+            m = self.modules[i]
+            p = m.weight
+            freed[i] = p.numel() * p.element_size()
+            self._released.append((i, p.shape, p.stride()))
+            p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
 
-        def fill_state_dict(mod, state_dict, prefix, local_metadata):
-            key = prefix + "weight"
-            if key in state_dict:
-                state_dict[key] = self._unpacked()
+            def fill_state_dict(mod, state_dict, prefix, local_metadata, i=i):
+                key = prefix + "weight"
+                if key in state_dict:
+                    state_dict[key] = self._unpacked(i)
 
-        self._hook = self.module.register_state_dict_post_hook(fill_state_dict)
+            self._hooks.append(m.register_state_dict_post_hook(fill_state_dict))
         return freed
 
-    def _unpacked(self) -> torch.Tensor:
-        """The exact original weight, in the module's own strides."""
-        out = torch.empty_strided(self._shape, self._stride, dtype=self.dtype)
+    def _unpacked(self, i: int) -> torch.Tensor:
+        """Member i's exact original weight, in the module's own strides."""
+        _, shape, stride = next(r for r in self._released if r[0] == i)
+        out = torch.empty_strided(shape, stride, dtype=self.dtype)
+        lo, hi = self.bounds[i]
         if self._backup is None:
             _, w, _, _, _, _ = self.packed.unpack()
-            return out.copy_(torch.from_dlpack(w))
+            return out.copy_(torch.from_dlpack(w)[lo:hi])
         from .hardware import native_module
 
         key, name = self._backup
@@ -221,25 +293,69 @@ class NativeLinear:
                 view = native_module()[0].PackedExperts.view(bytes.fromhex(entry.meta["header"]),
                                                                entry.array("block", "uint8"))
                 _, w, _, _, _, _ = view.unpack()
-                return out.copy_(torch.from_dlpack(w))
+                return out.copy_(torch.from_dlpack(w)[lo:hi])
         except Exception as exc:
             raise RuntimeError(
-                f"hi_na_moe: cannot restore the original weight of {self.name!r}: its exact backup in the "
-                f"packed-expert store is unreadable ({exc}). The layer keeps running on its {self.weights} "
+                f"hi_na_moe: cannot restore the original weight of {self.members[i][0]!r}: its exact backup in "
+                f"the packed-expert store is unreadable ({exc}). The layer keeps running on its {self.weights} "
                 "copy; reload the model from its checkpoint to get the original.") from exc
 
     def restore(self) -> None:
         with self._lock:
-            if self._released:
-                self.module.weight.data = self._unpacked()
-                self._released = False
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
+            for i, _, _ in list(self._released):
+                self.modules[i].weight.data = self._unpacked(i)
+                self._released = [r for r in self._released if r[0] != i]
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
             self.packed = self.bound = None
+            self._outs = None
             if self._entry is not None:
                 self._entry.close()
                 self._entry = None
+
+
+# sibling linears that models call with one input tensor: run as one block
+FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def group_name(names: list[str]) -> str:
+    """'a.b.q_proj' for one layer; 'a.b.q_proj+k_proj+v_proj' for a group of siblings."""
+    if len(names) == 1:
+        return names[0]
+    parent = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
+    return parent + "+".join(n.rsplit(".", 1)[-1] for n in names)
+
+
+def fuse_groups(found: list[tuple[str, nn.Linear]], cfg, shared: set[int]) -> list[list[tuple[str, nn.Linear]]]:
+    """`found` (find_linears) in groups: sibling q/k/v and gate/up projections with the same
+    input size, dtype, format and bias presence, none of them tied to another module, become
+    one group; every other layer is a group of its own. Module order is kept."""
+    by_name = dict(found)
+    grouped: dict[str, list[str]] = {}
+    for name, _ in found:
+        parent, _, last = name.rpartition(".")
+        for members in FUSE_GROUPS:
+            if last != members[0]:
+                continue
+            names = [f"{parent}.{x}" if parent else x for x in members]
+            mods = [by_name.get(n) for n in names]
+            if any(m is None for m in mods):
+                continue
+            first = mods[0]
+            if all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+                   and (m.bias is None) == (first.bias is None) and id(m.weight) not in shared
+                   and _format_of(n, cfg) == _format_of(names[0], cfg) for n, m in zip(names, mods)):
+                for n in names:
+                    grouped[n] = names
+    groups, seen = [], set()
+    for name, m in found:
+        if name in seen:
+            continue
+        names = grouped.get(name, [name])
+        seen.update(names)
+        groups.append([(n, by_name[n]) for n in names])
+    return groups
 
 
 def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
@@ -251,14 +367,20 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     native, _ = native_module()
     isa = _isa_name(cfg)
     reports = []
-    for name, m in find_linears(model, inside, cfg.dense_exclude, devices=("cpu", "meta")):
+    found = find_linears(model, inside, cfg.dense_exclude, devices=("cpu", "meta"))
+    seen: dict[int, int] = {}
+    for _, prm in model.named_parameters(remove_duplicate=False):
+        seen[id(prm)] = seen.get(id(prm), 0) + 1
+    groups = fuse_groups(found, cfg, {k for k, n in seen.items() if n > 1}) if cfg.dense_fuse else [[f] for f in found]
+    group_of = {n: group_name([x for x, _ in g]) for g in groups if len(g) > 1 for n, _ in g}
+    for name, m in found:
         fmt = _format_of(name, cfg)
         dt = str(m.weight.dtype).replace("torch.", "")
         header = native.PackedExperts.plan(dt, 1, m.in_features, m.out_features, False, up_bias=m.bias is not None,
                                            isa=isa, weights=fmt, group_size=cfg.group_size, up_only=True)
         reports.append(DenseReport(name, m.out_features, m.in_features, fmt,
                                    _kernel_names(isa, m.weight.dtype, fmt, cfg.qdot)["decode"],
-                                   native.header_info(header)["nbytes"], 0))
+                                   native.header_info(header)["nbytes"], 0, None, group_of.get(name)))
     return reports
 
 
@@ -281,18 +403,25 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
     seen: dict[int, int] = {}
     for _, prm in model.named_parameters(remove_duplicate=False):
         seen[id(prm)] = seen.get(id(prm), 0) + 1
+    shared = {k for k, n in seen.items() if n > 1}
+    groups = fuse_groups(todo, cfg, shared) if cfg.dense_fuse else [[item] for item in todo]
     done, reports = [], []
     try:
-        for name, m in tqdm(todo, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
-                            leave=False, disable=None if len(todo) > 8 else True):
-            fmt = _format_of(name, cfg)
-            runner = NativeLinear(name, m, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store)
-            old = m.__dict__.get("forward", _MISSING)
-            m.forward = types.MethodType(gated(gate, runner.forward), m)
-            done.append((m, runner, old))
-            freed = 0 if cfg.keep_weights or seen.get(id(m.weight), 0) > 1 else runner.release()
-            reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel, runner.nbytes, freed,
-                                       runner.cache_event))
+        for members in tqdm(groups, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
+                            leave=False, disable=None if len(groups) > 8 else True):
+            fmt = _format_of(members[0][0], cfg)
+            runner = NativeLinear(members, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store)
+            for i, (_, m) in enumerate(members):
+                old = m.__dict__.get("forward", _MISSING)
+                m.forward = types.MethodType(gated(gate, runner.forward_of(i)), m)
+                done.append((m, runner, old))
+            keep = set(range(len(members))) if cfg.keep_weights else {
+                i for i, (_, m) in enumerate(members) if id(m.weight) in shared}
+            freed = runner.release(keep)
+            group = runner.name if len(members) > 1 else None
+            for i, (name, m) in enumerate(members):
+                reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel,
+                                           runner.member_bytes(i), freed[i], runner.cache_event, group))
         norm_done, norms, norms_differ = patch_norms(model, cfg, gate, gated)
         done += norm_done
     except BaseException:
@@ -415,12 +544,19 @@ def unpatch(done: list) -> list:
     the layers whose weight could not be restored: those stay patched, running on their packed
     copy, so unpatch can be called again on them."""
     failed = []
+    outcome: dict[int, Exception | None] = {}  # per runner (a group's members share one)
     for item in reversed(done):
         m, runner, old = item
-        try:
-            runner.restore()
-        except Exception as exc:
-            failed.append((item, exc))
+        if id(runner) not in outcome:
+            try:
+                runner.restore()
+                outcome[id(runner)] = None
+            except Exception as exc:
+                outcome[id(runner)] = exc
+        if outcome[id(runner)] is not None:
+            # every member of a group that could not be restored stays patched: their weights
+            # may still be released placeholders
+            failed.append((item, outcome[id(runner)]))
             continue
         if old is _MISSING:
             m.__dict__.pop("forward", None)
