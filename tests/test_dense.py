@@ -30,6 +30,15 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _flip_a_payload_byte(path):
+    """Corrupt a store entry near its end (payload): its checksum no longer matches."""
+    with open(path, "r+b") as f:
+        f.seek(-3, 2)
+        b = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def _logits(model, ids=IDS):
     with torch.inference_mode():
         return model(ids).logits
@@ -117,11 +126,7 @@ def test_unreadable_backup_of_a_dense_layer_is_a_clear_error_and_the_layer_keeps
     store = PackedStore(tmp_path)
     for e in store.entries():
         if e.name.endswith(".original"):
-            with open(store.path_for(e.key, e.name), "r+b") as f:  # flip a payload byte near the end: checksum mismatch
-                f.seek(-3, 2)
-                b = f.read(1)
-                f.seek(-3, 2)
-                f.write(bytes([b[0] ^ 0xFF]))
+            _flip_a_payload_byte(store.path_for(e.key, e.name))
     with pytest.raises(RuntimeError, match="exact backup in the packed-expert store is unreadable"):
         hi_na_moe.disable_for_model(model)
     assert hi_na_moe.is_enabled(model)
@@ -385,11 +390,7 @@ def test_a_fused_group_whose_backup_is_unreadable_stays_patched_as_a_whole(tmp_p
     store = PackedStore(tmp_path)
     for e in store.entries():
         if e.name == "model.layers.0.self_attn.q_proj+k_proj+v_proj.original":
-            with open(store.path_for(e.key, e.name), "r+b") as f:
-                f.seek(-3, 2)
-                b = f.read(1)
-                f.seek(-3, 2)
-                f.write(bytes([b[0] ^ 0xFF]))
+            _flip_a_payload_byte(store.path_for(e.key, e.name))
     with pytest.raises(RuntimeError, match="q_proj\\+k_proj\\+v_proj"):
         hi_na_moe.disable_for_model(model)
     attn = model.model.layers[0].self_attn
@@ -397,3 +398,28 @@ def test_a_fused_group_whose_backup_is_unreadable_stays_patched_as_a_whole(tmp_p
     assert all("forward" in getattr(attn, n).__dict__ for n in ("q_proj", "k_proj", "v_proj"))
     assert "forward" not in model.model.layers[1].self_attn.k_proj.__dict__  # the rest is restored
     assert _rel(_logits(model, IDS[:, :1]), want) < 0.05
+
+
+def test_static_and_dynamic_kv_caches_decode_alike_under_scope_all():
+    # benchmarks/bench_long_context.py recommends StaticCache for long contexts: the same tokens
+    from transformers import DynamicCache, StaticCache
+
+    model = _olmoe()
+    hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache=False)
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(1))
+    try:
+        runs = {}
+        with torch.inference_mode():
+            for kind in ("dynamic", "static"):
+                cache = (DynamicCache(config=model.config) if kind == "dynamic"
+                         else StaticCache(config=model.config, max_cache_len=60))
+                out = model(ids, past_key_values=cache, use_cache=True)
+                logits = [out.logits[:, -1]]
+                for _ in range(8):
+                    out = model(logits[-1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+                    logits.append(out.logits[:, -1])
+                runs[kind] = torch.stack(logits).float()
+        assert torch.equal(runs["dynamic"].argmax(-1), runs["static"].argmax(-1))
+        assert _rel(runs["static"], runs["dynamic"]) < 1e-2
+    finally:
+        hi_na_moe.disable_for_model(model)

@@ -1,0 +1,95 @@
+"""Decode at long context: what the KV cache costs per step, with transformers' DynamicCache and StaticCache.
+
+A decode step at N tokens of context reads the KV cache once for attention (2 x layers x
+kv_heads x head_dim x N values); transformers' DynamicCache also grows its tensors with
+torch.cat at every step, which copies the whole cache (read + write) once more. StaticCache
+writes the new token in place (index_copy_) into tensors allocated for max_cache_len.
+
+For each context length: a random prompt of N tokens in one prefill forward (untimed), then
+--steps greedy decode steps (each one forward of one token), timed; the attention modules'
+time inside each step is taken with forward hooks (their whole time: projections, RoPE, the
+cache update and the attention math). The cache kinds alternate in order per context. The model
+is loaded once (hi_na_moe.from_pretrained from a warm store, or plain transformers with
+--weights native). StaticCache gets max_cache_len = N + --steps + 1.
+
+    python benchmarks/bench_long_context.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --scope all \\
+        --dense-lossless "" --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--weights", default="int4", choices=("native", "lossless", "int8", "int4"))
+    ap.add_argument("--scope", default="all", choices=("experts", "all"))
+    ap.add_argument("--dense-lossless", default="lm_head")
+    ap.add_argument("--cache-dir", help="the store of --weights (hi_na_moe)")
+    ap.add_argument("--contexts", default="512,2048,4096", help="comma list of context lengths (prompt tokens)")
+    ap.add_argument("--caches", default="dynamic,static")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+    import hi_na_moe
+
+    torch.set_num_threads(args.threads)
+    if args.weights == "native":
+        model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16)
+    else:
+        if not args.cache_dir:
+            raise SystemExit("--cache-dir is needed with hi_na_moe weights")
+        cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope=args.scope, dense_lossless=args.dense_lossless)
+        model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
+                                          config=cfg)
+    model.eval()
+    conf = model.config
+    attn_time = [0.0]
+    starts: list[float] = []
+    for m in model.modules():
+        if type(m).__name__.endswith("Attention"):
+            m.register_forward_pre_hook(lambda mod, a: starts.append(time.perf_counter()))
+            m.register_forward_hook(lambda mod, a, o: attn_time.__setitem__(0, attn_time[0] + time.perf_counter() - starts.pop()))
+    kv_heads = getattr(conf, "num_key_value_heads", conf.num_attention_heads)
+    head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+    gen = torch.Generator().manual_seed(0)
+    kinds = args.caches.split(",")
+    print(f"# {args.ckpt} | {args.weights} scope {args.scope} | {args.threads} threads | {args.steps} steps per point")
+    print("| context | cache | ms/step (median) | attention ms/step | tok/s | KV bytes read per step (attention) |")
+    print("|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for ci, n in enumerate(int(c) for c in args.contexts.split(",")):
+            ids = torch.randint(300, conf.vocab_size, (1, n), generator=gen)
+            for kind in kinds[ci % len(kinds):] + kinds[: ci % len(kinds)]:
+                if kind == "dynamic":
+                    cache = DynamicCache(config=conf)
+                elif kind == "static":
+                    cache = StaticCache(config=conf, max_cache_len=n + args.steps + 1)
+                else:
+                    raise SystemExit(f"unknown cache kind {kind!r}")
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                nxt = out.logits[:, -1:].argmax(-1)
+                steps, attn = [], []
+                for _ in range(args.steps):
+                    attn_time[0] = 0.0
+                    t = time.perf_counter()
+                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    steps.append(time.perf_counter() - t)
+                    attn.append(attn_time[0])
+                    nxt = out.logits[:, -1:].argmax(-1)
+                med = statistics.median(steps)
+                kv = 2 * conf.num_hidden_layers * kv_heads * head_dim * n * 2
+                print(f"| {n} | {kind} | {1e3 * med:.1f} | {1e3 * statistics.median(attn):.1f} | {1 / med:.2f} "
+                      f"| {kv / 1e6:.0f} MB |", flush=True)
+                del cache, out
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
