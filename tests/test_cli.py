@@ -84,6 +84,15 @@ def test_bench_scope_all(tmp_path, capsys, monkeypatch):
     assert hina["bytes_per_token"] < 0.65 * native["bytes_per_token"]
 
 
+def test_bench_with_a_static_kv_cache(capsys):
+    rc = main(["bench", "--model", "builtin", "--gen-tokens", "4", "--num-iters", "1", "--warmup", "0",
+               "--seq-len", "8", "--kv-cache", "static", "--output", "json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_cache"] == "static" and data["greedy_tokens_identical"] is True
+    assert all(len(r["samples"]["decode_step_s"]) == 3 for r in data["arms"].values())
+
+
 def test_bench_bad_compare_is_a_user_error():
     proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "bench", "--model", "builtin", "--compare", "fast"],
                           capture_output=True, text=True)

@@ -344,9 +344,10 @@ def _pct(values: list[float], q: float) -> float:
     return s[max(0, -(-int(q * len(s) * 100) // 100) - 1)] if s else float("nan")
 
 
-def _timed_generate(model, ids, n):
+def _timed_generate(model, ids, n, kv_cache: str = "dynamic"):
     """Greedy generation of exactly n tokens; returns (tokens, prefill+first-token seconds,
-    per-token decode latencies) using a logits processor as the per-step clock."""
+    per-token decode latencies) using a logits processor as the per-step clock. kv_cache:
+    "dynamic" (transformers' default cache) or "static" (a StaticCache, preallocated)."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -359,8 +360,9 @@ def _timed_generate(model, ids, n):
 
     t0 = time.perf_counter()
     with torch.inference_mode():
+        extra = {"cache_implementation": "static"} if kv_cache == "static" else {}
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             logits_processor=LogitsProcessorList([Clock()]))
+                             logits_processor=LogitsProcessorList([Clock()]), **extra)
     return out, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
@@ -427,11 +429,11 @@ def cmd_bench(args) -> int:
         _peak_rss_reset()
         bar.set_postfix_str(arm)
         for _ in range(args.warmup):
-            _timed_generate(model, ids, 2)
+            _timed_generate(model, ids, 2, args.kv_cache)
             bar.update()
         prefill, decode, outs = [], [], []
         for _ in range(args.num_iters):
-            out, pre, lat = _timed_generate(model, ids, args.gen_tokens)
+            out, pre, lat = _timed_generate(model, ids, args.gen_tokens, args.kv_cache)
             bar.update()
             prefill.append(pre)
             decode += lat
@@ -464,13 +466,14 @@ def cmd_bench(args) -> int:
         same = bool(torch.equal(tokens["native"], tokens["hina"]))
     data = {"model": str(path), "dtype": plan["dtype"], "threads": threads, "batch_size": args.batch_size,
             "seq_len": args.seq_len, "gen_tokens": args.gen_tokens, "num_iters": args.num_iters,
-            "machine_read_bandwidth_gbs": bw, "active_bytes_per_token": active,
+            "kv_cache": args.kv_cache, "machine_read_bandwidth_gbs": bw, "active_bytes_per_token": active,
             "greedy_tokens_identical": same, "arms": results}
     if args.output == "json":
         print(json.dumps(data, indent=2))
     else:
         print(f"model {path} ({plan['dtype']}), batch {args.batch_size}, prompt {args.seq_len}, "
-              f"{args.gen_tokens} new tokens x {args.num_iters}, {threads} threads; machine read bandwidth "
+              f"{args.gen_tokens} new tokens x {args.num_iters}, {args.kv_cache} KV cache, {threads} threads; "
+              f"machine read bandwidth "
               f"{bw:.1f} GB/s; {active / 1e9:.3f} GB read per decode token" if bw and active else "")
         print("| arm | kernels | pp t/s | tg t/s | avg ms | p50 ms | p95 ms | p99 ms | GB/s | bw util % | peak RSS GiB | speedup tg |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -575,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="int4 group size (default 64)")
     p.add_argument("--scope", choices=("experts", "all"), default=None,
                    help="'all' also runs the dense linear layers on the kernels (default: the config's, 'experts')")
+    p.add_argument("--kv-cache", choices=("dynamic", "static"), default="dynamic",
+                   help="transformers' KV cache for generate: dynamic (its default) or static (preallocated; "
+                        "much faster at long --seq-len, see README 'Performance')")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--json-file", help="also write the full results, raw samples included, here")
     p.set_defaults(func=cmd_bench)
