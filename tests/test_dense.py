@@ -201,8 +201,9 @@ def test_inspect_model_plans_the_dense_layers_without_packing():
     assert fmt["lm_head"] == "lossless" and fmt["model.layers.0.self_attn.q_proj"] == "int4"
     enabled = hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache=False)
     try:  # the plan is what enable then does, bytes and kernels included
-        assert [(d.name, d.weights, d.kernel, d.packed_bytes) for d in rep.dense] == \
-               [(d.name, d.weights, d.kernel, d.packed_bytes) for d in enabled.dense]
+        assert [(d.name, d.weights, d.kernel, d.packed_bytes, d.group) for d in rep.dense] == \
+               [(d.name, d.weights, d.kernel, d.packed_bytes, d.group) for d in enabled.dense]
+        assert rep.dense[0].group == "model.layers.0.self_attn.q_proj+k_proj+v_proj"
     finally:
         hi_na_moe.disable_for_model(model)
     assert "would run on native kernels" in str(rep)
