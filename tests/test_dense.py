@@ -424,3 +424,47 @@ def test_static_and_dynamic_kv_caches_decode_alike_under_scope_all():
         assert _rel(runs["static"], runs["dynamic"]) < 1e-2
     finally:
         hi_na_moe.disable_for_model(model)
+
+
+def test_training_through_fused_groups_with_kept_weights_gives_native_gradients():
+    native, model = _olmoe().train(), _olmoe().train()
+    labels = IDS
+    native(IDS, labels=labels).loss.backward()
+    hi_na_moe.enable_for_model(model, scope="all", keep_weights=True)
+    try:
+        model(IDS, labels=labels).loss.backward()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            g = getattr(model.model.layers[0].self_attn, name).weight.grad
+            want = getattr(native.model.layers[0].self_attn, name).weight.grad
+            assert g is not None and _rel(g, want) < 5e-2, name
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_siblings_that_differ_in_bias_are_not_fused():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    # hidden 512, 2 of 4 heads for k/v: k_proj is 256 x 512, above the 64 Ki-weight minimum
+    cfg = Qwen2MoeConfig(hidden_size=512, intermediate_size=512, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(cfg).eval().to(torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None  # qkv biases
+    want = _logits(model)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        group = {d.name: d.group for d in rep.dense}
+        # q/k/v with biases and GQA (k/v narrower than q): one group; the shared expert's gate/up too
+        assert group["model.layers.0.self_attn.k_proj"] == "model.layers.0.self_attn.q_proj+k_proj+v_proj"
+        assert group["model.layers.0.mlp.shared_expert.up_proj"] == "model.layers.0.mlp.shared_expert.gate_proj+up_proj"
+        assert _rel(_logits(model), want) < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+    attn.k_proj.bias = None  # now k differs from q and v in bias presence: not fused
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert {d.group for d in rep.dense if d.name.endswith(("q_proj", "k_proj", "v_proj"))} == {None}
+    finally:
+        hi_na_moe.disable_for_model(model)
