@@ -166,12 +166,16 @@ def test_tied_lm_head_is_run_but_never_released():
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_shared_experts_run_on_the_kernels():
-    cfg = Qwen2MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+def _qwen2moe(hidden=256, kv_heads=4):
+    cfg = Qwen2MoeConfig(hidden_size=hidden, intermediate_size=512, moe_intermediate_size=64,
                          shared_expert_intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=300, num_experts=4, num_experts_per_tok=2)
+                         num_key_value_heads=kv_heads, vocab_size=300, num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
-    model = Qwen2MoeForCausalLM(cfg).eval().to(torch.bfloat16)
+    return Qwen2MoeForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+def test_shared_experts_run_on_the_kernels():
+    model = _qwen2moe()
     want = _logits(model)
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -442,14 +446,8 @@ def test_training_through_fused_groups_with_kept_weights_gives_native_gradients(
 
 
 def test_siblings_that_differ_in_bias_are_not_fused():
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
     # hidden 512, 2 of 4 heads for k/v: k_proj is 256 x 512, above the 64 Ki-weight minimum
-    cfg = Qwen2MoeConfig(hidden_size=512, intermediate_size=512, moe_intermediate_size=64,
-                         shared_expert_intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = Qwen2MoeForCausalLM(cfg).eval().to(torch.bfloat16)
+    model = _qwen2moe(hidden=512, kv_heads=2)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.bias is not None  # qkv biases
     want = _logits(model)
