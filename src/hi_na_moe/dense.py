@@ -91,10 +91,7 @@ class NativeLinear:
         self.name = group_name([n for n, _ in members])
         self.weights, self.threads = weights, threads
         self.isa, self.group_size = isa, group_size
-        ws = [m.weight.detach() for m in self.modules]
-        w = torch.cat(ws).contiguous() if len(ws) > 1 else ws[0].contiguous()
-        bs = [m.bias.detach() for m in self.modules if m.bias is not None]
-        b = None if not bs else (torch.cat(bs).contiguous() if len(bs) > 1 else bs[0].contiguous())
+        w, b = self._stacked()
         self.bounds = []  # (start row, end row) of each member's outputs
         row = 0
         for m in self.modules:
@@ -121,6 +118,14 @@ class NativeLinear:
         self._hooks: list = []
         self._lock = threading.Lock()
         self._outs = None  # a group's outputs not yet taken: [input, its version, outputs, taken]
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The members' weights (and biases, if they have them) stacked by rows, contiguous."""
+        ws = [m.weight.detach() for m in self.modules]
+        bs = [m.bias.detach() for m in self.modules if m.bias is not None]
+        w = torch.cat(ws) if len(ws) > 1 else ws[0].contiguous()
+        b = None if not bs else (torch.cat(bs) if len(bs) > 1 else bs[0].contiguous())
+        return w, b
 
     def member_bytes(self, i: int) -> int:
         """Member i's share of the packed bytes (by rows; the shares add up to nbytes)."""
@@ -253,10 +258,7 @@ class NativeLinear:
         if self.weights != "lossless":
             if self.store is None:
                 return freed
-            ws = [m.weight.detach() for m in self.modules]
-            w = torch.cat(ws).contiguous() if len(ws) > 1 else ws[0].contiguous()
-            bs = [m.bias.detach() for m in self.modules if m.bias is not None]
-            b = None if not bs else (torch.cat(bs).contiguous() if len(bs) > 1 else bs[0].contiguous())
+            w, b = self._stacked()
             backup = self.name + ".original"
             _, entry, _ = self._from_store(w, b, "lossless", backup)
             entry.close()
