@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import OlmoeConfig
 
@@ -25,6 +26,27 @@ def test_olmoe_1b_7b_bytes_per_token(tmp_path):
     assert len(report.blocks) == 16 and report.dry_run
     # planned on the meta device: nothing was read, yet the kernels that would run are named
     assert all(b.status == "accelerated" for b in report.blocks), [b.reason for b in report.blocks]
+
+
+def test_format_table_has_scope_all_rows(tmp_path):
+    from hi_na_moe.hardware import native_kernels_available
+    from hi_na_moe.plan import format_table
+
+    if not native_kernels_available():
+        pytest.skip("the packed sizes come from the native planner")
+    cfg = OlmoeConfig(intermediate_size=1024)
+    cfg.dtype = torch.bfloat16
+    cfg.save_pretrained(tmp_path)
+    rows = {r["weights"]: r for r in format_table(model_plan(tmp_path, bandwidth_gbs=25.0), 25.0)}
+    assert set(rows) == {"lossless", "int8", "int8, scope all", "int4-g64", "int4-g64, scope all"}
+    # OLMoE-1B-7B, int4 with scope all: 64 attention projections in int4 (0.54 GB of bf16 ->
+    # ~0.15 GB), lm_head kept bf16 (0.21 GB), routed experts ~0.45 GB: ~0.80 GB per token
+    # (bench_full_model.py measured 0.798 GB/token for this arm with dense_lossless=lm_head)
+    all4, exp4 = rows["int4-g64, scope all"], rows["int4-g64"]
+    assert all4["scope"] == "all" and exp4["scope"] == "experts"
+    assert abs(all4["active_bytes_per_token"] / 1e9 - 0.798) < 0.005
+    assert exp4["active_bytes_per_token"] - all4["active_bytes_per_token"] > 0.35e9
+    assert all4["roofline_decode_tokens_per_s"] > exp4["roofline_decode_tokens_per_s"]
 
 
 def test_system_info_without_bandwidth():

@@ -102,7 +102,7 @@ def cmd_check(args) -> int:
             raise UserError(f"{args.model!r} is not a model directory (no config.json)",
                             "pass the directory written by save_pretrained")
         try:
-            plan = model_plan(path, bw["best"] if bw else None)
+            plan = model_plan(path, bw["best"] if bw else None, args.group_size)
         except (ValueError, OSError) as exc:
             raise UserError(f"cannot build {args.model!r} from its config: {exc}") from None
         report = plan["report"]
@@ -156,7 +156,8 @@ def cmd_check(args) -> int:
                 line += f" -> roofline {m['roofline_decode_tokens_per_s']:.1f} tokens/s at {bw['best']:.1f} GB/s"
             print(line)
         if m.get("formats"):
-            print("per expert format (packed bytes, scales included; hi_na_moe.from_pretrained loads without the bf16 copy):")
+            print("per expert format (packed bytes, scales included; hi_na_moe.from_pretrained loads without the bf16 copy; "
+                  "'scope all': the dense layers in that format too, except dense_lossless (default lm_head)):")
             print("  | weights | experts | RAM when enabled | read per decode token | roofline tokens/s |")
             for f in m["formats"]:
                 roof = f"{f['roofline_decode_tokens_per_s']:.1f}" if f.get("roofline_decode_tokens_per_s") else "-"
@@ -393,7 +394,7 @@ def cmd_bench(args) -> int:
     model, _ = _load(path, args.dtype)
     bw = _bandwidth(threads)
     bw = bw if bw == bw else None  # NaN: no native library
-    plan = plan_for_model(model, bw)
+    plan = plan_for_model(model, bw, args.group_size)
     if not plan["report"].blocks:
         raise UserError(f"no MoE block found in {str(path)!r}", "bench compares MoE acceleration; is this an MoE model?")
     g = torch.Generator().manual_seed(0)
@@ -403,7 +404,9 @@ def cmd_bench(args) -> int:
     if args.weights != "lossless":
         from hi_na_moe.plan import format_table
 
-        row = next((f for f in format_table(plan, bw, args.group_size) if f["weights"].startswith(args.weights)), None)
+        # the experts-only row: with scope="all" the enabled report's dense layers are added below
+        row = next((f for f in format_table(plan, bw, args.group_size)
+                    if f["weights"].startswith(args.weights) and f["scope"] == "experts"), None)
         active_hina = row["active_bytes_per_token"] if row else None
     else:
         active_hina = active

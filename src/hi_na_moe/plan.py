@@ -39,7 +39,9 @@ def packed_expert_bytes(block, weights: str, group_size: int = 64) -> int | None
 
 
 def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: int = 64) -> list[dict[str, Any]]:
-    """Per expert format: expert bytes, bytes read per decode token, roofline tokens/s."""
+    """Per expert format: expert bytes, bytes read per decode token, roofline tokens/s; for
+    int8/int4 also a row with scope="all" (the dense layers in that format too, as planned by
+    plan_for_model's `dense_scope_all`; lm_head stays lossless by default)."""
     report, k = plan["report"], plan["top_k"]
     dense_active = (plan["active_bytes_per_token"] or 0) - sum(
         (b.expert_bytes or 0) * k / b.experts for b in report.blocks if b.experts) if k else None
@@ -50,15 +52,25 @@ def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: 
             continue
         experts = sum(n for _, n in sizes)
         active = None if dense_active is None else dense_active + sum(n * k / b.experts for b, n in sizes)
-        rows.append({"weights": weights if weights != "int4" else f"int4-g{group_size}", "expert_bytes": experts,
-                     "ram_estimate_bytes": plan["dense_bytes"] + experts,
-                     "active_bytes_per_token": active,
-                     "roofline_decode_tokens_per_s": bandwidth_gbs * 1e9 / active if bandwidth_gbs and active else None})
+        label = weights if weights != "int4" else f"int4-g{group_size}"
+        variants = [("experts", label, 0)]
+        dense = (plan.get("dense_scope_all") or {}).get(weights)
+        if weights != "lossless" and dense and dense["layers"]:
+            # the packed dense layers are read instead of the model's own (their originals are
+            # released, backed up in the store)
+            variants.append(("all", f"{label}, scope all", dense["packed_bytes"] - dense["own_bytes"]))
+        for scope, name, delta in variants:
+            act = None if active is None else active + delta
+            rows.append({"weights": name, "scope": scope, "expert_bytes": experts,
+                         "ram_estimate_bytes": plan["dense_bytes"] + experts + delta,
+                         "active_bytes_per_token": act,
+                         "roofline_decode_tokens_per_s": bandwidth_gbs * 1e9 / act if bandwidth_gbs and act else None})
     return rows
 
 
-def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None) -> dict[str, Any]:
-    """Blocks, bytes and roofline of an (already built, possibly meta) causal LM."""
+def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None, group_size: int = 64) -> dict[str, Any]:
+    """Blocks, bytes and roofline of an (already built, possibly meta) causal LM; with the
+    native library also what scope="all" would pack per format (`dense_scope_all`)."""
     config = model.config
     report = inspect_model(model)
     dtype = next(model.parameters()).dtype
@@ -80,10 +92,20 @@ def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None) -
     }
     if bandwidth_gbs and active:
         plan["roofline_decode_tokens_per_s"] = bandwidth_gbs * 1e9 / active
+    from .hardware import native_module
+
+    if native_module()[0] is not None:
+        # per format: the dense layers scope="all" would take, their own and their packed bytes
+        plan["dense_scope_all"] = {}
+        for weights in ("int8", "int4"):
+            dense = inspect_model(model, scope="all", weights=weights, group_size=group_size).dense
+            plan["dense_scope_all"][weights] = {
+                "layers": len(dense), "own_bytes": sum(d.out_features * d.in_features for d in dense) * dtype.itemsize,
+                "packed_bytes": sum(d.packed_bytes for d in dense)}
     return plan
 
 
-def model_plan(path: str | Path, bandwidth_gbs: float | None = None) -> dict[str, Any]:
+def model_plan(path: str | Path, bandwidth_gbs: float | None = None, group_size: int = 64) -> dict[str, Any]:
     """plan_for_model for the model in `path`, built on the meta device from its config alone,
     in its own dtype (lossless): no weight is read."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -94,4 +116,4 @@ def model_plan(path: str | Path, bandwidth_gbs: float | None = None) -> dict[str
         dtype = getattr(torch, dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return plan_for_model(model, bandwidth_gbs)
+    return plan_for_model(model, bandwidth_gbs, group_size)
