@@ -78,8 +78,8 @@ class NativeLinear:
     replacement forwards, release, restore.
 
     A group runs as one kernel call: the first member called with an input computes every
-    member's output, and each other member called with that same tensor (the same object, not
-    modified in place since) takes its output from there, once. Any other call computes the
+    member's output, and each other member called with that same tensor (the same object at the
+    same address, holding the same bytes) takes its output from there, once. Any other call computes the
     group for its own input, so a model that feeds the members different inputs gets correct
     (if slower) results. The outputs are bit-identical to one call per layer: each output row
     is its own dot product over the input, accumulated in the same order."""
@@ -117,7 +117,7 @@ class NativeLinear:
         self._released: list[tuple] = []  # (member index, shape, stride) of released weights
         self._hooks: list = []
         self._lock = threading.Lock()
-        self._outs = None  # a group's outputs not yet taken: [input, its version, outputs, taken]
+        self._outs = None  # a group's outputs not all taken: [input, its address, its bytes, outputs, taken]
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The members' weights (and biases, if they have them) stacked by rows, contiguous."""
