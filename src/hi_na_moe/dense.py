@@ -194,7 +194,7 @@ class NativeLinear:
             self.bound.linear(x.data_ptr(), x.numel() // self.in_features, out.data_ptr(),
                               self.threads or torch.get_num_threads())
             return out
-        return self._forward_general(0, module, x)
+        return self._forward_general(module, x)
 
     def _member_forward(self, i: int, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # the same input as the group's last computation: the same tensor object, at the same
@@ -223,7 +223,7 @@ class NativeLinear:
                 self._outs = [x, ptr, ctypes.string_at(ptr, nbytes), outs, taken]
         return outs[i]
 
-    def _forward_general(self, i: int, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def _forward_general(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """Everything forward()'s first branch does not take: training with autograd, other
         dtypes, strided or lazily negated inputs, wrong shapes and devices (errors)."""
         if module.training and torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
@@ -232,8 +232,9 @@ class NativeLinear:
                     f"hi_na_moe: gradients are requested through {self.name!r}, a linear layer packed for the "
                     "native kernels (scope='all') with its weight released; disable_for_model(model) first, or "
                     "enable with scope='experts' to train")
-            # (a group: every member's own F.linear, stacked, so that _member_forward slices it)
-            return torch.cat([torch.nn.functional.linear(x, m.weight, m.bias) for m in self.modules], dim=-1)
+            # a group: every member's own F.linear, stacked, so that _member_forward slices it
+            outs = [torch.nn.functional.linear(x, m.weight, m.bias) for m in self.modules]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"hi_na_moe: {self.name}: input has shape {tuple(x.shape)}; the layer takes "
                              f"[..., {self.in_features}]")
