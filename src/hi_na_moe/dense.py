@@ -361,6 +361,14 @@ def fuse_groups(found: list[tuple[str, nn.Linear]], cfg, shared: set[int]) -> li
     return groups
 
 
+def _shared_params(model: nn.Module) -> set[int]:
+    """ids of the parameters that more than one module holds (tied lm_head and embeddings)."""
+    seen: dict[int, int] = {}
+    for _, prm in model.named_parameters(remove_duplicate=False):
+        seen[id(prm)] = seen.get(id(prm), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
 def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     """What patch() would do, without packing (inspect_model): the layers, their format, the
     decode kernel and the packed bytes (from the planner: works on the meta device too)."""
@@ -371,10 +379,7 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     isa = _isa_name(cfg)
     reports = []
     found = find_linears(model, inside, cfg.dense_exclude, devices=("cpu", "meta"))
-    seen: dict[int, int] = {}
-    for _, prm in model.named_parameters(remove_duplicate=False):
-        seen[id(prm)] = seen.get(id(prm), 0) + 1
-    groups = fuse_groups(found, cfg, {k for k, n in seen.items() if n > 1}) if cfg.dense_fuse else [[f] for f in found]
+    groups = fuse_groups(found, cfg, _shared_params(model)) if cfg.dense_fuse else [[f] for f in found]
     group_of = {n: group_name([x for x, _ in g]) for g in groups if len(g) > 1 for n, _ in g}
     for name, m in found:
         fmt = _format_of(name, cfg)
@@ -403,10 +408,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
 
         store = PackedStore(cfg.store_root())
     # a weight shared with another module (tied lm_head / embeddings) is never released
-    seen: dict[int, int] = {}
-    for _, prm in model.named_parameters(remove_duplicate=False):
-        seen[id(prm)] = seen.get(id(prm), 0) + 1
-    shared = {k for k, n in seen.items() if n > 1}
+    shared = _shared_params(model)
     groups = fuse_groups(todo, cfg, shared) if cfg.dense_fuse else [[item] for item in todo]
     done, reports = [], []
     try:
