@@ -775,11 +775,9 @@ NB_MODULE(_native, m) {
           check_array("x", x, {rows, n});
           check_array("weight", w, {n});
           check_array("out", out, {rows, n});
-          hina::DType dt;
-          if (x.dtype() == nb::dtype<float>()) dt = hina::DType::kF32;
-          else if (x.dtype() == kBf16) dt = hina::DType::kBF16;
-          else if (x.dtype() == kF16) dt = hina::DType::kF16;
-          else bad("x has dtype " + dtype_str(x.dtype()) + ", expected float32, bfloat16 or float16");
+          const std::optional<hina::DType> dto = to_dtype(x.dtype());
+          if (!dto) bad("x has dtype " + dtype_str(x.dtype()) + ", expected float32, bfloat16 or float16");
+          const hina::DType dt = *dto;
           check_dtype("weight", w, x.dtype(), " (x's dtype)");
           check_dtype("out", out, x.dtype(), " (x's dtype)");
           if (!(eps >= 0.f)) bad("eps must be >= 0");
