@@ -43,7 +43,7 @@ def classify(name: str, module) -> str | None:
     kind = type(module).__name__
     if isinstance(module, nn.Linear):
         return "linear"
-    if name.endswith(".experts") or name.endswith(".mlp.experts"):
+    if name.endswith(".experts"):
         return "experts"
     if kind.endswith("Attention"):
         return "attention"
