@@ -17,7 +17,8 @@ every module of these kinds (exclusive time: a part's children are subtracted fr
 
 --ab-norms (with --scope all): the RMSNorm modules alternate, four steps at a time, between
 hi_na_moe's native RMSNorm and their own forward, and the table is printed for each arm (an
-in-process A/B: the machine's drift hits both alike).
+in-process A/B: the machine's drift hits both alike). --ab-routers: the same for the routers
+(their logits on the native kernel, or their own forward with F.linear).
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -66,6 +67,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--ab-norms", action="store_true", help="alternate native / PyTorch RMSNorm (scope all)")
+    ap.add_argument("--ab-routers", action="store_true", help="alternate native / PyTorch router logits (scope all)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -111,19 +113,23 @@ def main() -> int:
             m.register_forward_hook(post)
             counted[part] += 1
 
-    arms = ["native norms", "PyTorch norms"] if args.ab_norms else [""]
-    norm_forwards = {}
-    if args.ab_norms:
+    kind = "norms" if args.ab_norms else "routers" if args.ab_routers else None
+    if args.ab_norms and args.ab_routers:
+        raise SystemExit("--ab-norms and --ab-routers: one A/B at a time")
+    arms = [f"native {kind}", f"PyTorch {kind}"] if kind else [""]
+    small_forwards = {}
+    if kind:
         if args.scope != "all":
-            raise SystemExit("--ab-norms needs --scope all")
+            raise SystemExit(f"--ab-{kind} needs --scope all")
         mods = dict(model.named_modules())
-        norm_forwards = {mods[n]: mods[n].__dict__["forward"] for n in hi_na_moe.report_for(model).norms}
-        if not norm_forwards:
-            raise SystemExit("--ab-norms: no RMSNorm module runs on the native kernel in this model")
+        rep = hi_na_moe.report_for(model)
+        small_forwards = {mods[n]: mods[n].__dict__["forward"] for n in getattr(rep, kind)}
+        if not small_forwards:
+            raise SystemExit(f"--ab-{kind}: none of this model's {kind} runs on the native kernel")
 
     def use_arm(arm: str) -> None:
-        for m, fwd in norm_forwards.items():
-            if arm == "native norms":
+        for m, fwd in small_forwards.items():
+            if arm.startswith("native"):
                 m.forward = fwd
             else:
                 m.__dict__.pop("forward", None)

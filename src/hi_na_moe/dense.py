@@ -12,6 +12,12 @@ block's experts and not matched by `dense_exclude`, with at least 64 Ki weights 
 such as a shared expert's 1-output gate, have no bytes worth a kernel call). Layers matched by
 `dense_lossless` (default "lm_head") stay in the model's own dtype when `weights` is int8/int4.
 Patterns are fnmatch patterns on the module's name in the model ("lm_head", "*.self_attn.*").
+Linears that compute MoE routing (inside a router or gate module, see routing_linears) are
+always lossless.
+
+Small modules, for decode-sized inputs: RMSNorms (NativeNorm below) and the routers' logits
+(hi_na_moe.routers) run on native kernels too, each only after a probe shows the module computes
+what the replacement does; the report names those left to PyTorch.
 
 Memory and the store: a lossless layer is packed in memory, its own weight released (a
 zero-byte placeholder) and rebuilt bit-exactly from the packed copy by disable and by
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import fnmatch
+import re
 import threading
 import types
 from dataclasses import dataclass
@@ -54,9 +61,27 @@ def _matches(name: str, patterns: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p.strip()) for p in patterns.split(",") if p.strip())
 
 
-def _format_of(name: str, cfg) -> str:
-    """The weight format the dense layer `name` runs in under `cfg`."""
-    return "lossless" if cfg.weights == "lossless" or _matches(name, cfg.dense_lossless) else cfg.weights
+def _format_of(name: str, cfg, routing: frozenset[str] = frozenset()) -> str:
+    """The weight format the dense layer `name` runs in under `cfg`; `routing` (routing_linears)
+    are always lossless."""
+    if cfg.weights == "lossless" or name in routing or _matches(name, cfg.dense_lossless):
+        return "lossless"
+    return cfg.weights
+
+
+_ROUTING_CLASS = re.compile(r"Router|(Gate|Gating)$")
+
+
+def routing_linears(model: nn.Module) -> frozenset[str]:
+    """Names of the linears that compute MoE routing (inside a module whose class is a router
+    or a gate: DbrxRouter.layer, Gemma4TextRouter.proj, HunYuanMoEV1Gate.wg, ...). Their weights
+    are a few KiB per layer and decide which experts run, so quantising them saves nothing
+    worth a changed routing: they stay lossless whatever `weights` is."""
+    found = set()
+    for name, m in model.named_modules():
+        if _ROUTING_CLASS.search(type(m).__name__):
+            found.update(f"{name}.{n}" if name else n for n, sub in m.named_modules() if type(sub) is nn.Linear)
+    return frozenset(found)
 
 
 def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str,
@@ -330,7 +355,8 @@ def group_name(names: list[str]) -> str:
     return parent + "+".join(n.rsplit(".", 1)[-1] for n in names)
 
 
-def fuse_groups(found: list[tuple[str, nn.Linear]], cfg, shared: set[int]) -> list[list[tuple[str, nn.Linear]]]:
+def fuse_groups(found: list[tuple[str, nn.Linear]], cfg, shared: set[int],
+                routing: frozenset[str] = frozenset()) -> list[list[tuple[str, nn.Linear]]]:
     """`found` (find_linears) in groups: sibling q/k/v and gate/up projections with the same
     input size, dtype, format and bias presence, none of them tied to another module, become
     one group; every other layer is a group of its own. Module order is kept."""
@@ -348,7 +374,7 @@ def fuse_groups(found: list[tuple[str, nn.Linear]], cfg, shared: set[int]) -> li
             first = mods[0]
             if all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
                    and (m.bias is None) == (first.bias is None) and id(m.weight) not in shared
-                   and _format_of(n, cfg) == _format_of(names[0], cfg) for n, m in zip(names, mods)):
+                   and _format_of(n, cfg, routing) == _format_of(names[0], cfg, routing) for n, m in zip(names, mods)):
                 for n in names:
                     grouped[n] = names
     groups, seen = [], set()
@@ -379,10 +405,11 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     isa = _isa_name(cfg)
     reports = []
     found = find_linears(model, inside, cfg.dense_exclude, devices=("cpu", "meta"))
-    groups = fuse_groups(found, cfg, _shared_params(model)) if cfg.dense_fuse else [[f] for f in found]
+    routing = routing_linears(model)
+    groups = fuse_groups(found, cfg, _shared_params(model), routing) if cfg.dense_fuse else [[f] for f in found]
     group_of = {n: group_name([x for x, _ in g]) for g in groups if len(g) > 1 for n, _ in g}
     for name, m in found:
-        fmt = _format_of(name, cfg)
+        fmt = _format_of(name, cfg, routing)
         dt = str(m.weight.dtype).replace("torch.", "")
         header = native.PackedExperts.plan(dt, 1, m.in_features, m.out_features, False, up_bias=m.bias is not None,
                                            isa=isa, weights=fmt, group_size=cfg.group_size, up_only=True)
@@ -393,9 +420,10 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
 
 
 def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
-    """Pack and patch the linears of scope="all", then the RMSNorms; returns
-    ([(module, runner, old forward)], linear reports, norm names patched, norm names whose probe
-    did not match). On an error, what was patched is undone before it propagates."""
+    """Pack and patch the linears of scope="all", then the RMSNorms and the routers; returns
+    ([(module, runner, old forward)], linear reports, {"norms": (names patched, names whose probe
+    did not match), "routers": (the same)}). On an error, what was patched is undone before it
+    propagates."""
     from tqdm.auto import tqdm
 
     from .ops import _isa_name
@@ -409,12 +437,13 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
         store = PackedStore(cfg.store_root())
     # a weight shared with another module (tied lm_head / embeddings) is never released
     shared = _shared_params(model)
-    groups = fuse_groups(todo, cfg, shared) if cfg.dense_fuse else [[item] for item in todo]
+    routing = routing_linears(model)
+    groups = fuse_groups(todo, cfg, shared, routing) if cfg.dense_fuse else [[item] for item in todo]
     done, reports = [], []
     try:
         for members in tqdm(groups, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
                             leave=False, disable=None if len(groups) > 8 else True):
-            fmt = _format_of(members[0][0], cfg)
+            fmt = _format_of(members[0][0], cfg, routing)
             runner = NativeLinear(members, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store)
             for i, (_, m) in enumerate(members):
                 old = m.__dict__.get("forward", _MISSING)
@@ -427,12 +456,20 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
             for i, (name, m) in enumerate(members):
                 reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel,
                                            runner.member_bytes(i), freed[i], runner.cache_event, group))
-        norm_done, norms, norms_differ = patch_norms(model, cfg, gate, gated)
-        done += norm_done
+        from .routers import NativeRouter, find_routers
+
+        small = {}  # kind -> (names patched, names left to PyTorch)
+        routers, unfit = find_routers(model, cfg.dense_exclude)
+        for kind, found, make, left in (
+                ("norms", find_norms(model, cfg.dense_exclude), NativeNorm, []),
+                ("routers", routers, lambda name, m, fwd: NativeRouter(name, m, fwd, isa, cfg.threads), unfit)):
+            more, names, differ = patch_probed(found, make, gate, gated)
+            done += more
+            small[kind] = (names, sorted(differ + left))
     except BaseException:
         unpatch(done)
         raise
-    return done, reports, norms, norms_differ
+    return done, reports, small
 
 
 _MISSING = object()
@@ -524,14 +561,15 @@ class NativeNorm:
         pass
 
 
-def patch_norms(model: nn.Module, cfg, gate, gated) -> tuple[list, list[str], list[str]]:
-    """Patch the RMSNorm modules whose probe matches; returns (done, patched names, names left
+def patch_probed(found: list[tuple[str, nn.Module]], make, gate, gated) -> tuple[list, list[str], list[str]]:
+    """Patch the small modules of `found` (norms, routers) whose runner `make(name, module, own
+    forward)` says it matches what the module computes; returns (done, patched names, names left
     to PyTorch because their probe did not match)."""
     done, names, differ = [], [], []
     try:
-        for name, m in find_norms(model, cfg.dense_exclude):
+        for name, m in found:
             old = m.__dict__.get("forward", _MISSING)
-            runner = NativeNorm(name, m, m.forward)
+            runner = make(name, m, m.forward)
             if not runner.matches():
                 differ.append(name)
                 continue

@@ -209,6 +209,10 @@ class EnableReport:
     # what the kernel computes (left to PyTorch)
     norms: list = field(default_factory=list)
     norms_differ: list = field(default_factory=list)
+    # scope="all": the routers whose logits run on the native kernel (hi_na_moe.routers), and
+    # those matching no known form (left to PyTorch)
+    routers: list = field(default_factory=list)
+    routers_differ: list = field(default_factory=list)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -230,6 +234,7 @@ class EnableReport:
             "blocks": [asdict(b) for b in self.blocks],
             "dense": [asdict(d) for d in self.dense],
             "norms": list(self.norms), "norms_differ": list(self.norms_differ),
+            "routers": list(self.routers), "routers_differ": list(self.routers_differ),
         }
 
     def to_json(self) -> str:
@@ -279,6 +284,11 @@ class EnableReport:
             left = (f"; {len(self.norms_differ)} left to PyTorch (they compute something else, e.g. "
                     f"{self.norms_differ[0]})" if self.norms_differ else "")
             lines.append(f"  RMSNorm modules on the native kernel for decode-sized inputs: {len(self.norms)}{left}")
+        if self.routers or self.routers_differ:
+            left = (f"; {len(self.routers_differ)} left to PyTorch (no known router form, e.g. "
+                    f"{self.routers_differ[0]})" if self.routers_differ else "")
+            lines.append(f"  routers with their logits on the native kernel for decode-sized inputs: "
+                         f"{len(self.routers)}{left}")
         return "\n".join(lines)
 
 
@@ -505,8 +515,9 @@ def enable_for_model(
 
                 if native_module()[0] is None:
                     raise RuntimeError(f"hi_na_moe: scope='all' needs the native kernels: {native_module()[1]}")
-                dense_done, report.dense, report.norms, report.norms_differ = dense.patch(
-                    model, cfg, gate, [m.module for m, _ in plans], _gated)
+                dense_done, report.dense, small = dense.patch(model, cfg, gate, [m.module for m, _ in plans], _gated)
+                report.norms, report.norms_differ = small["norms"]
+                report.routers, report.routers_differ = small["routers"]
         except BaseException:
             # leave the model exactly as it was (a block that cannot be restored stays enabled,
             # so that disable_for_model can be tried again)

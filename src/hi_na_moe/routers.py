@@ -1,0 +1,235 @@
+"""scope="all": the MoE routers' logits on the native kernel, for decode-sized inputs.
+
+A router (transformers 5.x: the *TopKRouter modules) is one small linear layer, the hidden state
+to a logit per expert, followed by a few small ops (softmax, top-k, renormalisation). On a
+decode step PyTorch's bf16 GEMV for that [experts, hidden] weight is most of the router's time:
+OLMoE-1B-7B's 64 x 2048 router took 140 us a call in a decode step (torch.profiler), 2.2 ms of
+a 43 ms step, for 256 KiB of weights (benchmarks/RESULTS.md, session 7).
+
+Only the linear changes hands. Everything after it must stay what the model computes, the
+order of ties in top-k included, so a router is patched only when one of the known forms
+below, run with F.linear for its logits, reproduces the module's own forward bit for bit on a
+probe. Then that form runs with the logits of hi_na_moe's lossless kernel. The forms, as
+transformers 5.x writes them:
+
+- softmax-topk: softmax in float32 over the logits, the top k, optionally renormalised to
+  sum 1 and optionally cast back to the logits' dtype (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral,
+  MiniMax, Jamba, FlexOlmo);
+- topk-softmax: the top k logits (optionally in float32 first), a softmax over those k,
+  optionally cast to the input's dtype (GPT-OSS, with the router's bias; Granite-MoE; Aria).
+
+Two forms can be the same function up to float32 rounding (a softmax over the top k, and a
+softmax over all renormalised over the top k); when both reproduce a probe the first in the list
+is used, and the two differ at most in the last bit of the scores.
+
+Routers with score-correction buffers, expert groups or sigmoid scores (DeepSeek-V3 and its
+relatives) match neither form and stay PyTorch's; the report names them.
+
+The native logits are the same dot products accumulated in float32 in another order, then
+rounded once: they can differ from F.linear's in the last bit (the probe checks they are within
+that), and an expert whose probability ties with the k-th can then be chosen differently. That
+is the same kind of difference every other scope="all" layer makes, and the reason routers are
+patched under scope="all" only.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTER_MAX_ROWS = 16  # more rows (prefill): the module's own forward, whose GEMM is efficient
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the native logits may differ from F.linear's by this much (relative to the logits' scale):
+# the dtype's rounding of a float32 sum taken in another order
+_LOGIT_RTOL = {torch.float32: 2.0**-16, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+Form = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], tuple]
+
+
+def _softmax_topk(k: int, renorm: bool, cast: bool) -> Form:
+    def run(linear, h):
+        logits = linear(h)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        top, idx = torch.topk(probs, k, dim=-1)
+        if renorm:
+            top /= top.sum(dim=-1, keepdim=True)
+        if cast:
+            top = top.to(logits.dtype)
+        return logits, top, idx
+
+    return run
+
+
+def _topk_softmax(k: int, float_first: bool, cast: bool) -> Form:
+    def run(linear, h):
+        logits = linear(h)
+        if float_first:
+            logits = logits.float()
+        top, idx = torch.topk(logits, k, dim=-1)
+        scores = F.softmax(top, dim=-1)
+        if cast:
+            scores = scores.type_as(h)
+        return logits, scores, idx
+
+    return run
+
+
+def _forms(k: int) -> list[tuple[str, Form]]:
+    """Every variant of the known forms for top-k size k, with its name for the report."""
+    out = []
+    for renorm in (True, False):
+        for cast in (True, False):
+            out.append((f"softmax-topk{', renormalised' if renorm else ''}{', cast' if cast else ''}",
+                        _softmax_topk(k, renorm, cast)))
+    for float_first in (False, True):
+        for cast in (True, False):
+            out.append((f"topk-softmax{', float32 logits' if float_first else ''}{', cast' if cast else ''}",
+                        _topk_softmax(k, float_first, cast)))
+    return out
+
+
+def find_routers(model: nn.Module, exclude: str) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """Router candidates: ([(name, module)], [names of the routers that cannot be one]).
+
+    A candidate is a module (not an nn.Linear, which scope="all" runs as a dense layer) whose
+    class name contains "Router", with a 2-D float `weight` parameter on the CPU, optionally a
+    1-D `bias` of one value per output, and no other parameter or buffer (a score-correction
+    buffer, as in DeepSeek-V3, changes the routing in ways no form here has). What a candidate
+    computes is still checked (NativeRouter.matches)."""
+    from .dense import _matches
+
+    found, unfit = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) or "Router" not in type(m).__name__ or _matches(name, exclude):
+            continue
+        params = dict(m.named_parameters(recurse=True))
+        w, b = params.get("weight"), params.get("bias")
+        if w is None or w.dim() != 2:
+            continue  # not a router with its own logits weight (e.g. one holding an nn.Linear)
+        if (set(params) - {"bias"} != {"weight"} or any(True for _ in m.buffers()) or w.device.type != "cpu"
+                or w.dtype not in _DTYPES or w.numel() == 0
+                or (b is not None and (b.shape != (w.shape[0],) or b.dtype != w.dtype or b.device.type != "cpu"))):
+            unfit.append(name)
+            continue
+        found.append((name, m))
+    return found, unfit
+
+
+def _settings(module: nn.Module) -> tuple:
+    """The module's plain settings (top_k, norm_topk_prob, ...): a form is matched for these
+    values, so a change after enable sends the calls back to the module's own forward."""
+    return tuple((k, v) for k, v in sorted(vars(module).items())
+                 if not k.startswith("_") and k != "training" and type(v) in (bool, int, float, str))
+
+
+_ABSENT = object()
+
+
+class NativeRouter:
+    """One router module whose logits run on the native lossless kernel (decode-sized inputs)."""
+
+    weights = "lossless"
+
+    def __init__(self, name: str, module: nn.Module, original_forward, isa: str = "auto", threads: int = 0):
+        self.name, self.module = name, module
+        self.original = original_forward  # the module's own forward (bound)
+        self.isa, self.threads = isa, threads
+        w = module.weight
+        self.dtype, self.experts, self.hidden = w.dtype, w.shape[0], w.shape[1]
+        self.form: Form | None = None
+        self.form_name: str | None = None
+        self.settings = _settings(module)
+        self._lock = threading.Lock()
+        self._pack(w, getattr(module, "bias", None))
+
+    def _pack(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        """Pack a copy of the weight (and bias): the module keeps its own, so nothing is
+        released or restored. The parameters' version counters tell when they change in place
+        (load_state_dict, copy_) and a new copy is packed."""
+        from .hardware import native_module
+
+        with torch.no_grad():
+            packed = native_module()[0].PackedExperts.pack_linear(
+                w.detach().contiguous(), None if b is None else b.detach().contiguous(), isa=self.isa,
+                num_threads=self.threads, weights="lossless")
+        self.packed, self.bound, self.nbytes = packed, packed.bind(), packed.nbytes
+        self._state = (w, b, w._version, None if b is None else b._version)
+
+    def _unchanged(self, module: nn.Module) -> bool:
+        """Whether the packed copy is the module's current parameters (repacked when they were
+        changed in place or replaced by ones of the same shape) and its settings are the probe's."""
+        w, b = module.weight, getattr(module, "bias", None)
+        pw, pb, vw, vb = self._state
+        if w is not pw or b is not pb or w._version != vw or (b is not None and b._version != vb):
+            if (not isinstance(w, torch.Tensor) or w.shape != (self.experts, self.hidden) or w.dtype is not self.dtype
+                    or not w.is_cpu or (b is not None and (b.shape != (self.experts,) or b.dtype is not self.dtype))):
+                return False
+            with self._lock:
+                self._pack(w, b)
+        d = module.__dict__
+        return all(d.get(k, _ABSENT) == v for k, v in self.settings)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((h.shape[0], self.experts), dtype=self.dtype)
+        self.bound.linear(h.data_ptr(), h.shape[0], out.data_ptr(), self.threads or torch.get_num_threads())
+        return out
+
+    def _reference_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.module.weight, getattr(self.module, "bias", None))
+
+    def _probe(self, rows: int, seed: int) -> torch.Tensor:
+        """Rows at scales from 1e-2 to 1e2: the softmax runs from flat to peaked, and
+        low-precision logits tie."""
+        gen = torch.Generator().manual_seed(seed)
+        scale = torch.logspace(-2, 2, 5).repeat_interleave(-(-rows // 5))[:rows].unsqueeze(1)
+        return (torch.randn(rows, self.hidden, generator=gen) * scale).to(self.dtype)
+
+    def _reproduces(self, candidates: list[tuple[str, Form]], h: torch.Tensor) -> list[tuple[str, Form]]:
+        """The candidates whose output on h is the module's own, bit for bit."""
+        try:
+            want = self.original(h)
+        except Exception:
+            return []
+        if (not isinstance(want, (tuple, list)) or len(want) != 3 or not all(isinstance(t, torch.Tensor) for t in want)
+                or want[2].dim() != 2 or want[2].dtype != torch.int64 or want[0].shape != (h.shape[0], self.experts)):
+            return []
+        out = []
+        for name, form in candidates or _forms(want[2].shape[1]):
+            got = form(self._reference_logits, h)
+            if all(g.dtype == x.dtype and g.shape == x.shape and torch.equal(g, x) for g, x in zip(got, want)):
+                out.append((name, form))
+        return out
+
+    def matches(self) -> bool:
+        """Whether one of the known forms, with F.linear's logits, gives the module's own output
+        bit for bit on a probe, and the native logits are within rounding of F.linear's. Forms
+        that are one function up to float32 rounding can all pass a small probe: a larger one
+        then keeps those that also reproduce it (the first of them is used)."""
+        with torch.no_grad():
+            h = self._probe(40, 11)
+            found = self._reproduces([], h)
+            if len(found) > 1:
+                found = self._reproduces(found, self._probe(2048, 12))
+            if not found:
+                return False
+            self.form_name, self.form = found[0]
+            ref = self._reference_logits(h).float()
+            nat = self._logits(h).float()
+        tol = _LOGIT_RTOL[self.dtype] * ref.abs().amax(dim=-1, keepdim=True)
+        return bool(((nat - ref).abs() <= tol).all())
+
+    def forward(self, module: nn.Module, h: torch.Tensor):
+        # the decode call in few operations (see dense.NativeLinear.forward); anything else, and
+        # a setting changed since the probe, go to the module's own forward
+        if (type(h) is torch.Tensor and h.dim() == 2 and h.dtype is self.dtype and h.shape[1] == self.hidden
+                and h.shape[0] <= ROUTER_MAX_ROWS and h.is_contiguous() and h.is_cpu and not h.requires_grad
+                and not h.is_neg() and not module.training and self._unchanged(module)):
+            return self.form(self._logits, h)
+        return self.original(h)
+
+    def restore(self) -> None:  # the module's parameters were never touched
+        pass

@@ -1,0 +1,209 @@
+"""scope="all" (hi_na_moe.routers): the routers' logits on the native kernel for decode-sized
+inputs. Against the routers' own forwards: which families match a known form, what a patched
+router returns, what goes back to its own forward (prefill, training, changed settings), a
+weight changed in place, the routers left to PyTorch, and the routing linears kept lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import UNBUILDABLE, build_tiny
+from transformers import DbrxConfig, DbrxForCausalLM, OlmoeConfig, OlmoeForCausalLM
+
+import hi_na_moe
+from hi_na_moe import dense, routers
+from hi_na_moe.families import moe_families
+from hi_na_moe.hardware import native_kernels_available
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+
+# family -> the forms its router may match (transformers 5.x), or None: left to PyTorch. GPT-OSS's
+# cast to the input's dtype is a no-op on a bf16 model, so both spellings reproduce it; a softmax
+# over all experts renormalised over the top k also reproduces the small probe on some routers
+# (the same function up to float32 rounding), and the larger probe must rule it out
+EXPECTED = {
+    "olmoe": "softmax-topk, cast", "qwen2_moe": "softmax-topk, cast", "qwen3_moe": "softmax-topk, cast",
+    "mixtral": "softmax-topk, renormalised", "minimax": "softmax-topk, renormalised",
+    "jamba": "softmax-topk, cast", "gpt_oss": ("topk-softmax, cast", "topk-softmax"), "granitemoe": "topk-softmax, float32 logits, cast",
+    "deepseek_v3": None, "glm4_moe": None,
+}
+
+
+def _olmoe(layers=2):
+    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=512, num_experts=16, num_experts_per_tok=4,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+def _runner(model, name):
+    """The NativeRouter behind a patched router module (its forward is the gated runner.forward)."""
+    fwd = dict(model.named_modules())[name].__dict__["forward"]
+    cells = [c.cell_contents for c in fwd.__func__.__closure__ or ()]
+    inner = next(c for c in cells if callable(c) and not isinstance(c, type))
+    return inner.__self__
+
+
+@pytest.mark.parametrize("model_type", [f for f in EXPECTED if f in {x.model_type for x in moe_families()}])
+def test_router_forms_across_families(model_type):
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
+    tiny = build_tiny(model_type, dtype=torch.bfloat16)
+    model = tiny.model
+    candidates, unfit = routers.find_routers(model, "")
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        want = EXPECTED[model_type]
+        if want is None:
+            assert not rep.routers and rep.routers_differ, rep.routers
+            assert "routers with their logits on the native kernel" in str(rep) and "left to PyTorch" in str(rep)
+            return
+        assert rep.routers == [n for n, _ in candidates] and rep.routers and not rep.routers_differ
+        gen = torch.Generator().manual_seed(3)
+        for name in rep.routers:
+            runner = _runner(model, name)
+            assert runner.form_name in (want if isinstance(want, tuple) else (want,))
+            mod = dict(model.named_modules())[name]
+            h = (torch.randn(4, runner.hidden, generator=gen)).bfloat16()
+            with torch.inference_mode():
+                got = mod(h)
+                own = type(mod).forward(mod, h)
+                # the form on the native logits, by hand: the same call, the same bits
+                by_hand = runner.form(runner._logits, h)
+            for g, o, b in zip(got, own, by_hand):
+                assert g.dtype == o.dtype and g.shape == o.shape
+                assert torch.equal(g, b)
+            ref = F.linear(h, mod.weight, getattr(mod, "bias", None)).float()
+            assert ((got[0].float() - ref).abs() <= 2**-7 * ref.abs().amax(-1, keepdim=True)).all()
+            assert torch.allclose(got[1].float(), own[1].float(), rtol=2e-2, atol=2e-3)
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert all("forward" not in dict(model.named_modules())[n].__dict__ for n, _ in candidates)
+
+
+def test_patched_routers_decode_like_the_model_and_leave_prefill_and_training_alone():
+    model = _olmoe()
+    ids = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])
+    with torch.inference_mode():
+        want = model(ids[:, :1]).logits
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.routers == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+        gate = model.model.layers[0].mlp.gate
+        runner = _runner(model, "model.layers.0.mlp.gate")
+        calls = []
+        runner_logits = runner._logits
+        runner._logits = lambda h: calls.append(h.shape[0]) or runner_logits(h)
+        with torch.inference_mode():
+            got = model(ids[:, :1]).logits
+            assert calls == [1]  # decode: the native logits
+            big = torch.randn(routers.ROUTER_MAX_ROWS + 1, 256).bfloat16()
+            for g, o in zip(gate(big), type(gate).forward(gate, big)):  # prefill-sized: its own forward
+                assert torch.equal(g, o)
+            strided = torch.randn(256, 2).bfloat16().t()
+            for g, o in zip(gate(strided), type(gate).forward(gate, strided)):
+                assert torch.equal(g, o)
+        assert calls == [1]
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert rel < 2e-2
+        gate.train()
+        h = torch.randn(1, 256).bfloat16()
+        for g, o in zip(gate(h), type(gate).forward(gate, h)):  # training: its own forward
+            assert torch.equal(g, o)
+        gate.eval()
+        assert calls == [1]
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert "forward" not in model.model.layers[0].mlp.gate.__dict__
+
+
+def test_a_router_weight_changed_in_place_is_repacked_and_a_changed_setting_goes_back_to_its_forward():
+    model = _olmoe(layers=1)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        gate = model.model.layers[0].mlp.gate
+        h = torch.randn(1, 256).bfloat16()
+        with torch.inference_mode():
+            before = gate(h)
+        with torch.no_grad():
+            gate.weight.mul_(-1.0)  # in place: the packed copy is stale now
+        with torch.inference_mode():
+            after = gate(h)
+        assert torch.equal(after[0], -before[0])  # negation is exact in the native dot products too
+        ref = F.linear(h, gate.weight).float()
+        assert ((after[0].float() - ref).abs() <= 2**-7 * ref.abs().amax()).all()
+        # load_state_dict copies into the same parameter: repacked again
+        gate.load_state_dict({"weight": torch.randn(16, 256).bfloat16()})
+        with torch.inference_mode():
+            again = gate(h)
+        ref = F.linear(h, gate.weight).float()
+        assert ((again[0].float() - ref).abs() <= 2**-7 * ref.abs().amax()).all()
+        gate.top_k = 2  # the probe matched k = 4: the module's own forward now
+        with torch.inference_mode():
+            got, own = gate(h), type(gate).forward(gate, h)
+        assert got[2].shape == (1, 2) and all(torch.equal(g, o) for g, o in zip(got, own))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_a_router_of_no_known_form_is_left_to_pytorch_and_named():
+    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+
+    class SigmoidRouter(OlmoeTopKRouter):  # sigmoid scores: neither form
+        def forward(self, hidden_states):
+            logits = F.linear(hidden_states, self.weight)
+            top, idx = torch.topk(logits.float().sigmoid(), self.top_k, dim=-1)
+            return logits, top.to(logits.dtype), idx
+
+    model = _olmoe()
+    old = model.model.layers[1].mlp.gate
+    new = SigmoidRouter(model.config).to(torch.bfloat16)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[1].mlp.gate = new
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.routers == ["model.layers.0.mlp.gate"]
+        assert rep.routers_differ == ["model.layers.1.mlp.gate"]
+        assert "forward" not in new.__dict__
+        assert "1 left to PyTorch (no known router form, e.g. model.layers.1.mlp.gate)" in str(rep)
+        assert rep.to_dict()["routers_differ"] == ["model.layers.1.mlp.gate"]
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_routers_stay_untouched_with_scope_experts_and_when_excluded():
+    model = _olmoe()
+    rep = hi_na_moe.enable_for_model(model)
+    try:
+        assert not rep.routers and "forward" not in model.model.layers[0].mlp.gate.__dict__
+    finally:
+        hi_na_moe.disable_for_model(model)
+    rep = hi_na_moe.enable_for_model(model, scope="all", dense_exclude="*.mlp.gate")
+    try:
+        assert not rep.routers and not rep.routers_differ
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_routing_linears_stay_lossless_when_the_rest_is_quantised(weights):
+    # DBRX's router holds an nn.Linear (DbrxRouter.layer): a dense layer for scope="all", but one
+    # that decides the routing, so it is never quantised
+    cfg = DbrxConfig(d_model=256, n_heads=4, n_layers=1, vocab_size=300, max_seq_len=64,
+                     attn_config={"kv_n_heads": 4, "rope_theta": 10000.0},
+                     ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 256, "moe_top_k": 2})
+    torch.manual_seed(0)
+    model = DbrxForCausalLM(cfg).eval().to(torch.bfloat16)
+    name = "transformer.blocks.0.ffn.router.layer"
+    assert name in dense.routing_linears(model)
+    rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, dense_lossless="", cache=False)
+    try:
+        fmts = {d.name: d.weights for d in rep.dense}
+        assert fmts[name] == "lossless"
+        assert fmts["transformer.blocks.0.norm_attn_norm.attn.out_proj"] == weights
+    finally:
+        hi_na_moe.disable_for_model(model)
+    plan = hi_na_moe.inspect_model(model, scope="all", weights=weights, dense_lossless="")
+    assert {d.name: d.weights for d in plan.dense}[name] == "lossless"
