@@ -18,7 +18,8 @@ every module of these kinds (exclusive time: a part's children are subtracted fr
 --ab-norms (with --scope all): the RMSNorm modules alternate, four steps at a time, between
 hi_na_moe's native RMSNorm and their own forward, and the table is printed for each arm (an
 in-process A/B: the machine's drift hits both alike). --ab-routers: the same for the routers
-(their logits on the native kernel, or their own forward with F.linear).
+(their logits on the native kernel, or their own forward with F.linear); --ab-attention: the
+attention modules (decode steps on the native rotary and attention kernels, or their own forward).
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -68,6 +69,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--ab-norms", action="store_true", help="alternate native / PyTorch RMSNorm (scope all)")
     ap.add_argument("--ab-routers", action="store_true", help="alternate native / PyTorch router logits (scope all)")
+    ap.add_argument("--ab-attention", action="store_true", help="alternate native / PyTorch attention decode (scope all)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -113,9 +115,11 @@ def main() -> int:
             m.register_forward_hook(post)
             counted[part] += 1
 
-    kind = "norms" if args.ab_norms else "routers" if args.ab_routers else None
-    if args.ab_norms and args.ab_routers:
-        raise SystemExit("--ab-norms and --ab-routers: one A/B at a time")
+    kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
+                             ("attention", args.ab_attention)) if on]
+    if len(kinds) > 1:
+        raise SystemExit("--ab-norms, --ab-routers, --ab-attention: one A/B at a time")
+    kind = kinds[0] if kinds else None
     arms = [f"native {kind}", f"PyTorch {kind}"] if kind else [""]
     small_forwards = {}
     if kind:

@@ -800,6 +800,102 @@ NB_MODULE(_native, m) {
         nb::arg("dtype"),
         "rms_norm() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16): "
         "for callers that checked the tensors themselves (hi_na_moe.dense). Wrong addresses crash.");
+  m.def("rope_rotate_half",
+        [](nb::handle x_obj, nb::handle cos_obj, nb::handle sin_obj, nb::handle out_obj) {
+          const InArray x = array_arg<InArray>("x", x_obj);
+          const InArray c = array_arg<InArray>("cos", cos_obj);
+          const InArray sn = array_arg<InArray>("sin", sin_obj);
+          OutArray out = array_arg<OutArray>("out", out_obj);
+          if (x.ndim() != 3) bad("x must have shape [B, heads, D], got " + shape_str(shape_of(x)));
+          const int64_t B = x.shape(0), H = x.shape(1), D = x.shape(2);
+          if (D % 2) bad("x's last dimension D must be even, got " + std::to_string(D));
+          check_array("x", x, {B, H, D});
+          check_array("cos", c, {B, D});
+          check_array("sin", sn, {B, D});
+          check_array("out", out, {B, H, D});
+          const std::optional<hina::DType> dt = to_dtype(x.dtype());
+          if (!dt) bad("x has dtype " + dtype_str(x.dtype()) + ", expected float32, bfloat16 or float16");
+          check_dtype("cos", c, x.dtype(), " (x's dtype)");
+          check_dtype("sin", sn, x.dtype(), " (x's dtype)");
+          check_dtype("out", out, x.dtype(), " (x's dtype)");
+          const char* xb = static_cast<const char*>(x.data());
+          const char* ob = static_cast<const char*>(out.data());
+          const size_t bytes = static_cast<size_t>(B * H * D) * hina::dtype_size(*dt);
+          if (bytes > 0 && ob < xb + bytes && xb < ob + bytes) bad("out must not overlap x");
+          hina::rope_rotate_half(*dt, x.data(), B, H, D, c.data(), sn.data(), out.data());
+        },
+        nb::arg("x").noconvert(), nb::arg("cos").noconvert(), nb::arg("sin").noconvert(), nb::arg("out").noconvert(),
+        "Rotary embedding of x [B, heads, D] at one position per batch row (cos, sin [B, D]) into out, in "
+        "transformers' rotate_half form: out = round(round(x * cos) + round(rotate_half(x) * sin)), each step "
+        "rounded to the dtype as PyTorch's elementwise ops round it.");
+  m.def("rope_rotate_half_raw",
+        [](uintptr_t x, int64_t B, int64_t heads, int64_t D, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype) {
+          hina::rope_rotate_half(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), B, heads, D,
+                                 reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
+                                 reinterpret_cast<void*>(out));
+        },
+        nb::arg("x"), nb::arg("B"), nb::arg("heads"), nb::arg("D"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"),
+        nb::arg("dtype"),
+        "rope_rotate_half() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16), "
+        "for hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+  m.def("attention_decode",
+        [](nb::handle q_obj, nb::handle k_obj, nb::handle v_obj, float scale, nb::handle out_obj, int num_threads,
+           const std::string& isa) {
+          const InArray q = array_arg<InArray>("q", q_obj);
+          const InArray k = array_arg<InArray>("k", k_obj);
+          const InArray v = array_arg<InArray>("v", v_obj);
+          OutArray out = array_arg<OutArray>("out", out_obj);
+          if (q.ndim() != 3) bad("q must have shape [B, Hq, D], got " + shape_str(shape_of(q)));
+          if (k.ndim() != 4) bad("k must have shape [B, Hkv, S, D], got " + shape_str(shape_of(k)));
+          const int64_t B = q.shape(0), Hq = q.shape(1), D = q.shape(2);
+          const int64_t Hkv = k.shape(1), S = k.shape(2);
+          check_array("q", q, {B, Hq, D});
+          check_array("out", out, {B, Hq, D});
+          const std::vector<int64_t> kv_shape{B, Hkv, S, D};
+          for (auto* a : {&k, &v}) {
+            const char* name = a == &k ? "k" : "v";
+            if (shape_of(*a) != kv_shape)
+              bad(std::string(name) + " has shape " + shape_str(shape_of(*a)) + ", expected " + shape_str(kv_shape));
+            if (a->device_type() != nb::device::cpu::value) bad(std::string(name) + " must be a CPU array");
+            if (D > 1 && a->stride(3) != 1) bad(std::string(name) + "'s last dimension must be contiguous");
+            for (int i = 0; i < 3; ++i)
+              if (a->stride(i) < 0) bad(std::string(name) + " must not have negative strides");
+          }
+          if (Hkv < 1 || Hq % Hkv) bad("q's heads (" + std::to_string(Hq) + ") must be a multiple of k's (" +
+                                       std::to_string(Hkv) + ")");
+          if (S < 1) bad("k and v must hold at least one position");
+          const std::optional<hina::DType> dt = to_dtype(q.dtype());
+          if (!dt) bad("q has dtype " + dtype_str(q.dtype()) + ", expected float32, bfloat16 or float16");
+          check_dtype("k", k, q.dtype(), " (q's dtype)");
+          check_dtype("v", v, q.dtype(), " (q's dtype)");
+          check_dtype("out", out, q.dtype(), " (q's dtype)");
+          if (num_threads < 0) bad("num_threads must be >= 0");
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
+          hina::AttnDecodeArgs a{*dt, q.data(), k.data(), v.data(), out.data(), B, Hq, Hkv, S, D,
+                                 {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
+                                 scale};
+          nb::gil_scoped_release release;
+          hina::attention_decode(a, num_threads, tier);
+        },
+        nb::arg("q").noconvert(), nb::arg("k").noconvert(), nb::arg("v").noconvert(), nb::arg("scale"),
+        nb::arg("out").noconvert(), nb::arg("num_threads") = 0, nb::arg("isa") = "auto",
+        "Attention of one query per (batch, head), q [B, Hq, D], over S keys and values k, v [B, Hkv, S, D] "
+        "(any strides but a contiguous last dimension; query head h reads kv head h // (Hq // Hkv)), into out "
+        "[B, Hq, D]: softmax(q . k * scale) . v in float32, rounded once to the dtype.");
+  m.def("attention_decode_raw",
+        [](int dtype, uintptr_t q, int64_t B, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
+           int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0, int64_t vs1, int64_t vs2, float scale,
+           uintptr_t out, int num_threads, const std::string& isa) {
+          hina::AttnDecodeArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(q),
+                                 reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
+                                 reinterpret_cast<void*>(out), B, Hq, Hkv, S, D, {ks0, ks1, ks2}, {vs0, vs1, vs2},
+                                 scale};
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
+          nb::gil_scoped_release release;
+          hina::attention_decode(a, num_threads, tier);
+        },
+        "attention_decode() with raw addresses and element strides, nothing checked (dtype: 0 float32, "
+        "1 bfloat16, 2 float16), for hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {
           hina::BandwidthResult r;

@@ -942,6 +942,90 @@ void test_rms_norm() {
   }
 }
 
+// attention_decode on every tier against a double-precision softmax attention, through strides
+// of a longer cache buffer (StaticCache-like), with grouped-query heads and head sizes with and
+// without a vector build; rope_rotate_half against the same rounding steps in double.
+void test_attention_decode(const std::vector<Isa>& tiers) {
+  if (!selected("attention")) return;
+  std::mt19937 rng(9);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (int64_t D : {16, 64, 72, 128}) {
+      for (int64_t S : {1, 3, 4, 17, 70}) {
+        const int64_t B = 2, Hq = 4, Hkv = 2, Smax = S + 5;
+        const auto q = random_array(dt, B * Hq * D, 1.0f, rng);
+        const auto k = random_array(dt, B * Hkv * Smax * D, 2.0f, rng);
+        const auto v = random_array(dt, B * Hkv * Smax * D, 1.0f, rng);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+        std::vector<double> ref(static_cast<size_t>(B * Hq * D));
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < Hq; ++h) {
+            const int64_t base = (b * Hkv + h / (Hq / Hkv)) * Smax * D;
+            std::vector<double> sc(static_cast<size_t>(S));
+            double mx = -1e300, sum = 0;
+            for (int64_t j = 0; j < S; ++j) {
+              double d = 0;
+              for (int64_t i = 0; i < D; ++i)
+                d += double(load_elem(dt, q.data(), (b * Hq + h) * D + i)) * load_elem(dt, k.data(), base + j * D + i);
+              sc[j] = d * scale;
+              mx = std::max(mx, sc[j]);
+            }
+            for (double& x : sc) sum += (x = std::exp(x - mx));
+            for (int64_t i = 0; i < D; ++i) {
+              double o = 0;
+              for (int64_t j = 0; j < S; ++j) o += sc[j] * load_elem(dt, v.data(), base + j * D + i);
+              ref[(b * Hq + h) * D + i] = o / sum;
+            }
+          }
+        double rmax = 0;
+        for (double r : ref) rmax = std::max(rmax, std::fabs(r));
+        std::vector<Isa> all = tiers;
+        all.insert(all.begin(), Isa::kGeneric);
+        for (Isa isa : all) {
+          for (int threads : {1, 2}) {
+            std::vector<uint8_t> out(static_cast<size_t>(B * Hq * D) * dtype_size(dt), 0xff);
+            AttnDecodeArgs a{dt, q.data(), k.data(), v.data(), out.data(), B, Hq, Hkv, S, D,
+                             {Hkv * Smax * D, Smax * D, D}, {Hkv * Smax * D, Smax * D, D}, scale};
+            attention_decode(a, threads, isa);
+            double worst = 0;
+            for (size_t i = 0; i < ref.size(); ++i)
+              worst = std::max(worst, std::fabs(double(load_elem(dt, out.data(), int64_t(i))) - ref[i]) / rmax);
+            const double lim = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 512;
+            note(std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa), worst);
+            report(worst <= lim, std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa) +
+                                     " D=" + std::to_string(D) + " S=" + std::to_string(S) + ": err " +
+                                     std::to_string(worst));
+          }
+        }
+      }
+    }
+    // rope: every step rounded to the dtype, as PyTorch's elementwise ops round them
+    const int64_t B = 2, H = 3, D = 10;
+    const auto x = random_array(dt, B * H * D, 3.0f, rng);
+    const auto c = random_array(dt, B * D, 1.0f, rng);
+    const auto sn = random_array(dt, B * D, 1.0f, rng);
+    std::vector<uint8_t> out(static_cast<size_t>(B * H * D) * dtype_size(dt));
+    rope_rotate_half(dt, x.data(), B, H, D, c.data(), sn.data(), out.data());
+    std::vector<uint8_t> cell(dtype_size(dt));
+    auto round = [&](double val) {
+      store_elem(dt, cell.data(), 0, static_cast<float>(val));
+      return double(load_elem(dt, cell.data(), 0));
+    };
+    bool same = true;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < D; ++i) {
+          const int64_t r = (b * H + h) * D;
+          const double rot = i < D / 2 ? -double(load_elem(dt, x.data(), r + i + D / 2))
+                                       : double(load_elem(dt, x.data(), r + i - D / 2));
+          // a product of two dtype values is exact in float32 for bf16/f16 (and what float32 rounds)
+          const double a = round(static_cast<float>(double(load_elem(dt, x.data(), r + i)) * load_elem(dt, c.data(), b * D + i)));
+          const double rs = round(static_cast<float>(rot * load_elem(dt, sn.data(), b * D + i)));
+          same = same && round(static_cast<float>(a + rs)) == double(load_elem(dt, out.data(), r + i));
+        }
+    report(same, std::string("rope_rotate_half ") + dtype_name(dt) + ": every step rounded as PyTorch does");
+  }
+}
+
 int main(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--every") == 0 && a + 1 < argc) {
@@ -987,6 +1071,7 @@ int main(int argc, char** argv) {
   test_errors();
   test_linear(all);
   test_rms_norm();
+  test_attention_decode(tiers);
   test_fork_child();
   for (const auto& kv : g_worst)
     std::printf("worst %-48s %-9.3g (%d runs)\n", kv.first.c_str(), kv.second, g_compared[kv.first]);

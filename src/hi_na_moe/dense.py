@@ -420,9 +420,9 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
 
 
 def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
-    """Pack and patch the linears of scope="all", then the RMSNorms and the routers; returns
-    ([(module, runner, old forward)], linear reports, {"norms": (names patched, names whose probe
-    did not match), "routers": (the same)}). On an error, what was patched is undone before it
+    """Pack and patch the linears of scope="all", then the RMSNorms, the routers and the attention
+    modules; returns ([(module, runner, old forward)], linear reports, {"norms": (names patched,
+    names whose probe did not match), "routers": (the same), "attention": (the same)}). On an error, what was patched is undone before it
     propagates."""
     from tqdm.auto import tqdm
 
@@ -456,13 +456,16 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
             for i, (name, m) in enumerate(members):
                 reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel,
                                            runner.member_bytes(i), freed[i], runner.cache_event, group))
+        from .attention import NativeAttention, find_attention
         from .routers import NativeRouter, find_routers
 
         small = {}  # kind -> (names patched, names left to PyTorch)
         routers, unfit = find_routers(model, cfg.dense_exclude)
         for kind, found, make, left in (
                 ("norms", find_norms(model, cfg.dense_exclude), NativeNorm, []),
-                ("routers", routers, lambda name, m, fwd: NativeRouter(name, m, fwd, isa, cfg.threads), unfit)):
+                ("routers", routers, lambda name, m, fwd: NativeRouter(name, m, fwd, isa, cfg.threads), unfit),
+                ("attention", find_attention(model, cfg.dense_exclude),
+                 lambda name, m, fwd: NativeAttention(name, m, fwd, isa, cfg.threads), [])):
             more, names, differ = patch_probed(found, make, gate, gated)
             done += more
             small[kind] = (names, sorted(differ + left))

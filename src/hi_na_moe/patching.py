@@ -213,6 +213,10 @@ class EnableReport:
     # those matching no known form (left to PyTorch)
     routers: list = field(default_factory=list)
     routers_differ: list = field(default_factory=list)
+    # scope="all": the attention modules whose decode calls run on the native rotary and
+    # attention kernels (hi_na_moe.attention), and the candidates matching no form
+    attention: list = field(default_factory=list)
+    attention_differ: list = field(default_factory=list)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -235,6 +239,7 @@ class EnableReport:
             "dense": [asdict(d) for d in self.dense],
             "norms": list(self.norms), "norms_differ": list(self.norms_differ),
             "routers": list(self.routers), "routers_differ": list(self.routers_differ),
+            "attention": list(self.attention), "attention_differ": list(self.attention_differ),
         }
 
     def to_json(self) -> str:
@@ -289,6 +294,10 @@ class EnableReport:
                     f"{self.routers_differ[0]})" if self.routers_differ else "")
             lines.append(f"  routers with their logits on the native kernel for decode-sized inputs: "
                          f"{len(self.routers)}{left}")
+        if self.attention or self.attention_differ:
+            left = (f"; {len(self.attention_differ)} left to PyTorch (no known form, e.g. "
+                    f"{self.attention_differ[0]})" if self.attention_differ else "")
+            lines.append(f"  attention modules with decode steps on the native kernels: {len(self.attention)}{left}")
         return "\n".join(lines)
 
 
@@ -518,6 +527,7 @@ def enable_for_model(
                 dense_done, report.dense, small = dense.patch(model, cfg, gate, [m.module for m, _ in plans], _gated)
                 report.norms, report.norms_differ = small["norms"]
                 report.routers, report.routers_differ = small["routers"]
+                report.attention, report.attention_differ = small["attention"]
         except BaseException:
             # leave the model exactly as it was (a block that cannot be restored stays enabled,
             # so that disable_for_model can be tried again)

@@ -270,4 +270,28 @@ int default_num_threads();
 // fp32 math (see csrc/moe/norm.cpp). Single-threaded; out may not overlap x.
 void rms_norm(DType dt, const void* x, int64_t rows, int64_t n, const void* weight, float eps, void* out);
 
+// Rotary embedding, transformers' rotate_half form, for one position per batch row:
+// out = round(round(x * cos) + round(rotate_half(x) * sin)), each product and the sum rounded to
+// the dtype as PyTorch's elementwise ops round them (bit-identical). x and out [B, heads, D],
+// cos and sin [B, D], all C-contiguous in dtype dt; D even; out may not overlap x.
+void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
+                      const void* sin, void* out);
+
+// Attention of one query per (batch, head) over S cached keys/values (see csrc/moe/attention_impl.h).
+struct AttnDecodeArgs {
+  DType dtype;
+  const void* q;  // [B, Hq, D] contiguous
+  const void* k;  // element (b, h, s, d) at k[b*k_strides[0] + h*k_strides[1] + s*k_strides[2] + d]
+  const void* v;  // likewise with v_strides
+  void* out;      // [B, Hq, D] contiguous
+  int64_t B, Hq, Hkv, S, D;
+  int64_t k_strides[3], v_strides[3];
+  float scale;  // applied to q . k before the softmax
+};
+// Query head h reads kv head h / (Hq / Hkv) (grouped-query attention; Hq a multiple of Hkv).
+// float32 math, one rounding at the end; heads split across num_threads (0: every hardware
+// thread) when the work is large enough. isa picks the build (kAvx512/kAmx: AVX-512; others:
+// the baseline build).
+void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa);
+
 }  // namespace hina

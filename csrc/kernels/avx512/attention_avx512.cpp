@@ -1,0 +1,146 @@
+// Decode attention with AVX-512 F/BW/VL: the same computation as attention_impl.h (float32
+// math, one rounding at the end), 16 float32 lanes a vector, the query and the output held in
+// registers, four keys scored at a time, and a vector exp for the softmax.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "moe/attention_impl.h"
+
+namespace hina::detail {
+namespace {
+
+// 16 values of a row as float32 (bf16: shift into the high half; f16: the F16C conversion).
+template <class T>
+__m512 load16(const T* p);
+template <>
+__m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+__m512 load16<uint16_t>(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+__m512 load16<attn_impl::Half>(const attn_impl::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for x <= 0 (scores minus their maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, p the
+// degree-6 Taylor polynomial (relative error below 2e-7 there); x below -87 gives 0.
+inline __m512 exp_neg(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
+}
+
+// One (batch, head) row; NC = D / 16 vectors per row (D a multiple of 16, at most 256), the
+// query and the output accumulator held in registers.
+template <class T, int NC>
+void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t ks, int64_t vs, float scale, T* out,
+              float* sc) {
+  __m512 qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = load16(q + 16 * c);
+  float mx = -INFINITY;
+  int64_t j = 0;
+  for (; j + 4 <= S; j += 4) {  // four keys at a time: four independent chains and reductions
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    const T* k0 = k + j * ks;
+    for (int c = 0; c < NC; ++c) {
+      s0 = _mm512_fmadd_ps(qv[c], load16(k0 + 16 * c), s0);
+      s1 = _mm512_fmadd_ps(qv[c], load16(k0 + ks + 16 * c), s1);
+      s2 = _mm512_fmadd_ps(qv[c], load16(k0 + 2 * ks + 16 * c), s2);
+      s3 = _mm512_fmadd_ps(qv[c], load16(k0 + 3 * ks + 16 * c), s3);
+    }
+    sc[j] = _mm512_reduce_add_ps(s0) * scale;
+    sc[j + 1] = _mm512_reduce_add_ps(s1) * scale;
+    sc[j + 2] = _mm512_reduce_add_ps(s2) * scale;
+    sc[j + 3] = _mm512_reduce_add_ps(s3) * scale;
+    mx = std::max({mx, sc[j], sc[j + 1], sc[j + 2], sc[j + 3]});
+  }
+  for (; j < S; ++j) {
+    __m512 s0 = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) s0 = _mm512_fmadd_ps(qv[c], load16(k + j * ks + 16 * c), s0);
+    sc[j] = _mm512_reduce_add_ps(s0) * scale;
+    mx = std::max(mx, sc[j]);
+  }
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= S; j += 16) {
+    const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vmx));
+    _mm512_storeu_ps(sc + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (j < S) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (S - j)) - 1);
+    const __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx));
+    _mm512_mask_storeu_ps(sc + j, m, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+  __m512 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  for (j = 0; j < S; ++j) {
+    const T* vr = v + j * vs;
+    const __m512 p = _mm512_set1_ps(sc[j]);
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + 16 * c), acc[c]);
+  }
+  alignas(64) float res[16 * NC];
+  for (int c = 0; c < NC; ++c) _mm512_store_ps(res + 16 * c, acc[c]);
+  for (int i = 0; i < 16 * NC; ++i) attn_impl::Elem<T>::put(out, i, res[i] * inv);
+}
+
+template <class T, int NC>
+void heads_nc(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
+  thread_local AlignedBuf scratch;
+  float* sc = static_cast<float*>(scratch.get(static_cast<size_t>(a.S) * sizeof(float)));
+  const int64_t groups = a.Hq / a.Hkv;
+  for (int64_t bh = h0; bh < h1; ++bh) {
+    const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
+    const T* q = static_cast<const T*>(a.q) + bh * a.D;
+    const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
+    const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
+    one_head<T, NC>(q, k, v, a.S, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D, sc);
+  }
+}
+
+// Head sizes of 16 * {2, 4, 5, 6, 8, 12, 16} (32 ... 256: every common one); others run the
+// baseline loops.
+template <class T>
+void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
+  switch (a.D) {
+    case 32: return heads_nc<T, 2>(a, h0, h1);
+    case 64: return heads_nc<T, 4>(a, h0, h1);
+    case 80: return heads_nc<T, 5>(a, h0, h1);
+    case 96: return heads_nc<T, 6>(a, h0, h1);
+    case 128: return heads_nc<T, 8>(a, h0, h1);
+    case 192: return heads_nc<T, 12>(a, h0, h1);
+    case 256: return heads_nc<T, 16>(a, h0, h1);
+    default: return attn_impl::heads<T>(a, h0, h1);
+  }
+}
+
+}  // namespace
+
+void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
+  switch (a.dtype) {
+    case DType::kF32: heads<float>(a, h0, h1); break;
+    case DType::kBF16: heads<uint16_t>(a, h0, h1); break;
+    case DType::kF16: heads<attn_impl::Half>(a, h0, h1); break;
+  }
+}
+
+}  // namespace hina::detail

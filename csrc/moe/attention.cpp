@@ -1,0 +1,81 @@
+// Decode attention and rotary embedding for hi_na_moe's attention path (scope="all",
+// hi_na_moe/attention.py): the baseline build of attention_impl.h, the dispatch to the AVX-512
+// build, and rope_rotate_half.
+#include <algorithm>
+
+#include "attention_impl.h"
+#include "hina_moe/cpu_features.h"
+#include "hina_moe/moe.h"
+#include "hina_moe/thread_pool.h"
+#include "kernel_api.h"
+
+namespace hina {
+namespace detail {
+void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
+}  // namespace detail
+
+namespace {
+// below this many multiply-adds one thread does the work: waking the pool costs more
+constexpr int64_t kParallelMacs = 1 << 16;
+
+template <class T>
+void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, const T* sin, T* out) {
+  using E = attn_impl::Elem<T>;
+  const int64_t half = D / 2;
+  auto round = [](float v) {
+    T t;
+    E::put(&t, 0, v);
+    return E::get(&t, 0);
+  };
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xr = x + (b * heads + h) * D;
+      T* yr = out + (b * heads + h) * D;
+      const T* c = cos + b * D;
+      const T* s = sin + b * D;
+      for (int64_t i = 0; i < D; ++i) {
+        const float rot = i < half ? -E::get(xr, i + half) : E::get(xr, i - half);
+        const float a = round(E::get(xr, i) * E::get(c, i));
+        const float r = round(rot * E::get(s, i));
+        E::put(yr, i, a + r);
+      }
+    }
+}
+}  // namespace
+
+void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
+                      const void* sin, void* out) {
+  switch (dt) {
+    case DType::kF32:
+      rope_rows(static_cast<const float*>(x), B, heads, D, static_cast<const float*>(cos),
+                static_cast<const float*>(sin), static_cast<float*>(out));
+      break;
+    case DType::kBF16:
+      rope_rows(static_cast<const uint16_t*>(x), B, heads, D, static_cast<const uint16_t*>(cos),
+                static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out));
+      break;
+    case DType::kF16:
+      using H = attn_impl::Half;
+      rope_rows(static_cast<const H*>(x), B, heads, D, static_cast<const H*>(cos), static_cast<const H*>(sin),
+                static_cast<H*>(out));
+      break;
+  }
+}
+
+void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
+  const int64_t rows = a.B * a.Hq;
+  if (rows <= 0) return;
+  auto part = [&](int64_t h0, int64_t h1) {
+#if defined(HINA_HAVE_X86_KERNELS)
+    if (isa == Isa::kAvx512 || isa == Isa::kAmx) return detail::attention_decode_avx512(a, h0, h1);
+#endif
+    attn_impl::run(a, h0, h1);
+  };
+  if (num_threads <= 0) num_threads = default_num_threads();
+  const int64_t macs = rows * std::max<int64_t>(a.S, 1) * a.D * 2;
+  const int n = static_cast<int>(std::min<int64_t>({num_threads, rows, std::max<int64_t>(1, macs / kParallelMacs)}));
+  if (n <= 1) return part(0, rows);
+  ThreadPool::global().run(n, [&](int tid, int nt) { part(rows * tid / nt, rows * (tid + 1) / nt); });
+}
+
+}  // namespace hina

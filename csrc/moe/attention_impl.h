@@ -1,0 +1,111 @@
+// Decode attention (one query row per (batch, head)), written once and compiled twice: at the
+// baseline (csrc/moe/attention.cpp) and with AVX-512 F/BW/VL (csrc/kernels/avx512/
+// attention_avx512.cpp). The loops run over kLanes independent float32 accumulators so the
+// compiler vectorises them without reassociating (no -ffast-math).
+//
+//   scores_j = (q . k_j) * scale, j < S;  p = softmax(scores);  out = sum_j p_j v_j
+//
+// float32 math, one rounding to the dtype at the end; the softmax's exponentials use std::exp.
+// Keys and values are read through strides (elements) of [batch, kv head, position], the last
+// dimension contiguous: transformers' DynamicCache hands out contiguous [B, Hkv, S, D] tensors,
+// other caches views of larger buffers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernel_api.h"
+
+namespace hina::attn_impl {
+
+constexpr int kLanes = 16;
+
+template <class T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static float get(const float* p, int64_t i) { return p[i]; }
+  static void put(float* p, int64_t i, float v) { p[i] = v; }
+};
+template <>
+struct Elem<uint16_t> {  // bfloat16
+  static float get(const uint16_t* p, int64_t i) { return detail::bf16_to_f32(p[i]); }
+  static void put(uint16_t* p, int64_t i, float v) { p[i] = detail::f32_to_bf16(v); }
+};
+struct Half {  // float16, stored as uint16_t
+  uint16_t bits;
+};
+template <>
+struct Elem<Half> {
+  static float get(const Half* p, int64_t i) { return detail::f16_to_f32(p[i].bits); }
+  static void put(Half* p, int64_t i, float v) { p[i].bits = detail::f32_to_f16(v); }
+};
+
+template <class T>
+static inline float dot(const float* q, const T* k, int64_t D) {
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= D; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] += q[i + l] * Elem<T>::get(k, i + l);
+  float s = 0.f;
+  for (; i < D; ++i) s += q[i] * Elem<T>::get(k, i);
+  for (float v : lane) s += v;
+  return s;
+}
+
+template <class T>
+static inline void axpy(float a, const T* v, float* acc, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) acc[i] += a * Elem<T>::get(v, i);
+}
+
+// One (batch, head) row. scratch: S + D floats.
+template <class T>
+void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t D, int64_t ks, int64_t vs, float scale,
+              T* out, float* scratch) {
+  float* sc = scratch;
+  float* acc = scratch + S;
+  float* qf = acc + D;
+  for (int64_t i = 0; i < D; ++i) qf[i] = Elem<T>::get(q, i);
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < S; ++j) {
+    sc[j] = dot(qf, k + j * ks, D) * scale;
+    mx = std::max(mx, sc[j]);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < S; ++j) {
+    sc[j] = std::exp(sc[j] - mx);
+    sum += sc[j];
+  }
+  for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
+  for (int64_t j = 0; j < S; ++j) axpy(sc[j], v + j * vs, acc, D);
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < D; ++i) Elem<T>::put(out, i, acc[i] * inv);
+}
+
+// Heads [h0, h1) of the flattened (batch, query head) range.
+template <class T>
+void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(a.S + 2 * a.D));
+  const int64_t groups = a.Hq / a.Hkv;
+  for (int64_t bh = h0; bh < h1; ++bh) {
+    const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
+    const T* q = static_cast<const T*>(a.q) + bh * a.D;
+    const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
+    const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
+    one_head(q, k, v, a.S, a.D, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D,
+             scratch.data());
+  }
+}
+
+inline void run(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
+  switch (a.dtype) {
+    case DType::kF32: heads<float>(a, h0, h1); break;
+    case DType::kBF16: heads<uint16_t>(a, h0, h1); break;
+    case DType::kF16: heads<Half>(a, h0, h1); break;
+  }
+}
+
+}  // namespace hina::attn_impl

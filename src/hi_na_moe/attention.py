@@ -1,0 +1,208 @@
+"""scope="all": the decode step of Llama-like attention modules on native kernels.
+
+On a decode step an attention module does little arithmetic but many small PyTorch ops: views
+and transposes, the rotary embedding (about ten elementwise ops), the KV-cache update, SDPA, a
+reshape. With the caches the weight streaming leaves behind, OLMoE-1B-7B's attention modules
+took 5-7 ms of a 43-50 ms int4 step besides their projections (benchmarks/RESULTS.md, session 7).
+Here a decode call (one new token per sequence, no attention mask) runs as: the module's own
+projections and q/k norms (themselves on native kernels under scope="all"), one native call for
+the rotary embedding of q and k, the cache's own update, one native call for the attention, and
+the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
+unknown arguments) is the module's own forward.
+
+Which modules: a class named *Attention with q_proj, k_proj, v_proj and o_proj, an integer
+head_dim, layer_idx and num_key_value_groups, a float scaling, and the model's attention
+implementation "sdpa" (eager would return attention weights). What it computes is checked
+before it is patched: on a probe (random hidden states and rotary tables, a DynamicCache holding
+a few positions) its own forward and each known form run side by side. A form is taken when the
+keys and values it appends to the cache are the module's bit for bit (projections, norms,
+clamp and the rotary embedding in the same roundings) and its output is within the dtype's
+rounding of the module's (the attention's float32 sums run in another order than SDPA's). The
+forms differ only in where q/k norms sit: none (Llama, Mixtral, Qwen2-MoE), on the whole
+projection (OLMoE) or per head (Qwen3-MoE); OLMoE's clip_qkv clamp is read from the config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MAX_BATCH = 16
+# arguments the families' decoder layers pass that these forms do not read (SDPA ignores them)
+_IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits"})
+# output tolerance on the probe, relative to the largest output value: the attention's float32
+# sums in another order, rounded once to the dtype, then o_proj
+_OUT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-8}
+FORMS = ("no qk norm", "qk norm on the projections", "qk norm per head")
+
+
+def find_attention(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the attention candidates (see the module docstring)."""
+    from .dense import _matches
+
+    found = []
+    for name, m in model.named_modules():
+        if not type(m).__name__.endswith("Attention") or _matches(name, exclude):
+            continue
+        if not all(isinstance(getattr(m, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            continue
+        if not all(type(getattr(m, a, None)) is int for a in ("head_dim", "layer_idx", "num_key_value_groups")):
+            continue
+        if not isinstance(getattr(m, "scaling", None), float):
+            continue
+        if getattr(getattr(m, "config", None), "_attn_implementation", None) != "sdpa":
+            continue
+        found.append((name, m))
+    return found
+
+
+class NativeAttention:
+    """One attention module whose decode calls run on the native rotary and attention kernels."""
+
+    weights = "lossless"
+
+    def __init__(self, name: str, module: nn.Module, original_forward, isa: str = "auto", threads: int = 0):
+        from .hardware import native_module
+
+        self.name, self.module = name, module
+        self.original = original_forward
+        self.native = native_module()[0]
+        self.isa, self.threads = isa, threads
+        self.D = module.head_dim
+        self.Hq = module.q_proj.out_features // self.D
+        self.Hkv = module.k_proj.out_features // self.D
+        self.hidden = module.q_proj.in_features
+        self.dtype = module.o_proj.weight.dtype
+        self.form: str | None = None
+        self.clip = getattr(getattr(module, "config", None), "clip_qkv", None)
+
+    # -- the decode path ----------------------------------------------------------------------
+    def _project(self, m: nn.Module, h: torch.Tensor, form: str, B: int):
+        """q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D] (contiguous) as the module computes them
+        before the rotary embedding."""
+        q, k, v = m.q_proj(h), m.k_proj(h), m.v_proj(h)
+        if form == FORMS[1]:
+            q, k = m.q_norm(q), m.k_norm(k)
+        elif form == FORMS[2]:
+            q = m.q_norm(q.view(B, 1, self.Hq, self.D))
+            k = m.k_norm(k.view(B, 1, self.Hkv, self.D))
+        if self.clip is not None:
+            q, k, v = (t.clamp(min=-self.clip, max=self.clip) for t in (q, k, v))
+        return (q.reshape(B, self.Hq, self.D).contiguous(), k.reshape(B, self.Hkv, self.D).contiguous(),
+                v.reshape(B, self.Hkv, self.D).contiguous())
+
+    def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache):
+        B = h.shape[0]
+        code = _DTYPE_CODES[self.dtype]
+        q, k, v = self._project(m, h, form, B)
+        cos, sin = cos.reshape(B, self.D).contiguous(), sin.reshape(B, self.D).contiguous()
+        qr, kr = torch.empty_like(q), torch.empty_like(k)
+        rope = self.native.rope_rotate_half_raw
+        rope(q.data_ptr(), B, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code)
+        rope(k.data_ptr(), B, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code)
+        keys, values = kr.unsqueeze(2), v.unsqueeze(2)  # [B, Hkv, 1, D]
+        if cache is not None:
+            keys, values = cache.update(keys, values, m.layer_idx)
+        out = torch.empty(B, 1, self.Hq * self.D, dtype=self.dtype)
+        if (type(keys) is torch.Tensor and type(values) is torch.Tensor and keys.dtype is self.dtype
+                and values.dtype is self.dtype and keys.dim() == 4 and keys.shape == values.shape
+                and keys.shape[0] == B and keys.shape[1] == self.Hkv and keys.shape[3] == self.D
+                and keys.shape[2] >= 1 and keys.stride(3) == 1 and values.stride(3) == 1 and keys.is_cpu
+                and values.is_cpu and not keys.is_neg() and not values.is_neg()):
+            ks, vs = keys.stride(), values.stride()
+            self.native.attention_decode_raw(
+                code, qr.data_ptr(), B, self.Hq, self.Hkv, keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2],
+                values.data_ptr(), vs[0], vs[1], vs[2], m.scaling, out.data_ptr(),
+                self.threads or torch.get_num_threads(), self.isa)
+        else:  # a cache that hands back something else: PyTorch's SDPA on what it returned
+            o = F.scaled_dot_product_attention(qr.unsqueeze(2), keys, values, scale=m.scaling,
+                                               enable_gqa=self.Hq != self.Hkv)
+            out.copy_(o.transpose(1, 2).reshape(B, 1, -1))
+        return m.o_proj(out), None
+
+    def forward(self, module: nn.Module, *args, **kwargs):
+        fast = self._fast_args(module, args, kwargs)
+        if fast is None:
+            return self.original(*args, **kwargs)
+        return self._decode(module, self.form, *fast)
+
+    def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict):
+        """(hidden, cos, sin, cache) when this call is a plain decode step, else None."""
+        if module.training or len(args) > 4:
+            return None
+        names = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+        got = dict(zip(names, args))
+        for key, val in kwargs.items():
+            if key in names and key not in got:
+                got[key] = val
+            elif key == "output_attentions" and not val:
+                continue
+            elif key not in _IGNORED_KWARGS:
+                return None
+        h, pe = got.get("hidden_states"), got.get("position_embeddings")
+        if got.get("attention_mask") is not None or not isinstance(pe, tuple) or len(pe) != 2:
+            return None
+        if (type(h) is not torch.Tensor or h.dim() != 3 or h.shape[1] != 1 or h.shape[0] > _MAX_BATCH
+                or h.shape[2] != self.hidden or h.dtype is not self.dtype or not h.is_cpu or h.requires_grad):
+            return None
+        B = h.shape[0]
+        cos, sin = pe
+        for t in (cos, sin):
+            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() != B * self.D or not t.is_cpu
+                    or t.is_neg() or t.shape[-1] != self.D):
+                return None
+        return h, cos, sin, got.get("past_key_values")
+
+    # -- the probe ----------------------------------------------------------------------------
+    def matches(self) -> bool:
+        """Whether one of the forms computes what the module's own forward does (module docstring)."""
+        from transformers import DynamicCache
+
+        m = self.module
+        gen = torch.Generator().manual_seed(5)
+        B, past = 2, 5
+        h = torch.randn(B, 1, self.hidden, generator=gen).to(self.dtype)
+        ang = torch.rand(B, 1, self.D // 2, generator=gen) * 6.3
+        emb = torch.cat([ang, ang], dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        k0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
+        v0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
+
+        def cache():
+            c = DynamicCache()
+            c.update(k0.clone(), v0.clone(), m.layer_idx)
+            return c
+
+        with torch.no_grad():
+            own_cache = cache()
+            try:
+                want = self.original(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None,
+                                     past_key_values=own_cache)
+            except Exception:
+                return False
+            if (not isinstance(want, tuple) or len(want) != 2 or want[1] is not None
+                    or not isinstance(want[0], torch.Tensor) or want[0].shape != h.shape):
+                return False
+            want_k, want_v = own_cache.layers[m.layer_idx].keys, own_cache.layers[m.layer_idx].values
+            for form in FORMS:
+                if form != FORMS[0] and not (isinstance(getattr(m, "q_norm", None), nn.Module)
+                                             and isinstance(getattr(m, "k_norm", None), nn.Module)):
+                    continue
+                ours = cache()
+                try:
+                    got, _ = self._decode(m, form, h, cos, sin, ours)
+                except Exception:
+                    continue
+                layer = ours.layers[m.layer_idx]
+                if not (torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)):
+                    continue
+                tol = _OUT_RTOL[self.dtype] * want[0].float().abs().amax()
+                if got.shape == want[0].shape and bool(((got.float() - want[0].float()).abs() <= tol).all()):
+                    self.form = form
+                    return True
+        return False
+
+    def restore(self) -> None:  # nothing of the module was touched but its forward
+        pass

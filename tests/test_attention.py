@@ -1,0 +1,263 @@
+"""scope="all" (hi_na_moe.attention): decode steps of Llama-like attention modules on the native
+rotary and attention kernels. The kernels against transformers' rotary embedding (bit for bit)
+and a float64 attention (every tier here, strided caches, grouped-query heads); the patched
+modules against their own forwards (the same cache contents, outputs within rounding) on the
+families with a known form; and every call that must stay the module's own."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from tiny_models import UNBUILDABLE, build_tiny
+from transformers import DynamicCache, OlmoeConfig, OlmoeForCausalLM
+from transformers.models.olmoe.modeling_olmoe import apply_rotary_pos_emb
+
+import hi_na_moe
+from hi_na_moe import attention
+from hi_na_moe.families import moe_families
+from hi_na_moe.hardware import native_kernels_available
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _native():
+    from hi_na_moe import _native
+
+    return _native
+
+
+def _tiers():
+    n = _native()
+    return [t for t in ("generic", "avx2", "avx512", "amx") if n.isa_supported(t)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_is_transformers_rotate_half_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for D in (64, 128, 6):
+        x = (torch.randn(3, 5, D, generator=gen) * 4).to(dtype)
+        k = torch.randn(3, 2, D, generator=gen).to(dtype)
+        ang = torch.rand(3, 1, D // 2, generator=gen) * 100
+        emb = torch.cat([ang, ang], -1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        want, _ = apply_rotary_pos_emb(x.unsqueeze(2), k.unsqueeze(2), cos, sin)
+        out = torch.empty_like(x)
+        _native().rope_rotate_half(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), out)
+        assert torch.equal(out, want[:, :, 0])
+
+
+def _reference(q, k, v, scale):
+    groups = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(groups, 1)
+    vv = v.double().repeat_interleave(groups, 1)
+    p = torch.softmax((q.double().unsqueeze(2) @ kk.transpose(-1, -2)) * scale, dim=-1)
+    return (p @ vv)[:, :, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_decode_matches_a_float64_reference_on_every_tier(dtype):
+    gen = torch.Generator().manual_seed(1)
+    tol = {torch.bfloat16: 2**-7, torch.float16: 2**-9, torch.float32: 1e-5}[dtype]
+    for D in (64, 128, 72):  # 72: no vector build for that head size, the baseline loops
+        for S in (1, 5, 17, 300):
+            for Hkv in (8, 2):
+                q = torch.randn(2, 8, D, generator=gen).to(dtype)
+                # a cache view into a longer buffer (StaticCache-like strides)
+                kbuf = (torch.randn(2, Hkv, S + 7, D, generator=gen) * 2).to(dtype)
+                vbuf = torch.randn(2, Hkv, S + 7, D, generator=gen).to(dtype)
+                k, v = kbuf[:, :, :S], vbuf[:, :, :S]
+                want = _reference(q, k, v, D**-0.5)
+                for tier in _tiers():
+                    for threads in (1, 2):
+                        out = torch.empty_like(q)
+                        _native().attention_decode(q, k, v, D**-0.5, out, threads, tier)
+                        err = ((out.double() - want).abs().max() / want.abs().max()).item()
+                        assert err <= tol, (tier, D, S, Hkv, threads, err)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v, o: (q[0], k, v, o), "q must have shape"),
+    (lambda q, k, v, o: (q, k[..., :4, :], v, o), "v has shape"),
+    (lambda q, k, v, o: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, o), "k's last dimension"),
+    (lambda q, k, v, o: (q[:, :3].contiguous(), k, v, o[:, :3].contiguous()), "multiple of k's"),
+    (lambda q, k, v, o: (q, k.float(), v, o), "k has dtype float32"),
+    (lambda q, k, v, o: (q, k, v, o.float()), "out has dtype float32"),
+])
+def test_attention_decode_errors_name_the_argument(bad, match):
+    q, o = torch.randn(1, 4, 16).bfloat16(), torch.empty(1, 4, 16).bfloat16()
+    k, v = torch.randn(1, 2, 6, 16).bfloat16(), torch.randn(1, 2, 6, 16).bfloat16()
+    with pytest.raises(ValueError, match=match):
+        q2, k2, v2, o2 = bad(q, k, v, o)
+        _native().attention_decode(q2, k2, v2, 0.25, o2, 0, "auto")
+
+
+def _olmoe(layers=2):
+    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, num_experts=8, num_experts_per_tok=2,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(cfg).eval().to(torch.bfloat16)
+
+
+def _runner(module):
+    fwd = module.__dict__["forward"]
+    cells = [c.cell_contents for c in fwd.__func__.__closure__ or ()]
+    return next(c for c in cells if callable(c) and not isinstance(c, type)).__self__
+
+
+class _Count:
+    """Counts the native attention calls of one runner."""
+
+    def __init__(self, runner):
+        self.runner, self.native, self.calls = runner, runner.native, 0
+        runner.native = self
+
+    def __getattr__(self, name):
+        if name == "attention_decode_raw":
+            self.calls += 1
+        return getattr(self.native, name)
+
+
+def _decode_inputs(model, att, B=1, past=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    H, D = model.config.hidden_size, att.head_dim
+    Hkv = att.k_proj.out_features // D
+    h = torch.randn(B, 1, H, generator=gen).bfloat16()
+    ang = torch.rand(B, 1, D // 2, generator=gen) * 6
+    emb = torch.cat([ang, ang], -1)
+    k0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
+    v0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
+
+    def cache():
+        c = DynamicCache()
+        c.update(k0.clone(), v0.clone(), att.layer_idx)
+        return c
+
+    return h, (emb.cos().bfloat16(), emb.sin().bfloat16()), cache
+
+
+FAMILIES = {"olmoe": "qk norm on the projections", "mixtral": "no qk norm", "qwen2_moe": "no qk norm",
+            "qwen3_moe": "qk norm per head"}
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in {x.model_type for x in moe_families()}])
+def test_known_families_decode_on_the_kernels_with_the_same_cache(model_type):
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
+    model = build_tiny(model_type, dtype=torch.bfloat16).model
+    found = [n for n, _ in attention.find_attention(model, "")]
+    assert found
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.attention == found and not rep.attention_differ
+        assert "attention modules with decode steps on the native kernels" in str(rep)
+        for name in found:
+            att = dict(model.named_modules())[name]
+            runner = _runner(att)
+            assert runner.form == FAMILIES[model_type]
+            count = _Count(runner)
+            for B in (1, 3):
+                h, pe, cache = _decode_inputs(model, att, B=B)
+                with torch.inference_mode():
+                    c_ours, c_own = cache(), cache()
+                    got, w = att(hidden_states=h, position_embeddings=pe, attention_mask=None,
+                                 past_key_values=c_ours, position_ids=None, use_cache=True)
+                    want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=None,
+                                                past_key_values=c_own)
+                assert w is None
+                lo, lw = c_ours.layers[att.layer_idx], c_own.layers[att.layer_idx]
+                assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
+                assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
+            assert count.calls == 2
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert all("forward" not in dict(model.named_modules())[n].__dict__ for n in found)
+
+
+def test_calls_that_are_not_a_plain_decode_step_run_the_modules_own_forward():
+    model = _olmoe()
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        att = model.model.layers[0].self_attn
+        count = _Count(_runner(att))
+        h, pe, cache = _decode_inputs(model, att, B=2)
+        mask = torch.zeros(2, 1, 1, 7, dtype=torch.bfloat16)
+        big = torch.randn(2, 3, 256).bfloat16()  # prefill: three new tokens
+        ang = torch.rand(2, 3, 32) * 6
+        pe3 = (torch.cat([ang, ang], -1).cos().bfloat16(), torch.cat([ang, ang], -1).sin().bfloat16())
+        calls = [
+            dict(hidden_states=big, position_embeddings=pe3, attention_mask=None),
+            dict(hidden_states=h, position_embeddings=pe, attention_mask=mask),
+            dict(hidden_states=h, position_embeddings=pe, attention_mask=None, output_attentions=True),
+            dict(hidden_states=h, position_embeddings=pe, attention_mask=None, some_new_argument=1),
+            dict(hidden_states=h, position_embeddings=(pe[0][:1], pe[1][:1]), attention_mask=None),  # broadcast
+        ]
+        for kw in calls:
+            with torch.inference_mode():
+                c1, c2 = cache(), cache()
+                got, _ = att(past_key_values=c1, **kw)
+                want, _ = type(att).forward(att, past_key_values=c2, **kw)
+            assert torch.equal(got, want)
+        att.train()
+        with torch.no_grad():
+            got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=cache())
+            want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=None,
+                                        past_key_values=cache())
+        att.eval()
+        assert torch.equal(got, want)
+        assert count.calls == 0
+        with torch.inference_mode():  # and a plain step does take the kernels
+            att(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=cache())
+            att(h, pe, None, None)  # positional, no cache: attention over the new token alone
+        assert count.calls == 2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_an_attention_of_no_known_form_is_left_to_pytorch_and_named():
+    from transformers.models.olmoe.modeling_olmoe import OlmoeAttention
+
+    class ScaledAttention(OlmoeAttention):  # doubles its output: no form reproduces it
+        def forward(self, *args, **kwargs):
+            out, w = super().forward(*args, **kwargs)
+            return out * 2, w
+
+    model = _olmoe()
+    old = model.model.layers[1].self_attn
+    new = ScaledAttention(model.config, layer_idx=1).to(torch.bfloat16)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[1].self_attn = new
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.attention == ["model.layers.0.self_attn"]
+        assert rep.attention_differ == ["model.layers.1.self_attn"]
+        assert "forward" not in new.__dict__
+        assert "1 left to PyTorch (no known form, e.g. model.layers.1.self_attn)" in str(rep)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_whole_model_decode_with_native_attention_stays_close_and_generates_alike():
+    model = _olmoe()
+    ids = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])
+    with torch.inference_mode():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(_runner(model.model.layers[0].self_attn))
+        with torch.inference_mode():
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        assert count.calls == 5  # every decode step after the prompt
+        for a, b in zip(got.logits, want.logits):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
