@@ -78,6 +78,30 @@ def test_attention_decode_matches_a_float64_reference_on_every_tier(dtype):
                         assert err <= tol, (tier, D, S, Hkv, threads, err)
 
 
+def test_attention_decode_skips_masked_keys_on_every_tier():
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 4, 64, generator=gen).bfloat16()
+    k = torch.randn(3, 2, 20, 64, generator=gen).bfloat16()
+    v = torch.randn(3, 2, 20, 64, generator=gen).bfloat16()
+    mask = torch.rand(3, 20, generator=gen) > 0.5
+    mask[:, 0] = True
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[:, :, ~mask[0]] = float("nan")  # masked keys of row 0 must not be read
+    poisoned_v[:, :, ~mask[0]] = float("nan")
+    for tier in _tiers():
+        for m in (mask, mask[:1]):  # per row, and one row for every batch row
+            out = torch.empty_like(q)
+            kk, vv = (poisoned_k, poisoned_v) if m.shape[0] == 1 else (k, v)
+            _native().attention_decode(q, kk, vv, 0.125, out, 0, tier, m)
+            for b in range(3):
+                keep = m[min(b, m.shape[0] - 1)]
+                want = _reference(q[b:b + 1], k[b:b + 1, :, keep], v[b:b + 1, :, keep], 0.125)
+                assert ((out[b:b + 1].double() - want).abs().max() / want.abs().max()).item() <= 2**-7, tier
+        out = torch.empty_like(q)
+        _native().attention_decode(q, k, v, 0.125, out, 0, tier, torch.zeros(3, 20, dtype=torch.bool))
+        assert out.float().isnan().all()  # nothing to attend to: what a softmax over nothing gives
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k, v, o: (q[0], k, v, o), "q must have shape"),
     (lambda q, k, v, o: (q, k[..., :4, :], v, o), "v has shape"),
@@ -171,7 +195,16 @@ def test_known_families_decode_on_the_kernels_with_the_same_cache(model_type):
                 lo, lw = c_ours.layers[att.layer_idx], c_own.layers[att.layer_idx]
                 assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
                 assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
-            assert count.calls == 2
+            # a bool mask over the keys, as a StaticCache or a padded batch brings (7 = 6 cached + 1)
+            h, pe, cache = _decode_inputs(model, att, B=2, seed=1)
+            mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+            mask[0, ..., :3] = False
+            with torch.inference_mode():
+                got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=mask, past_key_values=cache())
+                want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=mask,
+                                            past_key_values=cache())
+            assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
+            assert count.calls == 3
     finally:
         hi_na_moe.disable_for_model(model)
     assert all("forward" not in dict(model.named_modules())[n].__dict__ for n in found)
@@ -236,6 +269,32 @@ def test_an_attention_of_no_known_form_is_left_to_pytorch_and_named():
         assert rep.attention_differ == ["model.layers.1.self_attn"]
         assert "forward" not in new.__dict__
         assert "1 left to PyTorch (no known form, e.g. model.layers.1.self_attn)" in str(rep)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_static_cache_and_padded_batches_decode_on_the_kernels():
+    from transformers import StaticCache
+
+    model = _olmoe()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+    am = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=am, **kw)
+        want_static = model.generate(ids[1:], past_key_values=StaticCache(config=model.config, max_cache_len=32), **kw)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(_runner(model.model.layers[0].self_attn))
+        with torch.inference_mode():
+            got = model.generate(ids, attention_mask=am, **kw)
+            assert count.calls == 4  # the padded batch's decode steps
+            got_static = model.generate(ids[1:], past_key_values=StaticCache(config=model.config, max_cache_len=32),
+                                        **kw)
+            assert count.calls == 8
+        for g, w in ((got, want), (got_static, want_static)):
+            for a, b in zip(g.logits, w.logits):
+                assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -840,7 +840,7 @@ NB_MODULE(_native, m) {
         "for hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
   m.def("attention_decode",
         [](nb::handle q_obj, nb::handle k_obj, nb::handle v_obj, float scale, nb::handle out_obj, int num_threads,
-           const std::string& isa) {
+           const std::string& isa, nb::handle mask_obj) {
           const InArray q = array_arg<InArray>("q", q_obj);
           const InArray k = array_arg<InArray>("k", k_obj);
           const InArray v = array_arg<InArray>("v", v_obj);
@@ -874,28 +874,42 @@ NB_MODULE(_native, m) {
           hina::AttnDecodeArgs a{*dt, q.data(), k.data(), v.data(), out.data(), B, Hq, Hkv, S, D,
                                  {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
                                  scale};
+          std::optional<InArray> mask;
+          if (!mask_obj.is_none()) {
+            mask = array_arg<InArray>("mask", mask_obj);
+            if (mask->ndim() != 2 || (mask->shape(0) != 1 && mask->shape(0) != B) || mask->shape(1) != S)
+              bad("mask must have shape [B or 1, S] = [" + std::to_string(B) + ", " + std::to_string(S) + "], got " +
+                  shape_str(shape_of(*mask)));
+            if (mask->dtype() != nb::dtype<bool>()) bad("mask has dtype " + dtype_str(mask->dtype()) + ", expected bool");
+            check_array("mask", *mask, {mask->shape(0), S});
+            a.mask = static_cast<const uint8_t*>(mask->data());
+            a.mask_bstride = mask->shape(0) == 1 ? 0 : S;
+          }
           nb::gil_scoped_release release;
           hina::attention_decode(a, num_threads, tier);
         },
         nb::arg("q").noconvert(), nb::arg("k").noconvert(), nb::arg("v").noconvert(), nb::arg("scale"),
         nb::arg("out").noconvert(), nb::arg("num_threads") = 0, nb::arg("isa") = "auto",
+        nb::arg("mask").noconvert().none() = nb::none(),
         "Attention of one query per (batch, head), q [B, Hq, D], over S keys and values k, v [B, Hkv, S, D] "
         "(any strides but a contiguous last dimension; query head h reads kv head h // (Hq // Hkv)), into out "
-        "[B, Hq, D]: softmax(q . k * scale) . v in float32, rounded once to the dtype.");
+        "[B, Hq, D]: softmax(q . k * scale) . v in float32, rounded once to the dtype. mask: optional bool "
+        "[B or 1, S], True for the keys attended to (the others are not read).");
   m.def("attention_decode_raw",
         [](int dtype, uintptr_t q, int64_t B, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
            int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0, int64_t vs1, int64_t vs2, float scale,
-           uintptr_t out, int num_threads, const std::string& isa) {
+           uintptr_t out, int num_threads, const std::string& isa, uintptr_t mask, int64_t mask_bstride) {
           hina::AttnDecodeArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(q),
                                  reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
                                  reinterpret_cast<void*>(out), B, Hq, Hkv, S, D, {ks0, ks1, ks2}, {vs0, vs1, vs2},
-                                 scale};
+                                 scale, reinterpret_cast<const uint8_t*>(mask), mask_bstride};
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
           hina::attention_decode(a, num_threads, tier);
         },
         "attention_decode() with raw addresses and element strides, nothing checked (dtype: 0 float32, "
-        "1 bfloat16, 2 float16), for hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+        "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride), for "
+        "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {
           hina::BandwidthResult r;

@@ -60,27 +60,38 @@ static inline void axpy(float a, const T* v, float* acc, int64_t D) {
   for (int64_t i = 0; i < D; ++i) acc[i] += a * Elem<T>::get(v, i);
 }
 
-// One (batch, head) row. scratch: S + D floats.
+// The keys row b attends to: nullptr (all S) or their indices in `keys`; returns how many.
+inline int64_t select_keys(const AttnDecodeArgs& a, int64_t b, int32_t* keys) {
+  if (!a.mask) return a.S;
+  const uint8_t* m = a.mask + b * a.mask_bstride;
+  int64_t n = 0;
+  for (int64_t j = 0; j < a.S; ++j)
+    if (m[j]) keys[n++] = static_cast<int32_t>(j);
+  return n;
+}
+
+// One (batch, head) row over n keys (their indices in `keys`, or 0..n-1 when keys is null).
+// scratch: n + 2 D floats.
 template <class T>
-void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t D, int64_t ks, int64_t vs, float scale,
-              T* out, float* scratch) {
+void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t n, int64_t D, int64_t ks, int64_t vs,
+              float scale, T* out, float* scratch) {
   float* sc = scratch;
-  float* acc = scratch + S;
+  float* acc = scratch + n;
   float* qf = acc + D;
   for (int64_t i = 0; i < D; ++i) qf[i] = Elem<T>::get(q, i);
   float mx = -INFINITY;
-  for (int64_t j = 0; j < S; ++j) {
-    sc[j] = dot(qf, k + j * ks, D) * scale;
+  for (int64_t j = 0; j < n; ++j) {
+    sc[j] = dot(qf, k + (keys ? keys[j] : j) * ks, D) * scale;
     mx = std::max(mx, sc[j]);
   }
   float sum = 0.f;
-  for (int64_t j = 0; j < S; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     sc[j] = std::exp(sc[j] - mx);
     sum += sc[j];
   }
   for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
-  for (int64_t j = 0; j < S; ++j) axpy(sc[j], v + j * vs, acc, D);
-  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < n; ++j) axpy(sc[j], v + (keys ? keys[j] : j) * vs, acc, D);
+  const float inv = n ? 1.f / sum : NAN;
   for (int64_t i = 0; i < D; ++i) Elem<T>::put(out, i, acc[i] * inv);
 }
 
@@ -88,15 +99,19 @@ void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t D, int64_t 
 template <class T>
 void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   thread_local std::vector<float> scratch;
+  thread_local std::vector<int32_t> keys;
   scratch.resize(static_cast<size_t>(a.S + 2 * a.D));
+  keys.resize(static_cast<size_t>(a.S));
   const int64_t groups = a.Hq / a.Hkv;
+  int64_t row = -1, n = a.S;
   for (int64_t bh = h0; bh < h1; ++bh) {
     const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
+    if (b != row) n = select_keys(a, row = b, keys.data());
     const T* q = static_cast<const T*>(a.q) + bh * a.D;
     const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
     const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
-    one_head(q, k, v, a.S, a.D, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D,
-             scratch.data());
+    one_head(q, k, v, a.mask ? keys.data() : nullptr, n, a.D, a.k_strides[2], a.v_strides[2], a.scale,
+             static_cast<T*>(a.out) + bh * a.D, scratch.data());
   }
 }
 

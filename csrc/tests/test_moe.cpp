@@ -956,44 +956,53 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
         const auto k = random_array(dt, B * Hkv * Smax * D, 2.0f, rng);
         const auto v = random_array(dt, B * Hkv * Smax * D, 1.0f, rng);
         const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-        std::vector<double> ref(static_cast<size_t>(B * Hq * D));
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t h = 0; h < Hq; ++h) {
-            const int64_t base = (b * Hkv + h / (Hq / Hkv)) * Smax * D;
-            std::vector<double> sc(static_cast<size_t>(S));
-            double mx = -1e300, sum = 0;
-            for (int64_t j = 0; j < S; ++j) {
-              double d = 0;
-              for (int64_t i = 0; i < D; ++i)
-                d += double(load_elem(dt, q.data(), (b * Hq + h) * D + i)) * load_elem(dt, k.data(), base + j * D + i);
-              sc[j] = d * scale;
-              mx = std::max(mx, sc[j]);
+        // a bool mask per batch row (every third key of row 1 masked, key 0 always attended)
+        std::vector<uint8_t> mask(static_cast<size_t>(B * S), 1);
+        for (int64_t j = 1; j < S; j += 3) mask[S + j] = 0;
+        for (const bool masked : {false, true}) {
+          std::vector<double> ref(static_cast<size_t>(B * Hq * D));
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < Hq; ++h) {
+              const int64_t base = (b * Hkv + h / (Hq / Hkv)) * Smax * D;
+              std::vector<double> sc(static_cast<size_t>(S), 0.0);
+              double mx = -1e300, sum = 0;
+              for (int64_t j = 0; j < S; ++j) {
+                if (masked && !mask[b * S + j]) continue;
+                double d = 0;
+                for (int64_t i = 0; i < D; ++i)
+                  d += double(load_elem(dt, q.data(), (b * Hq + h) * D + i)) * load_elem(dt, k.data(), base + j * D + i);
+                sc[j] = d * scale;
+                mx = std::max(mx, sc[j]);
+              }
+              for (int64_t j = 0; j < S; ++j)
+                if (!masked || mask[b * S + j]) sum += (sc[j] = std::exp(sc[j] - mx));
+              for (int64_t i = 0; i < D; ++i) {
+                double o = 0;
+                for (int64_t j = 0; j < S; ++j)
+                  if (!masked || mask[b * S + j]) o += sc[j] * load_elem(dt, v.data(), base + j * D + i);
+                ref[(b * Hq + h) * D + i] = o / sum;
+              }
             }
-            for (double& x : sc) sum += (x = std::exp(x - mx));
-            for (int64_t i = 0; i < D; ++i) {
-              double o = 0;
-              for (int64_t j = 0; j < S; ++j) o += sc[j] * load_elem(dt, v.data(), base + j * D + i);
-              ref[(b * Hq + h) * D + i] = o / sum;
+          double rmax = 0;
+          for (double r : ref) rmax = std::max(rmax, std::fabs(r));
+          std::vector<Isa> all = tiers;
+          all.insert(all.begin(), Isa::kGeneric);
+          for (Isa isa : all) {
+            for (int threads : {1, 2}) {
+              std::vector<uint8_t> out(static_cast<size_t>(B * Hq * D) * dtype_size(dt), 0xff);
+              AttnDecodeArgs a{dt, q.data(), k.data(), v.data(), out.data(), B, Hq, Hkv, S, D,
+                               {Hkv * Smax * D, Smax * D, D}, {Hkv * Smax * D, Smax * D, D}, scale,
+                               masked ? mask.data() : nullptr, S};
+              attention_decode(a, threads, isa);
+              double worst = 0;
+              for (size_t i = 0; i < ref.size(); ++i)
+                worst = std::max(worst, std::fabs(double(load_elem(dt, out.data(), int64_t(i))) - ref[i]) / rmax);
+              const double lim = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 512;
+              note(std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa), worst);
+              report(worst <= lim, std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa) +
+                                       (masked ? " masked" : "") + " D=" + std::to_string(D) + " S=" +
+                                       std::to_string(S) + ": err " + std::to_string(worst));
             }
-          }
-        double rmax = 0;
-        for (double r : ref) rmax = std::max(rmax, std::fabs(r));
-        std::vector<Isa> all = tiers;
-        all.insert(all.begin(), Isa::kGeneric);
-        for (Isa isa : all) {
-          for (int threads : {1, 2}) {
-            std::vector<uint8_t> out(static_cast<size_t>(B * Hq * D) * dtype_size(dt), 0xff);
-            AttnDecodeArgs a{dt, q.data(), k.data(), v.data(), out.data(), B, Hq, Hkv, S, D,
-                             {Hkv * Smax * D, Smax * D, D}, {Hkv * Smax * D, Smax * D, D}, scale};
-            attention_decode(a, threads, isa);
-            double worst = 0;
-            for (size_t i = 0; i < ref.size(); ++i)
-              worst = std::max(worst, std::fabs(double(load_elem(dt, out.data(), int64_t(i))) - ref[i]) / rmax);
-            const double lim = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 512;
-            note(std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa), worst);
-            report(worst <= lim, std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa) +
-                                     " D=" + std::to_string(D) + " S=" + std::to_string(S) + ": err " +
-                                     std::to_string(worst));
           }
         }
       }

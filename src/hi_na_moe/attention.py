@@ -4,7 +4,8 @@ On a decode step an attention module does little arithmetic but many small PyTor
 and transposes, the rotary embedding (about ten elementwise ops), the KV-cache update, SDPA, a
 reshape. With the caches the weight streaming leaves behind, OLMoE-1B-7B's attention modules
 took 5-7 ms of a 43-50 ms int4 step besides their projections (benchmarks/RESULTS.md, session 7).
-Here a decode call (one new token per sequence, no attention mask) runs as: the module's own
+Here a decode call (one new token per sequence; no attention mask, or a bool one over the keys
+as a StaticCache or a padded batch brings) runs as: the module's own
 projections and q/k norms (themselves on native kernels under scope="all"), one native call for
 the rotary embedding of q and k, the cache's own update, one native call for the attention, and
 the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
@@ -93,7 +94,8 @@ class NativeAttention:
         return (q.reshape(B, self.Hq, self.D).contiguous(), k.reshape(B, self.Hkv, self.D).contiguous(),
                 v.reshape(B, self.Hkv, self.D).contiguous())
 
-    def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache):
+    def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                mask: torch.Tensor | None = None):
         B = h.shape[0]
         code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h, form, B)
@@ -110,14 +112,16 @@ class NativeAttention:
                 and values.dtype is self.dtype and keys.dim() == 4 and keys.shape == values.shape
                 and keys.shape[0] == B and keys.shape[1] == self.Hkv and keys.shape[3] == self.D
                 and keys.shape[2] >= 1 and keys.stride(3) == 1 and values.stride(3) == 1 and keys.is_cpu
-                and values.is_cpu and not keys.is_neg() and not values.is_neg()):
+                and values.is_cpu and not keys.is_neg() and not values.is_neg()
+                and (mask is None or mask.shape[-1] == keys.shape[2])):
             ks, vs = keys.stride(), values.stride()
             self.native.attention_decode_raw(
                 code, qr.data_ptr(), B, self.Hq, self.Hkv, keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2],
                 values.data_ptr(), vs[0], vs[1], vs[2], m.scaling, out.data_ptr(),
-                self.threads or torch.get_num_threads(), self.isa)
+                self.threads or torch.get_num_threads(), self.isa, 0 if mask is None else mask.data_ptr(),
+                0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
         else:  # a cache that hands back something else: PyTorch's SDPA on what it returned
-            o = F.scaled_dot_product_attention(qr.unsqueeze(2), keys, values, scale=m.scaling,
+            o = F.scaled_dot_product_attention(qr.unsqueeze(2), keys, values, attn_mask=mask, scale=m.scaling,
                                                enable_gqa=self.Hq != self.Hkv)
             out.copy_(o.transpose(1, 2).reshape(B, 1, -1))
         return m.o_proj(out), None
@@ -129,7 +133,7 @@ class NativeAttention:
         return self._decode(module, self.form, *fast)
 
     def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict):
-        """(hidden, cos, sin, cache) when this call is a plain decode step, else None."""
+        """(hidden, cos, sin, cache, mask) when this call is a plain decode step, else None."""
         if module.training or len(args) > 4:
             return None
         names = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
@@ -141,19 +145,23 @@ class NativeAttention:
                 continue
             elif key not in _IGNORED_KWARGS:
                 return None
-        h, pe = got.get("hidden_states"), got.get("position_embeddings")
-        if got.get("attention_mask") is not None or not isinstance(pe, tuple) or len(pe) != 2:
+        h, pe, mask = got.get("hidden_states"), got.get("position_embeddings"), got.get("attention_mask")
+        if not isinstance(pe, tuple) or len(pe) != 2:
             return None
         if (type(h) is not torch.Tensor or h.dim() != 3 or h.shape[1] != 1 or h.shape[0] > _MAX_BATCH
                 or h.shape[2] != self.hidden or h.dtype is not self.dtype or not h.is_cpu or h.requires_grad):
             return None
         B = h.shape[0]
+        if mask is not None and (type(mask) is not torch.Tensor or mask.dtype is not torch.bool or mask.dim() != 4
+                                 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != 1
+                                 or mask.stride(3) != 1 or not mask.is_cpu):
+            return None  # a float or per-head mask: the module's own forward
         cos, sin = pe
         for t in (cos, sin):
             if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() != B * self.D or not t.is_cpu
                     or t.is_neg() or t.shape[-1] != self.D):
                 return None
-        return h, cos, sin, got.get("past_key_values")
+        return h, cos, sin, got.get("past_key_values"), mask
 
     # -- the probe ----------------------------------------------------------------------------
     def matches(self) -> bool:

@@ -287,6 +287,11 @@ struct AttnDecodeArgs {
   int64_t B, Hq, Hkv, S, D;
   int64_t k_strides[3], v_strides[3];
   float scale;  // applied to q . k before the softmax
+  // optional: key j of batch row b is attended to iff mask[b * mask_bstride + j] != 0 (a bool
+  // mask [B or 1, 1, 1, S], as transformers passes for a StaticCache or padded batches); masked
+  // keys and values are not read. A row with every key masked gives NaN (softmax over nothing).
+  const uint8_t* mask = nullptr;
+  int64_t mask_bstride = 0;
 };
 // Query head h reads kv head h / (Hq / Hkv) (grouped-query attention; Hq a multiple of Hkv).
 // float32 math, one rounding at the end; heads split across num_threads (0: every hardware

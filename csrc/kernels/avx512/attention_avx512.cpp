@@ -50,20 +50,24 @@ inline __m512 exp_neg(__m512 x) {
 // One (batch, head) row; NC = D / 16 vectors per row (D a multiple of 16, at most 256), the
 // query and the output accumulator held in registers.
 template <class T, int NC>
-void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t ks, int64_t vs, float scale, T* out,
-              float* sc) {
+void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t S, int64_t ks, int64_t vs, float scale,
+              T* out, float* sc) {
+  auto key = [keys](int64_t j) { return keys ? static_cast<int64_t>(keys[j]) : j; };
   __m512 qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = load16(q + 16 * c);
   float mx = -INFINITY;
   int64_t j = 0;
   for (; j + 4 <= S; j += 4) {  // four keys at a time: four independent chains and reductions
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    const T* k0 = k + j * ks;
+    const T* k0 = k + key(j) * ks;
+    const T* k1 = k + key(j + 1) * ks;
+    const T* k2 = k + key(j + 2) * ks;
+    const T* k3 = k + key(j + 3) * ks;
     for (int c = 0; c < NC; ++c) {
       s0 = _mm512_fmadd_ps(qv[c], load16(k0 + 16 * c), s0);
-      s1 = _mm512_fmadd_ps(qv[c], load16(k0 + ks + 16 * c), s1);
-      s2 = _mm512_fmadd_ps(qv[c], load16(k0 + 2 * ks + 16 * c), s2);
-      s3 = _mm512_fmadd_ps(qv[c], load16(k0 + 3 * ks + 16 * c), s3);
+      s1 = _mm512_fmadd_ps(qv[c], load16(k1 + 16 * c), s1);
+      s2 = _mm512_fmadd_ps(qv[c], load16(k2 + 16 * c), s2);
+      s3 = _mm512_fmadd_ps(qv[c], load16(k3 + 16 * c), s3);
     }
     sc[j] = _mm512_reduce_add_ps(s0) * scale;
     sc[j + 1] = _mm512_reduce_add_ps(s1) * scale;
@@ -73,7 +77,7 @@ void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t ks, int64_t
   }
   for (; j < S; ++j) {
     __m512 s0 = _mm512_setzero_ps();
-    for (int c = 0; c < NC; ++c) s0 = _mm512_fmadd_ps(qv[c], load16(k + j * ks + 16 * c), s0);
+    for (int c = 0; c < NC; ++c) s0 = _mm512_fmadd_ps(qv[c], load16(k + key(j) * ks + 16 * c), s0);
     sc[j] = _mm512_reduce_add_ps(s0) * scale;
     mx = std::max(mx, sc[j]);
   }
@@ -90,11 +94,11 @@ void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t ks, int64_t
     _mm512_mask_storeu_ps(sc + j, m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+  const float inv = S ? 1.0f / _mm512_reduce_add_ps(vsum) : NAN;
   __m512 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
   for (j = 0; j < S; ++j) {
-    const T* vr = v + j * vs;
+    const T* vr = v + key(j) * vs;
     const __m512 p = _mm512_set1_ps(sc[j]);
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vr + 16 * c), acc[c]);
   }
@@ -105,15 +109,18 @@ void one_head(const T* q, const T* k, const T* v, int64_t S, int64_t ks, int64_t
 
 template <class T, int NC>
 void heads_nc(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
-  thread_local AlignedBuf scratch;
+  thread_local AlignedBuf scratch, key_buf;
   float* sc = static_cast<float*>(scratch.get(static_cast<size_t>(a.S) * sizeof(float)));
+  int32_t* keys = a.mask ? static_cast<int32_t*>(key_buf.get(static_cast<size_t>(a.S) * sizeof(int32_t))) : nullptr;
   const int64_t groups = a.Hq / a.Hkv;
+  int64_t row = -1, n = a.S;
   for (int64_t bh = h0; bh < h1; ++bh) {
     const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
+    if (keys && b != row) n = attn_impl::select_keys(a, row = b, keys);
     const T* q = static_cast<const T*>(a.q) + bh * a.D;
     const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
     const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
-    one_head<T, NC>(q, k, v, a.S, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D, sc);
+    one_head<T, NC>(q, k, v, keys, n, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D, sc);
   }
 }
 
