@@ -12,6 +12,11 @@ cache update and the attention math). The cache kinds alternate in order per con
 is loaded once (hi_na_moe.from_pretrained from a warm store, or plain transformers with
 --weights native). StaticCache gets max_cache_len = N + --steps + 1.
 
+--ab-attention (scope all): on each cache, the attention modules alternate every two steps
+between hi_na_moe's decode path (native RoPE and attention kernels) and their own forward, on
+the same growing cache (both compute the same function), and each arm gets its own row; the
+cache then holds N + 2 x --steps tokens at the end.
+
     python benchmarks/bench_long_context.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --scope all \\
         --dense-lossless "" --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
 """
@@ -33,6 +38,8 @@ def main() -> int:
     ap.add_argument("--caches", default="dynamic,static")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ab-attention", action="store_true",
+                    help="alternate native / PyTorch attention decode on the same cache (scope all)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -56,6 +63,22 @@ def main() -> int:
         if type(m).__name__.endswith("Attention"):
             m.register_forward_pre_hook(lambda mod, a: starts.append(time.perf_counter()))
             m.register_forward_hook(lambda mod, a, o: attn_time.__setitem__(0, attn_time[0] + time.perf_counter() - starts.pop()))
+    arms = ["native attention", "PyTorch attention"] if args.ab_attention else [""]
+    patched = {}
+    if args.ab_attention:
+        mods = dict(model.named_modules())
+        rep = hi_na_moe.report_for(model) if args.weights != "native" else None
+        patched = {mods[n]: mods[n].__dict__["forward"] for n in (rep.attention if rep else [])}
+        if not patched:
+            raise SystemExit("--ab-attention: no attention module runs on the native kernels (scope all?)")
+
+    def use_arm(arm: str) -> None:
+        for m, fwd in patched.items():
+            if arm.startswith("native"):
+                m.forward = fwd
+            else:
+                m.__dict__.pop("forward", None)
+
     kv_heads = getattr(conf, "num_key_value_heads", conf.num_attention_heads)
     head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
     gen = torch.Generator().manual_seed(0)
@@ -70,23 +93,29 @@ def main() -> int:
                 if kind == "dynamic":
                     cache = DynamicCache(config=conf)
                 elif kind == "static":
-                    cache = StaticCache(config=conf, max_cache_len=n + args.steps + 1)
+                    cache = StaticCache(config=conf, max_cache_len=n + len(arms) * args.steps + 1)
                 else:
                     raise SystemExit(f"unknown cache kind {kind!r}")
                 out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 nxt = out.logits[:, -1:].argmax(-1)
-                steps, attn = [], []
-                for _ in range(args.steps):
+                steps = {a: [] for a in arms}
+                attn = {a: [] for a in arms}
+                for i in range(args.steps * len(arms)):
+                    arm = arms[(i // 2) % len(arms)]
+                    use_arm(arm)
                     attn_time[0] = 0.0
                     t = time.perf_counter()
                     out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    steps.append(time.perf_counter() - t)
-                    attn.append(attn_time[0])
+                    steps[arm].append(time.perf_counter() - t)
+                    attn[arm].append(attn_time[0])
                     nxt = out.logits[:, -1:].argmax(-1)
-                med = statistics.median(steps)
+                use_arm(arms[0])
                 kv = 2 * conf.num_hidden_layers * kv_heads * head_dim * n * 2
-                print(f"| {n} | {kind} | {1e3 * med:.1f} | {1e3 * statistics.median(attn):.1f} | {1 / med:.2f} "
-                      f"| {kv / 1e6:.0f} MB |", flush=True)
+                for arm in arms:
+                    med = statistics.median(steps[arm])
+                    label = f"{kind}, {arm}" if arm else kind
+                    print(f"| {n} | {label} | {1e3 * med:.1f} | {1e3 * statistics.median(attn[arm]):.1f} | "
+                          f"{1 / med:.2f} | {kv / 1e6:.0f} MB |", flush=True)
                 del cache, out
     return 0
 
