@@ -133,10 +133,24 @@ def _runner(module):
 
 
 class _Count:
-    """Counts the native attention calls of one runner."""
+    """Counts the decode calls one runner takes on its native path."""
 
     def __init__(self, runner):
-        self.runner, self.native, self.calls = runner, runner.native, 0
+        self.calls = 0
+        decode = runner._decode
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return decode(*args, **kwargs)
+
+        runner._decode = counted
+
+
+class _KernelCalls:
+    """Counts one runner's calls of the native attention kernel."""
+
+    def __init__(self, runner):
+        self.native, self.calls = runner.native, 0
         runner.native = self
 
     def __getattr__(self, name):
@@ -299,14 +313,41 @@ def test_static_cache_and_padded_batches_decode_on_the_kernels():
         hi_na_moe.disable_for_model(model)
 
 
+def test_below_the_kernels_tiers_sdpa_does_the_math_and_the_report_says_so(monkeypatch):
+    tiers = [t for t in _tiers() if t not in attention.KERNEL_TIERS]
+    if not tiers:
+        pytest.skip("no tier below AVX-512 on this CPU")
+    model = _olmoe()
+    ids = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])
+    with torch.inference_mode():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    rep = hi_na_moe.enable_for_model(model, scope="all", isa=tiers[-1])
+    try:
+        assert f"PyTorch's SDPA (a fallback: the native kernel has no vector build for tier {tiers[-1]})" in str(rep)
+        runner = _runner(model.model.layers[0].self_attn)
+        assert not runner.kernel
+        count, kernel = _Count(runner), _KernelCalls(runner)
+        with torch.inference_mode():
+            got = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        assert count.calls == 3 and kernel.calls == 0  # the decode path, with SDPA for the math
+        for a, b in zip(got.logits, want.logits):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_whole_model_decode_with_native_attention_stays_close_and_generates_alike():
     model = _olmoe()
     ids = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])
     with torch.inference_mode():
         want = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
                               return_dict_in_generate=True)
-    hi_na_moe.enable_for_model(model, scope="all")
+    rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
+        if not _runner(model.model.layers[0].self_attn).kernel:
+            pytest.skip("this CPU has no AVX-512: SDPA does the math (the test above)")
+        assert "attention math: the native AVX-512 kernel" in str(rep)
         count = _Count(_runner(model.model.layers[0].self_attn))
         with torch.inference_mode():
             got = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,

@@ -7,7 +7,8 @@ took 5-7 ms of a 43-50 ms int4 step besides their projections (benchmarks/RESULT
 Here a decode call (one new token per sequence; no attention mask, or a bool one over the keys
 as a StaticCache or a padded batch brings) runs as: the module's own
 projections and q/k norms (themselves on native kernels under scope="all"), one native call for
-the rotary embedding of q and k, the cache's own update, one native call for the attention, and
+the rotary embedding of q and k, the cache's own update, one native call for the attention (on tiers with its AVX-512 build;
+below them PyTorch's SDPA, which beats the kernel's baseline loops, and the report says so), and
 the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
 unknown arguments) is the module's own forward.
 
@@ -30,6 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# tiers with a vector build of the attention kernel; below them the baseline loops run 1.5-2.5x
+# slower than PyTorch's SDPA (benchmarks/bench_attention_kernel.py), so SDPA does the math there
+KERNEL_TIERS = ("avx512", "amx")
+
+
+def math_kernel(isa: str) -> str:
+    """What computes the attention of a decode step at tier `isa` (for the report)."""
+    if isa in KERNEL_TIERS:
+        return "the native AVX-512 kernel"
+    return f"PyTorch's SDPA (a fallback: the native kernel has no vector build for tier {isa})"
 _MAX_BATCH = 16
 # arguments the families' decoder layers pass that these forms do not read (SDPA ignores them)
 _IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits"})
@@ -71,6 +82,7 @@ class NativeAttention:
         self.original = original_forward
         self.native = native_module()[0]
         self.isa, self.threads = isa, threads
+        self.kernel = isa in KERNEL_TIERS  # else SDPA does the attention math (math_kernel)
         self.D = module.head_dim
         self.Hq = module.q_proj.out_features // self.D
         self.Hkv = module.k_proj.out_features // self.D
@@ -108,7 +120,7 @@ class NativeAttention:
         if cache is not None:
             keys, values = cache.update(keys, values, m.layer_idx)
         out = torch.empty(B, 1, self.Hq * self.D, dtype=self.dtype)
-        if (type(keys) is torch.Tensor and type(values) is torch.Tensor and keys.dtype is self.dtype
+        if (self.kernel and type(keys) is torch.Tensor and type(values) is torch.Tensor and keys.dtype is self.dtype
                 and values.dtype is self.dtype and keys.dim() == 4 and keys.shape == values.shape
                 and keys.shape[0] == B and keys.shape[1] == self.Hkv and keys.shape[3] == self.D
                 and keys.shape[2] >= 1 and keys.stride(3) == 1 and values.stride(3) == 1 and keys.is_cpu
@@ -120,7 +132,7 @@ class NativeAttention:
                 values.data_ptr(), vs[0], vs[1], vs[2], m.scaling, out.data_ptr(),
                 self.threads or torch.get_num_threads(), self.isa, 0 if mask is None else mask.data_ptr(),
                 0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
-        else:  # a cache that hands back something else: PyTorch's SDPA on what it returned
+        else:  # no vector build for this tier, or a cache that hands back something else: PyTorch's SDPA
             o = F.scaled_dot_product_attention(qr.unsqueeze(2), keys, values, attn_mask=mask, scale=m.scaling,
                                                enable_gqa=self.Hq != self.Hkv)
             out.copy_(o.transpose(1, 2).reshape(B, 1, -1))

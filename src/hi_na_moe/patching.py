@@ -217,6 +217,7 @@ class EnableReport:
     # attention kernels (hi_na_moe.attention), and the candidates matching no form
     attention: list = field(default_factory=list)
     attention_differ: list = field(default_factory=list)
+    attention_math: str | None = None  # what computes their attention (attention.math_kernel)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -240,6 +241,7 @@ class EnableReport:
             "norms": list(self.norms), "norms_differ": list(self.norms_differ),
             "routers": list(self.routers), "routers_differ": list(self.routers_differ),
             "attention": list(self.attention), "attention_differ": list(self.attention_differ),
+            "attention_math": self.attention_math,
         }
 
     def to_json(self) -> str:
@@ -297,7 +299,8 @@ class EnableReport:
         if self.attention or self.attention_differ:
             left = (f"; {len(self.attention_differ)} left to PyTorch (no known form, e.g. "
                     f"{self.attention_differ[0]})" if self.attention_differ else "")
-            lines.append(f"  attention modules with decode steps on the native kernels: {len(self.attention)}{left}")
+            math = f" (attention math: {self.attention_math})" if self.attention_math else ""
+            lines.append(f"  attention modules with decode steps on the native kernels: {len(self.attention)}{math}{left}")
         return "\n".join(lines)
 
 
@@ -528,6 +531,10 @@ def enable_for_model(
                 report.norms, report.norms_differ = small["norms"]
                 report.routers, report.routers_differ = small["routers"]
                 report.attention, report.attention_differ = small["attention"]
+                if report.attention:
+                    from .attention import math_kernel
+
+                    report.attention_math = math_kernel(ops._isa_name(cfg))
         except BaseException:
             # leave the model exactly as it was (a block that cannot be restored stays enabled,
             # so that disable_for_model can be tried again)
