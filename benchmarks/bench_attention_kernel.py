@@ -14,7 +14,8 @@ Arms alternate call by call (in-process A/B); medians over --calls calls per arm
   [1, kv_heads, S, D] caches (enable_gqa when kv_heads < heads), what transformers' "sdpa"
   attention calls at decode.
 
-GB/s counts the K and V bytes of one call.
+GB/s counts the K and V bytes of one call. On a CPU with AVX-512, ATEN_CPU_CAPABILITY=avx2 in
+the environment holds PyTorch's kernels to AVX2, the fair opponent of the avx2 column.
 
     python benchmarks/bench_attention_kernel.py --contexts 16,144,1024,4096
 """

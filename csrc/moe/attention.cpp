@@ -1,6 +1,6 @@
 // Decode attention and rotary embedding for hi_na_moe's attention path (scope="all",
 // hi_na_moe/attention.py): the baseline build of attention_impl.h, the dispatch to the AVX-512
-// build, and rope_rotate_half.
+// and AVX2 builds, and rope_rotate_half.
 #include <algorithm>
 
 #include "attention_impl.h"
@@ -12,6 +12,7 @@
 namespace hina {
 namespace detail {
 void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
+void attention_decode_avx2(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
 }  // namespace detail
 
 namespace {
@@ -68,6 +69,7 @@ void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
   auto part = [&](int64_t h0, int64_t h1) {
 #if defined(HINA_HAVE_X86_KERNELS)
     if (isa == Isa::kAvx512 || isa == Isa::kAmx) return detail::attention_decode_avx512(a, h0, h1);
+    if (isa == Isa::kAvx2) return detail::attention_decode_avx2(a, h0, h1);
 #endif
     attn_impl::run(a, h0, h1);
   };

@@ -7,8 +7,8 @@ took 5-7 ms of a 43-50 ms int4 step besides their projections (benchmarks/RESULT
 Here a decode call (one new token per sequence; no attention mask, or a bool one over the keys
 as a StaticCache or a padded batch brings) runs as: the module's own
 projections and q/k norms (themselves on native kernels under scope="all"), one native call for
-the rotary embedding of q and k, the cache's own update, one native call for the attention (on tiers with its AVX-512 build;
-below them PyTorch's SDPA, which beats the kernel's baseline loops, and the report says so), and
+the rotary embedding of q and k, the cache's own update, one native call for the attention (AVX-512 build; AVX2 build up to 512
+cached positions; elsewhere PyTorch's SDPA, faster there, and the report says which), and
 the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
 unknown arguments) is the module's own forward.
 
@@ -31,16 +31,20 @@ import torch.nn.functional as F
 from torch import nn
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# tiers with a vector build of the attention kernel; below them the baseline loops run 1.5-2.5x
-# slower than PyTorch's SDPA (benchmarks/bench_attention_kernel.py), so SDPA does the math there
-KERNEL_TIERS = ("avx512", "amx")
+# tier -> (the vector build of the attention kernel it runs, the most cached positions it takes;
+# beyond them PyTorch's SDPA). benchmarks/bench_attention_kernel.py: the AVX-512 build took
+# 0.22-1.05x SDPA's time from 16 to 4096 positions; the AVX2 build 0.33x at 16, 0.98x at 512 and
+# 1.4-1.8x beyond (SDPA held to AVX2 too, ATEN_CPU_CAPABILITY=avx2); the baseline loops of the
+# generic tier 1.5-2.5x beyond a few positions, so there SDPA does the math.
+KERNEL_TIERS = {"avx2": ("AVX2", 512), "avx512": ("AVX-512", None), "amx": ("AVX-512", None)}
 
 
 def math_kernel(isa: str) -> str:
     """What computes the attention of a decode step at tier `isa` (for the report)."""
-    if isa in KERNEL_TIERS:
-        return "the native AVX-512 kernel"
-    return f"PyTorch's SDPA (a fallback: the native kernel has no vector build for tier {isa})"
+    if isa not in KERNEL_TIERS:
+        return f"PyTorch's SDPA (a fallback: the native kernel has no vector build for tier {isa})"
+    name, most = KERNEL_TIERS[isa]
+    return f"the native {name} kernel" + (f" up to {most} cached positions, PyTorch's SDPA beyond" if most else "")
 _MAX_BATCH = 16
 # arguments the families' decoder layers pass that these forms do not read (SDPA ignores them)
 _IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits"})
@@ -82,7 +86,9 @@ class NativeAttention:
         self.original = original_forward
         self.native = native_module()[0]
         self.isa, self.threads = isa, threads
-        self.kernel = isa in KERNEL_TIERS  # else SDPA does the attention math (math_kernel)
+        # else SDPA does the attention math (math_kernel); beyond kernel_keys positions too
+        self.kernel = isa in KERNEL_TIERS
+        self.kernel_keys = KERNEL_TIERS[isa][1] if self.kernel else None
         self.D = module.head_dim
         self.Hq = module.q_proj.out_features // self.D
         self.Hkv = module.k_proj.out_features // self.D
@@ -125,7 +131,8 @@ class NativeAttention:
                 and keys.shape[0] == B and keys.shape[1] == self.Hkv and keys.shape[3] == self.D
                 and keys.shape[2] >= 1 and keys.stride(3) == 1 and values.stride(3) == 1 and keys.is_cpu
                 and values.is_cpu and not keys.is_neg() and not values.is_neg()
-                and (mask is None or mask.shape[-1] == keys.shape[2])):
+                and (mask is None or mask.shape[-1] == keys.shape[2])
+                and (self.kernel_keys is None or keys.shape[2] <= self.kernel_keys)):
             ks, vs = keys.stride(), values.stride()
             self.native.attention_decode_raw(
                 code, qr.data_ptr(), B, self.Hq, self.Hkv, keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2],

@@ -295,8 +295,8 @@ struct AttnDecodeArgs {
 };
 // Query head h reads kv head h / (Hq / Hkv) (grouped-query attention; Hq a multiple of Hkv).
 // float32 math, one rounding at the end; heads split across num_threads (0: every hardware
-// thread) when the work is large enough. isa picks the build (kAvx512/kAmx: AVX-512; others:
-// the baseline build).
+// thread) when the work is large enough. isa picks the build (kAvx512/kAmx: AVX-512; kAvx2:
+// AVX2; others: the baseline build).
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa);
 
 }  // namespace hina

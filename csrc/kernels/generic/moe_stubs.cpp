@@ -14,4 +14,5 @@ bool get_qdot_kernels_avxvnni(WFormat, KernelImpl*) { return false; }
 void quant_act_row_avx512(const float*, int64_t, uint8_t*) {}
 void quant_act_row_avx2(const float*, int64_t, uint8_t*) {}
 void attention_decode_avx512(const AttnDecodeArgs&, int64_t, int64_t) {}
+void attention_decode_avx2(const AttnDecodeArgs&, int64_t, int64_t) {}
 }  // namespace hina::detail

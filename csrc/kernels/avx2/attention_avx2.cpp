@@ -1,0 +1,149 @@
+// Decode attention with AVX2 + FMA + F16C: attention_impl.h's computation (float32 math, one
+// rounding at the end) 8 float32 lanes a vector. Sixteen ymm registers cannot hold a 128-wide
+// query and output at once as the AVX-512 build does: scores take the query from L1, and the
+// output is accumulated kCols columns per pass over the kept keys (128: one pass for the
+// common head sizes, some accumulators spilled to L1). Four keys are scored at a time; the
+// softmax uses a vector exp. hi_na_moe.attention uses this build up to 512 cached positions
+// only: beyond, PyTorch's SDPA measured faster (benchmarks/bench_attention_kernel.py).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "moe/attention_impl.h"
+
+namespace hina::detail {
+namespace {
+
+template <class T>
+__m256 load8(const T* p);
+template <>
+__m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+__m256 load8<uint16_t>(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <>
+__m256 load8<attn_impl::Half>(const attn_impl::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// e^x for x <= 0, as exp_neg in attention_avx512.cpp: 2^n * p(r), degree-6 Taylor polynomial,
+// x below -87 gives 0.
+inline __m256 exp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+constexpr int kCols = 128;  // output columns accumulated per pass over the keys
+
+// One (batch, head) row, D a multiple of 8; qf: the query as float32 (D values), sc: n floats.
+template <class T>
+void one_head(const float* qf, const T* k, const T* v, const int32_t* keys, int64_t n, int64_t D, int64_t ks,
+              int64_t vs, float scale, T* out, float* sc) {
+  auto key = [keys](int64_t j) { return keys ? static_cast<int64_t>(keys[j]) : j; };
+  float mx = -INFINITY;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* k0 = k + key(j) * ks;
+    const T* k1 = k + key(j + 1) * ks;
+    const T* k2 = k + key(j + 2) * ks;
+    const T* k3 = k + key(j + 3) * ks;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(qf + i);
+      s0 = _mm256_fmadd_ps(qv, load8(k0 + i), s0);
+      s1 = _mm256_fmadd_ps(qv, load8(k1 + i), s1);
+      s2 = _mm256_fmadd_ps(qv, load8(k2 + i), s2);
+      s3 = _mm256_fmadd_ps(qv, load8(k3 + i), s3);
+    }
+    sc[j] = hsum(s0) * scale;
+    sc[j + 1] = hsum(s1) * scale;
+    sc[j + 2] = hsum(s2) * scale;
+    sc[j + 3] = hsum(s3) * scale;
+    mx = std::max({mx, sc[j], sc[j + 1], sc[j + 2], sc[j + 3]});
+  }
+  for (; j < n; ++j) {
+    const T* kr = k + key(j) * ks;
+    __m256 s0 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(kr + i), s0);
+    sc[j] = hsum(s0) * scale;
+    mx = std::max(mx, sc[j]);
+  }
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vmx));
+    _mm256_storeu_ps(sc + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum(vsum);
+  for (; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+  const float inv = n ? 1.0f / sum : NAN;
+  for (int64_t c0 = 0; c0 < D; c0 += kCols) {
+    const int nc = static_cast<int>(std::min<int64_t>(kCols, D - c0) / 8);
+    __m256 acc[kCols / 8];
+    for (int c = 0; c < kCols / 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (j = 0; j < n; ++j) {
+      const T* vr = v + key(j) * vs + c0;
+      const __m256 p = _mm256_set1_ps(sc[j]);
+      for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
+    }
+    alignas(32) float res[kCols];
+    for (int c = 0; c < nc; ++c) _mm256_store_ps(res + 8 * c, acc[c]);
+    for (int i = 0; i < 8 * nc; ++i) attn_impl::Elem<T>::put(out, c0 + i, res[i] * inv);
+  }
+}
+
+template <class T>
+void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
+  if (a.D % 8) return attn_impl::heads<T>(a, h0, h1);
+  thread_local AlignedBuf scratch, key_buf, q_buf;
+  float* sc = static_cast<float*>(scratch.get(static_cast<size_t>(a.S) * sizeof(float)));
+  float* qf = static_cast<float*>(q_buf.get(static_cast<size_t>(a.D) * sizeof(float)));
+  int32_t* keys = a.mask ? static_cast<int32_t*>(key_buf.get(static_cast<size_t>(a.S) * sizeof(int32_t))) : nullptr;
+  const int64_t groups = a.Hq / a.Hkv;
+  int64_t row = -1, n = a.S;
+  for (int64_t bh = h0; bh < h1; ++bh) {
+    const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
+    if (keys && b != row) n = attn_impl::select_keys(a, row = b, keys);
+    const T* q = static_cast<const T*>(a.q) + bh * a.D;
+    for (int64_t i = 0; i < a.D; ++i) qf[i] = attn_impl::Elem<T>::get(q, i);
+    const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
+    const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
+    one_head(qf, k, v, keys, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D, sc);
+  }
+}
+
+}  // namespace
+
+void attention_decode_avx2(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
+  switch (a.dtype) {
+    case DType::kF32: heads<float>(a, h0, h1); break;
+    case DType::kBF16: heads<uint16_t>(a, h0, h1); break;
+    case DType::kF16: heads<attn_impl::Half>(a, h0, h1); break;
+  }
+}
+
+}  // namespace hina::detail
