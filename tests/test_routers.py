@@ -15,6 +15,7 @@ import hi_na_moe
 from hi_na_moe import dense, routers
 from hi_na_moe.families import moe_families
 from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.patching import patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 
@@ -39,11 +40,8 @@ def _olmoe(layers=2):
 
 
 def _runner(model, name):
-    """The NativeRouter behind a patched router module (its forward is the gated runner.forward)."""
-    fwd = dict(model.named_modules())[name].__dict__["forward"]
-    cells = [c.cell_contents for c in fwd.__func__.__closure__ or ()]
-    inner = next(c for c in cells if callable(c) and not isinstance(c, type))
-    return inner.__self__
+    """The NativeRouter behind a patched router module."""
+    return patched_runner(dict(model.named_modules())[name])
 
 
 @pytest.mark.parametrize("model_type", [f for f in EXPECTED if f in {x.model_type for x in moe_families()}])

@@ -95,24 +95,36 @@ void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t n
   for (int64_t i = 0; i < D; ++i) Elem<T>::put(out, i, acc[i] * inv);
 }
 
-// Heads [h0, h1) of the flattened (batch, query head) range.
+// Every build's driver: head(q, k, v, keys, n, out) for each (batch, query head) of [h0, h1), with
+// k and v at that row's kv head, and the kept keys' indices (keys, a buffer of S; null without
+// a mask) gathered once per batch row.
+template <class T, class Head>
+void for_heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1, int32_t* keys, Head&& head) {
+  const int64_t groups = a.Hq / a.Hkv;
+  int64_t row = -1, n = a.S;
+  for (int64_t bh = h0; bh < h1; ++bh) {
+    const int64_t b = bh / a.Hq, kvh = bh % a.Hq / groups;
+    if (a.mask && b != row) n = select_keys(a, row = b, keys);
+    head(static_cast<const T*>(a.q) + bh * a.D, static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1],
+         static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1], a.mask ? keys : nullptr, n,
+         static_cast<T*>(a.out) + bh * a.D);
+  }
+}
+
+// e^x = 2^n p(r) with x = n ln2 + r (|r| <= ln2 / 2), for the vector builds' softmax: ln2 in two
+// parts, and p's degree-6 Taylor coefficients, highest first (relative error below 2e-7).
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;
+constexpr float kExpPoly[7] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 template <class T>
 void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   thread_local std::vector<float> scratch;
   thread_local std::vector<int32_t> keys;
   scratch.resize(static_cast<size_t>(a.S + 2 * a.D));
   keys.resize(static_cast<size_t>(a.S));
-  const int64_t groups = a.Hq / a.Hkv;
-  int64_t row = -1, n = a.S;
-  for (int64_t bh = h0; bh < h1; ++bh) {
-    const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
-    if (b != row) n = select_keys(a, row = b, keys.data());
-    const T* q = static_cast<const T*>(a.q) + bh * a.D;
-    const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
-    const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
-    one_head(q, k, v, a.mask ? keys.data() : nullptr, n, a.D, a.k_strides[2], a.v_strides[2], a.scale,
-             static_cast<T*>(a.out) + bh * a.D, scratch.data());
-  }
+  for_heads<T>(a, h0, h1, keys.data(), [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, T* out) {
+    one_head(q, k, v, kept, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, out, scratch.data());
+  });
 }
 
 inline void run(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {

@@ -389,7 +389,15 @@ def _gated(gate: _Gate, forward):
         # disabled while this call waited at the gate: the block's own forward, restored by now
         return self.forward(*args, **kwargs)
 
+    gated.inner = forward  # what it runs (patched_runner)
     return gated
+
+
+def patched_runner(module: nn.Module):
+    """The runner behind a small module patched under scope="all" (a NativeNorm, NativeRouter or
+    NativeAttention; a single dense layer's NativeLinear), or None if it is not patched so."""
+    inner = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
+    return getattr(inner, "__self__", None)
 
 
 def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, gate: _Gate, patched: list,

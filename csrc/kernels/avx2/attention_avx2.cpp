@@ -35,23 +35,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// e^x for x <= 0, as exp_neg in attention_avx512.cpp: 2^n * p(r), degree-6 Taylor polynomial,
-// x below -87 gives 0.
+// e^x for x <= 0, attn_impl's polynomial; x below -87 gives 0.
 inline __m256 exp_neg(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(attn_impl::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(attn_impl::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(attn_impl::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(attn_impl::kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(attn_impl::kExpPoly[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
@@ -123,17 +117,10 @@ void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   float* sc = static_cast<float*>(scratch.get(static_cast<size_t>(a.S) * sizeof(float)));
   float* qf = static_cast<float*>(q_buf.get(static_cast<size_t>(a.D) * sizeof(float)));
   int32_t* keys = a.mask ? static_cast<int32_t*>(key_buf.get(static_cast<size_t>(a.S) * sizeof(int32_t))) : nullptr;
-  const int64_t groups = a.Hq / a.Hkv;
-  int64_t row = -1, n = a.S;
-  for (int64_t bh = h0; bh < h1; ++bh) {
-    const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
-    if (keys && b != row) n = attn_impl::select_keys(a, row = b, keys);
-    const T* q = static_cast<const T*>(a.q) + bh * a.D;
+  attn_impl::for_heads<T>(a, h0, h1, keys, [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, T* out) {
     for (int64_t i = 0; i < a.D; ++i) qf[i] = attn_impl::Elem<T>::get(q, i);
-    const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
-    const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
-    one_head(qf, k, v, keys, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D, sc);
-  }
+    one_head(qf, k, v, kept, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, out, sc);
+  });
 }
 
 }  // namespace

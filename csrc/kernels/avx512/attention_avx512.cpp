@@ -26,23 +26,17 @@ __m512 load16<attn_impl::Half>(const attn_impl::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// e^x for x <= 0 (scores minus their maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, p the
-// degree-6 Taylor polynomial (relative error below 2e-7 there); x below -87 gives 0.
+// e^x for x <= 0 (scores minus their maximum), attn_impl's polynomial; x below -87 gives 0.
 inline __m512 exp_neg(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.0f);
   const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(attn_impl::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(attn_impl::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(attn_impl::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(attn_impl::kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(attn_impl::kExpPoly[i]));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
 }
@@ -112,16 +106,9 @@ void heads_nc(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   thread_local AlignedBuf scratch, key_buf;
   float* sc = static_cast<float*>(scratch.get(static_cast<size_t>(a.S) * sizeof(float)));
   int32_t* keys = a.mask ? static_cast<int32_t*>(key_buf.get(static_cast<size_t>(a.S) * sizeof(int32_t))) : nullptr;
-  const int64_t groups = a.Hq / a.Hkv;
-  int64_t row = -1, n = a.S;
-  for (int64_t bh = h0; bh < h1; ++bh) {
-    const int64_t b = bh / a.Hq, h = bh % a.Hq, kvh = h / groups;
-    if (keys && b != row) n = attn_impl::select_keys(a, row = b, keys);
-    const T* q = static_cast<const T*>(a.q) + bh * a.D;
-    const T* k = static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1];
-    const T* v = static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1];
-    one_head<T, NC>(q, k, v, keys, n, a.k_strides[2], a.v_strides[2], a.scale, static_cast<T*>(a.out) + bh * a.D, sc);
-  }
+  attn_impl::for_heads<T>(a, h0, h1, keys, [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, T* out) {
+    one_head<T, NC>(q, k, v, kept, n, a.k_strides[2], a.v_strides[2], a.scale, out, sc);
+  });
 }
 
 // Head sizes of 16 * {2, 4, 5, 6, 8, 12, 16} (32 ... 256: every common one); others run the
