@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from tiny_models import UNBUILDABLE, build_tiny
-from transformers import DynamicCache, OlmoeConfig, OlmoeForCausalLM
+from tiny_models import UNBUILDABLE, build_tiny, olmoe
+from transformers import DynamicCache
 from transformers.models.olmoe.modeling_olmoe import apply_rotary_pos_emb
 
 import hi_na_moe
@@ -120,11 +120,7 @@ def test_attention_decode_errors_name_the_argument(bad, match):
 
 
 def _olmoe(layers=2):
-    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, num_experts=8, num_experts_per_tok=2,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return OlmoeForCausalLM(cfg).eval().to(torch.bfloat16)
+    return olmoe(layers=layers, kv_heads=2)  # grouped-query heads
 
 
 _runner = patched_runner  # the NativeAttention behind a patched module

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import olmoe
 from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 import hi_na_moe
@@ -19,11 +20,7 @@ IDS = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])
 
 
 def _olmoe(tied=False, dtype=torch.bfloat16):
-    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=512, num_experts=8, num_experts_per_tok=2,
-                      tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return OlmoeForCausalLM(cfg).eval().to(dtype)
+    return olmoe(tied=tied, dtype=dtype)
 
 
 def _rel(a, b):

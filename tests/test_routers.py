@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import UNBUILDABLE, build_tiny
-from transformers import DbrxConfig, DbrxForCausalLM, OlmoeConfig, OlmoeForCausalLM
+from tiny_models import UNBUILDABLE, build_tiny, olmoe
+from transformers import DbrxConfig, DbrxForCausalLM
 
 import hi_na_moe
 from hi_na_moe import dense, routers
@@ -32,11 +32,7 @@ EXPECTED = {
 
 
 def _olmoe(layers=2):
-    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=512, num_experts=16, num_experts_per_tok=4,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return OlmoeForCausalLM(cfg).eval().to(torch.bfloat16)
+    return olmoe(layers=layers, experts=16, top_k=4)
 
 
 def _runner(model, name):
