@@ -463,3 +463,22 @@ def test_siblings_that_differ_in_bias_are_not_fused():
         assert {d.group for d in rep.dense if d.name.endswith(("q_proj", "k_proj", "v_proj"))} == {None}
     finally:
         hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("scope, layer", [("experts", "model.layers.0.mlp.experts"),
+                                          ("all", "model.layers.0.self_attn.q_proj")])
+def test_load_state_dict_into_released_weights_says_what_to_do(scope, layer):
+    model = _olmoe()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    hi_na_moe.enable_for_model(model, scope=scope)
+    try:
+        with pytest.raises(RuntimeError, match=rf"cannot load '{layer}\.[a-z_]+' into '{layer}'.*disable_for_model"):
+            model.load_state_dict(sd)
+        # keys of modules that kept their weights still load (the layer norms here)
+        norm = {k: v for k, v in sd.items() if "input_layernorm" in k}
+        assert model.load_state_dict(norm, strict=False).unexpected_keys == []
+    finally:
+        hi_na_moe.disable_for_model(model)
+    model.load_state_dict(sd)  # disabled: the usual load
+    with torch.inference_mode():
+        assert torch.isfinite(model(IDS).logits).all()

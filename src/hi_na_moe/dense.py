@@ -281,6 +281,8 @@ class NativeLinear:
         todo = [i for i in range(len(self.modules)) if i not in keep]
         if not todo:
             return freed
+        from .loading import refuse_loading
+
         if self.weights != "lossless":
             if self.store is None:
                 return freed
@@ -302,6 +304,7 @@ class NativeLinear:
                     state_dict[key] = self._unpacked(i)
 
             self._hooks.append(m.register_state_dict_post_hook(fill_state_dict))
+            self._hooks.append(refuse_loading(m, self.members[i][0]))
         return freed
 
     def _unpacked(self, i: int) -> torch.Tensor:

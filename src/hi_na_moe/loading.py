@@ -122,6 +122,22 @@ def placeholder(shape, dtype) -> torch.Tensor:
     return torch.zeros((), dtype=dtype).expand(tuple(shape))
 
 
+def refuse_loading(module: torch.nn.Module, name: str):
+    """A load_state_dict pre-hook for a module whose weights are released placeholders: loading
+    weights into it raises an error that says what to do, instead of PyTorch's about writing into
+    a tensor whose elements share one memory location. Returns the hook's handle."""
+
+    def hook(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        keys = [k for k in state_dict if k.startswith(prefix)]
+        if keys:
+            raise RuntimeError(
+                f"hi_na_moe: cannot load {keys[0]!r} into {name!r}: while hi_na_moe runs it, its own weights are "
+                "released (it runs on a packed copy). Call hi_na_moe.disable_for_model(model) first (the weights "
+                "come back exactly), load, then enable again")
+
+    return module.register_load_state_dict_pre_hook(hook)
+
+
 @dataclass(frozen=True)
 class CheckpointOrigin:
     """Where a model's expert weights live when they were never loaded: the checkpoint."""

@@ -125,7 +125,7 @@ class NativeExperts:
         self._entry = None  # the store entry the packed block is mapped from
         self._backup = None  # (key, name) of the exact originals in the store, for restore
         self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
-        self._hook = None
+        self._hook = self._load_hook = None  # state_dict / load_state_dict hooks while released
         # the released parameters' storage is swapped by state_dict() (briefly) and restore():
         # one at a time, or two threads would leave each other's tensors behind
         self._swap_lock = threading.RLock()
@@ -317,7 +317,10 @@ class NativeExperts:
                 if key in state_dict:
                     state_dict[key] = tensor
 
+        from .loading import refuse_loading
+
         self._hook = module.register_state_dict_post_hook(fill_state_dict)
+        self._load_hook = refuse_loading(module, self.name)
 
     def _fill_real(self, rebuild, real: dict) -> None:
         """Write the exact original weights into the fresh storage `real` (from _swap_in_real)."""
@@ -378,7 +381,8 @@ class NativeExperts:
         if self._hook is not None:
             # only now: had the weights not come back, state_dict() must still see the real ones
             self._hook.remove()
-            self._hook = None
+            self._load_hook.remove()
+            self._hook = self._load_hook = None
         if self._entry is not None:
             self._entry.close()  # the mapping lives on while the view's buffer is referenced
             self._entry = None
