@@ -1,5 +1,5 @@
-"""hi-na-moe command line: `check` and `demo` (bench, profile-router, debug and distill come with
-their own issues).
+"""hi-na-moe command line: `check`, `bench`, `debug` and `demo` (profile-router and distill come
+with their own issues).
 
 User mistakes (missing path, not an MoE model, bad config) print one line and a hint and exit
 with status 2; a demo whose accelerated output disagrees with native exits with status 1.

@@ -500,9 +500,9 @@ def _norm_eps(m: nn.Module) -> float | None:
     return None
 
 
-def find_norms(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
+def find_norms(model: nn.Module, exclude: str, devices: tuple[str, ...] = ("cpu",)) -> list[tuple[str, nn.Module]]:
     """(name, module) of the RMSNorm candidates: a class named *RMSNorm with a float `eps` or
-    `variance_epsilon`, one 1-D `weight` parameter (on the CPU, float dtype) and nothing else.
+    `variance_epsilon`, one 1-D `weight` parameter (on `devices`, float dtype) and nothing else.
     What such a module computes is still checked (NativeNorm.matches) before it is patched."""
     found = []
     for name, m in model.named_modules():
@@ -512,7 +512,7 @@ def find_norms(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
         if set(params) != {"weight"} or any(True for _ in m.buffers()):
             continue
         w = params["weight"]
-        if w.dim() == 1 and w.device.type == "cpu" and w.dtype in _DTYPE_CODES and w.numel() > 0:
+        if w.dim() == 1 and w.device.type in devices and w.dtype in _DTYPE_CODES and w.numel() > 0:
             found.append((name, m))
     return found
 

@@ -287,16 +287,21 @@ class EnableReport:
                          if events else "")
                 lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
                              f"{freed / 2**20:.0f} MiB of their own weights released{store}")
-        if self.norms or self.norms_differ:
+        if self.dry_run and (self.norms or self.routers or self.attention or self.routers_differ):
+            left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
+            lines.append(f"  small modules scope='all' would probe at enable and run natively where their form "
+                         f"matches: {len(self.norms)} RMSNorm, {len(self.routers)} router(s), {len(self.attention)} "
+                         f"attention module(s){left}")
+        elif self.norms or self.norms_differ:
             left = (f"; {len(self.norms_differ)} left to PyTorch (they compute something else, e.g. "
                     f"{self.norms_differ[0]})" if self.norms_differ else "")
             lines.append(f"  RMSNorm modules on the native kernel for decode-sized inputs: {len(self.norms)}{left}")
-        if self.routers or self.routers_differ:
+        if not self.dry_run and (self.routers or self.routers_differ):
             left = (f"; {len(self.routers_differ)} left to PyTorch (no known router form, e.g. "
                     f"{self.routers_differ[0]})" if self.routers_differ else "")
             lines.append(f"  routers with their logits on the native kernel for decode-sized inputs: "
                          f"{len(self.routers)}{left}")
-        if self.attention or self.attention_differ:
+        if not self.dry_run and (self.attention or self.attention_differ):
             left = (f"; {len(self.attention_differ)} left to PyTorch (no known form, e.g. "
                     f"{self.attention_differ[0]})" if self.attention_differ else "")
             math = f" (attention math: {self.attention_math})" if self.attention_math else ""
@@ -471,7 +476,16 @@ def inspect_model(
     if cfg.scope == "all" and cfg.backend != "reference" and native_module()[0] is not None:
         from . import dense
 
+        from .attention import find_attention
+        from .routers import find_routers
+
         report.dense = dense.plan(model, cfg, [m.module for m in matches if m.spec is not None])
+        # the small modules enable would probe (their forms are checked only then)
+        devices = ("cpu", "meta")
+        report.norms = [n for n, _ in dense.find_norms(model, cfg.dense_exclude, devices)]
+        routers, report.routers_differ = find_routers(model, cfg.dense_exclude, devices)
+        report.routers = [n for n, _ in routers]
+        report.attention = [n for n, _ in find_attention(model, cfg.dense_exclude)]
     return report
 
 

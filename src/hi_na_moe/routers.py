@@ -92,11 +92,12 @@ def _forms(k: int) -> list[tuple[str, Form]]:
     return out
 
 
-def find_routers(model: nn.Module, exclude: str) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+def find_routers(model: nn.Module, exclude: str,
+                 devices: tuple[str, ...] = ("cpu",)) -> tuple[list[tuple[str, nn.Module]], list[str]]:
     """Router candidates: ([(name, module)], [names of the routers that cannot be one]).
 
     A candidate is a module (not an nn.Linear, which scope="all" runs as a dense layer) whose
-    class name contains "Router", with a 2-D float `weight` parameter on the CPU, optionally a
+    class name contains "Router", with a 2-D float `weight` parameter (on `devices`), optionally a
     1-D `bias` of one value per output, and no other parameter or buffer (a score-correction
     buffer, as in DeepSeek-V3, changes the routing in ways no form here has). What a candidate
     computes is still checked (NativeRouter.matches)."""
@@ -110,9 +111,9 @@ def find_routers(model: nn.Module, exclude: str) -> tuple[list[tuple[str, nn.Mod
         w, b = params.get("weight"), params.get("bias")
         if w is None or w.dim() != 2:
             continue  # not a router with its own logits weight (e.g. one holding an nn.Linear)
-        if (set(params) - {"bias"} != {"weight"} or any(True for _ in m.buffers()) or w.device.type != "cpu"
+        if (set(params) - {"bias"} != {"weight"} or any(True for _ in m.buffers()) or w.device.type not in devices
                 or w.dtype not in _DTYPES or w.numel() == 0
-                or (b is not None and (b.shape != (w.shape[0],) or b.dtype != w.dtype or b.device.type != "cpu"))):
+                or (b is not None and (b.shape != (w.shape[0],) or b.dtype != w.dtype or b.device != w.device))):
             unfit.append(name)
             continue
         found.append((name, m))
