@@ -33,9 +33,9 @@ from torch import nn
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # tier -> (the vector build of the attention kernel it runs, the most cached positions it takes;
 # beyond them PyTorch's SDPA). benchmarks/bench_attention_kernel.py: the AVX-512 build took
-# 0.22-1.05x SDPA's time from 16 to 4096 positions; the AVX2 build 0.33x at 16, 0.98x at 512 and
-# 1.4-1.8x beyond (SDPA held to AVX2 too, ATEN_CPU_CAPABILITY=avx2); the baseline loops of the
-# generic tier 1.5-2.5x beyond a few positions, so there SDPA does the math.
+# 0.21-0.95x SDPA's time from 16 to 4096 positions; the AVX2 build 0.32x at 16, 0.91x at 512 and
+# 1.3-1.8x beyond (SDPA held to AVX2 too, ATEN_CPU_CAPABILITY=avx2); the baseline loops of the
+# generic tier 1.4-2.7x from 144 positions on, so there SDPA does the math (RESULTS.md, session 7).
 KERNEL_TIERS = {"avx2": ("AVX2", 512), "avx512": ("AVX-512", None), "amx": ("AVX-512", None)}
 
 
