@@ -121,22 +121,17 @@ def main() -> int:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention: one A/B at a time")
     kind = kinds[0] if kinds else None
     arms = [f"native {kind}", f"PyTorch {kind}"] if kind else [""]
-    small_forwards = {}
+    use_native = None
     if kind:
         if args.scope != "all":
             raise SystemExit(f"--ab-{kind} needs --scope all")
-        mods = dict(model.named_modules())
-        rep = hi_na_moe.report_for(model)
-        small_forwards = {mods[n]: mods[n].__dict__["forward"] for n in getattr(rep, kind)}
-        if not small_forwards:
-            raise SystemExit(f"--ab-{kind}: none of this model's {kind} runs on the native kernel")
+        from ab_switch import small_module_switch
+
+        use_native = small_module_switch(model, kind)
 
     def use_arm(arm: str) -> None:
-        for m, fwd in small_forwards.items():
-            if arm.startswith("native"):
-                m.forward = fwd
-            else:
-                m.__dict__.pop("forward", None)
+        if use_native:
+            use_native(arm.startswith("native"))
 
     probe = _native.BandwidthProbe(1 << 30, args.torch_threads)
     ids = torch.randint(300, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))

@@ -64,20 +64,15 @@ def main() -> int:
             m.register_forward_pre_hook(lambda mod, a: starts.append(time.perf_counter()))
             m.register_forward_hook(lambda mod, a, o: attn_time.__setitem__(0, attn_time[0] + time.perf_counter() - starts.pop()))
     arms = ["native attention", "PyTorch attention"] if args.ab_attention else [""]
-    patched = {}
+    use_native = None
     if args.ab_attention:
-        mods = dict(model.named_modules())
-        rep = hi_na_moe.report_for(model) if args.weights != "native" else None
-        patched = {mods[n]: mods[n].__dict__["forward"] for n in (rep.attention if rep else [])}
-        if not patched:
-            raise SystemExit("--ab-attention: no attention module runs on the native kernels (scope all?)")
+        from ab_switch import small_module_switch
+
+        use_native = small_module_switch(model, "attention")
 
     def use_arm(arm: str) -> None:
-        for m, fwd in patched.items():
-            if arm.startswith("native"):
-                m.forward = fwd
-            else:
-                m.__dict__.pop("forward", None)
+        if use_native:
+            use_native(arm.startswith("native"))
 
     kv_heads = getattr(conf, "num_key_value_heads", conf.num_attention_heads)
     head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads

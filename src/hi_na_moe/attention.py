@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+from .dense import _DTYPE_CODES, _matches
+
 # tier -> (the vector build of the attention kernel it runs, the most cached positions it takes;
 # beyond them PyTorch's SDPA). benchmarks/bench_attention_kernel.py: the AVX-512 build took
 # 0.21-0.95x SDPA's time from 16 to 4096 positions; the AVX2 build 0.32x at 16, 0.91x at 512 and
@@ -56,8 +57,6 @@ FORMS = ("no qk norm", "qk norm on the projections", "qk norm per head")
 
 def find_attention(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
     """(name, module) of the attention candidates (see the module docstring)."""
-    from .dense import _matches
-
     found = []
     for name, m in model.named_modules():
         if not type(m).__name__.endswith("Attention") or _matches(name, exclude):

@@ -41,8 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dense import _matches
+from .ops import NATIVE_DTYPES
+
 ROUTER_MAX_ROWS = 16  # more rows (prefill): the module's own forward, whose GEMM is efficient
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the native logits may differ from F.linear's by this much (relative to the logits' scale):
 # the dtype's rounding of a float32 sum taken in another order
 _LOGIT_RTOL = {torch.float32: 2.0**-16, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -101,8 +103,6 @@ def find_routers(model: nn.Module, exclude: str,
     1-D `bias` of one value per output, and no other parameter or buffer (a score-correction
     buffer, as in DeepSeek-V3, changes the routing in ways no form here has). What a candidate
     computes is still checked (NativeRouter.matches)."""
-    from .dense import _matches
-
     found, unfit = [], []
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) or "Router" not in type(m).__name__ or _matches(name, exclude):
@@ -112,7 +112,7 @@ def find_routers(model: nn.Module, exclude: str,
         if w is None or w.dim() != 2:
             continue  # not a router with its own logits weight (e.g. one holding an nn.Linear)
         if (set(params) - {"bias"} != {"weight"} or any(True for _ in m.buffers()) or w.device.type not in devices
-                or w.dtype not in _DTYPES or w.numel() == 0
+                or w.dtype not in NATIVE_DTYPES or w.numel() == 0
                 or (b is not None and (b.shape != (w.shape[0],) or b.dtype != w.dtype or b.device != w.device))):
             unfit.append(name)
             continue
