@@ -800,6 +800,26 @@ NB_MODULE(_native, m) {
         nb::arg("dtype"),
         "rms_norm() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16): "
         "for callers that checked the tensors themselves (hi_na_moe.dense). Wrong addresses crash.");
+  m.def("add_raw",
+        [](uintptr_t a, uintptr_t b, int64_t count, uintptr_t sum, int dtype) {
+          hina::add(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(a),
+                    reinterpret_cast<const void*>(b), count, reinterpret_cast<void*>(sum));
+        },
+        nb::arg("a"), nb::arg("b"), nb::arg("count"), nb::arg("sum"), nb::arg("dtype"),
+        "sum = a + b over count values, each rounded once to the dtype as PyTorch adds two CPU tensors "
+        "(dtype: 0 float32, 1 bfloat16, 2 float16). Raw addresses, nothing checked (hi_na_moe.layers). "
+        "Wrong addresses crash.");
+  m.def("add_rms_norm_raw",
+        [](uintptr_t a, uintptr_t b, int64_t rows, int64_t n, uintptr_t w, float eps, uintptr_t sum, uintptr_t out,
+           int dtype) {
+          hina::add_rms_norm(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(a),
+                             reinterpret_cast<const void*>(b), rows, n, reinterpret_cast<const void*>(w), eps,
+                             reinterpret_cast<void*>(sum), reinterpret_cast<void*>(out));
+        },
+        nb::arg("a"), nb::arg("b"), nb::arg("rows"), nb::arg("n"), nb::arg("weight"), nb::arg("eps"), nb::arg("sum"),
+        nb::arg("out"), nb::arg("dtype"),
+        "A residual add and the RMSNorm after it: sum = a + b (add_raw), out = rms_norm(sum) (rms_norm_raw), "
+        "the same bits as the two calls. Raw addresses, nothing checked (hi_na_moe.layers). Wrong addresses crash.");
   m.def("rope_rotate_half",
         [](nb::handle x_obj, nb::handle cos_obj, nb::handle sin_obj, nb::handle out_obj) {
           const InArray x = array_arg<InArray>("x", x_obj);

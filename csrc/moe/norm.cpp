@@ -64,7 +64,38 @@ void rows(const char* x, int64_t nrows, int64_t n, const void* w, float eps, cha
   }
 }
 
+// sum = round(a + b), elementwise in fp32, rounded once to the dtype: PyTorch's `a + b` on CPU
+// tensors of one dtype (its vectorised bf16/fp16 add widens to fp32, adds, rounds to nearest even).
+template <class D>
+void add_elems(const void* a, const void* b, int64_t count, void* sum) {
+  for (int64_t i = 0; i < count; ++i) D::store(sum, i, D::load(a, i) + D::load(b, i));
+}
+
+template <class D>
+void add_then_norm(const void* a, const void* b, int64_t nrows, int64_t n, const void* w, float eps, void* sum,
+                   void* out, size_t esize) {
+  add_elems<D>(a, b, nrows * n, sum);
+  rows<D>(static_cast<const char*>(sum), nrows, n, w, eps, static_cast<char*>(out), esize);
+}
+
 }  // namespace
+
+void add(DType dt, const void* a, const void* b, int64_t count, void* sum) {
+  switch (dt) {
+    case DType::kF32: add_elems<F32>(a, b, count, sum); break;
+    case DType::kBF16: add_elems<BF16>(a, b, count, sum); break;
+    case DType::kF16: add_elems<F16>(a, b, count, sum); break;
+  }
+}
+
+void add_rms_norm(DType dt, const void* a, const void* b, int64_t nrows, int64_t n, const void* weight, float eps,
+                  void* sum, void* out) {
+  switch (dt) {
+    case DType::kF32: add_then_norm<F32>(a, b, nrows, n, weight, eps, sum, out, 4); break;
+    case DType::kBF16: add_then_norm<BF16>(a, b, nrows, n, weight, eps, sum, out, 2); break;
+    case DType::kF16: add_then_norm<F16>(a, b, nrows, n, weight, eps, sum, out, 2); break;
+  }
+}
 
 void rms_norm(DType dt, const void* x, int64_t nrows, int64_t n, const void* weight, float eps, void* out) {
   const auto* xc = static_cast<const char*>(x);

@@ -942,6 +942,31 @@ void test_rms_norm() {
   }
 }
 
+// add: each value a + b in fp32 (exact for two bf16/fp16 values, one rounding for fp32) rounded
+// to the dtype; add_rms_norm: the same bits as add() then rms_norm(), also in place (sum == a).
+void test_add_rms_norm() {
+  if (!selected("add_rms_norm")) return;
+  std::mt19937 rng(9);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const int64_t rows = 3, n = 2049;
+    const size_t bytes = static_cast<size_t>(rows * n) * dtype_size(dt);
+    const auto a = random_array(dt, rows * n, 4.0f, rng), b = random_array(dt, rows * n, 4.0f, rng);
+    const auto w = random_array(dt, n, 1.0f, rng);
+    std::vector<uint8_t> sum(bytes), want_sum(bytes), want(bytes), out(bytes, 0xff);
+    for (int64_t i = 0; i < rows * n; ++i)
+      store_elem(dt, want_sum.data(), i, load_elem(dt, a.data(), i) + load_elem(dt, b.data(), i));
+    add(dt, a.data(), b.data(), rows * n, sum.data());
+    report(sum == want_sum, std::string("add ") + dtype_name(dt) + ": a + b rounded once");
+    rms_norm(dt, want_sum.data(), rows, n, w.data(), 1e-5f, want.data());
+    add_rms_norm(dt, a.data(), b.data(), rows, n, w.data(), 1e-5f, sum.data(), out.data());
+    report(sum == want_sum && out == want, std::string("add_rms_norm ") + dtype_name(dt) + ": add then rms_norm");
+    auto inplace = a;
+    std::fill(out.begin(), out.end(), 0xff);
+    add_rms_norm(dt, inplace.data(), b.data(), rows, n, w.data(), 1e-5f, inplace.data(), out.data());
+    report(inplace == want_sum && out == want, std::string("add_rms_norm ") + dtype_name(dt) + ": sum in place of a");
+  }
+}
+
 // attention_decode on every tier against a double-precision softmax attention, through strides
 // of a longer cache buffer (StaticCache-like), with grouped-query heads and head sizes with and
 // without a vector build; rope_rotate_half against the same rounding steps in double.
@@ -1080,6 +1105,7 @@ int main(int argc, char** argv) {
   test_errors();
   test_linear(all);
   test_rms_norm();
+  test_add_rms_norm();
   test_attention_decode(tiers);
   test_fork_child();
   for (const auto& kv : g_worst)

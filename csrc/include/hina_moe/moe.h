@@ -270,6 +270,16 @@ int default_num_threads();
 // fp32 math (see csrc/moe/norm.cpp). Single-threaded; out may not overlap x.
 void rms_norm(DType dt, const void* x, int64_t rows, int64_t n, const void* weight, float eps, void* out);
 
+// sum = a + b over `count` values of dtype dt, each rounded once to the dtype, as PyTorch adds
+// two CPU tensors of that dtype (bit-identical). sum may be a or b; otherwise no overlap.
+void add(DType dt, const void* a, const void* b, int64_t count, void* sum);
+
+// A decoder layer's residual add and the RMSNorm that follows it, in one call: sum = a + b as
+// add() computes it, then out = rms_norm(sum) as rms_norm() computes it (the same bits as the
+// two calls). Rows of n values; out may not overlap a, b or sum.
+void add_rms_norm(DType dt, const void* a, const void* b, int64_t rows, int64_t n, const void* weight, float eps,
+                  void* sum, void* out);
+
 // Rotary embedding, transformers' rotate_half form, for one position per batch row:
 // out = round(round(x * cos) + round(rotate_half(x) * sin)), each product and the sum rounded to
 // the dtype as PyTorch's elementwise ops round them (bit-identical). x and out [B, heads, D],
