@@ -97,26 +97,37 @@ class NativeAttention:
         self.clip = getattr(getattr(module, "config", None), "clip_qkv", None)
 
     # -- the decode path ----------------------------------------------------------------------
-    def _project(self, m: nn.Module, h: torch.Tensor, form: str, B: int):
+    def _project(self, m: nn.Module, h: torch.Tensor, form: str, B: int, direct=None):
         """q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D] (contiguous) as the module computes them
-        before the rotary embedding."""
-        q, k, v = m.q_proj(h), m.k_proj(h), m.v_proj(h)
+        before the rotary embedding. `direct` (hi_na_moe.layers): (qkv(h) -> (q, k, v),
+        q_norm(x), k_norm(x)) computing what the modules compute, without their module calls."""
+        if direct is None:
+            q, k, v = m.q_proj(h), m.k_proj(h), m.v_proj(h)
+            q_norm, k_norm = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
+        else:
+            q, k, v = direct[0](h)
+            q_norm, k_norm = direct[1], direct[2]
         if form == FORMS[1]:
-            q, k = m.q_norm(q), m.k_norm(k)
+            q, k = q_norm(q), k_norm(k)
         elif form == FORMS[2]:
-            q = m.q_norm(q.view(B, 1, self.Hq, self.D))
-            k = m.k_norm(k.view(B, 1, self.Hkv, self.D))
+            q = q_norm(q.view(B, 1, self.Hq, self.D))
+            k = k_norm(k.view(B, 1, self.Hkv, self.D))
         if self.clip is not None:
             q, k, v = (t.clamp(min=-self.clip, max=self.clip) for t in (q, k, v))
         return (q.reshape(B, self.Hq, self.D).contiguous(), k.reshape(B, self.Hkv, self.D).contiguous(),
                 v.reshape(B, self.Hkv, self.D).contiguous())
 
     def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
-                mask: torch.Tensor | None = None):
+                mask: torch.Tensor | None = None, direct=None):
+        """(output, None) of a decode step; `direct` (hi_na_moe.layers): the projections' and
+        q/k norms' functions for _project, and o_proj's, called instead of the modules."""
         B = h.shape[0]
         code = _DTYPE_CODES[self.dtype]
-        q, k, v = self._project(m, h, form, B)
-        cos, sin = cos.reshape(B, self.D).contiguous(), sin.reshape(B, self.D).contiguous()
+        q, k, v = self._project(m, h, form, B, direct)
+        cos, sin = cos.reshape(-1, self.D), sin.reshape(-1, self.D)
+        if cos.shape[0] != B:  # one position for every row (position_ids [1, 1]): broadcast
+            cos, sin = cos.expand(B, self.D), sin.expand(B, self.D)
+        cos, sin = cos.contiguous(), sin.contiguous()
         qr, kr = torch.empty_like(q), torch.empty_like(k)
         rope = self.native.rope_rotate_half_raw
         rope(q.data_ptr(), B, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code)
@@ -142,7 +153,7 @@ class NativeAttention:
             o = F.scaled_dot_product_attention(qr.unsqueeze(2), keys, values, attn_mask=mask, scale=m.scaling,
                                                enable_gqa=self.Hq != self.Hkv)
             out.copy_(o.transpose(1, 2).reshape(B, 1, -1))
-        return m.o_proj(out), None
+        return (m.o_proj(out) if direct is None else direct[3](out)), None
 
     def forward(self, module: nn.Module, *args, **kwargs):
         fast = self._fast_args(module, args, kwargs)
@@ -176,7 +187,8 @@ class NativeAttention:
             return None  # a float or per-head mask: the module's own forward
         cos, sin = pe
         for t in (cos, sin):
-            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() != B * self.D or not t.is_cpu
+            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() not in (B * self.D, self.D)
+                    or not t.is_cpu
                     or t.is_neg() or t.shape[-1] != self.D):
                 return None
         return h, cos, sin, got.get("past_key_values"), mask
