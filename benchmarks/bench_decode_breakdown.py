@@ -19,7 +19,10 @@ every module of these kinds (exclusive time: a part's children are subtracted fr
 hi_na_moe's native RMSNorm and their own forward, and the table is printed for each arm (an
 in-process A/B: the machine's drift hits both alike). --ab-routers: the same for the routers
 (their logits on the native kernel, or their own forward with F.linear); --ab-attention: the
-attention modules (decode steps on the native rotary and attention kernels, or their own forward).
+attention modules (decode steps on the native rotary and attention kernels, or their own forward);
+--ab-layers: the decoder layers (hi_na_moe.layers' short path, or their own forward on the
+patched modules), whole-step times only (hooks on the parts would send every call to the
+layers' own forward).
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -70,6 +73,8 @@ def main() -> int:
     ap.add_argument("--ab-norms", action="store_true", help="alternate native / PyTorch RMSNorm (scope all)")
     ap.add_argument("--ab-routers", action="store_true", help="alternate native / PyTorch router logits (scope all)")
     ap.add_argument("--ab-attention", action="store_true", help="alternate native / PyTorch attention decode (scope all)")
+    ap.add_argument("--ab-layers", action="store_true",
+                    help="alternate the decoder layers' short path / their own forward (scope all; step times only)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -107,20 +112,23 @@ def main() -> int:
         if stack:
             stack[-1][2] += total
 
+    kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
+                             ("attention", args.ab_attention), ("layers", args.ab_layers)) if on]
+    if len(kinds) > 1:
+        raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers: one A/B at a time")
+    kind = kinds[0] if kinds else None
+
     counted = {p: 0 for p in PARTS}
-    for name, m in model.named_modules():
+    # the layers' short path skips the modules' calls, and takes their own forward while any of
+    # them has a hook: --ab-layers times whole steps only
+    for name, m in model.named_modules() if kind != "layers" else ():
         part = classify(name, m)
         if part:
             m.register_forward_pre_hook(pre(part))
             m.register_forward_hook(post)
             counted[part] += 1
 
-    kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
-                             ("attention", args.ab_attention)) if on]
-    if len(kinds) > 1:
-        raise SystemExit("--ab-norms, --ab-routers, --ab-attention: one A/B at a time")
-    kind = kinds[0] if kinds else None
-    arms = [f"native {kind}", f"PyTorch {kind}"] if kind else [""]
+    arms = [f"native {kind}", ("own-forward " if kind == "layers" else "PyTorch ") + kind] if kind else [""]
     use_native = None
     if kind:
         if args.scope != "all":
@@ -167,6 +175,8 @@ def main() -> int:
         print(f"{args.weights}, scope {args.scope}{fuse}{', ' + arm if arm else ''}, torch threads {args.torch_threads}, "
               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: step {1e3 * step:.1f} ms (median of {len(st)}); "
               f"paired probe median {statistics.median(bws[arm]):.1f} GB/s")
+        if kind == "layers":
+            continue
         print("| part | modules | ms per step (median) | share of the step |")
         print("|---|---|---|---|")
         for p in PARTS:

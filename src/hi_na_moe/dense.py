@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import fnmatch
+import functools
 import re
 import threading
 import types
@@ -203,7 +204,7 @@ class NativeLinear:
         """The replacement forward of member i (called as forward(module, x))."""
         if len(self.modules) == 1:
             return self.forward
-        return lambda module, x: self._member_forward(i, module, x)
+        return functools.partial(self._member_forward, i)
 
     def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # the common inference call in few operations: with the caches a decode step leaves,
@@ -237,16 +238,21 @@ class NativeLinear:
                         self._outs = None  # every member has its output: drop the input and the rest
                     return held[3][i]
         full = self.forward(module, x)  # the whole group for x (or the general path's errors)
-        outs = []
-        for lo, hi in self.bounds:
-            o = full[..., lo:hi]
-            outs.append(o if o.is_contiguous() else o.contiguous())  # one row: already contiguous
+        outs = self.split(full)
         if readable and not full.requires_grad:
             taken = [False] * len(outs)
             taken[i] = True
             with self._lock:
                 self._outs = [x, ptr, ctypes.string_at(ptr, nbytes), outs, taken]
         return outs[i]
+
+    def split(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """A group's output (forward) as its members' outputs, each contiguous."""
+        outs = []
+        for lo, hi in self.bounds:
+            o = full[..., lo:hi]
+            outs.append(o if o.is_contiguous() else o.contiguous())  # one row: already contiguous
+        return outs
 
     def _forward_general(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """Everything forward()'s first branch does not take: training with autograd, other
@@ -424,8 +430,9 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
 
 def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
     """Pack and patch the linears of scope="all", then the RMSNorms, the routers and the attention
-    modules; returns ([(module, runner, old forward)], linear reports, {"norms": (names patched,
-    names whose probe did not match), "routers": (the same), "attention": (the same)}). On an error, what was patched is undone before it
+    modules, then the decoder layers (hi_na_moe.layers); returns ([(module, runner, old forward)],
+    linear reports, {"norms": (names patched, names whose probe did not match), "routers",
+    "attention", "layers": (the same)}). On an error, what was patched is undone before it
     propagates."""
     from tqdm.auto import tqdm
 
@@ -472,6 +479,12 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
             more, names, differ = patch_probed(found, make, gate, gated)
             done += more
             small[kind] = (names, sorted(differ + left))
+        # last: a layer's short path calls the runners patched above
+        from .layers import NativeLayer, find_layers
+
+        more, names, differ = patch_probed(find_layers(model, cfg.dense_exclude), NativeLayer, gate, gated)
+        done += more
+        small["layers"] = (names, sorted(differ))
     except BaseException:
         unpatch(done)
         raise

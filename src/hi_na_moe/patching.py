@@ -16,6 +16,7 @@ RuntimeError and leaves the model as it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -68,6 +69,11 @@ class _Gate:
     def enter(self) -> None:
         tls = self._tls
         depth = getattr(tls, "depth", 0)
+        if depth:
+            # nested in a forward of this thread that holds a reader's place: no writer can be
+            # at work until it leaves (acquire_write waits for readers == 0), so no lock is needed
+            tls.depth = depth + 1
+            return
         with self._cond:
             if depth == 0 and (self._writer is not None or self._writers_waiting):
                 me = threading.get_ident()
@@ -82,7 +88,10 @@ class _Gate:
         tls.depth = depth + 1
 
     def exit(self) -> None:
-        self._tls.depth -= 1
+        tls = self._tls
+        tls.depth -= 1
+        if tls.depth:
+            return  # the outer forward still holds the reader's place
         with self._cond:
             self._readers -= 1
             if self._readers == 0 and self._writers_waiting:
@@ -218,6 +227,10 @@ class EnableReport:
     attention: list = field(default_factory=list)
     attention_differ: list = field(default_factory=list)
     attention_math: str | None = None  # what computes their attention (attention.math_kernel)
+    # scope="all": the decoder layers whose decode calls take the short path (hi_na_moe.layers),
+    # and the candidates that did not (a part left to PyTorch, or the probe differed)
+    layers: list = field(default_factory=list)
+    layers_differ: list = field(default_factory=list)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -241,6 +254,7 @@ class EnableReport:
             "norms": list(self.norms), "norms_differ": list(self.norms_differ),
             "routers": list(self.routers), "routers_differ": list(self.routers_differ),
             "attention": list(self.attention), "attention_differ": list(self.attention_differ),
+            "layers": list(self.layers), "layers_differ": list(self.layers_differ),
             "attention_math": self.attention_math,
         }
 
@@ -306,6 +320,10 @@ class EnableReport:
                     f"{self.attention_differ[0]})" if self.attention_differ else "")
             math = f" (attention math: {self.attention_math})" if self.attention_math else ""
             lines.append(f"  attention modules with decode steps on the native kernels: {len(self.attention)}{math}{left}")
+        if not self.dry_run and (self.layers or self.layers_differ):
+            left = (f"; {len(self.layers_differ)} take their own forward (a part left to PyTorch, or their probe "
+                    f"differed, e.g. {self.layers_differ[0]})" if self.layers_differ else "")
+            lines.append(f"  decoder layers with decode steps in few native calls: {len(self.layers)}{left}")
         return "\n".join(lines)
 
 
@@ -402,7 +420,19 @@ def patched_runner(module: nn.Module):
     """The runner behind a small module patched under scope="all" (a NativeNorm, NativeRouter or
     NativeAttention; a single dense layer's NativeLinear), or None if it is not patched so."""
     inner = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
+    if isinstance(inner, functools.partial):  # a member of a dense group (NativeLinear.forward_of)
+        inner = inner.func
     return getattr(inner, "__self__", None)
+
+
+def patched_member(module: nn.Module):
+    """(NativeLinear, member index) of a linear patched under scope="all" (index 0 when it runs
+    alone), or None if it is not patched so."""
+    inner = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
+    if isinstance(inner, functools.partial) and len(inner.args) == 1:
+        return inner.func.__self__, inner.args[0]
+    runner = getattr(inner, "__self__", None)
+    return (runner, 0) if runner is not None and hasattr(runner, "bounds") else None
 
 
 def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, gate: _Gate, patched: list,
@@ -553,6 +583,7 @@ def enable_for_model(
                 report.norms, report.norms_differ = small["norms"]
                 report.routers, report.routers_differ = small["routers"]
                 report.attention, report.attention_differ = small["attention"]
+                report.layers, report.layers_differ = small["layers"]
                 if report.attention:
                     from .attention import math_kernel
 

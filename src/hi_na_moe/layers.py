@@ -1,0 +1,222 @@
+"""scope="all": a pre-norm decoder layer's decode step in few calls.
+
+After the norms, the attention, the routers and the linears run on native kernels, what is left of
+a decode step besides the weight stream is the Python between them. A decode step calls ~15
+modules per decoder layer (OLMoE: the layer, two norms, the attention, its four projections and
+two q/k norms, the MoE block, its router and experts), each through nn.Module.__call__, and two
+residual adds; with the caches the weight stream leaves behind, each frame and each torch op
+costs several times its hot time (benchmarks/bench_call_overhead.py).
+
+Which layers: a module whose class name ends in "DecoderLayer", with input_layernorm, self_attn,
+post_attention_layernorm and mlp, both norms patched as hi_na_moe.dense.NativeNorm and the
+attention as hi_na_moe.attention.NativeAttention by this enable. Its decode call then runs as:
+the input norm's kernel; the attention's decode path with its q/k/v projections, q/k norms and
+o_proj called straight on their runners (no module calls); one native call for the residual add
+and the post-attention norm; the mlp module, called as usual (the MoE block, its router and its
+experts as patched); one native call for the last residual add.
+
+Everything else is the layer's own forward: prefill, training, any argument the attention's
+decode path does not take, and any call while something would observe the modules this path
+does not call: a forward hook or pre-hook on them (transformers' output-capturing hooks only
+while they capture), a global module hook, a dispatch or function mode, torch.compile tracing,
+or a forward replaced after enable.
+
+What it computes is checked before it is patched: on a probe (two rows of random hidden states
+and rotary tables, a DynamicCache holding a few positions) the layer's own forward, itself on
+the patched modules, and this path must return the same output and append the same keys and
+values, bit for bit (the adds round as PyTorch's add does, the norm is the same kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .dense import _DTYPE_CODES, NORM_MAX_ROWS, NativeNorm, _matches
+
+_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def find_layers(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the decoder layers of the pre-norm shape (see the module docstring);
+    whether their parts run on native kernels is checked when they are patched."""
+    found = []
+    for name, m in model.named_modules():
+        if (type(m).__name__.endswith("DecoderLayer") and not _matches(name, exclude)
+                and all(isinstance(getattr(m, p, None), nn.Module) for p in _PARTS)):
+            found.append((name, m))
+    return found
+
+
+def _capture_state():
+    """transformers' output-capturing hooks (utils.output_capturing): (the hook functions'
+    qualified name, the context variable that holds the active collector), or None."""
+    try:
+        from transformers.utils import output_capturing as oc
+    except ImportError:
+        return None
+    collector = getattr(oc, "_active_collector", None)
+    if collector is None or not hasattr(collector, "get"):
+        return None
+    return "install_output_capuring_hook.<locals>.output_capturing_hook", collector
+
+
+_CAPTURE = _capture_state()
+
+
+def _idle_capture_hooks(module: nn.Module) -> bool:
+    """Whether every hook on `module` is a transformers output-capturing hook and none is
+    capturing now: the model's forward sets the collector to a dict of what to capture, empty
+    when nothing is asked for, and the hooks then return without looking at anything."""
+    if module._forward_pre_hooks or _CAPTURE is None:
+        return False
+    qualname, collector = _CAPTURE
+    if not all(getattr(h, "__qualname__", None) == qualname for h in module._forward_hooks.values()):
+        return False
+    return not collector.get()
+
+
+class NativeLayer:
+    """One decoder layer whose decode calls take the short path of the module docstring."""
+
+    weights = "lossless"
+
+    def __init__(self, name: str, module: nn.Module, original_forward):
+        from .hardware import native_module
+
+        self.name, self.module = name, module
+        self.original = original_forward
+        self.native = native_module()[0]
+        self.ready = False
+
+    # -- the parts ----------------------------------------------------------------------------
+    def _prepare(self) -> bool:
+        """Resolve the parts' runners; False when the layer is not of this shape."""
+        from .attention import FORMS, NativeAttention
+        from .patching import patched_member, patched_runner
+
+        m = self.module
+        self.ln1, self.attn_mod, self.ln2, self.mlp = (getattr(m, p) for p in _PARTS)
+        self.norm1, self.norm2 = patched_runner(self.ln1), patched_runner(self.ln2)
+        self.attn = patched_runner(self.attn_mod)
+        if not (isinstance(self.norm1, NativeNorm) and isinstance(self.norm2, NativeNorm)
+                and isinstance(self.attn, NativeAttention) and self.attn.form is not None):
+            return False
+        a = self.attn_mod
+
+        def direct(mod: nn.Module):
+            """A function computing mod(x) without its module call, or the module itself."""
+            if isinstance(patched_runner(mod), NativeNorm):
+                runner = patched_runner(mod)
+                return lambda x: runner.forward(mod, x)
+            member = patched_member(mod)
+            if member is not None and len(member[0].modules) == 1:
+                runner = member[0]
+                return lambda x: runner.forward(mod, x)
+            return mod
+
+        q, k, v = patched_member(a.q_proj), patched_member(a.k_proj), patched_member(a.v_proj)
+        if (q is not None and k is not None and v is not None and q[0] is k[0] is v[0]
+                and (q[1], k[1], v[1]) == (0, 1, 2) and len(q[0].modules) == 3):
+            group = q[0]
+            qkv = lambda h: group.split(group.forward(a.q_proj, h))  # noqa: E731  one kernel call
+        else:
+            qp, kp, vp = direct(a.q_proj), direct(a.k_proj), direct(a.v_proj)
+            qkv = lambda h: (qp(h), kp(h), vp(h))  # noqa: E731
+        norms = (direct(a.q_norm), direct(a.k_norm)) if self.attn.form != FORMS[0] else (None, None)
+        self.direct = (qkv, norms[0], norms[1], direct(a.o_proj))
+        # the modules this path does not call through __call__, with the forward each had then
+        skipped = [self.ln1, self.ln2, *a.modules()]
+        self.watched = tuple((mod, mod.__dict__.get("forward")) for mod in skipped)
+        self.hidden = self.norm1.n
+        self.ready = self.norm2.n == self.hidden == self.attn.hidden
+        return self.ready
+
+    def _observed(self) -> bool:
+        """Whether something would see the skipped modules' calls (module docstring)."""
+        if (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+                or torch.compiler.is_compiling()):
+            return True
+        from .torch_ops import _function_mode_on, _len_dispatch_modes
+
+        if _len_dispatch_modes() or _function_mode_on():
+            return True
+        for mod, fwd in self.watched:
+            if mod.__dict__.get("forward") is not fwd:
+                return True
+            if (mod._forward_hooks or mod._forward_pre_hooks) and not _idle_capture_hooks(mod):
+                return True
+        return False
+
+    # -- the decode path ----------------------------------------------------------------------
+    def _fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor:
+        B, H = x.shape[0], self.hidden
+        code = _DTYPE_CODES[x.dtype]
+        h = self.norm1.forward(self.ln1, x)
+        a, _ = self.attn._decode(self.attn_mod, self.attn.form, h, cos, sin, cache, mask, self.direct)
+        w = self.ln2.weight
+        if (type(a) is torch.Tensor and a.shape == x.shape and a.dtype is x.dtype and a.is_contiguous()
+                and not a.is_neg() and w.dtype is x.dtype and w.is_contiguous() and w.is_cpu and B <= NORM_MAX_ROWS):
+            s, n2 = torch.empty_like(x), torch.empty_like(x)
+            self.native.add_rms_norm_raw(x.data_ptr(), a.data_ptr(), B, H, w.data_ptr(), self.norm2.eps,
+                                         s.data_ptr(), n2.data_ptr(), code)
+        else:
+            s = x + a
+            n2 = self.ln2(s)
+        out = self.mlp(n2)
+        if (type(out) is torch.Tensor and out.shape == s.shape and out.dtype is s.dtype and out.is_contiguous()
+                and not out.is_neg() and out.is_cpu):
+            self.native.add_raw(s.data_ptr(), out.data_ptr(), s.numel(), s.data_ptr(), code)  # s is ours
+            return s
+        return s + out
+
+    def forward(self, module: nn.Module, *args, **kwargs):
+        if self.ready and not module.training and len(args) == 1 and not self._observed():
+            x = args[0]
+            fast = self.attn._fast_args(self.attn_mod, (x,), kwargs)
+            if fast is not None and x.is_contiguous() and not x.is_neg():
+                _, cos, sin, cache, mask = fast
+                return self._fast(x, cos, sin, cache, mask)
+        return self.original(*args, **kwargs)
+
+    # -- the probe ----------------------------------------------------------------------------
+    def matches(self) -> bool:
+        """Whether the layer has this shape and its own forward gives this path's bits on the
+        probe of the module docstring."""
+        from transformers import DynamicCache
+
+        if not self._prepare():
+            return False
+        at = self.attn
+        gen = torch.Generator().manual_seed(3)
+        B, past, D = 2, 4, at.D
+        x = torch.randn(B, 1, self.hidden, generator=gen).to(at.dtype)
+        ang = torch.rand(B, 1, D // 2, generator=gen) * 6.3
+        emb = torch.cat([ang, ang], dim=-1)
+        cos, sin = emb.cos().to(at.dtype), emb.sin().to(at.dtype)
+        k0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)
+        v0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)
+        idx = self.attn_mod.layer_idx
+
+        def cache():
+            c = DynamicCache()
+            c.update(k0.clone(), v0.clone(), idx)
+            return c
+
+        with torch.no_grad():
+            own, ours = cache(), cache()
+            try:
+                want = self.original(x, attention_mask=None, past_key_values=own, use_cache=True,
+                                     position_embeddings=(cos, sin))
+                got = self._fast(x, cos, sin, ours, None)
+            except Exception:
+                return False
+        if not isinstance(want, torch.Tensor) or want.dtype != got.dtype or want.shape != got.shape:
+            return False
+        mine, theirs = ours.layers[idx], own.layers[idx]
+        self.ready = (torch.equal(got, want) and torch.equal(mine.keys, theirs.keys)
+                      and torch.equal(mine.values, theirs.values))
+        return self.ready
+
+    def restore(self) -> None:  # nothing of the module was touched but its forward
+        pass

@@ -1,0 +1,244 @@
+"""scope="all" (hi_na_moe.layers): a pre-norm decoder layer's decode step in few native calls.
+The residual-add kernels against PyTorch's add (bit for bit); the short path against the same
+enabled model with its layers on their own forward (the same logits and cache, bit for bit) on
+the families the tiny models cover; and every call that must stay the layer's own (prefill,
+hooks on the modules it skips, a module replaced after enable, a layer of another shape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import UNBUILDABLE, build_tiny, olmoe
+from transformers import DynamicCache
+
+import hi_na_moe
+from hi_na_moe.families import moe_families
+from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.patching import patched_runner
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native():
+    from hi_na_moe import _native
+
+    return _native
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_add_and_add_rms_norm_are_pytorchs_add_and_the_norm_kernel_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    n = _native()
+    for rows, width in ((1, 2048), (3, 17)):
+        a = (torch.randn(rows, width, generator=gen) * 8).to(dtype)
+        b = (torch.randn(rows, width, generator=gen) * 8).to(dtype)
+        w = torch.randn(width, generator=gen).to(dtype)
+        s = torch.empty_like(a)
+        n.add_raw(a.data_ptr(), b.data_ptr(), a.numel(), s.data_ptr(), DTYPES[dtype])
+        assert torch.equal(s, a + b)
+        want = torch.empty_like(a)
+        n.rms_norm_raw(s.data_ptr(), rows, width, w.data_ptr(), 1e-5, want.data_ptr(), DTYPES[dtype])
+        s2, out = torch.full_like(a, 7), torch.full_like(a, 7)
+        n.add_rms_norm_raw(a.data_ptr(), b.data_ptr(), rows, width, w.data_ptr(), 1e-5, s2.data_ptr(),
+                           out.data_ptr(), DTYPES[dtype])
+        assert torch.equal(s2, a + b) and torch.equal(out, want)
+
+
+class _Count:
+    """Counts the decode calls the layers take on their short path."""
+
+    def __init__(self, model):
+        self.calls = 0
+        rep = hi_na_moe.report_for(model)
+        mods = dict(model.named_modules())
+        for name in rep.layers:
+            runner = patched_runner(mods[name])
+            fast = runner._fast
+
+            def counted(*args, _fast=fast, **kwargs):
+                self.calls += 1
+                return _fast(*args, **kwargs)
+
+            runner._fast = counted
+
+
+def _own_forward(model, on: bool, saved: dict) -> None:
+    """Puts the patched layers on their own forward (on=True) or back on the short path."""
+    mods = dict(model.named_modules())
+    for name in hi_na_moe.report_for(model).layers:
+        m = mods[name]
+        if on:
+            saved[name] = m.__dict__.pop("forward")
+        else:
+            m.forward = saved[name]
+
+
+def _decode(model, ids, steps, attention_mask=None):
+    """Greedy decode with a DynamicCache: (logits of every step, the cache)."""
+    cache = DynamicCache(config=model.config)
+    out, logits = None, []
+    with torch.inference_mode():
+        out = model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1)
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, torch.ones_like(nxt)], dim=1)
+            out = model(nxt, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    return logits, cache
+
+
+def _same_decode(model, ids, steps=4, attention_mask=None):
+    """The short path against the layers' own forward: the same logits and cache, bit for bit."""
+    count = _Count(model)
+    got, c_got = _decode(model, ids, steps, attention_mask)
+    assert count.calls == steps * len(hi_na_moe.report_for(model).layers)
+    saved: dict = {}
+    _own_forward(model, True, saved)
+    try:
+        want, c_want = _decode(model, ids, steps, attention_mask)
+    finally:
+        _own_forward(model, False, saved)
+    assert count.calls == steps * len(hi_na_moe.report_for(model).layers)  # none on the own forwards
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    for lg, lw in zip(c_got.layers, c_want.layers):
+        assert torch.equal(lg.keys, lw.keys) and torch.equal(lg.values, lw.values)
+
+
+FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in {x.model_type for x in moe_families()}])
+def test_known_families_decode_on_the_short_path_bit_for_bit(model_type):
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
+    model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        layers = [n for n, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
+        assert rep.layers == layers and not rep.layers_differ
+        assert f"decoder layers with decode steps in few native calls: {len(layers)}" in str(rep)
+        ids = torch.tensor([[3, 9, 4, 7]])
+        _same_decode(model, ids)
+        # a padded batch: a bool mask over the keys reaches the attention kernel
+        _same_decode(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
+                     attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert all("forward" not in dict(model.named_modules())[n].__dict__ for n in layers)
+
+
+def test_int4_experts_and_linears_decode_on_the_short_path_bit_for_bit(tmp_path):
+    model = olmoe(layers=2, kv_heads=2)
+    hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(tmp_path))
+    try:
+        _same_decode(model, torch.tensor([[5, 6, 7, 8, 9]]), 5)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
+    model = olmoe(layers=2, kv_heads=2)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(model)
+        ids = torch.tensor([[5, 6, 7]])
+        seen = []
+        layer = model.model.layers[1]
+        handle = layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        _decode(model, ids, 2)
+        assert count.calls == 2 and len(seen) == 3  # layer 0 only; the hook saw the prompt and both steps
+        handle.remove()
+        handle = layer.input_layernorm.register_forward_pre_hook(lambda m, i: seen.append("pre"))
+        _decode(model, ids, 2)
+        assert count.calls == 4 and seen.count("pre") == 3
+        handle.remove()
+        from torch.nn.modules.module import register_module_forward_hook
+
+        handle = register_module_forward_hook(lambda m, i, o: None)
+        _decode(model, ids, 2)
+        assert count.calls == 4  # a global hook: every layer on its own forward
+        handle.remove()
+        # transformers' output-capturing hooks stay on the modules after a call asking for
+        # hidden states; they capture only during such a call
+        with torch.inference_mode():
+            out = model(ids, output_hidden_states=True, output_attentions=False)
+        assert len(out.hidden_states) == 3
+        assert any(m._forward_hooks for m in layer.self_attn.modules())
+        _decode(model, ids, 2)
+        assert count.calls == 8
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(ids, past_key_values=cache, use_cache=True)
+            out = model(ids[:, :1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        assert len(out.hidden_states) == 3 and count.calls == 8  # captured: the layers' own forwards
+        # a module's forward replaced after enable (here: the norm back on its own forward)
+        layer.post_attention_layernorm.__dict__.pop("forward")
+        _decode(model, ids, 2)
+        assert count.calls == 10
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_prefill_training_and_unknown_arguments_run_the_layers_own_forward():
+    model = olmoe(layers=2, kv_heads=2)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(model)
+        layer = model.model.layers[0]
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(1, 1, model.config.hidden_size, generator=gen).bfloat16()
+        ang = torch.rand(1, 1, layer.self_attn.head_dim // 2, generator=gen)
+        emb = torch.cat([ang, ang], -1)
+        pe = (emb.cos().bfloat16(), emb.sin().bfloat16())
+        with torch.inference_mode():
+            layer(torch.randn(1, 3, model.config.hidden_size).bfloat16(),
+                  position_embeddings=(pe[0].expand(1, 3, -1), pe[1].expand(1, 3, -1)))
+            layer(h, position_embeddings=pe, some_new_argument=1)
+            layer(h, None, None, None, False, pe)  # positional arguments
+            layer(h.repeat_interleave(2, dim=-1)[..., ::2], position_embeddings=pe)  # not contiguous
+        layer.train()
+        with torch.no_grad():
+            layer(h, position_embeddings=pe)
+        layer.eval()
+        assert count.calls == 0
+        with torch.inference_mode():
+            want = type(layer).forward(layer, h, position_embeddings=pe)
+            got = layer(h, position_embeddings=pe)  # no cache: attention over the new token alone
+        assert count.calls == 1 and torch.equal(got, want)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_a_layer_of_another_shape_keeps_its_own_forward_and_is_named():
+    from transformers.models.olmoe.modeling_olmoe import OlmoeDecoderLayer
+
+    class ScaledDecoderLayer(OlmoeDecoderLayer):  # scales its output: the probe tells
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * 0.5
+
+    model = olmoe(layers=2, kv_heads=2)
+    old = model.model.layers[1]
+    new = ScaledDecoderLayer(model.config, layer_idx=1).to(torch.bfloat16)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[1] = new
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.layers == ["model.layers.0"] and rep.layers_differ == ["model.layers.1"]
+        assert "forward" not in new.__dict__
+        assert "1 take their own forward" in str(rep) and "model.layers.1" in str(rep)
+        assert rep.to_dict()["layers_differ"] == ["model.layers.1"]
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_a_layer_whose_attention_is_left_to_pytorch_keeps_its_own_forward():
+    model = olmoe(layers=2, kv_heads=2)
+    rep = hi_na_moe.enable_for_model(model, scope="all", dense_exclude="*.layers.0.self_attn")
+    try:
+        assert rep.attention == ["model.layers.1.self_attn"]
+        assert rep.layers == ["model.layers.1"] and rep.layers_differ == ["model.layers.0"]
+    finally:
+        hi_na_moe.disable_for_model(model)
