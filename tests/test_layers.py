@@ -174,10 +174,14 @@ def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
             model(ids, past_key_values=cache, use_cache=True)
             out = model(ids[:, :1], past_key_values=cache, use_cache=True, output_hidden_states=True)
         assert len(out.hidden_states) == 3 and count.calls == 8  # captured: the layers' own forwards
+        handle = layer.mlp.experts.register_forward_hook(lambda m, i, o: seen.append("experts"))
+        _decode(model, ids, 2)
+        assert count.calls == 10 and seen.count("experts") == 3  # the MoE block's short path skips it too
+        handle.remove()
         # a module's forward replaced after enable (here: the norm back on its own forward)
         layer.post_attention_layernorm.__dict__.pop("forward")
         _decode(model, ids, 2)
-        assert count.calls == 10
+        assert count.calls == 12
     finally:
         hi_na_moe.disable_for_model(model)
 
@@ -230,6 +234,28 @@ def test_a_layer_of_another_shape_keeps_its_own_forward_and_is_named():
         assert "forward" not in new.__dict__
         assert "1 take their own forward" in str(rep) and "model.layers.1" in str(rep)
         assert rep.to_dict()["layers_differ"] == ["model.layers.1"]
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_a_moe_block_of_another_form_is_called_as_a_module_by_the_short_path():
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+    class HalvedBlock(OlmoeSparseMoeBlock):  # the same children, another output: the probe tells
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * 0.5
+
+    model = olmoe(layers=2, kv_heads=2)
+    old = model.model.layers[1].mlp
+    new = HalvedBlock(model.config).to(torch.bfloat16)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[1].mlp = new
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.layers == ["model.layers.0", "model.layers.1"]
+        runners = [patched_runner(layer) for layer in model.model.layers]
+        assert runners[0].moe is not None and runners[1].moe is None
+        _same_decode(model, torch.tensor([[5, 6, 7, 8]]), 3)
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -12,8 +12,11 @@ post_attention_layernorm and mlp, both norms patched as hi_na_moe.dense.NativeNo
 attention as hi_na_moe.attention.NativeAttention by this enable. Its decode call then runs as:
 the input norm's kernel; the attention's decode path with its q/k/v projections, q/k norms and
 o_proj called straight on their runners (no module calls); one native call for the residual add
-and the post-attention norm; the mlp module, called as usual (the MoE block, its router and its
-experts as patched); one native call for the last residual add.
+and the post-attention norm; the MoE block's router and experts called straight on their runners
+when the block is of a known form (the router then the experts, as OLMoE, Mixtral and Qwen3-MoE
+write it; those plus a sigmoid-gated shared expert, as Qwen2-MoE does, the shared expert and its
+gate called as modules), else the mlp module called as usual; one native call for the last
+residual add.
 
 Everything else is the layer's own forward: prefill, training, any argument the attention's
 decode path does not take, and any call while something would observe the modules this path
@@ -24,7 +27,9 @@ or a forward replaced after enable.
 What it computes is checked before it is patched: on a probe (two rows of random hidden states
 and rotary tables, a DynamicCache holding a few positions) the layer's own forward, itself on
 the patched modules, and this path must return the same output and append the same keys and
-values, bit for bit (the adds round as PyTorch's add does, the norm is the same kernel).
+values, bit for bit (the adds round as PyTorch's add does, the norm is the same kernel). A layer
+whose MoE block fails it with the block's short path is probed again with the block called as a
+module.
 """
 
 from __future__ import annotations
@@ -125,12 +130,48 @@ class NativeLayer:
             qkv = lambda h: (qp(h), kp(h), vp(h))  # noqa: E731
         norms = (direct(a.q_norm), direct(a.k_norm)) if self.attn.form != FORMS[0] else (None, None)
         self.direct = (qkv, norms[0], norms[1], direct(a.o_proj))
-        # the modules this path does not call through __call__, with the forward each had then
-        skipped = [self.ln1, self.ln2, *a.modules()]
-        self.watched = tuple((mod, mod.__dict__.get("forward")) for mod in skipped)
         self.hidden = self.norm1.n
+        self.moe = self._moe_direct(self.mlp)
+        self._watch()
         self.ready = self.norm2.n == self.hidden == self.attn.hidden
         return self.ready
+
+    def _watch(self) -> None:
+        """The modules this path does not call through __call__, with the forward each has now."""
+        skipped = [self.ln1, self.ln2, *self.attn_mod.modules()]
+        if self.moe is not None:
+            skipped += [self.mlp, self.mlp.gate, self.mlp.experts]
+        self.watched = tuple((mod, mod.__dict__.get("forward")) for mod in skipped)
+
+    def _moe_direct(self, mlp: nn.Module):
+        """A function computing a MoE block's forward for decode rows without the block's, its
+        router's and its experts' module calls, or None. The forms: the router then the experts
+        (OLMoE, Mixtral, Qwen3-MoE), and those plus a sigmoid-gated shared expert (Qwen2-MoE),
+        each called as a module; the layer's probe tells whether the block computes that."""
+        from .patching import patched_experts, patched_runner
+        from .routers import NativeRouter
+
+        children = {n for n, _ in mlp.named_children()}
+        shared = children == {"gate", "experts", "shared_expert", "shared_expert_gate"}
+        if not (children == {"gate", "experts"} or shared) or mlp.__dict__.get("forward") is not None:
+            return None
+        gate, experts = mlp.gate, mlp.experts
+        router, runner = patched_runner(gate), patched_experts(experts)
+        if not isinstance(router, NativeRouter) or runner is None or router.hidden != self.hidden:
+            return None
+        H = self.hidden
+
+        def moe(x: torch.Tensor) -> torch.Tensor:
+            h = x.view(-1, H)
+            _, w, idx = router.forward(gate, h)
+            out = runner.fast(h, idx, w)
+            if out is None:
+                out = experts(h, idx, w)
+            if shared:
+                out = out + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
+            return out.view(x.shape)
+
+        return moe
 
     def _observed(self) -> bool:
         """Whether something would see the skipped modules' calls (module docstring)."""
@@ -163,7 +204,7 @@ class NativeLayer:
         else:
             s = x + a
             n2 = self.ln2(s)
-        out = self.mlp(n2)
+        out = self.mlp(n2) if self.moe is None else self.moe(n2)
         if (type(out) is torch.Tensor and out.shape == s.shape and out.dtype is s.dtype and out.is_contiguous()
                 and not out.is_neg() and out.is_cpu):
             self.native.add_raw(s.data_ptr(), out.data_ptr(), s.numel(), s.data_ptr(), code)  # s is ours
@@ -182,11 +223,21 @@ class NativeLayer:
     # -- the probe ----------------------------------------------------------------------------
     def matches(self) -> bool:
         """Whether the layer has this shape and its own forward gives this path's bits on the
-        probe of the module docstring."""
-        from transformers import DynamicCache
-
+        probe of the module docstring; with the MoE block's short path when it has one, else
+        with the block called as a module."""
         if not self._prepare():
             return False
+        if self._probe():
+            return True
+        if self.moe is None:
+            return False
+        self.moe = None  # a block of another form: called as a module
+        self._watch()
+        return self._probe()
+
+    def _probe(self) -> bool:
+        from transformers import DynamicCache
+
         at = self.attn
         gen = torch.Generator().manual_seed(3)
         B, past, D = 2, 4, at.D

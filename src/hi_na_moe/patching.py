@@ -393,6 +393,7 @@ def _fast_first(runner: ops.NativeExperts, forward):
                 return out
         return forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
+    fast_forward.runner = runner  # hi_na_moe.layers calls runner.fast itself
     return fast_forward
 
 
@@ -423,6 +424,12 @@ def patched_runner(module: nn.Module):
     if isinstance(inner, functools.partial):  # a member of a dense group (NativeLinear.forward_of)
         inner = inner.func
     return getattr(inner, "__self__", None)
+
+
+def patched_experts(module: nn.Module):
+    """The NativeExperts behind an experts module patched with its short path (_fast_first), or None."""
+    inner = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
+    return getattr(inner, "runner", None)
 
 
 def patched_member(module: nn.Module):
