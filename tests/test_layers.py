@@ -12,6 +12,7 @@ from tiny_models import UNBUILDABLE, build_tiny, olmoe
 from transformers import DynamicCache
 
 import hi_na_moe
+from hi_na_moe import dense
 from hi_na_moe.families import moe_families
 from hi_na_moe.hardware import native_kernels_available
 from hi_na_moe.patching import patched_runner
@@ -46,21 +47,27 @@ def test_add_and_add_rms_norm_are_pytorchs_add_and_the_norm_kernel_bit_for_bit(d
 
 
 class _Count:
-    """Counts the decode calls the layers take on their short path."""
+    """Counts the decode calls the layers take on their short path (calls), and those of them
+    run in the two native calls (native)."""
 
     def __init__(self, model):
-        self.calls = 0
+        self.calls = self.native = 0
         rep = hi_na_moe.report_for(model)
         mods = dict(model.named_modules())
         for name in rep.layers:
             runner = patched_runner(mods[name])
-            fast = runner._fast
+            fast, native_fast = runner._fast, runner._native_fast
 
             def counted(*args, _fast=fast, **kwargs):
                 self.calls += 1
                 return _fast(*args, **kwargs)
 
-            runner._fast = counted
+            def counted_native(*args, _native_fast=native_fast, **kwargs):
+                out = _native_fast(*args, **kwargs)
+                self.native += out is not None
+                return out
+
+            runner._fast, runner._native_fast = counted, counted_native
 
 
 def _own_forward(model, on: bool, saved: dict) -> None:
@@ -89,11 +96,13 @@ def _decode(model, ids, steps, attention_mask=None):
     return logits, cache
 
 
-def _same_decode(model, ids, steps=4, attention_mask=None):
-    """The short path against the layers' own forward: the same logits and cache, bit for bit."""
+def _same_decode(model, ids, steps=4, attention_mask=None, native=False):
+    """The short path against the layers' own forward: the same logits and cache, bit for bit;
+    native: every step of every layer in the two native calls."""
     count = _Count(model)
     got, c_got = _decode(model, ids, steps, attention_mask)
     assert count.calls == steps * len(hi_na_moe.report_for(model).layers)
+    assert count.native == (count.calls if native else 0)
     saved: dict = {}
     _own_forward(model, True, saved)
     try:
@@ -110,10 +119,13 @@ def _same_decode(model, ids, steps=4, attention_mask=None):
 FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
+@pytest.mark.parametrize("all_linears", [False, True], ids=["tiny-projections-left-to-pytorch", "every-linear-native"])
 @pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in {x.model_type for x in moe_families()}])
-def test_known_families_decode_on_the_short_path_bit_for_bit(model_type):
+def test_known_families_decode_on_the_short_path_bit_for_bit(model_type, all_linears, monkeypatch):
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
+    if all_linears:  # the tiny models' projections are below dense.MIN_WEIGHTS: the two native calls need them packed
+        monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -121,20 +133,38 @@ def test_known_families_decode_on_the_short_path_bit_for_bit(model_type):
         assert rep.layers == layers and not rep.layers_differ
         assert f"decoder layers with decode steps in few native calls: {len(layers)}" in str(rep)
         ids = torch.tensor([[3, 9, 4, 7]])
-        _same_decode(model, ids)
+        _same_decode(model, ids, native=all_linears)
         # a padded batch: a bool mask over the keys reaches the attention kernel
         _same_decode(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
-                     attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+                     attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), native=all_linears)
     finally:
         hi_na_moe.disable_for_model(model)
     assert all("forward" not in dict(model.named_modules())[n].__dict__ for n in layers)
 
 
-def test_int4_experts_and_linears_decode_on_the_short_path_bit_for_bit(tmp_path):
-    model = olmoe(layers=2, kv_heads=2)
-    hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(tmp_path))
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_quantised_experts_and_linears_decode_in_the_two_native_calls_bit_for_bit(weights, tmp_path):
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)  # grouped-query heads, k/v large enough to pack
+    hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
     try:
-        _same_decode(model, torch.tensor([[5, 6, 7, 8, 9]]), 5)
+        _same_decode(model, torch.tensor([[5, 6, 7, 8, 9]]), 5, native=True)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_below_the_attention_kernels_tiers_sdpa_does_the_math_between_the_two_native_calls(monkeypatch):
+    from hi_na_moe import attention
+
+    model = olmoe(layers=2, kv_heads=4)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        for layer in model.model.layers:  # as on a CPU below the kernels' tiers
+            monkeypatch.setattr(patched_runner(layer.self_attn), "kernel", False)
+        calls = []
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                            lambda *a, _f=attention.F.scaled_dot_product_attention, **k: calls.append(1) or _f(*a, **k))
+        _same_decode(model, torch.tensor([[5, 6, 7, 8]]), 3, native=True)
+        assert len(calls) >= 2 * 3 * 2  # both arms' decode steps, every layer
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -88,8 +88,8 @@ def test_patched_routers_decode_like_the_model_and_leave_prefill_and_training_al
         gate = model.model.layers[0].mlp.gate
         runner = _runner(model, "model.layers.0.mlp.gate")
         calls = []
-        runner_logits = runner._logits
-        runner._logits = lambda h: calls.append(h.shape[0]) or runner_logits(h)
+        form = runner.form  # with the native logits: from runner._logits, or the decoder layer's native step
+        runner.form = lambda linear, h: calls.append(h.shape[0]) or form(linear, h)
         with torch.inference_mode():
             got = model(ids[:, :1]).logits
             assert calls == [1]  # decode: the native logits

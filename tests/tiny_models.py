@@ -519,11 +519,11 @@ def forward_inputs(tiny: Tiny, input_ids: torch.Tensor) -> dict:
 
 
 def olmoe(layers: int = 2, kv_heads: int = 4, experts: int = 8, top_k: int = 2, tied: bool = False,
-          dtype=torch.bfloat16):
-    """A small OLMoE (hidden 256, 4 heads) in eval mode, seeded: the scope="all" tests' model."""
+          dtype=torch.bfloat16, hidden: int = 256, heads: int = 4):
+    """A small OLMoE (hidden 256, 4 heads of 64) in eval mode, seeded: the scope="all" tests' model."""
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
-    cfg = OlmoeConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+    cfg = OlmoeConfig(hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, vocab_size=512, num_experts=experts, num_experts_per_tok=top_k,
                       tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)

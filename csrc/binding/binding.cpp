@@ -458,6 +458,9 @@ class BoundForward {
     return name;
   }
 
+  const hina::PackedExperts* packed() const { return pe_; }
+  const hina::MoeParams& params() const { return p_; }
+
  private:
   nb::object owner_;  // the PackedExperts object: keeps pe_ alive
   const hina::PackedExperts* pe_;
@@ -930,6 +933,55 @@ NB_MODULE(_native, m) {
         "attention_decode() with raw addresses and element strides, nothing checked (dtype: 0 float32, "
         "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride), for "
         "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+  m.def("layer_decode_pre_raw",
+        [](int dtype, int64_t B, int64_t H, uintptr_t x, uintptr_t ln1_w, float ln1_eps, const BoundForward& qkv,
+           int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
+           uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
+           uintptr_t q, uintptr_t k, uintptr_t v, int num_threads) {
+          hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
+                               reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
+                               qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
+                               qn_eps, kn_eps, reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
+                               cos_bstride, reinterpret_cast<void*>(h), reinterpret_cast<void*>(qkv_out),
+                               reinterpret_cast<void*>(qk_tmp), reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
+                               reinterpret_cast<void*>(v)};
+          nb::gil_scoped_release release;
+          hina::layer_decode_pre(a, num_threads);
+        },
+        "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
+        "qkv: the BoundForward of an up-only block), for hi_na_moe.layers, which checked the tensors. Wrong "
+        "addresses crash.");
+  m.def("layer_decode_post_raw",
+        [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
+           int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0, int64_t vs1, int64_t vs2, float scale,
+           uintptr_t mask, int64_t mask_bstride, const std::string& isa, uintptr_t attn_out, const BoundForward& o,
+           uintptr_t o_out, uintptr_t x, uintptr_t ln2_w, float ln2_eps, uintptr_t sum, uintptr_t normed,
+           const BoundForward* router, uintptr_t logits, int num_threads) {
+          const auto dt = static_cast<hina::DType>(dtype);
+          hina::LayerPostArgs a{dt, B, H,
+                                hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                                                     reinterpret_cast<const void*>(v), reinterpret_cast<void*>(attn_out),
+                                                     B, Hq, Hkv, S, D, {ks0, ks1, ks2}, {vs0, vs1, vs2}, scale,
+                                                     reinterpret_cast<const uint8_t*>(mask), mask_bstride},
+                                o.packed(), o.params(), reinterpret_cast<void*>(o_out), reinterpret_cast<const void*>(x),
+                                reinterpret_cast<const void*>(ln2_w), ln2_eps, reinterpret_cast<void*>(sum),
+                                reinterpret_cast<void*>(normed)};
+          if (router != nullptr) {
+            a.router = router->packed();
+            a.router_params = router->params();
+            a.logits = reinterpret_cast<void*>(logits);
+          }
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
+          nb::gil_scoped_release release;
+          hina::layer_decode_post(a, num_threads, tier);
+        },
+        nb::arg("dtype"), nb::arg("B"), nb::arg("H"), nb::arg("q"), nb::arg("Hq"), nb::arg("Hkv"), nb::arg("S"),
+        nb::arg("D"), nb::arg("k"), nb::arg("ks0"), nb::arg("ks1"), nb::arg("ks2"), nb::arg("v"), nb::arg("vs0"),
+        nb::arg("vs1"), nb::arg("vs2"), nb::arg("scale"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("isa"),
+        nb::arg("attn_out"), nb::arg("o"), nb::arg("o_out"), nb::arg("x"), nb::arg("ln2_w"), nb::arg("ln2_eps"),
+        nb::arg("sum"), nb::arg("normed"), nb::arg("router").none(), nb::arg("logits"), nb::arg("num_threads"),
+        "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
+        "in attn_out; router None: no logits), for hi_na_moe.layers. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {
           hina::BandwidthResult r;

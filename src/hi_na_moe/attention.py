@@ -136,24 +136,34 @@ class NativeAttention:
         if cache is not None:
             keys, values = cache.update(keys, values, m.layer_idx)
         out = torch.empty(B, 1, self.Hq * self.D, dtype=self.dtype)
-        if (self.kernel and type(keys) is torch.Tensor and type(values) is torch.Tensor and keys.dtype is self.dtype
-                and values.dtype is self.dtype and keys.dim() == 4 and keys.shape == values.shape
-                and keys.shape[0] == B and keys.shape[1] == self.Hkv and keys.shape[3] == self.D
-                and keys.shape[2] >= 1 and keys.stride(3) == 1 and values.stride(3) == 1 and keys.is_cpu
-                and values.is_cpu and not keys.is_neg() and not values.is_neg()
-                and (mask is None or mask.shape[-1] == keys.shape[2])
-                and (self.kernel_keys is None or keys.shape[2] <= self.kernel_keys)):
+        if self.kernel_fits(keys, values, mask, B):
             ks, vs = keys.stride(), values.stride()
             self.native.attention_decode_raw(
                 code, qr.data_ptr(), B, self.Hq, self.Hkv, keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2],
                 values.data_ptr(), vs[0], vs[1], vs[2], m.scaling, out.data_ptr(),
                 self.threads or torch.get_num_threads(), self.isa, 0 if mask is None else mask.data_ptr(),
                 0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
-        else:  # no vector build for this tier, or a cache that hands back something else: PyTorch's SDPA
-            o = F.scaled_dot_product_attention(qr.unsqueeze(2), keys, values, attn_mask=mask, scale=m.scaling,
-                                               enable_gqa=self.Hq != self.Hkv)
-            out.copy_(o.transpose(1, 2).reshape(B, 1, -1))
+        else:
+            self.sdpa(m, qr, keys, values, mask, out)
         return (m.o_proj(out) if direct is None else direct[3](out)), None
+
+    def kernel_fits(self, keys, values, mask: torch.Tensor | None, B: int) -> bool:
+        """Whether the native kernel takes the attention over these cached keys and values."""
+        return (self.kernel and type(keys) is torch.Tensor and type(values) is torch.Tensor and keys.dtype is self.dtype
+                and values.dtype is self.dtype and keys.dim() == 4 and keys.shape == values.shape
+                and keys.shape[0] == B and keys.shape[1] == self.Hkv and keys.shape[3] == self.D
+                and keys.shape[2] >= 1 and keys.stride(3) == 1 and values.stride(3) == 1 and keys.is_cpu
+                and values.is_cpu and not keys.is_neg() and not values.is_neg()
+                and (mask is None or mask.shape[-1] == keys.shape[2])
+                and (self.kernel_keys is None or keys.shape[2] <= self.kernel_keys))
+
+    def sdpa(self, m: nn.Module, qr: torch.Tensor, keys, values, mask, out: torch.Tensor) -> None:
+        """The attention by PyTorch's SDPA into out [B, 1, Hq D]: no vector build for this tier,
+        or a cache that hands back something the kernel does not take."""
+        B = qr.shape[0]
+        o = F.scaled_dot_product_attention(qr.view(B, self.Hq, 1, self.D), keys, values, attn_mask=mask,
+                                           scale=m.scaling, enable_gqa=self.Hq != self.Hkv)
+        out.copy_(o.transpose(1, 2).reshape(B, 1, -1))
 
     def forward(self, module: nn.Module, *args, **kwargs):
         fast = self._fast_args(module, args, kwargs)

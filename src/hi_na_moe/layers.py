@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .dense import _DTYPE_CODES, NORM_MAX_ROWS, NativeNorm, _matches
+from .routers import ROUTER_MAX_ROWS
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -132,9 +133,32 @@ class NativeLayer:
         self.direct = (qkv, norms[0], norms[1], direct(a.o_proj))
         self.hidden = self.norm1.n
         self.moe = self._moe_direct(self.mlp)
+        self.step = self._native_step()
         self._watch()
         self.ready = self.norm2.n == self.hidden == self.attn.hidden
         return self.ready
+
+    def _native_step(self):
+        """(q/k/v group, o_proj's runner, q/k norm code, q_norm's and k_norm's runners) for the
+        two native calls (layer_decode_pre/post), or None when a part is not on a runner they can
+        call: the projections one q/k/v group and o_proj alone on the dense kernels, the q/k norms
+        (if any) on the norm kernel, no clamp of q/k/v."""
+        from .attention import FORMS
+        from .patching import patched_member, patched_runner
+
+        a, at = self.attn_mod, self.attn
+        q, o = patched_member(a.q_proj), patched_member(a.o_proj)
+        if (q is None or len(q[0].modules) != 3 or patched_member(a.k_proj) != (q[0], 1)
+                or patched_member(a.v_proj) != (q[0], 2) or o is None or len(o[0].modules) != 1
+                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype):
+            return None
+        qk = FORMS.index(at.form)
+        norms = (None, None)
+        if qk:
+            norms = (patched_runner(a.q_norm), patched_runner(a.k_norm))
+            if not all(isinstance(n, NativeNorm) for n in norms):
+                return None
+        return q[0], o[0], qk, norms[0], norms[1]
 
     def _watch(self) -> None:
         """The modules this path does not call through __call__, with the forward each has now."""
@@ -161,9 +185,14 @@ class NativeLayer:
             return None
         H = self.hidden
 
-        def moe(x: torch.Tensor) -> torch.Tensor:
+        def moe(x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+            """The block's output; `logits`: the router's, already computed natively from x
+            (layer_decode_post), after router.usable(gate) said its packed copy is current."""
             h = x.view(-1, H)
-            _, w, idx = router.forward(gate, h)
+            if logits is None:
+                _, w, idx = router.forward(gate, h)
+            else:
+                _, w, idx = router.form(lambda _: logits, h)
             out = runner.fast(h, idx, w)
             if out is None:
                 out = experts(h, idx, w)
@@ -171,6 +200,7 @@ class NativeLayer:
                 out = out + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
             return out.view(x.shape)
 
+        moe.router = router
         return moe
 
     def _observed(self) -> bool:
@@ -192,6 +222,10 @@ class NativeLayer:
     # -- the decode path ----------------------------------------------------------------------
     def _fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor:
         B, H = x.shape[0], self.hidden
+        if self.step is not None and B <= NORM_MAX_ROWS:
+            out = self._native_fast(x, cos, sin, cache, mask)
+            if out is not None:
+                return out
         code = _DTYPE_CODES[x.dtype]
         h = self.norm1.forward(self.ln1, x)
         a, _ = self.attn._decode(self.attn_mod, self.attn.form, h, cos, sin, cache, mask, self.direct)
@@ -208,6 +242,66 @@ class NativeLayer:
         if (type(out) is torch.Tensor and out.shape == s.shape and out.dtype is s.dtype and out.is_contiguous()
                 and not out.is_neg() and out.is_cpu):
             self.native.add_raw(s.data_ptr(), out.data_ptr(), s.numel(), s.data_ptr(), code)  # s is ours
+            return s
+        return s + out
+
+    def _native_fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask):
+        """The step in two native calls around the cache update (and, with the MoE block's short
+        path, the router's top-k in PyTorch and the experts' kernel); None, with nothing run,
+        when a weight is not as the kernels read it (then the per-module path runs)."""
+        qkv, o, qk, qn, kn = self.step
+        at, dt = self.attn, x.dtype
+        w1, w2 = self.ln1.weight, self.ln2.weight
+        weights = (w1, w2) if not qk else (w1, w2, self.attn_mod.q_norm.weight, self.attn_mod.k_norm.weight)
+        if not all(w.dtype is dt and w.is_contiguous() and w.is_cpu for w in weights):
+            return None
+        B, H, D, Hq, Hkv = x.shape[0], self.hidden, at.D, at.Hq, at.Hkv
+        es, code = x.element_size(), _DTYPE_CODES[dt]
+        nq, nkv = Hq * D, Hkv * D
+        cos, sin = cos.contiguous(), sin.contiguous()
+        threads = qkv.threads or torch.get_num_threads()
+        # scratch: h [B, H], q|k|v [B, nq + 2 nkv], normed q|k [B, nq + nkv], attention heads
+        # [B, nq], o_proj's output [B, H]
+        scratch = torch.empty(B * (2 * H + 3 * nq + 3 * nkv) * es, dtype=torch.uint8)
+        h_p = scratch.data_ptr()
+        qkv_p = h_p + B * H * es
+        tmp_p = qkv_p + B * (nq + 2 * nkv) * es
+        attn_p = tmp_p + B * (nq + nkv) * es
+        o_p = attn_p + B * nq * es
+        qr = torch.empty(B, Hq, D, dtype=dt)
+        k, v = torch.empty(B, Hkv, 1, D, dtype=dt), torch.empty(B, Hkv, 1, D, dtype=dt)
+        self.native.layer_decode_pre_raw(
+            code, B, H, x.data_ptr(), w1.data_ptr(), self.norm1.eps, qkv.bound, Hq, Hkv, D, qk,
+            0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
+            0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
+            D if cos.numel() == B * D else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k.data_ptr(), v.data_ptr(), threads)
+        keys, values = (k, v) if cache is None else cache.update(k, v, self.attn_mod.layer_idx)
+        m = self.attn_mod
+        if at.kernel_fits(keys, values, mask, B):
+            ks, vs = keys.stride(), values.stride()
+            attn = (qr.data_ptr(), keys.shape[2], keys.data_ptr(), ks[0], ks[1], ks[2], values.data_ptr(), vs[0],
+                    vs[1], vs[2], 0 if mask is None else mask.data_ptr(),
+                    0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
+        else:  # SDPA does the attention math (attention.math_kernel); the call then skips its own
+            heads = torch.empty(B, 1, nq, dtype=dt)
+            at.sdpa(m, qr, keys, values, mask, heads)
+            attn_p = heads.data_ptr()
+            attn = (0,) * 12
+        moe = self.moe
+        router = moe.router if moe is not None else None
+        gate = self.mlp.gate if moe is not None else None
+        use_router = router is not None and B <= ROUTER_MAX_ROWS and not gate.training and router._unchanged(gate)
+        logits = torch.empty(B, router.experts, dtype=dt) if use_router else None
+        s, n2 = torch.empty_like(x), torch.empty_like(x)
+        self.native.layer_decode_post_raw(
+            code, B, H, attn[0], Hq, Hkv, attn[1], D, attn[2], attn[3], attn[4], attn[5], attn[6], attn[7], attn[8],
+            attn[9], m.scaling, attn[10], attn[11], at.isa, attn_p, o.bound, o_p, x.data_ptr(), w2.data_ptr(),
+            self.norm2.eps, s.data_ptr(), n2.data_ptr(), router.bound if use_router else None,
+            0 if logits is None else logits.data_ptr(), threads)
+        out = self.mlp(n2) if moe is None else moe(n2, logits)
+        if (type(out) is torch.Tensor and out.shape == s.shape and out.dtype is dt and out.is_contiguous()
+                and not out.is_neg() and out.is_cpu):
+            self.native.add_raw(s.data_ptr(), out.data_ptr(), s.numel(), s.data_ptr(), code)
             return s
         return s + out
 

@@ -309,4 +309,54 @@ struct AttnDecodeArgs {
 // AVX2; others: the baseline build).
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa);
 
+// A pre-norm decoder layer's decode step before the KV-cache update (csrc/moe/layer_step.cpp):
+// h = rms_norm(x); [q | k | v] = qkv.linear(h); q and k through their RMSNorms (qk_norm 1: over
+// the whole projection, 2: per head, 0: none); q, k rotated (rope_rotate_half); v copied. Every
+// buffer C-contiguous in dtype, none overlapping another.
+struct LayerPreArgs {
+  DType dtype;
+  int64_t B, H;  // rows (one new token each), hidden size
+  const void* x;  // [B, H]
+  const void* ln1_w;
+  float ln1_eps;
+  const PackedExperts* qkv;  // an up-only block: [B, H] -> [B, (Hq + 2 Hkv) D]
+  MoeParams qkv_params;
+  int64_t Hq, Hkv, D;
+  int qk_norm;
+  const void* qn_w;  // [Hq D] (qk_norm 1) or [D] (2)
+  const void* kn_w;
+  float qn_eps, kn_eps;
+  const void* cos;  // row b at cos + b * cos_bstride elements, D values (likewise sin)
+  const void* sin;
+  int64_t cos_bstride;
+  void* h;        // scratch [B, H]
+  void* qkv_out;  // scratch [B, (Hq + 2 Hkv) D]
+  void* qk_tmp;   // scratch [B, (Hq + Hkv) D]
+  void* q;        // out [B, Hq, D]
+  void* k;        // out [B, Hkv, D]
+  void* v;        // out [B, Hkv, D]
+};
+void layer_decode_pre(const LayerPreArgs& a, int num_threads);
+
+// The step after the cache update: the attention (attn; skipped when attn.q is null, its out
+// then already holding the heads' outputs), o = o_proj.linear(attn.out), sum = x + o and
+// normed = rms_norm(sum) (add_rms_norm), then, with a router, logits = router.linear(normed).
+struct LayerPostArgs {
+  DType dtype;
+  int64_t B, H;
+  AttnDecodeArgs attn;  // out: scratch [B, Hq D]
+  const PackedExperts* o;
+  MoeParams o_params;
+  void* o_out;  // scratch [B, H]
+  const void* x;
+  const void* ln2_w;
+  float ln2_eps;
+  void* sum;     // out [B, H]
+  void* normed;  // out [B, H]
+  const PackedExperts* router = nullptr;  // [B, H] -> [B, E]
+  MoeParams router_params;
+  void* logits = nullptr;  // out [B, E]
+};
+void layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
+
 }  // namespace hina
