@@ -208,10 +208,20 @@ def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
         _decode(model, ids, 2)
         assert count.calls == 10 and seen.count("experts") == 3  # the MoE block's short path skips it too
         handle.remove()
+        # a part replaced after enable: the new module's own forward, never the old runners
+        from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+        old_norm = layer.input_layernorm
+        layer.input_layernorm = OlmoeRMSNorm(model.config.hidden_size).to(torch.bfloat16)
+        seen.clear()
+        layer.input_layernorm.register_forward_hook(lambda m, i, o: seen.append("new norm"))
+        _decode(model, ids, 2)
+        assert count.calls == 12 and seen.count("new norm") == 3
+        layer.input_layernorm = old_norm
         # a module's forward replaced after enable (here: the norm back on its own forward)
         layer.post_attention_layernorm.__dict__.pop("forward")
         _decode(model, ids, 2)
-        assert count.calls == 12
+        assert count.calls == 14
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -161,11 +161,25 @@ class NativeLayer:
         return q[0], o[0], qk, norms[0], norms[1]
 
     def _watch(self) -> None:
-        """The modules this path does not call through __call__, with the forward each has now."""
-        skipped = [self.ln1, self.ln2, *self.attn_mod.modules()]
+        """What _observed compares at every call: the modules this path does not call through
+        __call__ with the forward each has now, and the parent-child links it found them by (a
+        part replaced after enable, e.g. layer.self_attn = another module, is not the one it
+        resolved)."""
+        a = self.attn_mod
+        skipped = [self.ln1, self.ln2, *a.modules()]
+        links = [(self.module, p) for p in _PARTS] + [(a, n) for n, _ in a.named_children()]
         if self.moe is not None:
             skipped += [self.mlp, self.mlp.gate, self.mlp.experts]
-        self.watched = tuple((mod, mod.__dict__.get("forward")) for mod in skipped)
+            links += [(self.mlp, n) for n, _ in self.mlp.named_children()]
+        self.links = tuple((parent._modules, name, parent._modules[name]) for parent, name in links)
+        self.forwards = tuple((mod.__dict__, mod.__dict__.get("forward")) for mod in skipped)
+        self.hook_dicts = tuple((mod._forward_hooks, mod._forward_pre_hooks, mod) for mod in skipped)
+        # the norms' weights as the native calls read them, through the parameter dicts (a
+        # module attribute lookup of a parameter is a Python call, and this runs every step)
+        params = [self.ln1._parameters, self.ln2._parameters]
+        if self.step is not None and self.step[2]:
+            params += [a.q_norm._parameters, a.k_norm._parameters]
+        self.params = tuple(params)
 
     def _moe_direct(self, mlp: nn.Module):
         """A function computing a MoE block's forward for decode rows without the block's, its
@@ -200,7 +214,7 @@ class NativeLayer:
                 out = out + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
             return out.view(x.shape)
 
-        moe.router = router
+        moe.router, moe.gate = router, gate
         return moe
 
     def _observed(self) -> bool:
@@ -212,10 +226,14 @@ class NativeLayer:
 
         if _len_dispatch_modes() or _function_mode_on():
             return True
-        for mod, fwd in self.watched:
-            if mod.__dict__.get("forward") is not fwd:
+        for modules, name, child in self.links:
+            if modules.get(name) is not child:
                 return True
-            if (mod._forward_hooks or mod._forward_pre_hooks) and not _idle_capture_hooks(mod):
+        for d, fwd in self.forwards:
+            if d.get("forward") is not fwd:
+                return True
+        for hooks, pre_hooks, mod in self.hook_dicts:
+            if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
                 return True
         return False
 
@@ -251,10 +269,11 @@ class NativeLayer:
         when a weight is not as the kernels read it (then the per-module path runs)."""
         qkv, o, qk, qn, kn = self.step
         at, dt = self.attn, x.dtype
-        w1, w2 = self.ln1.weight, self.ln2.weight
-        weights = (w1, w2) if not qk else (w1, w2, self.attn_mod.q_norm.weight, self.attn_mod.k_norm.weight)
-        if not all(w.dtype is dt and w.is_contiguous() and w.is_cpu for w in weights):
-            return None
+        weights = [p.get("weight") for p in self.params]
+        for w in weights:
+            if type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or not w.is_contiguous() or not w.is_cpu:
+                return None
+        w1, w2 = weights[0], weights[1]
         B, H, D, Hq, Hkv = x.shape[0], self.hidden, at.D, at.Hq, at.Hkv
         es, code = x.element_size(), _DTYPE_CODES[dt]
         nq, nkv = Hq * D, Hkv * D
@@ -289,7 +308,7 @@ class NativeLayer:
             attn = (0,) * 12
         moe = self.moe
         router = moe.router if moe is not None else None
-        gate = self.mlp.gate if moe is not None else None
+        gate = moe.gate if moe is not None else None
         use_router = router is not None and B <= ROUTER_MAX_ROWS and not gate.training and router._unchanged(gate)
         logits = torch.empty(B, router.experts, dtype=dt) if use_router else None
         s, n2 = torch.empty_like(x), torch.empty_like(x)
