@@ -301,11 +301,11 @@ class EnableReport:
                          if events else "")
                 lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
                              f"{freed / 2**20:.0f} MiB of their own weights released{store}")
-        if self.dry_run and (self.norms or self.routers or self.attention or self.routers_differ):
+        if self.dry_run and (self.norms or self.routers or self.attention or self.routers_differ or self.layers):
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
             lines.append(f"  small modules scope='all' would probe at enable and run natively where their form "
                          f"matches: {len(self.norms)} RMSNorm, {len(self.routers)} router(s), {len(self.attention)} "
-                         f"attention module(s){left}")
+                         f"attention module(s), {len(self.layers)} decoder layer(s){left}")
         elif self.norms or self.norms_differ:
             left = (f"; {len(self.norms_differ)} left to PyTorch (they compute something else, e.g. "
                     f"{self.norms_differ[0]})" if self.norms_differ else "")
@@ -523,6 +523,9 @@ def inspect_model(
         routers, report.routers_differ = find_routers(model, cfg.dense_exclude, devices)
         report.routers = [n for n, _ in routers]
         report.attention = [n for n, _ in find_attention(model, cfg.dense_exclude)]
+        from .layers import find_layers
+
+        report.layers = [n for n, _ in find_layers(model, cfg.dense_exclude)]
     return report
 
 
