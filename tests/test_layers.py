@@ -169,6 +169,35 @@ def test_below_the_attention_kernels_tiers_sdpa_does_the_math_between_the_two_na
         hi_na_moe.disable_for_model(model)
 
 
+def test_generate_with_a_static_cache_takes_the_two_native_calls_bit_for_bit():
+    from transformers import StaticCache
+
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(model)
+
+        def run():
+            with torch.inference_mode():
+                cache = StaticCache(config=model.config, max_cache_len=32)
+                return model.generate(ids, past_key_values=cache, **kw).logits
+
+        got = run()
+        assert count.native == count.calls == 4 * 2  # the decode steps after the first token, both layers
+        saved: dict = {}
+        _own_forward(model, True, saved)
+        try:
+            want = run()
+        finally:
+            _own_forward(model, False, saved)
+        assert count.calls == 8
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
     model = olmoe(layers=2, kv_heads=2)
     hi_na_moe.enable_for_model(model, scope="all")

@@ -64,19 +64,21 @@ class _Gate:
         self._writers_waiting = 0
         self.parked: set[int] = set()  # threads waiting here (inside a block, but not reading it)
         self.active = True  # False once the blocks are restored (disable, or a failed enable)
-        self._tls = threading.local()  # per thread: how many forwards it has inside the gate
+        # per thread (ident): how many forwards it has inside the gate, absent at zero. Not a
+        # threading.local: CPython 3.11 can deadlock when the GC frees one while another thread
+        # exits (a CI run hung so, freeing a gate in tests/test_concurrency.py; cpython#106883)
+        self._depth: dict[int, int] = {}
 
     def enter(self) -> None:
-        tls = self._tls
-        depth = getattr(tls, "depth", 0)
+        me = threading.get_ident()
+        depth = self._depth.get(me, 0)
         if depth:
             # nested in a forward of this thread that holds a reader's place: no writer can be
             # at work until it leaves (acquire_write waits for readers == 0), so no lock is needed
-            tls.depth = depth + 1
+            self._depth[me] = depth + 1
             return
         with self._cond:
-            if depth == 0 and (self._writer is not None or self._writers_waiting):
-                me = threading.get_ident()
+            if self._writer is not None or self._writers_waiting:
                 if self._writer != me:
                     self.parked.add(me)
                     try:
@@ -85,13 +87,15 @@ class _Gate:
                     finally:
                         self.parked.discard(me)
             self._readers += 1
-        tls.depth = depth + 1
+        self._depth[me] = 1
 
     def exit(self) -> None:
-        tls = self._tls
-        tls.depth -= 1
-        if tls.depth:
+        me = threading.get_ident()
+        depth = self._depth[me] - 1
+        if depth:
+            self._depth[me] = depth
             return  # the outer forward still holds the reader's place
+        del self._depth[me]
         with self._cond:
             self._readers -= 1
             if self._readers == 0 and self._writers_waiting:
@@ -99,7 +103,7 @@ class _Gate:
 
     def inside(self) -> bool:
         """Whether the calling thread is inside a forward of a block behind this gate."""
-        return getattr(self._tls, "depth", 0) > 0
+        return self._depth.get(threading.get_ident(), 0) > 0
 
     def acquire_write(self, timeout: float, what: str) -> None:
         if self.inside():
