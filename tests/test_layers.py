@@ -198,6 +198,27 @@ def test_generate_with_a_static_cache_takes_the_two_native_calls_bit_for_bit():
         hi_na_moe.disable_for_model(model)
 
 
+def test_norm_weights_replaced_after_enable_are_read_at_every_step():
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        layer = model.model.layers[1]
+        with torch.no_grad():
+            layer.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight * 2)
+            layer.self_attn.q_norm.weight.mul_(0.5)
+        _same_decode(model, torch.tensor([[5, 6, 7, 8]]), 3, native=True)
+        # a weight of the wrong size after the prompt: never read by the kernels, PyTorch's own
+        # error at the next step instead
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True)
+            layer.input_layernorm.weight = torch.nn.Parameter(torch.ones(7, dtype=torch.bfloat16))
+            with pytest.raises(RuntimeError, match="size of tensor"):
+                model(torch.tensor([[9]]), past_key_values=cache, use_cache=True)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
     model = olmoe(layers=2, kv_heads=2)
     hi_na_moe.enable_for_model(model, scope="all")

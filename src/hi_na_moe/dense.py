@@ -568,7 +568,7 @@ class NativeNorm:
         w = module.weight
         if (type(x) is torch.Tensor and x.dtype is w.dtype and x.is_contiguous() and x.is_cpu
                 and x.dim() >= 1 and x.shape[-1] == self.n and x.numel() <= NORM_MAX_ROWS * self.n
-                and not x.requires_grad and not x.is_neg() and w.is_contiguous() and w.is_cpu
+                and not x.requires_grad and not x.is_neg() and w.numel() == self.n and w.is_contiguous() and w.is_cpu
                 and not (module.training and torch.is_grad_enabled() and w.requires_grad)):
             out = torch.empty(x.shape, dtype=x.dtype)
             self.native.rms_norm_raw(x.data_ptr(), x.numel() // self.n, self.n, w.data_ptr(), self.eps,

@@ -176,9 +176,9 @@ class NativeLayer:
         self.hook_dicts = tuple((mod._forward_hooks, mod._forward_pre_hooks, mod) for mod in skipped)
         # the norms' weights as the native calls read them, through the parameter dicts (a
         # module attribute lookup of a parameter is a Python call, and this runs every step)
-        params = [self.ln1._parameters, self.ln2._parameters]
+        params = [(self.ln1._parameters, self.norm1.n), (self.ln2._parameters, self.norm2.n)]
         if self.step is not None and self.step[2]:
-            params += [a.q_norm._parameters, a.k_norm._parameters]
+            params += [(a.q_norm._parameters, self.step[3].n), (a.k_norm._parameters, self.step[4].n)]
         self.params = tuple(params)
 
     def _moe_direct(self, mlp: nn.Module):
@@ -256,10 +256,14 @@ class NativeLayer:
         else:
             s = x + a
             n2 = self.ln2(s)
-        out = self.mlp(n2) if self.moe is None else self.moe(n2)
+        return self._residual(s, self.mlp(n2) if self.moe is None else self.moe(n2), code)
+
+    def _residual(self, s: torch.Tensor, out, code: int) -> torch.Tensor:
+        """s + out, the layer's last residual add: natively into s (a tensor of this call's own)
+        when out is as the kernel reads it."""
         if (type(out) is torch.Tensor and out.shape == s.shape and out.dtype is s.dtype and out.is_contiguous()
                 and not out.is_neg() and out.is_cpu):
-            self.native.add_raw(s.data_ptr(), out.data_ptr(), s.numel(), s.data_ptr(), code)  # s is ours
+            self.native.add_raw(s.data_ptr(), out.data_ptr(), s.numel(), s.data_ptr(), code)
             return s
         return s + out
 
@@ -269,10 +273,13 @@ class NativeLayer:
         when a weight is not as the kernels read it (then the per-module path runs)."""
         qkv, o, qk, qn, kn = self.step
         at, dt = self.attn, x.dtype
-        weights = [p.get("weight") for p in self.params]
-        for w in weights:
-            if type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or not w.is_contiguous() or not w.is_cpu:
+        weights = []
+        for params, n in self.params:
+            w = params.get("weight")
+            if (type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or w.numel() != n
+                    or not w.is_contiguous() or not w.is_cpu):
                 return None
+            weights.append(w)
         w1, w2 = weights[0], weights[1]
         B, H, D, Hq, Hkv = x.shape[0], self.hidden, at.D, at.Hq, at.Hkv
         es, code = x.element_size(), _DTYPE_CODES[dt]
@@ -309,7 +316,8 @@ class NativeLayer:
         moe = self.moe
         router = moe.router if moe is not None else None
         gate = moe.gate if moe is not None else None
-        use_router = router is not None and B <= ROUTER_MAX_ROWS and not gate.training and router._unchanged(gate)
+        use_router = (router is not None and router.dtype is dt and B <= ROUTER_MAX_ROWS and not gate.training
+                      and router._unchanged(gate))
         logits = torch.empty(B, router.experts, dtype=dt) if use_router else None
         s, n2 = torch.empty_like(x), torch.empty_like(x)
         self.native.layer_decode_post_raw(
@@ -317,12 +325,7 @@ class NativeLayer:
             attn[9], m.scaling, attn[10], attn[11], at.isa, attn_p, o.bound, o_p, x.data_ptr(), w2.data_ptr(),
             self.norm2.eps, s.data_ptr(), n2.data_ptr(), router.bound if use_router else None,
             0 if logits is None else logits.data_ptr(), threads)
-        out = self.mlp(n2) if moe is None else moe(n2, logits)
-        if (type(out) is torch.Tensor and out.shape == s.shape and out.dtype is dt and out.is_contiguous()
-                and not out.is_neg() and out.is_cpu):
-            self.native.add_raw(s.data_ptr(), out.data_ptr(), s.numel(), s.data_ptr(), code)
-            return s
-        return s + out
+        return self._residual(s, self.mlp(n2) if moe is None else moe(n2, logits), code)
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():
