@@ -112,8 +112,8 @@ class NativeLayer:
 
         def direct(mod: nn.Module):
             """A function computing mod(x) without its module call, or the module itself."""
-            if isinstance(patched_runner(mod), NativeNorm):
-                runner = patched_runner(mod)
+            runner = patched_runner(mod)
+            if isinstance(runner, NativeNorm):
                 return lambda x: runner.forward(mod, x)
             member = patched_member(mod)
             if member is not None and len(member[0].modules) == 1:

@@ -421,10 +421,15 @@ def _gated(gate: _Gate, forward):
     return gated
 
 
+def _patched_inner(module: nn.Module):
+    """What the gated forward patched onto `module` runs (_gated's `inner`), or None."""
+    return getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
+
+
 def patched_runner(module: nn.Module):
     """The runner behind a small module patched under scope="all" (a NativeNorm, NativeRouter or
     NativeAttention; a single dense layer's NativeLinear), or None if it is not patched so."""
-    inner = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
+    inner = _patched_inner(module)
     if isinstance(inner, functools.partial):  # a member of a dense group (NativeLinear.forward_of)
         inner = inner.func
     return getattr(inner, "__self__", None)
@@ -432,18 +437,19 @@ def patched_runner(module: nn.Module):
 
 def patched_experts(module: nn.Module):
     """The NativeExperts behind an experts module patched with its short path (_fast_first), or None."""
-    inner = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
-    return getattr(inner, "runner", None)
+    return getattr(_patched_inner(module), "runner", None)
 
 
 def patched_member(module: nn.Module):
     """(NativeLinear, member index) of a linear patched under scope="all" (index 0 when it runs
     alone), or None if it is not patched so."""
-    inner = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "inner", None)
+    from .dense import NativeLinear
+
+    inner = _patched_inner(module)
     if isinstance(inner, functools.partial) and len(inner.args) == 1:
         return inner.func.__self__, inner.args[0]
     runner = getattr(inner, "__self__", None)
-    return (runner, 0) if runner is not None and hasattr(runner, "bounds") else None
+    return (runner, 0) if isinstance(runner, NativeLinear) else None
 
 
 def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, gate: _Gate, patched: list,
