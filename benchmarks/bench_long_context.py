@@ -12,6 +12,14 @@ cache update and the attention math). The cache kinds alternate in order per con
 is loaded once (hi_na_moe.from_pretrained from a warm store, or plain transformers with
 --weights native). StaticCache gets max_cache_len = N + --steps + 1.
 
+--ab-kv: each point runs twice on fresh caches, once with the cache's new position written in
+place (hi_na_moe.kv_cache, the default) and once through the cache's own update (torch.cat for
+a DynamicCache), in alternating order; both compute the same function.
+
+--no-attention-time: no timing hooks on the attention modules. Their hooks make the decoder
+layers step aside from their two-call path (hi_na_moe.layers) to the per-module one; without
+them the step is the one a user gets.
+
 --ab-attention (scope all): on each cache, the attention modules alternate every two steps
 between hi_na_moe's decode path (native RoPE and attention kernels) and their own forward, on
 the same growing cache (both compute the same function), and each arm gets its own row; the
@@ -40,6 +48,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ab-attention", action="store_true",
                     help="alternate native / PyTorch attention decode on the same cache (scope all)")
+    ap.add_argument("--ab-kv", action="store_true", help="in-place KV appends vs the cache's own update")
+    ap.add_argument("--no-attention-time", action="store_true", help="no hooks on the attention modules")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -60,17 +70,24 @@ def main() -> int:
     attn_time = [0.0]
     starts: list[float] = []
     for m in model.modules():
-        if type(m).__name__.endswith("Attention"):
+        if type(m).__name__.endswith("Attention") and not args.no_attention_time:
             m.register_forward_pre_hook(lambda mod, a: starts.append(time.perf_counter()))
             m.register_forward_hook(lambda mod, a, o: attn_time.__setitem__(0, attn_time[0] + time.perf_counter() - starts.pop()))
+    if args.ab_attention and args.ab_kv:
+        raise SystemExit("--ab-attention and --ab-kv are separate runs")
     arms = ["native attention", "PyTorch attention"] if args.ab_attention else [""]
     use_native = None
+    from hi_na_moe import kv_cache
+
+    if args.ab_kv:
+        arms = ["in-place KV", "torch.cat KV"]
     if args.ab_attention:
         from ab_switch import small_module_switch
 
         use_native = small_module_switch(model, "attention")
 
     def use_arm(arm: str) -> None:
+        kv_cache.IN_PLACE = arm != "torch.cat KV"
         if use_native:
             use_native(arm.startswith("native"))
 
@@ -85,33 +102,39 @@ def main() -> int:
         for ci, n in enumerate(int(c) for c in args.contexts.split(",")):
             ids = torch.randint(300, conf.vocab_size, (1, n), generator=gen)
             for kind in kinds[ci % len(kinds):] + kinds[: ci % len(kinds)]:
-                if kind == "dynamic":
-                    cache = DynamicCache(config=conf)
-                elif kind == "static":
-                    cache = StaticCache(config=conf, max_cache_len=n + len(arms) * args.steps + 1)
-                else:
-                    raise SystemExit(f"unknown cache kind {kind!r}")
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                nxt = out.logits[:, -1:].argmax(-1)
+                # --ab-kv: one fresh cache per arm, the arms' order alternating by context;
+                # otherwise one cache the arms alternate on every two steps
+                runs = ([[a] for a in (arms if ci % 2 == 0 else arms[::-1])] if args.ab_kv else [arms])
                 steps = {a: [] for a in arms}
                 attn = {a: [] for a in arms}
-                for i in range(args.steps * len(arms)):
-                    arm = arms[(i // 2) % len(arms)]
-                    use_arm(arm)
-                    attn_time[0] = 0.0
-                    t = time.perf_counter()
-                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    steps[arm].append(time.perf_counter() - t)
-                    attn[arm].append(attn_time[0])
+                for run in runs:
+                    use_arm(run[0])
+                    if kind == "dynamic":
+                        cache = DynamicCache(config=conf)
+                    elif kind == "static":
+                        cache = StaticCache(config=conf, max_cache_len=n + len(run) * args.steps + 1)
+                    else:
+                        raise SystemExit(f"unknown cache kind {kind!r}")
+                    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     nxt = out.logits[:, -1:].argmax(-1)
+                    for i in range(args.steps * len(run)):
+                        arm = run[(i // 2) % len(run)]
+                        use_arm(arm)
+                        attn_time[0] = 0.0
+                        t = time.perf_counter()
+                        out = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        steps[arm].append(time.perf_counter() - t)
+                        attn[arm].append(attn_time[0])
+                        nxt = out.logits[:, -1:].argmax(-1)
+                    del cache, out
                 use_arm(arms[0])
                 kv = 2 * conf.num_hidden_layers * kv_heads * head_dim * n * 2
                 for arm in arms:
                     med = statistics.median(steps[arm])
                     label = f"{kind}, {arm}" if arm else kind
-                    print(f"| {n} | {label} | {1e3 * med:.1f} | {1e3 * statistics.median(attn[arm]):.1f} | "
+                    at = "-" if args.no_attention_time else f"{1e3 * statistics.median(attn[arm]):.1f}"
+                    print(f"| {n} | {label} | {1e3 * med:.1f} | {at} | "
                           f"{1 / med:.2f} | {kv / 1e6:.0f} MB |", flush=True)
-                del cache, out
     return 0
 
 

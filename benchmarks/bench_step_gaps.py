@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--cache-dir", required=True, help="the store of --weights")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--no-flush", action="store_true")
+    ap.add_argument("--context", type=int, default=16, help="prompt tokens before the timed steps")
     args = ap.parse_args()
     if bool(args.ckpt) == args.tiny:
         raise SystemExit("give --ckpt or --tiny")
@@ -91,7 +92,7 @@ def main() -> int:
 
     torch_ops.call_bound = experts
     probe = _native.BandwidthProbe(1 << 30, 2)
-    ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     spans: dict[str, list[float]] = collections.defaultdict(list)
     steps = []
     with torch.inference_mode():
@@ -115,7 +116,7 @@ def main() -> int:
             for k, v in per.items():
                 spans[k].append(v)
     print(f"{'tiny' if args.tiny else args.ckpt}, {args.weights}, {len(layers)} layers, "
-          f"{'no eviction' if args.no_flush else '256 MB read after each step'}: "
+          f"{'no eviction' if args.no_flush else '256 MB read after each step'}, {args.context}-token prompt: "
           f"step {1e3 * statistics.median(steps):.2f} ms (median of {len(steps)})")
     print("| span | ms per step (median) |")
     print("|---|---|")

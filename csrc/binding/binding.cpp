@@ -937,19 +937,20 @@ NB_MODULE(_native, m) {
         [](int dtype, int64_t B, int64_t H, uintptr_t x, uintptr_t ln1_w, float ln1_eps, const BoundForward& qkv,
            int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
            uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
-           uintptr_t q, uintptr_t k, uintptr_t v, int num_threads) {
+           uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads) {
           hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
                                reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
                                qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
                                qn_eps, kn_eps, reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
                                cos_bstride, reinterpret_cast<void*>(h), reinterpret_cast<void*>(qkv_out),
                                reinterpret_cast<void*>(qk_tmp), reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
-                               reinterpret_cast<void*>(v)};
+                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride};
           nb::gil_scoped_release release;
           hina::layer_decode_pre(a, num_threads);
         },
         "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
-        "qkv: the BoundForward of an up-only block), for hi_na_moe.layers, which checked the tensors. Wrong "
+        "qkv: the BoundForward of an up-only block; kv_bstride/kv_hstride: the elements between k's and v's batch rows "
+        "and heads), for hi_na_moe.layers, which checked the tensors. Wrong "
         "addresses crash.");
   m.def("layer_decode_post_raw",
         [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kv_cache
 from .dense import _DTYPE_CODES, _matches
 
 # tier -> (the vector build of the attention kernel it runs, the most cached positions it takes;
@@ -134,7 +135,7 @@ class NativeAttention:
         rope(k.data_ptr(), B, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code)
         keys, values = kr.unsqueeze(2), v.unsqueeze(2)  # [B, Hkv, 1, D]
         if cache is not None:
-            keys, values = cache.update(keys, values, m.layer_idx)
+            keys, values = kv_cache.append(cache, m.layer_idx, keys, values)
         out = torch.empty(B, 1, self.Hq * self.D, dtype=self.dtype)
         if self.kernel_fits(keys, values, mask, B):
             ks, vs = keys.stride(), values.stride()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import kv_cache
 from .dense import _DTYPE_CODES, NORM_MAX_ROWS, NativeNorm, _matches
 from .routers import ROUTER_MAX_ROWS
 
@@ -295,13 +296,24 @@ class NativeLayer:
         attn_p = tmp_p + B * (nq + nkv) * es
         o_p = attn_p + B * nq * es
         qr = torch.empty(B, Hq, D, dtype=dt)
-        k, v = torch.empty(B, Hkv, 1, D, dtype=dt), torch.empty(B, Hkv, 1, D, dtype=dt)
+        # k and v go straight into the cache's buffers when it can grow in place (kv_cache)
+        slot = None if cache is None else kv_cache.slot(cache, self.attn_mod.layer_idx, B, Hkv, D, dt)
+        if slot is None:
+            k, v = torch.empty(B, Hkv, 1, D, dtype=dt), torch.empty(B, Hkv, 1, D, dtype=dt)
+            k_p, v_p, kv_bs, kv_hs = k.data_ptr(), v.data_ptr(), nkv, D
+        else:
+            off = slot.offset()
+            k_p, v_p = slot.k.data_ptr() + off, slot.v.data_ptr() + off
+            kv_bs, kv_hs = slot.strides()
         self.native.layer_decode_pre_raw(
             code, B, H, x.data_ptr(), w1.data_ptr(), self.norm1.eps, qkv.bound, Hq, Hkv, D, qk,
             0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
             0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
-            D if cos.numel() == B * D else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k.data_ptr(), v.data_ptr(), threads)
-        keys, values = (k, v) if cache is None else cache.update(k, v, self.attn_mod.layer_idx)
+            D if cos.numel() == B * D else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs, threads)
+        if slot is not None:
+            keys, values = kv_cache.commit(slot)
+        else:
+            keys, values = (k, v) if cache is None else cache.update(k, v, self.attn_mod.layer_idx)
         m = self.attn_mod
         if at.kernel_fits(keys, values, mask, B):
             ks, vs = keys.stride(), values.stride()

@@ -312,7 +312,10 @@ void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa);
 // A pre-norm decoder layer's decode step before the KV-cache update (csrc/moe/layer_step.cpp):
 // h = rms_norm(x); [q | k | v] = qkv.linear(h); q and k through their RMSNorms (qk_norm 1: over
 // the whole projection, 2: per head, 0: none); q, k rotated (rope_rotate_half); v copied. Every
-// buffer C-contiguous in dtype, none overlapping another.
+// buffer C-contiguous in dtype, none overlapping another, except k and v: head h of row b goes
+// to k + (b * kv_bstride + h * kv_hstride) elements (likewise v), so they can be one position
+// of a KV cache laid out [B, Hkv, capacity, D] (hi_na_moe.kv_cache); kv_hstride = D and
+// kv_bstride = Hkv D is the contiguous [B, Hkv, D].
 struct LayerPreArgs {
   DType dtype;
   int64_t B, H;  // rows (one new token each), hidden size
@@ -333,8 +336,9 @@ struct LayerPreArgs {
   void* qkv_out;  // scratch [B, (Hq + 2 Hkv) D]
   void* qk_tmp;   // scratch [B, (Hq + Hkv) D]
   void* q;        // out [B, Hq, D]
-  void* k;        // out [B, Hkv, D]
-  void* v;        // out [B, Hkv, D]
+  void* k;        // out [B, Hkv, D] at the strides below
+  void* v;        // out [B, Hkv, D] at the strides below
+  int64_t kv_bstride, kv_hstride;  // elements
 };
 void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 

@@ -1,0 +1,133 @@
+"""Decode-step appends to transformers' DynamicCache written in place.
+
+`DynamicLayer.update` grows a layer's keys and values with `torch.cat`, so every decode step
+copies the layer's whole cache: a read and a write of 2 x B x kv_heads x T x head_dim values.
+At 4096 tokens of context that copy costs more than the attention that reads the cache once
+(benchmarks/RESULTS.md, "Decode at 512-4096 tokens of context"). On hi_na_moe's decode paths
+(hi_na_moe.attention, hi_na_moe.layers) a layer's keys and values instead become views of
+buffers with room to grow: the new position is written in place and the layer's `keys` and
+`values` are set to views one position longer.
+
+What the cache holds is what `DynamicLayer.update` would hold, bit for bit, and the layer stays
+the DynamicLayer it was; only the strides of its tensors differ (views of longer buffers). The
+room to grow is max(256, T / 8) positions beyond the T cached when the buffers are (re)made.
+
+When it applies: a cache whose type is DynamicCache exactly, not offloading, whose layer
+`layer_idx` is a DynamicLayer exactly and already holds at least one position (the prompt), with
+keys and values of the expected [B, kv_heads, T, head_dim] shape and dtype on the CPU, and with
+`Cache.update` and `DynamicLayer.update` the functions transformers ships (not replaced on the
+classes or the objects). Anything else goes through the cache's own `update`.
+
+Nothing already handed out is overwritten: a position is written in place only while the
+layer's keys and values are the very views this module set last (their length is then the
+buffers' high-water mark, so every earlier view ends before it). After anything else replaced
+them (`crop`, a beam reorder, the cache's own `update`, `reset`) the next append copies them
+into new buffers.
+
+`kv_cache.IN_PLACE = False` sends every append through the cache's own update again (for A/B
+benchmarks, or for code that needs the cache's tensors contiguous).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["Slot", "slot", "commit", "append"]
+
+
+class Slot:
+    """A layer's buffers k and v [B, heads, cap, D], the views of their first t positions the
+    layer holds (kview, vview), and t, the position the next append writes."""
+
+    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form")
+
+    def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int):
+        self.layer, self.k, self.v, self.t, self.cap = layer, k, v, t, k.shape[2]
+        self.form = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
+        self.kview = self.vview = None
+
+    def strides(self) -> tuple[int, int]:
+        """Elements between batch rows and between heads of k and v."""
+        s = self.k.stride()
+        return s[0], s[1]
+
+    def offset(self) -> int:
+        """Bytes from k's (and v's) start to position t of row 0, head 0."""
+        return self.t * self.k.stride(2) * self.k.element_size()
+
+
+IN_PLACE = True
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DynamicLayer -> Slot
+_SHIPPED: tuple | None = None
+
+
+def _shipped() -> tuple:
+    global _SHIPPED
+    if _SHIPPED is None:
+        from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+        _SHIPPED = (DynamicCache, DynamicLayer, Cache.update, DynamicLayer.update)
+    return _SHIPPED
+
+
+def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> Slot | None:
+    """Where to write the next position of layer `layer_idx` of `cache` in place (then call
+    commit), or None: the cache's own update must run (module docstring)."""
+    dc, dl, cache_update, layer_update = _shipped()
+    if (not IN_PLACE or type(cache) is not dc or dc.update is not cache_update or dl.update is not layer_update
+            or cache.offloading or "update" in cache.__dict__):
+        return None
+    layers = cache.layers
+    if not 0 <= layer_idx < len(layers):
+        return None
+    layer = layers[layer_idx]
+    if type(layer) is not dl or not layer.is_initialized or "update" in layer.__dict__:
+        return None
+    keys, values = layer.keys, layer.values
+    s = _SLOTS.get(layer)
+    if (s is not None and keys is s.kview and values is s.vview and s.t < s.cap
+            and s.form == (B, heads, D, dtype)):
+        if not s.k.is_inference() or torch.is_inference_mode_enabled():
+            return s
+    if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or keys.dim() != 4
+            or keys.shape[0] != B or keys.shape[1] != heads or keys.shape[3] != D or keys.shape[2] == 0
+            or values.shape != keys.shape or keys.dtype is not dtype or values.dtype is not dtype
+            or not keys.is_cpu or not values.is_cpu or keys.requires_grad or values.requires_grad):
+        return None
+    T = keys.shape[2]
+    cap = T + max(256, T // 8)
+    k = torch.empty(B, heads, cap, D, dtype=dtype)
+    v = torch.empty(B, heads, cap, D, dtype=dtype)
+    k[:, :, :T].copy_(keys)
+    v[:, :, :T].copy_(values)
+    s = Slot(layer, k, v, T)
+    # the layer holds views of the new buffers from here on: were the caller to fail before
+    # commit, the layer still holds its T positions
+    s.kview, s.vview = k[:, :, :T], v[:, :, :T]
+    layer.keys, layer.values = s.kview, s.vview
+    _SLOTS[layer] = s
+    return s
+
+
+def commit(s: Slot) -> tuple[torch.Tensor, torch.Tensor]:
+    """After position s.t of s.k and s.v was written: the layer's keys and values one position
+    longer, returned as the cache's update returns them."""
+    t = s.t + 1
+    s.kview, s.vview = s.k[:, :, :t], s.v[:, :, :t]
+    s.t = t
+    layer = s.layer
+    layer.keys, layer.values = s.kview, s.vview
+    return s.kview, s.vview
+
+
+def append(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cache.update(k, v, layer_idx) for one new position (k, v [B, heads, 1, D]), in place when
+    slot() allows it."""
+    B, heads, n, D = k.shape
+    s = slot(cache, layer_idx, B, heads, D, k.dtype) if n == 1 and v.shape == k.shape and v.dtype is k.dtype else None
+    if s is None:
+        return cache.update(k, v, layer_idx)
+    s.k[:, :, s.t:s.t + 1].copy_(k)
+    s.v[:, :, s.t:s.t + 1].copy_(v)
+    return commit(s)

@@ -1,0 +1,176 @@
+"""hi_na_moe.kv_cache: decode appends to a DynamicCache written in place hold what the cache's
+own update (torch.cat) holds, bit for bit, past the buffers' room to grow; views handed out are
+never overwritten; every other cache, layer or mode goes through the cache's own update; and a
+whole model decodes to the same logits both ways (on the layers' two native calls and on the
+per-module attention path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import olmoe
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+import hi_na_moe
+from hi_na_moe import dense, kv_cache
+from hi_na_moe.hardware import native_kernels_available
+
+
+def _kv(gen, B=2, heads=3, T=1, D=8, dtype=torch.bfloat16):
+    return (torch.randn(B, heads, T, D, generator=gen).to(dtype), torch.randn(B, heads, T, D, generator=gen).to(dtype))
+
+
+def _caches(gen, T=5, dtype=torch.bfloat16, layers=2):
+    """Two DynamicCaches holding the same T-position prompt in every layer."""
+    a, b = DynamicCache(), DynamicCache()
+    for i in range(layers):
+        k, v = _kv(gen, T=T, dtype=dtype)
+        a.update(k, v, i)
+        b.update(k.clone(), v.clone(), i)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_appends_in_place_hold_what_the_caches_own_update_holds(dtype):
+    gen = torch.Generator().manual_seed(0)
+    ours, ref = _caches(gen, dtype=dtype)
+    buffers = set()
+    for step in range(300):  # past the first buffers' room (5 + 256 positions)
+        for i in range(2):
+            k, v = _kv(gen, dtype=dtype)
+            got = kv_cache.append(ours, i, k, v)
+            want = ref.update(k, v, i)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            layer = ours.layers[i]
+            assert got[0] is layer.keys and got[1] is layer.values and type(layer) is DynamicLayer
+            buffers.add(layer.keys.untyped_storage().data_ptr())
+        assert ours.get_seq_length() == ref.get_seq_length() == 5 + step + 1
+    assert len(buffers) == 4  # two layers, each one buffer and one regrowth: written in place between
+
+
+def test_views_handed_out_are_never_overwritten():
+    gen = torch.Generator().manual_seed(1)
+    ours, ref = _caches(gen, layers=1)
+    held = []
+    for step in range(6):
+        k, v = _kv(gen)
+        keys, values = kv_cache.append(ours, 0, k, v)
+        ref.update(k, v, 0)
+        held.append((keys, keys.clone(), values, values.clone()))
+        if step == 2:  # a crop hands the layer shorter views: the next append copies to new buffers
+            ours.crop(-2)
+            ref.crop(-2)
+    for keys, k0, values, v0 in held:
+        assert torch.equal(keys, k0) and torch.equal(values, v0)
+    assert torch.equal(ours.layers[0].keys, ref.layers[0].keys)
+    assert torch.equal(ours.layers[0].values, ref.layers[0].values)
+
+
+def _count_updates(monkeypatch):
+    calls = []
+    orig = DynamicLayer.update
+    monkeypatch.setattr(DynamicLayer, "update", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    return calls
+
+
+def test_other_caches_layers_and_modes_go_through_the_caches_own_update(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+
+    class MyCache(DynamicCache):
+        pass
+
+    def appended_by_update(cache, i=0, **kw):
+        k, v = _kv(gen, **kw)
+        before = cache.layers[i].keys if i < len(cache.layers) and cache.layers[i].is_initialized else None
+        keys, _ = kv_cache.append(cache, i, k, v)
+        # the cache's own update concatenates into a new contiguous tensor
+        return keys.is_contiguous() and (before is None or keys.untyped_storage().data_ptr() != before.untyped_storage().data_ptr())
+
+    sub = MyCache()
+    sub.update(*_kv(gen, T=4), 0)
+    assert appended_by_update(sub)
+    inst = DynamicCache()
+    inst.update(*_kv(gen, T=4), 0)
+    inst.update = lambda *a, _u=inst.update, **k: _u(*a, **k)  # replaced on the object
+    assert appended_by_update(inst)
+    sliding = DynamicCache()
+    sliding.layers = [DynamicSlidingWindowLayer(sliding_window=64)]
+    sliding.update(*_kv(gen, T=4), 0)
+    assert appended_by_update(sliding)
+    empty = DynamicCache()  # no prompt yet: the first update initialises the layer
+    assert appended_by_update(empty)
+    shape = DynamicCache()
+    shape.update(*_kv(gen, T=4), 0)
+    assert kv_cache.slot(shape, 0, 2, 5, 8, torch.bfloat16) is None  # another head count than the cached one
+    assert kv_cache.slot(shape, 0, 2, 3, 8, torch.float32) is None  # another dtype
+    assert kv_cache.slot(shape, 1, 2, 3, 8, torch.bfloat16) is None  # no such layer
+    assert kv_cache.slot(shape, 0, 2, 3, 8, torch.bfloat16) is not None
+    monkeypatch.setattr(kv_cache, "IN_PLACE", False)
+    off = DynamicCache()
+    off.update(*_kv(gen, T=4), 0)
+    assert appended_by_update(off) and appended_by_update(off)
+    monkeypatch.setattr(kv_cache, "IN_PLACE", True)
+    calls = _count_updates(monkeypatch)  # DynamicLayer.update replaced on the class
+    patched = DynamicCache()
+    patched.update(*_kv(gen, T=4), 0)
+    calls.clear()
+    kv_cache.append(patched, 0, *_kv(gen))
+    assert calls == [1]
+
+
+def test_buffers_made_in_inference_mode_are_replaced_outside_it():
+    gen = torch.Generator().manual_seed(3)
+    ours, ref = _caches(gen, layers=1)
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            for _ in range(3):
+                k, v = _kv(gen)
+                kv_cache.append(ours, 0, k, v)
+                ref.update(k, v, 0)
+    assert torch.equal(ours.layers[0].keys, ref.layers[0].keys)
+    assert torch.equal(ours.layers[0].values, ref.layers[0].values)
+
+
+def _decode(model, ids, steps):
+    cache = DynamicCache(config=model.config)
+    logits = []
+    with torch.inference_mode():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    return logits, cache
+
+
+@pytest.mark.skipif(not native_kernels_available(), reason="the decode paths run on the native kernels")
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("path", ["two-native-calls", "per-module-attention"])
+def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(path, rows, monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)  # the tiny projections packed: the layers' two native calls
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    hi_na_moe.enable_for_model(model, scope="all")
+    hooks = []
+    try:
+        if path == "per-module-attention":  # a hook on the attention: the layers step aside to calling it
+            hooks = [layer.self_attn.register_forward_hook(lambda *a: None) for layer in model.model.layers]
+        appends, direct = [], []
+        commit, offset = kv_cache.commit, kv_cache.Slot.offset
+        monkeypatch.setattr(kv_cache, "commit", lambda s: appends.append(1) or commit(s))
+        # the layers' first native call writes k and v at the slot's offset; append() copies them
+        monkeypatch.setattr(kv_cache.Slot, "offset", lambda s: direct.append(1) or offset(s))
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3]][:rows])
+        got, c_got = _decode(model, ids, 264)  # past the buffers' room (7 + 256)
+        assert len(appends) == 264 * 2
+        assert len(direct) == (264 * 2 if path == "two-native-calls" else 0)
+        monkeypatch.setattr(kv_cache, "IN_PLACE", False)
+        want, c_want = _decode(model, ids, 264)
+        assert len(appends) == 264 * 2
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for lg, lw in zip(c_got.layers, c_want.layers):
+            assert torch.equal(lg.keys, lw.keys) and torch.equal(lg.values, lw.values)
+            assert not lg.keys.is_contiguous() and lw.keys.is_contiguous()
+    finally:
+        for h in hooks:
+            h.remove()
+        hi_na_moe.disable_for_model(model)
