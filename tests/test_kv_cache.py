@@ -174,3 +174,27 @@ def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(pa
         for h in hooks:
             h.remove()
         hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.skipif(not native_kernels_available(), reason="the decode paths run on the native kernels")
+def test_beam_search_reorders_a_grown_cache_as_the_caches_own_update_does(monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        commits = []
+        commit = kv_cache.commit
+        monkeypatch.setattr(kv_cache, "commit", lambda s: commits.append(1) or commit(s))
+        with torch.inference_mode():
+            got = model.generate(ids, **kw)
+        assert commits  # the beams' decode steps appended in place
+        monkeypatch.setattr(kv_cache, "IN_PLACE", False)
+        with torch.inference_mode():
+            want = model.generate(ids, **kw)
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(g, w) for g, w in zip(got.scores, want.scores))
