@@ -582,8 +582,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scope", choices=("experts", "all"), default=None,
                    help="'all' also runs the dense linear layers on the kernels (default: the config's, 'experts')")
     p.add_argument("--kv-cache", choices=("dynamic", "static"), default="dynamic",
-                   help="transformers' KV cache for generate: dynamic (its default) or static (preallocated; "
-                        "much faster at long --seq-len, see README 'Performance')")
+                   help="transformers' KV cache for generate: dynamic (its default) or static (preallocated). "
+                        "With a dynamic cache the hina arm under --scope all writes each new position in place; "
+                        "the native arm, and the hina arm under --scope experts, copy the whole cache at every "
+                        "step, which a static one avoids at long --seq-len (README 'Performance')")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--json-file", help="also write the full results, raw samples included, here")
     p.set_defaults(func=cmd_bench)

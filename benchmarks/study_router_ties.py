@@ -1,0 +1,70 @@
+"""How often would routing computed outside PyTorch (a float32 softmax with another exp and
+summation order, a top-k breaking ties by the lower index) differ from PyTorch's on a trained
+model? An input for the choice of whether hi_na_moe may run the routers' softmax/top-k natively,
+which would not reproduce PyTorch's bits (hi_na_moe.layers keeps them in PyTorch today).
+
+The shipped model (models/hina-tiny-moe, 8 experts, top-2) on the first --tokens tokens of
+data/heldout.txt, in 512-token chunks, at float32 and bfloat16; every MoE layer's router logits
+(forward hooks on `mlp.gate`). PyTorch: torch.softmax then torch.topk on the float32 logits. The
+other: numpy's exp and sum in float32, a stable sort by descending probability. Counted per router
+row: the selected set differs; the order of the selected experts differs (the same set, so the
+same output up to the order of the sum); the selected weights differ in float32 (largest
+difference in float32 ulps); and differ still after rounding to bfloat16 (as routers that cast
+their weights to the hidden dtype do).
+
+    python benchmarks/study_router_ties.py
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    args = ap.parse_args()
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = ROOT / "models" / "hina-tiny-moe"
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok((ROOT / "data" / "heldout.txt").read_text(), return_tensors="pt").input_ids[:, : args.tokens]
+    print("| model dtype | router rows | selection differs | order differs | weights differ (fp32) | max ulps | weights differ after bf16 rounding |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        logits = []
+        for name, mod in model.named_modules():
+            if name.endswith("mlp.gate"):
+                mod.register_forward_hook(lambda m, i, o: logits.append(o[0] if isinstance(o, tuple) else o))
+        with torch.inference_mode():
+            for s in range(0, ids.shape[1], 512):
+                model(ids[:, s:s + 512])
+        L = torch.cat([t.reshape(-1, t.shape[-1]) for t in logits]).float()
+        k = model.config.num_experts_per_tok
+        tw, ti = torch.topk(torch.softmax(L, dim=-1), k, dim=-1)
+        tw, ti = tw.numpy(), ti.numpy()
+        x = L.numpy()
+        e = np.exp(x - x.max(-1, keepdims=True)).astype(np.float32)
+        q = (e / e.sum(-1, dtype=np.float32, keepdims=True)).astype(np.float32)
+        qi = np.argsort(-q, kind="stable", axis=-1)[:, :k]
+        qw = np.take_along_axis(q, qi, -1)
+        sel = (np.sort(qi, -1) != np.sort(ti, -1)).any(-1)
+        order = (qi != ti).any(-1) & ~sel
+        same = ~(sel | order)
+        diff = np.abs(qw[same] - tw[same])
+        ulps = (diff / np.spacing(tw[same])).max()
+        bf = (torch.from_numpy(qw[same]).bfloat16() != torch.from_numpy(tw[same]).bfloat16()).any(-1)
+        n = len(x)
+        pct = lambda c: f"{int(c)} ({100 * c / n:.3f} %)"  # noqa: E731
+        print(f"| {str(dtype).split('.')[-1]} | {n} | {pct(sel.sum())} | {pct(order.sum())} | "
+              f"{pct((diff > 0).any(-1).sum())} | {ulps:.0f} | {pct(bf.sum().item())} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
