@@ -22,7 +22,8 @@ in-process A/B: the machine's drift hits both alike). --ab-routers: the same for
 attention modules (decode steps on the native rotary and attention kernels, or their own forward);
 --ab-layers: the decoder layers (hi_na_moe.layers' short path, or their own forward on the
 patched modules), whole-step times only (hooks on the parts would send every call to the
-layers' own forward).
+layers' own forward); --ab-stacks: the decoder stack (hi_na_moe.stack's loop over the layers'
+short paths, or its own forward calling each layer), whole-step times only likewise.
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -75,6 +76,8 @@ def main() -> int:
     ap.add_argument("--ab-attention", action="store_true", help="alternate native / PyTorch attention decode (scope all)")
     ap.add_argument("--ab-layers", action="store_true",
                     help="alternate the decoder layers' short path / their own forward (scope all; step times only)")
+    ap.add_argument("--ab-stacks", action="store_true",
+                    help="alternate the decoder stack's loop / its own forward (scope all; step times only)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -113,22 +116,23 @@ def main() -> int:
             stack[-1][2] += total
 
     kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
-                             ("attention", args.ab_attention), ("layers", args.ab_layers)) if on]
+                             ("attention", args.ab_attention), ("layers", args.ab_layers),
+                             ("stacks", args.ab_stacks)) if on]
     if len(kinds) > 1:
-        raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers: one A/B at a time")
+        raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks: one A/B at a time")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
     # the layers' short path skips the modules' calls, and takes their own forward while any of
-    # them has a hook: --ab-layers times whole steps only
-    for name, m in model.named_modules() if kind != "layers" else ():
+    # them has a hook: --ab-layers (and --ab-stacks) time whole steps only
+    for name, m in model.named_modules() if kind not in ("layers", "stacks") else ():
         part = classify(name, m)
         if part:
             m.register_forward_pre_hook(pre(part))
             m.register_forward_hook(post)
             counted[part] += 1
 
-    arms = [f"native {kind}", ("own-forward " if kind == "layers" else "PyTorch ") + kind] if kind else [""]
+    arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else "PyTorch ") + kind] if kind else [""]
     use_native = None
     if kind:
         if args.scope != "all":

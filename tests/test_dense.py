@@ -206,20 +206,21 @@ def test_inspect_model_plans_the_dense_layers_without_packing():
                [(d.name, d.weights, d.kernel, d.packed_bytes, d.group) for d in enabled.dense]
         assert rep.dense[0].group == "model.layers.0.self_attn.q_proj+k_proj+v_proj"
         # the small modules it names are the candidates enable probed (all of them match here)
-        assert (rep.norms, rep.routers, rep.attention, rep.layers) == (
-            enabled.norms, enabled.routers, enabled.attention, enabled.layers)
+        assert (rep.norms, rep.routers, rep.attention, rep.layers, rep.stacks) == (
+            enabled.norms, enabled.routers, enabled.attention, enabled.layers, enabled.stacks)
         assert len(rep.norms) == 9 and len(rep.routers) == 2 and len(rep.attention) == 2 and len(rep.layers) == 2
+        assert rep.stacks == ["model"]
     finally:
         hi_na_moe.disable_for_model(model)
     assert "would run on native kernels" in str(rep)
     assert ("would probe at enable and run natively where their form matches: 9 RMSNorm, 2 router(s), 2 attention "
-            "module(s), 2 decoder layer(s)") in str(rep)
+            "module(s), 2 decoder layer(s), 1 decoder stack(s)") in str(rep)
     with torch.device("meta"):  # planned from shapes alone
         meta = OlmoeForCausalLM(model.config)
     planned = hi_na_moe.inspect_model(meta, scope="all")
     assert len(planned.dense) == len(rep.dense)
-    assert (planned.norms, planned.routers, planned.attention, planned.layers) == (
-        rep.norms, rep.routers, rep.attention, rep.layers)
+    assert (planned.norms, planned.routers, planned.attention, planned.layers, planned.stacks) == (
+        rep.norms, rep.routers, rep.attention, rep.layers, rep.stacks)
 
 
 def test_scope_all_with_the_reference_backend_says_it_does_nothing():

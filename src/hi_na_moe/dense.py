@@ -432,7 +432,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
     """Pack and patch the linears of scope="all", then the RMSNorms, the routers and the attention
     modules, then the decoder layers (hi_na_moe.layers); returns ([(module, runner, old forward)],
     linear reports, {"norms": (names patched, names whose probe did not match), "routers",
-    "attention", "layers": (the same)}). On an error, what was patched is undone before it
+    "attention", "layers", "stacks": (the same)}). On an error, what was patched is undone before it
     propagates."""
     from tqdm.auto import tqdm
 
@@ -485,6 +485,12 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
         more, names, differ = patch_probed(find_layers(model, cfg.dense_exclude), NativeLayer, gate, gated)
         done += more
         small["layers"] = (names, sorted(differ))
+        # and after them: a stack's loop calls the layers' short paths
+        from .stack import NativeStack, find_stacks
+
+        more, names, differ = patch_probed(find_stacks(model, cfg.dense_exclude), NativeStack, gate, gated)
+        done += more
+        small["stacks"] = (names, sorted(differ))
     except BaseException:
         unpatch(done)
         raise

@@ -83,6 +83,17 @@ def _idle_capture_hooks(module: nn.Module) -> bool:
     return not collector.get()
 
 
+def observing() -> bool:
+    """Whether something process-wide would see modules skipped: a global module hook, a
+    dispatch or function mode, torch.compile tracing."""
+    if (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+            or torch.compiler.is_compiling()):
+        return True
+    from .torch_ops import _function_mode_on, _len_dispatch_modes
+
+    return bool(_len_dispatch_modes() or _function_mode_on())
+
+
 class NativeLayer:
     """One decoder layer whose decode calls take the short path of the module docstring."""
 
@@ -220,13 +231,10 @@ class NativeLayer:
 
     def _observed(self) -> bool:
         """Whether something would see the skipped modules' calls (module docstring)."""
-        if (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-                or torch.compiler.is_compiling()):
-            return True
-        from .torch_ops import _function_mode_on, _len_dispatch_modes
+        return observing() or self.parts_observed()
 
-        if _len_dispatch_modes() or _function_mode_on():
-            return True
+    def parts_observed(self) -> bool:
+        """Whether a hook, a replaced forward or a replaced part would see the skipped modules."""
         for modules, name, child in self.links:
             if modules.get(name) is not child:
                 return True

@@ -235,6 +235,10 @@ class EnableReport:
     # and the candidates that did not (a part left to PyTorch, or the probe differed)
     layers: list = field(default_factory=list)
     layers_differ: list = field(default_factory=list)
+    # scope="all": the decoder stacks whose decode calls loop over those layers' short paths
+    # (hi_na_moe.stack), and the candidates whose probe differed
+    stacks: list = field(default_factory=list)
+    stacks_differ: list = field(default_factory=list)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -259,6 +263,7 @@ class EnableReport:
             "routers": list(self.routers), "routers_differ": list(self.routers_differ),
             "attention": list(self.attention), "attention_differ": list(self.attention_differ),
             "layers": list(self.layers), "layers_differ": list(self.layers_differ),
+            "stacks": list(self.stacks), "stacks_differ": list(self.stacks_differ),
             "attention_math": self.attention_math,
         }
 
@@ -309,7 +314,7 @@ class EnableReport:
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
             lines.append(f"  small modules scope='all' would probe at enable and run natively where their form "
                          f"matches: {len(self.norms)} RMSNorm, {len(self.routers)} router(s), {len(self.attention)} "
-                         f"attention module(s), {len(self.layers)} decoder layer(s){left}")
+                         f"attention module(s), {len(self.layers)} decoder layer(s), {len(self.stacks)} decoder stack(s){left}")
         elif self.norms or self.norms_differ:
             left = (f"; {len(self.norms_differ)} left to PyTorch (they compute something else, e.g. "
                     f"{self.norms_differ[0]})" if self.norms_differ else "")
@@ -328,6 +333,13 @@ class EnableReport:
             left = (f"; {len(self.layers_differ)} take their own forward (a part left to PyTorch, or their probe "
                     f"differed, e.g. {self.layers_differ[0]})" if self.layers_differ else "")
             lines.append(f"  decoder layers with decode steps in few native calls: {len(self.layers)}{left}")
+        if not self.dry_run and (self.stacks or self.stacks_differ):
+            left = (f"; {len(self.stacks_differ)} take their own forward (sliding-window attention, or their "
+                    f"probe differed, e.g. "
+                    f"{self.stacks_differ[0]!r})" if self.stacks_differ else "")
+            names = ", ".join(repr(n) for n in self.stacks)
+            lines.append(f"  decoder stacks with decode steps as one loop over those layers: {len(self.stacks)}"
+                         f"{' (' + names + ')' if names else ''}{left}")
         return "\n".join(lines)
 
 
@@ -536,6 +548,9 @@ def inspect_model(
         from .layers import find_layers
 
         report.layers = [n for n, _ in find_layers(model, cfg.dense_exclude)]
+        from .stack import find_stacks
+
+        report.stacks = [n for n, _ in find_stacks(model, cfg.dense_exclude, candidates=set(report.layers))]
     return report
 
 
@@ -604,6 +619,7 @@ def enable_for_model(
                 report.routers, report.routers_differ = small["routers"]
                 report.attention, report.attention_differ = small["attention"]
                 report.layers, report.layers_differ = small["layers"]
+                report.stacks, report.stacks_differ = small["stacks"]
                 if report.attention:
                     from .attention import math_kernel
 

@@ -1,0 +1,212 @@
+"""scope="all": a decoder stack's decode step as one loop over its layers' short paths.
+
+A decoder layer on its short path (hi_na_moe.layers) still costs a decode step one module call,
+one round of hook and mode checks and one parse of its keyword arguments, and the model's forward
+around the layers a mask, output capture and argument handling, all between the weight streams
+where each Python frame runs several times slower than hot (benchmarks/study_model_loop.py
+measured 3-6 % of an int4 OLMoE step for all of it).
+
+Which stacks: a module whose children are exactly embed_tokens, rotary_emb, layers and norm (the
+*Model under a *ForCausalLM of OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE, ...), every layer patched as
+a hi_na_moe.layers.NativeLayer by this enable, with no sliding window in its config (sliding_window
+unset or 0, every layer_types entry "full_attention"): a window's mask is not empty at long
+context, which no short probe would show. Its decode call then runs: the embedding, the
+rotary module and the final norm called as modules (their hooks run), and each layer's short path
+called straight, in order.
+
+A decode call is a forward with input_ids of one token per row (at most 16 rows), a DynamicCache
+already holding positions, use_cache, no attention mask or one that keeps every position, at most
+position_ids and transformers' falsy output flags; anything else, or anything that would observe
+a skipped layer call (a hook on a layer or a part it skips, transformers' output-capturing hooks
+while they capture, a global hook, a mode, compile tracing, a layer replaced or its forward
+replaced, a layer in training mode), runs the stack's own forward.
+
+What it computes is checked before it is patched: from a cache the stack's own forward filled
+with a prompt, one decode step of the own forward and one of this loop, each on its own copy of
+the cache, must give an output of the same type with the same fields, the same last hidden state
+and the same cache, bit for bit; with no mask, with a mask of ones, and with position_ids.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .dense import NORM_MAX_ROWS, _matches
+from .layers import NativeLayer, _idle_capture_hooks, observing
+
+_CHILDREN = frozenset(("embed_tokens", "rotary_emb", "layers", "norm"))
+_KWARGS = frozenset(("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache",
+                     "output_router_logits", "output_hidden_states", "output_attentions"))
+_FLAGS = ("output_router_logits", "output_hidden_states", "output_attentions")
+
+
+def find_stacks(model: nn.Module, exclude: str, candidates: set[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the decoder stacks of the module docstring's shape whose layers are all
+    patched NativeLayers (so: after hi_na_moe.layers patched them); with `candidates` (for
+    inspect_model, nothing patched): whose layers' names are all in it."""
+    from .patching import patched_runner
+
+    found = []
+    for name, m in model.named_modules():
+        layers = m._modules.get("layers")
+        if not (isinstance(layers, nn.ModuleList) and len(layers) and set(m._modules) == _CHILDREN
+                and not _matches(name, exclude)):
+            continue
+        if candidates is None:
+            ok = all(isinstance(patched_runner(layer), NativeLayer) for layer in layers)
+        else:
+            prefix = f"{name}.layers." if name else "layers."
+            ok = all(f"{prefix}{i}" in candidates for i in range(len(layers)))
+        if ok:
+            found.append((name, m))
+    return found
+
+
+class NativeStack:
+    """One decoder stack whose decode calls run its layers' short paths in one loop."""
+
+    weights = "lossless"
+
+    def __init__(self, name: str, module: nn.Module, original_forward):
+        self.name, self.module = name, module
+        self.original = original_forward
+        self.ready = False
+
+    def restore(self) -> None:  # nothing of the module was touched but its forward
+        pass
+
+    # -- the probe ----------------------------------------------------------------------------
+    def matches(self) -> bool:
+        from .patching import patched_runner
+
+        m = self.module
+        cfg = getattr(m, "config", None)
+        layers = tuple(m.layers)
+        if (cfg is None or getattr(cfg, "sliding_window", None)  # None or 0: no window
+                or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
+                or getattr(cfg, "num_hidden_layers", None) != len(layers)):
+            return False
+        runners = tuple(patched_runner(layer) for layer in layers)
+        if not all(isinstance(r, NativeLayer) and r.ready for r in runners):
+            return False
+        dtypes = {r.attn.dtype for r in runners}
+        emb = m.embed_tokens
+        if len(dtypes) != 1 or getattr(emb, "weight", None) is None or emb.weight.dtype not in dtypes:
+            return False
+        self.runners, self.layers, self.layer_list = runners, layers, m.layers
+        self.forwards = tuple(layer.__dict__.get("forward") for layer in layers)
+        self.config = cfg
+        self.out_type = None
+        return self._probe()
+
+    def _probe(self) -> bool:
+        from transformers import DynamicCache
+
+        m = self.module
+        gen = torch.Generator().manual_seed(11)
+        B, T = 2, 3
+        vocab = m.embed_tokens.weight.shape[0]
+        ids = torch.randint(vocab, (B, T), generator=gen)
+        nxt = torch.randint(vocab, (B, 1), generator=gen)
+        variants = ({}, {"attention_mask": torch.ones(B, T + 1, dtype=torch.long)},
+                    {"position_ids": torch.full((B, 1), T, dtype=torch.long)})
+        try:
+            with torch.no_grad():
+                prompt = DynamicCache(config=self.config)
+                self.original(input_ids=ids, past_key_values=prompt, use_cache=True)
+                for kw in variants:
+                    own, ours = copy.deepcopy(prompt), copy.deepcopy(prompt)
+                    want = self.original(input_ids=nxt, past_key_values=own, use_cache=True, **kw)
+                    self.out_type = type(want)
+                    fast = self._args((), {"input_ids": nxt, "past_key_values": ours, "use_cache": True, **kw})
+                    if fast is None:
+                        return False
+                    got = self._run(*fast)
+                    if (type(got) is not type(want) or set(want.keys()) != {"last_hidden_state", "past_key_values"}
+                            or want.past_key_values is not own or got.past_key_values is not ours
+                            or not torch.equal(got.last_hidden_state, want.last_hidden_state)
+                            or got.last_hidden_state.dtype != want.last_hidden_state.dtype):
+                        return False
+                    for a, b in zip(own.layers, ours.layers):
+                        if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
+                            return False
+        except Exception:
+            return False
+        self.ready = True
+        return True
+
+    # -- the decode path ----------------------------------------------------------------------
+    def _args(self, args: tuple, kwargs: dict):
+        """(input_ids, cache, position_ids or None) when this call is a plain decode step."""
+        from transformers import DynamicCache
+
+        if args:
+            if len(args) > 1 or "input_ids" in kwargs:
+                return None
+            kwargs = {"input_ids": args[0], **kwargs}
+        if not kwargs.keys() <= _KWARGS or kwargs.get("inputs_embeds") is not None:
+            return None
+        cfg = self.config
+        for flag in _FLAGS:
+            if kwargs.get(flag) or getattr(cfg, flag, False):
+                return None
+        use_cache = kwargs.get("use_cache")
+        if not (use_cache if use_cache is not None else getattr(cfg, "use_cache", False)):
+            return None
+        ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
+        if (type(ids) is not torch.Tensor or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > NORM_MAX_ROWS
+                or ids.dtype is not torch.int64 or not ids.is_cpu or type(cache) is not DynamicCache):
+            return None
+        past = cache.get_seq_length()
+        if past == 0:
+            return None
+        B = ids.shape[0]
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (type(mask) is not torch.Tensor or mask.shape != (B, past + 1) or not mask.is_cpu
+                                 or not bool(mask.all())):
+            return None  # padding (or another form): the stack's own forward builds the mask
+        pos = kwargs.get("position_ids")
+        if pos is not None and (type(pos) is not torch.Tensor or pos.dim() != 2 or pos.shape[1] != 1
+                                or pos.shape[0] not in (1, B) or not pos.is_cpu):
+            return None
+        return ids, cache, pos
+
+    def _observed(self) -> bool:
+        """Whether something would see a layer's module call, or a part a layer skips."""
+        if observing() or self.module._modules.get("layers") is not self.layer_list:
+            return True
+        mods = self.layer_list._modules
+        if len(mods) != len(self.layers):
+            return True
+        for layer, held, fwd, r in zip(mods.values(), self.layers, self.forwards, self.runners):
+            if (layer is not held or layer.__dict__.get("forward") is not fwd or layer.training or not r.ready
+                    or ((layer._forward_hooks or layer._forward_pre_hooks) and not _idle_capture_hooks(layer))
+                    or r.parts_observed()):
+                return True
+        return False
+
+    def _run(self, ids: torch.Tensor, cache, pos):
+        m = self.module
+        h = m.embed_tokens(ids)
+        if pos is None:  # as the stack's own forward makes them
+            pos = (torch.arange(ids.shape[1]) + cache.get_seq_length()).unsqueeze(0)
+        cos, sin = m.rotary_emb(h, pos)
+        at = self.runners[0].attn
+        if (type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg()
+                and at._fast_args(self.runners[0].attn_mod, (h,), {"position_embeddings": (cos, sin)}) is not None):
+            for r in self.runners:
+                h = r._fast(h, cos, sin, cache, None)
+        else:  # not as the short paths read them: the layers as the stack's own loop calls them
+            for layer in self.layers:
+                h = layer(h, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True,
+                          position_embeddings=(cos, sin))
+        return self.out_type(last_hidden_state=m.norm(h), past_key_values=cache)
+
+    def forward(self, module: nn.Module, *args, **kwargs):
+        fast = self._args(args, kwargs) if self.ready and not module.training else None
+        if fast is None or self._observed():
+            return self.original(*args, **kwargs)
+        return self._run(*fast)

@@ -1,0 +1,200 @@
+"""scope="all" (hi_na_moe.stack): a decoder stack's decode steps as one loop over its layers'
+short paths. Against the same enabled model with the stack on its own forward: the same logits
+and cache, bit for bit, on the families the tiny models cover, with generate and its masks; and
+every call that must stay the stack's own (prefill, padding, other caches, outputs asked for,
+hooks on a layer, a layer replaced, training)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import UNBUILDABLE, build_tiny, olmoe
+from transformers import DynamicCache
+
+import hi_na_moe
+from hi_na_moe import dense
+from hi_na_moe.families import moe_families
+from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.patching import patched_runner
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+class _Count:
+    """Counts the stack's decode calls that ran its loop."""
+
+    def __init__(self, model):
+        self.loops = 0
+        runner = patched_runner(model.model)
+        run = runner._run
+
+        def counted(*args, _run=run):
+            self.loops += 1
+            return _run(*args)
+
+        runner._run = counted
+
+
+def _own(model, on: bool, saved: dict) -> None:
+    m = model.model
+    if on:
+        saved["forward"] = m.__dict__.pop("forward")
+    else:
+        m.forward = saved["forward"]
+
+
+def _decode(model, ids, steps, attention_mask=None):
+    cache = DynamicCache(config=model.config)
+    logits = []
+    with torch.inference_mode():
+        out = model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1)
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, torch.ones_like(nxt)], dim=1)
+            out = model(nxt, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    return logits, cache
+
+
+def _same(model, ids, steps=4, attention_mask=None, loops=True):
+    count = _Count(model)
+    got, c_got = _decode(model, ids, steps, attention_mask)
+    assert count.loops == (steps if loops else 0)
+    saved: dict = {}
+    _own(model, True, saved)
+    try:
+        want, c_want = _decode(model, ids, steps, attention_mask)
+    finally:
+        _own(model, False, saved)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for a, b in zip(c_got.layers, c_want.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    return count
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in {x.model_type for x in moe_families()}])
+def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
+    if getattr(model.config, "sliding_window", None):  # the tiny Mixtral's (see the test below)
+        model.config.sliding_window = None
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.stacks == ["model"] and not rep.stacks_differ
+        assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
+        _same(model, torch.tensor([[3, 9, 4, 7]]))
+        _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3, attention_mask=torch.ones(2, 4, dtype=torch.long))
+        # padding: the stack's own forward builds the mask
+        _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
+              attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), loops=False)
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert "forward" not in model.model.__dict__
+
+
+def test_generate_takes_the_loop_and_gives_the_same_tokens(monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(model)
+        with torch.inference_mode():
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        assert count.loops == 5  # every step after the prompt's
+        saved: dict = {}
+        _own(model, True, saved)
+        try:
+            with torch.inference_mode():
+                want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        finally:
+            _own(model, False, saved)
+        assert count.loops == 5
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
+    from transformers import StaticCache
+
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(model)
+        ids = torch.tensor([[3, 4, 5, 6]])
+        layer = model.model.layers[1]
+        seen = []
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(ids, past_key_values=cache, use_cache=True)  # prefill
+            nxt = torch.tensor([[9]])
+            step = dict(past_key_values=cache, use_cache=True)
+            model(nxt, output_hidden_states=True, **step)  # outputs asked for
+            model(nxt, output_router_logits=True, **step)
+            model(nxt, some_new_argument=1, **step)
+            model(nxt, past_key_values=cache, use_cache=False)
+            static = StaticCache(config=model.config, max_cache_len=16)
+            model(ids, past_key_values=static, use_cache=True)
+            model(nxt, past_key_values=static, use_cache=True)
+            handle = layer.register_forward_hook(lambda m, i, o: seen.append("layer"))
+            model(nxt, **step)
+            handle.remove()
+            handle = layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.append("gate"))
+            model(nxt, **step)
+            handle.remove()
+            assert count.loops == 0 and seen == ["layer", "gate"]
+            model(nxt, **step)
+            assert count.loops == 1
+            # a layer replaced after enable: the stack's own loop calls the new one
+            calls = []
+            model.model.layers[1] = _Spy(layer, calls)
+            model(nxt, **step)
+            assert count.loops == 1 and calls == [1]
+            model.model.layers[1] = layer
+            model(nxt, **step)
+            assert count.loops == 2
+        model.model.layers[0].train()  # a layer in training mode
+        with torch.no_grad():
+            model(nxt, **step)
+        assert count.loops == 2
+        model.eval()
+        with torch.no_grad():
+            model(nxt, **step)
+        assert count.loops == 3
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+class _Spy(torch.nn.Module):
+    def __init__(self, inner, calls):
+        super().__init__()
+        self.inner, self.calls = inner, calls
+
+    def forward(self, *args, **kwargs):
+        self.calls.append(1)
+        return self.inner(*args, **kwargs)
+
+
+def test_a_stack_with_sliding_window_attention_keeps_its_own_forward(monkeypatch):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                        sliding_window=8, pad_token_id=0)
+    model = MixtralForCausalLM(cfg).eval().bfloat16()
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.layers and rep.stacks == [] and rep.stacks_differ == ["model"]
+        assert "sliding-window attention" in str(rep)
+    finally:
+        hi_na_moe.disable_for_model(model)
