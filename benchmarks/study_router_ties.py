@@ -10,7 +10,8 @@ other: numpy's exp and sum in float32, a stable sort by descending probability. 
 row: the selected set differs; the order of the selected experts differs (the same set, so the
 same output up to the order of the sum); the selected weights differ in float32 (largest
 difference in float32 ulps); and differ still after rounding to bfloat16 (as routers that cast
-their weights to the hidden dtype do).
+their weights to the hidden dtype do). Last, whether torch.topk breaks exact ties by the lower
+index: 2000 rows of 64 small integers (ties everywhere), top-8.
 
     python benchmarks/study_router_ties.py
 """
@@ -63,6 +64,12 @@ def main() -> int:
         pct = lambda c: f"{int(c)} ({100 * c / n:.3f} %)"  # noqa: E731
         print(f"| {str(dtype).split('.')[-1]} | {n} | {pct(sel.sum())} | {pct(order.sum())} | "
               f"{pct((diff > 0).any(-1).sum())} | {ulps:.0f} | {pct(bf.sum().item())} |")
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 6, (2000, 64), generator=gen).float()
+    got = torch.topk(rows, 8, dim=-1).indices
+    lowest = torch.from_numpy(np.argsort(-rows.numpy(), kind="stable", axis=-1)[:, :8].copy())
+    print(f"torch.topk on 2000 tie-heavy rows: {int((got != lowest).any(-1).sum())} differ from "
+          f"lowest-index-first tie-breaking")
     return 0
 
 
