@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import olmoe
+from tiny_models import greedy_decode, olmoe
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -132,15 +132,6 @@ def test_buffers_made_in_inference_mode_are_replaced_outside_it():
     assert torch.equal(ours.layers[0].values, ref.layers[0].values)
 
 
-def _decode(model, ids, steps):
-    cache = DynamicCache(config=model.config)
-    logits = []
-    with torch.inference_mode():
-        out = model(ids, past_key_values=cache, use_cache=True)
-        for _ in range(steps):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
-            logits.append(out.logits)
-    return logits, cache
 
 
 @pytest.mark.skipif(not native_kernels_available(), reason="the decode paths run on the native kernels")
@@ -160,11 +151,11 @@ def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(pa
         # the layers' first native call writes k and v at the slot's offset; append() copies them
         monkeypatch.setattr(kv_cache.Slot, "offset", lambda s: direct.append(1) or offset(s))
         ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3]][:rows])
-        got, c_got = _decode(model, ids, 264)  # past the buffers' room (7 + 256)
+        got, c_got = greedy_decode(model, ids, 264)  # past the buffers' room (7 + 256)
         assert len(appends) == 264 * 2
         assert len(direct) == (264 * 2 if path == "two-native-calls" else 0)
         monkeypatch.setattr(kv_cache, "IN_PLACE", False)
-        want, c_want = _decode(model, ids, 264)
+        want, c_want = greedy_decode(model, ids, 264)
         assert len(appends) == 264 * 2
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         for lg, lw in zip(c_got.layers, c_want.layers):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import UNBUILDABLE, build_tiny, olmoe
+from tiny_models import UNBUILDABLE, build_tiny, greedy_decode, olmoe
 from transformers import DynamicCache
 
 import hi_na_moe
@@ -81,32 +81,19 @@ def _own_forward(model, on: bool, saved: dict) -> None:
             m.forward = saved[name]
 
 
-def _decode(model, ids, steps, attention_mask=None):
-    """Greedy decode with a DynamicCache: (logits of every step, the cache)."""
-    cache = DynamicCache(config=model.config)
-    out, logits = None, []
-    with torch.inference_mode():
-        out = model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-        for _ in range(steps):
-            nxt = out.logits[:, -1:].argmax(-1)
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask, torch.ones_like(nxt)], dim=1)
-            out = model(nxt, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-            logits.append(out.logits)
-    return logits, cache
 
 
 def _same_decode(model, ids, steps=4, attention_mask=None, native=False):
     """The short path against the layers' own forward: the same logits and cache, bit for bit;
     native: every step of every layer in the two native calls."""
     count = _Count(model)
-    got, c_got = _decode(model, ids, steps, attention_mask)
+    got, c_got = greedy_decode(model, ids, steps, attention_mask)
     assert count.calls == steps * len(hi_na_moe.report_for(model).layers)
     assert count.native == (count.calls if native else 0)
     saved: dict = {}
     _own_forward(model, True, saved)
     try:
-        want, c_want = _decode(model, ids, steps, attention_mask)
+        want, c_want = greedy_decode(model, ids, steps, attention_mask)
     finally:
         _own_forward(model, False, saved)
     assert count.calls == steps * len(hi_na_moe.report_for(model).layers)  # none on the own forwards
@@ -228,17 +215,17 @@ def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
         seen = []
         layer = model.model.layers[1]
         handle = layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
-        _decode(model, ids, 2)
+        greedy_decode(model, ids, 2)
         assert count.calls == 2 and len(seen) == 3  # layer 0 only; the hook saw the prompt and both steps
         handle.remove()
         handle = layer.input_layernorm.register_forward_pre_hook(lambda m, i: seen.append("pre"))
-        _decode(model, ids, 2)
+        greedy_decode(model, ids, 2)
         assert count.calls == 4 and seen.count("pre") == 3
         handle.remove()
         from torch.nn.modules.module import register_module_forward_hook
 
         handle = register_module_forward_hook(lambda m, i, o: None)
-        _decode(model, ids, 2)
+        greedy_decode(model, ids, 2)
         assert count.calls == 4  # a global hook: every layer on its own forward
         handle.remove()
         # transformers' output-capturing hooks stay on the modules after a call asking for
@@ -247,7 +234,7 @@ def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
             out = model(ids, output_hidden_states=True, output_attentions=False)
         assert len(out.hidden_states) == 3
         assert any(m._forward_hooks for m in layer.self_attn.modules())
-        _decode(model, ids, 2)
+        greedy_decode(model, ids, 2)
         assert count.calls == 8
         with torch.inference_mode():
             cache = DynamicCache(config=model.config)
@@ -255,7 +242,7 @@ def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
             out = model(ids[:, :1], past_key_values=cache, use_cache=True, output_hidden_states=True)
         assert len(out.hidden_states) == 3 and count.calls == 8  # captured: the layers' own forwards
         handle = layer.mlp.experts.register_forward_hook(lambda m, i, o: seen.append("experts"))
-        _decode(model, ids, 2)
+        greedy_decode(model, ids, 2)
         assert count.calls == 10 and seen.count("experts") == 3  # the MoE block's short path skips it too
         handle.remove()
         # a part replaced after enable: the new module's own forward, never the old runners
@@ -265,12 +252,12 @@ def test_hooks_and_replaced_modules_send_the_layer_to_its_own_forward():
         layer.input_layernorm = OlmoeRMSNorm(model.config.hidden_size).to(torch.bfloat16)
         seen.clear()
         layer.input_layernorm.register_forward_hook(lambda m, i, o: seen.append("new norm"))
-        _decode(model, ids, 2)
+        greedy_decode(model, ids, 2)
         assert count.calls == 12 and seen.count("new norm") == 3
         layer.input_layernorm = old_norm
         # a module's forward replaced after enable (here: the norm back on its own forward)
         layer.post_attention_layernorm.__dict__.pop("forward")
-        _decode(model, ids, 2)
+        greedy_decode(model, ids, 2)
         assert count.calls == 14
     finally:
         hi_na_moe.disable_for_model(model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import UNBUILDABLE, build_tiny, olmoe
+from tiny_models import UNBUILDABLE, build_tiny, greedy_decode, olmoe
 from transformers import DynamicCache
 
 import hi_na_moe
@@ -44,28 +44,16 @@ def _own(model, on: bool, saved: dict) -> None:
         m.forward = saved["forward"]
 
 
-def _decode(model, ids, steps, attention_mask=None):
-    cache = DynamicCache(config=model.config)
-    logits = []
-    with torch.inference_mode():
-        out = model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-        for _ in range(steps):
-            nxt = out.logits[:, -1:].argmax(-1)
-            if attention_mask is not None:
-                attention_mask = torch.cat([attention_mask, torch.ones_like(nxt)], dim=1)
-            out = model(nxt, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-            logits.append(out.logits)
-    return logits, cache
 
 
 def _same(model, ids, steps=4, attention_mask=None, loops=True):
     count = _Count(model)
-    got, c_got = _decode(model, ids, steps, attention_mask)
+    got, c_got = greedy_decode(model, ids, steps, attention_mask)
     assert count.loops == (steps if loops else 0)
     saved: dict = {}
     _own(model, True, saved)
     try:
-        want, c_want = _decode(model, ids, steps, attention_mask)
+        want, c_want = greedy_decode(model, ids, steps, attention_mask)
     finally:
         _own(model, False, saved)
     assert all(torch.equal(g, w) for g, w in zip(got, want))

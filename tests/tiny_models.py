@@ -528,3 +528,21 @@ def olmoe(layers: int = 2, kv_heads: int = 4, experts: int = 8, top_k: int = 2, 
                       tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     return OlmoeForCausalLM(cfg).eval().to(dtype)
+
+
+def greedy_decode(model, ids, steps: int, attention_mask=None):
+    """Greedy decode with a DynamicCache, one forward per step (a mask grown by one each step
+    when given): (the logits of every step after the prompt's, the cache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    logits = []
+    with torch.inference_mode():
+        out = model(ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1)
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, torch.ones_like(nxt)], dim=1)
+            out = model(nxt, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    return logits, cache
