@@ -7,7 +7,8 @@ took 5-7 ms of a 43-50 ms int4 step besides their projections (benchmarks/RESULT
 Here a decode call (one new token per sequence; no attention mask, or a bool one over the keys
 as a StaticCache or a padded batch brings) runs as: the module's own
 projections and q/k norms (themselves on native kernels under scope="all"), one native call for
-the rotary embedding of q and k, the cache's own update, one native call for the attention (AVX-512 build; AVX2 build up to 512
+the rotary embedding of q and k, the cache update (in place for a DynamicCache: hi_na_moe.kv_cache),
+one native call for the attention (AVX-512 build; AVX2 build up to 512
 cached positions; elsewhere PyTorch's SDPA, faster there, and the report says which), and
 the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
 unknown arguments) is the module's own forward.
