@@ -149,6 +149,11 @@ def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
             model.model.layers[1] = layer
             model(nxt, **step)
             assert count.loops == 2
+        with torch.no_grad():
+            grad_cache = DynamicCache(config=model.config)
+            model(ids, past_key_values=grad_cache, use_cache=True)
+        out = model(torch.tensor([[9]]), past_key_values=grad_cache, use_cache=True)  # autograd records it
+        assert count.loops == 2 and out.logits.shape[1] == 1
         model.model.layers[0].train()  # a layer in training mode
         with torch.no_grad():
             model(nxt, **step)

@@ -150,6 +150,8 @@ class NativeStack:
         if not kwargs.keys() <= _KWARGS or kwargs.get("inputs_embeds") is not None:
             return None
         cfg = self.config
+        if torch.is_grad_enabled() and self.module.embed_tokens.weight.requires_grad:
+            return None  # a forward autograd records: the layers' own forwards
         for flag in _FLAGS:
             if kwargs.get(flag) or getattr(cfg, flag, False):
                 return None
@@ -179,7 +181,7 @@ class NativeStack:
         if observing() or self.module._modules.get("layers") is not self.layer_list:
             return True
         mods = self.layer_list._modules
-        if len(mods) != len(self.layers):
+        if len(mods) != len(self.layers) or self.config.num_hidden_layers != len(self.layers):
             return True
         for layer, held, fwd, r in zip(mods.values(), self.layers, self.forwards, self.runners):
             if (layer is not held or layer.__dict__.get("forward") is not fwd or layer.training or not r.ready
@@ -199,7 +201,8 @@ class NativeStack:
                 and at._fast_args(self.runners[0].attn_mod, (h,), {"position_embeddings": (cos, sin)}) is not None):
             for r in self.runners:
                 h = r._fast(h, cos, sin, cache, None)
-        else:  # not as the short paths read them: the layers as the stack's own loop calls them
+        else:  # a fallback, for hidden states the short paths do not read (say, another dtype than
+            # the layers' after a cast): the layers called as the stack's own loop calls them
             for layer in self.layers:
                 h = layer(h, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True,
                           position_embeddings=(cos, sin))
