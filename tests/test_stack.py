@@ -76,9 +76,9 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
         assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
         _same(model, torch.tensor([[3, 9, 4, 7]]))
         _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3, attention_mask=torch.ones(2, 4, dtype=torch.long))
-        # padding: the stack's own forward builds the mask
+        # padding: the mask the stack's own forward would build, over the keys
         _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
-              attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), loops=False)
+              attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
     finally:
         hi_na_moe.disable_for_model(model)
     assert "forward" not in model.model.__dict__
@@ -109,9 +109,39 @@ def test_generate_takes_the_loop_and_gives_the_same_tokens(monkeypatch):
         hi_na_moe.disable_for_model(model)
 
 
-def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
+def test_generate_with_a_static_cache_and_padding_takes_the_loop(monkeypatch):
     from transformers import StaticCache
 
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(model)
+
+        def run():
+            with torch.inference_mode():
+                cache = StaticCache(config=model.config, max_cache_len=32)
+                return model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+
+        got = run()
+        assert count.loops == 4
+        saved: dict = {}
+        _own(model, True, saved)
+        try:
+            want = run()
+        finally:
+            _own(model, False, saved)
+        assert count.loops == 4
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     hi_na_moe.enable_for_model(model, scope="all")
@@ -129,9 +159,6 @@ def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
             model(nxt, output_router_logits=True, **step)
             model(nxt, some_new_argument=1, **step)
             model(nxt, past_key_values=cache, use_cache=False)
-            static = StaticCache(config=model.config, max_cache_len=16)
-            model(ids, past_key_values=static, use_cache=True)
-            model(nxt, past_key_values=static, use_cache=True)
             handle = layer.register_forward_hook(lambda m, i, o: seen.append("layer"))
             model(nxt, **step)
             handle.remove()

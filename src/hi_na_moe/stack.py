@@ -15,8 +15,12 @@ rotary module and the final norm called as modules (their hooks run), and each l
 called straight, in order.
 
 A decode call is a forward with input_ids of one token per row (at most 16 rows), a DynamicCache
-already holding positions, use_cache, no attention mask or one that keeps every position, at most
-position_ids and transformers' falsy output flags; anything else, or anything that would observe
+or StaticCache already holding positions, use_cache, at most an attention mask (2-D, or the 4-D
+one generate prepares for a StaticCache) and position_ids, and transformers' falsy output flags. With a DynamicCache and no mask (or one of
+ones) the layers get no mask, as the own forward gives them then; otherwise the mask comes from
+the create_causal_mask of the stack's own module, called as its forward calls it (which hands a
+4-D mask back as it is; a StaticCache's bool mask over its buffer, padding), and a mask the short paths do not read sends the layers
+through their module calls with it. Anything else, or anything that would observe
 a skipped layer call (a hook on a layer or a part it skips, transformers' output-capturing hooks
 while they capture, a global hook, a mode, compile tracing, a layer replaced or its forward
 replaced, a layer in training mode), runs the stack's own forward.
@@ -24,12 +28,14 @@ replaced, a layer in training mode), runs the stack's own forward.
 What it computes is checked before it is patched: from a cache the stack's own forward filled
 with a prompt, one decode step of the own forward and one of this loop, each on its own copy of
 the cache, must give an output of the same type with the same fields, the same last hidden state
-and the same cache, bit for bit; with no mask, with a mask of ones, and with position_ids.
+and the same cache, bit for bit; with no mask, a mask of ones, position_ids, a padded row, and a
+StaticCache without and with a 4-D mask.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 from torch import nn
@@ -100,10 +106,12 @@ class NativeStack:
         self.forwards = tuple(layer.__dict__.get("forward") for layer in layers)
         self.config = cfg
         self.out_type = None
+        # the mask builder the own forward calls (by its module's global name)
+        self.mask_fn = getattr(sys.modules.get(type(m).__module__), "create_causal_mask", None)
         return self._probe()
 
     def _probe(self) -> bool:
-        from transformers import DynamicCache
+        from transformers import DynamicCache, StaticCache
 
         m = self.module
         gen = torch.Generator().manual_seed(11)
@@ -111,14 +119,26 @@ class NativeStack:
         vocab = m.embed_tokens.weight.shape[0]
         ids = torch.randint(vocab, (B, T), generator=gen)
         nxt = torch.randint(vocab, (B, 1), generator=gen)
-        variants = ({}, {"attention_mask": torch.ones(B, T + 1, dtype=torch.long)},
-                    {"position_ids": torch.full((B, 1), T, dtype=torch.long)})
+        pad = torch.ones(B, T + 1, dtype=torch.long)
+        pad[0, 0] = 0
+        variants = [({}, DynamicCache), ({"attention_mask": torch.ones(B, T + 1, dtype=torch.long)}, DynamicCache),
+                    ({"position_ids": torch.full((B, 1), T, dtype=torch.long)}, DynamicCache)]
+        if self.mask_fn is not None:
+            keep = torch.zeros(B, 1, 1, 8, dtype=torch.bool)  # generate's own mask over a StaticCache
+            keep[..., : T + 1] = True
+            keep[0, ..., 0] = False
+            variants += [({"attention_mask": pad}, DynamicCache), ({}, StaticCache),
+                         ({"attention_mask": keep}, StaticCache)]
         try:
             with torch.no_grad():
-                prompt = DynamicCache(config=self.config)
-                self.original(input_ids=ids, past_key_values=prompt, use_cache=True)
-                for kw in variants:
-                    own, ours = copy.deepcopy(prompt), copy.deepcopy(prompt)
+                prompts = {}
+                for kind in (DynamicCache, StaticCache):
+                    c = kind(config=self.config) if kind is DynamicCache else kind(config=self.config, max_cache_len=8)
+                    self.original(input_ids=ids, past_key_values=c, use_cache=True,
+                                  attention_mask=torch.ones(B, T, dtype=torch.long) if kind is DynamicCache else None)
+                    prompts[kind] = c
+                for kw, kind in variants:
+                    own, ours = copy.deepcopy(prompts[kind]), copy.deepcopy(prompts[kind])
                     want = self.original(input_ids=nxt, past_key_values=own, use_cache=True, **kw)
                     self.out_type = type(want)
                     fast = self._args((), {"input_ids": nxt, "past_key_values": ours, "use_cache": True, **kw})
@@ -140,8 +160,9 @@ class NativeStack:
 
     # -- the decode path ----------------------------------------------------------------------
     def _args(self, args: tuple, kwargs: dict):
-        """(input_ids, cache, position_ids or None) when this call is a plain decode step."""
-        from transformers import DynamicCache
+        """(input_ids, cache, position_ids or None, the 2-D mask to build the layers' from or None)
+        when this call is a plain decode step."""
+        from transformers import DynamicCache, StaticCache
 
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
@@ -160,21 +181,26 @@ class NativeStack:
             return None
         ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
         if (type(ids) is not torch.Tensor or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > NORM_MAX_ROWS
-                or ids.dtype is not torch.int64 or not ids.is_cpu or type(cache) is not DynamicCache):
+                or ids.dtype is not torch.int64 or not ids.is_cpu or type(cache) not in (DynamicCache, StaticCache)):
             return None
         past = cache.get_seq_length()
         if past == 0:
             return None
         B = ids.shape[0]
         mask = kwargs.get("attention_mask")
-        if mask is not None and (type(mask) is not torch.Tensor or mask.shape != (B, past + 1) or not mask.is_cpu
-                                 or not bool(mask.all())):
-            return None  # padding (or another form): the stack's own forward builds the mask
+        if mask is not None and (type(mask) is not torch.Tensor or mask.dim() not in (2, 4) or mask.shape[0] != B
+                                 or not mask.is_cpu):
+            return None  # another form (a dict of masks, ...): the stack's own forward
         pos = kwargs.get("position_ids")
         if pos is not None and (type(pos) is not torch.Tensor or pos.dim() != 2 or pos.shape[1] != 1
                                 or pos.shape[0] not in (1, B) or not pos.is_cpu):
             return None
-        return ids, cache, pos
+        if type(cache) is DynamicCache and (mask is None or (mask.dim() == 2 and mask.shape[1] == past + 1
+                                                             and bool(mask.all()))):
+            return ids, cache, pos, None, False  # the layers get no mask
+        if self.mask_fn is None:
+            return None
+        return ids, cache, pos, mask, True
 
     def _observed(self) -> bool:
         """Whether something would see a layer's module call, or a part a layer skips."""
@@ -190,21 +216,26 @@ class NativeStack:
                 return True
         return False
 
-    def _run(self, ids: torch.Tensor, cache, pos):
+    def _run(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool):
         m = self.module
         h = m.embed_tokens(ids)
         if pos is None:  # as the stack's own forward makes them
             pos = (torch.arange(ids.shape[1]) + cache.get_seq_length()).unsqueeze(0)
+        mask = None
+        if masked:
+            mask = self.mask_fn(config=self.config, inputs_embeds=h, attention_mask=mask2d, past_key_values=cache,
+                                position_ids=pos)
         cos, sin = m.rotary_emb(h, pos)
         at = self.runners[0].attn
         if (type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg()
-                and at._fast_args(self.runners[0].attn_mod, (h,), {"position_embeddings": (cos, sin)}) is not None):
+                and at._fast_args(self.runners[0].attn_mod, (h,),
+                                  {"position_embeddings": (cos, sin), "attention_mask": mask}) is not None):
             for r in self.runners:
-                h = r._fast(h, cos, sin, cache, None)
+                h = r._fast(h, cos, sin, cache, mask)
         else:  # a fallback, for hidden states the short paths do not read (say, another dtype than
             # the layers' after a cast): the layers called as the stack's own loop calls them
             for layer in self.layers:
-                h = layer(h, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True,
+                h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                           position_embeddings=(cos, sin))
         return self.out_type(last_hidden_state=m.norm(h), past_key_values=cache)
 
