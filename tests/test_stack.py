@@ -84,38 +84,18 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
     assert "forward" not in model.model.__dict__
 
 
-def test_generate_takes_the_loop_and_gives_the_same_tokens(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
-    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
-    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
-    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    hi_na_moe.enable_for_model(model, scope="all")
-    try:
-        count = _Count(model)
-        with torch.inference_mode():
-            got = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-        assert count.loops == 5  # every step after the prompt's
-        saved: dict = {}
-        _own(model, True, saved)
-        try:
-            with torch.inference_mode():
-                want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-        finally:
-            _own(model, False, saved)
-        assert count.loops == 5
-        assert torch.equal(got.sequences, want.sequences)
-        assert all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
-    finally:
-        hi_na_moe.disable_for_model(model)
-
-
-def test_generate_with_a_static_cache_and_padding_takes_the_loop(monkeypatch):
+@pytest.mark.parametrize("kind", ["dynamic-cache", "static-cache-padded"])
+def test_generate_takes_the_loop_and_gives_the_same_tokens(kind, monkeypatch):
     from transformers import StaticCache
 
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
-    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    if kind == "dynamic-cache":
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+        mask = torch.ones_like(ids)
+    else:  # generate prepares a 4-D mask over the StaticCache's buffer
+        ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -123,11 +103,11 @@ def test_generate_with_a_static_cache_and_padding_takes_the_loop(monkeypatch):
 
         def run():
             with torch.inference_mode():
-                cache = StaticCache(config=model.config, max_cache_len=32)
+                cache = StaticCache(config=model.config, max_cache_len=32) if kind != "dynamic-cache" else None
                 return model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
 
         got = run()
-        assert count.loops == 4
+        assert count.loops == 4  # every step after the prompt's
         saved: dict = {}
         _own(model, True, saved)
         try:
