@@ -20,6 +20,10 @@ a DynamicCache), in alternating order; both compute the same function.
 layers step aside from their two-call path (hi_na_moe.layers) to the per-module one; without
 them the step is the one a user gets.
 
+--ab-stacks (scope all, with --no-attention-time): the decoder stack alternates every two steps
+between hi_na_moe.stack's loop over the layers' short paths and its own forward, on the same
+growing cache, as --ab-attention does below.
+
 --ab-attention (scope all): on each cache, the attention modules alternate every two steps
 between hi_na_moe's decode path (native RoPE and attention kernels) and their own forward, on
 the same growing cache (both compute the same function), and each arm gets its own row; the
@@ -49,6 +53,8 @@ def main() -> int:
     ap.add_argument("--ab-attention", action="store_true",
                     help="alternate native / PyTorch attention decode on the same cache (scope all)")
     ap.add_argument("--ab-kv", action="store_true", help="in-place KV appends vs the cache's own update")
+    ap.add_argument("--ab-stacks", action="store_true",
+                    help="alternate the decoder stack's loop / its own forward (scope all, --no-attention-time)")
     ap.add_argument("--no-attention-time", action="store_true", help="no hooks on the attention modules")
     args = ap.parse_args()
     import torch
@@ -73,18 +79,24 @@ def main() -> int:
         if type(m).__name__.endswith("Attention") and not args.no_attention_time:
             m.register_forward_pre_hook(lambda mod, a: starts.append(time.perf_counter()))
             m.register_forward_hook(lambda mod, a, o: attn_time.__setitem__(0, attn_time[0] + time.perf_counter() - starts.pop()))
-    if args.ab_attention and args.ab_kv:
-        raise SystemExit("--ab-attention and --ab-kv are separate runs")
+    if args.ab_attention + args.ab_kv + args.ab_stacks > 1:
+        raise SystemExit("--ab-attention, --ab-kv and --ab-stacks are separate runs")
+    if args.ab_stacks and not args.no_attention_time:
+        raise SystemExit("--ab-stacks needs --no-attention-time (hooks on the attention send every step to the "
+                         "stack's own forward)")
     arms = ["native attention", "PyTorch attention"] if args.ab_attention else [""]
     use_native = None
     from hi_na_moe import kv_cache
 
     if args.ab_kv:
         arms = ["in-place KV", "torch.cat KV"]
-    if args.ab_attention:
+    if args.ab_attention or args.ab_stacks:
         from ab_switch import small_module_switch
 
-        use_native = small_module_switch(model, "attention")
+        kind = "attention" if args.ab_attention else "stacks"
+        use_native = small_module_switch(model, kind)
+        if args.ab_stacks:
+            arms = ["native stacks", "own-forward stacks"]
 
     def use_arm(arm: str) -> None:
         kv_cache.IN_PLACE = arm != "torch.cat KV"
