@@ -16,11 +16,12 @@ called straight, in order.
 
 A decode call is a forward with input_ids of one token per row (at most 16 rows), a DynamicCache
 or StaticCache already holding positions, use_cache, at most an attention mask (2-D, or the 4-D
-one generate prepares for a StaticCache) and position_ids, and transformers' falsy output flags. With a DynamicCache and no mask (or one of
-ones) the layers get no mask, as the own forward gives them then; otherwise the mask comes from
-the create_causal_mask of the stack's own module, called as its forward calls it (which hands a
-4-D mask back as it is; a StaticCache's bool mask over its buffer, padding), and a mask the short paths do not read sends the layers
-through their module calls with it. Anything else, or anything that would observe
+one generate prepares for a StaticCache) and position_ids, and transformers' falsy output flags.
+With a DynamicCache and no mask (or one of ones) the layers get no mask, as the own forward gives
+them then; otherwise the mask comes from the create_causal_mask of the stack's own module,
+called as its forward calls it (a StaticCache's bool mask over its buffer, padding; a 4-D mask
+comes back as it is), and a mask the short paths do not read sends the layers through their
+module calls with it. A forward autograd records, anything else, or anything that would observe
 a skipped layer call (a hook on a layer or a part it skips, transformers' output-capturing hooks
 while they capture, a global hook, a mode, compile tracing, a layer replaced or its forward
 replaced, a layer in training mode), runs the stack's own forward.
