@@ -80,10 +80,10 @@ def test_other_caches_layers_and_modes_go_through_the_caches_own_update(monkeypa
     class MyCache(DynamicCache):
         pass
 
-    def appended_by_update(cache, i=0, **kw):
-        k, v = _kv(gen, **kw)
-        before = cache.layers[i].keys if i < len(cache.layers) and cache.layers[i].is_initialized else None
-        keys, _ = kv_cache.append(cache, i, k, v)
+    def appended_by_update(cache):
+        k, v = _kv(gen)
+        before = cache.layers[0].keys if cache.layers and cache.layers[0].is_initialized else None
+        keys, _ = kv_cache.append(cache, 0, k, v)
         # the cache's own update concatenates into a new contiguous tensor
         return keys.is_contiguous() and (before is None or keys.untyped_storage().data_ptr() != before.untyped_storage().data_ptr())
 

@@ -479,18 +479,15 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
             more, names, differ = patch_probed(found, make, gate, gated)
             done += more
             small[kind] = (names, sorted(differ + left))
-        # last: a layer's short path calls the runners patched above
+        # last, in this order: a layer's short path calls the runners patched above, and a
+        # stack's loop the layers' short paths (find_stacks looks for patched layers)
         from .layers import NativeLayer, find_layers
-
-        more, names, differ = patch_probed(find_layers(model, cfg.dense_exclude), NativeLayer, gate, gated)
-        done += more
-        small["layers"] = (names, sorted(differ))
-        # and after them: a stack's loop calls the layers' short paths
         from .stack import NativeStack, find_stacks
 
-        more, names, differ = patch_probed(find_stacks(model, cfg.dense_exclude), NativeStack, gate, gated)
-        done += more
-        small["stacks"] = (names, sorted(differ))
+        for kind, find, make in (("layers", find_layers, NativeLayer), ("stacks", find_stacks, NativeStack)):
+            more, names, differ = patch_probed(find(model, cfg.dense_exclude), make, gate, gated)
+            done += more
+            small[kind] = (names, sorted(differ))
     except BaseException:
         unpatch(done)
         raise
