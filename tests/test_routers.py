@@ -61,14 +61,18 @@ def test_router_forms_across_families(model_type):
             assert runner.form_name in (want if isinstance(want, tuple) else (want,))
             mod = dict(model.named_modules())[name]
             h = (torch.randn(4, runner.hidden, generator=gen)).bfloat16()
+            assert runner.select is not None  # every known form has its native selection
             with torch.inference_mode():
                 got = mod(h)
                 own = type(mod).forward(mod, h)
-                # the form on the native logits, by hand: the same call, the same bits
+                # the form in PyTorch on the native logits: the same experts in the same order,
+                # the weights within a few float32 ulps (router_select's exp is not PyTorch's)
                 by_hand = runner.form(runner._logits, h)
             for g, o, b in zip(got, own, by_hand):
-                assert g.dtype == o.dtype and g.shape == o.shape
-                assert torch.equal(g, b)
+                assert g.dtype == o.dtype and g.shape == o.shape and g.dtype == b.dtype
+            assert torch.equal(got[0], by_hand[0]) and torch.equal(got[2], by_hand[2])
+            tol = routers._SELECT_RTOL[got[1].dtype] * by_hand[1].float().abs()
+            assert ((got[1].float() - by_hand[1].float()).abs() <= tol).all()
             ref = F.linear(h, mod.weight, getattr(mod, "bias", None)).float()
             assert ((got[0].float() - ref).abs() <= 2**-7 * ref.abs().amax(-1, keepdim=True)).all()
             assert torch.allclose(got[1].float(), own[1].float(), rtol=2e-2, atol=2e-3)
@@ -88,11 +92,14 @@ def test_patched_routers_decode_like_the_model_and_leave_prefill_and_training_al
         gate = model.model.layers[0].mlp.gate
         runner = _runner(model, "model.layers.0.mlp.gate")
         calls = []
-        form = runner.form  # with the native logits: from runner._logits, or the decoder layer's native step
-        runner.form = lambda linear, h: calls.append(h.shape[0]) or form(linear, h)
+        select = runner.select_into  # the native selection, on the native logits
+        runner.select_into = lambda logits: calls.append(logits.shape[0]) or select(logits)
         with torch.inference_mode():
-            got = model(ids[:, :1]).logits
-            assert calls == [1]  # decode: the native logits
+            got = model(ids[:, :1]).logits  # the decoder layers' native step selects in layer_decode_post
+            assert calls == []
+            one = torch.randn(1, 256).bfloat16()
+            chosen = gate(one)  # a decode-sized call of the module: the native logits and selection
+            assert calls == [1] and chosen[0].dtype is torch.bfloat16 and chosen[1].shape == (1, 4)
             big = torch.randn(routers.ROUTER_MAX_ROWS + 1, 256).bfloat16()
             for g, o in zip(gate(big), type(gate).forward(gate, big)):  # prefill-sized: its own forward
                 assert torch.equal(g, o)
@@ -201,3 +208,87 @@ def test_routing_linears_stay_lossless_when_the_rest_is_quantised(weights):
         hi_na_moe.disable_for_model(model)
     plan = hi_na_moe.inspect_model(model, scope="all", weights=weights, dense_lossless="")
     assert {d.name: d.weights for d in plan.dense}[name] == "lossless"
+
+
+def _select(logits, k, form, renorm, w_dtype):
+    from hi_na_moe.hardware import native_module
+
+    B, E = logits.shape
+    w, idx = torch.empty(B, k, dtype=w_dtype), torch.empty(B, k, dtype=torch.int64)
+    native_module()[0].router_select_raw(routers._CODES[logits.dtype], logits.data_ptr(), B, E, k, form, renorm,
+                                         routers._CODES[w_dtype], w.data_ptr(), idx.data_ptr())
+    return w, idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("E,k", [(64, 8), (60, 4), (8, 2), (64, 1), (128, 2), (256, 8)])
+def test_router_select_moves_ties_as_torch_topk(dtype, E, k):
+    """router_select against the forms in PyTorch on tie-heavy logits: the same indices in the
+    same order (64 k <= E takes torch.topk's partial-sort path, the others its nth_element one;
+    lowest-index-first differs from both on such rows), weights within a few float32 ulps."""
+    gen = torch.Generator().manual_seed(E * 10 + k)
+    x = torch.randint(-4, 5, (600, E), generator=gen).float() / 4
+    x[::3] = torch.randn(200, E, generator=gen) * 0.01
+    x[5, 3] = float("nan")  # NaN ranks first in torch.topk, and the softmax row is NaN
+    x = x.to(dtype)
+    by_index = torch.sort(-x.float(), dim=-1, stable=True).indices[:, :k]
+    assert not torch.equal(by_index, torch.topk(x, k, dim=-1).indices)  # the rows do test the tie order
+    for renorm in (False, True):
+        probs = F.softmax(x, dtype=torch.float, dim=-1)
+        top, idx = torch.topk(probs, k, dim=-1)
+        if renorm:
+            top = top / top.sum(-1, keepdim=True)
+        w, got = _select(x, k, 0, renorm, torch.float32)
+        assert torch.equal(got, idx)
+        assert torch.equal(w.isnan(), top.isnan())
+        ok = ~top.isnan()
+        assert ((w[ok] - top[ok]).abs() <= routers._SELECT_RTOL[torch.float32] * top[ok].abs()).all()
+    top, idx = torch.topk(x, k, dim=-1)
+    want = F.softmax(top, dim=-1)  # in the logits' dtype, as topk-softmax without float32 logits
+    w, got = _select(x, k, 1, False, dtype)
+    assert torch.equal(got, idx)
+    ok = ~want.isnan()
+    assert torch.equal(w.isnan(), want.isnan())
+    assert ((w[ok].float() - want[ok].float()).abs() <= routers._SELECT_RTOL[dtype] * want[ok].float().abs()).all()
+
+
+def test_native_select_off_gives_the_pytorch_form_and_a_select_that_differs_is_not_used(monkeypatch):
+    model = _olmoe(layers=1)
+    ids = torch.tensor([[3, 9, 27]])
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        gate = model.model.layers[0].mlp.gate
+        runner = _runner(model, "model.layers.0.mlp.gate")
+        assert runner.select is not None
+        h = torch.randn(3, 256).bfloat16()
+        with torch.inference_mode():
+            on = gate(h)
+            monkeypatch.setattr(routers, "NATIVE_SELECT", False)
+            off = gate(h)
+            by_hand = runner.form(runner._logits, h)
+            off_ids = model.generate(ids, max_new_tokens=4, do_sample=False)
+            monkeypatch.setattr(routers, "NATIVE_SELECT", True)
+            on_ids = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert all(torch.equal(a, b) for a, b in zip(off, by_hand))
+        assert torch.equal(on[2], off[2])
+        assert torch.equal(on_ids, off_ids)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+    # a selection that breaks ties by index: the probe's tie-heavy logits tell, and the form stays PyTorch's
+    def by_index(self, logits):
+        w, idx = real(self, logits)
+        order = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, : idx.shape[1]]
+        return w, order
+
+    real = routers.NativeRouter.select_into
+    monkeypatch.setattr(routers.NativeRouter, "select_into", by_index)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        runner = _runner(model, "model.layers.0.mlp.gate")
+        assert runner.form is not None and runner.select is None
+        h = torch.randn(2, 256).bfloat16()
+        with torch.inference_mode():
+            assert all(torch.equal(a, b) for a, b in zip(gate(h), runner.form(runner._logits, h)))
+    finally:
+        hi_na_moe.disable_for_model(model)

@@ -957,7 +957,8 @@ NB_MODULE(_native, m) {
            int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0, int64_t vs1, int64_t vs2, float scale,
            uintptr_t mask, int64_t mask_bstride, const std::string& isa, uintptr_t attn_out, const BoundForward& o,
            uintptr_t o_out, uintptr_t x, uintptr_t ln2_w, float ln2_eps, uintptr_t sum, uintptr_t normed,
-           const BoundForward* router, uintptr_t logits, int num_threads) {
+           const BoundForward* router, uintptr_t logits, int num_threads, int sel_form, int64_t sel_E, int64_t sel_k,
+           bool sel_renorm, int sel_w_dtype, uintptr_t sel_w, uintptr_t sel_idx) {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -971,6 +972,15 @@ NB_MODULE(_native, m) {
             a.router = router->packed();
             a.router_params = router->params();
             a.logits = reinterpret_cast<void*>(logits);
+            if (sel_w != 0) {
+              a.select.E = sel_E;
+              a.select.k = sel_k;
+              a.select.form = static_cast<hina::RouterForm>(sel_form);
+              a.select.renorm = sel_renorm;
+              a.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
+              a.select.w = reinterpret_cast<void*>(sel_w);
+              a.select.idx = reinterpret_cast<int64_t*>(sel_idx);
+            }
           }
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
@@ -981,8 +991,28 @@ NB_MODULE(_native, m) {
         nb::arg("vs1"), nb::arg("vs2"), nb::arg("scale"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("isa"),
         nb::arg("attn_out"), nb::arg("o"), nb::arg("o_out"), nb::arg("x"), nb::arg("ln2_w"), nb::arg("ln2_eps"),
         nb::arg("sum"), nb::arg("normed"), nb::arg("router").none(), nb::arg("logits"), nb::arg("num_threads"),
+        nb::arg("sel_form") = 0, nb::arg("sel_E") = 0, nb::arg("sel_k") = 0, nb::arg("sel_renorm") = false, nb::arg("sel_w_dtype") = 0,
+        nb::arg("sel_w") = 0, nb::arg("sel_idx") = 0,
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
-        "in attn_out; router None: no logits), for hi_na_moe.layers. Wrong addresses crash.");
+        "in attn_out; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
+        "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx), "
+        "for hi_na_moe.layers. Wrong addresses crash.");
+  m.def("router_select_raw",
+        [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,
+           uintptr_t w, uintptr_t idx) {
+          if (B < 0 || E < 1 || k < 1 || k > E) bad("router_select: need B >= 0 and 1 <= k <= E");
+          if (form < 0 || form > 1) bad("router_select: form must be 0 (softmax-topk) or 1 (topk-softmax)");
+          if (dtype < 0 || dtype > 2 || w_dtype < 0 || w_dtype > 2) bad("router_select: dtype codes are 0, 1 or 2");
+          hina::RouterSelectArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(logits), B, E, k,
+                                   static_cast<hina::RouterForm>(form), renorm, static_cast<hina::DType>(w_dtype),
+                                   reinterpret_cast<void*>(w), reinterpret_cast<int64_t*>(idx)};
+          hina::router_select(a);
+        },
+        nb::arg("dtype"), nb::arg("logits"), nb::arg("B"), nb::arg("E"), nb::arg("k"), nb::arg("form"),
+        nb::arg("renorm"), nb::arg("w_dtype"), nb::arg("w"), nb::arg("idx"),
+        "router_select() (moe.h) with raw addresses, addresses unchecked (dtype codes: 0 float32, 1 bfloat16, "
+        "2 float16; form 0 softmax-topk, 1 topk-softmax): logits [B, E] -> w [B, k] of w_dtype, int64 idx [B, k], "
+        "the top-k's ties moved as torch.topk moves them. For hi_na_moe.routers. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {
           hina::BandwidthResult r;

@@ -1,5 +1,5 @@
 // A pre-norm decoder layer's decode step in two native calls (hi_na_moe.layers): everything
-// before the KV-cache update, and everything after it up to the router's logits. Only the
+// before the KV-cache update, and everything after it up to the router's logits (and its selection). Only the
 // library's own kernels, composed in the order and with the roundings hi_na_moe's per-module
 // path runs them, so both give the same bits (tests/test_layers.py compares them).
 #include <cstring>
@@ -63,6 +63,13 @@ void layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
     MoeParams r = a.router_params;
     r.num_threads = num_threads;
     a.router->linear(a.normed, a.B, a.logits, r);
+    if (a.select.w != nullptr) {
+      RouterSelectArgs s = a.select;
+      s.dtype = a.dtype;
+      s.logits = a.logits;
+      s.B = a.B;
+      router_select(s);
+    }
   }
 }
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import kv_cache
+from . import kv_cache, routers
 from .dense import _DTYPE_CODES, NORM_MAX_ROWS, NativeNorm, _matches
 from .routers import ROUTER_MAX_ROWS
 
@@ -211,11 +211,14 @@ class NativeLayer:
             return None
         H = self.hidden
 
-        def moe(x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        def moe(x: torch.Tensor, logits: torch.Tensor | None = None, chosen: tuple | None = None) -> torch.Tensor:
             """The block's output; `logits`: the router's, already computed natively from x
-            (layer_decode_post), after router.usable(gate) said its packed copy is current."""
+            (layer_decode_post), after router._unchanged(gate) said its packed copy is current;
+            `chosen`: with them, the router's (weights, indices) from router_select."""
             h = x.view(-1, H)
-            if logits is None:
+            if chosen is not None:
+                w, idx = chosen
+            elif logits is None:
                 _, w, idx = router.forward(gate, h)
             else:
                 _, w, idx = router.form(lambda _: logits, h)
@@ -339,13 +342,18 @@ class NativeLayer:
         use_router = (router is not None and router.dtype is dt and B <= ROUTER_MAX_ROWS and not gate.training
                       and router._unchanged(gate))
         logits = torch.empty(B, router.experts, dtype=dt) if use_router else None
+        chosen, select = None, ()
+        if use_router and router.select is not None and routers.NATIVE_SELECT:
+            form, k, renorm, wdt, _ = router.select
+            chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
+            select = (form, router.experts, k, renorm, _DTYPE_CODES[wdt], chosen[0].data_ptr(), chosen[1].data_ptr())
         s, n2 = torch.empty_like(x), torch.empty_like(x)
         self.native.layer_decode_post_raw(
             code, B, H, attn[0], Hq, Hkv, attn[1], D, attn[2], attn[3], attn[4], attn[5], attn[6], attn[7], attn[8],
             attn[9], m.scaling, attn[10], attn[11], at.isa, attn_p, o.bound, o_p, x.data_ptr(), w2.data_ptr(),
             self.norm2.eps, s.data_ptr(), n2.data_ptr(), router.bound if use_router else None,
-            0 if logits is None else logits.data_ptr(), threads)
-        return self._residual(s, self.mlp(n2) if moe is None else moe(n2, logits), code)
+            0 if logits is None else logits.data_ptr(), threads, *select)
+        return self._residual(s, self.mlp(n2) if moe is None else moe(n2, logits, chosen), code)
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

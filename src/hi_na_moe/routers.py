@@ -30,6 +30,13 @@ rounded once: they can differ from F.linear's in the last bit (the probe checks 
 that), and an expert whose probability ties with the k-th can then be chosen differently. That
 is the same kind of difference every other scope="all" layer makes, and the reason routers are
 patched under scope="all" only.
+
+The form after the logits runs natively too (router_select, csrc/moe/router.cpp), for the
+decode rows this module handles, when it reproduces the form on a probe: the same experts in
+the same order, ties included (its top-k moves equal values as torch.topk's CPU kernel does,
+which is not by index), and weights within a few float32 ulps of PyTorch's softmax (std::exp
+against PyTorch's vectorised exp; PyTorch's own AVX2 and AVX-512 builds differ from each other
+as much). NATIVE_SELECT = False keeps PyTorch's ops for it.
 """
 
 from __future__ import annotations
@@ -45,11 +52,16 @@ from .dense import _matches
 from .ops import NATIVE_DTYPES
 
 ROUTER_MAX_ROWS = 16  # more rows (prefill): the module's own forward, whose GEMM is efficient
+NATIVE_SELECT = True  # the softmax and top-k after the logits on router_select (module docstring)
 # the native logits may differ from F.linear's by this much (relative to the logits' scale):
 # the dtype's rounding of a float32 sum taken in another order
 _LOGIT_RTOL = {torch.float32: 2.0**-16, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 Form = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], tuple]
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the weights of router_select may differ from the form's by this much (relative): float32
+# softmaxes with another exp (a few ulps), or one step of the dtype they are cast to
+_SELECT_RTOL = {torch.float32: 2.0**-18, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def _softmax_topk(k: int, renorm: bool, cast: bool) -> Form:
@@ -63,6 +75,9 @@ def _softmax_topk(k: int, renorm: bool, cast: bool) -> Form:
             top = top.to(logits.dtype)
         return logits, top, idx
 
+    # router_select's form, k, renorm and the weights' dtype for logits of dtype dt, and whether
+    # the form returns its logits in float32
+    run.native = lambda dt: (0, k, renorm, dt if cast else torch.float32, False)  # type: ignore[attr-defined]
     return run
 
 
@@ -77,6 +92,9 @@ def _topk_softmax(k: int, float_first: bool, cast: bool) -> Form:
             scores = scores.type_as(h)
         return logits, scores, idx
 
+    # (the native path's h has the logits' dtype)
+    run.native = lambda dt: (1, k, False, dt if cast or not float_first else torch.float32,  # type: ignore[attr-defined]
+                             float_first)
     return run
 
 
@@ -143,6 +161,9 @@ class NativeRouter:
         self.dtype, self.experts, self.hidden = w.dtype, w.shape[0], w.shape[1]
         self.form: Form | None = None
         self.form_name: str | None = None
+        # router_select's (form, k, renorm, weights' dtype, float32 logits out) when it reproduces
+        # the form (matches)
+        self.select: tuple | None = None
         self.settings = _settings(module)
         self._lock = threading.Lock()
         self._pack(w, getattr(module, "bias", None))
@@ -153,8 +174,9 @@ class NativeRouter:
         (load_state_dict, copy_) and a new copy is packed."""
         from .hardware import native_module
 
+        self.native = native_module()[0]
         with torch.no_grad():
-            packed = native_module()[0].PackedExperts.pack_linear(
+            packed = self.native.PackedExperts.pack_linear(
                 w.detach().contiguous(), None if b is None else b.detach().contiguous(), isa=self.isa,
                 num_threads=self.threads, weights="lossless")
         self.packed, self.bound, self.nbytes = packed, packed.bind(), packed.nbytes
@@ -178,6 +200,32 @@ class NativeRouter:
         out = torch.empty((h.shape[0], self.experts), dtype=self.dtype)
         self.bound.linear(h.data_ptr(), h.shape[0], out.data_ptr(), self.threads or torch.get_num_threads())
         return out
+
+    def select_into(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, indices) of the form from `logits` [B, experts] (contiguous, the router's
+        dtype) on router_select; self.select must be set."""
+        form, k, renorm, wdt, _ = self.select
+        B = logits.shape[0]
+        w, idx = torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64)
+        self.native.router_select_raw(_CODES[self.dtype], logits.data_ptr(), B, self.experts, k, form, renorm,
+                                      _CODES[wdt], w.data_ptr(), idx.data_ptr())
+        return w, idx
+
+    def _select_reproduces(self, h: torch.Tensor) -> bool:
+        """Whether router_select gives the form's experts, in its order, and its weights within
+        _SELECT_RTOL, from F.linear's logits of h and from tie-heavy logits."""
+        gen = torch.Generator().manual_seed(13)
+        ties = (torch.randint(-6, 7, (256, self.experts), generator=gen).float() / 4).to(self.dtype)
+        for logits in (self._reference_logits(h).contiguous(), ties):
+            _, want_w, want_idx = self.form(lambda _: logits, logits)
+            w, idx = self.select_into(logits)
+            if w.dtype != want_w.dtype or not torch.equal(idx, want_idx):
+                return False
+            want = want_w.float()
+            tol = _SELECT_RTOL[w.dtype] * want.abs() + torch.finfo(torch.float32).tiny
+            if not bool(((w.float() - want).abs() <= tol).all()):
+                return False
+        return True
 
     def _reference_logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.module.weight, getattr(self.module, "bias", None))
@@ -220,6 +268,9 @@ class NativeRouter:
             self.form_name, self.form = found[0]
             ref = self._reference_logits(h).float()
             nat = self._logits(h).float()
+            self.select = self.form.native(self.dtype)
+            if not self._select_reproduces(h):
+                self.select = None
         tol = _LOGIT_RTOL[self.dtype] * ref.abs().amax(dim=-1, keepdim=True)
         return bool(((nat - ref).abs() <= tol).all())
 
@@ -229,6 +280,10 @@ class NativeRouter:
         if (type(h) is torch.Tensor and h.dim() == 2 and h.dtype is self.dtype and h.shape[1] == self.hidden
                 and h.shape[0] <= ROUTER_MAX_ROWS and h.is_contiguous() and h.is_cpu and not h.requires_grad
                 and not h.is_neg() and not module.training and self._unchanged(module)):
+            if self.select is not None and NATIVE_SELECT:
+                logits = self._logits(h)
+                w, idx = self.select_into(logits)
+                return logits.float() if self.select[4] else logits, w, idx
             return self.form(self._logits, h)
         return self.original(h)
 

@@ -309,6 +309,26 @@ struct AttnDecodeArgs {
 // AVX2; others: the baseline build).
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa);
 
+// A MoE router's selection from its logits (csrc/moe/router.cpp), per row of E logits:
+//   kSoftmaxTopk: p = softmax(float32(logits)); the k largest p (values and indices), then
+//                 optionally w = top / sum(top) (renorm);
+//   kTopkSoftmax: the k largest logits, then w = softmax over those k (float32 math).
+// The top-k moves ties as torch.topk's CPU kernel does (not by index); the softmax uses
+// std::exp, so w can differ from PyTorch's in the last float32 bits. w is rounded once to
+// w_dtype; idx is int64. Single-threaded (a decode step's few rows).
+enum class RouterForm : int { kSoftmaxTopk = 0, kTopkSoftmax = 1 };
+struct RouterSelectArgs {
+  DType dtype;         // the logits'
+  const void* logits;  // [B, E] contiguous
+  int64_t B, E, k;     // 1 <= k <= E
+  RouterForm form;
+  bool renorm;  // kSoftmaxTopk only
+  DType w_dtype;
+  void* w;       // out [B, k]
+  int64_t* idx;  // out [B, k]
+};
+void router_select(const RouterSelectArgs& a);
+
 // A pre-norm decoder layer's decode step before the KV-cache update (csrc/moe/layer_step.cpp):
 // h = rms_norm(x); [q | k | v] = qkv.linear(h); q and k through their RMSNorms (qk_norm 1: over
 // the whole projection, 2: per head, 0: none); q, k rotated (rope_rotate_half); v copied. Every
@@ -344,7 +364,8 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 
 // The step after the cache update: the attention (attn; skipped when attn.q is null, its out
 // then already holding the heads' outputs), o = o_proj.linear(attn.out), sum = x + o and
-// normed = rms_norm(sum) (add_rms_norm), then, with a router, logits = router.linear(normed).
+// normed = rms_norm(sum) (add_rms_norm), then, with a router, logits = router.linear(normed) and,
+// with select.w, the router's selection from them (router_select).
 struct LayerPostArgs {
   DType dtype;
   int64_t B, H;
@@ -360,6 +381,9 @@ struct LayerPostArgs {
   const PackedExperts* router = nullptr;  // [B, H] -> [B, E]
   MoeParams router_params;
   void* logits = nullptr;  // out [B, E]
+  // with a router and select.w set: then router_select() on the logits (its dtype, logits and
+  // B are taken from here)
+  RouterSelectArgs select{};
 };
 void layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
 

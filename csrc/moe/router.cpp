@@ -1,0 +1,108 @@
+// A MoE router's selection from its logits (hi_na_moe.routers), in the two forms transformers
+// writes: softmax then top-k, or top-k then a softmax over the k.
+//
+// The top-k reproduces torch.topk's CPU kernel, ties included: PyTorch selects with the C++
+// standard library (a partial sort when 64 k <= E, else nth_element and a sort of the first
+// k - 1), over (value, index) pairs in index order, with a comparator that only looks at the
+// value (NaN first). The same algorithms on the same pairs with the same comparator make the
+// same moves, so equal values come out in PyTorch's order, which is not the index order
+// (tests/test_routers.py checks it against torch.topk on tie-heavy rows, every path).
+//
+// The softmax is exp(x - max) / sum in float32 with std::exp; PyTorch's vectorised exp
+// differs from it (and between PyTorch's own CPU builds) in the last bits, so the weights can
+// differ from the module's by a few float32 ulps, as the other scope="all" kernels' results do.
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "hina_moe/moe.h"
+#include "kernel_api.h"
+
+namespace hina {
+namespace {
+
+float load(DType dt, const void* p, int64_t i) {
+  switch (dt) {
+    case DType::kBF16: return detail::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16: return detail::f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+void store(DType dt, void* p, int64_t i, float v) {
+  switch (dt) {
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = detail::f32_to_bf16(v); break;
+    case DType::kF16: static_cast<uint16_t*>(p)[i] = detail::f32_to_f16(v); break;
+    default: static_cast<float*>(p)[i] = v;
+  }
+}
+
+using Entry = std::pair<float, int64_t>;
+
+bool before(const Entry& a, const Entry& b) {  // the larger value first, NaN before any number
+  return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+}
+
+// The k largest of q (in index order on entry) to q[0..k), largest first, as torch.topk moves them.
+void top_k(std::vector<Entry>& q, int64_t k) {
+  const int64_t n = static_cast<int64_t>(q.size());
+  if (k * 64 <= n) {
+    std::partial_sort(q.begin(), q.begin() + k, q.end(), before);
+  } else {
+    std::nth_element(q.begin(), q.begin() + (k - 1), q.end(), before);
+    std::sort(q.begin(), q.begin() + (k - 1), before);
+  }
+}
+
+// out[j] = exp(v[j] - max) / sum over the n values (float32).
+void softmax(float* v, int64_t n) {
+  float m = -INFINITY;
+  bool nan = false;
+  for (int64_t j = 0; j < n; ++j) {
+    nan |= std::isnan(v[j]);
+    m = std::max(m, v[j]);
+  }
+  if (nan) m = NAN;  // PyTorch's max propagates NaN, and every output is NaN then
+  float s = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    v[j] = std::exp(v[j] - m);
+    s += v[j];
+  }
+  const float r = 1.0f / s;
+  for (int64_t j = 0; j < n; ++j) v[j] *= r;
+}
+
+}  // namespace
+
+void router_select(const RouterSelectArgs& a) {
+  thread_local std::vector<Entry> q;
+  thread_local std::vector<float> vals;
+  q.resize(static_cast<size_t>(a.E));
+  vals.resize(static_cast<size_t>(std::max(a.E, a.k)));
+  const size_t ldt = dtype_size(a.dtype);
+  for (int64_t b = 0; b < a.B; ++b) {
+    const char* row = static_cast<const char*>(a.logits) + b * a.E * ldt;
+    float* v = vals.data();
+    for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
+    if (a.form == RouterForm::kSoftmaxTopk) softmax(v, a.E);
+    for (int64_t j = 0; j < a.E; ++j) q[j] = {v[j], j};
+    top_k(q, a.k);
+    for (int64_t j = 0; j < a.k; ++j) {
+      v[j] = q[j].first;
+      a.idx[b * a.k + j] = q[j].second;
+    }
+    if (a.form == RouterForm::kSoftmaxTopk) {
+      if (a.renorm) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < a.k; ++j) s += v[j];
+        for (int64_t j = 0; j < a.k; ++j) v[j] /= s;
+      }
+    } else {
+      softmax(v, a.k);
+    }
+    for (int64_t j = 0; j < a.k; ++j) store(a.w_dtype, a.w, b * a.k + j, v[j]);
+  }
+}
+
+}  // namespace hina
