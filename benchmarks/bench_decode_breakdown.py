@@ -23,7 +23,11 @@ attention modules (decode steps on the native rotary and attention kernels, or t
 --ab-layers: the decoder layers (hi_na_moe.layers' short path, or their own forward on the
 patched modules), whole-step times only (hooks on the parts would send every call to the
 layers' own forward); --ab-stacks: the decoder stack (hi_na_moe.stack's loop over the layers'
-short paths, or its own forward calling each layer), whole-step times only likewise.
+short paths, or its own forward calling each layer), whole-step times only likewise;
+--ab-select: the routers' softmax and top-k on router_select or in PyTorch's ops
+(hi_na_moe.routers.NATIVE_SELECT; the experts then also leave layer_decode_post), whole-step
+times only likewise; --ab-one-call: the stack's decode step in one native call or its loop over
+the layers' short paths (hi_na_moe.stack.ONE_CALL), whole-step times only likewise.
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -78,6 +82,10 @@ def main() -> int:
                     help="alternate the decoder layers' short path / their own forward (scope all; step times only)")
     ap.add_argument("--ab-stacks", action="store_true",
                     help="alternate the decoder stack's loop / its own forward (scope all; step times only)")
+    ap.add_argument("--ab-select", action="store_true",
+                    help="alternate the routers' selection on router_select / in PyTorch (scope all; step times only)")
+    ap.add_argument("--ab-one-call", action="store_true",
+                    help="alternate the stack's one native call / its loop over the layers (scope all; step times only)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -117,29 +125,44 @@ def main() -> int:
 
     kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
                              ("attention", args.ab_attention), ("layers", args.ab_layers),
-                             ("stacks", args.ab_stacks)) if on]
+                             ("stacks", args.ab_stacks), ("select", args.ab_select),
+                             ("one-call", args.ab_one_call)) if on]
     if len(kinds) > 1:
-        raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks: one A/B at a time")
+        raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
+                         "--ab-one-call: one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
     # the layers' short path skips the modules' calls, and takes their own forward while any of
-    # them has a hook: --ab-layers (and --ab-stacks) time whole steps only
-    for name, m in model.named_modules() if kind not in ("layers", "stacks") else ():
+    # them has a hook: --ab-layers (and --ab-stacks, --ab-select) time whole steps only
+    for name, m in model.named_modules() if kind not in whole_steps else ():
         part = classify(name, m)
         if part:
             m.register_forward_pre_hook(pre(part))
             m.register_forward_hook(post)
             counted[part] += 1
 
-    arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else "PyTorch ") + kind] if kind else [""]
+    arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else
+                               "layer-loop " if kind == "one-call" else "PyTorch ") + kind] if kind else [""]
     use_native = None
     if kind:
         if args.scope != "all":
             raise SystemExit(f"--ab-{kind} needs --scope all")
-        from ab_switch import small_module_switch
+        if kind == "select":
+            from hi_na_moe import routers
 
-        use_native = small_module_switch(model, kind)
+            def use_native(on: bool) -> None:
+                routers.NATIVE_SELECT = on
+        elif kind == "one-call":
+            from hi_na_moe import stack
+
+            def use_native(on: bool) -> None:
+                stack.ONE_CALL = on
+        else:
+            from ab_switch import small_module_switch
+
+            use_native = small_module_switch(model, kind)
 
     def use_arm(arm: str) -> None:
         if use_native:
@@ -179,7 +202,7 @@ def main() -> int:
         print(f"{args.weights}, scope {args.scope}{fuse}{', ' + arm if arm else ''}, torch threads {args.torch_threads}, "
               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: step {1e3 * step:.1f} ms (median of {len(st)}); "
               f"paired probe median {statistics.median(bws[arm]):.1f} GB/s")
-        if kind == "layers":
+        if kind in whole_steps:
             continue
         print("| part | modules | ms per step (median) | share of the step |")
         print("|---|---|---|---|")

@@ -136,9 +136,13 @@ def test_buffers_made_in_inference_mode_are_replaced_outside_it():
 
 @pytest.mark.skipif(not native_kernels_available(), reason="the decode paths run on the native kernels")
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("path", ["two-native-calls", "per-module-attention"])
+@pytest.mark.parametrize("path", ["one-native-call", "two-native-calls", "per-module-attention"])
 def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(path, rows, monkeypatch):
+    from hi_na_moe import stack
+
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)  # the tiny projections packed: the layers' two native calls
+    # the stack's one native call (decode_layers writes at the slots' positions itself), or its loop
+    monkeypatch.setattr(stack, "ONE_CALL", path == "one-native-call")
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     hi_na_moe.enable_for_model(model, scope="all")
     hooks = []

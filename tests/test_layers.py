@@ -12,7 +12,7 @@ from tiny_models import UNBUILDABLE, build_tiny, greedy_decode, olmoe
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe import dense
+from hi_na_moe import dense, torch_ops
 from hi_na_moe.families import moe_families
 from hi_na_moe.hardware import native_kernels_available
 from hi_na_moe.patching import patched_runner
@@ -47,16 +47,27 @@ def test_add_and_add_rms_norm_are_pytorchs_add_and_the_norm_kernel_bit_for_bit(d
 
 
 class _Count:
-    """Counts the decode calls the layers take on their short path (calls), and those of them
-    run in the two native calls (native)."""
+    """Counts the decode calls the layers take on their short path (calls), those of them run in
+    the two native calls (native), and those whose experts ran inside the second (fused);
+    fusable: the layers whose MoE block can (its short path, no shared expert)."""
 
     def __init__(self, model):
-        self.calls = self.native = 0
+        self.calls = self.native = self.fused = self.fusable = 0
         rep = hi_na_moe.report_for(model)
         mods = dict(model.named_modules())
         for name in rep.layers:
             runner = patched_runner(mods[name])
             fast, native_fast = runner._fast, runner._native_fast
+            if runner.moe is not None and not runner.moe.shared:
+                self.fusable += 1
+                experts = runner.moe.experts
+
+                def bound_for(*args, _bound_for=experts.bound_for):
+                    out = _bound_for(*args)
+                    self.fused += out is not None
+                    return out
+
+                experts.bound_for = bound_for
 
             def counted(*args, _fast=fast, **kwargs):
                 self.calls += 1
@@ -85,11 +96,13 @@ def _own_forward(model, on: bool, saved: dict) -> None:
 
 def _same_decode(model, ids, steps=4, attention_mask=None, native=False):
     """The short path against the layers' own forward: the same logits and cache, bit for bit;
-    native: every step of every layer in the two native calls."""
+    native: every step of every layer in the two native calls, with the experts in the second
+    where the MoE block allows it."""
     count = _Count(model)
     got, c_got = greedy_decode(model, ids, steps, attention_mask)
     assert count.calls == steps * len(hi_na_moe.report_for(model).layers)
     assert count.native == (count.calls if native else 0)
+    assert count.fused == (steps * count.fusable if native else 0)
     saved: dict = {}
     _own_forward(model, True, saved)
     try:
@@ -101,9 +114,19 @@ def _same_decode(model, ids, steps=4, attention_mask=None, native=False):
         assert torch.equal(g, w)
     for lg, lw in zip(c_got.layers, c_want.layers):
         assert torch.equal(lg.keys, lw.keys) and torch.equal(lg.values, lw.values)
+    return count
 
 
 FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@pytest.fixture(autouse=True)
+def _layer_by_layer(monkeypatch):
+    """These tests count and compare the layers' own calls: the stack's one native call
+    (tested in test_stack.py) would skip them."""
+    from hi_na_moe import stack
+
+    monkeypatch.setattr(stack, "ONE_CALL", False)
 
 
 @pytest.mark.parametrize("all_linears", [False, True], ids=["tiny-projections-left-to-pytorch", "every-linear-native"])
@@ -120,7 +143,9 @@ def test_known_families_decode_on_the_short_path_bit_for_bit(model_type, all_lin
         assert rep.layers == layers and not rep.layers_differ
         assert f"decoder layers with decode steps in few native calls: {len(layers)}" in str(rep)
         ids = torch.tensor([[3, 9, 4, 7]])
-        _same_decode(model, ids, native=all_linears)
+        count = _same_decode(model, ids, native=all_linears)
+        # the experts inside the second native call: every family but Qwen2-MoE (shared expert)
+        assert (count.fused > 0) == (all_linears and model_type != "qwen2_moe")
         # a padded batch: a bool mask over the keys reaches the attention kernel
         _same_decode(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
                      attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), native=all_linears)
@@ -134,7 +159,13 @@ def test_quantised_experts_and_linears_decode_in_the_two_native_calls_bit_for_bi
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)  # grouped-query heads, k/v large enough to pack
     hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
     try:
-        _same_decode(model, torch.tensor([[5, 6, 7, 8, 9]]), 5, native=True)
+        assert _same_decode(model, torch.tensor([[5, 6, 7, 8, 9]]), 5, native=True).fused == 2 * 5
+        # a fused call still records the kernel it ran, for reports
+        experts = [patched_runner(layer).moe.experts for layer in model.model.layers]
+        for e in experts:
+            torch_ops._LAST_KERNEL.pop(e.handle)
+        greedy_decode(model, torch.tensor([[5, 6, 7]]), 1)
+        assert all(e.last_kernel.startswith(f"moe_decode_{weights}_") for e in experts)
     finally:
         hi_na_moe.disable_for_model(model)
 

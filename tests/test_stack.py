@@ -17,23 +17,35 @@ from hi_na_moe.families import moe_families
 from hi_na_moe.hardware import native_kernels_available
 from hi_na_moe.patching import patched_runner
 
+def _native_isa(tier: str) -> bool:
+    from hi_na_moe.hardware import native_module
+
+    return native_kernels_available() and native_module()[0].isa_supported(tier)
+
+
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class _Count:
-    """Counts the stack's decode calls that ran its loop."""
+    """Counts the stack's decode calls that ran its loop (loops), and those of them that ran
+    every layer in one native call (one_calls)."""
 
     def __init__(self, model):
-        self.loops = 0
+        self.loops = self.one_calls = 0
         runner = patched_runner(model.model)
-        run = runner._run
+        run, one_call = runner._run, runner._one_call
 
         def counted(*args, _run=run):
             self.loops += 1
             return _run(*args)
 
-        runner._run = counted
+        def counted_one_call(*args, _one_call=one_call):
+            out = _one_call(*args)
+            self.one_calls += out is not None
+            return out
+
+        runner._run, runner._one_call = counted, counted_one_call
 
 
 def _own(model, on: bool, saved: dict) -> None:
@@ -74,8 +86,12 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
     try:
         assert rep.stacks == ["model"] and not rep.stacks_differ
         assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
-        _same(model, torch.tensor([[3, 9, 4, 7]]))
-        _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3, attention_mask=torch.ones(2, 4, dtype=torch.long))
+        # no mask: every layer in one native call, but with Qwen2-MoE's shared expert
+        one_call = model_type != "qwen2_moe"
+        assert _same(model, torch.tensor([[3, 9, 4, 7]])).one_calls == (4 if one_call else 0)
+        count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3,
+                      attention_mask=torch.ones(2, 4, dtype=torch.long))
+        assert count.one_calls == (3 if one_call else 0)
         # padding: the mask the stack's own forward would build, over the keys
         _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
               attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
@@ -196,5 +212,59 @@ def test_a_stack_with_sliding_window_attention_keeps_its_own_forward(monkeypatch
     try:
         assert rep.layers and rep.stacks == [] and rep.stacks_differ == ["model"]
         assert "sliding-window attention" in str(rep)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def _by_layer(model, ids, steps, one_call=True):
+    """greedy_decode with the stack's one native call (count.one_calls: every step, or with
+    one_call False none) and with its loop over the layers' short paths: the same logits and
+    cache, bit for bit."""
+    from hi_na_moe import stack
+
+    count = _Count(model)
+    got, c_got = greedy_decode(model, ids, steps)
+    assert count.one_calls == (steps if one_call else 0)
+    stack.ONE_CALL = False
+    try:
+        want, c_want = greedy_decode(model, ids, steps)
+    finally:
+        stack.ONE_CALL = True
+    assert count.one_calls == (steps if one_call else 0) and count.loops == 2 * steps
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for a, b in zip(c_got.layers, c_want.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("isa", [t for t in ("generic", "avx2", "auto") if t == "auto" or _native_isa(t)])
+@pytest.mark.parametrize("weights", ["lossless", "int4"])
+def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, monkeypatch, tmp_path):
+    """Past the KV buffers' regrowth (kv_cache: 256 positions beyond the prompt), two rows,
+    quantised experts and linears, each tier (the generic one has no attention kernel: the
+    layers' loop); then a norm weight replaced after enable (the layer is set again in a new
+    plan) and settings that take the step back to the layers' loop."""
+    from hi_na_moe import routers
+    from hi_na_moe.attention import KERNEL_TIERS
+
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path), isa=isa)
+    try:
+        one_call = isa == "auto" or isa in KERNEL_TIERS
+        _by_layer(model, torch.tensor([[5, 6, 7]]), 260, one_call)
+        _by_layer(model, torch.tensor([[5, 6, 7], [9, 10, 11]]), 3, one_call)
+        if not one_call:
+            return
+        stack_runner = patched_runner(model.model)
+        plan = stack_runner._plan
+        with torch.no_grad():
+            model.model.layers[1].post_attention_layernorm.weight = torch.nn.Parameter(
+                torch.rand(512).bfloat16() + 0.5)
+        _by_layer(model, torch.tensor([[5, 6, 7]]), 3)
+        assert stack_runner._plan is not plan and stack_runner._plan[1] != plan[1]
+        count = _Count(model)
+        monkeypatch.setattr(routers, "NATIVE_SELECT", False)  # the layers' loop, with PyTorch's selection
+        greedy_decode(model, torch.tensor([[5, 6, 7]]), 2)
+        assert count.loops == 2 and count.one_calls == 0
     finally:
         hi_na_moe.disable_for_model(model)

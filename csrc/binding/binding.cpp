@@ -525,6 +525,79 @@ static hina::PoolBackend pool_backend_from(const std::string& name) {
   throw nb::value_error(("unknown thread-pool backend '" + name + "'; expected 'auto', 'own' or 'openmp'").c_str());
 }
 
+// A decode step through a model's decoder layers in one call (hina::decode_layers), for
+// hi_na_moe.stack. Each layer's fixed arguments are set once (set_layer) and again only when one of
+// them changes; the BoundForwards it was given are kept alive here.
+class StepPlan {
+ public:
+  explicit StepPlan(int64_t L) : layers_(static_cast<size_t>(L)), owners_(static_cast<size_t>(L)) {
+    if (L < 1) bad("StepPlan: need at least one layer");
+  }
+  void set_layer(int64_t i, int dtype, int64_t H, uintptr_t ln1_w, float ln1_eps, nb::object qkv, int64_t Hq,
+                 int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
+                 float scale, const std::string& isa, nb::object o, uintptr_t ln2_w, float ln2_eps, nb::object router,
+                 int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
+                 int experts_threads, int num_threads) {
+    if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
+    const auto& bq = nb::cast<const BoundForward&>(qkv);
+    const auto& bo = nb::cast<const BoundForward&>(o);
+    const auto& br = nb::cast<const BoundForward&>(router);
+    const auto& be = nb::cast<const BoundForward&>(experts);
+    const auto dt = static_cast<hina::DType>(dtype);
+    hina::DecodeLayer d{};
+    d.pre = hina::LayerPreArgs{dt, 0, H, nullptr, reinterpret_cast<const void*>(ln1_w), ln1_eps, bq.packed(),
+                               bq.params(), Hq, Hkv, D, qk_norm, reinterpret_cast<const void*>(qn_w),
+                               reinterpret_cast<const void*>(kn_w), qn_eps, kn_eps};
+    d.post.dtype = dt;
+    d.post.H = H;
+    d.post.attn.dtype = dt;
+    d.post.attn.Hq = Hq;
+    d.post.attn.Hkv = Hkv;
+    d.post.attn.D = D;
+    d.post.attn.scale = scale;
+    d.post.o = bo.packed();
+    d.post.o_params = bo.params();
+    d.post.ln2_w = reinterpret_cast<const void*>(ln2_w);
+    d.post.ln2_eps = ln2_eps;
+    d.post.router = br.packed();
+    d.post.router_params = br.params();
+    d.post.select.E = E;
+    d.post.select.k = sel_k;
+    d.post.select.form = static_cast<hina::RouterForm>(sel_form);
+    d.post.select.renorm = sel_renorm;
+    d.post.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
+    d.post.experts = be.packed();
+    d.post.experts_params = be.params();
+    d.post.experts_threads = experts_threads;
+    d.num_threads = num_threads;
+    d.attn_isa = hina::resolve_isa(isa.c_str());
+    layers_[static_cast<size_t>(i)] = d;
+    owners_[static_cast<size_t>(i)] = {std::move(qkv), std::move(o), std::move(router), std::move(experts)};
+  }
+  size_t scratch_bytes(int64_t B) const { return hina::decode_layers_scratch(layers_.data(), size(), B); }
+  nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t kv,
+               uintptr_t scratch, uintptr_t out) const {
+    for (const auto& o : owners_)
+      if (o.empty()) bad("StepPlan.run: a layer was never set");
+    std::vector<const char*> names(layers_.size(), nullptr);
+    {
+      nb::gil_scoped_release release;
+      hina::decode_layers(layers_.data(), reinterpret_cast<const hina::DecodeKV*>(kv), size(), B,
+                          reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
+                          reinterpret_cast<const void*>(sin), cos_bstride, reinterpret_cast<void*>(scratch),
+                          reinterpret_cast<void*>(out), names.data());
+    }
+    nb::list l;
+    for (const char* n : names) l.append(n == nullptr ? nb::none() : nb::object(nb::str(n)));
+    return l;
+  }
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<hina::DecodeLayer> layers_;
+  std::vector<std::vector<nb::object>> owners_;  // per layer: its qkv, o, router and experts BoundForwards
+};
+
 NB_MODULE(_native, m) {
   m.doc() = "hi_na_moe native core (torch-free C++)";
   // PackedExperts live inside patched torch modules, which are often still referenced (module
@@ -958,7 +1031,8 @@ NB_MODULE(_native, m) {
            uintptr_t mask, int64_t mask_bstride, const std::string& isa, uintptr_t attn_out, const BoundForward& o,
            uintptr_t o_out, uintptr_t x, uintptr_t ln2_w, float ln2_eps, uintptr_t sum, uintptr_t normed,
            const BoundForward* router, uintptr_t logits, int num_threads, int sel_form, int64_t sel_E, int64_t sel_k,
-           bool sel_renorm, int sel_w_dtype, uintptr_t sel_w, uintptr_t sel_idx) {
+           bool sel_renorm, int sel_w_dtype, uintptr_t sel_w, uintptr_t sel_idx, const BoundForward* experts,
+           int experts_threads, uintptr_t experts_out) -> nb::object {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -980,11 +1054,22 @@ NB_MODULE(_native, m) {
               a.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
               a.select.w = reinterpret_cast<void*>(sel_w);
               a.select.idx = reinterpret_cast<int64_t*>(sel_idx);
+              if (experts != nullptr) {
+                a.experts = experts->packed();
+                a.experts_params = experts->params();
+                a.experts_threads = experts_threads;
+                a.experts_out = reinterpret_cast<void*>(experts_out);
+              }
             }
           }
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
-          nb::gil_scoped_release release;
-          hina::layer_decode_post(a, num_threads, tier);
+          const char* name;
+          {
+            nb::gil_scoped_release release;
+            name = hina::layer_decode_post(a, num_threads, tier);
+          }
+          if (name == nullptr) return nb::none();
+          return nb::str(name);
         },
         nb::arg("dtype"), nb::arg("B"), nb::arg("H"), nb::arg("q"), nb::arg("Hq"), nb::arg("Hkv"), nb::arg("S"),
         nb::arg("D"), nb::arg("k"), nb::arg("ks0"), nb::arg("ks1"), nb::arg("ks2"), nb::arg("v"), nb::arg("vs0"),
@@ -992,11 +1077,27 @@ NB_MODULE(_native, m) {
         nb::arg("attn_out"), nb::arg("o"), nb::arg("o_out"), nb::arg("x"), nb::arg("ln2_w"), nb::arg("ln2_eps"),
         nb::arg("sum"), nb::arg("normed"), nb::arg("router").none(), nb::arg("logits"), nb::arg("num_threads"),
         nb::arg("sel_form") = 0, nb::arg("sel_E") = 0, nb::arg("sel_k") = 0, nb::arg("sel_renorm") = false, nb::arg("sel_w_dtype") = 0,
-        nb::arg("sel_w") = 0, nb::arg("sel_idx") = 0,
+        nb::arg("sel_w") = 0, nb::arg("sel_idx") = 0, nb::arg("experts").none() = nb::none(),
+        nb::arg("experts_threads") = 0, nb::arg("experts_out") = 0,
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
         "in attn_out; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
-        "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx), "
-        "for hi_na_moe.layers. Wrong addresses crash.");
+        "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
+        "with it, experts (a BoundForward): the experts on that selection with experts_threads, scratch experts_out "
+        "[B, H], added into sum), for hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong addresses "
+        "crash.");
+  nb::class_<StepPlan>(m, "StepPlan",
+      "A decode step through L decoder layers in one native call (decode_layers() in moe.h), for "
+      "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "
+      "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts). run(B, x, cos, sin, "
+      "cos_bstride, kv, scratch, out) runs the step: kv the address of L x 6 int64 (k and v buffer addresses, "
+      "batch/head/position element strides, positions after the write), scratch of scratch_bytes(B) bytes. "
+      "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer.")
+      .def(nb::init<int64_t>(), nb::arg("layers"))
+      .def("set_layer", &StepPlan::set_layer)
+      .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
+      .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
+           nb::arg("cos_bstride"), nb::arg("kv"), nb::arg("scratch"), nb::arg("out"))
+      .def("__len__", &StepPlan::size);
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,
            uintptr_t w, uintptr_t idx) {

@@ -1,7 +1,9 @@
 // A pre-norm decoder layer's decode step in two native calls (hi_na_moe.layers): everything
-// before the KV-cache update, and everything after it up to the router's logits (and its selection). Only the
+// before the KV-cache update, and everything after it: up to the router's logits, or through the
+// router's selection, the experts and the last residual add. Only the
 // library's own kernels, composed in the order and with the roundings hi_na_moe's per-module
 // path runs them, so both give the same bits (tests/test_layers.py compares them).
+#include <algorithm>
 #include <cstring>
 
 #include "hina_moe/moe.h"
@@ -53,7 +55,7 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
   }
 }
 
-void layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
+const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
   if (a.attn.q != nullptr) attention_decode(a.attn, num_threads, attn_isa);
   MoeParams p = a.o_params;
   p.num_threads = num_threads;
@@ -69,7 +71,120 @@ void layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
       s.logits = a.logits;
       s.B = a.B;
       router_select(s);
+      if (a.experts != nullptr) {
+        MoeParams e = a.experts_params;
+        e.num_threads = a.experts_threads;
+        e.topk_w_dtype = s.w_dtype;
+        const char* name = a.experts->forward(a.normed, a.B, s.idx, 64, s.w, s.k, a.experts_out, e);
+        add(a.dtype, a.sum, a.experts_out, a.B * a.H, a.sum);
+        return name;
+      }
     }
+  }
+  return nullptr;
+}
+
+namespace {
+
+// The scratch of one step, carved from one buffer: the largest layer's sizes.
+struct StepScratch {
+  size_t h, qkv, qk_tmp, q, attn, o_out, normed, logits, w, idx, experts_out, x0, x1, total;
+};
+
+size_t take(size_t& at, size_t bytes) {
+  const size_t here = at;
+  at += (bytes + 63) / 64 * 64;
+  return here;
+}
+
+StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
+  int64_t H = 0, nq = 0, nkv = 0, E = 0, k = 0;
+  size_t es = 1;
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerPreArgs& p = layers[l].pre;
+    es = std::max(es, dtype_size(p.dtype));
+    H = std::max(H, p.H);
+    nq = std::max(nq, p.Hq * p.D);
+    nkv = std::max(nkv, p.Hkv * p.D);
+    E = std::max(E, layers[l].post.select.E);
+    k = std::max(k, layers[l].post.select.k);
+  }
+  const size_t b = static_cast<size_t>(B);
+  StepScratch s{};
+  size_t at = 0;
+  s.h = take(at, b * H * es);
+  s.qkv = take(at, b * (nq + 2 * nkv) * es);
+  s.qk_tmp = take(at, b * (nq + nkv) * es);
+  s.q = take(at, b * nq * es);
+  s.attn = take(at, b * nq * es);
+  s.o_out = take(at, b * H * es);
+  s.normed = take(at, b * H * es);
+  s.logits = take(at, b * E * es);
+  s.w = take(at, b * k * 4);
+  s.idx = take(at, b * k * 8);
+  s.experts_out = take(at, b * H * es);
+  s.x0 = take(at, b * H * es);
+  s.x1 = take(at, b * H * es);
+  s.total = at;
+  return s;
+}
+
+}  // namespace
+
+size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
+  return step_scratch(layers, L, B).total;
+}
+
+void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
+                   const void* sin, int64_t cos_bstride, void* scratch, void* out, const char** names) {
+  const StepScratch s = step_scratch(layers, L, B);
+  char* base = static_cast<char*>(scratch);
+  const void* cur = x;
+  for (int64_t l = 0; l < L; ++l) {
+    const DecodeLayer& d = layers[l];
+    const size_t es = dtype_size(d.pre.dtype);
+    const DecodeKV& c = kv[l];
+    char* k_at = reinterpret_cast<char*>(c.k) + (c.S - 1) * c.sstride * es;
+    char* v_at = reinterpret_cast<char*>(c.v) + (c.S - 1) * c.sstride * es;
+    LayerPreArgs p = d.pre;
+    p.B = B;
+    p.x = cur;
+    p.cos = cos;
+    p.sin = sin;
+    p.cos_bstride = cos_bstride;
+    p.h = base + s.h;
+    p.qkv_out = base + s.qkv;
+    p.qk_tmp = base + s.qk_tmp;
+    p.q = base + s.q;
+    p.k = k_at;
+    p.v = v_at;
+    p.kv_bstride = c.bstride;
+    p.kv_hstride = c.hstride;
+    layer_decode_pre(p, d.num_threads);
+
+    LayerPostArgs a = d.post;
+    a.B = B;
+    a.attn.B = B;
+    a.attn.q = base + s.q;
+    a.attn.k = reinterpret_cast<const void*>(c.k);
+    a.attn.v = reinterpret_cast<const void*>(c.v);
+    a.attn.S = c.S;
+    a.attn.k_strides[0] = a.attn.v_strides[0] = c.bstride;
+    a.attn.k_strides[1] = a.attn.v_strides[1] = c.hstride;
+    a.attn.k_strides[2] = a.attn.v_strides[2] = c.sstride;
+    a.attn.mask = nullptr;
+    a.attn.mask_bstride = 0;
+    a.attn.out = base + s.attn;
+    a.o_out = base + s.o_out;
+    a.x = cur;
+    a.sum = l == L - 1 ? out : base + (l % 2 == 0 ? s.x0 : s.x1);
+    a.normed = base + s.normed;
+    a.logits = base + s.logits;
+    a.select.w = base + s.w;
+    a.select.idx = reinterpret_cast<int64_t*>(base + s.idx);
+    a.experts_out = base + s.experts_out;
+    names[l] = layer_decode_post(a, d.num_threads, d.attn_isa);
+    cur = a.sum;
   }
 }
 

@@ -40,6 +40,11 @@ from torch import nn
 from . import kv_cache, routers
 from .dense import _DTYPE_CODES, NORM_MAX_ROWS, NativeNorm, _matches
 from .routers import ROUTER_MAX_ROWS
+from .torch_ops import _LAST_KERNEL
+
+# with the router's selection native (routers.NATIVE_SELECT), the MoE block's experts and the
+# layer's last residual add run in the same native call as the attention (layer_decode_post)
+FUSE_EXPERTS = True
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -229,7 +234,7 @@ class NativeLayer:
                 out = out + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
             return out.view(x.shape)
 
-        moe.router, moe.gate = router, gate
+        moe.router, moe.gate, moe.experts, moe.shared = router, gate, runner, shared
         return moe
 
     def _observed(self) -> bool:
@@ -342,18 +347,59 @@ class NativeLayer:
         use_router = (router is not None and router.dtype is dt and B <= ROUTER_MAX_ROWS and not gate.training
                       and router._unchanged(gate))
         logits = torch.empty(B, router.experts, dtype=dt) if use_router else None
-        chosen, select = None, ()
+        chosen, select, fused = None, (), None
         if use_router and router.select is not None and routers.NATIVE_SELECT:
             form, k, renorm, wdt, _ = router.select
             chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
             select = (form, router.experts, k, renorm, _DTYPE_CODES[wdt], chosen[0].data_ptr(), chosen[1].data_ptr())
+            # the experts and the last residual add in the same call (not with a shared expert,
+            # which runs as modules after the routed experts)
+            fused = None if moe.shared or not FUSE_EXPERTS else moe.experts.bound_for(dt, H, B * k)
+            if fused is not None:
+                eo = torch.empty_like(x)
+                select += (fused[0], fused[1], eo.data_ptr())
         s, n2 = torch.empty_like(x), torch.empty_like(x)
-        self.native.layer_decode_post_raw(
+        name = self.native.layer_decode_post_raw(
             code, B, H, attn[0], Hq, Hkv, attn[1], D, attn[2], attn[3], attn[4], attn[5], attn[6], attn[7], attn[8],
             attn[9], m.scaling, attn[10], attn[11], at.isa, attn_p, o.bound, o_p, x.data_ptr(), w2.data_ptr(),
             self.norm2.eps, s.data_ptr(), n2.data_ptr(), router.bound if use_router else None,
             0 if logits is None else logits.data_ptr(), threads, *select)
+        if fused is not None:
+            _LAST_KERNEL[moe.experts.handle] = name
+            return s
         return self._residual(s, self.mlp(n2) if moe is None else moe(n2, logits, chosen), code)
+
+    def plan_args(self, dt: torch.dtype, B: int) -> tuple | None:
+        """This layer's arguments to StepPlan.set_layer (after its index) for a decode step of B
+        rows of dtype dt in hi_na_moe.stack's one native call, or None when its step cannot run
+        there: that call runs what _native_fast runs with the router's selection and the experts
+        in the second call, the attention on the kernel, and no shared expert. Read at every step
+        (the weights as _native_fast reads them, the router's _unchanged, the experts' binding):
+        the stack sets a layer again when they change."""
+        moe = self.moe
+        if (self.step is None or moe is None or moe.shared or not FUSE_EXPERTS or not routers.NATIVE_SELECT
+                or not self.attn.kernel or self.attn.dtype is not dt or B > NORM_MAX_ROWS or B > ROUTER_MAX_ROWS):
+            return None
+        ptrs = []
+        for params, n in self.params:
+            w = params.get("weight")
+            if (type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or w.numel() != n
+                    or not w.is_contiguous() or not w.is_cpu):
+                return None
+            ptrs.append(w.data_ptr())
+        router, gate = moe.router, moe.gate
+        if router.select is None or router.dtype is not dt or gate.training or not router._unchanged(gate):
+            return None
+        form, k, renorm, wdt, _ = router.select
+        fused = moe.experts.bound_for(dt, self.hidden, B * k)
+        if fused is None:
+            return None
+        qkv, o, qk, qn, kn = self.step
+        at = self.attn
+        return (_DTYPE_CODES[dt], self.hidden, ptrs[0], self.norm1.eps, qkv.bound, at.Hq, at.Hkv, at.D, qk,
+                ptrs[2] if qk else 0, ptrs[3] if qk else 0, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
+                self.attn_mod.scaling, at.isa, o.bound, ptrs[1], self.norm2.eps, router.bound, router.experts, form,
+                k, renorm, _DTYPE_CODES[wdt], fused[0], fused[1], qkv.threads or torch.get_num_threads())
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

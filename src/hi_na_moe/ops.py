@@ -408,18 +408,41 @@ class NativeExperts:
 
         Why: with the caches a decode step leaves, each Python frame and torch op on the way to
         the kernel costs several times its hot time (benchmarks/bench_call_overhead.py)."""
-        bound = torch_ops._BOUND.get(self.handle)
-        if (bound is None or bound[0] != self._params or self.recorder is not None or self.spec.n_identity
-                or type(hidden) is not torch.Tensor or type(idx) is not torch.Tensor or type(w) is not torch.Tensor
-                or hidden.requires_grad or w.requires_grad or hidden.is_neg() or w.is_neg()
-                or torch_ops._len_dispatch_modes() or torch_ops._function_mode_on()):
+        bound = self._bound()
+        if (bound is None or type(hidden) is not torch.Tensor or type(idx) is not torch.Tensor
+                or type(w) is not torch.Tensor or hidden.requires_grad or w.requires_grad or hidden.is_neg()
+                or w.is_neg() or torch_ops._len_dispatch_modes() or torch_ops._function_mode_on()):
             return None
-        threads = self.threads or torch.get_num_threads()
-        if (threads > 1 and hidden.dim() == 2 and idx.dim() == 2
-                and min(hidden.shape[0] * idx.shape[1], self.spec.num_experts) * self.expert_bytes < SMALL_CALL_BYTES):
-            threads = 1
+        threads = self._threads(hidden.shape[0] * idx.shape[1]) if hidden.dim() == 2 and idx.dim() == 2 else (
+            self.threads or torch.get_num_threads())
         # shapes, dtypes, device and layout: checked there (None when the kernels cannot read them as they are)
         return torch_ops.call_bound(self.handle, bound, hidden, idx, w, threads)
+
+    def _bound(self) -> tuple | None:
+        """The experts' current torch_ops._bind entry, or None when a call must take __call__ (not
+        run yet with these parameters, a recorder, identity experts)."""
+        bound = torch_ops._BOUND.get(self.handle)
+        if bound is None or bound[0] != self._params or self.recorder is not None or self.spec.n_identity:
+            return None
+        return bound
+
+    def _threads(self, slots: int) -> int:
+        """Threads for a call routing `slots` (rows x top-k) rows: one when the experts it can
+        touch weigh less than SMALL_CALL_BYTES."""
+        threads = self.threads or torch.get_num_threads()
+        if threads > 1 and min(slots, self.spec.num_experts) * self.expert_bytes < SMALL_CALL_BYTES:
+            threads = 1
+        return threads
+
+    def bound_for(self, dtype: torch.dtype, hidden: int, slots: int) -> tuple | None:
+        """(BoundForward, threads) for a call that fast() would run on the kernel, made by native
+        code that passes contiguous [rows, hidden] rows of `dtype`, int64 indices and weights
+        itself (hi_na_moe.layers), or None. After the call the caller records the kernel's
+        name (torch_ops._LAST_KERNEL)."""
+        bound = self._bound()
+        if bound is None or bound[1] is None or bound[2] is not dtype or bound[3] != hidden:
+            return None
+        return bound[1], self._threads(slots)
 
     def __call__(self, spec: ExpertsSpec, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         check_routing(spec, hidden, idx, w)

@@ -41,8 +41,14 @@ import sys
 import torch
 from torch import nn
 
+from . import kv_cache
 from .dense import NORM_MAX_ROWS, _matches
 from .layers import NativeLayer, _idle_capture_hooks, observing
+from .torch_ops import _LAST_KERNEL
+
+# a decode step with a DynamicCache and no mask runs every layer in one native call (StepPlan,
+# decode_layers) when all of them can (NativeLayer.plan_args, kv_cache's in-place slots)
+ONE_CALL = True
 
 _CHILDREN = frozenset(("embed_tokens", "rotary_emb", "layers", "norm"))
 _KWARGS = frozenset(("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache",
@@ -81,6 +87,9 @@ class NativeStack:
         self.name, self.module = name, module
         self.original = original_forward
         self.ready = False
+        # (StepPlan, the layers' plan_args it was set with): replaced, never changed, when an
+        # argument changes, so a step running on another thread keeps a consistent one
+        self._plan: tuple | None = None
 
     def restore(self) -> None:  # nothing of the module was touched but its forward
         pass
@@ -231,14 +240,60 @@ class NativeStack:
         if (type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg()
                 and at._fast_args(self.runners[0].attn_mod, (h,),
                                   {"position_embeddings": (cos, sin), "attention_mask": mask}) is not None):
-            for r in self.runners:
-                h = r._fast(h, cos, sin, cache, mask)
+            out = self._one_call(h, cos, sin, cache) if mask is None and ONE_CALL else None
+            if out is not None:
+                h = out
+            else:
+                for r in self.runners:
+                    h = r._fast(h, cos, sin, cache, mask)
         else:  # a fallback, for hidden states the short paths do not read (say, another dtype than
             # the layers' after a cast): the layers called as the stack's own loop calls them
             for layer in self.layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                           position_embeddings=(cos, sin))
         return self.out_type(last_hidden_state=m.norm(h), past_key_values=cache)
+
+    def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
+        """The layers' decode step in one native call (ONE_CALL), or None with nothing run: a
+        layer cannot (NativeLayer.plan_args) or its cache cannot take the new position in place."""
+        from array import array
+
+        B, dt = h.shape[0], h.dtype
+        args = []
+        for r in self.runners:
+            a = r.plan_args(dt, B)
+            if a is None:
+                return None
+            args.append(a)
+        slots, kv = [], []
+        for r in self.runners:
+            at = r.attn
+            s = kv_cache.slot(cache, r.attn_mod.layer_idx, B, at.Hkv, at.D, dt)
+            if s is None or (at.kernel_keys is not None and s.t + 1 > at.kernel_keys):
+                return None
+            st = s.k.stride()
+            slots.append(s)
+            kv += (s.k.data_ptr(), s.v.data_ptr(), st[0], st[1], st[2], s.t + 1)
+        plan = self._plan
+        if plan is None or plan[1] != args:
+            from .hardware import native_module
+
+            step = native_module()[0].StepPlan(len(args))
+            for i, a in enumerate(args):
+                step.set_layer(i, *a)
+            plan = self._plan = (step, args)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        D = self.runners[0].attn.D
+        kv = array("q", kv)
+        scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
+        out = torch.empty_like(h)
+        names = plan[0].run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), D if cos.numel() == B * D else 0,
+                            kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr())
+        for s in slots:
+            kv_cache.commit(s)
+        for r, name in zip(self.runners, names):
+            _LAST_KERNEL[r.moe.experts.handle] = name
+        return out
 
     def forward(self, module: nn.Module, *args, **kwargs):
         fast = self._args(args, kwargs) if self.ready and not module.training else None

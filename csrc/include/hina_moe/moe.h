@@ -365,7 +365,8 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 // The step after the cache update: the attention (attn; skipped when attn.q is null, its out
 // then already holding the heads' outputs), o = o_proj.linear(attn.out), sum = x + o and
 // normed = rms_norm(sum) (add_rms_norm), then, with a router, logits = router.linear(normed) and,
-// with select.w, the router's selection from them (router_select).
+// with select.w, the router's selection from them (router_select), and with experts, the MoE
+// block's experts and the residual add into sum.
 struct LayerPostArgs {
   DType dtype;
   int64_t B, H;
@@ -384,7 +385,40 @@ struct LayerPostArgs {
   // with a router and select.w set: then router_select() on the logits (its dtype, logits and
   // B are taken from here)
   RouterSelectArgs select{};
+  // with the selection and experts set: then the MoE block's experts on it and the layer's last
+  // residual add, sum += experts.forward(normed, select.idx, select.w) (add(): rounded as
+  // PyTorch's add), experts_out: scratch [B, H]
+  const PackedExperts* experts = nullptr;
+  MoeParams experts_params;  // num_threads: experts_threads below; topk_w_dtype: select.w_dtype
+  int experts_threads = 0;
+  void* experts_out = nullptr;
 };
-void layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
+// Returns the name of the experts' kernel that ran (forward()'s), or null when none ran.
+const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
+
+// One decoder layer of decode_layers(): its two calls' arguments with what stays between steps
+// (weights, sizes, the packed blocks, the router's selection form, the experts); decode_layers
+// sets the rest. The layer must have a router with a selection and experts.
+struct DecodeLayer {
+  LayerPreArgs pre;
+  LayerPostArgs post;
+  int num_threads;
+  Isa attn_isa;
+};
+// Where a layer's KV cache is: buffers k and v laid out [B, Hkv, capacity, D] with these element
+// strides (the last dimension contiguous), S positions valid after this step's write, which
+// goes to position S - 1 (hi_na_moe.kv_cache's slots).
+struct DecodeKV {
+  int64_t k, v;  // addresses
+  int64_t bstride, hstride, sstride, S;
+};
+// A decode step through L decoder layers, one after the other, as L pairs of layer_decode_pre and
+// layer_decode_post (with the experts) compute them: the same kernels on the same values, so
+// the same bits. x [B, H] the first layer's input, out [B, H] the last layer's output; cos and
+// sin as LayerPreArgs (the same for every layer); no attention mask. scratch: at least
+// decode_layers_scratch(layers, L, B) bytes. names[l]: the experts' kernel layer l ran.
+size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B);
+void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
+                   const void* sin, int64_t cos_bstride, void* scratch, void* out, const char** names);
 
 }  // namespace hina
