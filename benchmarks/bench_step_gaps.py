@@ -1,7 +1,8 @@
 """Where a scope="all" decode step spends its time between the native kernels.
 
 Timestamps every native call a decode step makes on the decoder layers' short path
-(hi_na_moe.layers: layer_decode_pre, layer_decode_post, the experts' kernel) and prints, per
+(hi_na_moe.layers: layer_decode_pre, layer_decode_post, the experts' kernel; or the stack's one
+native call for all layers, "one", hi_na_moe.stack) and prints, per
 step (median over --steps), the time inside each kind of call and the time between each pair of
 consecutive events ("exp -> pre": from the end of one layer's experts call to the start of the
 next layer's pre call, i.e. the Python in between). After every step, untimed, a 256 MB read of a
@@ -55,6 +56,7 @@ def main() -> int:
     else:
         model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
                                           config=cfg).eval()
+    stacks = [patched_runner(m) for m in model.modules() if type(patched_runner(m)).__name__ == "NativeStack"]
     layers = [patched_runner(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers or any(r is None or r.step is None for r in layers):
         raise SystemExit("not every decoder layer takes the two native calls (hi_na_moe.layers)")
@@ -91,6 +93,24 @@ def main() -> int:
         return out
 
     torch_ops.call_bound = experts
+
+    class TimedPlan:  # a stack's StepPlan (hi_na_moe.stack's one native call), its run timestamped
+        def __init__(self, plan):
+            self.plan = plan
+
+        def __getattr__(self, name):
+            return getattr(self.plan, name)
+
+        def run(self, *a):
+            events.append(("one", now()))
+            out = self.plan.run(*a)
+            events.append(("/one", now()))
+            return out
+
+    def time_plans():
+        for st in stacks:
+            if st._plan is not None and not isinstance(st._plan[0], TimedPlan):
+                st._plan = (TimedPlan(st._plan[0]), st._plan[1])
     probe = _native.BandwidthProbe(1 << 30, 2)
     ids = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     spans: dict[str, list[float]] = collections.defaultdict(list)
@@ -104,6 +124,7 @@ def main() -> int:
             out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
             events.append(("/step", now()))
             nxt = out.logits[:, -1:].argmax(-1)
+            time_plans()
             if not args.no_flush:
                 probe.read(256 << 20)
             if i < 4:
