@@ -255,11 +255,12 @@ def test_router_select_moves_ties_as_torch_topk(dtype, E, k):
 def test_native_select_off_gives_the_pytorch_form_and_a_select_that_differs_is_not_used(monkeypatch):
     model = _olmoe(layers=1)
     ids = torch.tensor([[3, 9, 27]])
-    hi_na_moe.enable_for_model(model, scope="all")
+    rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
         gate = model.model.layers[0].mlp.gate
         runner = _runner(model, "model.layers.0.mlp.gate")
-        assert runner.select is not None
+        assert runner.select is not None and not rep.routers_select_pytorch
+        assert "routers with their logits on the native kernel for decode-sized inputs: 1 (and their softmax/top-k)" in str(rep)
         h = torch.randn(3, 256).bfloat16()
         with torch.inference_mode():
             on = gate(h)
@@ -283,10 +284,13 @@ def test_native_select_off_gives_the_pytorch_form_and_a_select_that_differs_is_n
 
     real = routers.NativeRouter.select_into
     monkeypatch.setattr(routers.NativeRouter, "select_into", by_index)
-    hi_na_moe.enable_for_model(model, scope="all")
+    rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
         runner = _runner(model, "model.layers.0.mlp.gate")
         assert runner.form is not None and runner.select is None
+        assert rep.routers_select_pytorch == ["model.layers.0.mlp.gate"]
+        assert "softmax/top-k natively in 0; in PyTorch in 1" in str(rep)
+        assert rep.to_dict()["routers_select_pytorch"] == ["model.layers.0.mlp.gate"]
         h = torch.randn(2, 256).bfloat16()
         with torch.inference_mode():
             assert all(torch.equal(a, b) for a, b in zip(gate(h), runner.form(runner._logits, h)))

@@ -24,6 +24,12 @@ does not call: a forward hook or pre-hook on them (transformers' output-capturin
 while they capture), a global module hook, a dispatch or function mode, torch.compile tracing,
 or a forward replaced after enable.
 
+When every part is on a runner the native calls take, the step is two native calls around the
+cache update instead (layer_decode_pre: input norm, q/k/v, q/k norms, rotary, k and v written into
+the cache's buffers; layer_decode_post: attention, o_proj, residual add and post-attention norm,
+the router's logits and selection, the experts, the last residual add), and hi_na_moe.stack can
+run all layers' steps in one (plan_args).
+
 What it computes is checked before it is patched: on a probe (two rows of random hidden states
 and rotary tables, a DynamicCache holding a few positions) the layer's own forward, itself on
 the patched modules, and this path must return the same output and append the same keys and
@@ -285,9 +291,12 @@ class NativeLayer:
         return s + out
 
     def _native_fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask):
-        """The step in two native calls around the cache update (and, with the MoE block's short
-        path, the router's top-k in PyTorch and the experts' kernel); None, with nothing run,
-        when a weight is not as the kernels read it (then the per-module path runs)."""
+        """The step in two native calls around the cache update: with the router's native
+        selection (routers.NATIVE_SELECT) the second one also runs the selection, the experts and
+        the last residual add (FUSE_EXPERTS; not with a shared expert, run as modules after it),
+        else the form runs in PyTorch on the call's logits and the experts' kernel after it; None,
+        with nothing run, when a weight is not as the kernels read it (then the per-module path
+        runs)."""
         qkv, o, qk, qn, kn = self.step
         at, dt = self.attn, x.dtype
         weights = []

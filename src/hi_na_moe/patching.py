@@ -226,6 +226,10 @@ class EnableReport:
     # those matching no known form (left to PyTorch)
     routers: list = field(default_factory=list)
     routers_differ: list = field(default_factory=list)
+    # of those routers, the ones whose softmax/top-k stay PyTorch's ops (router_select did not
+    # reproduce their form on the probe, e.g. a C++ standard library whose selection moves ties
+    # otherwise than PyTorch's build)
+    routers_select_pytorch: list = field(default_factory=list)
     # scope="all": the attention modules whose decode calls run on the native rotary and
     # attention kernels (hi_na_moe.attention), and the candidates matching no form
     attention: list = field(default_factory=list)
@@ -261,6 +265,7 @@ class EnableReport:
             "dense": [asdict(d) for d in self.dense],
             "norms": list(self.norms), "norms_differ": list(self.norms_differ),
             "routers": list(self.routers), "routers_differ": list(self.routers_differ),
+            "routers_select_pytorch": list(self.routers_select_pytorch),
             "attention": list(self.attention), "attention_differ": list(self.attention_differ),
             "layers": list(self.layers), "layers_differ": list(self.layers_differ),
             "stacks": list(self.stacks), "stacks_differ": list(self.stacks_differ),
@@ -322,8 +327,12 @@ class EnableReport:
         if not self.dry_run and (self.routers or self.routers_differ):
             left = (f"; {len(self.routers_differ)} left to PyTorch (no known router form, e.g. "
                     f"{self.routers_differ[0]})" if self.routers_differ else "")
+            native = len(self.routers) - len(self.routers_select_pytorch)
+            select = (f" (softmax/top-k natively in {native}; in PyTorch in {len(self.routers_select_pytorch)}, whose "
+                      f"probe router_select did not reproduce, e.g. {self.routers_select_pytorch[0]})"
+                      if self.routers_select_pytorch else " (and their softmax/top-k)" if self.routers else "")
             lines.append(f"  routers with their logits on the native kernel for decode-sized inputs: "
-                         f"{len(self.routers)}{left}")
+                         f"{len(self.routers)}{select}{left}")
         if not self.dry_run and (self.attention or self.attention_differ):
             left = (f"; {len(self.attention_differ)} left to PyTorch (no known form, e.g. "
                     f"{self.attention_differ[0]})" if self.attention_differ else "")
@@ -617,6 +626,9 @@ def enable_for_model(
                 dense_done, report.dense, small = dense.patch(model, cfg, gate, [m.module for m, _ in plans], _gated)
                 report.norms, report.norms_differ = small["norms"]
                 report.routers, report.routers_differ = small["routers"]
+                mods = dict(model.named_modules())
+                report.routers_select_pytorch = [n for n in report.routers
+                                                 if getattr(patched_runner(mods[n]), "select", None) is None]
                 report.attention, report.attention_differ = small["attention"]
                 report.layers, report.layers_differ = small["layers"]
                 report.stacks, report.stacks_differ = small["stacks"]

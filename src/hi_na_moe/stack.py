@@ -26,6 +26,13 @@ a skipped layer call (a hook on a layer or a part it skips, transformers' output
 while they capture, a global hook, a mode, compile tracing, a layer replaced or its forward
 replaced, a layer in training mode), runs the stack's own forward.
 
+With a DynamicCache and no mask, when every layer's step can run in the native calls with the
+router's selection and the experts inside (NativeLayer.plan_args) and every layer's cache takes
+the new position in place (hi_na_moe.kv_cache), the layers run in one native call instead
+(decode_layers, through a StepPlan holding each layer's fixed arguments): the same kernels in the
+same order as the loop, so the same bits, with no Python between the layers' weight streams.
+ONE_CALL = False keeps the loop.
+
 What it computes is checked before it is patched: from a cache the stack's own forward filled
 with a prompt, one decode step of the own forward and one of this loop, each on its own copy of
 the cache, must give an output of the same type with the same fields, the same last hidden state
