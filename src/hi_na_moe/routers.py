@@ -145,7 +145,6 @@ def _settings(module: nn.Module) -> tuple:
                  if not k.startswith("_") and k != "training" and type(v) in (bool, int, float, str))
 
 
-_ABSENT = object()
 
 
 class NativeRouter:
@@ -165,6 +164,8 @@ class NativeRouter:
         # the form (matches)
         self.select: tuple | None = None
         self.settings = _settings(module)
+        self._setting_keys = tuple(k for k, _ in self.settings)
+        self._setting_values = tuple(v for _, v in self.settings)
         self._lock = threading.Lock()
         self._pack(w, getattr(module, "bias", None))
 
@@ -185,7 +186,11 @@ class NativeRouter:
     def _unchanged(self, module: nn.Module) -> bool:
         """Whether the packed copy is the module's current parameters (repacked when they were
         changed in place or replaced by ones of the same shape) and its settings are the probe's."""
-        w, b = module.weight, getattr(module, "bias", None)
+        # through the parameter dict: a module attribute lookup is a Python call, and one that
+        # misses (no bias) raises inside nn.Module.__getattr__; this runs at every decode step
+        params = module._parameters
+        w = params["weight"] if "weight" in params else getattr(module, "weight", None)
+        b = params["bias"] if "bias" in params else module.__dict__.get("bias")
         pw, pb, vw, vb = self._state
         if w is not pw or b is not pb or w._version != vw or (b is not None and b._version != vb):
             if (not isinstance(w, torch.Tensor) or w.shape != (self.experts, self.hidden) or w.dtype is not self.dtype
@@ -193,8 +198,8 @@ class NativeRouter:
                 return False
             with self._lock:
                 self._pack(w, b)
-        d = module.__dict__
-        return all(d.get(k, _ABSENT) == v for k, v in self.settings)
+        # settings hold only bools, ints, floats and strings: a missing one (None) never matches
+        return tuple(map(module.__dict__.get, self._setting_keys)) == self._setting_values
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         out = torch.empty((h.shape[0], self.experts), dtype=self.dtype)
