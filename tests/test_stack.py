@@ -86,15 +86,16 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
     try:
         assert rep.stacks == ["model"] and not rep.stacks_differ
         assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
-        # no mask: every layer in one native call, but with Qwen2-MoE's shared expert
+        # every layer in one native call, but with Qwen2-MoE's shared expert
         one_call = model_type != "qwen2_moe"
         assert _same(model, torch.tensor([[3, 9, 4, 7]])).one_calls == (4 if one_call else 0)
         count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3,
                       attention_mask=torch.ones(2, 4, dtype=torch.long))
         assert count.one_calls == (3 if one_call else 0)
         # padding: the mask the stack's own forward would build, over the keys
-        _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
-              attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+        count = _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
+                      attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+        assert count.one_calls == (3 if one_call else 0)
     finally:
         hi_na_moe.disable_for_model(model)
     assert "forward" not in model.model.__dict__
@@ -216,18 +217,18 @@ def test_a_stack_with_sliding_window_attention_keeps_its_own_forward(monkeypatch
         hi_na_moe.disable_for_model(model)
 
 
-def _by_layer(model, ids, steps, one_call=True):
+def _by_layer(model, ids, steps, one_call=True, attention_mask=None):
     """greedy_decode with the stack's one native call (count.one_calls: every step, or with
     one_call False none) and with its loop over the layers' short paths: the same logits and
     cache, bit for bit."""
     from hi_na_moe import stack
 
     count = _Count(model)
-    got, c_got = greedy_decode(model, ids, steps)
+    got, c_got = greedy_decode(model, ids, steps, attention_mask)
     assert count.one_calls == (steps if one_call else 0)
     stack.ONE_CALL = False
     try:
-        want, c_want = greedy_decode(model, ids, steps)
+        want, c_want = greedy_decode(model, ids, steps, attention_mask)
     finally:
         stack.ONE_CALL = True
     assert count.one_calls == (steps if one_call else 0) and count.loops == 2 * steps
@@ -253,6 +254,8 @@ def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, mon
         one_call = isa == "auto" or isa in KERNEL_TIERS
         _by_layer(model, torch.tensor([[5, 6, 7]]), 260, one_call)
         _by_layer(model, torch.tensor([[5, 6, 7], [9, 10, 11]]), 3, one_call)
+        _by_layer(model, torch.tensor([[0, 6, 7], [9, 10, 11]]), 3, one_call,  # a padded row
+                  attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
         if not one_call:
             return
         stack_runner = patched_runner(model.model)

@@ -575,8 +575,8 @@ class StepPlan {
     owners_[static_cast<size_t>(i)] = {std::move(qkv), std::move(o), std::move(router), std::move(experts)};
   }
   size_t scratch_bytes(int64_t B) const { return hina::decode_layers_scratch(layers_.data(), size(), B); }
-  nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t kv,
-               uintptr_t scratch, uintptr_t out) const {
+  nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t mask,
+               int64_t mask_bstride, uintptr_t kv, uintptr_t scratch, uintptr_t out) const {
     for (const auto& o : owners_)
       if (o.empty()) bad("StepPlan.run: a layer was never set");
     std::vector<const char*> names(layers_.size(), nullptr);
@@ -584,7 +584,8 @@ class StepPlan {
       nb::gil_scoped_release release;
       hina::decode_layers(layers_.data(), reinterpret_cast<const hina::DecodeKV*>(kv), size(), B,
                           reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
-                          reinterpret_cast<const void*>(sin), cos_bstride, reinterpret_cast<void*>(scratch),
+                          reinterpret_cast<const void*>(sin), cos_bstride, reinterpret_cast<const uint8_t*>(mask),
+                          mask_bstride, reinterpret_cast<void*>(scratch),
                           reinterpret_cast<void*>(out), names.data());
     }
     nb::list l;
@@ -1089,14 +1090,16 @@ NB_MODULE(_native, m) {
       "A decode step through L decoder layers in one native call (decode_layers() in moe.h), for "
       "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "
       "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts). run(B, x, cos, sin, "
-      "cos_bstride, kv, scratch, out) runs the step: kv the address of L x 6 int64 (k and v buffer addresses, "
+      "cos_bstride, mask, mask_bstride, kv, scratch, out) runs the step (mask: 0, or bool bytes per batch row "
+      "at mask + b * mask_bstride over the keys): kv the address of L x 6 int64 (k and v buffer addresses, "
       "batch/head/position element strides, positions after the write), scratch of scratch_bytes(B) bytes. "
       "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer.")
       .def(nb::init<int64_t>(), nb::arg("layers"))
       .def("set_layer", &StepPlan::set_layer)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
-           nb::arg("cos_bstride"), nb::arg("kv"), nb::arg("scratch"), nb::arg("out"))
+           nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),
+           nb::arg("out"))
       .def("__len__", &StepPlan::size);
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,

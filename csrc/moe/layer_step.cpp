@@ -136,7 +136,8 @@ size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
 }
 
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
-                   const void* sin, int64_t cos_bstride, void* scratch, void* out, const char** names) {
+                   const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
+                   void* out, const char** names) {
   const StepScratch s = step_scratch(layers, L, B);
   char* base = static_cast<char*>(scratch);
   const void* cur = x;
@@ -172,8 +173,8 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     a.attn.k_strides[0] = a.attn.v_strides[0] = c.bstride;
     a.attn.k_strides[1] = a.attn.v_strides[1] = c.hstride;
     a.attn.k_strides[2] = a.attn.v_strides[2] = c.sstride;
-    a.attn.mask = nullptr;
-    a.attn.mask_bstride = 0;
+    a.attn.mask = mask;
+    a.attn.mask_bstride = mask_bstride;
     a.attn.out = base + s.attn;
     a.o_out = base + s.o_out;
     a.x = cur;

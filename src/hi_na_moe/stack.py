@@ -26,7 +26,7 @@ a skipped layer call (a hook on a layer or a part it skips, transformers' output
 while they capture, a global hook, a mode, compile tracing, a layer replaced or its forward
 replaced, a layer in training mode), runs the stack's own forward.
 
-With a DynamicCache and no mask, when every layer's step can run in the native calls with the
+With a DynamicCache (padding included), when every layer's step can run in the native calls with the
 router's selection and the experts inside (NativeLayer.plan_args) and every layer's cache takes
 the new position in place (hi_na_moe.kv_cache), the layers run in one native call instead
 (decode_layers, through a StepPlan holding each layer's fixed arguments): the same kernels in the
@@ -53,7 +53,7 @@ from .dense import NORM_MAX_ROWS, _matches
 from .layers import NativeLayer, _idle_capture_hooks, observing
 from .torch_ops import _LAST_KERNEL
 
-# a decode step with a DynamicCache and no mask runs every layer in one native call (StepPlan,
+# a decode step with a DynamicCache runs every layer in one native call (StepPlan,
 # decode_layers) when all of them can (NativeLayer.plan_args, kv_cache's in-place slots)
 ONE_CALL = True
 
@@ -247,7 +247,7 @@ class NativeStack:
         if (type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg()
                 and at._fast_args(self.runners[0].attn_mod, (h,),
                                   {"position_embeddings": (cos, sin), "attention_mask": mask}) is not None):
-            out = self._one_call(h, cos, sin, cache) if mask is None and ONE_CALL else None
+            out = self._one_call(h, cos, sin, cache, mask) if ONE_CALL else None
             if out is not None:
                 h = out
             else:
@@ -260,9 +260,10 @@ class NativeStack:
                           position_embeddings=(cos, sin))
         return self.out_type(last_hidden_state=m.norm(h), past_key_values=cache)
 
-    def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
+    def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor | None:
         """The layers' decode step in one native call (ONE_CALL), or None with nothing run: a
-        layer cannot (NativeLayer.plan_args) or its cache cannot take the new position in place."""
+        layer cannot (NativeLayer.plan_args) or its cache cannot take the new position in place.
+        mask: None or the bool mask over the keys the attention's decode path takes (padding)."""
         from array import array
 
         B, dt = h.shape[0], h.dtype
@@ -276,7 +277,8 @@ class NativeStack:
         for r in self.runners:
             at = r.attn
             s = kv_cache.slot(cache, r.attn_mod.layer_idx, B, at.Hkv, at.D, dt)
-            if s is None or (at.kernel_keys is not None and s.t + 1 > at.kernel_keys):
+            if (s is None or (at.kernel_keys is not None and s.t + 1 > at.kernel_keys)
+                    or (mask is not None and mask.shape[-1] != s.t + 1)):
                 return None
             st = s.k.stride()
             slots.append(s)
@@ -295,6 +297,8 @@ class NativeStack:
         scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
         out = torch.empty_like(h)
         names = plan[0].run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), D if cos.numel() == B * D else 0,
+                            0 if mask is None else mask.data_ptr(),
+                            0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                             kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr())
         for s in slots:
             kv_cache.commit(s)

@@ -415,10 +415,12 @@ struct DecodeKV {
 // A decode step through L decoder layers, one after the other, as L pairs of layer_decode_pre and
 // layer_decode_post (with the experts) compute them: the same kernels on the same values, so
 // the same bits. x [B, H] the first layer's input, out [B, H] the last layer's output; cos and
-// sin as LayerPreArgs (the same for every layer); no attention mask. scratch: at least
-// decode_layers_scratch(layers, L, B) bytes. names[l]: the experts' kernel layer l ran.
+// sin as LayerPreArgs, and the attention mask (null: none) as AttnDecodeArgs, the same for every
+// layer. scratch: at least decode_layers_scratch(layers, L, B) bytes. names[l]: the experts'
+// kernel layer l ran.
 size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B);
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
-                   const void* sin, int64_t cos_bstride, void* scratch, void* out, const char** names);
+                   const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
+                   void* out, const char** names);
 
 }  // namespace hina
