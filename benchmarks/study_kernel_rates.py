@@ -1,0 +1,93 @@
+"""How fast each kind of native kernel streams its weights on its own, against the read probe.
+
+Loads the model with hi_na_moe.from_pretrained (scope="all", warm: the store must hold
+--weights), decodes two tokens so every kernel is bound, then sweeps the decoder layers, one kind
+of call at a time (the q/k/v group's linear, o_proj's, the experts' forward with 8 random
+experts of the layer, weight 1/8 each), each call timed alone from Python with one row of input;
+before each sweep a 340 MB read of a 1 GiB buffer evicts the caches. Per kind: the bytes the
+sweep's calls read over their summed time (the median over --rounds sweeps), beside the read
+probe's median 256 MB read in the same rounds. It tells how much of a decode step's gap to the
+probe is the kernels' own streaming rather than the code around them (bench_step_gaps.py).
+
+    chrt -f 1 python benchmarks/study_kernel_rates.py --ckpt /work/ckpt/olmoe-1b-7b \\
+        --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--weights", default="int4", choices=("lossless", "int8", "int4"))
+    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+    import torch
+
+    import hi_na_moe
+    from hi_na_moe import _native
+    from hi_na_moe.patching import patched_runner
+
+    torch.set_num_threads(2)
+    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
+    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
+                                      config=cfg).eval()
+    layers = [patched_runner(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers or any(r is None or r.step is None or r.moe is None for r in layers):
+        raise SystemExit("every decoder layer must take the native calls with the MoE block's short path")
+    with torch.inference_mode():
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    dt = layers[0].attn.dtype
+    H = layers[0].hidden
+    x = torch.randn(1, H).to(dt)
+    out = torch.empty(1, 4 * max(r.step[0].packed.I for r in layers) + H, dtype=dt)
+    gen = torch.Generator().manual_seed(0)
+
+    def linear(kind: int) -> tuple[float, int]:
+        spent, nbytes = 0.0, 0
+        for r in layers:
+            group = r.step[kind]  # 0: the q/k/v group, 1: o_proj
+            t = time.perf_counter()
+            group.bound.linear(x.data_ptr(), 1, out.data_ptr(), 2)
+            spent += time.perf_counter() - t
+            nbytes += group.packed.nbytes
+        return spent, nbytes
+
+    def experts() -> tuple[float, int]:
+        spent, nbytes = 0.0, 0
+        for r in layers:
+            e = r.moe.experts
+            idx = torch.randperm(e.spec.num_experts, generator=gen)[:8].view(1, 8)
+            w = torch.full((1, 8), 0.125)
+            bound, threads = e.bound_for(dt, H, 8)
+            t = time.perf_counter()
+            bound(x.data_ptr(), 1, idx.data_ptr(), 64, 8, w.data_ptr(), 0, out.data_ptr(), threads)
+            spent += time.perf_counter() - t
+            nbytes += 8 * e.expert_bytes
+        return spent, nbytes
+
+    probe = _native.BandwidthProbe(1 << 30, 2)
+    kinds = {"q/k/v linear": lambda: linear(0), "o_proj linear": lambda: linear(1), "experts (8 of each layer)": experts}
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    reads = []
+    for _ in range(args.rounds):
+        for name, sweep in kinds.items():
+            probe.read(340 << 20)
+            spent, nbytes = sweep()
+            rates[name].append(nbytes / spent / 1e9)
+        reads.append(probe.read(256 << 20))
+    read = statistics.median(reads)
+    print(f"{args.ckpt}, {args.weights}, {len(layers)} layers, {args.rounds} rounds: read probe median {read:.1f} GB/s")
+    print("| kernel | GB/s (median) | share of the probe |")
+    print("|---|---|---|")
+    for name, v in rates.items():
+        print(f"| {name} | {statistics.median(v):.1f} | {100 * statistics.median(v) / read:.0f} % |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
