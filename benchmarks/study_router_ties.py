@@ -15,7 +15,9 @@ index: 2000 rows of 64 small integers (ties everywhere), top-8.
 
 A second row per dtype compares hi_na_moe's router_select (csrc/moe/router.cpp: std::exp, and a
 top-k that moves ties as torch.topk's CPU kernel does) with PyTorch on the same logits, in the
-model's dtype; and on the tie-heavy rows, router_select's indices with torch.topk's.
+model's dtype; and on the tie-heavy rows, router_select's indices with torch.topk's. Last,
+PyTorch against itself: the bf16 model's logits through torch.softmax in a child process with
+ATEN_CPU_CAPABILITY=avx2, against this process's build (AVX-512 on this machine).
 
     python benchmarks/study_router_ties.py
 """
@@ -82,6 +84,23 @@ def main() -> int:
             bf = (torch.from_numpy(ow[same]).bfloat16() != torch.from_numpy(tw[same]).bfloat16()).any(-1)
             print(f"| {str(dtype).split('.')[-1]} | {other} | {n} | {pct(sel.sum())} | {pct(order.sum())} | "
                   f"{pct((diff > 0).any(-1).sum())} | {ulps:.0f} | {pct(bf.sum().item())} |")
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(L, f"{tmp}/logits.pt")
+        child = ("import sys, torch; L = torch.load(sys.argv[1]); "
+                 "torch.save(torch.softmax(L, dim=-1), sys.argv[2])")
+        subprocess.run([sys.executable, "-c", child, f"{tmp}/logits.pt", f"{tmp}/avx2.pt"], check=True,
+                       env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
+        other = torch.load(f"{tmp}/avx2.pt")
+    mine = torch.softmax(L, dim=-1)
+    ulps = (mine.view(torch.int32) - other.view(torch.int32)).abs()
+    print(f"PyTorch's softmax, {torch.backends.cpu.get_cpu_capability()} build vs avx2 build, on the bf16 model's "
+          f"{len(L)} router rows: {100 * (ulps > 0).float().mean().item():.1f} % of the probabilities differ, by at most "
+          f"{int(ulps.max())} ulps")
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 6, (2000, 64), generator=gen).float()
     got = torch.topk(rows, 8, dim=-1).indices
