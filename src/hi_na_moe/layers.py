@@ -290,6 +290,19 @@ class NativeLayer:
             return s
         return s + out
 
+    def _norm_weights(self, dt: torch.dtype) -> list[torch.Tensor] | None:
+        """The norms' weights the native calls read (input, post-attention, then q and k norms if
+        any), through the parameter dicts at every step, or None when one is not as they read it
+        (another dtype or size, not contiguous, not on the CPU)."""
+        weights = []
+        for params, n in self.params:
+            w = params.get("weight")
+            if (type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or w.numel() != n
+                    or not w.is_contiguous() or not w.is_cpu):
+                return None
+            weights.append(w)
+        return weights
+
     def _native_fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask):
         """The step in two native calls around the cache update: with the router's native
         selection (routers.NATIVE_SELECT) the second one also runs the selection, the experts and
@@ -299,13 +312,9 @@ class NativeLayer:
         runs)."""
         qkv, o, qk, qn, kn = self.step
         at, dt = self.attn, x.dtype
-        weights = []
-        for params, n in self.params:
-            w = params.get("weight")
-            if (type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or w.numel() != n
-                    or not w.is_contiguous() or not w.is_cpu):
-                return None
-            weights.append(w)
+        weights = self._norm_weights(dt)
+        if weights is None:
+            return None
         w1, w2 = weights[0], weights[1]
         B, H, D, Hq, Hkv = x.shape[0], self.hidden, at.D, at.Hq, at.Hkv
         es, code = x.element_size(), _DTYPE_CODES[dt]
@@ -389,13 +398,10 @@ class NativeLayer:
         if (self.step is None or moe is None or moe.shared or not FUSE_EXPERTS or not routers.NATIVE_SELECT
                 or not self.attn.kernel or self.attn.dtype is not dt or B > NORM_MAX_ROWS or B > ROUTER_MAX_ROWS):
             return None
-        ptrs = []
-        for params, n in self.params:
-            w = params.get("weight")
-            if (type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or w.numel() != n
-                    or not w.is_contiguous() or not w.is_cpu):
-                return None
-            ptrs.append(w.data_ptr())
+        weights = self._norm_weights(dt)
+        if weights is None:
+            return None
+        ptrs = [w.data_ptr() for w in weights]
         router, gate = moe.router, moe.gate
         if router.select is None or router.dtype is not dt or gate.training or not router._unchanged(gate):
             return None
