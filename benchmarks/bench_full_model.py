@@ -71,8 +71,10 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   probe. The machine's bandwidth swings within minutes, so the driver's one probe before the
   arms cannot judge a run taken later; the paired one can. The probe buffer adds 1 GiB to RSS
   and the probe evicts the caches between steps (conservative for every arm).
-- same tokens: how many of the first round's greedy tokens equal the transformers arm's (torch
-  arms; llama.cpp's JSON does not list its tokens).
+- same tokens: how many of the first round's greedy tokens equal the transformers arm's before
+  the first that differs (torch arms; llama.cpp's JSON does not list its tokens). Each arm
+  decodes from its own tokens, so after a difference the two sequences are no longer comparable;
+  on a random-weight model whose top two tokens nearly tie, a rounding difference shows early.
 
 --compete starts `python -c 'while True: pass'` (no affinity) for the whole series of arms, as
 in MEASURED.md's contention figures; the arms then run without chrt (a SCHED_FIFO arm would
@@ -523,7 +525,7 @@ def table(results: list[dict], bw: float, args) -> str:
     lines = [
         f"| arm | load | load s | RSS after load GiB | peak RSS GiB | decode tok/s | median ms/step | p90 ms "
         f"| GB/token | GB/s | share of {bw:.1f} GB/s | decode vs transformers | prefill-{args.prefill} s "
-        f"| same tokens as transformers | store |",
+        f"| same tokens as transformers (to the first difference) | store |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
