@@ -90,6 +90,42 @@ def test_generate_from_several_threads_on_one_enabled_model():
         assert len(w.results) == 3 and all(torch.equal(r, want) for r in w.results)
 
 
+def test_one_native_call_decode_steps_from_several_threads(monkeypatch):
+    """scope="all": the stack's one native call for every layer (a StepPlan shared by the
+    threads, their own caches and scratch), the same tokens as one thread alone; and while the
+    threads run, plans replaced by steps of another batch size."""
+    from hi_na_moe import dense
+    from hi_na_moe.patching import patched_runner
+    from tiny_models import olmoe
+
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)  # the tiny projections packed: the native calls take them
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    prompts = [torch.tensor([[5 + i, 6, 7, 8 + i]]) for i in range(3)] + [torch.tensor([[1, 2, 3], [4, 5, 6]])]
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        stack = patched_runner(model.model)
+        calls = []
+        one_call = stack._one_call
+        def counted(*a):
+            out = one_call(*a)
+            calls.append(out is not None)
+            return out
+
+        stack._one_call = counted
+        serial = [_generate(model, ids) for ids in prompts]
+        assert calls == [True] * 3 * len(prompts)  # every decode step of every prompt
+        barrier = threading.Barrier(len(prompts))
+        workers = [Worker(lambda ids=ids: _generate(model, ids), repeat=4, start_barrier=barrier) for ids in prompts]
+        for w in workers:
+            w.start()
+        _join(*workers)
+        assert all(calls) and len(calls) == 3 * len(prompts) * 5
+    finally:
+        hi_na_moe.disable_for_model(model)
+    for w, want in zip(workers, serial):
+        assert len(w.results) == 4 and all(torch.equal(r, want) for r in w.results)
+
+
 def test_two_enabled_models_at_once():
     a, vocab_a = _tiny("olmoe")
     b, vocab_b = _tiny("qwen3_moe", seed=3)
