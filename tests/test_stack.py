@@ -88,6 +88,13 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
         assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
         # every layer in one native call, but with Qwen2-MoE's shared expert
         one_call = model_type != "qwen2_moe"
+        if one_call:
+            assert not rep.stacks_loop_only and "with a DynamicCache every layer in one native call: 1" in str(rep)
+        else:
+            assert rep.stacks_loop_only == {"model": "model.layers.0: its MoE block has a shared expert (run as "
+                                                     "modules after the routed experts)"}
+            assert "'model' keeps the loop, not one native call: model.layers.0: its MoE block has a shared" in str(rep)
+            assert rep.to_dict()["stacks_loop_only"] == rep.stacks_loop_only
         assert _same(model, torch.tensor([[3, 9, 4, 7]])).one_calls == (4 if one_call else 0)
         count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3,
                       attention_mask=torch.ones(2, 4, dtype=torch.long))
@@ -249,9 +256,11 @@ def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, mon
 
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
-    hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path), isa=isa)
+    rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path), isa=isa)
     try:
         one_call = isa == "auto" or isa in KERNEL_TIERS
+        assert rep.stacks_loop_only == ({} if one_call else {
+            "model": "model.layers.0: no native attention kernel at tier generic (PyTorch's SDPA does the math)"})
         _by_layer(model, torch.tensor([[5, 6, 7]]), 260, one_call)
         _by_layer(model, torch.tensor([[5, 6, 7], [9, 10, 11]]), 3, one_call)
         _by_layer(model, torch.tensor([[0, 6, 7], [9, 10, 11]]), 3, one_call,  # a padded row

@@ -387,6 +387,22 @@ class NativeLayer:
             return s
         return self._residual(s, self.mlp(n2) if moe is None else moe(n2, logits, chosen), code)
 
+    def one_call_blocker(self) -> str | None:
+        """Why this layer's decode step can never run in the stack's one native call (for the
+        report), or None when it can, subject to what plan_args checks at each step."""
+        moe = self.moe
+        if self.step is None:
+            return "its q/k/v or o_proj are not on the runners the native calls take"
+        if moe is None:
+            return "its MoE block is called as a module (not of the router-then-experts form)"
+        if moe.shared:
+            return "its MoE block has a shared expert (run as modules after the routed experts)"
+        if not self.attn.kernel:
+            return f"no native attention kernel at tier {self.attn.isa} (PyTorch's SDPA does the math)"
+        if moe.router.select is None:
+            return "its router's softmax/top-k stay PyTorch's (router_select did not reproduce its probe)"
+        return None
+
     def plan_args(self, dt: torch.dtype, B: int) -> tuple | None:
         """This layer's arguments to StepPlan.set_layer (after its index) for a decode step of B
         rows of dtype dt in hi_na_moe.stack's one native call, or None when its step cannot run

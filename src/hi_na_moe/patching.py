@@ -243,6 +243,9 @@ class EnableReport:
     # (hi_na_moe.stack), and the candidates whose probe differed
     stacks: list = field(default_factory=list)
     stacks_differ: list = field(default_factory=list)
+    # of those stacks, why a stack's DynamicCache decode steps cannot run all its layers in one
+    # native call: stack name -> "<layer name>: <reason>" (stacks absent here can)
+    stacks_loop_only: dict = field(default_factory=dict)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -269,6 +272,7 @@ class EnableReport:
             "attention": list(self.attention), "attention_differ": list(self.attention_differ),
             "layers": list(self.layers), "layers_differ": list(self.layers_differ),
             "stacks": list(self.stacks), "stacks_differ": list(self.stacks_differ),
+            "stacks_loop_only": dict(self.stacks_loop_only),
             "attention_math": self.attention_math,
         }
 
@@ -349,6 +353,11 @@ class EnableReport:
             names = ", ".join(repr(n) for n in self.stacks)
             lines.append(f"  decoder stacks with decode steps as one loop over those layers: {len(self.stacks)}"
                          f"{' (' + names + ')' if names else ''}{left}")
+            one = [n for n in self.stacks if n not in self.stacks_loop_only]
+            if one:
+                lines.append(f"  of those, with a DynamicCache every layer in one native call: {len(one)}")
+            for name, why in self.stacks_loop_only.items():
+                lines.append(f"  {name!r} keeps the loop, not one native call: {why}")
         return "\n".join(lines)
 
 
@@ -632,6 +641,10 @@ def enable_for_model(
                 report.attention, report.attention_differ = small["attention"]
                 report.layers, report.layers_differ = small["layers"]
                 report.stacks, report.stacks_differ = small["stacks"]
+                for name in report.stacks:
+                    why = patched_runner(mods[name]).one_call_blocker()
+                    if why is not None:
+                        report.stacks_loop_only[name] = why
                 if report.attention:
                     from .attention import math_kernel
 

@@ -260,6 +260,17 @@ class NativeStack:
                           position_embeddings=(cos, sin))
         return self.out_type(last_hidden_state=m.norm(h), past_key_values=cache)
 
+    def one_call_blocker(self) -> str | None:
+        """Why this stack's decode steps never run in one native call ("<layer>: <reason>", for
+        the report), or None."""
+        if not ONE_CALL:
+            return "hi_na_moe.stack.ONE_CALL is False"
+        for r in self.runners:
+            why = r.one_call_blocker()
+            if why is not None:
+                return f"{r.name}: {why}"
+        return None
+
     def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor | None:
         """The layers' decode step in one native call (ONE_CALL), or None with nothing run: a
         layer cannot (NativeLayer.plan_args) or its cache cannot take the new position in place.
