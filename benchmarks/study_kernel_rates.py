@@ -8,6 +8,8 @@ before each sweep a 340 MB read of a 1 GiB buffer evicts the caches. Per kind: t
 sweep's calls read over their summed time (the median over --rounds sweeps), beside the read
 probe's median 256 MB read in the same rounds. It tells how much of a decode step's gap to the
 probe is the kernels' own streaming rather than the code around them (bench_step_gaps.py).
+With --experts-k 1,2,4,8 the experts are swept with each number of routed experts, and a line
+fitted through (bytes, time) per call gives the call's fixed cost and its marginal rate.
 
     chrt -f 1 python benchmarks/study_kernel_rates.py --ckpt /work/ckpt/olmoe-1b-7b \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
@@ -25,7 +27,9 @@ def main() -> int:
     ap.add_argument("--weights", default="int4", choices=("lossless", "int8", "int4"))
     ap.add_argument("--cache-dir", required=True, help="the store of --weights")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--experts-k", default="8", help="comma-separated numbers of routed experts per call")
     args = ap.parse_args()
+    ks = [int(k) for k in args.experts_k.split(",")]
     import torch
 
     import hi_na_moe
@@ -57,21 +61,24 @@ def main() -> int:
             nbytes += group.packed.nbytes
         return spent, nbytes
 
-    def experts() -> tuple[float, int]:
+    def experts(k: int) -> tuple[float, int]:
         spent, nbytes = 0.0, 0
         for r in layers:
             e = r.moe.experts
-            idx = torch.randperm(e.spec.num_experts, generator=gen)[:8].view(1, 8)
-            w = torch.full((1, 8), 0.125)
-            bound, threads = e.bound_for(dt, H, 8)
+            idx = torch.randperm(e.spec.num_experts, generator=gen)[:k].view(1, k)
+            w = torch.full((1, k), 1.0 / k)
+            bound, threads = e.bound_for(dt, H, k)
             t = time.perf_counter()
-            bound(x.data_ptr(), 1, idx.data_ptr(), 64, 8, w.data_ptr(), 0, out.data_ptr(), threads)
+            bound(x.data_ptr(), 1, idx.data_ptr(), 64, k, w.data_ptr(), 0, out.data_ptr(), threads)
             spent += time.perf_counter() - t
-            nbytes += 8 * e.expert_bytes
+            nbytes += k * e.expert_bytes
         return spent, nbytes
 
     probe = _native.BandwidthProbe(1 << 30, 2)
-    kinds = {"q/k/v linear": lambda: linear(0), "o_proj linear": lambda: linear(1), "experts (8 of each layer)": experts}
+    kinds = {"q/k/v linear": lambda: linear(0), "o_proj linear": lambda: linear(1)}
+    for k in ks:
+        kinds[f"experts ({k} of each layer)"] = lambda k=k: experts(k)
+    per_call: dict[str, list[tuple[float, int]]] = {k: [] for k in kinds}
     rates: dict[str, list[float]] = {k: [] for k in kinds}
     reads = []
     for _ in range(args.rounds):
@@ -79,6 +86,7 @@ def main() -> int:
             probe.read(340 << 20)
             spent, nbytes = sweep()
             rates[name].append(nbytes / spent / 1e9)
+            per_call[name].append((spent / len(layers), nbytes // len(layers)))
         reads.append(probe.read(256 << 20))
     read = statistics.median(reads)
     print(f"{args.ckpt}, {args.weights}, {len(layers)} layers, {args.rounds} rounds: read probe median {read:.1f} GB/s")
@@ -86,6 +94,14 @@ def main() -> int:
     print("|---|---|---|")
     for name, v in rates.items():
         print(f"| {name} | {statistics.median(v):.1f} | {100 * statistics.median(v) / read:.0f} % |")
+    if len(ks) > 1:  # least squares through (bytes, median time) of the experts' calls
+        pts = [(per_call[f"experts ({k} of each layer)"][0][1],
+                statistics.median(t for t, _ in per_call[f"experts ({k} of each layer)"])) for k in ks]
+        mb = statistics.mean(b for b, _ in pts)
+        mt = statistics.mean(t for _, t in pts)
+        slope = sum((b - mb) * (t - mt) for b, t in pts) / sum((b - mb) ** 2 for b, _ in pts)
+        print(f"experts' call, fitted over k = {args.experts_k}: {1e6 * (mt - slope * mb):.0f} us fixed, "
+              f"{1e-9 / slope:.1f} GB/s marginal")
     return 0
 
 
