@@ -410,16 +410,16 @@ class NativeLayer:
         in the second call, the attention on the kernel, and no shared expert. Read at every step
         (the weights as _native_fast reads them, the router's _unchanged, the experts' binding):
         the stack sets a layer again when they change."""
-        moe = self.moe
-        if (self.step is None or moe is None or moe.shared or not FUSE_EXPERTS or not routers.NATIVE_SELECT
-                or not self.attn.kernel or self.attn.dtype is not dt or B > NORM_MAX_ROWS or B > ROUTER_MAX_ROWS):
+        if (self.one_call_blocker() is not None or not FUSE_EXPERTS or not routers.NATIVE_SELECT
+                or self.attn.dtype is not dt or B > NORM_MAX_ROWS or B > ROUTER_MAX_ROWS):
             return None
+        moe = self.moe
         weights = self._norm_weights(dt)
         if weights is None:
             return None
         ptrs = [w.data_ptr() for w in weights]
         router, gate = moe.router, moe.gate
-        if router.select is None or router.dtype is not dt or gate.training or not router._unchanged(gate):
+        if router.dtype is not dt or gate.training or not router._unchanged(gate):
             return None
         form, k, renorm, wdt, _ = router.select
         fused = moe.experts.bound_for(dt, self.hidden, B * k)

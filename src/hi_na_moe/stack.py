@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from array import array
 
 import torch
 from torch import nn
@@ -275,8 +276,6 @@ class NativeStack:
         """The layers' decode step in one native call (ONE_CALL), or None with nothing run: a
         layer cannot (NativeLayer.plan_args) or its cache cannot take the new position in place.
         mask: None or the bool mask over the keys the attention's decode path takes (padding)."""
-        from array import array
-
         B, dt = h.shape[0], h.dtype
         args = []
         for r in self.runners:
