@@ -27,7 +27,9 @@ short paths, or its own forward calling each layer), whole-step times only likew
 --ab-select: the routers' softmax and top-k on router_select or in PyTorch's ops
 (hi_na_moe.routers.NATIVE_SELECT; the experts then also leave layer_decode_post), whole-step
 times only likewise; --ab-one-call: the stack's decode step in one native call or its loop over
-the layers' short paths (hi_na_moe.stack.ONE_CALL), whole-step times only likewise.
+the layers' short paths (hi_na_moe.stack.ONE_CALL), whole-step times only likewise;
+--ab-shared: a shared expert (Qwen2-MoE) inside the layers' native call, so the stack's one call,
+or as modules after the call in the layers' loop (hi_na_moe.layers.FUSE_SHARED), likewise.
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -86,6 +88,9 @@ def main() -> int:
                     help="alternate the routers' selection on router_select / in PyTorch (scope all; step times only)")
     ap.add_argument("--ab-one-call", action="store_true",
                     help="alternate the stack's one native call / its loop over the layers (scope all; step times only)")
+    ap.add_argument("--ab-shared", action="store_true",
+                    help="alternate a shared expert inside the native call / as modules after it (scope all; step "
+                         "times only)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -126,11 +131,11 @@ def main() -> int:
     kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
                              ("attention", args.ab_attention), ("layers", args.ab_layers),
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
-                             ("one-call", args.ab_one_call)) if on]
+                             ("one-call", args.ab_one_call), ("shared", args.ab_shared)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call: one A/B at a time")
-    whole_steps = ("layers", "stacks", "select", "one-call")
+                         "--ab-one-call, --ab-shared: one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call", "shared")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -144,7 +149,8 @@ def main() -> int:
             counted[part] += 1
 
     arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else
-                               "layer-loop " if kind == "one-call" else "PyTorch ") + kind] if kind else [""]
+                               "layer-loop " if kind == "one-call" else "modules " if kind == "shared"
+                               else "PyTorch ") + kind] if kind else [""]
     use_native = None
     if kind:
         if args.scope != "all":
@@ -159,6 +165,11 @@ def main() -> int:
 
             def use_native(on: bool) -> None:
                 stack.ONE_CALL = on
+        elif kind == "shared":
+            from hi_na_moe import layers
+
+            def use_native(on: bool) -> None:
+                layers.FUSE_SHARED = on
         else:
             from ab_switch import small_module_switch
 

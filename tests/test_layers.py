@@ -49,17 +49,19 @@ def test_add_and_add_rms_norm_are_pytorchs_add_and_the_norm_kernel_bit_for_bit(d
 class _Count:
     """Counts the decode calls the layers take on their short path (calls), those of them run in
     the two native calls (native), and those whose experts ran inside the second (fused);
-    fusable: the layers whose MoE block can (its short path, no shared expert)."""
+    fusable: the layers whose MoE block can (its short path; a shared expert on the native MLP
+    call with its gate on the dense kernel); shared: those of them with a shared expert."""
 
     def __init__(self, model):
-        self.calls = self.native = self.fused = self.fusable = 0
+        self.calls = self.native = self.fused = self.fusable = self.shared = 0
         rep = hi_na_moe.report_for(model)
         mods = dict(model.named_modules())
         for name in rep.layers:
             runner = patched_runner(mods[name])
             fast, native_fast = runner._fast, runner._native_fast
-            if runner.moe is not None and not runner.moe.shared:
+            if runner.moe is not None and (not runner.moe.shared or runner.moe.shared_native is not None):
                 self.fusable += 1
+                self.shared += runner.moe.shared
                 experts = runner.moe.experts
 
                 def bound_for(*args, _bound_for=experts.bound_for):
@@ -144,8 +146,14 @@ def test_known_families_decode_on_the_short_path_bit_for_bit(model_type, all_lin
         assert f"decoder layers with decode steps in few native calls: {len(layers)}" in str(rep)
         ids = torch.tensor([[3, 9, 4, 7]])
         count = _same_decode(model, ids, native=all_linears)
-        # the experts inside the second native call: every family but Qwen2-MoE (shared expert)
-        assert (count.fused > 0) == (all_linears and model_type != "qwen2_moe")
+        # the experts inside the second native call, Qwen2-MoE's shared expert and its gate too
+        assert (count.fused > 0) == all_linears
+        assert (count.shared > 0) == (all_linears and model_type == "qwen2_moe")
+        if model_type == "qwen2_moe":
+            n = len(layers)
+            assert rep.mlps == [f"model.layers.{i}.mlp.shared_expert" for i in range(n)] if all_linears else not rep.mlps
+            assert f"gated MLPs (shared experts, dense MLPs) with decode steps in one native call: {n}" in str(rep) \
+                or not all_linears
         # a padded batch: a bool mask over the keys reaches the attention kernel
         _same_decode(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
                      attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), native=all_linears)

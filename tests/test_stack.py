@@ -86,23 +86,16 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
     try:
         assert rep.stacks == ["model"] and not rep.stacks_differ
         assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
-        # every layer in one native call, but with Qwen2-MoE's shared expert
-        one_call = model_type != "qwen2_moe"
-        if one_call:
-            assert not rep.stacks_loop_only and "with a DynamicCache every layer in one native call: 1" in str(rep)
-        else:
-            assert rep.stacks_loop_only == {"model": "model.layers.0: its MoE block has a shared expert (run as "
-                                                     "modules after the routed experts)"}
-            assert "'model' keeps the loop, not one native call: model.layers.0: its MoE block has a shared" in str(rep)
-            assert rep.to_dict()["stacks_loop_only"] == rep.stacks_loop_only
-        assert _same(model, torch.tensor([[3, 9, 4, 7]])).one_calls == (4 if one_call else 0)
+        # every layer in one native call, Qwen2-MoE's shared expert included
+        assert not rep.stacks_loop_only and "with a DynamicCache every layer in one native call: 1" in str(rep)
+        assert _same(model, torch.tensor([[3, 9, 4, 7]])).one_calls == 4
         count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3,
                       attention_mask=torch.ones(2, 4, dtype=torch.long))
-        assert count.one_calls == (3 if one_call else 0)
+        assert count.one_calls == 3
         # padding: the mask the stack's own forward would build, over the keys
         count = _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
                       attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
-        assert count.one_calls == (3 if one_call else 0)
+        assert count.one_calls == 3
     finally:
         hi_na_moe.disable_for_model(model)
     assert "forward" not in model.model.__dict__

@@ -537,8 +537,10 @@ class StepPlan {
                  int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
                  float scale, const std::string& isa, nb::object o, uintptr_t ln2_w, float ln2_eps, nb::object router,
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
-                 int experts_threads, int num_threads) {
+                 int experts_threads, int num_threads, nb::tuple shared) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
+    if (shared.size() != 0 && shared.size() != 4)
+      bad("StepPlan.set_layer: shared must be () or (gate_up, down, I, gate) of a shared expert");
     const auto& bq = nb::cast<const BoundForward&>(qkv);
     const auto& bo = nb::cast<const BoundForward&>(o);
     const auto& br = nb::cast<const BoundForward&>(router);
@@ -569,10 +571,24 @@ class StepPlan {
     d.post.experts = be.packed();
     d.post.experts_params = be.params();
     d.post.experts_threads = experts_threads;
+    std::vector<nb::object> owners = {std::move(qkv), std::move(o), std::move(router), std::move(experts)};
+    if (shared.size() == 4) {
+      const auto& bg = nb::cast<const BoundForward&>(shared[0]);
+      const auto& bd = nb::cast<const BoundForward&>(shared[1]);
+      const auto& bs = nb::cast<const BoundForward&>(shared[3]);
+      d.post.shared_mlp.I = nb::cast<int64_t>(shared[2]);
+      d.post.shared_mlp.gate_up = bg.packed();
+      d.post.shared_mlp.gate_up_params = bg.params();
+      d.post.shared_mlp.down = bd.packed();
+      d.post.shared_mlp.down_params = bd.params();
+      d.post.shared_gate = bs.packed();
+      d.post.shared_gate_params = bs.params();
+      owners.push_back(shared);
+    }
     d.num_threads = num_threads;
     d.attn_isa = hina::resolve_isa(isa.c_str());
     layers_[static_cast<size_t>(i)] = d;
-    owners_[static_cast<size_t>(i)] = {std::move(qkv), std::move(o), std::move(router), std::move(experts)};
+    owners_[static_cast<size_t>(i)] = std::move(owners);
   }
   size_t scratch_bytes(int64_t B) const { return hina::decode_layers_scratch(layers_.data(), size(), B); }
   nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t mask,
@@ -596,7 +612,8 @@ class StepPlan {
 
  private:
   std::vector<hina::DecodeLayer> layers_;
-  std::vector<std::vector<nb::object>> owners_;  // per layer: its qkv, o, router and experts BoundForwards
+  // per layer: its qkv, o, router, experts and shared-expert BoundForwards
+  std::vector<std::vector<nb::object>> owners_;
 };
 
 NB_MODULE(_native, m) {
@@ -1033,7 +1050,9 @@ NB_MODULE(_native, m) {
            uintptr_t o_out, uintptr_t x, uintptr_t ln2_w, float ln2_eps, uintptr_t sum, uintptr_t normed,
            const BoundForward* router, uintptr_t logits, int num_threads, int sel_form, int64_t sel_E, int64_t sel_k,
            bool sel_renorm, int sel_w_dtype, uintptr_t sel_w, uintptr_t sel_idx, const BoundForward* experts,
-           int experts_threads, uintptr_t experts_out) -> nb::object {
+           int experts_threads, uintptr_t experts_out, const BoundForward* shared_gu, const BoundForward* shared_down,
+           int64_t shared_I, const BoundForward* shared_gate, uintptr_t shared_scratch_gu, uintptr_t shared_scratch_m,
+           uintptr_t shared_out, uintptr_t shared_logit) -> nb::object {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -1060,6 +1079,18 @@ NB_MODULE(_native, m) {
                 a.experts_params = experts->params();
                 a.experts_threads = experts_threads;
                 a.experts_out = reinterpret_cast<void*>(experts_out);
+                if (shared_gu != nullptr) {
+                  if (shared_down == nullptr || shared_gate == nullptr)
+                    bad("layer_decode_post_raw: shared_gu needs shared_down and shared_gate");
+                  a.shared_mlp = hina::GatedMlpArgs{dt, B, shared_I, shared_gu->packed(), shared_gu->params(),
+                                                    shared_down->packed(), shared_down->params(), nullptr,
+                                                    reinterpret_cast<void*>(shared_scratch_gu),
+                                                    reinterpret_cast<void*>(shared_scratch_m),
+                                                    reinterpret_cast<void*>(shared_out)};
+                  a.shared_gate = shared_gate->packed();
+                  a.shared_gate_params = shared_gate->params();
+                  a.shared_logit = reinterpret_cast<void*>(shared_logit);
+                }
               }
             }
           }
@@ -1079,17 +1110,56 @@ NB_MODULE(_native, m) {
         nb::arg("sum"), nb::arg("normed"), nb::arg("router").none(), nb::arg("logits"), nb::arg("num_threads"),
         nb::arg("sel_form") = 0, nb::arg("sel_E") = 0, nb::arg("sel_k") = 0, nb::arg("sel_renorm") = false, nb::arg("sel_w_dtype") = 0,
         nb::arg("sel_w") = 0, nb::arg("sel_idx") = 0, nb::arg("experts").none() = nb::none(),
-        nb::arg("experts_threads") = 0, nb::arg("experts_out") = 0,
+        nb::arg("experts_threads") = 0, nb::arg("experts_out") = 0, nb::arg("shared_gu").none() = nb::none(),
+        nb::arg("shared_down").none() = nb::none(), nb::arg("shared_I") = 0, nb::arg("shared_gate").none() = nb::none(),
+        nb::arg("shared_scratch_gu") = 0, nb::arg("shared_scratch_m") = 0, nb::arg("shared_out") = 0,
+        nb::arg("shared_logit") = 0,
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
         "in attn_out; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
         "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
         "with it, experts (a BoundForward): the experts on that selection with experts_threads, scratch experts_out "
-        "[B, H], added into sum), for hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong addresses "
+        "[B, H], added into sum; with shared_gu, shared_down (BoundForwards of a gated MLP's up-only blocks, I = "
+        "shared_I) and shared_gate (of its 1-output gate), the shared expert combined into experts_out first, "
+        "scratch shared_scratch_gu [B, 2 I], shared_scratch_m [B, I], shared_out [B, H], shared_logit [B]), for "
+        "hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong addresses crash.");
+  m.def("gated_mlp_raw",
+        [](int dtype, int64_t B, int64_t I, uintptr_t x, const BoundForward& gate_up, const BoundForward& down,
+           uintptr_t gu, uintptr_t mid, uintptr_t out, int num_threads) {
+          hina::GatedMlpArgs a{static_cast<hina::DType>(dtype), B, I, gate_up.packed(), gate_up.params(),
+                               down.packed(), down.params(), reinterpret_cast<const void*>(x),
+                               reinterpret_cast<void*>(gu), reinterpret_cast<void*>(mid), reinterpret_cast<void*>(out)};
+          nb::gil_scoped_release release;
+          hina::gated_mlp_decode(a, num_threads);
+        },
+        nb::arg("dtype"), nb::arg("B"), nb::arg("I"), nb::arg("x"), nb::arg("gate_up"), nb::arg("down"),
+        nb::arg("gu"), nb::arg("mid"), nb::arg("out"), nb::arg("num_threads"),
+        "gated_mlp_decode() (moe.h) with raw addresses, nothing checked: x [B, H], scratch gu [B, 2 I] and mid "
+        "[B, I], out [B, H], all of dtype (0 float32, 1 bfloat16, 2 float16); gate_up and down: BoundForwards of "
+        "up-only blocks. For hi_na_moe.mlp, which checked the tensors. Wrong addresses crash.");
+  m.def("silu_mul_raw",
+        [](int dtype, const std::string& isa, uintptr_t g, uintptr_t u, int64_t n, uintptr_t out) {
+          if (dtype < 0 || dtype > 2 || n < 0) bad("silu_mul: dtype codes are 0, 1 or 2, and n >= 0");
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
+          hina::silu_mul(static_cast<hina::DType>(dtype), tier, reinterpret_cast<const void*>(g),
+                         reinterpret_cast<const void*>(u), n, reinterpret_cast<void*>(out));
+        },
+        nb::arg("dtype"), nb::arg("isa"), nb::arg("g"), nb::arg("u"), nb::arg("n"), nb::arg("out"),
+        "silu_mul() (moe.h) over n values at raw addresses (isa: the build, as for the kernels). Wrong addresses "
         "crash.");
+  m.def("shared_combine_raw",
+        [](int dtype, uintptr_t routed, uintptr_t shared, uintptr_t logit, int64_t B, int64_t H, uintptr_t out) {
+          if (dtype < 0 || dtype > 2 || B < 0 || H < 0) bad("shared_combine: dtype codes are 0, 1 or 2, and B, H >= 0");
+          hina::shared_combine(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(routed),
+                               reinterpret_cast<const void*>(shared), reinterpret_cast<const void*>(logit), B, H,
+                               reinterpret_cast<void*>(out));
+        },
+        nb::arg("dtype"), nb::arg("routed"), nb::arg("shared"), nb::arg("logit"), nb::arg("B"), nb::arg("H"),
+        nb::arg("out"), "shared_combine() (moe.h) at raw addresses. Wrong addresses crash.");
   nb::class_<StepPlan>(m, "StepPlan",
       "A decode step through L decoder layers in one native call (decode_layers() in moe.h), for "
       "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "
-      "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts). run(B, x, cos, sin, "
+      "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts, and a shared expert's "
+      "(gate/up group, down projection, intermediate size, gate) as the last argument, or ()). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 6 int64 (k and v buffer addresses, "
       "batch/head/position element strides, positions after the write), scratch of scratch_bytes(B) bytes. "

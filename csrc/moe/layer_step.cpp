@@ -76,6 +76,17 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
         e.num_threads = a.experts_threads;
         e.topk_w_dtype = s.w_dtype;
         const char* name = a.experts->forward(a.normed, a.B, s.idx, 64, s.w, s.k, a.experts_out, e);
+        if (a.shared_mlp.gate_up != nullptr) {
+          GatedMlpArgs m = a.shared_mlp;
+          m.dtype = a.dtype;
+          m.B = a.B;
+          m.x = a.normed;
+          gated_mlp_decode(m, num_threads);
+          MoeParams g = a.shared_gate_params;
+          g.num_threads = num_threads;
+          a.shared_gate->linear(a.normed, a.B, a.shared_logit, g);
+          shared_combine(a.dtype, a.experts_out, m.out, a.shared_logit, a.B, a.H, a.experts_out);
+        }
         add(a.dtype, a.sum, a.experts_out, a.B * a.H, a.sum);
         return name;
       }
@@ -88,7 +99,8 @@ namespace {
 
 // The scratch of one step, carved from one buffer: the largest layer's sizes.
 struct StepScratch {
-  size_t h, qkv, qk_tmp, q, attn, o_out, normed, logits, w, idx, experts_out, x0, x1, total;
+  size_t h, qkv, qk_tmp, q, attn, o_out, normed, logits, w, idx, experts_out, shared_gu, shared_m, shared_out,
+      shared_logit, x0, x1, total;
 };
 
 size_t take(size_t& at, size_t bytes) {
@@ -98,7 +110,7 @@ size_t take(size_t& at, size_t bytes) {
 }
 
 StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
-  int64_t H = 0, nq = 0, nkv = 0, E = 0, k = 0;
+  int64_t H = 0, nq = 0, nkv = 0, E = 0, k = 0, I = 0;
   size_t es = 1;
   for (int64_t l = 0; l < L; ++l) {
     const LayerPreArgs& p = layers[l].pre;
@@ -108,6 +120,7 @@ StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
     nkv = std::max(nkv, p.Hkv * p.D);
     E = std::max(E, layers[l].post.select.E);
     k = std::max(k, layers[l].post.select.k);
+    if (layers[l].post.shared_mlp.gate_up != nullptr) I = std::max(I, layers[l].post.shared_mlp.I);
   }
   const size_t b = static_cast<size_t>(B);
   StepScratch s{};
@@ -123,6 +136,10 @@ StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
   s.w = take(at, b * k * 4);
   s.idx = take(at, b * k * 8);
   s.experts_out = take(at, b * H * es);
+  s.shared_gu = take(at, b * 2 * I * es);
+  s.shared_m = take(at, b * I * es);
+  s.shared_out = take(at, I ? b * H * es : 0);
+  s.shared_logit = take(at, I ? b * es : 0);
   s.x0 = take(at, b * H * es);
   s.x1 = take(at, b * H * es);
   s.total = at;
@@ -184,6 +201,12 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     a.select.w = base + s.w;
     a.select.idx = reinterpret_cast<int64_t*>(base + s.idx);
     a.experts_out = base + s.experts_out;
+    if (a.shared_mlp.gate_up != nullptr) {
+      a.shared_mlp.gu = base + s.shared_gu;
+      a.shared_mlp.m = base + s.shared_m;
+      a.shared_mlp.out = base + s.shared_out;
+      a.shared_logit = base + s.shared_logit;
+    }
     names[l] = layer_decode_post(a, d.num_threads, d.attn_isa);
     cur = a.sum;
   }

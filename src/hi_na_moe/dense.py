@@ -8,12 +8,14 @@ expert, identity activation, no down pass) and its forward is replaced by a call
 bandwidth of our decode kernels on this machine (benchmarks/RESULTS.md, session 4 baselines).
 
 Which layers: every `nn.Linear` (exactly that class) that is not inside an accelerated MoE
-block's experts and not matched by `dense_exclude`, with at least 64 Ki weights (smaller ones,
-such as a shared expert's 1-output gate, have no bytes worth a kernel call). Layers matched by
-`dense_lossless` (default "lm_head") stay in the model's own dtype when `weights` is int8/int4.
-Patterns are fnmatch patterns on the module's name in the model ("lm_head", "*.self_attn.*").
-Linears that compute MoE routing (inside a router or gate module, see routing_linears) are
-always lossless.
+block's experts and not matched by `dense_exclude`, with at least 64 Ki weights (smaller ones
+have no bytes worth a kernel call), and a shared expert's gate (`*.shared_expert_gate`, Qwen2-MoE's
+Linear(H, 1)) whatever its size: the layer's fused decode step (hi_na_moe.layers) computes it in
+the same call as the experts, and can only give the module's bits with the module on the same
+kernel. Layers matched by `dense_lossless` (default "lm_head") stay in the model's own dtype when
+`weights` is int8/int4. Patterns are fnmatch patterns on the module's name in the model
+("lm_head", "*.self_attn.*"). Linears that compute MoE routing (inside a router or gate module,
+see routing_linears, and the shared experts' gates) are always lossless.
 
 Small modules, for decode-sized inputs: RMSNorms (NativeNorm below) and the routers' logits
 (hi_na_moe.routers) run on native kernels too, each only after a probe shows the module computes
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 MIN_WEIGHTS = 1 << 16
+SHARED_GATE = "shared_expert_gate"  # a shared expert's gate: run natively whatever its size
 
 
 @dataclass
@@ -75,13 +78,16 @@ _ROUTING_CLASS = re.compile(r"Router|(Gate|Gating)$")
 
 def routing_linears(model: nn.Module) -> frozenset[str]:
     """Names of the linears that compute MoE routing (inside a module whose class is a router
-    or a gate: DbrxRouter.layer, Gemma4TextRouter.proj, HunYuanMoEV1Gate.wg, ...). Their weights
-    are a few KiB per layer and decide which experts run, so quantising them saves nothing
-    worth a changed routing: they stay lossless whatever `weights` is."""
+    or a gate: DbrxRouter.layer, Gemma4TextRouter.proj, HunYuanMoEV1Gate.wg, ...), and the shared
+    experts' gates. Their weights are a few KiB per layer and decide which experts run (or how
+    much of the shared expert), so quantising them saves nothing worth a changed routing: they
+    stay lossless whatever `weights` is."""
     found = set()
     for name, m in model.named_modules():
         if _ROUTING_CLASS.search(type(m).__name__):
             found.update(f"{name}.{n}" if name else n for n, sub in m.named_modules() if type(sub) is nn.Linear)
+        elif type(m) is nn.Linear and name.rpartition(".")[2] == SHARED_GATE:
+            found.add(name)
     return frozenset(found)
 
 
@@ -92,7 +98,8 @@ def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str,
     found = []
     for name, m in model.named_modules():
         if (type(m) is nn.Linear and id(m) not in skip and not _matches(name, exclude)
-                and m.weight.numel() >= MIN_WEIGHTS and m.weight.device.type in devices
+                and (m.weight.numel() >= MIN_WEIGHTS or name.rpartition(".")[2] == SHARED_GATE)
+                and m.weight.device.type in devices
                 and m.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
             found.append((name, m))
     return found
@@ -429,11 +436,11 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
 
 
 def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
-    """Pack and patch the linears of scope="all", then the RMSNorms, the routers and the attention
-    modules, then the decoder layers (hi_na_moe.layers); returns ([(module, runner, old forward)],
-    linear reports, {"norms": (names patched, names whose probe did not match), "routers",
-    "attention", "layers", "stacks": (the same)}). On an error, what was patched is undone before it
-    propagates."""
+    """Pack and patch the linears of scope="all", then the RMSNorms, the routers, the attention
+    modules and the gated MLPs (hi_na_moe.mlp), then the decoder layers (hi_na_moe.layers);
+    returns ([(module, runner, old forward)], linear reports, {"norms": (names patched, names
+    whose probe did not match), "routers", "attention", "mlps", "layers", "stacks": (the
+    same)}). On an error, what was patched is undone before it propagates."""
     from tqdm.auto import tqdm
 
     from .ops import _isa_name
@@ -467,6 +474,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
                 reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel,
                                            runner.member_bytes(i), freed[i], runner.cache_event, group))
         from .attention import NativeAttention, find_attention
+        from .mlp import NativeMLP, find_mlps
         from .routers import NativeRouter, find_routers
 
         small = {}  # kind -> (names patched, names left to PyTorch)
@@ -475,7 +483,8 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
                 ("norms", find_norms(model, cfg.dense_exclude), NativeNorm, []),
                 ("routers", routers, lambda name, m, fwd: NativeRouter(name, m, fwd, isa, cfg.threads), unfit),
                 ("attention", find_attention(model, cfg.dense_exclude),
-                 lambda name, m, fwd: NativeAttention(name, m, fwd, isa, cfg.threads), [])):
+                 lambda name, m, fwd: NativeAttention(name, m, fwd, isa, cfg.threads), []),
+                ("mlps", find_mlps(model, cfg.dense_exclude), NativeMLP, [])):
             more, names, differ = patch_probed(found, make, gate, gated)
             done += more
             small[kind] = (names, sorted(differ + left))

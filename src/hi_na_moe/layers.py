@@ -51,6 +51,9 @@ from .torch_ops import _LAST_KERNEL
 # with the router's selection native (routers.NATIVE_SELECT), the MoE block's experts and the
 # layer's last residual add run in the same native call as the attention (layer_decode_post)
 FUSE_EXPERTS = True
+# with them, a shared expert on the native MLP call (hi_na_moe.mlp) and its gate too; False: the
+# shared expert runs as modules after the call (and the stack keeps its loop)
+FUSE_SHARED = True
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -184,19 +187,22 @@ class NativeLayer:
         return q[0], o[0], qk, norms[0], norms[1]
 
     def _watch(self) -> None:
-        """What _observed compares at every call: the modules this path does not call through
-        __call__ with the forward each has now, and the parent-child links it found them by (a
-        part replaced after enable, e.g. layer.self_attn = another module, is not the one it
-        resolved)."""
+        """What _observed compares at every call (mlp.Watch): the modules this path does not call
+        through __call__ (with a fused shared expert, its modules too), and the links it found
+        them by."""
+        from .mlp import Watch
+
         a = self.attn_mod
         skipped = [self.ln1, self.ln2, *a.modules()]
         links = [(self.module, p) for p in _PARTS] + [(a, n) for n, _ in a.named_children()]
         if self.moe is not None:
             skipped += [self.mlp, self.mlp.gate, self.mlp.experts]
             links += [(self.mlp, n) for n, _ in self.mlp.named_children()]
-        self.links = tuple((parent._modules, name, parent._modules[name]) for parent, name in links)
-        self.forwards = tuple((mod.__dict__, mod.__dict__.get("forward")) for mod in skipped)
-        self.hook_dicts = tuple((mod._forward_hooks, mod._forward_pre_hooks, mod) for mod in skipped)
+            if self.moe.shared_native is not None:
+                se = self.mlp.shared_expert
+                skipped += [*se.modules(), self.mlp.shared_expert_gate]
+                links += [(se, n) for n, _ in se.named_children()]
+        self.watch = Watch(skipped, links)
         # the norms' weights as the native calls read them, through the parameter dicts (a
         # module attribute lookup of a parameter is a Python call, and this runs every step)
         params = [(self.ln1._parameters, self.norm1.n), (self.ln2._parameters, self.norm2.n)]
@@ -241,7 +247,22 @@ class NativeLayer:
             return out.view(x.shape)
 
         moe.router, moe.gate, moe.experts, moe.shared = router, gate, runner, shared
+        moe.shared_native = self._shared_native(mlp) if shared else None
         return moe
+
+    def _shared_native(self, mlp: nn.Module):
+        """(the shared expert's NativeMLP, its gate's NativeLinear) when the native calls can run
+        both in the layer's step (layer_decode_post), else None: the shared expert on the gated-MLP
+        call (hi_na_moe.mlp), its gate alone on the dense kernel, one output, the layer's dtype."""
+        from .mlp import NativeMLP
+        from .patching import patched_member, patched_runner
+
+        runner, g = patched_runner(mlp.shared_expert), patched_member(mlp.shared_expert_gate)
+        if (not isinstance(runner, NativeMLP) or not runner.ready or runner.hidden != self.hidden or g is None
+                or g[1] != 0 or len(g[0].modules) != 1 or g[0].out_features != 1 or g[0].in_features != self.hidden
+                or g[0].dtype is not runner.dtype):
+            return None
+        return runner, g[0]
 
     def _observed(self) -> bool:
         """Whether something would see the skipped modules' calls (module docstring)."""
@@ -249,16 +270,7 @@ class NativeLayer:
 
     def parts_observed(self) -> bool:
         """Whether a hook, a replaced forward or a replaced part would see the skipped modules."""
-        for modules, name, child in self.links:
-            if modules.get(name) is not child:
-                return True
-        for d, fwd in self.forwards:
-            if d.get("forward") is not fwd:
-                return True
-        for hooks, pre_hooks, mod in self.hook_dicts:
-            if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
-                return True
-        return False
+        return self.watch.observed()
 
     # -- the decode path ----------------------------------------------------------------------
     def _fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor:
@@ -370,12 +382,19 @@ class NativeLayer:
             form, k, renorm, wdt, _ = router.select
             chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
             select = (form, router.experts, k, renorm, _DTYPE_CODES[wdt], chosen[0].data_ptr(), chosen[1].data_ptr())
-            # the experts and the last residual add in the same call (not with a shared expert,
-            # which runs as modules after the routed experts)
-            fused = None if moe.shared or not FUSE_EXPERTS else moe.experts.bound_for(dt, H, B * k)
+            # the experts, a shared expert (on the native MLP call, with its gate) and the last
+            # residual add in the same call; a shared expert not on them runs as modules after it
+            shared = self._shared_args(moe, dt, B) if moe.shared else ()
+            fused = (None if not FUSE_EXPERTS or shared is None
+                     else moe.experts.bound_for(dt, H, B * k))
             if fused is not None:
                 eo = torch.empty_like(x)
                 select += (fused[0], fused[1], eo.data_ptr())
+                if shared:
+                    sc = torch.empty(B * (3 * shared[2] + H + 32) * es, dtype=torch.uint8)
+                    p = sc.data_ptr()
+                    select += shared + (p, p + 2 * B * shared[2] * es, p + 3 * B * shared[2] * es,
+                                        p + (3 * shared[2] + H) * B * es)
         s, n2 = torch.empty_like(x), torch.empty_like(x)
         name = self.native.layer_decode_post_raw(
             code, B, H, attn[0], Hq, Hkv, attn[1], D, attn[2], attn[3], attn[4], attn[5], attn[6], attn[7], attn[8],
@@ -387,6 +406,17 @@ class NativeLayer:
             return s
         return self._residual(s, self.mlp(n2) if moe is None else moe(n2, logits, chosen), code)
 
+    def _shared_args(self, moe, dt: torch.dtype, B: int) -> tuple | None:
+        """A shared expert's arguments to the native calls (its gate/up group's, down_proj's and
+        gate's BoundForwards and its intermediate size), or None when they cannot run it."""
+        if moe.shared_native is None or not FUSE_SHARED:
+            return None
+        mlp, gate = moe.shared_native
+        if mlp.dtype is not dt or B > NORM_MAX_ROWS:
+            return None
+        gu, down, inter = mlp.bounds()
+        return gu, down, inter, gate.bound
+
     def one_call_blocker(self) -> str | None:
         """Why this layer's decode step can never run in the stack's one native call (for the
         report), or None when it can, subject to what plan_args checks at each step."""
@@ -395,8 +425,9 @@ class NativeLayer:
             return "its q/k/v or o_proj are not on the runners the native calls take"
         if moe is None:
             return "its MoE block is called as a module (not of the router-then-experts form)"
-        if moe.shared:
-            return "its MoE block has a shared expert (run as modules after the routed experts)"
+        if moe.shared and moe.shared_native is None:
+            return ("its MoE block's shared expert is not on the native MLP call with its gate on the dense kernel "
+                    "(run as modules after the routed experts)")
         if not self.attn.kernel:
             return f"no native attention kernel at tier {self.attn.isa} (PyTorch's SDPA does the math)"
         if moe.router.select is None:
@@ -423,14 +454,15 @@ class NativeLayer:
             return None
         form, k, renorm, wdt, _ = router.select
         fused = moe.experts.bound_for(dt, self.hidden, B * k)
-        if fused is None:
+        shared = self._shared_args(moe, dt, B) if moe.shared else ()
+        if fused is None or shared is None:
             return None
         qkv, o, qk, qn, kn = self.step
         at = self.attn
         return (_DTYPE_CODES[dt], self.hidden, ptrs[0], self.norm1.eps, qkv.bound, at.Hq, at.Hkv, at.D, qk,
                 ptrs[2] if qk else 0, ptrs[3] if qk else 0, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
                 self.attn_mod.scaling, at.isa, o.bound, ptrs[1], self.norm2.eps, router.bound, router.experts, form,
-                k, renorm, _DTYPE_CODES[wdt], fused[0], fused[1], qkv.threads or torch.get_num_threads())
+                k, renorm, _DTYPE_CODES[wdt], fused[0], fused[1], qkv.threads or torch.get_num_threads(), shared)
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():
@@ -452,6 +484,11 @@ class NativeLayer:
             return True
         if self.moe is None:
             return False
+        if self.moe.shared_native is not None:  # the shared expert as modules after the call
+            self.moe.shared_native = None
+            self._watch()
+            if self._probe():
+                return True
         self.moe = None  # a block of another form: called as a module
         self._watch()
         return self._probe()

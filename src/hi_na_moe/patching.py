@@ -235,6 +235,10 @@ class EnableReport:
     attention: list = field(default_factory=list)
     attention_differ: list = field(default_factory=list)
     attention_math: str | None = None  # what computes their attention (attention.math_kernel)
+    # scope="all": the gated MLP modules (shared experts, dense MLPs) whose decode calls are one
+    # native call (hi_na_moe.mlp), and the candidates whose probe did not match
+    mlps: list = field(default_factory=list)
+    mlps_differ: list = field(default_factory=list)
     # scope="all": the decoder layers whose decode calls take the short path (hi_na_moe.layers),
     # and the candidates that did not (a part left to PyTorch, or the probe differed)
     layers: list = field(default_factory=list)
@@ -270,6 +274,7 @@ class EnableReport:
             "routers": list(self.routers), "routers_differ": list(self.routers_differ),
             "routers_select_pytorch": list(self.routers_select_pytorch),
             "attention": list(self.attention), "attention_differ": list(self.attention_differ),
+            "mlps": list(self.mlps), "mlps_differ": list(self.mlps_differ),
             "layers": list(self.layers), "layers_differ": list(self.layers_differ),
             "stacks": list(self.stacks), "stacks_differ": list(self.stacks_differ),
             "stacks_loop_only": dict(self.stacks_loop_only),
@@ -319,11 +324,13 @@ class EnableReport:
                          if events else "")
                 lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
                              f"{freed / 2**20:.0f} MiB of their own weights released{store}")
-        if self.dry_run and (self.norms or self.routers or self.attention or self.routers_differ or self.layers):
+        if self.dry_run and (self.norms or self.routers or self.attention or self.routers_differ or self.mlps or self.layers):
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
+            mlps = f"{len(self.mlps)} gated MLP(s), " if self.mlps else ""
             lines.append(f"  small modules scope='all' would probe at enable and run natively where their form "
                          f"matches: {len(self.norms)} RMSNorm, {len(self.routers)} router(s), {len(self.attention)} "
-                         f"attention module(s), {len(self.layers)} decoder layer(s), {len(self.stacks)} decoder stack(s){left}")
+                         f"attention module(s), {mlps}{len(self.layers)} decoder layer(s), "
+                         f"{len(self.stacks)} decoder stack(s){left}")
         elif self.norms or self.norms_differ:
             left = (f"; {len(self.norms_differ)} left to PyTorch (they compute something else, e.g. "
                     f"{self.norms_differ[0]})" if self.norms_differ else "")
@@ -342,6 +349,12 @@ class EnableReport:
                     f"{self.attention_differ[0]})" if self.attention_differ else "")
             math = f" (attention math: {self.attention_math})" if self.attention_math else ""
             lines.append(f"  attention modules with decode steps on the native kernels: {len(self.attention)}{math}{left}")
+        if not self.dry_run and (self.mlps or self.mlps_differ):
+            left = (f"; {len(self.mlps_differ)} take their own forward (a projection not on the dense kernels, "
+                    f"an activation other than SiLU, or their probe differed, e.g. {self.mlps_differ[0]})"
+                    if self.mlps_differ else "")
+            lines.append(f"  gated MLPs (shared experts, dense MLPs) with decode steps in one native call: "
+                         f"{len(self.mlps)}{left}")
         if not self.dry_run and (self.layers or self.layers_differ):
             left = (f"; {len(self.layers_differ)} take their own forward (a part left to PyTorch, or their probe "
                     f"differed, e.g. {self.layers_differ[0]})" if self.layers_differ else "")
@@ -563,6 +576,9 @@ def inspect_model(
         routers, report.routers_differ = find_routers(model, cfg.dense_exclude, devices)
         report.routers = [n for n, _ in routers]
         report.attention = [n for n, _ in find_attention(model, cfg.dense_exclude)]
+        from .mlp import find_mlps
+
+        report.mlps = [n for n, _ in find_mlps(model, cfg.dense_exclude)]
         from .layers import find_layers
 
         report.layers = [n for n, _ in find_layers(model, cfg.dense_exclude)]
@@ -639,6 +655,7 @@ def enable_for_model(
                 report.routers_select_pytorch = [n for n in report.routers
                                                  if getattr(patched_runner(mods[n]), "select", None) is None]
                 report.attention, report.attention_differ = small["attention"]
+                report.mlps, report.mlps_differ = small["mlps"]
                 report.layers, report.layers_differ = small["layers"]
                 report.stacks, report.stacks_differ = small["stacks"]
                 for name in report.stacks:

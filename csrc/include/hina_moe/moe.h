@@ -329,6 +329,32 @@ struct RouterSelectArgs {
 };
 void router_select(const RouterSelectArgs& a);
 
+// A gated MLP's decode step on two up-only blocks (csrc/moe/mlp.cpp): [g | u] = gate_up.linear(x)
+// (I gate rows, then I up rows), m = round(round(silu(g)) * u), out = down.linear(m), every
+// rounding to the dtype where PyTorch's F.silu and product round; silu in float32, the baseline
+// build as PyTorch's scalar loop writes it, the AVX-512 build (isa of gate_up) with a vector exp.
+struct GatedMlpArgs {
+  DType dtype;
+  int64_t B, I;
+  const PackedExperts* gate_up;  // [B, H] -> [B, 2 I]
+  MoeParams gate_up_params;
+  const PackedExperts* down;  // [B, I] -> [B, H]
+  MoeParams down_params;
+  const void* x;  // [B, H]
+  void* gu;       // scratch [B, 2 I]
+  void* m;        // scratch [B, I]
+  void* out;      // out [B, H]
+};
+void gated_mlp_decode(const GatedMlpArgs& a, int num_threads);
+// out[i] = round(round(silu(g[i])) * u[i]) over n values (gated_mlp_decode's middle step).
+void silu_mul(DType dt, Isa isa, const void* g, const void* u, int64_t n, void* out);
+// A shared expert's sigmoid gate (Qwen2-MoE): out = round(routed + round(round(sigmoid(logit_b))
+// * shared)) per row b of H values, logit [B] one per row; float32 math, std::exp, each step
+// rounded to the dtype as PyTorch's sigmoid (its scalar loop, under 32 values), product and
+// add round it. out may be routed.
+void shared_combine(DType dt, const void* routed, const void* shared, const void* logit, int64_t B, int64_t H,
+                    void* out);
+
 // A pre-norm decoder layer's decode step before the KV-cache update (csrc/moe/layer_step.cpp):
 // h = rms_norm(x); [q | k | v] = qkv.linear(h); q and k through their RMSNorms (qk_norm 1: over
 // the whole projection, 2: per head, 0: none); q, k rotated (rope_rotate_half); v copied. Every
@@ -392,13 +418,22 @@ struct LayerPostArgs {
   MoeParams experts_params;  // num_threads: experts_threads below; topk_w_dtype: select.w_dtype
   int experts_threads = 0;
   void* experts_out = nullptr;
+  // with the experts and shared_mlp.gate_up set: the block's shared expert too, before the
+  // residual add: experts_out = shared_combine(experts_out, gated_mlp_decode(normed),
+  // shared_gate.linear(normed)) (shared_mlp's dtype, B, x, gu, m and out are set here;
+  // shared_logit: scratch [B])
+  GatedMlpArgs shared_mlp{};
+  const PackedExperts* shared_gate = nullptr;  // [B, H] -> [B, 1]
+  MoeParams shared_gate_params;
+  void* shared_logit = nullptr;
 };
 // Returns the name of the experts' kernel that ran (forward()'s), or null when none ran.
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
 
 // One decoder layer of decode_layers(): its two calls' arguments with what stays between steps
-// (weights, sizes, the packed blocks, the router's selection form, the experts); decode_layers
-// sets the rest. The layer must have a router with a selection and experts.
+// (weights, sizes, the packed blocks, the router's selection form, the experts, a shared expert's
+// blocks); decode_layers sets the rest, scratch included. The layer must have a router with a
+// selection and experts.
 struct DecodeLayer {
   LayerPreArgs pre;
   LayerPostArgs post;

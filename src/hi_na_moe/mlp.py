@@ -1,0 +1,169 @@
+"""scope="all": a gated MLP's decode step in one native call (a shared expert, a dense MLP).
+
+transformers writes the MLP of Llama-family layers, Qwen2-MoE's shared expert among them, as
+down_proj(act_fn(gate_proj(x)) * up_proj(x)). Under scope="all" the three projections already run
+on the dense kernels (gate_proj and up_proj as one group, hi_na_moe.dense); what is left is two
+elementwise ops in PyTorch and four module calls, each costing several times its hot time with
+the caches a decode step's weight stream leaves behind. Here the whole forward is one native call
+(gated_mlp_decode in moe.h): the group's kernel, silu and the product, then down_proj's kernel.
+
+Which modules: children exactly gate_proj, up_proj, down_proj and act_fn; gate_proj and up_proj
+patched as one dense group (in that order), down_proj alone, in one dtype. What it computes is
+checked before it is patched:
+- act_fn must be SiLU: on 8192 values (a sweep of [-24, 24] and random ones) act_fn(g) and the
+  kernel's silu agree within one rounding of the dtype;
+- the module's own forward and the native call, on rows at scales from 1e-2 to 1e2, agree
+  within a few roundings of each row's largest value.
+The kernel's silu is not PyTorch's to the bit: PyTorch's vectorised exp differs from ours (and
+from its own scalar loop) in the last float32 bits, so a value can round to the neighbouring
+bfloat16. Once patched, both the module's forward and the decoder layer's fused step
+(hi_na_moe.layers) run this kernel, so those two agree bit for bit.
+
+Decode-sized inputs only (at most NORM_MAX_ROWS rows); anything else, training, or anything that
+would observe the skipped child calls (a hook on them, a replaced forward or child, a global
+hook, a mode, compile tracing) runs the module's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .dense import _DTYPE_CODES, NORM_MAX_ROWS, _matches
+from .layers import _idle_capture_hooks, observing
+
+_CHILDREN = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
+# the act_fn probe: the kernel's silu within this much (relative) of the module's activation
+_ACT_RTOL = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+# the forward probe: within this much of each row's largest absolute value
+_ROW_TOL = {torch.float32: 2.0**-17, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
+
+
+def find_mlps(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the gated-MLP candidates (the module docstring's children, three of them
+    nn.Linear); whether their projections run on the dense kernels is checked when patched."""
+    found = []
+    for name, m in model.named_modules():
+        if (set(m._modules) == _CHILDREN and not _matches(name, exclude)
+                and all(type(m._modules[p]) is nn.Linear for p in ("gate_proj", "up_proj", "down_proj"))):
+            found.append((name, m))
+    return found
+
+
+class Watch:
+    """What a short path that skips module calls compares at every call: the modules it does not
+    call through __call__ with the forward each has now, and the parent-child links it found
+    them by (a part replaced after enable, e.g. mlp.down_proj = another module, is not the one it
+    resolved)."""
+
+    __slots__ = ("links", "forwards", "hook_dicts")
+
+    def __init__(self, skipped: list[nn.Module], links: list[tuple[nn.Module, str]]):
+        self.links = tuple((parent._modules, name, parent._modules[name]) for parent, name in links)
+        self.forwards = tuple((mod.__dict__, mod.__dict__.get("forward")) for mod in skipped)
+        self.hook_dicts = tuple((mod._forward_hooks, mod._forward_pre_hooks, mod) for mod in skipped)
+
+    def observed(self) -> bool:
+        """Whether a hook, a replaced forward or a replaced part would see the skipped modules."""
+        for modules, name, child in self.links:
+            if modules.get(name) is not child:
+                return True
+        for d, fwd in self.forwards:
+            if d.get("forward") is not fwd:
+                return True
+        for hooks, pre_hooks, mod in self.hook_dicts:
+            if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
+                return True
+        return False
+
+
+class NativeMLP:
+    """One gated MLP module whose decode calls run in one native call (module docstring)."""
+
+    weights = "lossless"  # what it adds: its projections are the dense layers' (their format)
+
+    def __init__(self, name: str, module: nn.Module, original_forward):
+        from .hardware import native_module
+
+        self.name, self.module = name, module
+        self.original = original_forward
+        self.native = native_module()[0]
+        self.ready = False
+
+    def _resolve(self) -> bool:
+        from .patching import patched_member
+
+        m = self.module
+        gu, up, dn = patched_member(m.gate_proj), patched_member(m.up_proj), patched_member(m.down_proj)
+        if gu is None or up is None or dn is None:
+            return False
+        group, down = gu[0], dn[0]
+        if (gu[1] != 0 or up != (group, 1) or len(group.modules) != 2 or dn[1] != 0 or len(down.modules) != 1
+                or group.dtype is not down.dtype or group.dtype not in _DTYPE_CODES
+                or group.out_features != 2 * down.in_features or down.out_features != group.in_features):
+            return False
+        self.gate_up, self.down = group, down
+        self.dtype, self.hidden, self.inter = group.dtype, group.in_features, down.in_features
+        self.watch = Watch([m.gate_proj, m.up_proj, m.down_proj, m.act_fn], [(m, n) for n in _CHILDREN])
+        return True
+
+    def matches(self) -> bool:
+        if not self._resolve():
+            return False
+        dt, H = self.dtype, self.hidden
+        gen = torch.Generator().manual_seed(5)
+        g = torch.cat([torch.linspace(-24, 24, 4096), torch.randn(4096, generator=gen) * 3]).to(dt)
+        ones = torch.ones_like(g)
+        with torch.no_grad():
+            try:
+                want = self.module.act_fn(g)
+                if not isinstance(want, torch.Tensor) or want.shape != g.shape or want.dtype != dt:
+                    return False
+                got = torch.empty_like(g)
+                self.native.silu_mul_raw(_DTYPE_CODES[dt], self.gate_up.isa, g.data_ptr(), ones.data_ptr(), g.numel(),
+                                         got.data_ptr())
+                w = want.float()
+                if not bool(((got.float() - w).abs() <= _ACT_RTOL[dt] * w.abs() + 1e-30).all()):
+                    return False
+                scale = torch.logspace(-2, 2, 5).unsqueeze(1)
+                x = (torch.randn(5, H, generator=gen) * scale).to(dt)
+                want = self.original(x)
+                if not isinstance(want, torch.Tensor) or want.shape != x.shape or want.dtype != dt:
+                    return False
+                got = self._run(x)
+            except Exception:
+                return False
+        w = want.float()
+        tol = _ROW_TOL[dt] * w.abs().amax(dim=-1, keepdim=True)
+        self.ready = bool(torch.isfinite(w).all() and ((got.float() - w).abs() <= tol).all())
+        return self.ready
+
+    def bounds(self):
+        """(gate/up group's BoundForward, down_proj's, I) for a native call that runs this MLP."""
+        return self.gate_up.bound, self.down.bound, self.inter
+
+    def threads(self) -> int:
+        return self.gate_up.threads or torch.get_num_threads()
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        dt, I = self.dtype, self.inter
+        B = x.numel() // self.hidden
+        es = x.element_size()
+        out = torch.empty(x.shape, dtype=dt)
+        scratch = torch.empty(B * 3 * I * es, dtype=torch.uint8)
+        p = scratch.data_ptr()
+        self.native.gated_mlp_raw(_DTYPE_CODES[dt], B, I, x.data_ptr(), self.gate_up.bound, self.down.bound, p,
+                                  p + B * 2 * I * es, out.data_ptr(), self.threads())
+        return out
+
+    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if (self.ready and type(x) is torch.Tensor and x.dtype is self.dtype and x.is_contiguous() and x.is_cpu
+                and not x.requires_grad and not x.is_neg() and x.dim() >= 1 and x.shape[-1] == self.hidden
+                and 0 < x.numel() <= NORM_MAX_ROWS * self.hidden
+                and not (module.training and torch.is_grad_enabled()) and not self.watch.observed()
+                and not observing()):
+            return self._run(x)
+        return self.original(x)
+
+    def restore(self) -> None:  # nothing of the module was touched but its forward
+        pass

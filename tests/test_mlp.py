@@ -1,0 +1,215 @@
+"""scope="all": gated MLPs in one native call (hi_na_moe.mlp), and Qwen2-MoE's shared expert inside
+the decoder layer's fused step and the stack's one call.
+
+The layers below the MLP runner: the silu-times-up kernel (baseline build against PyTorch's
+scalar loop, bit for bit; AVX-512 build within one rounding), the shared expert's sigmoid gate
+(bit for bit against PyTorch's ops); then the module against its own forward (within rounding),
+then the decode steps against the same model on its own forwards (bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import greedy_decode
+from torch import nn
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+import hi_na_moe
+from hi_na_moe import dense, stack
+from hi_na_moe.hardware import native_kernels_available, native_module
+from hi_na_moe.patching import patched_runner
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native():
+    return native_module()[0]
+
+
+def _silu_mul(g: torch.Tensor, u: torch.Tensor, isa: str) -> torch.Tensor:
+    out = torch.empty_like(g)
+    _native().silu_mul_raw(CODES[g.dtype], isa, g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_baseline_build_is_pytorchs_scalar_loop_bit_for_bit(dtype):
+    # PyTorch runs F.silu and a product on fewer than 2 vectors' worth of values in its scalar
+    # loop: x / (1 + std::exp(-x)) in float32, rounded to the dtype; then the product, rounded
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        g = (torch.randn(16, generator=gen) * 6).to(dtype)
+        u = torch.randn(16, generator=gen).to(dtype)
+        assert torch.equal(_silu_mul(g, u, "generic"), F.silu(g) * u)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_silu_mul_other_builds_within_rounding_of_the_baseline(dtype, isa):
+    if not _native().isa_supported(isa):
+        pytest.skip(f"no {isa} here")
+    gen = torch.Generator().manual_seed(2)
+    g = torch.cat([torch.linspace(-90, 90, 5003), torch.randn(20011, generator=gen) * 4]).to(dtype)
+    u = torch.randn(g.numel(), generator=gen).to(dtype)
+    want, got = _silu_mul(g, u, "generic").float(), _silu_mul(g, u, isa).float()
+    # float32: the vector exp is within ~2 ulp, so silu times u within a few; else one rounding
+    ulp = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+    assert ((got - want).abs() <= ulp * want.abs() + 1e-30).all()
+    assert torch.isfinite(got).all() and torch.equal(got == 0, want == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_combine_is_the_blocks_sigmoid_product_and_sum_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(3)
+    for B in (1, 2, 7, 16):
+        H = 96
+        routed = torch.randn(B, H, generator=gen).to(dtype)
+        shared = (torch.randn(B, H, generator=gen) * 3).to(dtype)
+        logit = (torch.randn(B, 1, generator=gen) * 8).to(dtype)
+        logit[0, 0] = -100.0 if B > 1 else logit[0, 0]  # saturated gates
+        logit[-1, 0] = 100.0 if B > 2 else logit[-1, 0]
+        want = routed + F.sigmoid(logit) * shared  # as Qwen2MoeSparseMoeBlock writes it
+        out = torch.empty_like(routed)
+        _native().shared_combine_raw(CODES[dtype], routed.data_ptr(), shared.data_ptr(), logit.data_ptr(), B, H,
+                                     out.data_ptr())
+        assert torch.equal(out, want)
+
+
+def _qwen2moe(layers: int = 2, dtype=torch.bfloat16, hidden: int = 256):
+    cfg = Qwen2MoeConfig(hidden_size=hidden, intermediate_size=512, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=384, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(cfg).eval().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_shared_expert_runs_in_one_native_call_within_rounding_of_its_own_forward(dtype, monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = _qwen2moe(dtype=dtype)
+    se = model.model.layers[0].mlp.shared_expert
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.no_grad():
+        before = se(x)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        names = [f"model.layers.{i}.mlp.shared_expert" for i in range(2)]
+        assert rep.mlps == names and not rep.mlps_differ
+        assert "gated MLPs (shared experts, dense MLPs) with decode steps in one native call: 2" in str(rep)
+        assert rep.to_dict()["mlps"] == names
+        runner = patched_runner(se)
+        calls = []
+        run = runner._run
+        runner._run = lambda x: calls.append(x.shape) or run(x)
+        with torch.no_grad():
+            got = se(x)
+            own = runner.original(x)  # its own forward on the patched projections
+        assert calls == [x.shape]
+        tol = {torch.float32: 2.0**-17, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}[dtype]
+        assert ((got.float() - own.float()).abs() <= tol * own.float().abs().amax(-1, keepdim=True)).all()
+        assert (got.float() - before.float()).abs().max() <= 0.05 * before.float().abs().max()
+        with torch.no_grad():  # more rows than a decode step: its own forward
+            se(torch.randn(17, 256).to(dtype))
+        assert len(calls) == 1
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert "forward" not in se.__dict__
+
+
+def test_a_hook_or_a_replaced_projection_sends_the_mlp_to_its_own_forward(monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = _qwen2moe(layers=1)
+    se = model.model.layers[0].mlp.shared_expert
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        runner = patched_runner(se)
+        calls = []
+        run = runner._run
+        runner._run = lambda x: calls.append(1) or run(x)
+        x = torch.randn(1, 256).to(torch.bfloat16)
+        seen = []
+        h = se.down_proj.register_forward_hook(lambda *a: seen.append(1))
+        with torch.no_grad():
+            se(x)
+        h.remove()
+        assert seen == [1] and calls == []
+        with torch.no_grad():
+            se(x)
+        assert calls == [1]
+        old = se.act_fn
+        se.act_fn = nn.GELU()  # a replaced part: not the module the probe saw
+        try:
+            with torch.no_grad():
+                assert torch.equal(se(x), runner.original(x))
+            assert calls == [1]
+        finally:
+            se.act_fn = old
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_an_mlp_of_another_activation_or_wiring_keeps_its_own_forward(monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = _qwen2moe(layers=2)
+    model.model.layers[0].mlp.shared_expert.act_fn = nn.GELU()
+
+    class Swapped(type(model.model.layers[1].mlp.shared_expert)):  # act on up, times gate
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    model.model.layers[1].mlp.shared_expert.__class__ = Swapped
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert not rep.mlps and rep.mlps_differ == ["model.layers.0.mlp.shared_expert",
+                                                     "model.layers.1.mlp.shared_expert"]
+        assert "gated MLPs (shared experts, dense MLPs) with decode steps in one native call: 0; 2 take their own" in str(rep)
+        # their layers still take the short path, the shared expert called as a module
+        assert rep.layers == ["model.layers.0", "model.layers.1"]
+        why = rep.stacks_loop_only["model"]
+        assert why.startswith("model.layers.0: its MoE block's shared expert is not on the native MLP call")
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("weights", ["lossless", "int4"])
+def test_qwen2_moe_decodes_in_one_native_call_bit_for_bit_with_its_own_forwards(weights, tmp_path, monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = _qwen2moe()
+    rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
+    try:
+        fmt = {d.name: d.weights for d in rep.dense}
+        assert fmt["model.layers.0.mlp.shared_expert_gate"] == "lossless"  # a gate: never quantised
+        assert fmt["model.layers.0.mlp.shared_expert.down_proj"] == weights
+        assert not rep.stacks_loop_only
+        runner = patched_runner(model.model)
+        ones = []
+        one_call = runner._one_call
+        runner._one_call = lambda *a: ones.append(1) or one_call(*a)
+        ids = torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]])
+        got, c_got = greedy_decode(model, ids, 4)
+        assert len(ones) == 4
+        # the same model with the stack and the layers on their own forwards (the MoE block's
+        # own forward calling the patched shared expert, its gate, torch.sigmoid and the adds)
+        saved = {"model": model.model.__dict__.pop("forward")}
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            saved[i] = layer.__dict__.pop("forward")
+        try:
+            want, c_want = greedy_decode(model, ids, 4)
+        finally:
+            model.model.forward = saved["model"]
+            for i, layer in enumerate(layers):
+                layer.forward = saved[i]
+        assert len(ones) == 4
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for a, b in zip(c_got.layers, c_want.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        # and the layers' loop (two native calls per layer) gives the same bits as the one call
+        monkeypatch.setattr(stack, "ONE_CALL", False)
+        loop, _ = greedy_decode(model, ids, 4)
+        assert len(ones) == 4 + 0 and all(torch.equal(g, w) for g, w in zip(loop, got))
+    finally:
+        hi_na_moe.disable_for_model(model)
