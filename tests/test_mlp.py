@@ -174,6 +174,20 @@ def test_an_mlp_of_another_activation_or_wiring_keeps_its_own_forward(monkeypatc
         hi_na_moe.disable_for_model(model)
 
 
+def test_inspect_model_names_the_gated_mlps_enable_would_probe(monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = _qwen2moe()
+    rep = hi_na_moe.inspect_model(model, scope="all")
+    names = [f"model.layers.{i}.mlp.shared_expert" for i in range(2)]
+    assert rep.mlps == names and "2 gated MLP(s)" in str(rep)
+    assert "forward" not in model.model.layers[0].mlp.shared_expert.__dict__
+    enabled = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert enabled.mlps == rep.mlps
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 @pytest.mark.parametrize("weights", ["lossless", "int4"])
 def test_qwen2_moe_decodes_in_one_native_call_bit_for_bit_with_its_own_forwards(weights, tmp_path, monkeypatch):
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
