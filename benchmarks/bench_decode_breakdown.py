@@ -15,6 +15,9 @@ every module of these kinds (exclusive time: a part's children are subtracted fr
 - rest: the step minus all of the above (decoder-layer residual adds, embedding, the model's
   Python between modules, the hooks' own cost).
 
+--static-cache: the steps decode into a StaticCache (as generate(cache_implementation="static")
+does) instead of a DynamicCache.
+
 --ab-norms (with --scope all): the RMSNorm modules alternate, four steps at a time, between
 hi_na_moe's native RMSNorm and their own forward, and the table is printed for each arm (an
 in-process A/B: the machine's drift hits both alike). --ab-routers: the same for the routers
@@ -91,6 +94,9 @@ def main() -> int:
     ap.add_argument("--ab-shared", action="store_true",
                     help="alternate a shared expert inside the native call / as modules after it (scope all; step "
                          "times only)")
+    ap.add_argument("--static-cache", action="store_true",
+                    help="decode into a StaticCache (as generate(cache_implementation='static')) instead of a "
+                         "DynamicCache")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -185,7 +191,12 @@ def main() -> int:
     parts = {a: {p: [] for p in PARTS} for a in arms}
     bws = {a: [] for a in arms}
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        if args.static_cache:
+            from transformers import StaticCache
+
+            cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + args.steps * len(arms) + 8)
+        else:
+            cache = DynamicCache(config=model.config)
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1:].argmax(-1)
         for i in range(args.steps * len(arms) + 4):

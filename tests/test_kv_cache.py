@@ -193,3 +193,56 @@ def test_beam_search_reorders_a_grown_cache_as_the_caches_own_update_does(monkey
         hi_na_moe.disable_for_model(model)
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(g, w) for g, w in zip(got.scores, want.scores))
+
+
+def _static(B=2, heads=2, D=8, cap=6, dtype=torch.bfloat16):
+    from transformers import StaticCache
+
+    from tiny_models import olmoe as _olmoe_model
+
+    cfg = _olmoe_model(layers=1, kv_heads=heads, hidden=heads * D * 2, heads=heads * 2).config
+    cache = StaticCache(config=cfg, max_cache_len=cap)
+    k0 = torch.randn(B, heads, 3, D).to(dtype)
+    cache.update(k0, k0 + 1, 0)
+    return cache
+
+
+def test_a_static_caches_slot_is_its_buffers_and_the_next_position_as_its_update_writes():
+    cache = _static()
+    own = _static()
+    s = kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16)
+    assert s is not None and s.t == 3 and s.k is cache.layers[0].keys and s.v is cache.layers[0].values
+    k, v = torch.randn(2, 2, 1, 8).to(torch.bfloat16), torch.randn(2, 2, 1, 8).to(torch.bfloat16)
+    s.k[:, :, s.t:s.t + 1].copy_(k)  # what the native call writes at position t
+    s.v[:, :, s.t:s.t + 1].copy_(v)
+    kv_cache.static_commit(s)
+    own.update(k, v, 0)
+    a, b = cache.layers[0], own.layers[0]
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert int(a.cumulative_length) == int(b.cumulative_length) == 4 == cache.get_seq_length()
+    # other shapes, a full buffer, a layer's own update replaced, a subclass: the update runs
+    assert kv_cache.static_slot(cache, 0, 1, 2, 8, torch.bfloat16) is None
+    assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.float32) is None
+    assert kv_cache.static_slot(cache, 1, 2, 2, 8, torch.bfloat16) is None
+    a.cumulative_length.fill_(6)
+    assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is None
+    a.cumulative_length.fill_(4)
+    a.update = lambda *args, **kw: None
+    assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is None
+    del a.update
+    assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is not None
+    from transformers import StaticCache
+
+    class Mine(StaticCache):
+        pass
+
+    cache.__class__ = Mine
+    assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is None
+
+
+def test_a_static_cache_made_in_inference_mode_is_not_written_outside_it():
+    with torch.inference_mode():
+        cache = _static()
+    assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is None
+    with torch.inference_mode():
+        assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is not None

@@ -1161,8 +1161,8 @@ NB_MODULE(_native, m) {
       "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts, and a shared expert's "
       "(gate/up group, down projection, intermediate size, gate) as the last argument, or ()). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out) runs the step (mask: 0, or bool bytes per batch row "
-      "at mask + b * mask_bstride over the keys): kv the address of L x 6 int64 (k and v buffer addresses, "
-      "batch/head/position element strides, positions after the write), scratch of scratch_bytes(B) bytes. "
+      "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
+      "batch/head/position element strides, the positions the attention reads, the position written), scratch of scratch_bytes(B) bytes. "
       "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer.")
       .def(nb::init<int64_t>(), nb::arg("layers"))
       .def("set_layer", &StepPlan::set_layer)

@@ -162,8 +162,8 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     const DecodeLayer& d = layers[l];
     const size_t es = dtype_size(d.pre.dtype);
     const DecodeKV& c = kv[l];
-    char* k_at = reinterpret_cast<char*>(c.k) + (c.S - 1) * c.sstride * es;
-    char* v_at = reinterpret_cast<char*>(c.v) + (c.S - 1) * c.sstride * es;
+    char* k_at = reinterpret_cast<char*>(c.k) + c.pos * c.sstride * es;
+    char* v_at = reinterpret_cast<char*>(c.v) + c.pos * c.sstride * es;
     LayerPreArgs p = d.pre;
     p.B = B;
     p.x = cur;

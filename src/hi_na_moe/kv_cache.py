@@ -26,6 +26,13 @@ into new buffers.
 
 `kv_cache.IN_PLACE = False` sends every append through the cache's own update again (for A/B
 benchmarks, or for code that needs the cache's tensors contiguous).
+
+A StaticCache needs no room to grow: its layers hold buffers of max_cache_len positions and their
+update writes the next one (`cumulative_length`) with index_copy_. `static_slot` hands the
+stack's one native call (hi_na_moe.stack) those buffers and that position, and `static_commit`
+then advances `cumulative_length` as the update does, so the layer holds what its update would
+have written, bit for bit. The same conditions as above apply, with StaticCache and StaticLayer
+(exactly those classes, their `update` the shipped functions).
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ import weakref
 
 import torch
 
-__all__ = ["Slot", "slot", "commit", "append"]
+__all__ = ["Slot", "slot", "commit", "append", "StaticSlot", "static_slot", "static_commit"]
 
 
 class Slot:
@@ -71,18 +78,28 @@ def _shipped() -> tuple:
     return _SHIPPED
 
 
-def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> Slot | None:
-    """Where to write the next position of layer `layer_idx` of `cache` in place (then call
-    commit), or None: the cache's own update must run (module docstring)."""
-    dc, dl, cache_update, layer_update = _shipped()
-    if (not IN_PLACE or type(cache) is not dc or dc.update is not cache_update or dl.update is not layer_update
+def _shipped_layer(cache, layer_idx: int, shipped: tuple):
+    """Layer `layer_idx` of `cache` when the cache and the layer are exactly the classes of
+    `shipped` (cache class, layer class, and their update functions as transformers ships them),
+    not offloading, the layer initialised and neither update replaced on the object; else None."""
+    cc, lc, cache_update, layer_update = shipped
+    if (not IN_PLACE or type(cache) is not cc or cc.update is not cache_update or lc.update is not layer_update
             or cache.offloading or "update" in cache.__dict__):
         return None
     layers = cache.layers
     if not 0 <= layer_idx < len(layers):
         return None
     layer = layers[layer_idx]
-    if type(layer) is not dl or not layer.is_initialized or "update" in layer.__dict__:
+    if type(layer) is not lc or not layer.is_initialized or "update" in layer.__dict__:
+        return None
+    return layer
+
+
+def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> Slot | None:
+    """Where to write the next position of layer `layer_idx` of `cache` in place (then call
+    commit), or None: the cache's own update must run (module docstring)."""
+    layer = _shipped_layer(cache, layer_idx, _shipped())
+    if layer is None:
         return None
     keys, values = layer.keys, layer.values
     s = _SLOTS.get(layer)
@@ -108,6 +125,51 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) 
     layer.keys, layer.values = s.kview, s.vview
     _SLOTS[layer] = s
     return s
+
+
+class StaticSlot:
+    """A StaticCache layer's buffers k and v [B, heads, max_cache_len, D] (its own keys and values)
+    and t, the position its update would write next."""
+
+    __slots__ = ("layer", "k", "v", "t")
+
+    def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int):
+        self.layer, self.k, self.v, self.t = layer, k, v, t
+
+
+_SHIPPED_STATIC: tuple | None = None
+
+
+def static_slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> StaticSlot | None:
+    """Where a StaticCache's layer `layer_idx` takes the next position in place (then call
+    static_commit), or None: the cache's own update must run (module docstring)."""
+    global _SHIPPED_STATIC
+    if _SHIPPED_STATIC is None:
+        from transformers.cache_utils import Cache, StaticCache, StaticLayer
+
+        _SHIPPED_STATIC = (StaticCache, StaticLayer, Cache.update, StaticLayer.update)
+    layer = _shipped_layer(cache, layer_idx, _SHIPPED_STATIC)
+    if layer is None:
+        return None
+    k, v, n = layer.keys, layer.values, layer.cumulative_length
+    if (type(k) is not torch.Tensor or type(v) is not torch.Tensor or k.dim() != 4
+            or k.shape != (B, heads, layer.max_cache_len, D) or v.shape != k.shape or k.stride() != v.stride()
+            or k.stride(3) != 1 or k.dtype is not dtype or v.dtype is not dtype or not k.is_cpu or not v.is_cpu
+            or k.requires_grad or v.requires_grad or type(n) is not torch.Tensor or n.dim() != 0 or not n.is_cpu
+            or n.dtype is not torch.int64):
+        return None
+    if (k.is_inference() or v.is_inference()) and not torch.is_inference_mode_enabled():
+        return None  # the update's index_copy_ would refuse: let it say so
+    t = int(n)
+    if not 0 <= t < k.shape[2]:
+        return None
+    return StaticSlot(layer, k, v, t)
+
+
+def static_commit(s: StaticSlot) -> None:
+    """After position s.t of the layer's buffers was written: its cumulative_length one further, as
+    its update advances it."""
+    s.layer.cumulative_length.add_(1)
 
 
 def commit(s: Slot) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,10 @@ a skipped layer call (a hook on a layer or a part it skips, transformers' output
 while they capture, a global hook, a mode, compile tracing, a layer replaced or its forward
 replaced, a layer in training mode), runs the stack's own forward.
 
-With a DynamicCache (padding included), when every layer's step can run in the native calls with the
-router's selection and the experts inside (NativeLayer.plan_args) and every layer's cache takes
-the new position in place (hi_na_moe.kv_cache), the layers run in one native call instead
+With a DynamicCache (padding included) or a StaticCache (under the mask over its buffers), when
+every layer's step can run in the native calls with the router's selection and the experts
+inside (NativeLayer.plan_args) and every layer's cache takes the new position in place
+(hi_na_moe.kv_cache: slot, static_slot), the layers run in one native call instead
 (decode_layers, through a StepPlan holding each layer's fixed arguments): the same kernels in the
 same order as the loop, so the same bits, with no Python between the layers' weight streams.
 ONE_CALL = False keeps the loop.
@@ -126,6 +127,9 @@ class NativeStack:
         self.out_type = None
         # the mask builder the own forward calls (by its module's global name)
         self.mask_fn = getattr(sys.modules.get(type(m).__module__), "create_causal_mask", None)
+        from transformers import DynamicCache
+
+        self._dynamic = DynamicCache
         return self._probe()
 
     def _probe(self) -> bool:
@@ -275,7 +279,8 @@ class NativeStack:
     def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor | None:
         """The layers' decode step in one native call (ONE_CALL), or None with nothing run: a
         layer cannot (NativeLayer.plan_args) or its cache cannot take the new position in place.
-        mask: None or the bool mask over the keys the attention's decode path takes (padding)."""
+        mask: None or the bool mask over the keys the attention's decode path takes (padding; a
+        StaticCache's buffers, which it needs)."""
         B, dt = h.shape[0], h.dtype
         args = []
         for r in self.runners:
@@ -284,15 +289,21 @@ class NativeStack:
                 return None
             args.append(a)
         slots, kv = [], []
+        static = type(cache) is not self._dynamic  # a StaticCache (_args): its buffers, under its mask
         for r in self.runners:
             at = r.attn
-            s = kv_cache.slot(cache, r.attn_mod.layer_idx, B, at.Hkv, at.D, dt)
-            if (s is None or (at.kernel_keys is not None and s.t + 1 > at.kernel_keys)
-                    or (mask is not None and mask.shape[-1] != s.t + 1)):
+            if static:
+                s = kv_cache.static_slot(cache, r.attn_mod.layer_idx, B, at.Hkv, at.D, dt)
+                S = None if s is None or mask is None else s.k.shape[2]
+            else:
+                s = kv_cache.slot(cache, r.attn_mod.layer_idx, B, at.Hkv, at.D, dt)
+                S = None if s is None else s.t + 1
+            if (S is None or (at.kernel_keys is not None and S > at.kernel_keys)
+                    or (mask is not None and mask.shape[-1] != S)):
                 return None
             st = s.k.stride()
             slots.append(s)
-            kv += (s.k.data_ptr(), s.v.data_ptr(), st[0], st[1], st[2], s.t + 1)
+            kv += (s.k.data_ptr(), s.v.data_ptr(), st[0], st[1], st[2], S, s.t)
         plan = self._plan
         if plan is None or plan[1] != args:
             from .hardware import native_module
@@ -311,7 +322,10 @@ class NativeStack:
                             0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                             kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr())
         for s in slots:
-            kv_cache.commit(s)
+            if static:
+                kv_cache.static_commit(s)
+            else:
+                kv_cache.commit(s)
         for r, name in zip(self.runners, names):
             _LAST_KERNEL[r.moe.experts.handle] = name
         return out

@@ -441,11 +441,12 @@ struct DecodeLayer {
   Isa attn_isa;
 };
 // Where a layer's KV cache is: buffers k and v laid out [B, Hkv, capacity, D] with these element
-// strides (the last dimension contiguous), S positions valid after this step's write, which
-// goes to position S - 1 (hi_na_moe.kv_cache's slots).
+// strides (the last dimension contiguous); this step writes position pos and the attention reads
+// positions [0, S) (hi_na_moe.kv_cache: a DynamicCache's slot, pos = S - 1; a StaticCache's
+// buffers, S = their capacity and the mask hiding what is not written yet).
 struct DecodeKV {
   int64_t k, v;  // addresses
-  int64_t bstride, hstride, sstride, S;
+  int64_t bstride, hstride, sstride, S, pos;
 };
 // A decode step through L decoder layers, one after the other, as L pairs of layer_decode_pre and
 // layer_decode_post (with the experts) compute them: the same kernels on the same values, so
