@@ -87,7 +87,7 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
         assert rep.stacks == ["model"] and not rep.stacks_differ
         assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
         # every layer in one native call, Qwen2-MoE's shared expert included
-        assert not rep.stacks_loop_only and "with a DynamicCache every layer in one native call: 1" in str(rep)
+        assert not rep.stacks_loop_only and "with a DynamicCache or StaticCache every layer in one native call: 1" in str(rep)
         assert _same(model, torch.tensor([[3, 9, 4, 7]])).one_calls == 4
         count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3,
                       attention_mask=torch.ones(2, 4, dtype=torch.long))

@@ -247,7 +247,7 @@ class EnableReport:
     # (hi_na_moe.stack), and the candidates whose probe differed
     stacks: list = field(default_factory=list)
     stacks_differ: list = field(default_factory=list)
-    # of those stacks, why a stack's DynamicCache decode steps cannot run all its layers in one
+    # of those stacks, why a stack's DynamicCache / StaticCache decode steps cannot run all its layers in one
     # native call: stack name -> "<layer name>: <reason>" (stacks absent here can)
     stacks_loop_only: dict = field(default_factory=dict)
 
@@ -368,7 +368,7 @@ class EnableReport:
                          f"{' (' + names + ')' if names else ''}{left}")
             one = [n for n in self.stacks if n not in self.stacks_loop_only]
             if one:
-                lines.append(f"  of those, with a DynamicCache every layer in one native call: {len(one)}")
+                lines.append(f"  of those, with a DynamicCache or StaticCache every layer in one native call: {len(one)}")
             for name, why in self.stacks_loop_only.items():
                 lines.append(f"  {name!r} keeps the loop, not one native call: {why}")
         return "\n".join(lines)
