@@ -188,23 +188,44 @@ def test_inspect_model_names_the_gated_mlps_enable_would_probe(monkeypatch):
         hi_na_moe.disable_for_model(model)
 
 
-@pytest.mark.parametrize("weights", ["lossless", "int4"])
-def test_qwen2_moe_decodes_in_one_native_call_bit_for_bit_with_its_own_forwards(weights, tmp_path, monkeypatch):
+def _tier(isa: str) -> bool:
+    return isa == "auto" or _native().isa_supported(isa)
+
+
+@pytest.mark.parametrize("weights,isa", [("lossless", "auto"), ("int4", "auto")]
+                         + [("lossless", t) for t in ("avx2", "generic") if _tier(t)])
+def test_qwen2_moe_decodes_in_one_native_call_bit_for_bit_with_its_own_forwards(weights, isa, tmp_path, monkeypatch):
+    """Each tier: the generic one has no attention kernel, so its steps take the layers' loop,
+    each layer's second native call still running the shared expert."""
+    from hi_na_moe.attention import KERNEL_TIERS
+
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = _qwen2moe()
-    rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
+    rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path), isa=isa)
+    one_call = isa == "auto" or isa in KERNEL_TIERS
     try:
         fmt = {d.name: d.weights for d in rep.dense}
         assert fmt["model.layers.0.mlp.shared_expert_gate"] == "lossless"  # a gate: never quantised
         assert fmt["model.layers.0.mlp.shared_expert.down_proj"] == weights
-        assert not rep.stacks_loop_only
+        assert rep.mlps == [f"model.layers.{i}.mlp.shared_expert" for i in range(2)]
+        assert not rep.stacks_loop_only if one_call else "no native attention kernel" in rep.stacks_loop_only["model"]
+        layer = patched_runner(model.model.layers[0])
+        shared = []
+        native_fast = layer._native_fast
+        layer._native_fast = lambda *a: shared.append(1) or native_fast(*a)
         runner = patched_runner(model.model)
-        ones = []
-        one_call = runner._one_call
-        runner._one_call = lambda *a: ones.append(1) or one_call(*a)
+        ones = []  # the steps the one native call ran
+        run_one = runner._one_call
+
+        def counted(*a):
+            out = run_one(*a)
+            ones.extend([1] if out is not None else [])
+            return out
+
+        runner._one_call = counted
         ids = torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]])
         got, c_got = greedy_decode(model, ids, 4)
-        assert len(ones) == 4
+        assert len(ones) == (4 if one_call else 0) and len(shared) == (0 if one_call else 4)
         # the same model with the stack and the layers on their own forwards (the MoE block's
         # own forward calling the patched shared expert, its gate, torch.sigmoid and the adds)
         saved = {"model": model.model.__dict__.pop("forward")}
@@ -217,13 +238,13 @@ def test_qwen2_moe_decodes_in_one_native_call_bit_for_bit_with_its_own_forwards(
             model.model.forward = saved["model"]
             for i, layer in enumerate(layers):
                 layer.forward = saved[i]
-        assert len(ones) == 4
+        assert len(ones) == (4 if one_call else 0)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         for a, b in zip(c_got.layers, c_want.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         # and the layers' loop (two native calls per layer) gives the same bits as the one call
         monkeypatch.setattr(stack, "ONE_CALL", False)
         loop, _ = greedy_decode(model, ids, 4)
-        assert len(ones) == 4 + 0 and all(torch.equal(g, w) for g, w in zip(loop, got))
+        assert len(ones) == (4 if one_call else 0) and all(torch.equal(g, w) for g, w in zip(loop, got))
     finally:
         hi_na_moe.disable_for_model(model)
