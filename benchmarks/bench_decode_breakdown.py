@@ -15,6 +15,11 @@ every module of these kinds (exclusive time: a part's children are subtracted fr
 - rest: the step minus all of the above (decoder-layer residual adds, embedding, the model's
   Python between modules, the hooks' own cost).
 
+--ab-wrapper: a measurement of the causal-LM wrapper's own cost, not a setting: one arm calls
+the model as usual, the other its decoder stack and lm_head straight
+(`model.lm_head(model.model(...).last_hidden_state[:, -1:])`, the same logits), whole-step times
+only likewise.
+
 --static-cache: the steps decode into a StaticCache (as generate(cache_implementation="static")
 does) instead of a DynamicCache.
 
@@ -94,6 +99,8 @@ def main() -> int:
     ap.add_argument("--ab-shared", action="store_true",
                     help="alternate a shared expert inside the native call / as modules after it (scope all; step "
                          "times only)")
+    ap.add_argument("--ab-wrapper", action="store_true",
+                    help="alternate the model's forward / its stack and lm_head called straight (step times only)")
     ap.add_argument("--static-cache", action="store_true",
                     help="decode into a StaticCache (as generate(cache_implementation='static')) instead of a "
                          "DynamicCache")
@@ -137,11 +144,12 @@ def main() -> int:
     kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
                              ("attention", args.ab_attention), ("layers", args.ab_layers),
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
-                             ("one-call", args.ab_one_call), ("shared", args.ab_shared)) if on]
+                             ("one-call", args.ab_one_call), ("shared", args.ab_shared),
+                             ("wrapper", args.ab_wrapper)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call, --ab-shared: one A/B at a time")
-    whole_steps = ("layers", "stacks", "select", "one-call", "shared")
+                         "--ab-one-call, --ab-shared, --ab-wrapper: one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "wrapper")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -158,7 +166,9 @@ def main() -> int:
                                "layer-loop " if kind == "one-call" else "modules " if kind == "shared"
                                else "PyTorch ") + kind] if kind else [""]
     use_native = None
-    if kind:
+    if kind == "wrapper":
+        arms = ["causal-LM wrapper", "bare stack + lm_head"]
+    elif kind:
         if args.scope != "all":
             raise SystemExit(f"--ab-{kind} needs --scope all")
         if kind == "select":
@@ -205,9 +215,12 @@ def main() -> int:
             for p in PARTS:
                 spent[p] = 0.0
             t = time.perf_counter()
-            out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if arm.startswith("bare"):
+                logits = model.lm_head(model.model(nxt, past_key_values=cache, use_cache=True).last_hidden_state[:, -1:])
+            else:
+                logits = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             dt = time.perf_counter() - t
-            nxt = out.logits[:, -1:].argmax(-1)
+            nxt = logits[:, -1:].argmax(-1)
             bw = probe.read(256 << 20)
             if i >= 4:  # warm-up steps
                 steps[arm].append(dt)
