@@ -5,7 +5,7 @@
 //
 // with every intermediate rounded to the dtype where PyTorch's ops round it (F.silu returns the
 // dtype, the product is rounded once). The baseline build computes silu as PyTorch's scalar
-// loop writes it, x / (1 + std::exp(-x)) in float32; the AVX-512 build uses a vector exp
+// loop writes it, x / (1 + std::exp(-x)) in float32 (act_scalar, the experts' oracle); the AVX-512 build uses a vector exp
 // (vec_avx512.h, ~2 ulp), as PyTorch's vectorised silu uses its own: the result can differ
 // from F.silu's in the last bit of the dtype, so hi_na_moe.mlp probes a module within rounding.
 //
@@ -26,13 +26,12 @@ void silu_mul_avx512(DType dt, const void* g, const void* u, int64_t n, void* ou
 
 namespace {
 
-float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
 float sigmoid_scalar(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 template <DType D>
 void silu_mul_rows(const void* g, const void* u, int64_t n, void* out) {
   for (int64_t i = 0; i < n; ++i) {
-    const float a = detail::round_to(D, silu_scalar(detail::load_elem(D, g, i)));
+    const float a = detail::round_to(D, detail::act_scalar(Act::kSilu, detail::load_elem(D, g, i), 0.0f));
     detail::store_elem(D, out, i, a * detail::load_elem(D, u, i));
   }
 }

@@ -108,6 +108,33 @@ def observing() -> bool:
     return bool(_len_dispatch_modes() or _function_mode_on())
 
 
+class Watch:
+    """What a short path that skips module calls compares at every call: the modules it does not
+    call through __call__ with the forward each has now, and the parent-child links it found
+    them by (a part replaced after enable, e.g. mlp.down_proj = another module, is not the one it
+    resolved)."""
+
+    __slots__ = ("links", "forwards", "hook_dicts")
+
+    def __init__(self, skipped: list[nn.Module], links: list[tuple[nn.Module, str]]):
+        self.links = tuple((parent._modules, name, parent._modules[name]) for parent, name in links)
+        self.forwards = tuple((mod.__dict__, mod.__dict__.get("forward")) for mod in skipped)
+        self.hook_dicts = tuple((mod._forward_hooks, mod._forward_pre_hooks, mod) for mod in skipped)
+
+    def observed(self) -> bool:
+        """Whether a hook, a replaced forward or a replaced part would see the skipped modules."""
+        for modules, name, child in self.links:
+            if modules.get(name) is not child:
+                return True
+        for d, fwd in self.forwards:
+            if d.get("forward") is not fwd:
+                return True
+        for hooks, pre_hooks, mod in self.hook_dicts:
+            if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
+                return True
+        return False
+
+
 class NativeLayer:
     """One decoder layer whose decode calls take the short path of the module docstring."""
 
@@ -187,11 +214,9 @@ class NativeLayer:
         return q[0], o[0], qk, norms[0], norms[1]
 
     def _watch(self) -> None:
-        """What _observed compares at every call (mlp.Watch): the modules this path does not call
+        """What _observed compares at every call (Watch): the modules this path does not call
         through __call__ (with a fused shared expert, its modules too), and the links it found
         them by."""
-        from .mlp import Watch
-
         a = self.attn_mod
         skipped = [self.ln1, self.ln2, *a.modules()]
         links = [(self.module, p) for p in _PARTS] + [(a, n) for n, _ in a.named_children()]

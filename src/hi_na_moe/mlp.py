@@ -21,7 +21,7 @@ bfloat16. Once patched, both the module's forward and the decoder layer's fused 
 
 Decode-sized inputs only (at most NORM_MAX_ROWS rows); anything else, training, or anything that
 would observe the skipped child calls (a hook on them, a replaced forward or child, a global
-hook, a mode, compile tracing) runs the module's own forward.
+hook, a mode, compile tracing; layers.Watch) runs the module's own forward.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .dense import _DTYPE_CODES, NORM_MAX_ROWS, _matches
-from .layers import _idle_capture_hooks, observing
+from .layers import Watch, observing
 
 _CHILDREN = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
 # the act_fn probe: the kernel's silu within this much (relative) of the module's activation
@@ -48,33 +48,6 @@ def find_mlps(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
                 and all(type(m._modules[p]) is nn.Linear for p in ("gate_proj", "up_proj", "down_proj"))):
             found.append((name, m))
     return found
-
-
-class Watch:
-    """What a short path that skips module calls compares at every call: the modules it does not
-    call through __call__ with the forward each has now, and the parent-child links it found
-    them by (a part replaced after enable, e.g. mlp.down_proj = another module, is not the one it
-    resolved)."""
-
-    __slots__ = ("links", "forwards", "hook_dicts")
-
-    def __init__(self, skipped: list[nn.Module], links: list[tuple[nn.Module, str]]):
-        self.links = tuple((parent._modules, name, parent._modules[name]) for parent, name in links)
-        self.forwards = tuple((mod.__dict__, mod.__dict__.get("forward")) for mod in skipped)
-        self.hook_dicts = tuple((mod._forward_hooks, mod._forward_pre_hooks, mod) for mod in skipped)
-
-    def observed(self) -> bool:
-        """Whether a hook, a replaced forward or a replaced part would see the skipped modules."""
-        for modules, name, child in self.links:
-            if modules.get(name) is not child:
-                return True
-        for d, fwd in self.forwards:
-            if d.get("forward") is not fwd:
-                return True
-        for hooks, pre_hooks, mod in self.hook_dicts:
-            if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
-                return True
-        return False
 
 
 class NativeMLP:

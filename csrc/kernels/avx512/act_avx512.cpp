@@ -2,8 +2,6 @@
 // values at a time; the roundings to the dtype as the baseline build does them.
 #include <immintrin.h>
 
-#include <cmath>
-
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
 
@@ -25,7 +23,7 @@ void run(const void* g, const void* u, int64_t n, void* out) {
     while (far) {
       const int i = __builtin_ctz(far);
       far &= far - 1;
-      as[i] = gs[i] / (1.0f + std::exp(-gs[i]));
+      as[i] = act_scalar(Act::kSilu, gs[i], 0.0f);
     }
     for (int64_t i = 0; i < c; ++i) store_elem(D, out, i0 + i, round_to(D, as[i]) * load_elem(D, u, i0 + i));
   }
