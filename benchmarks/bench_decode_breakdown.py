@@ -37,7 +37,9 @@ short paths, or its own forward calling each layer), whole-step times only likew
 times only likewise; --ab-one-call: the stack's decode step in one native call or its loop over
 the layers' short paths (hi_na_moe.stack.ONE_CALL), whole-step times only likewise;
 --ab-shared: a shared expert (Qwen2-MoE) inside the layers' native call, so the stack's one call,
-or as modules after the call in the layers' loop (hi_na_moe.layers.FUSE_SHARED), likewise.
+or as modules after the call in the layers' loop (hi_na_moe.layers.FUSE_SHARED), likewise;
+--ab-rope-norm: the stack's rotary output from its table and its final norm inside the one call,
+or both modules called (hi_na_moe.stack.ROPE_TABLE and FINAL_NORM), likewise.
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -99,6 +101,9 @@ def main() -> int:
     ap.add_argument("--ab-shared", action="store_true",
                     help="alternate a shared expert inside the native call / as modules after it (scope all; step "
                          "times only)")
+    ap.add_argument("--ab-rope-norm", action="store_true",
+                    help="alternate the stack's rotary table and final norm in the call / both modules called "
+                         "(scope all; step times only)")
     ap.add_argument("--ab-wrapper", action="store_true",
                     help="alternate the model's forward / its stack and lm_head called straight (step times only)")
     ap.add_argument("--static-cache", action="store_true",
@@ -145,11 +150,11 @@ def main() -> int:
                              ("attention", args.ab_attention), ("layers", args.ab_layers),
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
                              ("one-call", args.ab_one_call), ("shared", args.ab_shared),
-                             ("wrapper", args.ab_wrapper)) if on]
+                             ("rope-norm", args.ab_rope_norm), ("wrapper", args.ab_wrapper)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call, --ab-shared, --ab-wrapper: one A/B at a time")
-    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "wrapper")
+                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-wrapper: one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "wrapper")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -163,7 +168,7 @@ def main() -> int:
             counted[part] += 1
 
     arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else
-                               "layer-loop " if kind == "one-call" else "modules " if kind == "shared"
+                               "layer-loop " if kind == "one-call" else "modules " if kind in ("shared", "rope-norm")
                                else "PyTorch ") + kind] if kind else [""]
     use_native = None
     if kind == "wrapper":
@@ -186,6 +191,11 @@ def main() -> int:
 
             def use_native(on: bool) -> None:
                 layers.FUSE_SHARED = on
+        elif kind == "rope-norm":
+            from hi_na_moe import stack
+
+            def use_native(on: bool) -> None:
+                stack.ROPE_TABLE = stack.FINAL_NORM = on
         else:
             from ab_switch import small_module_switch
 
@@ -235,7 +245,7 @@ def main() -> int:
         rest = statistics.median(s - sum(parts[arm][p][i] for p in PARTS) for i, s in enumerate(st))
         fuse = "" if args.scope != "all" else (", dense_fuse off" if args.no_dense_fuse else ", dense_fuse on")
         print(f"{args.weights}, scope {args.scope}{fuse}{', ' + arm if arm else ''}, torch threads {args.torch_threads}, "
-              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: step {1e3 * step:.1f} ms (median of {len(st)}); "
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}: step {1e3 * step:.2f} ms (median of {len(st)}); "
               f"paired probe median {statistics.median(bws[arm]):.1f} GB/s")
         if kind in whole_steps:
             continue

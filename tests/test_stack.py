@@ -28,11 +28,12 @@ FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class _Count:
-    """Counts the stack's decode calls that ran its loop (loops), and those of them that ran
-    every layer in one native call (one_calls)."""
+    """Counts the stack's decode calls that ran its loop (loops), those of them that ran
+    every layer in one native call (one_calls), and of those the ones with the final norm inside
+    (normed)."""
 
     def __init__(self, model):
-        self.loops = self.one_calls = 0
+        self.loops = self.one_calls = self.normed = 0
         runner = patched_runner(model.model)
         run, one_call = runner._run, runner._one_call
 
@@ -43,6 +44,7 @@ class _Count:
         def counted_one_call(*args, _one_call=one_call):
             out = _one_call(*args)
             self.one_calls += out is not None
+            self.normed += out is not None and out[1] is not None
             return out
 
         runner._run, runner._one_call = counted, counted_one_call
@@ -84,11 +86,12 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
         model.config.sliding_window = None
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
-        assert rep.stacks == ["model"] and not rep.stacks_differ
+        assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_rotary_module
         assert "decoder stacks with decode steps as one loop over those layers: 1 ('model')" in str(rep)
         # every layer in one native call, Qwen2-MoE's shared expert included
         assert not rep.stacks_loop_only and "with a DynamicCache or StaticCache every layer in one native call: 1" in str(rep)
-        assert _same(model, torch.tensor([[3, 9, 4, 7]])).one_calls == 4
+        count = _same(model, torch.tensor([[3, 9, 4, 7]]))
+        assert count.one_calls == count.normed == 4  # the final norm inside the call too
         count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), 3,
                       attention_mask=torch.ones(2, 4, dtype=torch.long))
         assert count.one_calls == 3
@@ -187,6 +190,38 @@ def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
         with torch.no_grad():
             model(nxt, **step)
         assert count.loops == 3
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_the_final_norm_runs_in_the_call_unless_something_would_see_it_skipped(monkeypatch):
+    from hi_na_moe import stack
+
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2)
+    ids = torch.tensor([[3, 9, 4, 7]])
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert _same(model, ids, 3).normed == 3
+        norm = model.model.norm
+        seen = []
+        handle = norm.register_forward_hook(lambda m, i, o: seen.append(1))  # the module is called, same bits
+        try:
+            count = _same(model, ids, 3)
+        finally:
+            handle.remove()
+        assert count.one_calls == 3 and count.normed == 0 and len(seen) == 2 * (1 + 3)
+        patched = norm.__dict__["forward"]
+        norm.forward = lambda x, _f=patched: _f(x)  # a forward set after enable
+        try:
+            count = _same(model, ids, 3)
+        finally:
+            norm.forward = patched
+        assert count.one_calls == 3 and count.normed == 0
+        assert _same(model, ids, 2).normed == 2
+        monkeypatch.setattr(stack, "FINAL_NORM", False)
+        count = _same(model, ids, 2)
+        assert count.one_calls == 2 and count.normed == 0
     finally:
         hi_na_moe.disable_for_model(model)
 

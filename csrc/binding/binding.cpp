@@ -592,7 +592,8 @@ class StepPlan {
   }
   size_t scratch_bytes(int64_t B) const { return hina::decode_layers_scratch(layers_.data(), size(), B); }
   nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t mask,
-               int64_t mask_bstride, uintptr_t kv, uintptr_t scratch, uintptr_t out) const {
+               int64_t mask_bstride, uintptr_t kv, uintptr_t scratch, uintptr_t out, uintptr_t norm_w, float norm_eps,
+               uintptr_t normed) const {
     for (const auto& o : owners_)
       if (o.empty()) bad("StepPlan.run: a layer was never set");
     std::vector<const char*> names(layers_.size(), nullptr);
@@ -602,7 +603,8 @@ class StepPlan {
                           reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
                           reinterpret_cast<const void*>(sin), cos_bstride, reinterpret_cast<const uint8_t*>(mask),
                           mask_bstride, reinterpret_cast<void*>(scratch),
-                          reinterpret_cast<void*>(out), names.data());
+                          reinterpret_cast<void*>(out), names.data(), reinterpret_cast<const void*>(norm_w),
+                          norm_eps, reinterpret_cast<void*>(normed));
     }
     nb::list l;
     for (const char* n : names) l.append(n == nullptr ? nb::none() : nb::object(nb::str(n)));
@@ -1160,16 +1162,17 @@ NB_MODULE(_native, m) {
       "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "
       "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts, and a shared expert's "
       "(gate/up group, down projection, intermediate size, gate) as the last argument, or ()). run(B, x, cos, sin, "
-      "cos_bstride, mask, mask_bstride, kv, scratch, out) runs the step (mask: 0, or bool bytes per batch row "
+      "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
-      "batch/head/position element strides, the positions the attention reads, the position written), scratch of scratch_bytes(B) bytes. "
+      "batch/head/position element strides, the positions the attention reads, the position written), scratch of scratch_bytes(B) bytes; "
+      "norm_w non-zero: also normed = rms_norm(out, norm_w, norm_eps), the stack's final norm. "
       "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer.")
       .def(nb::init<int64_t>(), nb::arg("layers"))
       .def("set_layer", &StepPlan::set_layer)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),
-           nb::arg("out"))
+           nb::arg("out"), nb::arg("norm_w") = 0, nb::arg("norm_eps") = 0.f, nb::arg("normed") = 0)
       .def("__len__", &StepPlan::size);
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,

@@ -154,7 +154,7 @@ size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
 
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
-                   void* out, const char** names) {
+                   void* out, const char** names, const void* norm_w, float norm_eps, void* normed) {
   const StepScratch s = step_scratch(layers, L, B);
   char* base = static_cast<char*>(scratch);
   const void* cur = x;
@@ -210,6 +210,7 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     names[l] = layer_decode_post(a, d.num_threads, d.attn_isa);
     cur = a.sum;
   }
+  if (norm_w != nullptr && L > 0) rms_norm(layers[L - 1].pre.dtype, out, B, layers[L - 1].pre.H, norm_w, norm_eps, normed);
 }
 
 }  // namespace hina

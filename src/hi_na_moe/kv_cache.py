@@ -176,7 +176,7 @@ def commit(s: Slot) -> tuple[torch.Tensor, torch.Tensor]:
     """After position s.t of s.k and s.v was written: the layer's keys and values one position
     longer, returned as the cache's update returns them."""
     t = s.t + 1
-    s.kview, s.vview = s.k[:, :, :t], s.v[:, :, :t]
+    s.kview, s.vview = s.k.narrow(2, 0, t), s.v.narrow(2, 0, t)  # [:, :, :t] with less Python
     s.t = t
     layer = s.layer
     layer.keys, layer.values = s.kview, s.vview

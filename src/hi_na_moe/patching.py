@@ -250,6 +250,9 @@ class EnableReport:
     # of those stacks, why a stack's DynamicCache / StaticCache decode steps cannot run all its layers in one
     # native call: stack name -> "<layer name>: <reason>" (stacks absent here can)
     stacks_loop_only: dict = field(default_factory=dict)
+    # of those stacks, why a stack's decode steps call its rotary module instead of reading its table
+    # (hi_na_moe.rope_table): stack name -> reason (stacks absent here read it)
+    stacks_rotary_module: dict = field(default_factory=dict)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -278,6 +281,7 @@ class EnableReport:
             "layers": list(self.layers), "layers_differ": list(self.layers_differ),
             "stacks": list(self.stacks), "stacks_differ": list(self.stacks_differ),
             "stacks_loop_only": dict(self.stacks_loop_only),
+            "stacks_rotary_module": dict(self.stacks_rotary_module),
             "attention_math": self.attention_math,
         }
 
@@ -371,6 +375,8 @@ class EnableReport:
                 lines.append(f"  of those, with a DynamicCache or StaticCache every layer in one native call: {len(one)}")
             for name, why in self.stacks_loop_only.items():
                 lines.append(f"  {name!r} keeps the loop, not one native call: {why}")
+            for name, why in self.stacks_rotary_module.items():
+                lines.append(f"  {name!r} calls its rotary module at every step (no table of its outputs): {why}")
         return "\n".join(lines)
 
 
@@ -659,9 +665,13 @@ def enable_for_model(
                 report.layers, report.layers_differ = small["layers"]
                 report.stacks, report.stacks_differ = small["stacks"]
                 for name in report.stacks:
-                    why = patched_runner(mods[name]).one_call_blocker()
+                    runner = patched_runner(mods[name])
+                    why = runner.one_call_blocker()
                     if why is not None:
                         report.stacks_loop_only[name] = why
+                    why = runner.rope.blocker()
+                    if why is not None:
+                        report.stacks_rotary_module[name] = why
                 if report.attention:
                     from .attention import math_kernel
 

@@ -10,9 +10,10 @@ Which stacks: a module whose children are exactly embed_tokens, rotary_emb, laye
 *Model under a *ForCausalLM of OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE, ...), every layer patched as
 a hi_na_moe.layers.NativeLayer by this enable, with no sliding window in its config (sliding_window
 unset or 0, every layer_types entry "full_attention"): a window's mask is not empty at long
-context, which no short probe would show. Its decode call then runs: the embedding, the
-rotary module and the final norm called as modules (their hooks run), and each layer's short path
-called straight, in order.
+context, which no short probe would show. Its decode call then runs: the embedding and the final
+norm called as modules (their hooks run), the rotary module's output read from a table of its own
+outputs when nothing could tell (hi_na_moe.rope_table; else the module is called), and each
+layer's short path called straight, in order.
 
 A decode call is a forward with input_ids of one token per row (at most 16 rows), a DynamicCache
 or StaticCache already holding positions, use_cache, at most an attention mask (2-D, or the 4-D
@@ -53,11 +54,16 @@ from torch import nn
 from . import kv_cache
 from .dense import NORM_MAX_ROWS, _matches
 from .layers import NativeLayer, _idle_capture_hooks, observing
+from .rope_table import RopeTable
 from .torch_ops import _LAST_KERNEL
 
 # a decode step with a DynamicCache runs every layer in one native call (StepPlan,
 # decode_layers) when all of them can (NativeLayer.plan_args, kv_cache's in-place slots)
 ONE_CALL = True
+# with the one call, the final norm too when it is on the native kernel (NativeNorm)
+FINAL_NORM = True
+# the rotary module's output read from a table of its own outputs (hi_na_moe.rope_table)
+ROPE_TABLE = True
 
 _CHILDREN = frozenset(("embed_tokens", "rotary_emb", "layers", "norm"))
 _KWARGS = frozenset(("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache",
@@ -130,6 +136,12 @@ class NativeStack:
         from transformers import DynamicCache
 
         self._dynamic = DynamicCache
+        self.rope = RopeTable(m.rotary_emb)
+        from .dense import NativeNorm
+
+        norm_runner = patched_runner(m.norm)  # the final norm: inside the one call when on the kernel
+        self.norm_runner = norm_runner if isinstance(norm_runner, NativeNorm) else None
+        self.norm_forward = m.norm.__dict__.get("forward")
         return self._probe()
 
     def _probe(self) -> bool:
@@ -182,8 +194,8 @@ class NativeStack:
 
     # -- the decode path ----------------------------------------------------------------------
     def _args(self, args: tuple, kwargs: dict):
-        """(input_ids, cache, position_ids or None, the 2-D mask to build the layers' from or None)
-        when this call is a plain decode step."""
+        """(input_ids, cache, position_ids or None, the mask to build the layers' from or None,
+        whether to build one, the positions the cache holds) when this call is a plain decode step."""
         from transformers import DynamicCache, StaticCache
 
         if args:
@@ -219,10 +231,10 @@ class NativeStack:
             return None
         if type(cache) is DynamicCache and (mask is None or (mask.dim() == 2 and mask.shape[1] == past + 1
                                                              and bool(mask.all()))):
-            return ids, cache, pos, None, False  # the layers get no mask
+            return ids, cache, pos, None, False, past  # the layers get no mask
         if self.mask_fn is None:
             return None
-        return ids, cache, pos, mask, True
+        return ids, cache, pos, mask, True, past
 
     def _observed(self) -> bool:
         """Whether something would see a layer's module call, or a part a layer skips."""
@@ -238,28 +250,37 @@ class NativeStack:
                 return True
         return False
 
-    def _run(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool):
+    def _run(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool, past: int):
         m = self.module
         h = m.embed_tokens(ids)
-        if pos is None:  # as the stack's own forward makes them
-            pos = (torch.arange(ids.shape[1]) + cache.get_seq_length()).unsqueeze(0)
+        rotary = m.rotary_emb
+        # the rotary module's output from its table (hi_na_moe.rope_table) when the positions are
+        # the stack's own, past for every row
+        rope = self.rope.lookup(h, past) if pos is None and rotary is self.rope.module and ROPE_TABLE else None
+        if pos is None and (rope is None or masked):  # as the stack's own forward makes them
+            pos = (torch.arange(ids.shape[1]) + past).unsqueeze(0)
         mask = None
         if masked:
             mask = self.mask_fn(config=self.config, inputs_embeds=h, attention_mask=mask2d, past_key_values=cache,
                                 position_ids=pos)
-        cos, sin = m.rotary_emb(h, pos)
+        cos, sin = rope if rope is not None else rotary(h, pos)
         at = self.runners[0].attn
         if (type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg()
                 and at._fast_args(self.runners[0].attn_mod, (h,),
                                   {"position_embeddings": (cos, sin), "attention_mask": mask}) is not None):
             out = self._one_call(h, cos, sin, cache, mask) if ONE_CALL else None
             if out is not None:
-                h = out
+                h, normed = out
+                if normed is not None:  # the final norm ran in the call
+                    return self.out_type(last_hidden_state=normed, past_key_values=cache)
             else:
                 for r in self.runners:
                     h = r._fast(h, cos, sin, cache, mask)
         else:  # a fallback, for hidden states the short paths do not read (say, another dtype than
             # the layers' after a cast): the layers called as the stack's own loop calls them
+            if rope is not None:  # the layers' own code gets copies, not the table's rows
+                cos, sin = cos.clone(), sin.clone()
+                pos = (torch.arange(ids.shape[1]) + past).unsqueeze(0)
             for layer in self.layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                           position_embeddings=(cos, sin))
@@ -276,9 +297,12 @@ class NativeStack:
                 return f"{r.name}: {why}"
         return None
 
-    def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor | None:
-        """The layers' decode step in one native call (ONE_CALL), or None with nothing run: a
-        layer cannot (NativeLayer.plan_args) or its cache cannot take the new position in place.
+    def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                  mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The layers' decode step in one native call (ONE_CALL): (the last layer's output, the
+        final norm's output when it ran in the call (_final_norm) else None); or None with
+        nothing run: a layer cannot (NativeLayer.plan_args) or its cache cannot take the new
+        position in place.
         mask: None or the bool mask over the keys the attention's decode path takes (padding; a
         StaticCache's buffers, which it needs)."""
         B, dt = h.shape[0], h.dtype
@@ -317,10 +341,13 @@ class NativeStack:
         kv = array("q", kv)
         scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
         out = torch.empty_like(h)
+        norm = self._final_norm(dt)
+        normed = None if norm is None else torch.empty_like(h)
         names = plan[0].run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), D if cos.numel() == B * D else 0,
                             0 if mask is None else mask.data_ptr(),
                             0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
-                            kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr())
+                            kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr(),
+                            *((0, 0.0, 0) if norm is None else (norm[0], norm[1], normed.data_ptr())))
         for s in slots:
             if static:
                 kv_cache.static_commit(s)
@@ -328,7 +355,22 @@ class NativeStack:
                 kv_cache.commit(s)
         for r, name in zip(self.runners, names):
             _LAST_KERNEL[r.moe.experts.handle] = name
-        return out
+        return out, normed
+
+    def _final_norm(self, dt: torch.dtype) -> tuple[int, float] | None:
+        """(weight address, eps) when the stack's final norm can run at the end of the one call
+        as its NativeNorm (hi_na_moe.dense) would run it, with nothing to see the module call
+        skipped (no hook, the forward patched at enable, the same module); else None."""
+        r = self.norm_runner
+        norm = self.module._modules.get("norm")
+        if (not FINAL_NORM or r is None or norm is not r.module or norm._forward_hooks or norm._forward_pre_hooks
+                or norm.__dict__.get("forward") is not self.norm_forward):
+            return None
+        w = norm._parameters.get("weight")
+        if (type(w) not in (nn.Parameter, torch.Tensor) or w.dtype is not dt or w.numel() != r.n
+                or not w.is_contiguous() or not w.is_cpu or (norm.training and torch.is_grad_enabled() and w.requires_grad)):
+            return None
+        return w.data_ptr(), r.eps
 
     def forward(self, module: nn.Module, *args, **kwargs):
         fast = self._args(args, kwargs) if self.ready and not module.training else None

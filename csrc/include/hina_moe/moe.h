@@ -453,10 +453,12 @@ struct DecodeKV {
 // the same bits. x [B, H] the first layer's input, out [B, H] the last layer's output; cos and
 // sin as LayerPreArgs, and the attention mask (null: none) as AttnDecodeArgs, the same for every
 // layer. scratch: at least decode_layers_scratch(layers, L, B) bytes. names[l]: the experts'
-// kernel layer l ran.
+// kernel layer l ran. norm_w non-null: then also normed [B, H] = rms_norm(out) with that weight
+// and norm_eps (the stack's final norm, as hi_na_moe.dense's NativeNorm runs it).
 size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B);
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
-                   void* out, const char** names);
+                   void* out, const char** names, const void* norm_w = nullptr, float norm_eps = 0.f,
+                   void* normed = nullptr);
 
 }  // namespace hina
