@@ -39,7 +39,9 @@ the layers' short paths (hi_na_moe.stack.ONE_CALL), whole-step times only likewi
 --ab-shared: a shared expert (Qwen2-MoE) inside the layers' native call, so the stack's one call,
 or as modules after the call in the layers' loop (hi_na_moe.layers.FUSE_SHARED), likewise;
 --ab-rope-norm: the stack's rotary output from its table and its final norm inside the one call,
-or both modules called (hi_na_moe.stack.ROPE_TABLE and FINAL_NORM), likewise.
+or both modules called (hi_na_moe.stack.ROPE_TABLE and FINAL_NORM), likewise;
+--ab-prefetch A,B: the kernels' software prefetch A or B bytes ahead into L2 (needs the
+HINA_PREFETCH_TUNING build of bench_prefetch.py, whose kernels read HINA_PF at every job), likewise.
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -104,6 +106,8 @@ def main() -> int:
     ap.add_argument("--ab-rope-norm", action="store_true",
                     help="alternate the stack's rotary table and final norm in the call / both modules called "
                          "(scope all; step times only)")
+    ap.add_argument("--ab-prefetch", default=None, metavar="A,B",
+                    help="alternate the kernels' prefetch distance, bytes ahead into L2 (tuning build; step times only)")
     ap.add_argument("--ab-wrapper", action="store_true",
                     help="alternate the model's forward / its stack and lm_head called straight (step times only)")
     ap.add_argument("--static-cache", action="store_true",
@@ -150,11 +154,12 @@ def main() -> int:
                              ("attention", args.ab_attention), ("layers", args.ab_layers),
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
                              ("one-call", args.ab_one_call), ("shared", args.ab_shared),
-                             ("rope-norm", args.ab_rope_norm), ("wrapper", args.ab_wrapper)) if on]
+                             ("rope-norm", args.ab_rope_norm), ("prefetch", bool(args.ab_prefetch)),
+                             ("wrapper", args.ab_wrapper)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-wrapper: one A/B at a time")
-    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "wrapper")
+                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-prefetch, --ab-wrapper: one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "prefetch", "wrapper")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -173,6 +178,14 @@ def main() -> int:
     use_native = None
     if kind == "wrapper":
         arms = ["causal-LM wrapper", "bare stack + lm_head"]
+    elif kind == "prefetch":
+        print("--ab-prefetch: a release build ignores HINA_PF (arms then differ by noise only); "
+              "see benchmarks/bench_prefetch.py for the tuning build")
+        dists = args.ab_prefetch.split(",")
+        arms = [f"prefetch {d} B" for d in dists]
+
+        def use_arm(arm: str) -> None:
+            os.environ["HINA_PF"], os.environ["HINA_PFH"] = arm.split()[1], "1"
     elif kind:
         if args.scope != "all":
             raise SystemExit(f"--ab-{kind} needs --scope all")
@@ -201,9 +214,10 @@ def main() -> int:
 
             use_native = small_module_switch(model, kind)
 
-    def use_arm(arm: str) -> None:
-        if use_native:
-            use_native(arm.startswith("native"))
+    if kind != "prefetch":
+        def use_arm(arm: str) -> None:
+            if use_native:
+                use_native(arm.startswith("native"))
 
     probe = _native.BandwidthProbe(1 << 30, args.torch_threads)
     ids = torch.randint(300, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))

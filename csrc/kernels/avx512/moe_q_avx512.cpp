@@ -17,7 +17,7 @@
 //         acc = fma(chains, group scale, acc).
 //   Rows: NT <= 4 (int8) / 3 (int4) rows share each expanded weight vector (prefill reuse);
 //   the int4 limit keeps 6 accumulators per row plus constants within the 32 zmm registers.
-// Software prefetch of the weight stream (moe/prefetch.h: 4 KiB ahead, into L2), one line per 64 bytes consumed.
+// Software prefetch of the weight stream (moe/prefetch.h: 2 KiB ahead, into L2), one line per 64 bytes consumed.
 // Known limits: the expansion costs 2-3 vector ops per 16 weights, so int4 decode is bounded
 // by the FMA ports before memory on slow-clocked cores (measured in benchmarks/RESULTS.md);
 // the integer-dot kernels (moe_qdot_avx512vnni.cpp) avoid the expansion entirely.

@@ -21,7 +21,7 @@
 // emulation follows it, so only the activation epilogue differs from it).
 // NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G int32
 // and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
-// Software prefetch of the weight stream (moe/prefetch.h: 4 KiB ahead, into L2), one line per 64 bytes consumed.
+// Software prefetch of the weight stream (moe/prefetch.h: 2 KiB ahead, into L2), one line per 64 bytes consumed.
 // Known limits: the block sums are exact int32 (|sum| <= 32 * 255 * 127); a block is 32 k, so
 // a k padding of up to 31 zero columns is multiplied too (Kp is a multiple of 32 anyway).
 #include <immintrin.h>
