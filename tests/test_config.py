@@ -140,3 +140,41 @@ def test_enable_rejects_bad_config_before_touching_model():
     with pytest.raises(ConfigError):
         hi_na_moe.enable_for_model(m, backend="fast")
     assert not hi_na_moe.is_enabled(m)
+
+
+def _prefetch_in_subprocess(value: str | None) -> tuple[int, str, str]:
+    """(prefetch_distance, the check line, the CPU vendor) in a fresh interpreter, whose native
+    library loads with HINA_MOE_PREFETCH_BYTES set to `value` (None: unset)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HINA_MOE_PREFETCH_BYTES"}
+    if value is not None:
+        env["HINA_MOE_PREFETCH_BYTES"] = value
+    code = ("import hi_na_moe; from hi_na_moe import _native as n; from hi_na_moe.hardware import capabilities; "
+            "c = capabilities(); print(n.prefetch_distance()); print(c['prefetch']); print(c['vendor'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    n, line, vendor = out.stdout.strip().splitlines()
+    return int(n), line, vendor
+
+
+@pytest.mark.skipif(not hi_na_moe.capabilities().get("cpu"), reason="native library not built")
+def test_the_prefetch_distance_comes_from_the_environment_or_the_cpu_vendor():
+    n, line, vendor = _prefetch_in_subprocess(None)
+    assert n == (2048 if vendor == "AuthenticAMD" else 4096)
+    assert line == f"{n} bytes ahead into L2 (the default for {vendor} CPUs)"
+    n, line, _ = _prefetch_in_subprocess("1024")
+    assert n == 1024 and line == "1024 bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES)"
+    for bad in ("100", "70000"):  # not a multiple of 64 in [0, 65536]: the default, and why
+        n, line, _ = _prefetch_in_subprocess(bad)
+        assert n == (2048 if vendor == "AuthenticAMD" else 4096)
+        assert f"HINA_MOE_PREFETCH_BYTES={bad!r} is not used: it must be a multiple of 64 in [0, 65536]" in line
+
+
+def test_the_native_prefetch_variable_is_not_a_config_key(monkeypatch):
+    monkeypatch.setenv("HINA_MOE_PREFETCH_BYTES", "1024")
+    assert "prefetch_bytes" not in load_config().to_dict()  # accepted, not taken as a key
+    monkeypatch.setenv("HINA_MOE_BACKEN", "native")
+    with pytest.raises(ConfigError, match="HINA_MOE_PREFETCH_BYTES"):  # listed among the known ones
+        load_config()

@@ -644,6 +644,10 @@ NB_MODULE(_native, m) {
   m.attr("DEFAULT_PREFILL_MIN_TOKENS") = hina::kDefaultPrefillMinTokens;
   m.def("default_num_threads", &hina::default_num_threads,
         "Threads the op uses when num_threads=0 (CPUs in this process's affinity mask).");
+  m.def("prefetch_distance", &hina::prefetch_distance,
+        "Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed when the "
+        "library loaded: HINA_MOE_PREFETCH_BYTES if it held a multiple of 64 in [0, 65536], else 2048 on AMD "
+        "CPUs and 4096 on others.");
   m.def("set_pool_backend", [](const std::string& name) { hina::ThreadPool::global().set_backend(pool_backend_from(name)); },
         nb::arg("name"),
         "Process-wide: which threads run the kernels' parallel regions ('auto': the loaded "

@@ -30,11 +30,28 @@
 #include "hina_moe/moe.h"
 #include "hina_moe/thread_pool.h"
 #include "moe/kernel_api.h"
+#include "moe/prefetch.h"
 #include "moe/quant_panel.h"
 
 namespace hina {
 
 using namespace detail;
+
+namespace detail::pf {
+int load_prefetch_distance() {
+  static const int bytes = [] {
+    if (const char* env = std::getenv("HINA_MOE_PREFETCH_BYTES")) {
+      char* end = nullptr;
+      const long v = std::strtol(env, &end, 10);
+      if (end != env && *end == '\0' && v >= 0 && v <= 65536 && v % 64 == 0) return static_cast<int>(v);
+    }
+    return std::strcmp(cpu_features().vendor, "AuthenticAMD") == 0 ? 2048 : 4096;
+  }();
+  return bytes;
+}
+}  // namespace detail::pf
+
+int prefetch_distance() { return detail::pf::bytes(); }
 
 const char* dtype_name(DType dt) {
   switch (dt) {

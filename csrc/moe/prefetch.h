@@ -1,13 +1,16 @@
 // Software prefetch of the weight stream, shared by the FMA and integer-dot kernels (avx2, avx512).
 //
-// Default: 2 KiB ahead into L2 (prefetcht1). History (benchmarks/bench_prefetch.py, interleaved
-// in one process; RESULTS.md): against the first guess (1 KiB into L1) 4 KiB into L2 took an
-// OLMoE-shaped decode op from 19.0 to 22.6 GB/s (session 5), and session 11 confirmed 4 KiB
-// (2 KiB: -6 % at int4) on a machine reading 20-31 GB/s. On the same machine set up afresh
-// (session 12), reading 31-45 GB/s, 4 KiB had become the worst of 0-2 KiB at every width: whole
-// OLMoE steps 2 KiB against 4 KiB -10 % (int4), -16 % (lossless), -2 % (int8), Qwen int4 -8 %
-// (bench_decode_breakdown.py --ab-prefetch); at op level 2 KiB is within 1 % of the best of
-// 0-8 KiB for int4, int8 and bf16. The best distance depends on the machine's memory system.
+// Distance: fixed when the library loads (load_prefetch_distance, moe.cpp), into L2 (prefetcht1):
+// HINA_MOE_PREFETCH_BYTES when it holds a multiple of 64 in [0, 65536], else by the CPU's vendor.
+// The best distance depends on the memory system (benchmarks/bench_prefetch.py and
+// bench_decode_breakdown.py --ab-prefetch, distances interleaved in one process; RESULTS.md):
+// - Intel (Sapphire Rapids-class Xeon, sessions 5-11): 4 KiB. Against the first guess (1 KiB
+//   into L1) it took an OLMoE-shaped decode op from 19.0 to 22.6 GB/s; 2 KiB was 6 % slower at
+//   int4 in session 11. The L2 streamer stops at every 4 KiB page; a page ahead keeps it going.
+// - AMD (an EPYC with AVX-512, session 12): 2 KiB. 4 KiB was the worst of 0-4 KiB at every
+//   width: whole OLMoE steps 2 KiB against 4 KiB -10 % (int4), -16 % (lossless), -2 % (int8),
+//   Qwen int4 -8 %; at op level 2 KiB within 1 % of the best of 0-8 KiB for int4, int8, bf16.
+// - Anything else: 4 KiB (untested).
 //
 // A build configured with -DHINA_PREFETCH_TUNING=ON reads HINA_PF (bytes ahead) and HINA_PFH
 // (0: L1, 1: L2, 2: L3, 3: non-temporal) at the start of every kernel job instead, so benchmarks/bench_prefetch.py
@@ -20,14 +23,16 @@
 
 namespace hina::detail::pf {
 
+int load_prefetch_distance();  // moe.cpp: the environment or the CPU's vendor
+
 #ifdef HINA_PREFETCH_TUNING
-inline int g_bytes = 2048;
+inline int g_bytes = load_prefetch_distance();
 inline int g_hint = 1;
 inline int g_amx = 2;
 inline void reload() {
   const char* b = std::getenv("HINA_PF");
   const char* h = std::getenv("HINA_PFH");
-  g_bytes = b ? std::atoi(b) : 2048;
+  g_bytes = b ? std::atoi(b) : load_prefetch_distance();
   g_hint = h ? std::atoi(h) : 1;
   const char* a = std::getenv("HINA_PFA");
   g_amx = a ? std::atoi(a) : 2;
@@ -42,8 +47,9 @@ inline void line(const void* p) {
   else _mm_prefetch(c, _MM_HINT_NTA);
 }
 #else
+inline const int g_bytes_at_load = load_prefetch_distance();
 inline void reload() {}
-constexpr int bytes() { return 2048; }
+inline int bytes() { return g_bytes_at_load; }
 constexpr int amx_mode() { return 2; }
 inline void line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 #endif

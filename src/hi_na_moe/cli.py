@@ -129,6 +129,8 @@ def cmd_check(args) -> int:
     print(f"  kernels: decode={cap['kernels']['decode']} prefill={cap['kernels']['prefill']}")
     if cap.get("pool"):
         print(f"  kernel threads: {cap['pool']}")
+    if cap.get("prefetch"):
+        print(f"  weight-stream prefetch: {cap['prefetch']}")
     if cap.get("note"):
         print(f"  note: {cap['note']}")
     c = sysi["cores"]

@@ -16,6 +16,9 @@ from typing import Any, Mapping
 ENV_PREFIX = "HINA_MOE_"
 # The environment variable naming a YAML config file; not itself a config key.
 ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
+# Read by the native library when it loads, not a config key: the kernels' prefetch distance
+# (hi_na_moe._native.prefetch_distance; csrc/moe/prefetch.h).
+ENV_NATIVE = ("HINA_MOE_PREFETCH_BYTES",)
 
 BACKENDS = ("auto", "native", "reference")
 ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
@@ -267,7 +270,7 @@ def load_config(config: HinaConfig | None = None, **kwargs: Any) -> HinaConfig:
             values[key] = _coerce(key, raw, source)
             sources[key] = source
         for name, raw in os.environ.items():
-            if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+            if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE or name in ENV_NATIVE:
                 continue
             key = name[len(ENV_PREFIX):].lower()
             source = f"env {name}"
@@ -276,7 +279,8 @@ def load_config(config: HinaConfig | None = None, **kwargs: Any) -> HinaConfig:
                 extra = f"; did you mean {ENV_PREFIX + hint[0].upper()}?" if hint else ""
                 raise ConfigError(
                     f"unknown environment variable {name}; known: "
-                    f"{', '.join(ENV_PREFIX + k.upper() for k in KEYS)}, {ENV_CONFIG_FILE}{extra}"
+                    f"{', '.join(ENV_PREFIX + k.upper() for k in KEYS)}, {ENV_CONFIG_FILE}, {', '.join(ENV_NATIVE)}"
+                    f"{extra}"
                 )
             values[key] = _coerce(key, raw, source)
             sources[key] = source

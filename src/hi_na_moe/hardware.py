@@ -4,6 +4,7 @@ permission) from the native core, the best kernel tier, and which kernel each pa
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from types import ModuleType
 from typing import Any
@@ -52,7 +53,22 @@ def capabilities(config: Any = None) -> dict[str, Any]:
 
     info["kernels"] = kernel_plan(cfg)
     info["pool"] = pool_description(cfg.pool)
+    info["prefetch"] = prefetch_description()
     return info
+
+
+def prefetch_description() -> str:
+    """How far ahead the kernels prefetch their weight stream, and why that distance."""
+    native, _ = native_module()
+    n = native.prefetch_distance()
+    env = os.environ.get("HINA_MOE_PREFETCH_BYTES")
+    if env is not None and env.strip() == str(n):
+        return f"{n} bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES)"
+    why = f"the default for {native.cpu_features()['vendor'] or 'this'} CPUs"
+    if env is not None:  # read when the library loaded: set later, or not a valid value
+        why += (f"; HINA_MOE_PREFETCH_BYTES={env!r} is not used: it must be a multiple of 64 in [0, 65536], "
+                "set before hi_na_moe's native library loads")
+    return f"{n} bytes ahead into L2 ({why})"
 
 
 def pool_description(pool: str) -> str:

@@ -264,6 +264,10 @@ const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WForma
 Isa resolve_isa(const char* name);
 // Hardware threads this process may run on (sched_getaffinity), >= 1.
 int default_num_threads();
+// Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed
+// when the library loads: HINA_MOE_PREFETCH_BYTES if it holds a multiple of 64 in [0, 65536],
+// else 2048 on AMD CPUs and 4096 on others (measured per vendor: csrc/moe/prefetch.h).
+int prefetch_distance();
 
 // RMSNorm of `rows` C-contiguous rows of n values (x, weight [n] and out in dtype dt), in
 // transformers' Llama-family order of roundings: out = w * round(x / sqrt(mean(x^2) + eps)),
