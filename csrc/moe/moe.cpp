@@ -370,12 +370,15 @@ bool wrapped_l12(KernelImpl* k) {
   return true;
 }
 
-// lossless12 (bf16 only): the wrapped plain kernels of the tier and path.
+// lossless12 (bf16 only): the fused AVX-512 kernels for decode on the avx512 and amx tiers, the
+// wrapped plain kernels of the tier and path everywhere else.
 Selected select_l12(Isa tier, MoePath path) {
   Selected s{};
   const bool avx512 = tier == Isa::kAvx512 || tier == Isa::kAmx;
   if (tier == Isa::kAmx && path == MoePath::kPrefill && wrapped_l12<Plain::kAmx>(&s.k)) {
     s.kind = static_cast<int>(Isa::kAmx);
+  } else if (avx512 && path == MoePath::kDecode && get_l12_kernels_avx512(&s.k)) {
+    s.kind = static_cast<int>(Isa::kAvx512);
   } else if (avx512 && wrapped_l12<Plain::kAvx512>(&s.k)) {
     s.kind = static_cast<int>(Isa::kAvx512);
   } else if (tier == Isa::kAvx2 && wrapped_l12<Plain::kAvx2>(&s.k)) {

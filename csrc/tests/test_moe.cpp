@@ -985,6 +985,16 @@ void test_l12_case(const Case& c, uint32_t seed, const std::vector<Isa>& tiers) 
         report(got == want && name == expect, tag + " " + name + " threads " + std::to_string(r.threads) +
                                                   (r.static_split ? " static" : " dynamic") + " == " + want_name);
       }
+      // the fused kernel itself on the rows of either path (the driver picks it for decode only)
+      detail::KernelImpl fused;
+      if (isa == Isa::kAvx512 && detail::get_l12_kernels_avx512(&fused)) {
+        std::vector<uint8_t> got(want.size(), 0xCD);
+        MoeParams mp = p.params;
+        mp.path = path;
+        mp.num_threads = 2;
+        detail::forward_with(*l12, fused, "fused", p.x.data(), c.T, p.idx.data(), 32, p.w.data(), c.K, got.data(), mp);
+        report(got == want, tag + " fused l12 avx512 kernel, " + path_name(path) + " rows == " + want_name);
+      }
     }
   }
 }
