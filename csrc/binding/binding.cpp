@@ -191,7 +191,7 @@ nb::object new_array(hina::DType dt, std::vector<size_t> shape, void** data) {
 hina::WFormat parse_wformat(const std::string& name) {
   hina::WFormat f;
   if (!hina::wformat_from_name(name.c_str(), &f))
-    bad("weights '" + name + "' is unknown; expected lossless, int8 or int4");
+    bad("weights '" + name + "' is unknown; expected lossless, int8, int4 or lossless12");
   return f;
 }
 
@@ -474,7 +474,7 @@ nb::dict header_dict(const hina::PackedHeader& h) {
   d["version"] = h.version;
   d["dtype"] = h.dtype <= 2 ? std::string(hina::dtype_name(static_cast<hina::DType>(h.dtype))) : std::string("unknown");
   d["isa"] = h.isa <= 4 ? std::string(hina::isa_name(static_cast<hina::Isa>(h.isa))) : std::string("unknown");
-  d["weights"] = h.wfmt <= 2 ? std::string(hina::wformat_name(static_cast<hina::WFormat>(h.wfmt))) : std::string("unknown");
+  d["weights"] = h.wfmt <= 3 ? std::string(hina::wformat_name(static_cast<hina::WFormat>(h.wfmt))) : std::string("unknown");
   d["group_size"] = h.group;
   d["has_gate"] = h.has_gate != 0;
   d["up_only"] = h.up_only != 0;
@@ -511,6 +511,8 @@ nb::dict kernel_table(const std::string& qdot) {
       per[hina::dtype_name(dt)] = std::string(hina::moe_kernel_name(isa, dt, path));
     for (hina::WFormat f : {hina::WFormat::kInt8, hina::WFormat::kInt4})
       per[hina::wformat_name(f)] = std::string(hina::moe_kernel_name(isa, hina::DType::kBF16, path, f, q));
+    per[hina::wformat_name(hina::WFormat::kLossless12)] =
+        std::string(hina::moe_kernel_name(isa, hina::DType::kBF16, path, hina::WFormat::kLossless12));
     d[hina::path_name(path)] = per;
   }
   return d;
@@ -663,8 +665,8 @@ NB_MODULE(_native, m) {
   nb::class_<PyPackedExperts>(m, "PackedExperts",
       "Experts packed once into the layout the kernels stream (64-byte aligned panels of 16 "
       "output rows, gate and up interleaved), in the model's dtype (lossless: unpack() returns "
-      "the exact inputs) or quantised (weights='int8' per output row, 'int4' per group of "
-      "group_size).")
+      "the exact inputs; weights='lossless12': bf16 in about 75 % of the bytes, exact too) or "
+      "quantised (weights='int8' per output row, 'int4' per group of group_size).")
       .def(nb::init<std::optional<InArray>, InArray, InArray, std::optional<InArray>,
                     std::optional<InArray>, std::optional<InArray>, const std::string&, int,
                     const std::string&, int>(),
@@ -675,8 +677,9 @@ NB_MODULE(_native, m) {
            nb::arg("num_threads") = 0, nb::arg("weights") = "lossless", nb::arg("group_size") = 64,
            "gate/up: [E, I, H] (gate may be None), down: [E, H, I], biases [E, I] / [E, I] / "
            "[E, H]; C-contiguous CPU arrays of one dtype (float32, bfloat16, float16). "
-           "isa: auto | generic | avx2 | avx512 | amx. weights: lossless | int8 | int4; "
-           "group_size (int4): 32, 64 or 128.")
+           "isa: auto | generic | avx2 | avx512 | amx. weights: lossless | int8 | int4 | lossless12 "
+           "(bfloat16 only; a ValueError ending \"store these weights as 'lossless'\" when a panel "
+           "does not compress); group_size (int4): 32, 64 or 128.")
       .def_static("plan",
            [](const std::string& dtype, int64_t E, int64_t H, int64_t I, bool has_gate,
               bool gate_bias, bool up_bias, bool down_bias, const std::string& isa,
@@ -793,7 +796,7 @@ NB_MODULE(_native, m) {
            "pass raw addresses (see BoundForward).")
       .def("unpack", &PyPackedExperts::unpack,
            "(gate, up, down, gate_bias, up_bias, down_bias): new arrays (None where absent), "
-           "bit-identical to the packed inputs for weights='lossless', the dequantised weights "
+           "bit-identical to the packed inputs for weights='lossless' and 'lossless12', the dequantised weights "
            "(scale * q, in the model's dtype) for int8/int4. DLPack-capable: torch.from_dlpack.")
       .def_prop_ro("nbytes", [](const PyPackedExperts& p) { return p.get().nbytes(); })
       .def_prop_ro("isa", [](const PyPackedExperts& p) { return std::string(hina::isa_name(p.get().isa())); })

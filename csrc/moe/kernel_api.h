@@ -57,12 +57,33 @@ struct Layout {
   int group = 0;  // int4 group size
 };
 
+// Where the parts of a lossless12 panel are (see PackedHeader), from the bytes of the plain
+// bf16 panel it holds (a multiple of 128: Kp is a multiple of 32).
+struct L12Geometry {
+  int64_t nb;     // blocks of 64 weights (two plain 64-byte vectors)
+  int64_t slots;  // offset of the 96-byte block slots (the table is at 0, the flags at 64)
+  int64_t spill;  // offset of the spill area
+  int64_t cap;    // its 32-byte slots
+  int64_t bytes;  // the whole panel (a 64-byte multiple)
+};
+constexpr int64_t kL12Table = 64, kL12Slot = 96, kL12SpillSlot = 32;
+static inline L12Geometry l12_geometry(int64_t plain_bytes) {
+  L12Geometry g;
+  g.nb = plain_bytes / 128;
+  g.slots = kL12Table + round_up((g.nb + 7) / 8, 64);
+  g.spill = g.slots + g.nb * kL12Slot;
+  g.cap = g.nb / 64 + 8;
+  g.bytes = g.spill + round_up(g.cap * kL12SpillSlot, 64);
+  return g;
+}
+
 // Bytes of one packed panel (16 output rows, reduction length Kp, G matrices interleaved).
 static inline int64_t panel_bytes(DType dt, WFormat wf, int group, int64_t Kp, int G) {
   switch (wf) {
     case WFormat::kLossless: return Kp * kPanelN * G * (dt == DType::kF32 ? 4 : 2);
     case WFormat::kInt8: return 64 * G + Kp * G * kPanelN;
     case WFormat::kInt4: return (Kp / group) * (64 + group / 2 * G * kPanelN);
+    case WFormat::kLossless12: return l12_geometry(Kp * kPanelN * G * 2).bytes;
   }
   return 0;
 }
@@ -166,6 +187,18 @@ bool get_qdot_kernels_generic(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avx512vnni(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avxvnni(WFormat wf, KernelImpl* k);  // needs AVX-VNNI at run time
+
+// lossless12 panels (PackedHeader) <-> plain bf16 panels of plain_bytes bytes. Compressing is
+// portable code only (packing); it writes every byte of the panel and returns the number of
+// spilled blocks, the panel being complete only when that is <= l12_geometry().cap.
+// Decompressing: the portable build, and an AVX-512 BW build (same bytes; tested). A spill
+// index past the cap (a corrupted flag area) reads the last spill slot: never outside the panel.
+int64_t l12_compress_panel(const uint16_t* plain, int64_t plain_bytes, uint8_t* panel);
+void l12_decompress_panel_portable(const uint8_t* panel, int64_t plain_bytes, uint16_t* plain);
+void l12_decompress_panel_avx512(const uint8_t* panel, int64_t plain_bytes, uint16_t* plain);
+// The fused lossless12 kernels (AVX-512 F/BW): decode each block in registers and run the FMAs
+// of the plain bf16 AVX-512 kernel in its order, so the outputs are its bits.
+bool get_l12_kernels_avx512(KernelImpl* k);
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
 // matrix gi of `panel` (layout v3). x86 builds have AVX-512 and AVX2 copies of the portable

@@ -98,11 +98,12 @@ const char* wformat_name(WFormat f) {
     case WFormat::kLossless: return "lossless";
     case WFormat::kInt8: return "int8";
     case WFormat::kInt4: return "int4";
+    case WFormat::kLossless12: return "lossless12";
   }
   return "unknown";
 }
 bool wformat_from_name(const char* name, WFormat* out) {
-  for (WFormat f : {WFormat::kLossless, WFormat::kInt8, WFormat::kInt4}) {
+  for (WFormat f : {WFormat::kLossless, WFormat::kInt8, WFormat::kInt4, WFormat::kLossless12}) {
     if (std::strcmp(name, wformat_name(f)) == 0) {
       *out = f;
       return true;
@@ -157,6 +158,70 @@ void quant_act_row(const float* x, int64_t Kp, uint8_t* row) {
   }
 #endif
   quant_act_row_portable(x, Kp, row);
+}
+
+int64_t l12_compress_panel(const uint16_t* plain, int64_t plain_bytes, uint8_t* panel) {
+  const L12Geometry g = l12_geometry(plain_bytes);
+  std::memset(panel, 0, static_cast<size_t>(g.bytes));
+  int64_t count[256] = {};
+  for (int64_t i = 0; i < plain_bytes / 2; ++i) ++count[plain[i] >> 8];
+  int order[256];
+  for (int i = 0; i < 256; ++i) order[i] = i;
+  std::stable_sort(order, order + 256, [&](int a, int b) { return count[a] > count[b]; });  // ties: lower byte first
+  int code[256];
+  std::fill(code, code + 256, -1);
+  for (int i = 0; i < 16; ++i) {
+    code[order[i]] = i;
+    for (int r = 0; r < 4; ++r) panel[16 * r + i] = static_cast<uint8_t>(order[i]);
+  }
+  uint8_t* flags = panel + kL12Table;
+  int64_t spilled = 0;
+  for (int64_t b = 0; b < g.nb; ++b) {
+    const uint16_t* v = plain + b * 64;  // the block's two plain vectors
+    uint8_t* slot = panel + g.slots + b * kL12Slot;
+    uint8_t hi[64];
+    bool spill = false;
+    for (int i = 0; i < 64; ++i) {  // L byte order: what unpacklo/hi_epi8 interleave back
+      const int j = i / 16, q = i % 16;
+      const uint16_t word = v[q < 8 ? 8 * j + q : 32 + 8 * j + q - 8];
+      slot[i] = static_cast<uint8_t>(word & 0xff);
+      hi[i] = static_cast<uint8_t>(word >> 8);
+      spill = spill || code[hi[i]] < 0;
+    }
+    if (!spill) {
+      for (int i = 0; i < 32; ++i) slot[64 + i] = static_cast<uint8_t>(code[hi[i]] | code[hi[i + 32]] << 4);
+      continue;
+    }
+    flags[b / 8] = static_cast<uint8_t>(flags[b / 8] | 1u << (b % 8));
+    std::memcpy(slot + 64, hi, 32);
+    if (spilled < g.cap) std::memcpy(panel + g.spill + spilled * kL12SpillSlot, hi + 32, 32);
+    ++spilled;
+  }
+  return spilled;
+}
+
+void l12_decompress_panel_portable(const uint8_t* panel, int64_t plain_bytes, uint16_t* plain) {
+  const L12Geometry g = l12_geometry(plain_bytes);
+  const uint8_t* flags = panel + kL12Table;
+  int64_t spilled = 0;
+  for (int64_t b = 0; b < g.nb; ++b) {
+    const uint8_t* slot = panel + g.slots + b * kL12Slot;
+    uint8_t hi[64];
+    if (flags[b / 8] >> (b % 8) & 1) {
+      std::memcpy(hi, slot + 64, 32);
+      std::memcpy(hi + 32, panel + g.spill + std::min(spilled++, g.cap - 1) * kL12SpillSlot, 32);
+    } else {
+      for (int i = 0; i < 32; ++i) {
+        hi[i] = panel[slot[64 + i] & 15];
+        hi[i + 32] = panel[slot[64 + i] >> 4];
+      }
+    }
+    uint16_t* v = plain + b * 64;
+    for (int i = 0; i < 64; ++i) {
+      const int j = i / 16, q = i % 16;
+      v[q < 8 ? 8 * j + q : 32 + 8 * j + q - 8] = static_cast<uint16_t>(slot[i] | hi[i] << 8);
+    }
+  }
 }
 
 }  // namespace detail
@@ -214,7 +279,136 @@ bool select_qdot(Isa tier, WFormat wf, Selected* s) {
   return false;
 }
 
+// ---- lossless12 on every tier and path: the tier's plain bf16 kernels on decompressed panels ----
+// Per job, its panels are decompressed a few at a time into a per-thread buffer, and the plain
+// kernel runs on that buffer as a job of its own: panels [0, n) there, with the output columns
+// (h, biases, acc rows, and the I / H limits of the column masks) shifted to the chunk's first
+// column. The plain kernel reads the same words as it would from a lossless block, so the
+// outputs are its bits.
+enum class Plain : int { kGeneric, kAvx2, kAvx512, kAmx };
+
+bool get_plain_bf16(Plain pl, KernelImpl* k) {
+  switch (pl) {
+    case Plain::kGeneric: return get_kernels_generic(DType::kBF16, false, k);
+    case Plain::kAvx2: return get_kernels_avx2(DType::kBF16, k);
+    case Plain::kAvx512: return get_kernels_avx512(DType::kBF16, k);
+    case Plain::kAmx: return get_kernels_amx(DType::kBF16, k);
+  }
+  return false;
+}
+
+template <Plain P>
+const KernelImpl& plain_bf16() {
+  static const KernelImpl k = [] {
+    KernelImpl r;
+    get_plain_bf16(P, &r);  // select_l12 checked that it exists
+    return r;
+  }();
+  return k;
+}
+
+// Even, so that the AMX down kernel, which takes panels in pairs, pairs them as in a plain job;
+// small, so that the buffer (4 x 128 KiB for a 2048-long gate/up panel) stays in L2.
+constexpr int64_t kL12ChunkPanels = 4;
+thread_local AlignedBuf tls_l12_plain;
+thread_local std::vector<float*> tls_l12_acc;
+
+// Stored panels [c0, c1) of an expert at w (stored bytes each) as plain panels in the buffer.
+template <Plain P>
+const uint8_t* l12_chunk(const void* w, int64_t c0, int64_t c1, int64_t stored, int64_t plain) {
+  uint8_t* buf = static_cast<uint8_t*>(tls_l12_plain.get(static_cast<size_t>(plain * kL12ChunkPanels)));
+  for (int64_t p = c0; p < c1; ++p) {
+    const uint8_t* src = static_cast<const uint8_t*>(w) + p * stored;
+    uint16_t* dst = reinterpret_cast<uint16_t*>(buf + (p - c0) * plain);
+#if defined(HINA_HAVE_X86_KERNELS)
+    if constexpr (P == Plain::kAvx512 || P == Plain::kAmx) {
+      l12_decompress_panel_avx512(src, plain, dst);
+      continue;
+    }
+#endif
+    l12_decompress_panel_portable(src, plain, dst);
+  }
+  return buf;
+}
+
+template <Plain P>
+void gateup_l12_wrapped(const GateUpJob& j) {
+  const KernelImpl& k = plain_bf16<P>();
+  Layout L = *j.L;
+  L.wfmt = WFormat::kLossless;
+  const int64_t stored = gu_panel_bytes(*j.L), plain = gu_panel_bytes(L);
+  const size_t hesz = k.h_bf16 ? 2 : 4;
+  for (int64_t c0 = j.p0; c0 < j.p1; c0 += kL12ChunkPanels) {
+    const int64_t c1 = std::min(j.p1, c0 + kL12ChunkPanels), col = c0 * kPanelN;
+    GateUpJob s = j;
+    s.w = l12_chunk<P>(j.w, c0, c1, stored, plain);
+    s.p0 = 0;
+    s.p1 = c1 - c0;
+    if (s.bias_g) s.bias_g += col;
+    if (s.bias_u) s.bias_u += col;
+    s.h = static_cast<uint8_t*>(j.h) + hesz * static_cast<size_t>(col);
+    L.I = j.L->I - col;  // > 0: every panel holds a column < I
+    s.L = &L;
+    // a prefetch hint only (AMX): the stored panels the next chunk or job decompresses first
+    s.w_next = c1 < j.p1 ? static_cast<const uint8_t*>(j.w) + c1 * stored : j.w_next;
+    k.gateup(s);
+  }
+}
+
+template <Plain P>
+void down_l12_wrapped(const DownJob& j) {
+  const KernelImpl& k = plain_bf16<P>();
+  Layout L = *j.L;
+  L.wfmt = WFormat::kLossless;
+  const int64_t stored = down_panel_bytes(*j.L), plain = down_panel_bytes(L);
+  std::vector<float*>& acc = tls_l12_acc;
+  acc.resize(static_cast<size_t>(j.nt));
+  for (int64_t c0 = j.p0; c0 < j.p1; c0 += kL12ChunkPanels) {
+    const int64_t c1 = std::min(j.p1, c0 + kL12ChunkPanels), col = c0 * kPanelN;
+    DownJob s = j;
+    s.w = l12_chunk<P>(j.w, c0, c1, stored, plain);
+    s.p0 = 0;
+    s.p1 = c1 - c0;
+    if (s.bias) s.bias += col;
+    for (int64_t r = 0; r < j.nt; ++r) acc[static_cast<size_t>(r)] = j.acc[r] + col;
+    s.acc = acc.data();
+    L.H = j.L->H - col;  // > 0 likewise
+    s.L = &L;
+    s.w_next = c1 < j.p1 ? static_cast<const uint8_t*>(j.w) + c1 * stored : j.w_next;
+    k.down(s);
+  }
+}
+
+template <Plain P>
+bool wrapped_l12(KernelImpl* k) {
+  if (!get_plain_bf16(P, k)) return false;
+  k->gateup = &gateup_l12_wrapped<P>;
+  k->down = &down_l12_wrapped<P>;
+  return true;
+}
+
+// lossless12 (bf16 only): the fused AVX-512 kernels for decode on the avx512 and amx tiers, the
+// wrapped plain kernels of the tier and path everywhere else.
+Selected select_l12(Isa tier, MoePath path) {
+  Selected s{};
+  const bool avx512 = tier == Isa::kAvx512 || tier == Isa::kAmx;
+  if (tier == Isa::kAmx && path == MoePath::kPrefill && wrapped_l12<Plain::kAmx>(&s.k)) {
+    s.kind = static_cast<int>(Isa::kAmx);
+  } else if (avx512 && path == MoePath::kDecode && get_l12_kernels_avx512(&s.k)) {
+    s.kind = static_cast<int>(Isa::kAvx512);
+  } else if (avx512 && wrapped_l12<Plain::kAvx512>(&s.k)) {
+    s.kind = static_cast<int>(Isa::kAvx512);
+  } else if (tier == Isa::kAvx2 && wrapped_l12<Plain::kAvx2>(&s.k)) {
+    s.kind = static_cast<int>(Isa::kAvx2);
+  } else {
+    wrapped_l12<Plain::kGeneric>(&s.k);
+    s.kind = static_cast<int>(Isa::kGeneric);
+  }
+  return s;
+}
+
 Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
+  if (wf == WFormat::kLossless12) return select_l12(tier, path);
   Selected s{};
   bool ok = false;
   const bool q = wf != WFormat::kLossless;
@@ -410,21 +604,25 @@ Isa resolve_isa(const char* name) {
 }
 
 const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf, QDot qd) {
-  // Names are `<op>_<format>_<kernel>`; built once. Formats: f32, bf16, f16, int8, int4.
+  // Names are `<op>_<format>_<kernel>`; built once. Formats: f32, bf16, f16, int8, int4, l12.
+  constexpr int kFmts = 6;
   static std::vector<std::string>* table = [] {
-    auto* t = new std::vector<std::string>(kNumKinds * 5 * 2);
-    const char* fmts[5] = {"f32", "bf16", "f16", "int8", "int4"};
+    auto* t = new std::vector<std::string>(kNumKinds * kFmts * 2);
+    const char* fmts[kFmts] = {"f32", "bf16", "f16", "int8", "int4", "l12"};
     for (int i = 0; i < kNumKinds; ++i)
-      for (int d = 0; d < 5; ++d)
+      for (int d = 0; d < kFmts; ++d)
         for (int p = 0; p < 2; ++p)
-          (*t)[(i * 5 + d) * 2 + p] = std::string(p ? "moe_prefill_" : "moe_decode_") + fmts[d] +
+          (*t)[(i * kFmts + d) * 2 + p] = std::string(p ? "moe_prefill_" : "moe_decode_") + fmts[d] +
                                       "_" + kind_name(i);
     return t;
   }();
   if (path == MoePath::kAuto) path = MoePath::kDecode;
   const int k = select_kernels(isa, dt, path, wf, qd).kind;
-  const int f = wf == WFormat::kLossless ? static_cast<int>(dt) : (wf == WFormat::kInt8 ? 3 : 4);
-  return (*table)[(k * 5 + f) * 2 + (path == MoePath::kPrefill ? 1 : 0)].c_str();
+  const int f = wf == WFormat::kLossless ? static_cast<int>(dt)
+                : wf == WFormat::kInt8   ? 3
+                : wf == WFormat::kInt4   ? 4
+                                         : 5;
+  return (*table)[(k * kFmts + f) * 2 + (path == MoePath::kPrefill ? 1 : 0)].c_str();
 }
 
 PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
@@ -442,8 +640,13 @@ PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gat
   if (dt != DType::kF32 && dt != DType::kBF16 && dt != DType::kF16) {
     throw std::invalid_argument("unsupported weight dtype");
   }
-  if (q.fmt != WFormat::kLossless && q.fmt != WFormat::kInt8 && q.fmt != WFormat::kInt4) {
+  if (q.fmt != WFormat::kLossless && q.fmt != WFormat::kInt8 && q.fmt != WFormat::kInt4 &&
+      q.fmt != WFormat::kLossless12) {
     throw std::invalid_argument("unknown weight format");
+  }
+  if (q.fmt == WFormat::kLossless12 && dt != DType::kBF16) {
+    throw std::invalid_argument(std::string("weights 'lossless12' needs bfloat16 weights (got ") + dtype_name(dt) +
+                                "); use 'lossless' for float32 and float16 models");
   }
   if (q.fmt == WFormat::kInt4 && q.group != 32 && q.group != 64 && q.group != 128) {
     throw std::invalid_argument("int4 group size must be 32, 64 or 128 (got " +
@@ -458,7 +661,7 @@ PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gat
   h.isa = static_cast<uint8_t>(isa);
   h.wfmt = static_cast<uint8_t>(q.fmt);
   h.group = static_cast<uint16_t>(q.fmt == WFormat::kInt4 ? q.group : 0);
-  h.kpack = (q.fmt == WFormat::kLossless && dt == DType::kBF16) ? 2 : 1;
+  h.kpack = ((q.fmt == WFormat::kLossless || q.fmt == WFormat::kLossless12) && dt == DType::kBF16) ? 2 : 1;
   h.k_align = static_cast<uint16_t>(q.fmt == WFormat::kInt4 && q.group > kKAlign ? q.group : kKAlign);
   h.has_gate = has_gate;
   h.has_gate_bias = gate_bias;
@@ -564,7 +767,7 @@ std::unique_ptr<PackedExperts> PackedExperts::view(const PackedHeader& h, const 
     throw std::invalid_argument("packed layout version " + std::to_string(h.version) +
                                 " is not this build's version " + std::to_string(PackedHeader{}.version));
   }
-  if (h.dtype > 2 || h.wfmt > 2 || h.isa > 4) throw std::invalid_argument("packed header has an unknown dtype, format or tier");
+  if (h.dtype > 2 || h.wfmt > 3 || h.isa > 4) throw std::invalid_argument("packed header has an unknown dtype, format or tier");
   if (h.nbytes != mem_bytes) {
     throw std::invalid_argument("packed block is " + std::to_string(mem_bytes) +
                                 " bytes; its header says " + std::to_string(h.nbytes));
@@ -625,10 +828,38 @@ void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_thr
   const size_t esz = dtype_size(w.dtype);
   const WFormat wf = wformat();
   const int nth = num_threads > 0 ? num_threads : default_num_threads();
+  // lossless12: a panel that does not fit its spill area fails the whole call; the error of the
+  // lowest such expert is thrown after the region (exceptions do not cross the pool's threads)
+  std::mutex l12_mu;
+  int64_t l12_bad_expert = h.E;
+  std::string l12_error;
+  auto l12_compress = [&](const std::vector<uint16_t>& plain, int64_t panels, int64_t Kp, int Gm,
+                          uint8_t* dst, const char* what, int64_t e) {
+    const int64_t plain_bytes = panel_bytes(DType::kBF16, WFormat::kLossless, 0, Kp, Gm);
+    const int64_t stored = panel_bytes(DType::kBF16, WFormat::kLossless12, 0, Kp, Gm);
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t spilled = l12_compress_panel(plain.data() + p * plain_bytes / 2, plain_bytes, dst + p * stored);
+      const L12Geometry g = l12_geometry(plain_bytes);
+      if (spilled <= g.cap) continue;
+      std::lock_guard<std::mutex> lock(l12_mu);
+      if (e < l12_bad_expert) {
+        l12_bad_expert = e;
+        l12_error = "lossless12 cannot store expert " + std::to_string(e) + "'s " + what + " panel " +
+                    std::to_string(p) + " (output rows " + std::to_string(p * kPanelN) + ".." +
+                    std::to_string(p * kPanelN + kPanelN - 1) + "): " + std::to_string(spilled) + " of its " +
+                    std::to_string(g.nb) + " blocks of 64 weights have a high byte (sign and exponent) " +
+                    "outside the panel's 16 most frequent, more than the " + std::to_string(g.cap) +
+                    " its spill area holds; store these weights as 'lossless'";
+      }
+      return false;
+    }
+    return true;
+  };
   ThreadPool::global().run(static_cast<int>(std::min<int64_t>(nth, w.E)), [&](int tid, int n) {
     int64_t s0, s1;
     split_range(w.E, tid, n, &s0, &s1);
     std::vector<float> buf;
+    std::vector<uint16_t> plain;  // lossless12: one matrix's plain bf16 panels
     for (int64_t se = s0; se < s1; ++se) {
       const int64_t e = e0 + se;
       const size_t gu_off = static_cast<size_t>(se * w.I * w.H);
@@ -650,6 +881,17 @@ void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_thr
         };
         if (esz == 2) pack_expert(uint16_t{});
         else pack_expert(uint32_t{});
+      } else if (wf == WFormat::kLossless12) {
+        // the expert's plain bf16 panels (the lossless layout), then each compressed into the block
+        plain.assign(static_cast<size_t>(std::max(h.In * h.Hk * G, h.Hn * h.Ik)), 0);
+        auto src = [&](const void* base, size_t off) { return static_cast<const uint16_t*>(base) + off; };
+        if (w.gate) pack_matrix(src(w.gate, gu_off), w.I, w.H, plain.data(), h.In, h.Hk, h.kpack, G, 0);
+        pack_matrix(src(w.up, gu_off), w.I, w.H, plain.data(), h.In, h.Hk, h.kpack, G, G - 1);
+        if (!l12_compress(plain, h.In / kPanelN, h.Hk, G, gu_dst, G == 2 ? "gate/up" : "up", e)) continue;
+        if (w.down) {
+          pack_matrix(src(w.down, dn_off), w.H, w.I, plain.data(), h.Hn, h.Ik, h.kpack, 1, 0);
+          if (!l12_compress(plain, h.Hn / kPanelN, h.Ik, 1, dn_dst, "down", e)) continue;
+        }
       } else {
         auto at = [&](const void* base, size_t off) {
           return static_cast<const uint8_t*>(base) + off * esz;
@@ -669,6 +911,7 @@ void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_thr
           bias_d_[e * h.Hn + c] = c < w.H ? load_elem(w.dtype, w.down_bias, se * w.H + c) : 0.f;
     }
   });
+  if (!l12_error.empty()) throw std::invalid_argument(l12_error);
 }
 
 void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, void* up_bias,
@@ -683,7 +926,27 @@ void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, vo
     const size_t gu_off = static_cast<size_t>(e * h.I * h.H);
     const uint8_t* gu_src = gu_ + static_cast<size_t>(e) * h.gu_expert_bytes;
     const uint8_t* dn_src = down_ + static_cast<size_t>(e) * h.down_expert_bytes;
-    if (wf != WFormat::kLossless) {
+    if (wf == WFormat::kLossless12) {
+      // panel by panel back to the plain bf16 panels, then unpacked as lossless
+      auto unpack_l12 = [&](const uint8_t* stored, int64_t panels, int64_t Kp, int Gm, auto&& unpack_plain) {
+        const int64_t plain_bytes = panel_bytes(dt, WFormat::kLossless, 0, Kp, Gm);
+        const int64_t stored_bytes = panel_bytes(dt, wf, 0, Kp, Gm);
+        std::vector<uint16_t> plain(static_cast<size_t>(panels * plain_bytes / 2));
+        for (int64_t p = 0; p < panels; ++p)
+          l12_decompress_panel_portable(stored + p * stored_bytes, plain_bytes, plain.data() + p * plain_bytes / 2);
+        unpack_plain(plain.data());
+      };
+      auto to = [&](void* base) { return static_cast<uint16_t*>(base) + gu_off; };
+      if (gate || up) {
+        unpack_l12(gu_src, h.In / kPanelN, h.Hk, G, [&](const uint16_t* pl) {
+          if (gate && h.has_gate) unpack_matrix(pl, h.I, h.H, to(gate), h.Hk, h.kpack, G, 0);
+          if (up) unpack_matrix(pl, h.I, h.H, to(up), h.Hk, h.kpack, G, G - 1);
+        });
+      }
+      if (down && !h.up_only)
+        unpack_l12(dn_src, h.Hn / kPanelN, h.Ik, 1,
+                   [&](const uint16_t* pl) { unpack_matrix(pl, h.H, h.I, to(down), h.Ik, h.kpack, 1, 0); });
+    } else if (wf != WFormat::kLossless) {
       auto at = [&](void* base) { return static_cast<uint8_t*>(base) + gu_off * esz; };
       if (gate && h.has_gate) dequant_matrix(gu_src, dt, h.I, h.H, at(gate), h.Hk, G, 0, wf, h.group);
       if (up) dequant_matrix(gu_src, dt, h.I, h.H, at(up), h.Hk, G, G - 1, wf, h.group);

@@ -163,7 +163,7 @@ std::vector<Bytes> make_seeds() {
   struct Shape { int64_t E, H, I; };
   const Shape shapes[] = {{1, 1, 1}, {2, 17, 9}, {3, 64, 32}, {2, 33, 65}, {2, 100, 72}, {1, 160, 129}};
   const QuantSpec qs[] = {{WFormat::kLossless, 64}, {WFormat::kInt8, 64}, {WFormat::kInt4, 32},
-                          {WFormat::kInt4, 64}, {WFormat::kInt4, 128}};
+                          {WFormat::kInt4, 64}, {WFormat::kInt4, 128}, {WFormat::kLossless12, 64}};
   std::vector<Isa> tiers{Isa::kGeneric};
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAmx})
     if (isa_supported(cpu_features(), isa)) tiers.push_back(isa);
@@ -174,6 +174,7 @@ std::vector<Bytes> make_seeds() {
   for (const Shape& s : shapes) {
     for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
       for (const QuantSpec& q : qs) {
+        if (q.fmt == WFormat::kLossless12 && dt != DType::kBF16) continue;  // bf16 only
         const bool gated = (i % 3) != 2, bias = (i % 4) == 1;
         const Isa isa = tiers[static_cast<size_t>(i) % tiers.size()];
         ++i;

@@ -70,7 +70,7 @@ void use(const hina::PackedExperts& pe, const void* mem, size_t n) {
   for (int64_t s = 0; s < T * K; ++s) idx[s] = static_cast<int32_t>(s % 2 ? E - 1 : 0);
   for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
     for (QDot qd : {QDot::kAuto, QDot::kInt}) {
-      if (qd == QDot::kInt && pe.wformat() == WFormat::kLossless) continue;
+      if (qd == QDot::kInt && (pe.wformat() == WFormat::kLossless || pe.wformat() == WFormat::kLossless12)) continue;
       MoeParams p;
       p.path = path;
       p.qdot = qd;

@@ -63,9 +63,11 @@ const char* dtype_name(DType dt);   // "float32" | "bfloat16" | "float16"
 const char* dtype_short(DType dt);  // "f32" | "bf16" | "f16" (the <format> in kernel names)
 size_t dtype_size(DType dt);
 
-// How expert weights are stored. kLossless: the model's dtype, lossless.
-enum class WFormat : int { kLossless = 0, kInt8 = 1, kInt4 = 2 };
-const char* wformat_name(WFormat f);  // "lossless" | "int8" | "int4"
+// How expert weights are stored. kLossless: the model's dtype, lossless. kLossless12: bf16
+// weights, lossless, in about 75 % of their bytes (layout below); kernels give the bits of
+// kLossless.
+enum class WFormat : int { kLossless = 0, kInt8 = 1, kInt4 = 2, kLossless12 = 3 };
+const char* wformat_name(WFormat f);  // "lossless" | "int8" | "int4" | "lossless12"
 bool wformat_from_name(const char* name, WFormat* out);
 struct QuantSpec {
   WFormat fmt = WFormat::kLossless;
@@ -139,6 +141,26 @@ struct MoeParams {
 //   int4: Kp/group blocks, each [G][16] bf16 scales padded to 64 bytes, then [group/8][G][16][4]
 //         bytes; byte j of a lane holds k = j (low nibble) and k = j + 4 (high nibble) of its
 //         8 k, as q + 8 in 0..15 (so v & 0x0f and (v >> 4) & 0x0f are two u8 quads).
+//   lossless12 (bf16 only): the lossless bf16 panel above (P = Kp*G*32 bytes: nvec = P/64
+//         vectors of 32 words, in order), compressed in blocks of two consecutive vectors
+//         (nb = P/128 blocks of 64 weights). A bf16 word's high byte (sign and the exponent's
+//         top 7 bits) takes few values within a panel; its low byte is noise. Fixed size, in order:
+//     1. 64 bytes: the table, the panel's 16 most frequent high bytes (ties: the lower byte
+//        value first), replicated 4x (one copy per 128-bit lane, for vpshufb);
+//     2. flags: bit b % 8 of byte b / 8 is 1 when block b is spilled (one of its high bytes is
+//        not in the table); padded to a 64-byte multiple;
+//     3. nb slots of 96 bytes. Byte order of a block ("L bytes", i = 16 j + q, j < 4, q < 16):
+//        L byte i is word 8j+q of the block's first vector for q < 8, word 8j+q-8 of its second
+//        for q >= 8. Slot bytes [0, 64): the low bytes of the 64 words in L order. Normal block:
+//        bytes [64, 96) hold 4-bit table indices, byte 64+i: L byte i (low nibble), L byte
+//        i+32 (high nibble). Decoding is codes = [c & 0x0f | (c >> 4) & 0x0f] (64 bytes),
+//        hi = vpshufb(table, codes), vectors = unpacklo_epi8(lo, hi), unpackhi_epi8(lo, hi).
+//        Spilled block: bytes [64, 96) are the high bytes of L bytes 0..31 themselves;
+//     4. the spill area: cap = nb/64 + 8 slots of 32 bytes (padded to 64 bytes); the high bytes
+//        of L bytes 32..63 of the spilled blocks, in block order (the s-th spilled block in
+//        slot s). A panel with more than cap spilled blocks cannot be stored: pack throws, and
+//        such weights are stored as lossless.
+//   Padding (rows >= N, k >= K) is zero words, compressed like any other.
 // (v2, before: int8 [Kp][G][16], int4 bytes holding k even / k odd; v1: no quantised formats.)
 // The block: all experts' gate/up panels, all experts' down panels, then fp32 biases ([E][In]
 // gate, [E][In] up, [E][Hn] down, each present only when the model has it); every part 64-byte
@@ -149,7 +171,7 @@ struct PackedHeader {
   uint8_t dtype = 0;            // DType of the model (x, out, and lossless weights)
   uint8_t isa = 0;              // Isa the kernels were chosen for
   uint8_t panel_n = 16;         // output rows per panel
-  uint8_t kpack = 1;            // reduction elements per pair (2 for lossless bf16)
+  uint8_t kpack = 1;            // reduction elements per pair (2 for lossless bf16 and lossless12)
   uint8_t wfmt = 0;             // WFormat
   uint8_t has_gate = 0;
   uint8_t has_gate_bias = 0, has_up_bias = 0, has_down_bias = 0;
@@ -168,7 +190,8 @@ struct PackedHeader {
 static_assert(sizeof(PackedHeader) == 104, "PackedHeader is stored on disk: keep it fixed-size");
 
 // The header pack() would produce for these shapes and format (all derived fields filled).
-// Throws std::invalid_argument on bad shapes, dtype, format or group size. up_only: a dense
+// Throws std::invalid_argument on bad shapes, dtype, format or group size (lossless12 needs
+// bf16). up_only: a dense
 // linear layer y = x W^T (+ b) packed as the up projection of one expert (W [I, H]: I outputs,
 // H inputs; E = 1, no gate, no down, no gate/down bias); its block holds no down panels.
 PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
@@ -196,7 +219,9 @@ class PackedExperts {
   static std::unique_ptr<PackedExperts> view(const PackedHeader& h, const void* mem,
                                              size_t mem_bytes);
   // Packs experts [e0, e0 + w.E) from w (w.E experts, shapes as in the header). Biases in w
-  // must be given exactly when the header has them.
+  // must be given exactly when the header has them. lossless12: throws std::invalid_argument
+  // naming the expert and panel when a panel has more spilled blocks than its spill area holds
+  // (pack and pack_linear too); those weights are to be stored as lossless.
   void pack_experts(int64_t e0, const ExpertWeights& w, int num_threads = 0);
   ~PackedExperts();
 
@@ -212,7 +237,7 @@ class PackedExperts {
   // a down projection (and forward() on an up-only block).
   const char* linear(const void* x, int64_t T, void* out, const MoeParams& p) const;
 
-  // Inverse of pack(): exact for the lossless format; for int8/int4 the dequantised weights
+  // Inverse of pack(): exact for the lossless formats; for int8/int4 the dequantised weights
   // (s * q, rounded to dtype()). Destinations as in ExpertWeights (nullptr: skip that array).
   void unpack(void* gate, void* up, void* down, void* gate_bias, void* up_bias,
               void* down_bias) const;
@@ -253,7 +278,7 @@ class PackedExperts {
 };
 
 // Name of the kernel `forward` would run for this tier, format, path and qdot (kAuto is not a
-// path): `moe_<path>_<format>_<kernel>`, format = f32 | bf16 | f16 | int8 | int4; kernel = the
+// path): `moe_<path>_<format>_<kernel>`, format = f32 | bf16 | f16 | int8 | int4 | l12; kernel = the
 // tier of the kernel that runs (generic | avx2 | avx512 | amx) for the lossless and expansion
 // kernels, avx512vnni | avxvnni | avx2dot | genericdot for the integer-dot kernels.
 const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless,
