@@ -1,4 +1,4 @@
-"""A full-size MoE checkpoint end to end: transformers vs hi_na_moe (lossless/int8/int4) vs llama.cpp.
+"""A full-size MoE checkpoint end to end: transformers vs hi_na_moe (lossless/lossless12/int8/int4) vs llama.cpp.
 
 One "arm" per process, so peak RSS is per arm; the driver runs the arms one after another as
 subprocesses (under `chrt -f 1` when it works) and prints a markdown table and JSON.
@@ -11,7 +11,7 @@ subprocesses (under `chrt -f 1` when it works) and prints a markdown table and J
 Arms (each is `--arm X --child` of this script; the driver runs it):
 - `transformers`: `AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)`, default
   experts implementation (grouped_mm on CPU in 5.23), eval mode.
-- `hina-lossless`, `hina-int8`, `hina-int4`: `hi_na_moe.from_pretrained(ckpt, weights=...,
+- `hina-lossless`, `hina-lossless12`, `hina-int8`, `hina-int4`: `hi_na_moe.from_pretrained(ckpt, weights=...,
   dtype=torch.bfloat16, config=hi_na_moe.load_config(cache_dir=<cache-dir>/<format>))`: the
   expert tensors are streamed into hi_na_moe's packed-expert store and mapped from it (lossless
   too goes through the store). Each runs twice, as two processes: "cold" (that format's store
@@ -101,7 +101,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-HINA_FORMATS = ("lossless", "int8", "int4")
+HINA_FORMATS = ("lossless", "lossless12", "int8", "int4")
 LLAMA_TYPES = ("bf16", "q8_0", "q4_0")
 ARMS = (("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"hina-{f}-all" for f in HINA_FORMATS)
         + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES))

@@ -111,6 +111,18 @@ def test_check_shows_every_expert_format(capsys):
     assert formats["int4-g64"]["active_bytes_per_token"] < formats["lossless"]["active_bytes_per_token"]
 
 
+def test_check_shows_lossless12_for_a_bfloat16_model(tmp_path, capsys):
+    from tiny_models import olmoe
+
+    olmoe(layers=2, hidden=512, heads=8).save_pretrained(tmp_path / "m")  # bfloat16
+    assert main(["check", "--model", str(tmp_path / "m"), "--output", "json", "--no-bandwidth"]) == 0
+    formats = {f["weights"]: f for f in json.loads(capsys.readouterr().out)["model"]["formats"]}
+    assert {"lossless", "lossless12", "lossless12, scope all"} <= set(formats)
+    # the same weights in 75-80 % of the bytes (the panels' tables and spill areas included)
+    assert 0.75 < formats["lossless12"]["expert_bytes"] / formats["lossless"]["expert_bytes"] < 0.8
+    assert formats["lossless12, scope all"]["active_bytes_per_token"] < formats["lossless12"]["active_bytes_per_token"]
+
+
 def test_bench_and_debug_with_quantised_weights(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HINA_MOE_CACHE_DIR", str(tmp_path / "store"))
     rc = main(["bench", "--model", "builtin", "--gen-tokens", "3", "--num-iters", "1", "--warmup", "0",

@@ -250,9 +250,9 @@ def test_kernel_table_names_every_path_and_dtype():
     assert _native.resolve_isa() in ALL_TIERS
     assert _native.DEFAULT_PREFILL_MIN_TOKENS > 0
     for path in ("decode", "prefill"):
-        assert set(kt[path]) == set(DTYPES) | {"int8", "int4"}
+        assert set(kt[path]) == set(DTYPES) | {"int8", "int4", "lossless12"}
         for name in kt[path].values():
-            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16|int8|int4)_(generic|avx2|avx512|amx|avx2dot|avxvnni|avx512vnni)", name)
+            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16|int8|int4|l12)_(generic|avx2|avx512|amx|avx2dot|avxvnni|avx512vnni)", name)
     for qdot in ("int", "expand"):  # the quantised formats' kernel family is selectable
         for path, per in _native.kernel_table(qdot).items():
             for fmt in ("int8", "int4"):

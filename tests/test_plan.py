@@ -38,7 +38,11 @@ def test_format_table_has_scope_all_rows(tmp_path):
     cfg.dtype = torch.bfloat16
     cfg.save_pretrained(tmp_path)
     rows = {r["weights"]: r for r in format_table(model_plan(tmp_path, bandwidth_gbs=25.0), 25.0)}
-    assert set(rows) == {"lossless", "int8", "int8, scope all", "int4-g64", "int4-g64, scope all"}
+    assert set(rows) == {"lossless", "lossless12", "lossless12, scope all", "int8", "int8, scope all", "int4-g64",
+                         "int4-g64, scope all"}
+    # lossless12: the same bf16 weights in ~75 % of the bytes, experts and (scope all) dense layers
+    assert 0.74 < rows["lossless12"]["expert_bytes"] / rows["lossless"]["expert_bytes"] < 0.78
+    assert rows["lossless12, scope all"]["active_bytes_per_token"] < 0.8 * rows["lossless"]["active_bytes_per_token"]
     # OLMoE-1B-7B, int4 with scope all: 64 attention projections in int4 (0.54 GB of bf16 ->
     # ~0.15 GB), lm_head kept bf16 (0.21 GB), routed experts ~0.45 GB: ~0.80 GB per token
     # (bench_full_model.py measured 0.798 GB/token for this arm with dense_lossless=lm_head)

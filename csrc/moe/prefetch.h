@@ -4,7 +4,7 @@
 // HINA_MOE_PREFETCH_BYTES when it holds a multiple of 64 in [0, 65536], else by the CPU's vendor.
 // The best distance depends on the memory system (benchmarks/bench_prefetch.py and
 // bench_decode_breakdown.py --ab-prefetch, distances interleaved in one process; RESULTS.md):
-// - Intel (Sapphire Rapids-class Xeon, sessions 5-11): 4 KiB. Against the first guess (1 KiB
+// - Intel (the Xeon with AMX of sessions 5-11): 4 KiB. Against the first guess (1 KiB
 //   into L1) it took an OLMoE-shaped decode op from 19.0 to 22.6 GB/s; 2 KiB was 6 % slower at
 //   int4 in session 11. The L2 streamer stops at every 4 KiB page; a page ahead keeps it going.
 // - AMD (an EPYC with AVX-512, session 12): 2 KiB. 4 KiB was the worst of 0-4 KiB at every

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from .config import LOSSLESS_FORMATS, WEIGHT_FORMATS
+
 
 class UserError(Exception):
     """A mistake the user can fix; printed as one line plus a hint, no traceback."""
@@ -403,7 +405,7 @@ def cmd_bench(args) -> int:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(10, vocab - 1), vocab, (args.batch_size, args.seq_len), generator=g)
     active = plan["active_bytes_per_token"]
-    if args.weights != "lossless":
+    if args.weights != "lossless":  # the format's packed bytes, not the model's own
         from hi_na_moe.plan import format_table
 
         # the experts-only row: with scope="all" the enabled report's dense layers are added below
@@ -414,7 +416,7 @@ def cmd_bench(args) -> int:
         active_hina = active
     quality: dict = {}
     native_logits = None
-    if args.weights != "lossless":
+    if args.weights not in LOSSLESS_FORMATS:
         with torch.inference_mode():
             native_logits = model(ids).logits.float()
     results, tokens = {}, {}
@@ -425,7 +427,7 @@ def cmd_bench(args) -> int:
         report = hi_na_moe.enable_for_model(model, weights=args.weights, group_size=args.group_size,
                                             **({"scope": args.scope} if args.scope else {})) \
             if arm == "hina" else None
-        if report is not None and args.weights != "lossless":
+        if report is not None and args.weights not in LOSSLESS_FORMATS:
             quality[arm] = _quality_vs_native(model, ids, native_logits, report)
         if report is not None and report.dense and active_hina:
             # scope="all": the dense layers read their packed bytes instead of the model's own
@@ -496,11 +498,11 @@ def cmd_bench(args) -> int:
                   f"{100 * q['top1']:.1f} %, block SQNR {q['sqnr_min_db']:.1f}-{q['sqnr_max_db']:.1f} dB (random probe)")
         if same is not None:
             print("greedy tokens: " + ("identical" if same else "DIFFERENT between native and hina")
-                  + ("" if args.weights == "lossless" else f" (expected to differ with {args.weights} weights)"))
+                  + ("" if args.weights in LOSSLESS_FORMATS else f" (expected to differ with {args.weights} weights)"))
     if args.json_file:
         Path(args.json_file).write_text(json.dumps(data, indent=2))
     # lossless: any difference in greedy tokens is a failure; quantised: differences are expected
-    return 0 if same is not False or args.weights != "lossless" else 1
+    return 0 if same is not False or args.weights not in LOSSLESS_FORMATS else 1
 
 
 def _quality_vs_native(model, ids, native_logits, report) -> dict:
@@ -578,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="load the weights in this dtype (default: the checkpoint's)")
     p.add_argument("--compare", default="native,hina", help="arms, in order: native (transformers), hina")
-    p.add_argument("--weights", choices=("lossless", "int8", "int4"), default="lossless",
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="lossless",
                    help="expert format of the hina arm (quantised: also prints KL / top-1 vs native and SQNR)")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="int4 group size (default 64)")
     p.add_argument("--scope", choices=("experts", "all"), default=None,
@@ -597,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="a file with one prompt per line")
     p.add_argument("--isa", help="kernel tier to compare against native (default: the config's)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), help="what runs the experts")
-    p.add_argument("--weights", choices=("lossless", "int8", "int4"), help="expert format (default: the config's)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, help="expert format (default: the config's)")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), help="int4 group size")
     p.add_argument("--against", default="native",
                    help="what to compare with: native (default), or hi_na_moe with weights=FORMAT / isa=TIER")

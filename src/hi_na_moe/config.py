@@ -22,7 +22,10 @@ ENV_NATIVE = ("HINA_MOE_PREFETCH_BYTES",)
 
 BACKENDS = ("auto", "native", "reference")
 ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
-WEIGHT_FORMATS = ("lossless", "int8", "int4")
+WEIGHT_FORMATS = ("lossless", "lossless12", "int8", "int4")
+# the formats whose packed copy holds the model's weights bit for bit: outputs as "lossless",
+# restored from the packed copy, no SQNR to measure
+LOSSLESS_FORMATS = frozenset(("lossless", "lossless12"))
 QDOT_MODES = ("auto", "int", "expand")
 GROUP_SIZES = (32, 64, 128)
 POOLS = ("auto", "own", "openmp")
@@ -54,9 +57,12 @@ class HinaConfig:
             bit-exactly by `disable_for_model` (lossless: from the packed copy; int8/int4: from
             an exact backup written to the packed-expert store).
         weights: how the native kernels store expert weights: "lossless" (the model's own dtype,
-            the default), "int8" (per output channel) or "int4" (per group of `group_size`
-            weights along the reduction). Quantised formats are lossy; the enable report gives
-            each block's measured SQNR.
+            the default), "lossless12" (bfloat16 weights bit for bit in about 75 % of their
+            bytes: the same outputs as "lossless", and decode reads fewer bytes; a block of
+            another dtype, or whose weights do not fit the packing, is stored "lossless" and
+            the report says so), "int8" (per output channel) or "int4" (per group of
+            `group_size` weights along the reduction). Quantised formats are lossy; the enable
+            report gives each block's measured SQNR.
         group_size: int4 group size: 32, 64 (default) or 128. Smaller groups: more accurate,
             more scale bytes.
         qdot: how the native kernels compute int8/int4 experts: "int" (integer dot products,

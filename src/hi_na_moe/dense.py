@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .config import LOSSLESS_FORMATS
+
 MIN_WEIGHTS = 1 << 16
 SHARED_GATE = "shared_expert_gate"  # a shared expert's gate: run natively whatever its size
 
@@ -59,16 +61,22 @@ class DenseReport:
     released_bytes: int
     cache: str | None = None  # quantised with the store: "built", "reused" or "rebuilt (why)"
     group: str | None = None  # run in one call with its siblings (q/k/v, gate/up): the group's name
+    note: str | None = None  # why it runs in another format than the config's (lossless12 that did not fit)
 
 
 def _matches(name: str, patterns: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p.strip()) for p in patterns.split(",") if p.strip())
 
 
-def _format_of(name: str, cfg, routing: frozenset[str] = frozenset()) -> str:
-    """The weight format the dense layer `name` runs in under `cfg`; `routing` (routing_linears)
-    are always lossless."""
-    if cfg.weights == "lossless" or name in routing or _matches(name, cfg.dense_lossless):
+def _format_of(name: str, cfg, routing: frozenset[str] = frozenset(), dtype: torch.dtype = torch.bfloat16) -> str:
+    """The weight format the dense layer `name` (weights of `dtype`) runs in under `cfg`;
+    `routing` (routing_linears) are always lossless. lossless12 is already exact, so
+    dense_lossless does not apply to it; it packs bfloat16 weights only (others: lossless)."""
+    if cfg.weights == "lossless" or name in routing:
+        return "lossless"
+    if cfg.weights == "lossless12":
+        return "lossless12" if dtype is torch.bfloat16 else "lossless"
+    if _matches(name, cfg.dense_lossless):
         return "lossless"
     return cfg.weights
 
@@ -131,7 +139,8 @@ class NativeLinear:
             self.bounds.append((row, row + m.out_features))
             row += m.out_features
         # quantised layers live in the store (store.PackedStore), lossless ones in memory
-        self.store = store if weights != "lossless" else None
+        self.store = store if weights not in LOSSLESS_FORMATS else None
+        self.format_note: str | None = None  # why stored as lossless when lossless12 was asked for
         self.cache_event: str | None = None
         self._entry = None  # the store entry the packed layer is mapped from
         self._backup = None  # (key, entry name) of the exact originals in the store
@@ -142,6 +151,9 @@ class NativeLinear:
 
             self._identity = tensor_identity([t for t in (w, b) if t is not None])
             self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, self.name)
+        if self.packed.weights != weights:  # lossless12 that did not fit these weights
+            self.format_note = self.format_note or f"stored as {self.packed.weights}: {weights} did not fit"
+            self.weights = self.packed.weights
         self.bound = self.packed.bind(qdot=qdot)
         self.dtype = w.dtype
         self.in_features, self.out_features = self.modules[0].in_features, row
@@ -171,8 +183,14 @@ class NativeLinear:
     def _pack_now(self, w: torch.Tensor, b: torch.Tensor | None, weights: str):
         from .hardware import native_module
 
-        return native_module()[0].PackedExperts.pack_linear(
-            w, b, isa=self.isa, num_threads=self.threads, weights=weights, group_size=self.group_size)
+        pack = native_module()[0].PackedExperts.pack_linear
+        try:
+            return pack(w, b, isa=self.isa, num_threads=self.threads, weights=weights, group_size=self.group_size)
+        except ValueError as exc:
+            if weights != "lossless12":
+                raise
+            self.format_note = f"stored as lossless: {exc}"  # the plain copy, bit for bit too
+            return pack(w, b, isa=self.isa, num_threads=self.threads, weights="lossless")
 
     def _expect(self, weights: str) -> dict:
         from .hardware import native_module
@@ -296,7 +314,7 @@ class NativeLinear:
             return freed
         from .loading import refuse_loading
 
-        if self.weights != "lossless":
+        if self.weights not in LOSSLESS_FORMATS:
             if self.store is None:
                 return freed
             w, b = self._stacked()
@@ -390,7 +408,8 @@ def fuse_groups(found: list[tuple[str, nn.Linear]], cfg, shared: set[int],
             first = mods[0]
             if all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
                    and (m.bias is None) == (first.bias is None) and id(m.weight) not in shared
-                   and _format_of(n, cfg, routing) == _format_of(names[0], cfg, routing) for n, m in zip(names, mods)):
+                   and _format_of(n, cfg, routing, m.weight.dtype) == _format_of(names[0], cfg, routing, first.weight.dtype)
+                   for n, m in zip(names, mods)):
                 for n in names:
                     grouped[n] = names
     groups, seen = [], set()
@@ -425,7 +444,7 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     groups = fuse_groups(found, cfg, _shared_params(model), routing) if cfg.dense_fuse else [[f] for f in found]
     group_of = {n: group_name([x for x, _ in g]) for g in groups if len(g) > 1 for n, _ in g}
     for name, m in found:
-        fmt = _format_of(name, cfg, routing)
+        fmt = _format_of(name, cfg, routing, m.weight.dtype)
         dt = str(m.weight.dtype).replace("torch.", "")
         header = native.PackedExperts.plan(dt, 1, m.in_features, m.out_features, False, up_bias=m.bias is not None,
                                            isa=isa, weights=fmt, group_size=cfg.group_size, up_only=True)
@@ -448,7 +467,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
     isa = _isa_name(cfg)
     todo = find_linears(model, inside, cfg.dense_exclude)
     store = None
-    if cfg.weights != "lossless" and cfg.cache and todo:
+    if cfg.weights not in LOSSLESS_FORMATS and cfg.cache and todo:
         from .store import PackedStore
 
         store = PackedStore(cfg.store_root())
@@ -460,7 +479,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
     try:
         for members in tqdm(groups, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
                             leave=False, disable=None if len(groups) > 8 else True):
-            fmt = _format_of(members[0][0], cfg, routing)
+            fmt = _format_of(members[0][0], cfg, routing, members[0][1].weight.dtype)
             runner = NativeLinear(members, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store)
             for i, (_, m) in enumerate(members):
                 old = m.__dict__.get("forward", _MISSING)
@@ -471,8 +490,9 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
             freed = runner.release(keep)
             group = runner.name if len(members) > 1 else None
             for i, (name, m) in enumerate(members):
-                reports.append(DenseReport(name, m.out_features, m.in_features, fmt, runner.kernel,
-                                           runner.member_bytes(i), freed[i], runner.cache_event, group))
+                reports.append(DenseReport(name, m.out_features, m.in_features, runner.weights, runner.kernel,
+                                           runner.member_bytes(i), freed[i], runner.cache_event, group,
+                                           runner.format_note))
         from .attention import NativeAttention, find_attention
         from .mlp import NativeMLP, find_mlps
         from .routers import NativeRouter, find_routers

@@ -286,7 +286,8 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
         path: a local checkpoint directory (config.json + *.safetensors); no hub downloads. Only
             safetensors are read: a pickle (*.bin) in the directory is never loaded (PickleRefused
             if transformers would need one).
-        weights: "int4" (default), "int8" or "lossless".
+        weights: "int4" (default), "int8", "lossless" or "lossless12" (bfloat16 weights bit for bit
+            in about 75 % of their bytes; see HinaConfig.weights).
         group_size: int4 group size (default: the config's, 64).
         config: a HinaConfig for the other keys (isa, threads, cache_dir, ...); `cache` must be on.
         model_class: the transformers class to load with (default AutoModelForCausalLM).

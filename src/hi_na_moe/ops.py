@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from . import reference, torch_ops
-from .config import HinaConfig
+from .config import LOSSLESS_FORMATS, HinaConfig
 from .hardware import native_kernels_available, native_module
 from .spec import ExpertsSpec, Runner, check_routing, index_range_error
 
@@ -48,6 +48,12 @@ def _kernel_names(isa: str, dtype: torch.dtype, weights: str = "lossless", qdot:
     return {path: probe.kernel_name(path, qdot) for path in ("decode", "prefill")}
 
 
+def kernel_label(isa: str, dtype: torch.dtype, weights: str, qdot: str) -> str:
+    """The report's kernel field of a native block: "<decode kernel>|<prefill kernel>"."""
+    names = _kernel_names(isa, dtype, weights, qdot)
+    return f"{names['decode']}|{names['prefill']}"
+
+
 def kernel_plan(config: HinaConfig) -> dict[str, str]:
     """The kernel each path uses for bf16 experts under `config`, for the capabilities report."""
     if config.backend == "reference" or not native_kernels_available():
@@ -56,9 +62,12 @@ def kernel_plan(config: HinaConfig) -> dict[str, str]:
 
 
 def weights_label(weights: str, group_size: int, dtype: torch.dtype) -> str:
-    """How a block's expert weights are stored, for reports: "bfloat16", "int8", "int4-g64"."""
+    """How a block's expert weights are stored, for reports: "bfloat16", "bfloat16-lossless12",
+    "int8", "int4-g64"."""
     if weights == "lossless":
         return str(dtype).replace("torch.", "")
+    if weights == "lossless12":
+        return str(dtype).replace("torch.", "") + "-lossless12"
     return "int4-g%d" % group_size if weights == "int4" else weights
 
 
@@ -137,10 +146,12 @@ class NativeExperts:
         self.allow_build = True  # False: the store entry must exist (the weights are placeholders)
         self.preset_sqnr: float | None = None
         self.preset_event: str | None = None
+        # why the block is stored in another format than asked for (lossless12 that did not fit)
+        self.format_note: str | None = None
 
     @property
     def lossless(self) -> bool:
-        return self.weights == "lossless"
+        return self.weights in LOSSLESS_FORMATS
 
     def _tensors(self) -> list:
         gate, up, down = self.spec.canonical()
@@ -149,8 +160,23 @@ class NativeExperts:
 
     def _pack_now(self, tensors: list, weights: str):
         native, _ = native_module()
-        return native.PackedExperts(*tensors, isa=self.isa, weights=weights, group_size=self.group_size,
-                                    num_threads=self.threads)
+        try:
+            return native.PackedExperts(*tensors, isa=self.isa, weights=weights, group_size=self.group_size,
+                                        num_threads=self.threads)
+        except ValueError as exc:
+            if weights != "lossless12":
+                raise
+            # the packing's table did not cover these weights: the plain copy, bit for bit too
+            self.format_note = f"stored as lossless: {exc}"
+            return native.PackedExperts(*tensors, isa=self.isa, weights="lossless", num_threads=self.threads)
+
+    def _settle_format(self) -> None:
+        """After packing: the format the packed copy holds (lossless12 may have fallen back to
+        lossless, when packed now or when its store entry was written)."""
+        got = self.packed.weights
+        if got != self.weights:
+            self.format_note = self.format_note or f"stored as {got}: {self.weights} did not fit these weights"
+            self.weights = got
 
     def _key(self, weights: str) -> str:
         from .store import entry_key, tensor_identity
@@ -196,6 +222,7 @@ class NativeExperts:
             self.packed, self._entry, event = self._from_store(self.weights, self.name)
             self.cache_event = self.preset_event or event
             self.sqnr_db = self.preset_sqnr
+            self._settle_format()
             self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
             self.handle = torch_ops.register(self.packed, owner=self, qdot=self.qdot)
             return
@@ -203,6 +230,7 @@ class NativeExperts:
             self.packed = self._pack_now(self._tensors(), self.weights)
         else:
             self.packed, self._entry, self.cache_event = self._from_store(self.weights, self.name)
+        self._settle_format()
         self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
         # the custom op (torch.ops.hi_na_moe.experts) takes a handle, not the C++ object
         self.handle = torch_ops.register(self.packed, owner=self, qdot=self.qdot)
@@ -483,17 +511,22 @@ def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: s
     why_not = native_unsupported_reason(spec, dry_run)
     if why_not is None:
         isa = _isa_name(config)
-        names = _kernel_names(isa, spec.weight_dtype, config.weights, config.qdot)
+        weights, note = config.weights, None
+        if weights == "lossless12" and spec.weight_dtype is not torch.bfloat16:
+            weights = "lossless"
+            note = f"stored as lossless: lossless12 packs bfloat16 weights, these are {spec.weight_dtype}"
+        names = _kernel_names(isa, spec.weight_dtype, weights, config.qdot)
         store = None
-        if config.weights != "lossless" and config.cache and not dry_run:
+        if weights not in LOSSLESS_FORMATS and config.cache and not dry_run:
             from .store import PackedStore
 
             store = PackedStore(config.store_root())
-        runner = NativeExperts(spec, isa, config.threads, config.weights, config.group_size, store, name,
+        runner = NativeExperts(spec, isa, config.threads, weights, config.group_size, store, name,
                                qdot=config.qdot)
+        runner.format_note = note
         if not dry_run:
             native_module()[0].set_pool_backend(config.pool)
-        return Choice(runner, f"{names['decode']}|{names['prefill']}")
+        return Choice(runner, kernel_label(isa, spec.weight_dtype, weights, config.qdot))
     if config.backend == "native":
         raise ValueError(f"backend='native' but this block cannot run natively: {why_not}")
     return Choice(reference.experts_forward, "reference", why_not)

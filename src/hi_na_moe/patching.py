@@ -23,7 +23,7 @@ import threading
 import time
 import types
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -514,6 +514,12 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
         block.packed_bytes = choice.runner.packed.nbytes
         block.sqnr_db = choice.runner.sqnr_db
         block.cache = choice.runner.cache_event
+        runner = choice.runner
+        if runner.format_note:  # stored in another format than the config's (lossless12 -> lossless)
+            block.weights = ops.weights_label(runner.weights, runner.group_size, match.spec.weight_dtype)
+            block.kernel = ops.kernel_label(runner.isa, match.spec.weight_dtype, runner.weights, runner.qdot)
+            choice = replace(choice, kernel=block.kernel)
+            block.reason = f"{block.reason}; {runner.format_note}" if block.reason else runner.format_note
     state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
     new_forward = match.make_forward(match, _guarded(choice.runner, m))
     if isinstance(choice.runner, ops.NativeExperts) and match.make_forward is adapters.experts_forward_factory:

@@ -30,9 +30,11 @@ def packed_expert_bytes(block, weights: str, group_size: int = 64) -> int | None
     if native is None or not block.experts or not block.hidden or not block.intermediate:
         return None
     gated = "(no gate)" not in (block.gate or "")
-    dtype = (block.weights or "bfloat16") if weights == "lossless" else "bfloat16"
+    dtype = (block.weights or "bfloat16") if weights in ("lossless", "lossless12") else "bfloat16"
     if dtype not in ("float32", "bfloat16", "float16"):
         dtype = "bfloat16"
+    if weights == "lossless12" and dtype != "bfloat16":
+        weights = "lossless"  # what enable stores such a block as
     header = native.PackedExperts.plan(dtype, block.experts, block.hidden, block.intermediate, gated,
                                        isa="generic", weights=weights, group_size=group_size)
     return int(native.header_info(header)["nbytes"])
@@ -40,13 +42,16 @@ def packed_expert_bytes(block, weights: str, group_size: int = 64) -> int | None
 
 def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: int = 64) -> list[dict[str, Any]]:
     """Per expert format: expert bytes, bytes read per decode token, roofline tokens/s; for
-    int8/int4 also a row with scope="all" (the dense layers in that format too, as planned by
-    plan_for_model's `dense_scope_all`; lm_head stays lossless by default)."""
+    lossless12/int8/int4 also a row with scope="all" (the dense layers in that format too, as
+    planned by plan_for_model's `dense_scope_all`; with int8/int4 lm_head stays lossless by
+    default)."""
     report, k = plan["report"], plan["top_k"]
     dense_active = (plan["active_bytes_per_token"] or 0) - sum(
         (b.expert_bytes or 0) * k / b.experts for b in report.blocks if b.experts) if k else None
     rows = []
-    for weights in ("lossless", "int8", "int4"):
+    for weights in ("lossless", "lossless12", "int8", "int4"):
+        if weights == "lossless12" and plan["dtype"] != "bfloat16":
+            continue  # it packs bfloat16 weights; other models would store it as lossless
         sizes = [(b, packed_expert_bytes(b, weights, group_size)) for b in report.blocks if b.experts]
         if not sizes or any(n is None for _, n in sizes):
             continue
@@ -97,7 +102,7 @@ def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None, g
     if native_module()[0] is not None:
         # per format: the dense layers scope="all" would take, their own and their packed bytes
         plan["dense_scope_all"] = {}
-        for weights in ("int8", "int4"):
+        for weights in ("lossless12", "int8", "int4"):
             dense = inspect_model(model, scope="all", weights=weights, group_size=group_size).dense
             plan["dense_scope_all"][weights] = {
                 "layers": len(dense), "own_bytes": sum(d.out_features * d.in_features for d in dense) * dtype.itemsize,

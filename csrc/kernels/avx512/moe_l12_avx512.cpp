@@ -19,7 +19,7 @@
 // Registers: NT <= 4 rows x {gate, up} x {even, odd} accumulators, as the plain kernel; more
 // rows run in chunks of 4, each decoding the panel again (from L1/L2; the decode path's rows
 // per expert are few).
-// Prefetch: the block's first and last byte 4 KiB ahead (moe/prefetch.h), every line of the
+// Prefetch: the block's first and last byte pf::bytes() ahead (moe/prefetch.h), every line of the
 // compressed stream, the spill area and the next panel included as the stream reaches them.
 // Known limits: decode only (the driver runs prefill through the wrapped plain kernels, which
 // decompress a panel once for all rows).
