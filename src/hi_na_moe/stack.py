@@ -10,10 +10,11 @@ Which stacks: a module whose children are exactly embed_tokens, rotary_emb, laye
 *Model under a *ForCausalLM of OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE, ...), every layer patched as
 a hi_na_moe.layers.NativeLayer by this enable, with no sliding window in its config (sliding_window
 unset or 0, every layer_types entry "full_attention"): a window's mask is not empty at long
-context, which no short probe would show. Its decode call then runs: the embedding and the final
-norm called as modules (their hooks run), the rotary module's output read from a table of its own
-outputs when nothing could tell (hi_na_moe.rope_table; else the module is called), and each
-layer's short path called straight, in order.
+context, which no short probe would show. Its decode call then runs: the embedding called as a
+module (its hooks run), the rotary module's output read from a table of its own outputs when
+nothing could tell (hi_na_moe.rope_table; else the module is called), each layer's short path
+called straight, in order, and the final norm as a module, or at the end of the one native call
+below when it is a NativeNorm with no hook (FINAL_NORM).
 
 A decode call is a forward with input_ids of one token per row (at most 16 rows), a DynamicCache
 or StaticCache already holding positions, use_cache, at most an attention mask (2-D, or the 4-D
