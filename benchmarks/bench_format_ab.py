@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--cache-dir", required=True, help="holds one store per format: <cache-dir>/<format>")
     ap.add_argument("--steps", type=int, default=96, help="timed steps per format")
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (the probe uses as many)")
     ap.add_argument("--json", help="write the samples here")
     args = ap.parse_args()
     formats = args.formats.split(",")
@@ -44,12 +45,12 @@ def main() -> int:
     import hi_na_moe
     from hi_na_moe import _native
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     shape = dense_and_expert_bytes(Path(args.ckpt))
     models, per_token = {}, {}
     for fmt in formats:
         cfg = hi_na_moe.load_config(cache_dir=str(Path(args.cache_dir) / fmt), scope=args.scope,
-                                    dense_lossless=args.dense_lossless)
+                                    dense_lossless=args.dense_lossless, threads=args.threads)
         model = hi_na_moe.from_pretrained(args.ckpt, weights=fmt, dtype=torch.bfloat16, progress=False,
                                           config=cfg).eval()
         rep = hi_na_moe.report_for(model)
@@ -64,7 +65,7 @@ def main() -> int:
         print(f"{fmt}: {per_token[fmt] / 1e9:.3f} GB per token; weights {sorted({b.weights for b in rep.blocks})}, "
               f"dense {sorted({d.weights for d in rep.dense}) or '-'}; kernels {sorted({b.kernel for b in rep.blocks})}",
               flush=True)
-    probe = _native.BandwidthProbe(1 << 30, 2)
+    probe = _native.BandwidthProbe(1 << 30, args.threads)
     ids = torch.randint(300, shape["vocab"], (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     state = {}
     with torch.inference_mode():

@@ -646,6 +646,9 @@ NB_MODULE(_native, m) {
   m.attr("DEFAULT_PREFILL_MIN_TOKENS") = hina::kDefaultPrefillMinTokens;
   m.def("default_num_threads", &hina::default_num_threads,
         "Threads the op uses when num_threads=0 (CPUs in this process's affinity mask).");
+  m.def("l12_prefetch", &hina::l12_prefetch,
+        "Whether the lossless12 decode kernel prefetches its stream (not on AMD CPUs unless "
+        "HINA_MOE_PREFETCH_BYTES is set).");
   m.def("prefetch_distance", &hina::prefetch_distance,
         "Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed when the "
         "library loaded: HINA_MOE_PREFETCH_BYTES if it held a multiple of 64 in [0, 65536], else 2048 on AMD "

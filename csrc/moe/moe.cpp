@@ -49,7 +49,12 @@ int load_prefetch_distance() {
   }();
   return bytes;
 }
+bool load_l12_prefetch() {
+  return std::getenv("HINA_MOE_PREFETCH_BYTES") != nullptr || std::strcmp(cpu_features().vendor, "AuthenticAMD") != 0;
+}
 }  // namespace detail::pf
+
+bool l12_prefetch() { return detail::pf::l12_prefetch(); }
 
 int prefetch_distance() { return detail::pf::bytes(); }
 

@@ -11,6 +11,11 @@
 //   width: whole OLMoE steps 2 KiB against 4 KiB -10 % (int4), -16 % (lossless), -2 % (int8),
 //   Qwen int4 -8 %; at op level 2 KiB within 1 % of the best of 0-8 KiB for int4, int8, bf16.
 // - Anything else: 4 KiB (untested).
+// The lossless12 decode kernel (moe_l12_avx512.cpp) decodes each block before its FMAs; on the AMD
+// EPYC its software prefetch cost 40 % of a single thread's speed (19.6-20.1 against 14.2-14.4 GB/s
+// of packed bytes; whole Qwen steps 1.19x lossless without it, 0.80-1.04x with it), so there it
+// leaves the stream to the hardware prefetchers: l12_prefetch() is false on AMD unless
+// HINA_MOE_PREFETCH_BYTES is set (then every kernel takes that distance).
 //
 // A build configured with -DHINA_PREFETCH_TUNING=ON reads HINA_PF (bytes ahead) and HINA_PFH
 // (0: L1, 1: L2, 2: L3, 3: non-temporal) at the start of every kernel job instead, so benchmarks/bench_prefetch.py
@@ -24,6 +29,9 @@
 namespace hina::detail::pf {
 
 int load_prefetch_distance();  // moe.cpp: the environment or the CPU's vendor
+bool load_l12_prefetch();      // moe.cpp: whether the lossless12 kernel prefetches (see above)
+inline const bool g_l12_prefetch = load_l12_prefetch();
+inline bool l12_prefetch() { return g_l12_prefetch; }
 
 #ifdef HINA_PREFETCH_TUNING
 inline int g_bytes = load_prefetch_distance();

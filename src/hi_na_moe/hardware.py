@@ -63,12 +63,13 @@ def prefetch_description() -> str:
     n = native.prefetch_distance()
     env = os.environ.get("HINA_MOE_PREFETCH_BYTES")
     if env is not None and env.strip() == str(n):
-        return f"{n} bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES)"
+        return f"{n} bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES; lossless12's decode kernel too)"
     why = f"the default for {native.cpu_features()['vendor'] or 'this'} CPUs"
     if env is not None:  # read when the library loaded: set later, or not a valid value
         why += (f"; HINA_MOE_PREFETCH_BYTES={env!r} is not used: it must be a multiple of 64 in [0, 65536], "
                 "set before hi_na_moe's native library loads")
-    return f"{n} bytes ahead into L2 ({why})"
+    l12 = "" if native.l12_prefetch() else "; lossless12's decode kernel: none, the hardware prefetchers alone"
+    return f"{n} bytes ahead into L2 ({why}){l12}"
 
 
 def pool_description(pool: str) -> str:

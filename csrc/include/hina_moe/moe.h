@@ -293,6 +293,9 @@ int default_num_threads();
 // when the library loads: HINA_MOE_PREFETCH_BYTES if it holds a multiple of 64 in [0, 65536],
 // else 2048 on AMD CPUs and 4096 on others (measured per vendor: csrc/moe/prefetch.h).
 int prefetch_distance();
+// Whether the lossless12 decode kernel prefetches its stream at that distance too: not on AMD
+// CPUs (measured slower there; csrc/moe/prefetch.h) unless HINA_MOE_PREFETCH_BYTES is set.
+bool l12_prefetch();
 
 // RMSNorm of `rows` C-contiguous rows of n values (x, weight [n] and out in dtype dt), in
 // transformers' Llama-family order of roundings: out = w * round(x / sqrt(mean(x^2) + eps)),
