@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .config import LOSSLESS_FORMATS
 from .patching import inspect_model
 
 
@@ -30,7 +31,7 @@ def packed_expert_bytes(block, weights: str, group_size: int = 64) -> int | None
     if native is None or not block.experts or not block.hidden or not block.intermediate:
         return None
     gated = "(no gate)" not in (block.gate or "")
-    dtype = (block.weights or "bfloat16") if weights in ("lossless", "lossless12") else "bfloat16"
+    dtype = (block.weights or "bfloat16") if weights in LOSSLESS_FORMATS else "bfloat16"
     if dtype not in ("float32", "bfloat16", "float16"):
         dtype = "bfloat16"
     if weights == "lossless12" and dtype != "bfloat16":
