@@ -20,7 +20,7 @@ from hi_na_moe.reference import activation  # noqa: E402
 ALL_TIERS = ["generic", "avx2", "avx512", "amx"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # max |out - ref| / max |ref|: fp32 accumulation-order noise; bf16/fp16: output rounding
-# (plus h rounded to bf16 on the AMX prefill path).
+# (plus h rounded to bf16 on the bf16 prefill paths: AMX tiles, AVX512-BF16 dot products).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.2e-2, torch.float16: 3e-3}
 
 
@@ -34,6 +34,7 @@ def tier_param(tier: str):
 
 
 TIERS = [tier_param(t) for t in ALL_TIERS]
+BF16DOT = _native.cpu_features()["cpu"]["avx512bf16"]  # bf16 prefill on the avx512 tier: vdpbf16ps
 
 
 # (T, E, K, H, I, options) -- each shape says why it exists.
@@ -167,9 +168,11 @@ def test_forward_matches_torch(tier, case, dtype_name, path):
     out = torch.full_like(p["x"], float("nan"))  # out is overwritten, never accumulated into
     name = pe.forward(p["x"], p["idx"], p["w"], out, path=path, num_threads=2, **fwd_kwargs(p["opts"]))
     fmt = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype_name]
-    assert re.fullmatch(rf"moe_{path}_{fmt}_(generic|avx2|avx512|amx)", name), name
+    assert re.fullmatch(rf"moe_{path}_{fmt}_(generic|avx2|avx512|amx|avx512bf16)", name), name
     if tier == "amx" and path == "prefill" and dtype_name == "bfloat16":
         assert name == "moe_prefill_bf16_amx"
+    elif tier == "avx512" and path == "prefill" and dtype_name == "bfloat16" and BF16DOT:
+        assert name == "moe_prefill_bf16_avx512bf16"  # bf16 x and h rows, as the AMX kernels
     elif tier != "amx":
         assert name.endswith("_" + tier)
     err = rel_err(out, p["ref"])
@@ -252,7 +255,7 @@ def test_kernel_table_names_every_path_and_dtype():
     for path in ("decode", "prefill"):
         assert set(kt[path]) == set(DTYPES) | {"int8", "int4", "lossless12"}
         for name in kt[path].values():
-            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16|int8|int4|l12)_(generic|avx2|avx512|amx|avx2dot|avxvnni|avx512vnni)", name)
+            assert re.fullmatch(rf"moe_{path}_(f32|bf16|f16|int8|int4|l12)_(generic|avx2|avx512|amx|avx2dot|avxvnni|avx512vnni|avx512bf16)", name)
     for qdot in ("int", "expand"):  # the quantised formats' kernel family is selectable
         for path, per in _native.kernel_table(qdot).items():
             for fmt in ("int8", "int4"):
@@ -260,6 +263,14 @@ def test_kernel_table_names_every_path_and_dtype():
                 assert dot == (qdot == "int"), (qdot, per[fmt])
     if _native.resolve_isa() == "amx":
         assert kt["prefill"]["bfloat16"] == "moe_prefill_bf16_amx"
+    # bf16 prefill on AVX-512 without AMX: the vdpbf16ps kernel where the CPU has AVX512-BF16,
+    # lossless12 wrapping the same kernel; fp32 / fp16 models and decode keep the fp32 kernel
+    if _native.resolve_isa() == "avx512":
+        bf16dot = _native.cpu_features()["cpu"]["avx512bf16"]
+        assert kt["prefill"]["bfloat16"] == ("moe_prefill_bf16_avx512bf16" if bf16dot else "moe_prefill_bf16_avx512")
+        assert kt["prefill"]["lossless12"] == ("moe_prefill_l12_avx512bf16" if bf16dot else "moe_prefill_l12_avx512")
+        assert kt["prefill"]["float32"] == "moe_prefill_f32_avx512"
+        assert kt["decode"]["bfloat16"] == "moe_decode_bf16_avx512"
 
 
 def test_env_override_lowers_the_auto_tier(monkeypatch):

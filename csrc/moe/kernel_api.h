@@ -175,6 +175,8 @@ bool get_kernels_generic(DType dt, bool amx_twin, KernelImpl* k);
 bool get_kernels_avx2(DType dt, KernelImpl* k);
 bool get_kernels_avx512(DType dt, KernelImpl* k);
 bool get_kernels_amx(DType dt, KernelImpl* k);
+// bf16 models' prefill with vdpbf16ps (the AMX kernels' x/h contract); needs AVX512-BF16 at run time.
+bool get_kernels_avx512bf16(DType dt, KernelImpl* k);
 // Quantised weights (int8 / int4); the kernels do not depend on the model's dtype (x and h
 // rows arrive in fp32, or bf16 for the AMX kernels and their generic twin).
 bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k);  // any format, lossless included

@@ -249,13 +249,16 @@ std::string cpu_summary() {
 
 // Which kernels run for (tier, dtype, concrete path, format, qdot), and under which name.
 // `kernel` is the <kernel> part of the name: an Isa (0..3) or one of the integer-dot kinds.
-enum KernelKind : int { kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kNumKinds = 8 };
+enum KernelKind : int {
+  kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kKindAvx512Bf16 = 8, kNumKinds = 9
+};
 const char* kind_name(int kind) {
   switch (kind) {
     case kKindGenericDot: return "genericdot";
     case kKindAvx2Dot: return "avx2dot";
     case kKindAvx512Vnni: return "avx512vnni";
     case kKindAvxVnni: return "avxvnni";
+    case kKindAvx512Bf16: return "avx512bf16";
     default: return isa_name(static_cast<Isa>(kind));
   }
 }
@@ -264,6 +267,18 @@ struct Selected {
   KernelImpl k;
   int kind;
 };
+
+// The prefill of bf16 weights on the avx512 tier of a CPU with AVX512-BF16 (and so no AMX tier,
+// or the amx tier forced down): vdpbf16ps on bf16 x and h rows, the AMX kernels' contract.
+// Tuning builds (HINA_PREFETCH_TUNING) read HINA_BF16DOT=0 at every call to turn it off, so a
+// benchmark can compare it with the fp32 kernel in one process; release builds cannot.
+bool bf16dot_prefill(Isa tier, MoePath path) {
+  if (tier != Isa::kAvx512 || path != MoePath::kPrefill || !cpu_features().avx512bf16) return false;
+#ifdef HINA_PREFETCH_TUNING
+  if (const char* v = std::getenv("HINA_BF16DOT"); v && std::atoi(v) == 0) return false;
+#endif
+  return true;
+}
 
 // The integer-dot kernels for this tier (false: the tier has no SIMD integer-dot kernel).
 bool select_qdot(Isa tier, WFormat wf, Selected* s) {
@@ -290,13 +305,14 @@ bool select_qdot(Isa tier, WFormat wf, Selected* s) {
 // (h, biases, acc rows, and the I / H limits of the column masks) shifted to the chunk's first
 // column. The plain kernel reads the same words as it would from a lossless block, so the
 // outputs are its bits.
-enum class Plain : int { kGeneric, kAvx2, kAvx512, kAmx };
+enum class Plain : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
 bool get_plain_bf16(Plain pl, KernelImpl* k) {
   switch (pl) {
     case Plain::kGeneric: return get_kernels_generic(DType::kBF16, false, k);
     case Plain::kAvx2: return get_kernels_avx2(DType::kBF16, k);
     case Plain::kAvx512: return get_kernels_avx512(DType::kBF16, k);
+    case Plain::kAvx512Bf16: return get_kernels_avx512bf16(DType::kBF16, k);
     case Plain::kAmx: return get_kernels_amx(DType::kBF16, k);
   }
   return false;
@@ -326,7 +342,7 @@ const uint8_t* l12_chunk(const void* w, int64_t c0, int64_t c1, int64_t stored, 
     const uint8_t* src = static_cast<const uint8_t*>(w) + p * stored;
     uint16_t* dst = reinterpret_cast<uint16_t*>(buf + (p - c0) * plain);
 #if defined(HINA_HAVE_X86_KERNELS)
-    if constexpr (P == Plain::kAvx512 || P == Plain::kAmx) {
+    if constexpr (P == Plain::kAvx512 || P == Plain::kAvx512Bf16 || P == Plain::kAmx) {
       l12_decompress_panel_avx512(src, plain, dst);
       continue;
     }
@@ -399,6 +415,8 @@ Selected select_l12(Isa tier, MoePath path) {
   const bool avx512 = tier == Isa::kAvx512 || tier == Isa::kAmx;
   if (tier == Isa::kAmx && path == MoePath::kPrefill && wrapped_l12<Plain::kAmx>(&s.k)) {
     s.kind = static_cast<int>(Isa::kAmx);
+  } else if (bf16dot_prefill(tier, path) && wrapped_l12<Plain::kAvx512Bf16>(&s.k)) {
+    s.kind = kKindAvx512Bf16;
   } else if (avx512 && path == MoePath::kDecode && get_l12_kernels_avx512(&s.k)) {
     s.kind = static_cast<int>(Isa::kAvx512);
   } else if (avx512 && wrapped_l12<Plain::kAvx512>(&s.k)) {
@@ -431,6 +449,10 @@ Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
   if (amx_prefill) {
     ok = q ? get_qkernels_amx(wf, &s.k) : get_kernels_amx(dt, &s.k);
     s.kind = static_cast<int>(Isa::kAmx);
+  }
+  if (!ok && !q && bf16dot_prefill(tier, path)) {
+    ok = get_kernels_avx512bf16(dt, &s.k);  // false for fp32 / fp16 models: they keep fp32 x and h
+    s.kind = kKindAvx512Bf16;
   }
   if (!ok && (tier == Isa::kAmx || tier == Isa::kAvx512)) {
     ok = q ? get_qkernels_avx512(wf, &s.k) : get_kernels_avx512(dt, &s.k);

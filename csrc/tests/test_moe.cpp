@@ -275,6 +275,10 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
 
 double tol(DType dt) { return dt == DType::kF32 ? 1e-5 : dt == DType::kF16 ? 3e-3 : 1.2e-2; }
 
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
 bool selected(const std::string& name) { return !g_filter || name.find(g_filter) != std::string::npos; }
 
 void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& tiers) {
@@ -301,12 +305,16 @@ void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& t
       const double e = rel_err(got, ref);
       report(e <= tol(dt), tag + " " + name + " vs generic: rel err " + std::to_string(e));
       note(std::string(name) + " vs generic", e);
-      if (isa == Isa::kAmx && path == MoePath::kPrefill && dt == DType::kBF16) {
+      // the bf16-tile (AMX) and bf16-dot kernels round x and h to bf16: also against the twin
+      // that rounds where they do; the dot kernel at 2e-3 (it measured <= 4e-5 on the AMD EPYC
+      // of session 13: summation order and denormals only), the AMX one at the plain tolerance
+      const bool dot = ends_with(name, "_avx512bf16");
+      if (dot || ends_with(name, "_amx")) {
         detail::KernelImpl twin;
         detail::get_kernels_generic(dt, true, &twin);
         const std::vector<float> tw = run(*gen, p, path, 2, nullptr, &twin);
         const double et = rel_err(got, tw);
-        report(et <= tol(dt), tag + " " + name + " vs generic amx twin: rel err " + std::to_string(et));
+        report(et <= (dot ? 2e-3 : tol(dt)), tag + " " + name + " vs generic amx twin: rel err " + std::to_string(et));
         note(std::string(name) + " vs generic amx twin", et);
       }
     }
@@ -986,14 +994,18 @@ void test_l12_case(const Case& c, uint32_t seed, const std::vector<Isa>& tiers) 
                                                   (r.static_split ? " static" : " dynamic") + " == " + want_name);
       }
       // the fused kernel itself on the rows of either path (the driver picks it for decode only)
-      detail::KernelImpl fused;
-      if (isa == Isa::kAvx512 && detail::get_l12_kernels_avx512(&fused)) {
-        std::vector<uint8_t> got(want.size(), 0xCD);
+      // against the plain AVX-512 kernel it mirrors (prefill may select another plain kernel)
+      detail::KernelImpl fused, plain512;
+      if (isa == Isa::kAvx512 && detail::get_l12_kernels_avx512(&fused) &&
+          detail::get_kernels_avx512(DType::kBF16, &plain512)) {
+        std::vector<uint8_t> got(want.size(), 0xCD), ref(want.size(), 0xCD);
         MoeParams mp = p.params;
         mp.path = path;
         mp.num_threads = 2;
+        detail::forward_with(*plain, plain512, "plain", p.x.data(), c.T, p.idx.data(), 32, p.w.data(), c.K, ref.data(), mp);
         detail::forward_with(*l12, fused, "fused", p.x.data(), c.T, p.idx.data(), 32, p.w.data(), c.K, got.data(), mp);
-        report(got == want, tag + " fused l12 avx512 kernel, " + path_name(path) + " rows == " + want_name);
+        report(got == ref, tag + " fused l12 avx512 kernel, " + path_name(path) + " rows == moe_" +
+                               path_name(path) + "_bf16_avx512");
       }
     }
   }

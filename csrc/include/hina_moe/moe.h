@@ -45,8 +45,10 @@
 //   AVX512-VNNI), avxvnni (vpdpbusd ymm; tier avx2, and avx512 without AVX512-VNNI, on CPUs
 //   with AVX-VNNI), avx2dot (vpmaddubsw + vpmaddwd; the same tiers without AVX-VNNI),
 //   genericdot (the scalar emulation; tier generic, only when asked for).
-// h stays in fp32 on every path except the AMX prefill path, where it is rounded to bf16 to
-// feed the tiles (what PyTorch itself does when the model runs in bf16).
+// h stays in fp32 on every path except the bf16 prefill paths that multiply in bf16: the AMX
+// prefill path, and the AVX512-BF16 dot-product prefill of bf16 weights (avx512 tier, CPUs with
+// AVX512-BF16), where it is rounded to bf16 to feed the tiles / dot products (what PyTorch
+// itself does when the model runs in bf16); x rows are bf16 there (a bf16 model's own).
 #pragma once
 
 #include <cmath>
@@ -81,8 +83,8 @@ bool act_from_name(const char* name, Act* out);
 enum class MoePath : int { kAuto = 0, kDecode = 1, kPrefill = 2 };
 const char* path_name(MoePath path);  // "auto" | "decode" | "prefill"
 
-// Auto path choice: the prefill path (tokens grouped per expert; AMX tiles for bf16, 4-row weight
-// reuse on the FMA tiers) from this many tokens on, the decode path (one token at a time) below.
+// Auto path choice: the prefill path (tokens grouped per expert; AMX tiles or AVX512-BF16 dot
+// products for bf16, 4- or 8-row weight reuse on the FMA tiers) from this many tokens on, the decode path (one token at a time) below.
 // Measured on OLMoE-shaped layers (benchmarks/bench_native_paths.py, benchmarks/RESULTS.md): the
 // prefill path is as fast or faster from T = 2 on, on both the AMX and the AVX-512 tier, because
 // the decode path streams each expert's weights once per token.
@@ -280,7 +282,8 @@ class PackedExperts {
 // Name of the kernel `forward` would run for this tier, format, path and qdot (kAuto is not a
 // path): `moe_<path>_<format>_<kernel>`, format = f32 | bf16 | f16 | int8 | int4 | l12; kernel = the
 // tier of the kernel that runs (generic | avx2 | avx512 | amx) for the lossless and expansion
-// kernels, avx512vnni | avxvnni | avx2dot | genericdot for the integer-dot kernels.
+// kernels, avx512bf16 for the bf16 dot-product prefill, avx512vnni | avxvnni | avx2dot |
+// genericdot for the integer-dot kernels.
 const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf = WFormat::kLossless,
                             QDot qdot = QDot::kAuto);
 // "auto" -> the best tier here, unless the env var HINA_MOE_ISA names a (lower) tier; other

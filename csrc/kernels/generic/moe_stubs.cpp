@@ -5,6 +5,7 @@ namespace hina::detail {
 bool get_kernels_avx2(DType, KernelImpl*) { return false; }
 bool get_kernels_avx512(DType, KernelImpl*) { return false; }
 bool get_kernels_amx(DType, KernelImpl*) { return false; }
+bool get_kernels_avx512bf16(DType, KernelImpl*) { return false; }
 bool get_qkernels_avx2(WFormat, KernelImpl*) { return false; }
 bool get_qkernels_avx512(WFormat, KernelImpl*) { return false; }
 bool get_qkernels_amx(WFormat, KernelImpl*) { return false; }
