@@ -20,6 +20,11 @@ the model as usual, the other its decoder stack and lm_head straight
 (`model.lm_head(model.model(...).last_hidden_state[:, -1:])`, the same logits), whole-step times
 only likewise.
 
+--ab-pool: the native parallel regions alternate, four steps at a time, between the library's own
+workers (spin 80 us, then sleep) and torch's GNU OpenMP team (`_native.set_pool_backend`; the
+config key `pool`), whole-step times only; run it with a competing process to see which
+degrades less on a shared machine.
+
 --static-cache: the steps decode into a StaticCache (as generate(cache_implementation="static")
 does) instead of a DynamicCache.
 
@@ -108,6 +113,8 @@ def main() -> int:
                          "(scope all; step times only)")
     ap.add_argument("--ab-prefetch", default=None, metavar="A,B",
                     help="alternate the kernels' prefetch distance, bytes ahead into L2 (tuning build; step times only)")
+    ap.add_argument("--ab-pool", action="store_true",
+                    help="alternate the parallel regions' pool backends: own workers / torch's OpenMP team")
     ap.add_argument("--ab-wrapper", action="store_true",
                     help="alternate the model's forward / its stack and lm_head called straight (step times only)")
     ap.add_argument("--static-cache", action="store_true",
@@ -155,11 +162,11 @@ def main() -> int:
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
                              ("one-call", args.ab_one_call), ("shared", args.ab_shared),
                              ("rope-norm", args.ab_rope_norm), ("prefetch", bool(args.ab_prefetch)),
-                             ("wrapper", args.ab_wrapper)) if on]
+                             ("wrapper", args.ab_wrapper), ("pool", args.ab_pool)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-prefetch, --ab-wrapper: one A/B at a time")
-    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "prefetch", "wrapper")
+                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-prefetch, --ab-wrapper, --ab-pool: one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "prefetch", "wrapper", "pool")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -178,6 +185,13 @@ def main() -> int:
     use_native = None
     if kind == "wrapper":
         arms = ["causal-LM wrapper", "bare stack + lm_head"]
+    elif kind == "pool":
+        if _native.openmp_runtime() is None:
+            raise SystemExit("--ab-pool: no GNU OpenMP runtime is loaded, only the own pool can run")
+        arms = ["pool own", "pool openmp"]
+
+        def use_arm(arm: str) -> None:
+            _native.set_pool_backend(arm.split()[1])
     elif kind == "prefetch":
         print("--ab-prefetch: a release build ignores HINA_PF (arms then differ by noise only); "
               "see benchmarks/bench_prefetch.py for the tuning build")
@@ -214,7 +228,7 @@ def main() -> int:
 
             use_native = small_module_switch(model, kind)
 
-    if kind != "prefetch":
+    if kind not in ("prefetch", "pool"):
         def use_arm(arm: str) -> None:
             if use_native:
                 use_native(arm.startswith("native"))
