@@ -851,6 +851,55 @@ void test_create_view() {
 }
 }  // namespace
 
+// The integer-dot kernels at the extremes of their int16 intermediates: weights and activations
+// that quantise to the largest magnitudes, so the avx2dot kernel's vpmaddubsw pair sums reach
+// 2 * 127 * 127 = 32258 (int8, one below saturation's 32767 by 509) and 2 * 15 * 127 (int4, with
+// the low and high nibble sums added in int16: 7620). Every tier's integer dot == genericdot,
+// bit for bit, and equal to the exact result; fp32 and bf16 models.
+void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
+  if (!selected("qdot int16 bound")) return;
+  constexpr int64_t O = 16, In = 64;
+  for (WFormat wf : {WFormat::kInt8, WFormat::kInt4})
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    // int8: every weight -1 (q = -127 at s = 1/127); int4: -0.875 = d * 7 with d = -1/8 (nibble
+    // 15) but the first of each 32-k group, 1 (q = -8, nibble 0, which sets d). x = 1: qx = 127.
+    const bool i4 = wf == WFormat::kInt4;
+    std::vector<float> wv(static_cast<size_t>(O * In), i4 ? -0.875f : -1.0f), xv(static_cast<size_t>(In), 1.0f);
+    if (i4)
+      for (int64_t o = 0; o < O; ++o)
+        for (int64_t g = 0; g < In; g += 32) wv[static_cast<size_t>(o * In + g)] = 1.0f;
+    const float exact = i4 ? -0.875f * (In - In / 32) + In / 32 : -1.0f * In;
+    std::vector<uint8_t> w(wv.size() * dtype_size(dt)), x(xv.size() * dtype_size(dt));
+    for (size_t i = 0; i < wv.size(); ++i) store_elem(dt, w.data(), static_cast<int64_t>(i), wv[i]);
+    for (size_t i = 0; i < xv.size(); ++i) store_elem(dt, x.data(), static_cast<int64_t>(i), xv[i]);
+    const std::string tag = std::string("qdot int16 bound: ") + wformat_name(wf) + " " + dtype_short(dt) + " ";
+    auto run_tier = [&](Isa isa, std::string* name) {
+      auto pe = PackedExperts::pack_linear(dt, O, In, w.data(), nullptr, isa, 1, {wf, 32});
+      std::vector<uint8_t> wq(w.size());
+      pe->unpack(nullptr, wq.data(), nullptr, nullptr, nullptr, nullptr);
+      bool same = true;  // the weights are exactly representable: the packing keeps them
+      for (int64_t i = 0; i < O * In; ++i) same = same && load_elem(dt, wq.data(), i) == wv[static_cast<size_t>(i)];
+      report(same, tag + isa_name(isa) + " packs the extreme weights exactly");
+      std::vector<uint8_t> out(static_cast<size_t>(O) * dtype_size(dt), 0xff);
+      MoeParams p;
+      p.num_threads = 1;
+      p.qdot = QDot::kInt;
+      *name = pe->linear(x.data(), 1, out.data(), p);
+      return out;
+    };
+    std::string gname, name;
+    const std::vector<uint8_t> want = run_tier(Isa::kGeneric, &gname);
+    bool all_exact = true;
+    for (int64_t o = 0; o < O; ++o) all_exact = all_exact && load_elem(dt, want.data(), o) == exact;
+    report(all_exact, tag + gname + " = " + std::to_string(exact));
+    for (Isa isa : tiers) {
+      if (isa == Isa::kGeneric) continue;
+      const std::vector<uint8_t> got = run_tier(isa, &name);
+      report(got == want, tag + name + " == " + gname);
+    }
+  }
+}
+
 // Dense linear layers (pack_linear / linear): every tier vs a double-precision reference on the
 // weights the block holds (lossless: the inputs; int8/int4: unpack()'s dequantised ones), decode
 // (T = 1) and prefill shapes, widths one past a panel and a k block, with and without bias;
@@ -1499,6 +1548,7 @@ int main(int argc, char** argv) {
   test_split_deterministic(all);
   test_errors();
   test_linear(all);
+  test_qdot_int16_bound(all);
   for (const Case& c : kCases) test_l12_case(c, seed++, all);
   test_l12_rows(all);
   test_l12_format(all);
