@@ -312,10 +312,14 @@ def test_static_cache_and_padded_batches_decode_on_the_kernels():
         hi_na_moe.disable_for_model(model)
 
 
-def test_below_the_kernels_tiers_sdpa_does_the_math_and_the_report_says_so(monkeypatch):
-    tiers = [t for t in _tiers() if t not in attention.KERNEL_TIERS]
+@pytest.mark.parametrize("table", ["this CPU's", "Intel's"])
+def test_below_the_kernels_tiers_sdpa_does_the_math_and_the_report_says_so(table, monkeypatch):
+    # Intel's table sends the generic tier to SDPA on any CPU: the fallback is tested everywhere
+    if table == "Intel's":
+        monkeypatch.setattr(attention, "kernel_tiers", lambda: attention.INTEL_TIERS)
+    tiers = [t for t in _tiers() if t not in attention.kernel_tiers()]
     if not tiers:
-        pytest.skip("every tier of this CPU has a vector build of the kernel")
+        pytest.skip("every tier of this CPU runs the native kernel (AMD: attention.AMD_TIERS)")
     model = _olmoe()
     ids = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])
     with torch.inference_mode():
@@ -336,23 +340,27 @@ def test_below_the_kernels_tiers_sdpa_does_the_math_and_the_report_says_so(monke
         hi_na_moe.disable_for_model(model)
 
 
-def test_the_avx2_kernel_leaves_long_caches_to_sdpa():
+@pytest.mark.parametrize("table", ["INTEL_TIERS", "AMD_TIERS"])
+def test_the_avx2_kernel_leaves_long_caches_to_sdpa_on_intel_only(table, monkeypatch):
     if "avx2" not in _tiers():
         pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setattr(attention, "kernel_tiers", lambda: getattr(attention, table))
+    intel = table == "INTEL_TIERS"
     model = _olmoe(layers=1)
     rep = hi_na_moe.enable_for_model(model, scope="all", isa="avx2")
     try:
-        assert "the native AVX2 kernel up to 512 cached positions, PyTorch's SDPA beyond" in str(rep)
+        assert ("the native AVX2 kernel up to 512 cached positions, PyTorch's SDPA beyond" in str(rep)) == intel
+        assert "the native AVX2 kernel" in str(rep)
         att = model.model.layers[0].self_attn
         runner = _runner(att)
         kernel = _KernelCalls(runner)
-        for past, calls in ((20, 1), (600, 1)):
+        for past, calls in ((20, 1), (600, 1 if intel else 2)):
             h, pe, cache = _decode_inputs(model, att, past=past)
             with torch.inference_mode():
                 got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=cache())
                 want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=None,
                                             past_key_values=cache())
-            assert kernel.calls == calls  # 21 positions: the kernel; 601: SDPA
+            assert kernel.calls == calls  # 21 positions: the kernel; 601: SDPA on Intel's table
             assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
     finally:
         hi_na_moe.disable_for_model(model)

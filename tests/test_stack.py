@@ -277,17 +277,17 @@ def _by_layer(model, ids, steps, one_call=True, attention_mask=None):
 @pytest.mark.parametrize("weights", ["lossless", "int4"])
 def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, monkeypatch, tmp_path):
     """Past the KV buffers' regrowth (kv_cache: 256 positions beyond the prompt), two rows,
-    quantised experts and linears, each tier (the generic one has no attention kernel: the
-    layers' loop); then a norm weight replaced after enable (the layer is set again in a new
+    quantised experts and linears, each tier (on Intel CPUs the generic one has no attention
+    kernel: the layers' loop; attention.kernel_tiers); then a norm weight replaced after enable (the layer is set again in a new
     plan) and settings that take the step back to the layers' loop."""
     from hi_na_moe import routers
-    from hi_na_moe.attention import KERNEL_TIERS
+    from hi_na_moe.attention import kernel_tiers
 
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path), isa=isa)
     try:
-        one_call = isa == "auto" or isa in KERNEL_TIERS
+        one_call = isa == "auto" or isa in kernel_tiers()
         assert rep.stacks_loop_only == ({} if one_call else {
             "model": "model.layers.0: no native attention kernel at tier generic (PyTorch's SDPA does the math)"})
         _by_layer(model, torch.tensor([[5, 6, 7]]), 260, one_call)

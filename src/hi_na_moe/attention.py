@@ -9,7 +9,8 @@ as a StaticCache or a padded batch brings) runs as: the module's own
 projections and q/k norms (themselves on native kernels under scope="all"), one native call for
 the rotary embedding of q and k, the cache update (in place for a DynamicCache: hi_na_moe.kv_cache),
 one native call for the attention (AVX-512 build; AVX2 build up to 512
-cached positions; elsewhere PyTorch's SDPA, faster there, and the report says which), and
+cached positions; elsewhere PyTorch's SDPA, faster there on Intel, and the report says which;
+on AMD CPUs, where SDPA measured 4-25x slower, the native kernel at every tier), and
 the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
 unknown arguments) is the module's own forward.
 
@@ -27,6 +28,8 @@ projection (OLMoE) or per head (Qwen3-MoE); OLMoE's clip_qkv clamp is read from 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,20 +37,42 @@ from torch import nn
 from . import kv_cache
 from .dense import _DTYPE_CODES, _matches
 
-# tier -> (the vector build of the attention kernel it runs, the most cached positions it takes;
-# beyond them PyTorch's SDPA). benchmarks/bench_attention_kernel.py: the AVX-512 build took
-# 0.21-0.95x SDPA's time from 16 to 4096 positions; the AVX2 build 0.32x at 16, 0.91x at 512 and
-# 1.3-1.8x beyond (SDPA held to AVX2 too, ATEN_CPU_CAPABILITY=avx2); the baseline loops of the
-# generic tier 1.4-2.7x from 144 positions on, so there SDPA does the math (RESULTS.md, session 7).
-KERNEL_TIERS = {"avx2": ("AVX2", 512), "avx512": ("AVX-512", None), "amx": ("AVX-512", None)}
+# tier -> (the build of the attention kernel it runs, the most cached positions it takes; beyond
+# them PyTorch's SDPA), by CPU vendor, from benchmarks/bench_attention_kernel.py (RESULTS.md):
+# - Intel (the Xeon of session 7): the AVX-512 build took 0.21-0.95x SDPA's time from 16 to 4096
+#   positions; the AVX2 build 0.32x at 16, 0.91x at 512 and 1.3-1.8x beyond (SDPA held to AVX2
+#   too, ATEN_CPU_CAPABILITY=avx2); the generic tier's baseline loops 1.4-2.7x from 144 positions
+#   on, so there SDPA does the math.
+# - AMD (the EPYC of session 13, Zen 4, torch 2.13): SDPA took 4-25x the native kernel's time at
+#   every tier and length measured (16-4096 positions; the AVX2 build 0.08-0.11x of SDPA held to
+#   AVX2, the generic loops 0.19-0.24x): the native kernel at every tier and length.
+# - Anything else: the Intel table (untested).
+INTEL_TIERS = {"avx2": ("AVX2", 512), "avx512": ("AVX-512", None), "amx": ("AVX-512", None)}
+AMD_TIERS = {"generic": ("generic C++", None), "avx2": ("AVX2", None), "avx512": ("AVX-512", None),
+             "amx": ("AVX-512", None)}
+
+
+@functools.cache
+def kernel_tiers() -> dict[str, tuple[str, int | None]]:
+    """The tier table of this CPU's vendor (above)."""
+    from .hardware import native_module
+
+    try:
+        vendor = native_module()[0].cpu_features()["vendor"]
+    except Exception:  # no native library: nothing runs the kernel anyway
+        vendor = ""
+    return AMD_TIERS if vendor == "AuthenticAMD" else INTEL_TIERS
 
 
 def math_kernel(isa: str) -> str:
     """What computes the attention of a decode step at tier `isa` (for the report)."""
-    if isa not in KERNEL_TIERS:
+    tiers = kernel_tiers()
+    if isa not in tiers:
         return f"PyTorch's SDPA (a fallback: the native kernel has no vector build for tier {isa})"
-    name, most = KERNEL_TIERS[isa]
+    name, most = tiers[isa]
     return f"the native {name} kernel" + (f" up to {most} cached positions, PyTorch's SDPA beyond" if most else "")
+
+
 _MAX_BATCH = 16
 # arguments the families' decoder layers pass that these forms do not read (SDPA ignores them)
 _IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits"})
@@ -88,8 +113,9 @@ class NativeAttention:
         self.native = native_module()[0]
         self.isa, self.threads = isa, threads
         # else SDPA does the attention math (math_kernel); beyond kernel_keys positions too
-        self.kernel = isa in KERNEL_TIERS
-        self.kernel_keys = KERNEL_TIERS[isa][1] if self.kernel else None
+        tiers = kernel_tiers()
+        self.kernel = isa in tiers
+        self.kernel_keys = tiers[isa][1] if self.kernel else None
         self.D = module.head_dim
         self.Hq = module.q_proj.out_features // self.D
         self.Hkv = module.k_proj.out_features // self.D
