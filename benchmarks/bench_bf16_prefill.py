@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hi_na_moe import _native
+from synth import weight_maker
 
 
 def main() -> int:
@@ -45,17 +46,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     T, E, H, I, K = args.tokens, 64, 2048, 1024, 8
     g = torch.Generator().manual_seed(0)
-    block = (torch.randn(1 << 22, generator=g) * 0.02).bfloat16()
-
-    def tensor(*shape, shift):
-        n = 1
-        for s in shape:
-            n *= s
-        src = torch.cat([block[shift:], block[:shift]])
-        return src.repeat(n // src.numel() + 1)[:n].view(shape).contiguous()
+    tensor = weight_maker(g)
 
     os.environ["HINA_BF16DOT"] = "0"
-    probe = _native.PackedExperts.pack_linear(tensor(64, 64, shift=1))
+    probe = _native.PackedExperts.pack_linear(tensor((64, 64), 1))
     fp32_arm = probe.kernel_name("prefill").endswith("_avx512")
     os.environ.pop("HINA_BF16DOT")
     if not fp32_arm:
@@ -67,12 +61,12 @@ def main() -> int:
     if "moe" in ops:
         packs, refs = [], []
         for i in range(3):
-            gate, up, down = tensor(E, I, H, shift=7 * i), tensor(E, I, H, shift=11 * i + 1), tensor(E, H, I, shift=13 * i + 2)
+            gate, up, down = tensor((E, I, H), 7 * i), tensor((E, I, H), 11 * i + 1), tensor((E, H, I), 13 * i + 2)
             packs.append(_native.PackedExperts(gate, up, down))
             refs.append((gate, up, down))
         work["moe"] = (packs, refs, 2 * T * K * 3 * H * I)
     if "linear" in ops:
-        ws = [tensor(H, H, shift=17 * i + 3) for i in range(8)]
+        ws = [tensor((H, H), 17 * i + 3) for i in range(8)]
         work["linear"] = ([_native.PackedExperts.pack_linear(w) for w in ws], ws, 2 * T * H * H)
 
     def torch_moe(x, idx, w, ref):

@@ -33,6 +33,7 @@ import time
 import torch
 
 from hi_na_moe import _native
+from synth import weight_maker
 
 
 def main() -> int:
@@ -54,12 +55,7 @@ def main() -> int:
     E, H, I, K = 64, 2048, 1024, 8
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    block = (torch.randn(1 << 22, generator=g) * 0.02).bfloat16()
-
-    def tensor(shape, shift):
-        n = shape[0] * shape[1] * shape[2]
-        src = torch.cat([block[shift:], block[:shift]])
-        return src.repeat(n // src.numel() + 1)[:n].view(shape)
+    tensor = weight_maker(g)
 
     n_packs = 4 if args.weights == "lossless" else 8
     packs = [_native.PackedExperts(tensor((E, I, H), 7 * i), tensor((E, I, H), 11 * i + 1),

@@ -20,6 +20,7 @@ import time
 import torch
 
 from hi_na_moe import _native
+from synth import weight_maker
 
 
 def main() -> int:
@@ -36,12 +37,7 @@ def main() -> int:
     E, H, I, K = 64, 2048, 1024, 8
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    block = (torch.randn(1 << 22, generator=g) * 0.02).bfloat16()
-
-    def tensor(shape, shift):
-        n = shape[0] * shape[1] * shape[2]
-        src = torch.cat([block[shift:], block[:shift]])
-        return src.repeat(n // src.numel() + 1)[:n].view(shape)
+    tensor = weight_maker(g)
 
     bf16_bytes = 3 * E * H * I * 2
     probe = _native.BandwidthProbe(1 << 30, args.threads)

@@ -352,28 +352,36 @@ const uint8_t* l12_chunk(const void* w, int64_t c0, int64_t c1, int64_t stored, 
   return buf;
 }
 
+// Runs `job`'s stored panels [p0, p1) as plain jobs of <= kL12ChunkPanels panels each: `shift`
+// points a copy's outputs (and L's column limit) at the chunk's first column, then `run` runs it.
+template <Plain P, typename Job, typename Shift, typename Run>
+void l12_chunks(const Job& j, int64_t stored, int64_t plain, Layout& L, Shift shift, Run run) {
+  for (int64_t c0 = j.p0; c0 < j.p1; c0 += kL12ChunkPanels) {
+    const int64_t c1 = std::min(j.p1, c0 + kL12ChunkPanels);
+    Job s = j;
+    s.w = l12_chunk<P>(j.w, c0, c1, stored, plain);
+    s.p0 = 0;
+    s.p1 = c1 - c0;
+    shift(s, c0 * kPanelN);
+    s.L = &L;
+    // a prefetch hint only (AMX): the stored panels the next chunk or job decompresses first
+    s.w_next = c1 < j.p1 ? static_cast<const uint8_t*>(j.w) + c1 * stored : j.w_next;
+    run(s);
+  }
+}
+
 template <Plain P>
 void gateup_l12_wrapped(const GateUpJob& j) {
   const KernelImpl& k = plain_bf16<P>();
   Layout L = *j.L;
   L.wfmt = WFormat::kLossless;
-  const int64_t stored = gu_panel_bytes(*j.L), plain = gu_panel_bytes(L);
   const size_t hesz = k.h_bf16 ? 2 : 4;
-  for (int64_t c0 = j.p0; c0 < j.p1; c0 += kL12ChunkPanels) {
-    const int64_t c1 = std::min(j.p1, c0 + kL12ChunkPanels), col = c0 * kPanelN;
-    GateUpJob s = j;
-    s.w = l12_chunk<P>(j.w, c0, c1, stored, plain);
-    s.p0 = 0;
-    s.p1 = c1 - c0;
+  l12_chunks<P>(j, gu_panel_bytes(*j.L), gu_panel_bytes(L), L, [&](GateUpJob& s, int64_t col) {
     if (s.bias_g) s.bias_g += col;
     if (s.bias_u) s.bias_u += col;
     s.h = static_cast<uint8_t*>(j.h) + hesz * static_cast<size_t>(col);
     L.I = j.L->I - col;  // > 0: every panel holds a column < I
-    s.L = &L;
-    // a prefetch hint only (AMX): the stored panels the next chunk or job decompresses first
-    s.w_next = c1 < j.p1 ? static_cast<const uint8_t*>(j.w) + c1 * stored : j.w_next;
-    k.gateup(s);
-  }
+  }, k.gateup);
 }
 
 template <Plain P>
@@ -381,23 +389,14 @@ void down_l12_wrapped(const DownJob& j) {
   const KernelImpl& k = plain_bf16<P>();
   Layout L = *j.L;
   L.wfmt = WFormat::kLossless;
-  const int64_t stored = down_panel_bytes(*j.L), plain = down_panel_bytes(L);
   std::vector<float*>& acc = tls_l12_acc;
   acc.resize(static_cast<size_t>(j.nt));
-  for (int64_t c0 = j.p0; c0 < j.p1; c0 += kL12ChunkPanels) {
-    const int64_t c1 = std::min(j.p1, c0 + kL12ChunkPanels), col = c0 * kPanelN;
-    DownJob s = j;
-    s.w = l12_chunk<P>(j.w, c0, c1, stored, plain);
-    s.p0 = 0;
-    s.p1 = c1 - c0;
+  l12_chunks<P>(j, down_panel_bytes(*j.L), down_panel_bytes(L), L, [&](DownJob& s, int64_t col) {
     if (s.bias) s.bias += col;
     for (int64_t r = 0; r < j.nt; ++r) acc[static_cast<size_t>(r)] = j.acc[r] + col;
     s.acc = acc.data();
     L.H = j.L->H - col;  // > 0 likewise
-    s.L = &L;
-    s.w_next = c1 < j.p1 ? static_cast<const uint8_t*>(j.w) + c1 * stored : j.w_next;
-    k.down(s);
-  }
+  }, k.down);
 }
 
 template <Plain P>
