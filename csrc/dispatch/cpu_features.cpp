@@ -92,6 +92,7 @@ void detect_x86(CpuFeatures& f) {
     f.avx512dq = bit(r[1], 17);
     f.avx512bw = bit(r[1], 30);
     f.avx512vl = bit(r[1], 31);
+    f.avx512vbmi = bit(r[2], 1);
     f.avx512vnni = bit(r[2], 11);
     f.amx_bf16 = bit(r[3], 22);
     f.avx512fp16 = bit(r[3], 23);

@@ -201,6 +201,7 @@ void l12_decompress_panel_avx512(const uint8_t* panel, int64_t plain_bytes, uint
 // The fused lossless12 kernels (AVX-512 F/BW): decode each block in registers and run the FMAs
 // of the plain bf16 AVX-512 kernel in its order, so the outputs are its bits.
 bool get_l12_kernels_avx512(KernelImpl* k);
+bool get_l12_kernels_avx512vbmi(KernelImpl* k);  // the same bytes; needs AVX512-VBMI at run time
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
 // matrix gi of `panel` (layout v3). x86 builds have AVX-512 and AVX2 copies of the portable

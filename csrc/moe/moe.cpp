@@ -416,8 +416,9 @@ Selected select_l12(Isa tier, MoePath path) {
     s.kind = static_cast<int>(Isa::kAmx);
   } else if (bf16dot_prefill(tier, path) && wrapped_l12<Plain::kAvx512Bf16>(&s.k)) {
     s.kind = kKindAvx512Bf16;
-  } else if (avx512 && path == MoePath::kDecode && get_l12_kernels_avx512(&s.k)) {
-    s.kind = static_cast<int>(Isa::kAvx512);
+  } else if (avx512 && path == MoePath::kDecode &&
+             ((cpu_features().avx512vbmi && get_l12_kernels_avx512vbmi(&s.k)) || get_l12_kernels_avx512(&s.k))) {
+    s.kind = static_cast<int>(Isa::kAvx512);  // either build: the same bytes, the same name
   } else if (avx512 && wrapped_l12<Plain::kAvx512>(&s.k)) {
     s.kind = static_cast<int>(Isa::kAvx512);
   } else if (tier == Isa::kAvx2 && wrapped_l12<Plain::kAvx2>(&s.k)) {

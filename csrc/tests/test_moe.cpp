@@ -1044,17 +1044,24 @@ void test_l12_case(const Case& c, uint32_t seed, const std::vector<Isa>& tiers) 
       }
       // the fused kernel itself on the rows of either path (the driver picks it for decode only)
       // against the plain AVX-512 kernel it mirrors (prefill may select another plain kernel)
-      detail::KernelImpl fused, plain512;
-      if (isa == Isa::kAvx512 && detail::get_l12_kernels_avx512(&fused) &&
-          detail::get_kernels_avx512(DType::kBF16, &plain512)) {
-        std::vector<uint8_t> got(want.size(), 0xCD), ref(want.size(), 0xCD);
+      // (both builds: F/BW, and VBMI where the CPU has it)
+      detail::KernelImpl plain512;
+      if (isa == Isa::kAvx512 && detail::get_kernels_avx512(DType::kBF16, &plain512)) {
+        std::vector<uint8_t> ref(want.size(), 0xCD);
         MoeParams mp = p.params;
         mp.path = path;
         mp.num_threads = 2;
         detail::forward_with(*plain, plain512, "plain", p.x.data(), c.T, p.idx.data(), 32, p.w.data(), c.K, ref.data(), mp);
-        detail::forward_with(*l12, fused, "fused", p.x.data(), c.T, p.idx.data(), 32, p.w.data(), c.K, got.data(), mp);
-        report(got == ref, tag + " fused l12 avx512 kernel, " + path_name(path) + " rows == moe_" +
-                               path_name(path) + "_bf16_avx512");
+        struct Build { const char* name; bool (*get)(detail::KernelImpl*); bool ok; };
+        for (const Build& b : {Build{"avx512", &detail::get_l12_kernels_avx512, true},
+                               Build{"avx512vbmi", &detail::get_l12_kernels_avx512vbmi, cpu_features().avx512vbmi}}) {
+          detail::KernelImpl fused;
+          if (!b.ok || !b.get(&fused)) continue;
+          std::vector<uint8_t> got(want.size(), 0xCD);
+          detail::forward_with(*l12, fused, "fused", p.x.data(), c.T, p.idx.data(), 32, p.w.data(), c.K, got.data(), mp);
+          report(got == ref, tag + " fused l12 " + b.name + " kernel, " + path_name(path) + " rows == moe_" +
+                                 path_name(path) + "_bf16_avx512");
+        }
       }
     }
   }

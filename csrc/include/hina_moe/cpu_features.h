@@ -27,7 +27,7 @@ struct CpuFeatures {
   // What the CPU reports.
   bool sse42 = false, avx = false, avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
-  bool avx512vnni = false, avx512bf16 = false, avx512fp16 = false, avx_vnni = false;
+  bool avx512vbmi = false, avx512vnni = false, avx512bf16 = false, avx512fp16 = false, avx_vnni = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   bool neon = false, sve = false;
   // What the OS enables (XCR0 bits) and grants (AMX needs a per-process permission on Linux).

@@ -13,6 +13,7 @@ bool get_qdot_kernels_avx512vnni(WFormat, KernelImpl*) { return false; }
 bool get_qdot_kernels_avx2(WFormat, KernelImpl*) { return false; }
 bool get_qdot_kernels_avxvnni(WFormat, KernelImpl*) { return false; }
 bool get_l12_kernels_avx512(KernelImpl*) { return false; }
+bool get_l12_kernels_avx512vbmi(KernelImpl*) { return false; }
 void l12_decompress_panel_avx512(const uint8_t*, int64_t, uint16_t*) {}
 void quant_act_row_avx512(const float*, int64_t, uint8_t*) {}
 void quant_act_row_avx2(const float*, int64_t, uint8_t*) {}
