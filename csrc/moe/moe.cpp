@@ -248,7 +248,8 @@ std::string cpu_summary() {
 }
 
 // Which kernels run for (tier, dtype, concrete path, format, qdot), and under which name.
-// `kernel` is the <kernel> part of the name: an Isa (0..3) or one of the integer-dot kinds.
+// `kernel` is the <kernel> part of the name: an Isa (0..3), one of the integer-dot kinds, or the
+// bf16 dot-product prefill (avx512bf16).
 enum KernelKind : int {
   kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kKindAvx512Bf16 = 8, kNumKinds = 9
 };

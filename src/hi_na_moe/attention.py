@@ -10,7 +10,7 @@ projections and q/k norms (themselves on native kernels under scope="all"), one 
 the rotary embedding of q and k, the cache update (in place for a DynamicCache: hi_na_moe.kv_cache),
 one native call for the attention (AVX-512 build; AVX2 build up to 512
 cached positions; elsewhere PyTorch's SDPA, faster there on Intel, and the report says which;
-on AMD CPUs, where SDPA measured 4-25x slower, the native kernel at every tier), and
+on AMD CPUs, where SDPA measured 2.5-25x slower, the native kernel at every tier), and
 the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
 unknown arguments) is the module's own forward.
 
@@ -43,7 +43,7 @@ from .dense import _DTYPE_CODES, _matches
 #   positions; the AVX2 build 0.32x at 16, 0.91x at 512 and 1.3-1.8x beyond (SDPA held to AVX2
 #   too, ATEN_CPU_CAPABILITY=avx2); the generic tier's baseline loops 1.4-2.7x from 144 positions
 #   on, so there SDPA does the math.
-# - AMD (the EPYC of session 13, Zen 4, torch 2.13): SDPA took 4-25x the native kernel's time at
+# - AMD (the EPYC of session 13, Zen 4, torch 2.13): SDPA took 2.5-25x the native kernel's time at
 #   every tier and length measured (16-4096 positions; the AVX2 build 0.08-0.11x of SDPA held to
 #   AVX2, the generic loops 0.19-0.24x): the native kernel at every tier and length.
 # - Anything else: the Intel table (untested).
