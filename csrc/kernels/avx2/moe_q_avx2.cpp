@@ -9,7 +9,7 @@
 //         exactly. Group scale applied per group with one FMA.
 //   NT <= 2 rows x G matrices x 2 halves accumulators (all k of a lane share a chain: AVX2
 //   machines have fewer FMA ports and less bandwidth, so the chain latency is not the limit).
-// Known limits: not tuned; the activation epilogue is scalar (as in moe_avx2.cpp).
+// Known limits: not tuned.
 #include <immintrin.h>
 
 #include <type_traits>

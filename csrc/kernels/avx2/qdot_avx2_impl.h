@@ -25,7 +25,7 @@
 //   generic emulation).
 // NT <= 2 (int8) / 1 (int4) rows share each weight load: 16 ymm registers hold NT x G x 2 int32
 // and as many fp32 accumulators (int4 also its group sums).
-// Known limits: not tuned; the activation epilogue is scalar (as in moe_q_avx2.cpp).
+// Known limits: not tuned.
 #pragma once
 
 #include <immintrin.h>

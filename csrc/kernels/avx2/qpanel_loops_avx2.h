@@ -2,7 +2,7 @@
 // (moe_q_avx2.cpp) and integer dot products (qdot_avx2_impl.h, built as avx2dot and avxvnni).
 // They differ only in how a panel is dotted with a block of rows; the loops over panels and row
 // blocks, bias + activation + h store (gate/up) and the routing-weighted scatter-add (down) are
-// here. A family is a struct with
+// here (the activation vectorised: vec_avx2.h). A family is a struct with
 //   template <WFormat F> static constexpr int max_rows();
 //   template <WFormat F, int G, int NT> static void gateup_dot(const GateUpJob&, const uint8_t* panel,
 //                                                              int64_t r0, __m256 (&acc)[NT][2][2]);
@@ -16,6 +16,7 @@
 
 #include <type_traits>
 
+#include "kernels/avx2/vec_avx2.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
 
@@ -53,19 +54,15 @@ void gateup(const GateUpJob& j) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 acc[NT][2][2];
       Fam::template gateup_dot<F, G, NT>(j, panel, r0, acc);
-      alignas(32) float g[16], u[16];
-      for (int r = 0; r < NT; ++r) {
-        for (int half = 0; half < 2; ++half) {
-          _mm256_store_ps(u + half * 8, acc[r][G - 1][half]);
-          if (Gated) _mm256_store_ps(g + half * 8, acc[r][0][half]);
-        }
-        float* h = static_cast<float*>(j.h) + (r0 + r) * j.h_stride + col0;
-        for (int n = 0; n < kPanelN; ++n) {
-          const int64_t col = col0 + n;
-          if (col >= L.I) { h[n] = 0.0f; continue; }
-          const float gv = (Gated ? g[n] : 0.0f) + (j.bias_g ? j.bias_g[col] : 0.0f);
-          const float uv = u[n] + (j.bias_u ? j.bias_u[col] : 0.0f);
-          h[n] = h_scalar(*j.act, Gated, gv, uv);
+      for (int half = 0; half < 2; ++half) {
+        const int64_t c = col0 + half * 8;
+        const __m256 valid = v256::valid_mask(c, L.I);
+        const __m256 bg = j.bias_g ? _mm256_loadu_ps(j.bias_g + c) : _mm256_setzero_ps();
+        const __m256 bu = j.bias_u ? _mm256_loadu_ps(j.bias_u + c) : _mm256_setzero_ps();
+        for (int r = 0; r < NT; ++r) {
+          const __m256 g = Gated ? _mm256_add_ps(acc[r][0][half], bg) : _mm256_setzero_ps();
+          _mm256_storeu_ps(static_cast<float*>(j.h) + (r0 + r) * j.h_stride + c,
+                           v256::h_vec(*j.act, Gated, g, _mm256_add_ps(acc[r][G - 1][half], bu), valid));
         }
       }
     });
