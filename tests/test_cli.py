@@ -28,6 +28,10 @@ def test_check_text_and_json(capsys):
     text = capsys.readouterr().out
     assert "best kernel tier" in text and "model.layers.0.mlp.experts" in text
     assert "read bandwidth (measured now" in text and "roofline" in text
+    from hi_na_moe import _native
+    from hi_na_moe.attention import math_kernel
+
+    assert f'attention of decode steps (scope="all"): {math_kernel(_native.best_isa())}' in text
     assert main(["check", "--model", str(shipped_model_dir()), "--output", "json", "--no-bandwidth"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["blocks"]["summary"]["moe_blocks"] == 4

@@ -133,6 +133,8 @@ def cmd_check(args) -> int:
         print(f"  kernel threads: {cap['pool']}")
     if cap.get("prefetch"):
         print(f"  weight-stream prefetch: {cap['prefetch']}")
+    if cap.get("attention"):
+        print(f"  attention of decode steps (scope=\"all\"): {cap['attention']}")
     if cap.get("note"):
         print(f"  note: {cap['note']}")
     c = sysi["cores"]

@@ -54,6 +54,9 @@ def capabilities(config: Any = None) -> dict[str, Any]:
     info["kernels"] = kernel_plan(cfg)
     info["pool"] = pool_description(cfg.pool)
     info["prefetch"] = prefetch_description()
+    from .attention import math_kernel
+
+    info["attention"] = math_kernel(info["selected_isa"])
     return info
 
 
