@@ -11,7 +11,7 @@
 // Register plan: NT <= 2 rows x {gate, up} x {lo, hi} = 8 ymm accumulators, 4 weight ymm,
 // broadcasts from memory; bf16 pairs split by shift (even k) / mask (odd k) as on AVX-512.
 // Epilogue: bias, limits, activation (vec_avx2.h: the AVX-512 build's vector exp/erfc, 8 columns
-// at a time; the scalar libm one cost 8 % of an OLMoE-shaped prefill at T = 512) and the column
+// at a time; the scalar libm one cost 2-4 % of an OLMoE-shaped prefill at T = 512) and the column
 // mask, per 8-column half.
 #include <immintrin.h>
 
