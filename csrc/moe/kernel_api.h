@@ -313,6 +313,18 @@ static inline float act_scalar(Act a, float z, float alpha) {
   }
   return z;
 }
+// The vector activations' coefficients (kernels/avx512/vec_avx512.h, kernels/avx2/vec_avx2.h:
+// one table, so the two widths compute the same values). exp: x = n ln2 + r (ln2 split in two for
+// an exact n ln2_hi), e^r ~ 1 + r + r^2 (c0 r^5 + ... + c5); erfc: Numerical Recipes' erfcc,
+// t (t (... (c0 t + c1) ...) + c9) exponentiated, fractional error < 1.2e-7.
+namespace act_poly {
+inline constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+inline constexpr float kExp[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+inline constexpr float kErfc[10] = {0.17087277f, -0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f,
+                                    -0.18628806f, 0.09678418f, 0.37409196f, 1.00002368f, -1.26551223f};
+}  // namespace act_poly
+
 // h for one column: gated (G == 2) or not.
 static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
   if (!gated) return act_scalar(p.act, u, p.alpha);

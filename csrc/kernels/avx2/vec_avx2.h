@@ -14,16 +14,12 @@ namespace hina::detail::v256 {
 
 static inline __m256 exp_ps(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(act_poly::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(act_poly::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(act_poly::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(act_poly::kExp[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(act_poly::kExp[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -41,16 +37,8 @@ static inline __m256 gelu_erf(__m256 z) {
   const __m256 w = _mm256_mul_ps(absz, _mm256_set1_ps(0.70710678118654752f));
   const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f),
                                  _mm256_fmadd_ps(_mm256_set1_ps(0.5f), w, _mm256_set1_ps(1.0f)));
-  __m256 p = _mm256_set1_ps(0.17087277f);
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.82215223f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.48851587f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.13520398f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.27886807f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.18628806f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.09678418f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.37409196f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.00002368f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.26551223f));
+  __m256 p = _mm256_set1_ps(act_poly::kErfc[0]);
+  for (int i = 1; i < 10; ++i) p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(act_poly::kErfc[i]));
   p = _mm256_fnmadd_ps(w, w, p);  // -w^2 + poly
   const __m256 erfc = _mm256_mul_ps(t, exp_ps(p));
   const __m256 pos = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ);

@@ -12,16 +12,12 @@ namespace hina::detail::v512 {
 // the sigmoid-style uses below, where only 1 + e^x matters).
 static inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(act_poly::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(act_poly::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(act_poly::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(act_poly::kExp[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(act_poly::kExp[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -38,16 +34,8 @@ static inline __m512 gelu_erf(__m512 z) {
   const __m512 w = _mm512_mul_ps(_mm512_abs_ps(z), _mm512_set1_ps(0.70710678118654752f));
   const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f),
                                  _mm512_fmadd_ps(_mm512_set1_ps(0.5f), w, _mm512_set1_ps(1.0f)));
-  __m512 p = _mm512_set1_ps(0.17087277f);
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.82215223f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.48851587f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.13520398f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.27886807f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.18628806f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.09678418f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.37409196f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.00002368f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.26551223f));
+  __m512 p = _mm512_set1_ps(act_poly::kErfc[0]);
+  for (int i = 1; i < 10; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(act_poly::kErfc[i]));
   p = _mm512_fnmadd_ps(w, w, p);  // -w^2 + poly
   const __m512 erfc = _mm512_mul_ps(t, exp_ps(p));
   const __mmask16 pos = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ);
