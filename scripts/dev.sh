@@ -173,6 +173,22 @@ run_tests() {
     if [ "${HINA_SKIP_SANITIZE:-0}" != 1 ]; then run_sanitizers ci; fi
   fi
   echo "[test] pytest"
+  run_pytest "$@"
+  # the same suite with the kernel tier forced to each lower tier this CPU has (HINA_MOE_ISA), so
+  # the model-level paths of AVX2-only and generic CPUs are tested too (HINA_TEST_LOWER_TIERS=0
+  # skips these; a HINA_MOE_ISA already set runs that tier alone)
+  if [ "${HINA_TEST_LOWER_TIERS:-1}" != 0 ] && [ -z "${HINA_MOE_ISA:-}" ]; then
+    local tiers
+    tiers="$(python -c 'from hi_na_moe import _native as n; best = n.best_isa(); order = ("generic", "avx2", "avx512", "amx"); print(" ".join(t for t in order[:order.index(best)] if n.isa_supported(t)))')"
+    for tier in $tiers; do
+      echo "[test] pytest with the kernel tier forced to $tier (HINA_MOE_ISA=$tier)"
+      HINA_MOE_ISA="$tier" run_pytest "$@"
+    done
+  fi
+}
+
+# pytest; exit 5 (no tests collected) is a failure, not a pass
+run_pytest() {
   set +e
   python -m pytest "$@"
   local rc=$?
@@ -181,7 +197,7 @@ run_tests() {
     echo "pytest collected no tests: that is a failure, not a pass" >&2
     exit 1
   fi
-  exit $rc
+  if [ $rc -ne 0 ]; then exit $rc; fi
 }
 
 # The C++ core cross-compiled for aarch64 (generic kernels: no NEON tier yet) and its test runner
