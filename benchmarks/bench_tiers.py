@@ -39,14 +39,15 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     tensor = weight_maker(g)
 
-    bf16_bytes = 3 * E * H * I * 2
     probe = _native.BandwidthProbe(1 << 30, args.threads)
     out = torch.empty(1, H, dtype=torch.bfloat16)
     print(f"# E{E} H{H} I{I} top-{K}, T=1, {args.threads} threads, {args.rounds} rounds")
     print("| weights | tier | kernel | median ms | GB/s | paired share of the read probe | vs the first tier |")
     print("|---|---|---|---|---|---|---|")
     for wf in args.weights.split(","):
-        n_packs = max(2, -(-int(1.5e9) // int(bf16_bytes * (1 if wf == "lossless" else 0.5 if wf == "int8" else 0.27))))
+        packed_bytes = _native.header_info(_native.PackedExperts.plan(
+            "bfloat16", E, H, I, True, False, False, False, tiers[0], wf, 64, False))["nbytes"]
+        n_packs = max(2, -(-int(1.5e9) // packed_bytes))
         srcs = [(tensor((E, I, H), 7 * i), tensor((E, I, H), 11 * i + 1), tensor((E, H, I), 13 * i + 2))
                 for i in range(n_packs)]
         packs = {t: [_native.PackedExperts(*s, isa=t, weights=wf) for s in srcs] for t in tiers}

@@ -179,7 +179,7 @@ run_tests() {
   # skips these; a HINA_MOE_ISA already set runs that tier alone)
   if [ "${HINA_TEST_LOWER_TIERS:-1}" != 0 ] && [ -z "${HINA_MOE_ISA:-}" ]; then
     local tiers
-    tiers="$(python -c 'from hi_na_moe import _native as n; best = n.best_isa(); order = ("generic", "avx2", "avx512", "amx"); print(" ".join(t for t in order[:order.index(best)] if n.isa_supported(t)))')"
+    tiers="$(python -c 'from hi_na_moe import _native as n; best = n.resolve_isa(); order = ("generic", "avx2", "avx512", "amx"); print(" ".join(t for t in order[:order.index(best)] if n.isa_supported(t)))')"
     for tier in $tiers; do
       echo "[test] pytest with the kernel tier forced to $tier (HINA_MOE_ISA=$tier)"
       HINA_MOE_ISA="$tier" run_pytest "$@"
