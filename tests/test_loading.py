@@ -100,6 +100,26 @@ def test_warm_load_neither_packs_nor_reads_experts(tmp_path, monkeypatch):
     assert torch.equal(_logits(cold, ids), _logits(warm, ids))
 
 
+def test_config_keys_as_keyword_arguments(tmp_path):
+    # hi_na_moe's config keys given as keywords configure hi_na_moe (they used to reach the
+    # model class's constructor, a TypeError about the model's __init__); the rest still go to
+    # transformers; a keyword overrides the config object, as in enable_for_model
+    path, vocab = _checkpoint("olmoe", tmp_path)
+    store = tmp_path / "kw-store"
+    model = hi_na_moe.from_pretrained(path, weights="int8", dtype=torch.bfloat16, progress=False, scope="all",
+                                      dense_lossless="", cache_dir=str(store), threads=1,
+                                      config=hi_na_moe.load_config(scope="experts", threads=2))
+    assert model.dtype == torch.bfloat16
+    rep = hi_na_moe.report_for(model)
+    assert rep.config["scope"] == "all" and rep.config["threads"] == 1 and rep.config["cache_dir"] == str(store)
+    assert rep.config["dense_lossless"] == ""
+    assert rep.norms and rep.routers, "scope='all' did not reach the norms and routers"
+    assert any(store.rglob("*.hnm")), "the store given by cache_dir= was not used"
+    hi_na_moe.disable_for_model(model)
+    with pytest.raises(hi_na_moe.ConfigError, match="scope"):
+        hi_na_moe.from_pretrained(path, scope="everything", progress=False)
+
+
 def test_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json and \\*.safetensors"):
         hi_na_moe.from_pretrained(tmp_path / "nothing-here")

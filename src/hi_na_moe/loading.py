@@ -292,7 +292,10 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
         config: a HinaConfig for the other keys (isa, threads, cache_dir, ...); `cache` must be on.
         model_class: the transformers class to load with (default AutoModelForCausalLM).
         progress: show a progress bar over the blocks being packed.
-        **kwargs: passed to transformers' from_pretrained (dtype, attn_implementation, ...).
+        **kwargs: hi_na_moe config keys (scope, cache_dir, threads, isa, dense_lossless, ...: the
+            names of HinaConfig's fields) override `config`, as enable_for_model's do; the rest
+            go to transformers' from_pretrained (dtype, attn_implementation, ...). `cache_dir` is
+            the packed-expert store's: transformers' hub cache has no use for a local directory.
 
     Returns the model, enabled; its EnableReport is `hi_na_moe.report_for(model)`. A second load of the same checkpoint and format reads the
     packed experts from the store without reading the experts from the files.
@@ -300,6 +303,7 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
     import transformers
 
     from . import ops, patching
+    from .config import KEYS as HINA_KEYS
     from .config import load_config
     from .store import PackedStore, checkpoint_identity
 
@@ -312,6 +316,7 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
     extra = {"weights": weights}
     if group_size is not None:
         extra["group_size"] = group_size
+    extra.update({k: kwargs.pop(k) for k in list(kwargs) if k in HINA_KEYS})
     cfg = load_config(config, **extra)
     if not cfg.cache:
         raise ValueError("hi_na_moe.from_pretrained streams experts into the packed-expert store: cache must be on")
