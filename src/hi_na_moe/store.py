@@ -29,7 +29,10 @@ API
     ``.get_or_build(key, name, expect, build, progress=None, verify="full")
     -> (Entry, built, reason)``; ``.remove(key, name) -> bool``;
     ``.entries() -> list[EntryInfo(key, name, size)]``; ``.size_bytes() -> int``;
-    ``.clear(key=None) -> int`` (bytes freed).
+    ``.clear(key=None) -> int`` (bytes freed);
+    ``.summary(verify="header") -> list[KeySummary]`` (every key directory, each file checked
+    and classified: what `hi-na-moe cache list` shows); ``.delete(files, dry_run=False)
+    -> DeleteResult`` (removes chosen store files, skipping any an active build still uses).
 ``Entry``
     ``.meta`` (dict), ``.sections`` (dict name -> read-only memoryview into the mapping),
     ``.array(name, dtype, shape=None)`` (read-only numpy view), ``.key``, ``.name``, ``.path``,
@@ -133,6 +136,7 @@ _CRC = struct.Struct("<I")
 ENTRY_SUFFIX = ".hnm"
 LOCK_SUFFIX = ENTRY_SUFFIX + ".lock"
 _TMP_MARK = ENTRY_SUFFIX + ".tmp-"
+_TMP_PID_RE = re.compile(r"\.hnm\.tmp-(\d+)-[0-9a-f]+$")
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
 _SAFE_NAME_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _MAX_ENCODED_NAME = 180
@@ -798,6 +802,340 @@ class PackedStore:
             except OSError:
                 pass  # not empty: something that is not ours is in it
         return freed
+
+    def summary(self, verify: str = "header") -> list["KeySummary"]:
+        """Every key directory, each of its files classified (entry, lock, temp file of a write
+        in flight or interrupted, or a file that is not the store's) and each entry checked as
+        `open` would check it: `verify="header"` reads headers only (cheap whatever the store's
+        size), "full" reads every byte. A bad entry is reported in its `StoreFile`, never
+        raised, since that is what a caller inspecting the store wants to see. Sorted by key."""
+        if verify not in ("full", "header"):
+            raise ValueError(f"verify must be 'full' or 'header', got {verify!r}")
+        out = []
+        for d in self._key_dirs():
+            files: list[StoreFile] = []
+            problem = None
+            try:
+                _check_private_dir(d)
+            except (OSError, UnsafeEntry) as e:
+                problem = e.reason if isinstance(e, StoreError) else str(e)
+            try:
+                names = sorted(os.listdir(d))
+            except OSError as e:
+                out.append(KeySummary(d.name, d, [], f"cannot list it: {e.strerror or e}"))
+                continue
+            for n in names:
+                try:
+                    st = os.lstat(d / n)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                files.append(_classify(d, n, st, verify))
+            out.append(KeySummary(d.name, d, files, problem))
+        return out
+
+    def delete(self, files: Iterable["StoreFile"], dry_run: bool = False) -> "DeleteResult":
+        """Remove store files chosen from `summary()`: entries (with their lock files), temp files
+        and lone lock files; then the key directories left empty. Skipped, with the reason:
+        an entry or lock whose build lock a process holds (it is building that entry now), a
+        temp file whose writing process is still running, a file changed or replaced since
+        `summary` saw it. A process that has a removed entry mapped keeps reading its copy.
+        Files of kind "other" (not the store's) are refused with ValueError. `dry_run`: the
+        same checks, the locks taken and released, nothing removed."""
+        files = list(files)
+        for f in files:
+            if f.kind not in ("entry", "lock", "tmp"):
+                raise ValueError(f"{f.file} in key {f.key} is not a store file (kind {f.kind!r}); never removed")
+            _check_key(f.key)
+        removed: list[StoreFile] = []
+        skipped: list[tuple[StoreFile, str]] = []
+        done: set[tuple[str, str]] = set()
+        touched: list[str] = []
+        # entries first: each takes its lock file along, so a lone lock listed too is not
+        # handled twice
+        for f in sorted(files, key=lambda f: ("entry", "tmp", "lock").index(f.kind)):
+            if (f.key, f.file) in done:
+                continue
+            done.add((f.key, f.file))
+            d = self.root / f.key
+            try:
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    raise FileNotFoundError
+            except FileNotFoundError:
+                skipped.append((f, "no longer there"))
+                continue
+            if f.key not in touched:
+                touched.append(f.key)
+            if f.kind == "tmp":
+                pid = _tmp_pid(f.file)
+                if pid is not None and _pid_alive(pid):
+                    skipped.append((f, f"being written by process {pid}, which is still running"))
+                    continue
+                why = _changed(d / f.file, f)
+                if why:
+                    skipped.append((f, why))
+                elif dry_run or _unlink_quietly(d / f.file):
+                    removed.append(f)
+                continue
+            lock_name = f.file + ".lock" if f.kind == "entry" else f.file
+            fd, held = _try_lock(d / lock_name)
+            try:
+                if held:
+                    done.add((f.key, lock_name))  # one reason given per entry, not two
+                    what = "its build lock" if f.kind == "entry" else "this lock"
+                    skipped.append((f, f"{what} ({lock_name}) is held: a process is building this entry now"))
+                    continue
+                why = _changed(d / f.file, f)
+                if why:
+                    skipped.append((f, why))
+                    continue
+                if dry_run or _unlink_quietly(d / f.file):
+                    removed.append(f)
+                if f.kind == "entry" and (f.key, lock_name) not in done:
+                    done.add((f.key, lock_name))
+                    try:
+                        lst = os.lstat(d / lock_name)
+                    except FileNotFoundError:
+                        continue
+                    lock = StoreFile(f.key, lock_name, "lock", lst.st_size, lst.st_mtime, _ident(lst))
+                    if dry_run or _unlink_quietly(d / lock_name):
+                        removed.append(lock)
+            finally:
+                if fd >= 0:
+                    os.close(fd)  # releases the flock, after the lock file is gone
+        dirs_removed = []
+        if not dry_run:
+            for key in touched:
+                try:
+                    os.rmdir(self.root / key)
+                    dirs_removed.append(key)
+                except OSError:
+                    pass  # not empty: an entry skipped, or a file that is not ours
+        return DeleteResult(sum(f.size for f in removed), removed, skipped, dirs_removed)
+
+
+class StoreFile:
+    """One file in a key directory as `PackedStore.summary` found it. (A plain class, not a
+    dataclass: dataclasses need the module in sys.modules, and this file must also load on its
+    own, by path.)"""
+
+    __slots__ = ("key", "file", "kind", "size", "mtime", "ident", "name", "status", "reason", "meta")
+
+    def __init__(self, key: str, file: str, kind: str, size: int, mtime: float, ident: tuple[int, int, int],
+                 name: str | None = None, status: str = "", reason: str | None = None, meta: dict | None = None):
+        self.key = key
+        self.file = file  # its name in the key directory
+        # "entry", "lock", "tmp" (a write's temp file) or "other" (not the store's: never removed)
+        self.kind = kind
+        self.size = size
+        self.mtime = mtime
+        self.ident = ident  # (inode, size, mtime in ns): `delete` skips the file if it changed
+        self.name = name  # entry: its entry name, when the file name or header tells it
+        # entry: "ok", "stale" (another store format version), "corrupt" or "unsafe" (see the
+        # errors); tmp: "in use" (its writer is running) or "leftover" (of an interrupted write)
+        self.status = status
+        self.reason = reason  # why an entry is not "ok"; which process writes a temp file
+        self.meta = meta  # entry: its metadata, when the header could be read
+
+    def __repr__(self) -> str:
+        state = f", {self.status}" if self.status else ""
+        return f"StoreFile({self.key[:12]}.../{self.file}, {self.kind}{state}, {self.size} bytes)"
+
+    @property
+    def readable(self) -> bool:
+        return self.kind == "entry" and self.status == "ok"
+
+    def meta_value(self, what: str) -> Any:
+        """The entry's recorded `what` ("format", "tier", "layout_version", "group_size",
+        "dtype"), under the key its writer used; None when not recorded or not readable."""
+        if self.meta is None:
+            return None
+        return next((self.meta[k] for k in _META_FIELDS[what] if k in self.meta), None)
+
+
+# metadata keys the writers use (ops.py, dense.py: "weights", "isa"), then the aliases a caller
+# of the store may use ("format", "tier", as in the module docstring)
+_META_FIELDS = {
+    "format": ("weights", "format"),
+    "tier": ("isa", "tier"),
+    "layout_version": ("layout_version",),
+    "group_size": ("group_size",),
+    "dtype": ("dtype",),
+}
+
+
+class KeySummary:
+    """One key directory: its files, and what its readable entries say they hold. The key is a
+    digest of the weights' identity and the packing parameters: nothing more can be read back
+    from it, so `describe` gathers the entries' metadata."""
+
+    def __init__(self, key: str, path: Path, files: list[StoreFile] | None = None, problem: str | None = None):
+        self.key = key
+        self.path = path
+        self.files = files if files is not None else []
+        self.problem = problem  # the directory itself is unsafe or unreadable
+
+    def __repr__(self) -> str:
+        return f"KeySummary({self.key[:12]}..., {len(self.files)} files, {self.size_bytes} bytes)"
+
+    @property
+    def entries(self) -> list[StoreFile]:
+        return [f for f in self.files if f.kind == "entry"]
+
+    @property
+    def unreadable(self) -> list[StoreFile]:
+        return [f for f in self.entries if not f.readable]
+
+    @property
+    def tmp_files(self) -> list[StoreFile]:
+        return [f for f in self.files if f.kind == "tmp"]
+
+    @property
+    def other_files(self) -> list[StoreFile]:
+        return [f for f in self.files if f.kind == "other"]
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the store's own files here (entries, locks, temp files)."""
+        return sum(f.size for f in self.files if f.kind != "other")
+
+    @property
+    def mtime(self) -> float | None:
+        """When the newest of the store's own files here was last modified (None: none)."""
+        times = [f.mtime for f in self.files if f.kind != "other"]
+        return max(times) if times else None
+
+    def describe(self) -> dict[str, list]:
+        """Per field (format, tier, layout_version, group_size, dtype, kind, names) the distinct
+        values the readable entries record, sorted; empty lists when none is readable."""
+        values: dict[str, set] = {k: set() for k in (*_META_FIELDS, "kind", "names")}
+        for f in self.entries:
+            if f.meta is None:
+                continue
+            for out in _META_FIELDS:
+                v = f.meta_value(out)
+                if v is not None and not isinstance(v, (dict, list)):
+                    values[out].add(v)
+            if f.meta.get("up_only") is True:
+                values["kind"].add("linear")
+            elif "E" in f.meta or "block" in f.meta:
+                values["kind"].add("experts")
+            if f.readable and f.name is not None:
+                values["names"].add(f.name)
+        return {k: sorted(v, key=str) for k, v in values.items()}
+
+
+class DeleteResult(NamedTuple):
+    freed: int  # bytes removed (with dry_run: that would be)
+    removed: list[StoreFile]  # lock files removed with their entries included
+    skipped: list[tuple[StoreFile, str]]  # and why
+    dirs_removed: list[str]  # keys whose directory was left empty and removed
+
+
+def _ident(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _changed(path: Path, f: StoreFile) -> str | None:
+    """Why `path` is no longer the file `f` describes (None: it still is)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "no longer there"
+    if _ident(st) != f.ident:
+        return "changed since it was checked (rewritten meanwhile); run the command again"
+    return None
+
+
+def _tmp_pid(file: str) -> int | None:
+    m = _TMP_PID_RE.search(file)
+    return int(m.group(1)) if m else None
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (one with a reused id counts, so a
+    temp file is kept rather than pulled from under a live write)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, as another user
+    except OverflowError:
+        return False
+    return True
+
+
+def _try_lock(path: Path) -> tuple[int, bool]:
+    """Take `path`'s flock without waiting, as `_EntryLock` takes it. Returns (fd, held): fd
+    (-1 when there is no lockable file) keeps the lock until closed; held is True when another
+    open file, in this process or another, holds it (a build of the entry is running)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return -1, False  # none, or a symlink there: `_EntryLock` never locks through one
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return -1, False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return -1, True
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, False
+
+
+def _check_entry_file(path: Path, key: str, verify: str) -> tuple[str, dict]:
+    """The (entry name, meta) of the entry file at `path` in key directory `key`, with the
+    checks `PackedStore.open` makes; raises as it does. The name comes from the file name (or,
+    for a shortened one, from the header) and must be the one the header records."""
+    stem = path.name[: -len(ENTRY_SUFFIX)]
+    fd = _open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        _check_private_file(st, path)
+        name = decode_name(stem) or _peek_name(path) or ""
+        table, meta, header_end = _read_header(fd, st.st_size, path, key, name)
+        if encode_name(name) != stem:
+            raise CorruptEntry(path, f"entry {name!r} is stored as {encode_name(name)}{ENTRY_SUFFIX}, "
+                                     "not under this file name")
+        if verify == "full":
+            mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+            with Entry(path, key, name, meta, mm, table) as entry:
+                _verify_sections(entry, table, header_end, None)
+        return name, meta
+    finally:
+        os.close(fd)
+
+
+def _classify(d: Path, n: str, st: os.stat_result, verify: str) -> StoreFile:
+    """A file of key directory `d`, classified by its name (the names the store gives its
+    files) and, for an entry, checked."""
+    f = StoreFile(d.name, n, "other", st.st_size, st.st_mtime, _ident(st))
+    if stat.S_ISDIR(st.st_mode):
+        return f  # the store makes no directories here
+    if n.startswith(".") and _TMP_MARK in n:
+        pid = _tmp_pid(n)
+        f.kind, f.status = "tmp", "in use" if pid is not None and _pid_alive(pid) else "leftover"
+        f.reason = f"process {pid} is running" if f.status == "in use" else None
+    elif n.endswith(LOCK_SUFFIX):
+        f.kind = "lock"
+    elif n.endswith(ENTRY_SUFFIX):
+        f.kind = "entry"
+        try:
+            f.name, f.meta = _check_entry_file(d / n, d.name, verify)
+            f.status = "ok"
+        except StoreError as e:
+            f.status = {StaleEntry: "stale", UnsafeEntry: "unsafe"}.get(type(e), "corrupt")
+            f.reason = e.reason
+            f.name = decode_name(n[: -len(ENTRY_SUFFIX)]) or _peek_name(d / n)
+        except OSError as e:
+            f.status, f.reason = "corrupt", f"cannot read it: {e.strerror or e}"
+    return f
 
 
 class _EntryLock:
