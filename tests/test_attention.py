@@ -226,11 +226,11 @@ def test_calls_that_are_not_a_plain_decode_step_run_the_modules_own_forward():
         count = _Count(_runner(att))
         h, pe, cache = _decode_inputs(model, att, B=2)
         mask = torch.zeros(2, 1, 1, 7, dtype=torch.bfloat16)
-        big = torch.randn(2, 3, 256).bfloat16()  # prefill: three new tokens
+        big = torch.randn(2, 3, 256).bfloat16()  # prefill: three new tokens, with a float mask
         ang = torch.rand(2, 3, 32) * 6
         pe3 = (torch.cat([ang, ang], -1).cos().bfloat16(), torch.cat([ang, ang], -1).sin().bfloat16())
         calls = [
-            dict(hidden_states=big, position_embeddings=pe3, attention_mask=None),
+            dict(hidden_states=big, position_embeddings=pe3, attention_mask=torch.zeros(2, 1, 3, 9, dtype=torch.bfloat16)),
             dict(hidden_states=h, position_embeddings=pe, attention_mask=mask),
             dict(hidden_states=h, position_embeddings=pe, attention_mask=None, output_attentions=True),
             dict(hidden_states=h, position_embeddings=pe, attention_mask=None, some_new_argument=1),
@@ -259,6 +259,162 @@ def test_calls_that_are_not_a_plain_decode_step_run_the_modules_own_forward():
                                         past_key_values=cache())
         assert count.calls == 3
         assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+class _PrefillCalls:
+    """Counts one runner's calls of the native prefill kernel (and those that ran)."""
+
+    def __init__(self, runner):
+        self.native, self.calls, self.ran = runner.native, 0, 0
+        runner.native = self
+
+    def __getattr__(self, name):
+        if name != "attention_prefill_raw":
+            return getattr(self.native, name)
+
+        def counted(*args):
+            self.calls += 1
+            done = self.native.attention_prefill_raw(*args)
+            self.ran += bool(done)
+            return done
+
+        return counted
+
+
+class _Declines:
+    """The native module, but its prefill kernel declines every call."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def attention_prefill_raw(self, *args):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _prefill_inputs(model, att, B, T, past, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    H, D = model.config.hidden_size, att.head_dim
+    Hkv = att.k_proj.out_features // D
+    h = torch.randn(B, T, H, generator=gen).bfloat16()
+    ang = torch.rand(B, T, D // 2, generator=gen) * 6
+    emb = torch.cat([ang, ang], -1)
+    k0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
+    v0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
+
+    def cache():
+        c = DynamicCache()
+        if past:
+            c.update(k0.clone(), v0.clone(), att.layer_idx)
+        return c
+
+    return h, (emb.cos().bfloat16(), emb.sin().bfloat16()), cache
+
+
+def _prefill_native(model) -> bool:
+    att = next(m for _, m in attention.find_attention(model, ""))
+    D = att.head_dim
+    return attention.prefill_kernel("auto", D, att.q_proj.out_features // D, att.k_proj.out_features // D)
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in {x.model_type for x in moe_families()}])
+def test_known_families_prefill_on_the_kernel_with_the_same_cache(model_type):
+    # a prompt (fresh cache, no mask: causal), a later chunk of one (cached positions and a bool
+    # mask; row 1 left-padded, its first query attending nothing), and no cache at all
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
+    model = build_tiny(model_type, dtype=torch.bfloat16).model
+    native = _prefill_native(model)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        found = rep.attention
+        assert found and rep.attention_prefill == (found if native else [])
+        assert rep.attention_prefill_math == attention.prefill_math("auto")
+        line = ("prefill calls: 2 of 2 with their attention on the native AVX512-BF16 kernel" if native
+                else "prefill calls: their own forward (prefill attention at this tier: ")
+        assert line in str(rep)
+        for name in found:
+            att = dict(model.named_modules())[name]
+            calls = _PrefillCalls(_runner(att))
+            for B, T, past, masked in ((2, 13, 0, False), (2, 30, 6, True), (1, 5, 0, False)):
+                h, pe, cache = _prefill_inputs(model, att, B, T, past, seed=T)
+                mask = None
+                if masked:
+                    mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)
+                    mask[1, :, :, :past + 1] = False
+                with torch.inference_mode():
+                    c_ours, c_own = (cache(), cache()) if T != 5 else (None, None)
+                    got, w = att(hidden_states=h, position_embeddings=pe, attention_mask=mask,
+                                 past_key_values=c_ours, position_ids=None, use_cache=True)
+                    want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=mask,
+                                                past_key_values=c_own)
+                assert w is None and got.shape == want.shape
+                if c_ours is not None:
+                    lo, lw = c_ours.layers[att.layer_idx], c_own.layers[att.layer_idx]
+                    assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
+                err = (got.float() - want.float()).abs().max()
+                assert err <= 2**-6 * want.float().abs().amax(), (model_type, B, T, past, float(err))
+                if masked:  # the query attending nothing: zeros through o_proj, as SDPA gives
+                    assert torch.equal(got[1, 0], want[1, 0])
+            assert (calls.calls, calls.ran) == ((3, 3) if native else (0, 0))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_prefill_switch_and_declined_calls_take_the_modules_own_forward(monkeypatch):
+    model = _olmoe()
+    if not _prefill_native(model):
+        pytest.skip("no native prefill attention on this CPU (AVX512-BF16 on an AMD CPU)")
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        att = model.model.layers[0].self_attn
+        runner = _runner(att)
+        calls = _PrefillCalls(runner)
+        h, pe, cache = _prefill_inputs(model, att, 2, 9, 0)
+        own = []
+        orig = runner.original
+
+        def counted(*a, **k):
+            own.append(1)
+            return orig(*a, **k)
+
+        runner.original = counted
+        monkeypatch.setattr(attention, "PREFILL", False)
+        with torch.inference_mode():
+            got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=cache())
+            want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=None,
+                                        past_key_values=cache())
+        assert torch.equal(got, want) and calls.calls == 0 and len(own) == 1
+        monkeypatch.setattr(attention, "PREFILL", True)
+        # a float mask, and a bool mask per head: the module's own forward
+        for mask in (torch.zeros(2, 1, 9, 9, dtype=torch.bfloat16), torch.ones(2, 4, 9, 9, dtype=torch.bool)):
+            with torch.inference_mode():
+                att(hidden_states=h, position_embeddings=pe, attention_mask=mask, past_key_values=cache())
+        assert calls.calls == 0 and len(own) == 3
+        # the kernel declining (here: told it cannot) leaves the attention to SDPA on the same inputs
+        monkeypatch.setattr(calls, "native", _Declines(calls.native))
+        with torch.inference_mode():
+            got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=cache())
+        assert calls.calls == 1 and calls.ran == 0 and len(own) == 3
+        assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("case", ["float32 model", "generic tier"])
+def test_prefill_kernel_not_taken_where_it_does_not_apply(case):
+    model = olmoe(layers=1, kv_heads=2, dtype=torch.bfloat16 if case == "generic tier" else torch.float32)
+    kwargs = {"isa": "generic"} if case == "generic tier" else {}
+    rep = hi_na_moe.enable_for_model(model, scope="all", **kwargs)
+    try:
+        assert rep.attention and rep.attention_prefill == []
+        assert "prefill calls: their own forward" in str(rep)
+        if case == "generic tier":
+            assert rep.attention_prefill_math.startswith("PyTorch's SDPA (a fallback:")
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -1036,6 +1036,32 @@ NB_MODULE(_native, m) {
         "attention_decode() with raw addresses and element strides, nothing checked (dtype: 0 float32, "
         "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride), for "
         "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+  m.def("attention_prefill_raw",
+        [](uintptr_t q, int64_t qs0, int64_t qs1, int64_t qs2, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+           int64_t S, int64_t D, uintptr_t k, int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0,
+           int64_t vs1, int64_t vs2, float scale, uintptr_t out, int num_threads, const std::string& isa,
+           uintptr_t mask, int64_t mask_bstride, int64_t mask_tstride) {
+          hina::AttnPrefillArgs a{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                                  reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out), B, T, Hq, Hkv, S, D,
+                                  {qs0, qs1, qs2}, {ks0, ks1, ks2}, {vs0, vs1, vs2}, scale,
+                                  reinterpret_cast<const uint8_t*>(mask), mask_bstride, mask_tstride};
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
+          nb::gil_scoped_release release;
+          return hina::attention_prefill(a, num_threads, tier);
+        },
+        "Prefill attention of bfloat16 q (row (b, t, h) at q + b*qs0 + t*qs1 + h*qs2 elements) over k, v "
+        "[B, Hkv, S, D] (element strides, the last dimension contiguous) into out [B, T, Hq, D] contiguous; "
+        "mask 0: causal from the first key (query t attends keys 0..t), else bool bytes at mask + b*mask_bstride "
+        "+ t*mask_tstride + j. Returns False, writing nothing, where the kernel does not apply (no AVX512-BF16, "
+        "a tier below avx512, an unsupported D). Raw addresses, nothing checked: for hi_na_moe.attention, "
+        "which checked the tensors itself. Wrong addresses crash.");
+  m.def("attention_prefill_supported",
+        [](int64_t D, int64_t Hq, int64_t Hkv, const std::string& isa) {
+          hina::AttnPrefillArgs a{};
+          a.D = D, a.Hq = Hq, a.Hkv = Hkv;
+          return hina::attention_prefill_supported(a, hina::resolve_isa(isa.c_str()));
+        },
+        "Whether attention_prefill_raw has a kernel for head size D and Hq/Hkv heads at tier isa on this CPU.");
   m.def("layer_decode_pre_raw",
         [](int dtype, int64_t B, int64_t H, uintptr_t x, uintptr_t ln1_w, float ln1_eps, const BoundForward& qkv,
            int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,

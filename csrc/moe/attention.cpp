@@ -13,6 +13,7 @@ namespace hina {
 namespace detail {
 void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
 void attention_decode_avx2(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
+bool attention_prefill_avx512bf16(const AttnPrefillArgs& a, int num_threads);
 }  // namespace detail
 
 namespace {
@@ -78,6 +79,27 @@ void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
   const int n = static_cast<int>(std::min<int64_t>({num_threads, rows, std::max<int64_t>(1, macs / kParallelMacs)}));
   if (n <= 1) return part(0, rows);
   ThreadPool::global().run(n, [&](int tid, int nt) { part(rows * tid / nt, rows * (tid + 1) / nt); });
+}
+
+bool attention_prefill_supported(const AttnPrefillArgs& a, Isa isa) {
+#if defined(HINA_HAVE_X86_KERNELS)
+  return (isa == Isa::kAvx512 || isa == Isa::kAmx) && cpu_features().avx512bf16 && a.D % 16 == 0 && a.D >= 16 &&
+         a.D <= 256 && a.Hkv > 0 && a.Hq % a.Hkv == 0;
+#else
+  (void)a, (void)isa;
+  return false;
+#endif
+}
+
+bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa) {
+  if (!attention_prefill_supported(a, isa)) return false;
+  if (a.B <= 0 || a.T <= 0 || a.Hq <= 0) return true;
+  if (num_threads <= 0) num_threads = default_num_threads();
+#if defined(HINA_HAVE_X86_KERNELS)
+  return detail::attention_prefill_avx512bf16(a, num_threads);
+#else
+  return false;
+#endif
 }
 
 }  // namespace hina

@@ -1511,6 +1511,94 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
   }
 }
 
+// attention_prefill (bf16, AVX512-BF16 dot products) against a double-precision softmax
+// attention: causal without a mask (query t attends keys 0..t) and with a bool mask (a chunk after
+// `past` cached positions, batch row 1 left-padded so that its first query attends nothing: zeros,
+// as SDPA gives); query rows read through a padded row stride, keys and values through a longer
+// cache buffer; row counts around the kernel's blocks of 12 and 24 query rows and 32 keys,
+// grouped-query heads, head sizes from 16 to 256; 1 and 2 threads. Tiers without the kernel
+// must decline and write nothing.
+void test_attention_prefill(const std::vector<Isa>& tiers) {
+  if (!selected("attention")) return;
+  std::mt19937 rng(11);
+  const DType dt = DType::kBF16;
+  std::vector<Isa> all = tiers;
+  all.insert(all.begin(), Isa::kGeneric);
+  for (int64_t D : {16, 48, 128, 256}) {
+    for (int64_t T : {1, 5, 12, 13, 24, 25, 40, 70}) {
+      for (int64_t past : {0, 7, 33}) {
+        for (const bool masked : {false, true}) {
+          if (!masked && past) continue;  // no mask: keys [0, T) of the cache, as transformers asks
+          const int64_t B = 2, Hq = 4, Hkv = 2, S = past + T, Smax = S + 3, qrow = Hq * D + 8;
+          const auto q = random_array(dt, B * T * qrow, 1.0f, rng);
+          const auto k = random_array(dt, B * Hkv * Smax * D, 2.0f, rng);
+          const auto v = random_array(dt, B * Hkv * Smax * D, 1.0f, rng);
+          const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+          std::vector<uint8_t> mask(static_cast<size_t>(B * T * S), 0);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t j = 0; j <= past + t; ++j) mask[(b * T + t) * S + j] = b == 0 || j > past;
+          auto attended = [&](int64_t b, int64_t t, int64_t j) {
+            return masked ? mask[(b * T + t) * S + j] != 0 : j <= t;
+          };
+          std::vector<double> ref(static_cast<size_t>(B * T * Hq * D), 0.0);
+          double rmax = 0;
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t h = 0; h < Hq; ++h) {
+                const int64_t base = (b * Hkv + h / (Hq / Hkv)) * Smax * D, qo = (b * T + t) * qrow + h * D;
+                std::vector<double> sc(static_cast<size_t>(S), 0.0);
+                double mx = -1e300, sum = 0;
+                for (int64_t j = 0; j < S; ++j) {
+                  if (!attended(b, t, j)) continue;
+                  double d = 0;
+                  for (int64_t i = 0; i < D; ++i)
+                    d += double(load_elem(dt, q.data(), qo + i)) * load_elem(dt, k.data(), base + j * D + i);
+                  mx = std::max(mx, sc[j] = d * scale);
+                }
+                for (int64_t j = 0; j < S; ++j)
+                  if (attended(b, t, j)) sum += (sc[j] = std::exp(sc[j] - mx));
+                for (int64_t i = 0; i < D && sum > 0; ++i) {
+                  double o = 0;
+                  for (int64_t j = 0; j < S; ++j)
+                    if (attended(b, t, j)) o += sc[j] * load_elem(dt, v.data(), base + j * D + i);
+                  ref[((b * T + t) * Hq + h) * D + i] = o / sum;
+                  rmax = std::max(rmax, std::fabs(o / sum));
+                }
+              }
+          for (Isa isa : all) {
+            for (int threads : {1, 2}) {
+              std::vector<uint8_t> out(static_cast<size_t>(B * T * Hq * D) * 2, 0xff);
+              AttnPrefillArgs a{q.data(), k.data(), v.data(), out.data(), B, T, Hq, Hkv, S, D,
+                                {T * qrow, qrow, D}, {Hkv * Smax * D, Smax * D, D}, {Hkv * Smax * D, Smax * D, D},
+                                scale, masked ? mask.data() : nullptr, T * S, S};
+              const std::string what = std::string("attention_prefill ") + isa_name(isa) + (masked ? " masked" : "") +
+                                       " D=" + std::to_string(D) + " T=" + std::to_string(T) + " past=" +
+                                       std::to_string(past) + " threads=" + std::to_string(threads);
+              const bool expect = attention_prefill_supported(a, isa);
+              if (expect != ((isa == Isa::kAvx512 || isa == Isa::kAmx) && cpu_features().avx512bf16)) {
+                report(false, what + ": attention_prefill_supported disagrees with the tier and the CPU");
+                continue;
+              }
+              const bool ran = attention_prefill(a, threads, isa);
+              if (!ran) {
+                report(!expect && std::all_of(out.begin(), out.end(), [](uint8_t c) { return c == 0xff; }),
+                       what + ": declined, nothing written");
+                continue;
+              }
+              double worst = 0;
+              for (size_t i = 0; i < ref.size(); ++i)
+                worst = std::max(worst, std::fabs(double(load_elem(dt, out.data(), int64_t(i))) - ref[i]) / rmax);
+              note("attention_prefill bf16", worst);
+              report(expect && worst <= 1.0 / 128, what + ": err " + std::to_string(worst));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--every") == 0 && a + 1 < argc) {
@@ -1565,6 +1653,7 @@ int main(int argc, char** argv) {
   test_add_rms_norm();
   test_gated_mlp(all);
   test_attention_decode(tiers);
+  test_attention_prefill(tiers);
   test_fork_child();
   for (const auto& kv : g_worst)
     std::printf("worst %-48s %-9.3g (%d runs)\n", kv.first.c_str(), kv.second, g_compared[kv.first]);

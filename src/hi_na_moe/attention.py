@@ -11,8 +11,11 @@ the rotary embedding of q and k, the cache update (in place for a DynamicCache: 
 one native call for the attention (AVX-512 build; AVX2 build up to 512
 cached positions; elsewhere PyTorch's SDPA, faster there on Intel, and the report says which;
 on AMD CPUs, where SDPA measured 2.5-25x slower, the native kernel at every tier), and
-the module's own o_proj. Everything else (prefill, masks, training, attention weights asked for,
-unknown arguments) is the module's own forward.
+the module's own o_proj. A prefill call of a bfloat16 model (several new tokens; no mask, or a
+bool one) runs the same way with the attention on the native prefill kernel (bfloat16 dot
+products: CPUs with AVX512-BF16 at the avx512/amx tiers, on AMD CPUs, where SDPA measured
+0.3-0.5x its speed; elsewhere SDPA; see prefill_math). Everything else (float masks, training,
+attention weights asked for, unknown arguments) is the module's own forward.
 
 Which modules: a class named *Attention with q_proj, k_proj, v_proj and o_proj, an integer
 head_dim, layer_idx and num_key_value_groups, a float scaling, and the model's attention
@@ -62,6 +65,52 @@ def kernel_tiers() -> dict[str, tuple[str, int | None]]:
     except Exception:  # no native library: nothing runs the kernel anyway
         vendor = ""
     return AMD_TIERS if vendor == "AuthenticAMD" else INTEL_TIERS
+
+
+# Prefill attention (more than one new token) of bfloat16 models: the native kernel
+# (csrc/kernels/avx512/attention_prefill_avx512bf16.cpp) needs AVX512-BF16 and the avx512/amx
+# tier. It is taken on the vendors below: on the AMD EPYC of session 14 SDPA took 1.9-3.5x
+# its time at 512-4096 tokens (benchmarks/bench_prefill_attention.py, RESULTS.md). Intel CPUs
+# with AVX512-BF16 have AMX as well, which SDPA's CPU kernel may use: unmeasured against it, so
+# SDPA there.
+PREFILL_VENDORS = frozenset({"AuthenticAMD"})
+# False: prefill calls take the modules' own forward (for A/B measurements and as a way out)
+PREFILL = True
+
+
+@functools.cache
+def _vendor() -> str:
+    from .hardware import native_module
+
+    try:
+        return native_module()[0].cpu_features()["vendor"]
+    except Exception:
+        return ""
+
+
+def prefill_kernel(isa: str, D: int, Hq: int, Hkv: int) -> bool:
+    """Whether prefill attention of a bfloat16 model with these heads runs on the native kernel."""
+    from .hardware import native_module
+
+    native = native_module()[0]
+    return (native is not None and _vendor() in PREFILL_VENDORS
+            and bool(native.attention_prefill_supported(D, Hq, Hkv, isa)))
+
+
+def prefill_math(isa: str) -> str:
+    """What computes the attention of prefill calls at tier `isa` (for the report and `check`)."""
+    from .hardware import native_module
+
+    native = native_module()[0]
+    if native is None:
+        return "PyTorch's SDPA (no native library)"
+    if not native.attention_prefill_supported(128, 1, 1, isa):
+        why = ("this CPU has no AVX512-BF16" if not native.cpu_features().get("avx512bf16")
+               else f"the kernel runs at the avx512/amx tiers, not {isa}")
+        return f"PyTorch's SDPA (a fallback: {why})"
+    if _vendor() not in PREFILL_VENDORS:
+        return "PyTorch's SDPA (the native AVX512-BF16 kernel is measured faster on AMD CPUs only)"
+    return "the native AVX512-BF16 kernel for bfloat16 models (head sizes multiple of 16), PyTorch's SDPA otherwise"
 
 
 def math_kernel(isa: str) -> str:
@@ -123,6 +172,8 @@ class NativeAttention:
         self.dtype = module.o_proj.weight.dtype
         self.form: str | None = None
         self.clip = getattr(getattr(module, "config", None), "clip_qkv", None)
+        # prefill calls on the native kernel (prefill_kernel), once the probe saw them match
+        self.prefill = False
 
     # -- the decode path ----------------------------------------------------------------------
     def _project(self, m: nn.Module, h: torch.Tensor, form: str, B: int, direct=None):
@@ -193,14 +244,60 @@ class NativeAttention:
                                            scale=m.scaling, enable_gqa=self.Hq != self.Hkv)
         out.copy_(o.transpose(1, 2).reshape(B, 1, -1))
 
+    # -- the prefill path ---------------------------------------------------------------------
+    def _prefill(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                 mask: torch.Tensor | None = None):
+        """(output, None) of a call with T > 1 new tokens per row (bfloat16): the decode path's
+        projections, rotary embedding and cache update over B T rows, the attention on the
+        native prefill kernel (SDPA where it declines)."""
+        B, T = h.shape[:2]
+        code = _DTYPE_CODES[self.dtype]
+        q, k, v = self._project(m, h.reshape(B * T, 1, self.hidden), form, B * T)
+        cos = cos.reshape(-1, T, self.D).expand(B, T, self.D).reshape(B * T, self.D).contiguous()
+        sin = sin.reshape(-1, T, self.D).expand(B, T, self.D).reshape(B * T, self.D).contiguous()
+        qr, kr = torch.empty_like(q), torch.empty_like(k)
+        rope = self.native.rope_rotate_half_raw
+        rope(q.data_ptr(), B * T, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code)
+        rope(k.data_ptr(), B * T, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code)
+        keys = kr.view(B, T, self.Hkv, self.D).transpose(1, 2)  # [B, Hkv, T, D], as the module's
+        values = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
+        if cache is not None:
+            keys, values = kv_cache.append(cache, m.layer_idx, keys, values)
+        out = torch.empty(B, T, self.Hq * self.D, dtype=self.dtype)
+        done = False
+        if (type(keys) is torch.Tensor and type(values) is torch.Tensor and keys.dtype is self.dtype
+                and values.dtype is self.dtype and keys.dim() == 4 and keys.shape == values.shape
+                and keys.shape[:2] == (B, self.Hkv) and keys.shape[3] == self.D and keys.stride(3) == 1
+                and values.stride(3) == 1 and keys.is_cpu and values.is_cpu and not keys.is_neg()
+                and not values.is_neg() and (mask is None or mask.shape[-1] == keys.shape[2])
+                and (mask is not None or keys.shape[2] >= T)):
+            ks, vs = keys.stride(), values.stride()
+            mb = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+            done = self.native.attention_prefill_raw(
+                qr.data_ptr(), T * self.Hq * self.D, self.Hq * self.D, self.D, B, T, self.Hq, self.Hkv,
+                keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2], values.data_ptr(), vs[0], vs[1], vs[2],
+                m.scaling, out.data_ptr(), self.threads or torch.get_num_threads(), self.isa,
+                0 if mask is None else mask.data_ptr(), mb, 0 if mask is None else mask.stride(2))
+        if not done:  # what transformers' SDPA call computes (no mask: causal over the first T keys)
+            if mask is None:
+                keys, values = keys[:, :, :T], values[:, :, :T]
+            o = F.scaled_dot_product_attention(qr.view(B, T, self.Hq, self.D).transpose(1, 2), keys, values,
+                                               attn_mask=mask, is_causal=mask is None, scale=m.scaling,
+                                               enable_gqa=self.Hq != self.Hkv)
+            out.copy_(o.transpose(1, 2).reshape(B, T, -1))
+        return m.o_proj(out), None
+
     def forward(self, module: nn.Module, *args, **kwargs):
-        fast = self._fast_args(module, args, kwargs)
+        fast = self._fast_args(module, args, kwargs, prefill=True)
         if fast is None:
             return self.original(*args, **kwargs)
-        return self._decode(module, self.form, *fast)
+        if fast[0].shape[1] == 1:
+            return self._decode(module, self.form, *fast)
+        return self._prefill(module, self.form, *fast)
 
-    def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict):
-        """(hidden, cos, sin, cache, mask) when this call is a plain decode step, else None."""
+    def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict, prefill: bool = False):
+        """(hidden, cos, sin, cache, mask) when this call is a plain decode step, or with
+        `prefill` a prefill call the native prefill kernel takes (self.prefill), else None."""
         if module.training or len(args) > 4:
             return None
         names = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
@@ -215,17 +312,19 @@ class NativeAttention:
         h, pe, mask = got.get("hidden_states"), got.get("position_embeddings"), got.get("attention_mask")
         if not isinstance(pe, tuple) or len(pe) != 2:
             return None
-        if (type(h) is not torch.Tensor or h.dim() != 3 or h.shape[1] != 1 or h.shape[0] > _MAX_BATCH
-                or h.shape[2] != self.hidden or h.dtype is not self.dtype or not h.is_cpu or h.requires_grad):
+        if (type(h) is not torch.Tensor or h.dim() != 3 or h.shape[2] != self.hidden or h.dtype is not self.dtype
+                or not h.is_cpu or h.requires_grad):
             return None
-        B = h.shape[0]
+        B, T = h.shape[:2]
+        if T == 1 and B > _MAX_BATCH or T > 1 and not (prefill and self.prefill and PREFILL) or T < 1:
+            return None
         if mask is not None and (type(mask) is not torch.Tensor or mask.dtype is not torch.bool or mask.dim() != 4
-                                 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != 1
+                                 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != T
                                  or mask.stride(3) != 1 or not mask.is_cpu):
             return None  # a float or per-head mask: the module's own forward
         cos, sin = pe
         for t in (cos, sin):
-            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() not in (B * self.D, self.D)
+            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() not in (B * T * self.D, T * self.D)
                     or not t.is_cpu
                     or t.is_neg() or t.shape[-1] != self.D):
                 return None
@@ -277,8 +376,53 @@ class NativeAttention:
                 tol = _OUT_RTOL[self.dtype] * want[0].float().abs().amax()
                 if got.shape == want[0].shape and bool(((got.float() - want[0].float()).abs() <= tol).all()):
                     self.form = form
+                    self.prefill = (self.dtype is torch.bfloat16
+                                    and prefill_kernel(self.isa, self.D, self.Hq, self.Hkv)
+                                    and self._prefill_matches(form, gen))
                     return True
         return False
+
+    def _prefill_matches(self, form: str, gen: torch.Generator) -> bool:
+        """Whether the prefill path computes what the module's own forward does: keys and values
+        appended bit for bit, the output within rounding; on a fresh cache with no mask (causal:
+        what transformers passes for a prompt) and on a cache holding a few positions with a bool
+        mask (a later chunk of a prompt; the second row left-padded, its first query attending
+        nothing)."""
+        from transformers import DynamicCache
+
+        m = self.module
+        B, past, T = 2, 5, 7
+        h = torch.randn(B, T, self.hidden, generator=gen).to(self.dtype)
+        ang = torch.rand(B, T, self.D // 2, generator=gen) * 6.3
+        emb = torch.cat([ang, ang], dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        k0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
+        v0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
+        mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)
+        mask[1, :, :, :past + 1] = False
+        for with_past in (False, True):
+            caches = []
+            for _ in range(2):
+                c = DynamicCache()
+                if with_past:
+                    c.update(k0.clone(), v0.clone(), m.layer_idx)
+                caches.append(c)
+            mk = mask if with_past else None
+            try:
+                want = self.original(hidden_states=h, position_embeddings=(cos, sin), attention_mask=mk,
+                                     past_key_values=caches[0])
+                got, _ = self._prefill(m, form, h, cos, sin, caches[1], mk)
+            except Exception:
+                return False
+            if not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor) or got.shape != want[0].shape:
+                return False
+            a, b = caches[0].layers[m.layer_idx], caches[1].layers[m.layer_idx]
+            if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
+                return False
+            tol = _OUT_RTOL[self.dtype] * want[0].float().abs().amax()
+            if not bool(((got.float() - want[0].float()).abs() <= tol).all()):
+                return False
+        return True
 
     def restore(self) -> None:  # nothing of the module was touched but its forward
         pass

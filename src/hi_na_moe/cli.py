@@ -136,6 +136,8 @@ def cmd_check(args) -> int:
         print(f"  weight-stream prefetch: {cap['prefetch']}")
     if cap.get("attention"):
         print(f"  attention of decode steps (scope=\"all\"): {cap['attention']}")
+    if cap.get("attention_prefill"):
+        print(f"  attention of prefill (scope=\"all\"): {cap['attention_prefill']}")
     if cap.get("note"):
         print(f"  note: {cap['note']}")
     c = sysi["cores"]
@@ -561,8 +563,6 @@ def cmd_debug(args) -> int:
     return 0 if ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hi-na-moe", description=__doc__.splitlines()[0])
 # ---------------------------------------------------------------------------------------------
 # cache: what the packed-expert store holds, and removing it
 
@@ -911,6 +911,8 @@ def _print_skipped(skipped) -> None:
         print(f"  skipped {f.file} (key {f.key[:12]}): {why}")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hi-na-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("check", help="what this CPU supports, and what hi_na_moe would do with a model")
     p.add_argument("--model", help="a local model directory to plan for: built on the meta device from its "
@@ -969,8 +971,6 @@ def _print_skipped(skipped) -> None:
                    help="reduced workload (1 layer, few iterations): for CI, seconds instead of minutes")
     p.add_argument("--skip-workload", action="store_true", help="only the generation part")
     p.set_defaults(func=cmd_demo)
-    return parser
-
     p = sub.add_parser("cache", help="see and remove the packed-expert store's entries (int8/int4/backups on disk)")
     csub = p.add_subparsers(dest="cache_command", required=True)
     c = csub.add_parser("list", help="one row per key directory: format, tier, layout, entries, size, last change")
@@ -995,6 +995,8 @@ def _print_skipped(skipped) -> None:
     c.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation (needed without a terminal)")
     c.add_argument("--output", choices=("text", "json"), default="text")
     c.set_defaults(func=cmd_cache_clear)
+    return parser
+
 
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError

@@ -54,9 +54,10 @@ def capabilities(config: Any = None) -> dict[str, Any]:
     info["kernels"] = kernel_plan(cfg)
     info["pool"] = pool_description(cfg.pool)
     info["prefetch"] = prefetch_description()
-    from .attention import math_kernel
+    from .attention import math_kernel, prefill_math
 
     info["attention"] = math_kernel(info["selected_isa"])
+    info["attention_prefill"] = prefill_math(info["selected_isa"])
     return info
 
 

@@ -235,6 +235,10 @@ class EnableReport:
     attention: list = field(default_factory=list)
     attention_differ: list = field(default_factory=list)
     attention_math: str | None = None  # what computes their attention (attention.math_kernel)
+    # of those, the modules whose prefill calls run on the native prefill kernel, and what
+    # computes prefill attention at this tier (attention.prefill_math)
+    attention_prefill: list = field(default_factory=list)
+    attention_prefill_math: str | None = None
     # scope="all": the gated MLP modules (shared experts, dense MLPs) whose decode calls are one
     # native call (hi_na_moe.mlp), and the candidates whose probe did not match
     mlps: list = field(default_factory=list)
@@ -283,6 +287,8 @@ class EnableReport:
             "stacks_loop_only": dict(self.stacks_loop_only),
             "stacks_rotary_module": dict(self.stacks_rotary_module),
             "attention_math": self.attention_math,
+            "attention_prefill": list(self.attention_prefill),
+            "attention_prefill_math": self.attention_prefill_math,
         }
 
     def to_json(self) -> str:
@@ -353,6 +359,11 @@ class EnableReport:
                     f"{self.attention_differ[0]})" if self.attention_differ else "")
             math = f" (attention math: {self.attention_math})" if self.attention_math else ""
             lines.append(f"  attention modules with decode steps on the native kernels: {len(self.attention)}{math}{left}")
+            if self.attention:
+                pre = (f"{len(self.attention_prefill)} of {len(self.attention)} with their attention on the native "
+                       "AVX512-BF16 kernel" if self.attention_prefill
+                       else f"their own forward (prefill attention at this tier: {self.attention_prefill_math})")
+                lines.append(f"    prefill calls: {pre}")
         if not self.dry_run and (self.mlps or self.mlps_differ):
             left = (f"; {len(self.mlps_differ)} take their own forward (a projection not on the dense kernels, "
                     f"an activation other than SiLU, or their probe differed, e.g. {self.mlps_differ[0]})"
@@ -679,9 +690,12 @@ def enable_for_model(
                     if why is not None:
                         report.stacks_rotary_module[name] = why
                 if report.attention:
-                    from .attention import math_kernel
+                    from .attention import math_kernel, prefill_math
 
                     report.attention_math = math_kernel(ops._isa_name(cfg))
+                    report.attention_prefill = [n for n in report.attention
+                                                if getattr(patched_runner(mods[n]), "prefill", False)]
+                    report.attention_prefill_math = prefill_math(ops._isa_name(cfg))
         except BaseException:
             # leave the model exactly as it was (a block that cannot be restored stays enabled,
             # so that disable_for_model can be tried again)

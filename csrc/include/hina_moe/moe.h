@@ -344,6 +344,33 @@ struct AttnDecodeArgs {
 // AVX2; others: the baseline build).
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa);
 
+// Attention of T query rows per (batch, head) over S cached keys/values, bfloat16 in and out
+// (see csrc/kernels/avx512/attention_prefill_avx512bf16.cpp): the prefill counterpart of
+// attention_decode, float32 sums and softmax, the probabilities rounded to bfloat16 for p . v.
+struct AttnPrefillArgs {
+  const void* q;  // row (b, t, h) at q + b*q_strides[0] + t*q_strides[1] + h*q_strides[2], D contiguous
+  const void* k;  // element (b, h, s, d) at k[b*k_strides[0] + h*k_strides[1] + s*k_strides[2] + d]
+  const void* v;  // likewise with v_strides
+  void* out;      // [B, T, Hq, D] contiguous
+  int64_t B, T, Hq, Hkv, S, D;
+  int64_t q_strides[3], k_strides[3], v_strides[3];
+  float scale;  // applied to q . k before the softmax
+  // No mask: query t attends keys 0..t (causal from the first key, what SDPA's is_causal does
+  // and what transformers asks for when it passes no mask; keys from T on are not read). A mask:
+  // query t of batch row b attends key j iff mask[b*mask_bstride + t*mask_tstride + j] != 0 (a
+  // bool mask [B or 1, 1, T, S]; mask_bstride 0 broadcasts one over the batch). A query row
+  // attending no key gives zeros, as SDPA does (unlike attention_decode).
+  const uint8_t* mask = nullptr;
+  int64_t mask_bstride = 0, mask_tstride = 0;
+};
+// Whether attention_prefill has a kernel for these arguments at tier isa on this CPU: bfloat16
+// dot products (AVX512-BF16) at the avx512/amx tiers, D a multiple of 16 up to 256, Hq a
+// multiple of Hkv.
+bool attention_prefill_supported(const AttnPrefillArgs& a, Isa isa);
+// Runs it on num_threads (0: every hardware thread); returns false (nothing written) when
+// attention_prefill_supported is false.
+bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa);
+
 // A MoE router's selection from its logits (csrc/moe/router.cpp), per row of E logits:
 //   kSoftmaxTopk: p = softmax(float32(logits)); the k largest p (values and indices), then
 //                 optionally w = top / sum(top) (renorm);
