@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hi_na_moe.cli import main
-from hi_na_moe.store import ENTRY_SUFFIX, PackedStore, encode_name, entry_key
+from hi_na_moe.cli import NO_SOURCE, main
+from hi_na_moe.store import ENTRY_SUFFIX, PackedStore, encode_name, entry_key, recording_source
 
 
 # metadata as ops.py / dense.py write it: native.header_info(...) fields, the packed header (hex),
@@ -137,6 +137,41 @@ def test_list_text_rows_totals_and_problems(store, capsys):
     assert "notes.txt: not a store file, left alone" in out
     assert "1 file in key directories; 1 name beside them (my-stuff)" in out
     assert "cache clear --stale" in out
+
+
+def test_entries_record_their_source_and_clear_selects_by_it(tmp_path, capsys):
+    # two models' entries (written inside recording_source, as enable_for_model and
+    # from_pretrained write them) and one written before sources were recorded
+    s = PackedStore(tmp_path / "store")
+    ckpt = tmp_path / "ckpt-a"
+    ckpt.mkdir()
+    with recording_source(str(ckpt.resolve())):
+        s.write(K_INT4_0, L0, experts_meta("int4", "avx512", L0, 64), {"block": bytes(5000)})
+        s.write(K_INT4_1, L1, experts_meta("int4", "avx512", L1, 64), {"block": bytes(6000)})
+    with recording_source("OlmoeForCausalLM (in memory)"):
+        s.write(K_INT8, L0, experts_meta("int8", "avx2", L0), {"block": bytes(9000)})
+        # metadata naming a source already keeps it
+        s.write(K_LINEAR, Q, {**linear_meta("int8", "avx2", Q), "source": "given"}, {"block": bytes(3000)})
+    s.write(K_BACKUP, L0 + ".original", experts_meta("lossless", "avx512", L0 + ".original"), {"block": bytes(20000)})
+    assert s.open(K_INT4_0, L0).meta["source"] == str(ckpt.resolve())
+    assert "source" not in s.open(K_BACKUP, L0 + ".original").meta
+    rc, out, _ = run(["cache", "list", "--cache-dir", str(s.root)], capsys)
+    assert rc == 0
+    by_source = out.split("by source")[1]
+    assert f"    {ckpt.resolve()}: 2 keys, " in by_source and "(int4; tier avx512)" in by_source
+    assert "    OlmoeForCausalLM (in memory): 1 key, " in by_source and "    given: 1 key, " in by_source
+    assert f"    {NO_SOURCE}: 1 key, " in by_source
+    rc, out, _ = run(["cache", "list", "--cache-dir", str(s.root), "--output", "json"], capsys)
+    src = json.loads(out)["total"]["by_source"]
+    assert src[str(ckpt.resolve())]["keys"] == 2 and src[str(ckpt.resolve())]["formats"] == ["int4"]
+    # --source takes the path as given (here relative to the working directory) or absolute
+    os.chdir(tmp_path)
+    rc, out, _ = run(["cache", "clear", "--cache-dir", str(s.root), "--source", "ckpt-a", "--yes"], capsys)
+    assert rc == 0 and "removed 2 files" in out
+    assert not (s.root / K_INT4_0).exists() and not (s.root / K_INT4_1).exists()
+    assert (s.root / K_INT8).exists() and (s.root / K_LINEAR).exists() and (s.root / K_BACKUP).exists()
+    rc, out, _ = run(["cache", "clear", "--cache-dir", str(s.root), "--source", "nowhere", "--yes"], capsys)
+    assert rc == 0 and "nothing to clear" in out and "sources in the store: " in out and "given" in out
 
 
 def test_list_json(store, capsys):
@@ -369,8 +404,8 @@ def test_delete_skips_a_file_rewritten_since_the_summary_and_refuses_foreign_fil
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["cache", "clear"], "cache clear needs a filter saying what to remove: --key KEY, --format F, --tier T, "
-                         "--stale, or --all"),
+    (["cache", "clear"], "cache clear needs a filter saying what to remove: --key KEY, --source S, --format F, "
+                         "--tier T, --stale, or --all"),
     (["cache", "clear", "--all", "--format", "int4"], "--all removes every store file; it cannot be combined"),
     (["cache", "clear", "--key", "0123456789abcdef0"], "--key '0123456789abcdef0' matches no key directory in the "
                                                        "store (7 keys there)"),

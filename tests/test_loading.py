@@ -120,6 +120,28 @@ def test_config_keys_as_keyword_arguments(tmp_path):
         hi_na_moe.from_pretrained(path, scope="everything", progress=False)
 
 
+def test_store_entries_record_what_they_were_built_from(tmp_path):
+    # `hi-na-moe cache list` groups keys by it: the checkpoint's absolute path for from_pretrained,
+    # the model's name_or_path (or its class, built in memory) for enable_for_model
+    from hi_na_moe.store import PackedStore
+
+    path, _ = _checkpoint("olmoe", tmp_path)
+    a, b, c = (tmp_path / n for n in ("store-a", "store-b", "store-c"))
+    model = hi_na_moe.from_pretrained(path, weights="int8", dtype=torch.bfloat16, progress=False, cache_dir=str(a))
+    hi_na_moe.disable_for_model(model)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hi_na_moe.enable_for_model(model, weights="int8", cache_dir=str(b))
+    hi_na_moe.disable_for_model(model)
+    built = build_tiny("olmoe", torch.bfloat16).model
+    hi_na_moe.enable_for_model(built, weights="int8", cache_dir=str(c))
+    hi_na_moe.disable_for_model(built)
+    for root, want in ((a, str(path.resolve())), (b, str(path)), (c, "OlmoeForCausalLM (in memory)")):
+        store = PackedStore(root)
+        infos = store.entries()
+        assert infos, root
+        assert {store.open(i.key, i.name).meta.get("source") for i in infos} == {want}, root
+
+
 def test_bad_input_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json and \\*.safetensors"):
         hi_na_moe.from_pretrained(tmp_path / "nothing-here")

@@ -632,8 +632,16 @@ def cache_report(store, verify: str = "header") -> dict:
         })
     # related keys together: by what they hold (layer order), then format and tier; the key
     # digests themselves order nothing
-    keys.sort(key=lambda k: (_natural(k["names"][0]) if k["names"] else [(2, "")], [str(v) for v in k["format"]],
-                             [str(v) for v in k["tier"]], k["key"]))
+    keys.sort(key=lambda k: ([str(v) for v in k["source"]], _natural(k["names"][0]) if k["names"] else [(2, "")],
+                             [str(v) for v in k["format"]], [str(v) for v in k["tier"]], k["key"]))
+    by_source: dict[str, dict] = {}  # which model the keys belong to, as far as the entries record it
+    for k in keys:
+        for src in k["source"] or ([NO_SOURCE] if k["entries"] > k["unreadable"] else []):
+            slot = by_source.setdefault(src, {"keys": 0, "size_bytes": 0, "formats": set(), "tiers": set()})
+            slot["keys"] += 1
+            slot["size_bytes"] += k["size_bytes"]
+            slot["formats"].update(str(v) for v in k["format"])
+            slot["tiers"].update(str(v) for v in k["tier"])
     by_format: dict[str, dict] = {}  # what `cache clear --format F` would free, roughly
     for k in keys:
         fmt = ",".join(str(v) for v in k["format"]) or ("unreadable" if k["entries"] else "empty")
@@ -651,8 +659,14 @@ def cache_report(store, verify: str = "header") -> dict:
                   "tmp_files": len(tmp), "tmp_bytes": sum(f["size_bytes"] for f in tmp),
                   "tmp_in_use": sum(f["status"] == "in use" for f in tmp),
                   "other_files": sum(f["kind"] == "other" for f in files), "other_in_root": foreign,
-                  "by_format": dict(sorted(by_format.items()))},
+                  "by_format": dict(sorted(by_format.items())),
+                  "by_source": {src: {**v, "formats": sorted(v["formats"]), "tiers": sorted(v["tiers"]),
+                                      "size": _human(v["size_bytes"])} for src, v in sorted(by_source.items())}},
     }
+
+
+# what `cache list` says of entries written before the store recorded their source
+NO_SOURCE = "(not recorded: written before hi_na_moe kept it)"
 
 
 def _natural(text: str) -> list[tuple[int, object]]:
@@ -710,6 +724,11 @@ def _print_cache_report(rep: dict) -> None:
         if t["tmp_in_use"]:
             line += f", {t['tmp_in_use']} of a write in progress"
     print(line)
+    if t["by_source"]:
+        print("  by source (the checkpoint or model the entries were built from):")
+        for src, v in t["by_source"].items():
+            print(f"    {src}: {_n(v['keys'], 'key')}, {v['size']} ({', '.join(v['formats']) or '?'}; "
+                  f"tier {', '.join(v['tiers']) or '?'})")
     if len(t["by_format"]) > 1:
         print("  by format: " + ", ".join(f"{fmt} {_human(v['size_bytes'])} ({_n(v['keys'], 'key')})"
                                           for fmt, v in t["by_format"].items()))
@@ -744,7 +763,7 @@ def cmd_cache_list(args) -> int:
     return 0
 
 
-CLEAR_FILTERS = "--key KEY, --format F, --tier T, --stale, or --all"
+CLEAR_FILTERS = "--key KEY, --source S, --format F, --tier T, --stale, or --all"
 
 
 def resolve_key(summaries, prefix: str) -> str:
@@ -765,8 +784,15 @@ def resolve_key(summaries, prefix: str) -> str:
     return found[0]
 
 
+def _same_source(recorded, wanted: str) -> bool:
+    """Whether an entry's recorded source is `wanted` (as given, or as an absolute path)."""
+    if recorded is None:
+        return False
+    return str(recorded) in (wanted, str(Path(wanted).expanduser().resolve()))
+
+
 def select_for_clear(summaries, key: str | None = None, format: str | None = None, tier: str | None = None,
-                     stale: bool = False, all: bool = False) -> list:
+                     stale: bool = False, all: bool = False, source: str | None = None) -> list:
     """The store files `cache clear` with these filters removes (store.StoreFile, from
     `PackedStore.summary`). Filters combine (and). `all`: every store file. A key alone: all of
     its files. `stale`: entries that are not readable (corrupt, another store format version,
@@ -779,7 +805,7 @@ def select_for_clear(summaries, key: str | None = None, format: str | None = Non
     for s in summaries:
         if key is not None and s.key != key:
             continue
-        if not (format or tier or stale):  # a key alone: the whole key directory
+        if not (format or tier or stale or source):  # a key alone: the whole key directory
             chosen += [f for f in s.files if f.kind != "other"]
             continue
         for f in s.entries:
@@ -789,8 +815,10 @@ def select_for_clear(summaries, key: str | None = None, format: str | None = Non
                 continue
             if tier and f.meta_value("tier") != tier:
                 continue
+            if source and not _same_source(f.meta_value("source"), source):
+                continue
             chosen.append(f)
-        if stale and not (format or tier):
+        if stale and not (format or tier or source):
             have = {f.file for f in s.entries}
             chosen += [f for f in s.files if f.kind == "tmp"
                        or (f.kind == "lock" and f.file[: -len(".lock")] not in have)]
@@ -798,7 +826,8 @@ def select_for_clear(summaries, key: str | None = None, format: str | None = Non
 
 
 def _filters_text(args) -> str:
-    parts = [f"--key {args.key}" if args.key else "", f"--format {args.format}" if args.format else "",
+    parts = [f"--key {args.key}" if args.key else "", f"--source {args.source}" if args.source else "",
+             f"--format {args.format}" if args.format else "",
              f"--tier {args.tier}" if args.tier else "", "--stale" if args.stale else "", "--all" if args.all else ""]
     return " ".join(p for p in parts if p)
 
@@ -812,11 +841,12 @@ def _confirm(prompt: str) -> bool:
 def cmd_cache_clear(args) -> int:
     from .store import _human
 
-    if not (args.key or args.format or args.tier or args.stale or args.all):
+    if not (args.key or args.source or args.format or args.tier or args.stale or args.all):
         raise UserError(f"cache clear needs a filter saying what to remove: {CLEAR_FILTERS}",
                         "`hi-na-moe cache list` shows what is there; add --dry-run to see what would go")
-    if args.all and (args.key or args.format or args.tier or args.stale):
-        raise UserError("--all removes every store file; it cannot be combined with --key, --format, --tier or --stale",
+    if args.all and (args.key or args.source or args.format or args.tier or args.stale):
+        raise UserError("--all removes every store file; it cannot be combined with --key, --source, --format, "
+                        "--tier or --stale",
                         "drop --all to remove only what the other filters select")
     store = _cache_store(args.cache_dir)
     if store is None:
@@ -826,14 +856,14 @@ def cmd_cache_clear(args) -> int:
         return 0
     summaries = store.summary("full" if args.verify else "header")
     key = resolve_key(summaries, args.key) if args.key else None
-    chosen = select_for_clear(summaries, key, args.format, args.tier, args.stale, args.all)
+    chosen = select_for_clear(summaries, key, args.format, args.tier, args.stale, args.all, args.source)
     dry = store.delete(chosen, dry_run=True)  # the same checks as the real run: what is in use
     data = {"root": str(store.root), "filters": _filters_text(args), "dry_run": bool(args.dry_run),
             "files": len(dry.removed), "bytes": dry.freed}
     if not dry.removed:
         why = "" if not dry.skipped else f" ({_n(len(dry.skipped), 'file')} skipped, below)"
-        held = {"format": sorted({str(v) for s in summaries for v in s.describe()["format"]}),
-                "tier": sorted({str(v) for s in summaries for v in s.describe()["tier"]})}
+        held = {what: sorted({str(v) for s in summaries for v in s.describe()[what]})
+                for what in ("format", "tier", "source")}
         hint = "; ".join(f"{k}s in the store: {', '.join(v)}" for k, v in held.items() if v and getattr(args, k))
         if args.output == "json":
             print(json.dumps({**data, "removed": [], "skipped": _skipped_json(dry.skipped), "freed_bytes": 0},
@@ -983,6 +1013,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = csub.add_parser("clear", help="remove store entries chosen by filters (confirmation asked unless --yes)")
     c.add_argument("--cache-dir", help="the store's directory (default: as for `cache list`)")
     c.add_argument("--key", help="one key directory: its full name or a unique prefix (the KEY column of `cache list`)")
+    c.add_argument("--source", help="entries built from this checkpoint or model (a path, or a name as `cache list` "
+                   "shows it under 'by source')")
     c.add_argument("--format", choices=WEIGHT_FORMATS, help="entries of this weight format")
     c.add_argument("--tier", choices=ISA_TIERS[1:], help="entries packed for this kernel tier")
     c.add_argument("--stale", action="store_true", help="unreadable entries (corrupt, another store format version, "

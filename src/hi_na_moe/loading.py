@@ -305,7 +305,7 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
     from . import ops, patching
     from .config import KEYS as HINA_KEYS
     from .config import load_config
-    from .store import PackedStore, checkpoint_identity
+    from .store import PackedStore, checkpoint_identity, recording_source
 
     path = Path(path).expanduser()
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
@@ -399,8 +399,9 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
                 pack_block(b)
         return out
 
+    source = str(path.resolve())  # what the store's entries record they were built from
     try:
-        with intercept_conversions(policy), safetensors_only():
+        with intercept_conversions(policy), safetensors_only(), recording_source(source):
             model = cls.from_pretrained(path, **safetensors_kwargs(kwargs))
     finally:
         if bar is not None:
@@ -425,7 +426,8 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
         runner.preset_sqnr = b.sqnr_db
         runner.preset_event = b.event
 
-    patching.enable_for_model(model, cfg, _prepare=prepare)
+    with recording_source(source):
+        patching.enable_for_model(model, cfg, _prepare=prepare)
     return model
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import threading
 import time
@@ -611,6 +612,13 @@ def inspect_model(
     return report
 
 
+def model_source(model: nn.Module) -> str:
+    """What the store entries built from `model` record as their source: the path or name it was
+    loaded from (transformers' config._name_or_path), else its class, built in memory."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return str(name) if isinstance(name, (str, os.PathLike)) and str(name) else f"{type(model).__name__} (in memory)"
+
+
 def enable_for_model(
     model: nn.Module, config: HinaConfig | None = None, router_name: str | None = None, *, _prepare=None,
     **config_kwargs: Any
@@ -631,7 +639,10 @@ def enable_for_model(
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_for_model expects a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(config, **config_kwargs)
-    with _LOCK:
+    from .store import _SOURCE, recording_source
+
+    source = _SOURCE.get() or model_source(model)  # from_pretrained set the checkpoint's path
+    with _LOCK, recording_source(source):
         if model in _ROOTS:
             raise RuntimeError(
                 f"hi_na_moe is already enabled on this {type(model).__name__}; call "

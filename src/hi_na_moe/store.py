@@ -33,6 +33,9 @@ API
     ``.summary(verify="header") -> list[KeySummary]`` (every key directory, each file checked
     and classified: what `hi-na-moe cache list` shows); ``.delete(files, dry_run=False)
     -> DeleteResult`` (removes chosen store files, skipping any an active build still uses).
+``recording_source(source)``
+    a context manager: entries written inside it record ``source`` (what they were built from:
+    a checkpoint's path, a model's name) in their metadata.
 ``Entry``
     ``.meta`` (dict), ``.sections`` (dict name -> read-only memoryview into the mapping),
     ``.array(name, dtype, shape=None)`` (read-only numpy view), ``.key``, ``.name``, ``.path``,
@@ -108,6 +111,8 @@ hand while in use (the process would get SIGBUS).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import fcntl
 import hashlib
@@ -564,8 +569,12 @@ class PackedStore:
         final = self.path_for(key, name)
         if not isinstance(meta, Mapping):
             raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+        meta = dict(meta)
+        source = _SOURCE.get()
+        if source is not None and "source" not in meta:
+            meta["source"] = source
         try:
-            meta_doc = _json_normal(dict(meta))
+            meta_doc = _json_normal(meta)
         except (TypeError, ValueError) as e:
             raise ValueError(f"meta of entry {name!r} is not JSON-serialisable: {e}") from None
         views = _section_list(sections)
@@ -913,6 +922,23 @@ class PackedStore:
         return DeleteResult(sum(f.size for f in removed), removed, skipped, dirs_removed)
 
 
+# What the entries written in this context were built from (recording_source): kept in their
+# metadata as "source", so that `hi-na-moe cache list` can say which model a key belongs to (the
+# key itself is a one-way digest).
+_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("hi_na_moe_store_source", default=None)
+
+
+@contextlib.contextmanager
+def recording_source(source: str | None):
+    """Entries written inside this block record `source` (a checkpoint's path, a model's
+    name) in their metadata under "source", unless their metadata names one already."""
+    token = _SOURCE.set(source)
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
+
+
 class StoreFile:
     """One file in a key directory as `PackedStore.summary` found it. (A plain class, not a
     dataclass: dataclasses need the module in sys.modules, and this file must also load on its
@@ -960,6 +986,7 @@ _META_FIELDS = {
     "layout_version": ("layout_version",),
     "group_size": ("group_size",),
     "dtype": ("dtype",),
+    "source": ("source",),
 }
 
 
