@@ -14,6 +14,9 @@ modules' own forward: SDPA), alternating, --reps pairs per length after one unti
 per arm; the medians and their ratio. Loads with hi_na_moe.from_pretrained from a warm store
 (--cache-dir).
 
+--rope: the rotary embedding of T x 16 x 128 bf16 query rows, the baseline build (tier
+generic) against the AVX-512 build on one thread and on --threads, alternating; medians.
+
     chrt -f 1 python benchmarks/bench_prefill_attention.py --op --lengths 512,2048,4096
     chrt -f 1 python benchmarks/bench_prefill_attention.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4 --lengths 512,2048,4096
@@ -101,6 +104,33 @@ def row_block_ab(args, name, T, ours, flops) -> dict:
     return {"shape": name, "T": T, "row_blocks_ms": {str(g): med[g] * 1e3 for g in args.row_blocks}}
 
 
+def rope(args, torch, native) -> list[dict]:
+    """--rope: the rotary embedding of a prompt's queries (T x 16 heads x 128, bf16) as prefill
+    calls it: the baseline loops (tier generic, one thread) against the AVX-512 build on one and
+    on --threads threads; the same bits (tests/test_attention.py)."""
+    rows = []
+    arms = (("generic", 1), (args.isa if args.isa != "auto" else "avx512", 1),
+            (args.isa if args.isa != "auto" else "avx512", args.threads))
+    for T in args.lengths:
+        H, D = 16, 128
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, H, D, generator=g).bfloat16()
+        c, s = torch.randn(T, D, generator=g).bfloat16(), torch.randn(T, D, generator=g).bfloat16()
+        out = torch.empty_like(x)
+        times: dict[tuple, list[float]] = {a: [] for a in arms}
+        for _ in range(args.reps):
+            for tier, threads in arms:
+                t0 = time.perf_counter()
+                native.rope_rotate_half_raw(x.data_ptr(), T, H, D, c.data_ptr(), s.data_ptr(), out.data_ptr(), 1,
+                                            tier, threads)
+                times[(tier, threads)].append(time.perf_counter() - t0)
+        med = {a: statistics.median(v) for a, v in times.items()}
+        rows.append({"T": T, "ms": {f"{t}/{n}": m * 1e3 for (t, n), m in med.items()}})
+        print(f"rope T={T:5d} x {H} x {D}: " + "  ".join(f"{t} {n} thread(s) {m * 1e3:6.2f} ms"
+                                                         for (t, n), m in med.items()), flush=True)
+    return rows
+
+
 def model(args, torch) -> list[dict]:
     from transformers import DynamicCache
 
@@ -144,6 +174,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", action="store_true", help="the kernel against SDPA as an op")
     p.add_argument("--ckpt", help="a checkpoint: whole-model prefill with and without the kernel")
+    p.add_argument("--rope", action="store_true", help="the rotary embedding of a prompt's queries, per build")
     p.add_argument("--weights", default="int4")
     p.add_argument("--cache-dir", help="the packed-expert store of --ckpt and --weights")
     p.add_argument("--dense-lossless", default="")
@@ -156,8 +187,8 @@ def main() -> None:
                         "per pass over the keys, e.g. 1,2,3, alternating call by call (no SDPA arm)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
-    if not args.op and not args.ckpt:
-        p.error("give --op, --ckpt or both")
+    if not args.op and not args.ckpt and not args.rope:
+        p.error("give --op, --rope, --ckpt or several")
     if args.ckpt and not args.cache_dir:
         p.error("--ckpt needs --cache-dir (a warm store of that checkpoint and format)")
 
@@ -175,6 +206,9 @@ def main() -> None:
     if args.op:
         args.reps = reps or 7
         out["op"] = op(args, torch, F, native)
+    if args.rope:
+        args.reps = reps or 7
+        out["rope"] = rope(args, torch, native)
     if args.ckpt:
         args.reps = reps or 3
         out["model"] = model(args, torch)

@@ -50,6 +50,34 @@ def test_rope_is_transformers_rotate_half_bit_for_bit(dtype):
         assert torch.equal(out, want[:, :, 0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_raw_on_every_tier_and_thread_count_is_transformers_bit_for_bit(dtype):
+    # the path prefill and decode calls take: many rows (a prompt's positions, split over
+    # threads), the AVX-512 build for bfloat16, head sizes whose half is not a multiple of 16,
+    # and values that overflow, infinities and NaNs
+    gen = torch.Generator().manual_seed(1)
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dtype]
+    for D, rows in ((128, 700), (80, 33), (6, 5), (256, 40)):
+        x = (torch.randn(rows, 3, D, generator=gen) * 4).to(dtype)
+        x[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 3e38]).to(dtype)
+        ang = torch.rand(rows, 1, D // 2, generator=gen) * 100
+        emb = torch.cat([ang, ang], -1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        cos[1, 0, 0] = float("nan")
+        want, _ = apply_rotary_pos_emb(x.unsqueeze(2), x.unsqueeze(2), cos, sin)
+        want = want[:, :, 0]
+        c, s = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        for tier in _tiers():
+            for threads in (1, 2):
+                out = torch.full_like(x, 7)
+                _native().rope_rotate_half_raw(x.data_ptr(), rows, 3, D, c.data_ptr(), s.data_ptr(), out.data_ptr(),
+                                               code, tier, threads)
+                same = (out == want) | (out.isnan() & want.isnan())
+                assert bool(same.all()), (dtype, D, tier, threads)
+                assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32)[~want.isnan()],
+                                   want.view(torch.int16 if dtype != torch.float32 else torch.int32)[~want.isnan()])
+
+
 def _reference(q, k, v, scale):
     groups = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(groups, 1)

@@ -955,15 +955,20 @@ NB_MODULE(_native, m) {
         "transformers' rotate_half form: out = round(round(x * cos) + round(rotate_half(x) * sin)), each step "
         "rounded to the dtype as PyTorch's elementwise ops round it.");
   m.def("rope_rotate_half_raw",
-        [](uintptr_t x, int64_t B, int64_t heads, int64_t D, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype) {
+        [](uintptr_t x, int64_t B, int64_t heads, int64_t D, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype,
+           const std::string& isa, int num_threads) {
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
+          nb::gil_scoped_release release;
           hina::rope_rotate_half(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), B, heads, D,
                                  reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
-                                 reinterpret_cast<void*>(out));
+                                 reinterpret_cast<void*>(out), tier, num_threads);
         },
         nb::arg("x"), nb::arg("B"), nb::arg("heads"), nb::arg("D"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"),
-        nb::arg("dtype"),
+        nb::arg("dtype"), nb::arg("isa") = "generic", nb::arg("num_threads") = 1,
         "rope_rotate_half() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16), "
-        "for hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+        "for hi_na_moe.attention, which checked the tensors itself; the same bits at every tier (bfloat16 "
+        "vectorised at avx512/amx), rows split over num_threads (0: all) when there are many. Wrong addresses "
+        "crash.");
   m.def("attention_decode",
         [](nb::handle q_obj, nb::handle k_obj, nb::handle v_obj, float scale, nb::handle out_obj, int num_threads,
            const std::string& isa, nb::handle mask_obj) {

@@ -14,6 +14,8 @@ namespace detail {
 void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
 void attention_decode_avx2(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
 bool attention_prefill_avx512bf16(const AttnPrefillArgs& a, int num_threads);
+void rope_rotate_half_bf16_avx512(const uint16_t* x, int64_t B, int64_t heads, int64_t D, const uint16_t* cos,
+                                  const uint16_t* sin, uint16_t* out);
 }  // namespace detail
 
 namespace {
@@ -62,6 +64,30 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
                 static_cast<H*>(out));
       break;
   }
+}
+
+void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
+                      const void* sin, void* out, Isa isa, int num_threads) {
+  const size_t es = dtype_size(dt);
+  auto rows = [&](int64_t b0, int64_t b1) {
+    const char* xb = static_cast<const char*>(x) + b0 * heads * D * es;
+    const char* cb = static_cast<const char*>(cos) + b0 * D * es;
+    const char* sb = static_cast<const char*>(sin) + b0 * D * es;
+    char* ob = static_cast<char*>(out) + b0 * heads * D * es;
+#if defined(HINA_HAVE_X86_KERNELS)
+    if (dt == DType::kBF16 && (isa == Isa::kAvx512 || isa == Isa::kAmx))
+      return detail::rope_rotate_half_bf16_avx512(reinterpret_cast<const uint16_t*>(xb), b1 - b0, heads, D,
+                                                  reinterpret_cast<const uint16_t*>(cb),
+                                                  reinterpret_cast<const uint16_t*>(sb), reinterpret_cast<uint16_t*>(ob));
+#else
+    (void)isa;
+#endif
+    rope_rotate_half(dt, xb, b1 - b0, heads, D, cb, sb, ob);
+  };
+  if (num_threads <= 0) num_threads = default_num_threads();
+  const int n = static_cast<int>(std::min<int64_t>({num_threads, B, std::max<int64_t>(1, B * heads * D / kParallelMacs)}));
+  if (n <= 1) return rows(0, B);
+  ThreadPool::global().run(n, [&](int tid, int nt) { rows(B * tid / nt, B * (tid + 1) / nt); });
 }
 
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {

@@ -1508,6 +1508,25 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
           same = same && round(static_cast<float>(a + rs)) == double(load_elem(dt, out.data(), r + i));
         }
     report(same, std::string("rope_rotate_half ") + dtype_name(dt) + ": every step rounded as PyTorch does");
+    // the tiered, threaded overload: the baseline's bits at every tier and thread count, on many
+    // rows and head sizes whose half is not a multiple of 16
+    for (int64_t Dm : {10, 80, 128}) {
+      const int64_t Bm = 400, Hm = 3;  // 400 x 3 x 128 values: enough to split over two threads
+      const auto xm = random_array(dt, Bm * Hm * Dm, 3.0f, rng);
+      const auto cm = random_array(dt, Bm * Dm, 1.0f, rng);
+      const auto sm = random_array(dt, Bm * Dm, 1.0f, rng);
+      std::vector<uint8_t> want(static_cast<size_t>(Bm * Hm * Dm) * dtype_size(dt));
+      rope_rotate_half(dt, xm.data(), Bm, Hm, Dm, cm.data(), sm.data(), want.data());
+      std::vector<Isa> all = tiers;
+      all.insert(all.begin(), Isa::kGeneric);
+      for (Isa isa : all)
+        for (int threads : {1, 2}) {
+          std::vector<uint8_t> got(want.size(), 0xee);
+          rope_rotate_half(dt, xm.data(), Bm, Hm, Dm, cm.data(), sm.data(), got.data(), isa, threads);
+          report(got == want, std::string("rope_rotate_half ") + dtype_name(dt) + " " + isa_name(isa) + " D=" +
+                                  std::to_string(Dm) + " threads=" + std::to_string(threads) + ": the baseline's bits");
+        }
+    }
   }
 }
 

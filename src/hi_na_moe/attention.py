@@ -209,8 +209,9 @@ class NativeAttention:
         cos, sin = cos.contiguous(), sin.contiguous()
         qr, kr = torch.empty_like(q), torch.empty_like(k)
         rope = self.native.rope_rotate_half_raw
-        rope(q.data_ptr(), B, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code)
-        rope(k.data_ptr(), B, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code)
+        threads = self.threads or torch.get_num_threads()
+        rope(q.data_ptr(), B, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code, self.isa, threads)
+        rope(k.data_ptr(), B, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code, self.isa, threads)
         keys, values = kr.unsqueeze(2), v.unsqueeze(2)  # [B, Hkv, 1, D]
         if cache is not None:
             keys, values = kv_cache.append(cache, m.layer_idx, keys, values)
@@ -257,8 +258,11 @@ class NativeAttention:
         sin = sin.reshape(-1, T, self.D).expand(B, T, self.D).reshape(B * T, self.D).contiguous()
         qr, kr = torch.empty_like(q), torch.empty_like(k)
         rope = self.native.rope_rotate_half_raw
-        rope(q.data_ptr(), B * T, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code)
-        rope(k.data_ptr(), B * T, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code)
+        threads = self.threads or torch.get_num_threads()
+        rope(q.data_ptr(), B * T, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code, self.isa,
+             threads)
+        rope(k.data_ptr(), B * T, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code, self.isa,
+             threads)
         keys = kr.view(B, T, self.Hkv, self.D).transpose(1, 2)  # [B, Hkv, T, D], as the module's
         values = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
         if cache is not None:

@@ -321,6 +321,11 @@ void add_rms_norm(DType dt, const void* a, const void* b, int64_t rows, int64_t 
 // cos and sin [B, D], all C-contiguous in dtype dt; D even; out may not overlap x.
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
                       const void* sin, void* out);
+// The same bits, for many rows (a prompt's B*T positions): bfloat16 on the AVX-512 build at
+// tiers avx512/amx (16 values a vector), rows split over num_threads (0: every hardware thread)
+// when there are enough; other dtypes and tiers the baseline loops.
+void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
+                      const void* sin, void* out, Isa isa, int num_threads);
 
 // Attention of one query per (batch, head) over S cached keys/values (see csrc/moe/attention_impl.h).
 struct AttnDecodeArgs {

@@ -127,7 +127,54 @@ void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   }
 }
 
+// 16 bf16 values (masked: the first m) as float32.
+inline __m512 bf16_ps(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// float32 -> the nearest bfloat16 (ties to even; a NaN stays a quiet NaN), as detail::f32_to_bf16.
+inline __m256i ps_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// v rounded to bfloat16 and back: what PyTorch's bf16 elementwise ops keep of a float32 result.
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ps_bf16(v)), 16));
+}
+
 }  // namespace
+
+// rope_rotate_half for bfloat16, 16 values of each half at a time: out_lo = round(round(lo c_lo)
+// + round(-hi s_lo)), out_hi = round(round(hi c_hi) + round(lo s_hi)), float32 products of bf16
+// values being exact, each rounding the one rope_rows makes (the same bits).
+void rope_rotate_half_bf16_avx512(const uint16_t* x, int64_t B, int64_t heads, int64_t D, const uint16_t* cos,
+                                  const uint16_t* sin, uint16_t* out) {
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    const uint16_t* c = cos + b * D;
+    const uint16_t* s = sin + b * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* xr = x + (b * heads + h) * D;
+      uint16_t* yr = out + (b * heads + h) * D;
+      for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - i)) - 1u);
+        const __m512 lo = bf16_ps(xr + i, m), hi = bf16_ps(xr + half + i, m);
+        const __m512 ylo = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(lo, bf16_ps(c + i, m))),
+                                                    round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi),
+                                                                             bf16_ps(s + i, m)))));
+        const __m512 yhi = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(hi, bf16_ps(c + half + i, m))),
+                                                    round_bf16(_mm512_mul_ps(lo, bf16_ps(s + half + i, m)))));
+        _mm256_mask_storeu_epi16(yr + i, m, ps_bf16(ylo));
+        _mm256_mask_storeu_epi16(yr + half + i, m, ps_bf16(yhi));
+      }
+    }
+  }
+}
 
 void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   switch (a.dtype) {
