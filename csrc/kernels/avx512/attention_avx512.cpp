@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "moe/attention_impl.h"
+#include "vec_avx512.h"
 
 namespace hina::detail {
 namespace {
@@ -132,19 +133,9 @@ inline __m512 bf16_ps(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// float32 -> the nearest bfloat16 (ties to even; a NaN stays a quiet NaN), as detail::f32_to_bf16.
-inline __m256i ps_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // v rounded to bfloat16 and back: what PyTorch's bf16 elementwise ops keep of a float32 result.
 inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ps_bf16(v)), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v512::cvt_bf16(v)), 16));
 }
 
 }  // namespace
@@ -169,8 +160,8 @@ void rope_rotate_half_bf16_avx512(const uint16_t* x, int64_t B, int64_t heads, i
                                                                              bf16_ps(s + i, m)))));
         const __m512 yhi = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(hi, bf16_ps(c + half + i, m))),
                                                     round_bf16(_mm512_mul_ps(lo, bf16_ps(s + half + i, m)))));
-        _mm256_mask_storeu_epi16(yr + i, m, ps_bf16(ylo));
-        _mm256_mask_storeu_epi16(yr + half + i, m, ps_bf16(yhi));
+        _mm256_mask_storeu_epi16(yr + i, m, v512::cvt_bf16(ylo));
+        _mm256_mask_storeu_epi16(yr + half + i, m, v512::cvt_bf16(yhi));
       }
     }
   }
