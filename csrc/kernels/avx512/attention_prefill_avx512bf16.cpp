@@ -251,8 +251,17 @@ void run(const AttnPrefillArgs& a, int num_threads) {
   const int64_t npack = a.mask ? a.S : std::min(a.S, a.T);  // keys any row reads
   const Layout L{(npack + kNk - 1) / kNk, kNk * D};
   const int64_t heads = a.B * a.Hkv;
+  // the calling thread's packing buffer, kept between calls (a prompt's layers ask for the same
+  // size) up to kKeepBytes; a larger one (a very long prompt) is freed after the call
+  constexpr size_t kKeepBytes = size_t{64} << 20;
   thread_local std::vector<uint16_t> packed;
   packed.resize(static_cast<size_t>(2 * heads * L.per_head()));
+  struct Trim {
+    std::vector<uint16_t>& v;
+    ~Trim() {
+      if (v.capacity() * sizeof(uint16_t) > kKeepBytes) std::vector<uint16_t>().swap(v);
+    }
+  } trim{packed};
   uint16_t* kp = packed.data();
   uint16_t* vp = kp + heads * L.per_head();
   const int G = row_blocks();
