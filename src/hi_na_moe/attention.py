@@ -280,8 +280,8 @@ class NativeAttention:
             done = self.native.attention_prefill_raw(
                 qr.data_ptr(), T * self.Hq * self.D, self.Hq * self.D, self.D, B, T, self.Hq, self.Hkv,
                 keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2], values.data_ptr(), vs[0], vs[1], vs[2],
-                m.scaling, out.data_ptr(), self.threads or torch.get_num_threads(), self.isa,
-                0 if mask is None else mask.data_ptr(), mb, 0 if mask is None else mask.stride(2))
+                m.scaling, out.data_ptr(), threads, self.isa, 0 if mask is None else mask.data_ptr(), mb,
+                0 if mask is None else mask.stride(2))
         if not done:  # what transformers' SDPA call computes (no mask: causal over the first T keys)
             if mask is None:
                 keys, values = keys[:, :, :T], values[:, :, :T]
