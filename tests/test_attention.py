@@ -126,9 +126,13 @@ def test_attention_decode_skips_masked_keys_on_every_tier():
                 keep = m[min(b, m.shape[0] - 1)]
                 want = _reference(q[b:b + 1], k[b:b + 1, :, keep], v[b:b + 1, :, keep], 0.125)
                 assert ((out[b:b + 1].double() - want).abs().max() / want.abs().max()).item() <= 2**-7, tier
-        out = torch.empty_like(q)
-        _native().attention_decode(q, k, v, 0.125, out, 0, tier, torch.zeros(3, 20, dtype=torch.bool))
-        assert out.float().isnan().all()  # nothing to attend to: what a softmax over nothing gives
+        out = torch.full_like(q, float("nan"))
+        none = torch.zeros(3, 20, dtype=torch.bool)
+        _native().attention_decode(q, k, v, 0.125, out, 0, tier, none)
+        # nothing to attend to: zeros, what PyTorch's SDPA returns for such a row
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=none[:, None, None, :], scale=0.125, enable_gqa=True)
+        assert torch.equal(out, torch.zeros_like(q)) and torch.equal(sdpa[:, :, 0], out)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -91,7 +91,7 @@ void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t n
   }
   for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
   for (int64_t j = 0; j < n; ++j) axpy(sc[j], v + (keys ? keys[j] : j) * vs, acc, D);
-  const float inv = n ? 1.f / sum : NAN;
+  const float inv = n ? 1.f / sum : 0.f;  // no key attended: zeros, as SDPA gives
   for (int64_t i = 0; i < D; ++i) Elem<T>::put(out, i, acc[i] * inv);
 }
 

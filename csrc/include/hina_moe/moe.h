@@ -339,7 +339,7 @@ struct AttnDecodeArgs {
   float scale;  // applied to q . k before the softmax
   // optional: key j of batch row b is attended to iff mask[b * mask_bstride + j] != 0 (a bool
   // mask [B or 1, 1, 1, S], as transformers passes for a StaticCache or padded batches); masked
-  // keys and values are not read. A row with every key masked gives NaN (softmax over nothing).
+  // keys and values are not read. A row with every key masked gives zeros, as PyTorch's SDPA does.
   const uint8_t* mask = nullptr;
   int64_t mask_bstride = 0;
 };
@@ -364,7 +364,7 @@ struct AttnPrefillArgs {
   // and what transformers asks for when it passes no mask; keys from T on are not read). A mask:
   // query t of batch row b attends key j iff mask[b*mask_bstride + t*mask_tstride + j] != 0 (a
   // bool mask [B or 1, 1, T, S]; mask_bstride 0 broadcasts one over the batch). A query row
-  // attending no key gives zeros, as SDPA does (unlike attention_decode).
+  // attending no key gives zeros, as SDPA does (and attention_decode).
   const uint8_t* mask = nullptr;
   int64_t mask_bstride = 0, mask_tstride = 0;
 };

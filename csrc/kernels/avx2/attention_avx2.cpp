@@ -94,7 +94,7 @@ void one_head(const float* qf, const T* k, const T* v, const int32_t* keys, int6
   }
   float sum = hsum(vsum);
   for (; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-  const float inv = n ? 1.0f / sum : NAN;
+  const float inv = n ? 1.0f / sum : 0.f;  // no key attended: zeros, as SDPA gives
   for (int64_t c0 = 0; c0 < D; c0 += kCols) {
     const int nc = static_cast<int>(std::min<int64_t>(kCols, D - c0) / 8);
     __m256 acc[kCols / 8];

@@ -89,7 +89,7 @@ void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t S
     _mm512_mask_storeu_ps(sc + j, m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
   }
-  const float inv = S ? 1.0f / _mm512_reduce_add_ps(vsum) : NAN;
+  const float inv = S ? 1.0f / _mm512_reduce_add_ps(vsum) : 0.f;  // no key attended: zeros, as SDPA gives
   __m512 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
   for (j = 0; j < S; ++j) {
