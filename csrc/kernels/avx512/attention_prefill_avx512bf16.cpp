@@ -3,13 +3,14 @@
 // (the "flash attention" order), so the [T, S] score matrix never exists in memory.
 //
 // Why: PyTorch's SDPA reached 76-148 GFLOP/s on prefill at 512-4096 tokens on the AMD EPYC of
-// session 13 (8-26 % of an OLMoE-1B-7B prefill); the bf16 dot product does 32 multiply-adds per
+// session 14 (8-25 % of an OLMoE-1B-7B prefill); the bf16 dot product does 32 multiply-adds per
 // instruction with float32 sums. See benchmarks/bench_prefill_attention.py.
 //
 // Per (batch b, kv head g), once: the keys are packed into blocks of kNk = 32 keys laid out
 // [D/2][32][2] (a key pair-of-dimensions per 32-bit lane: one register of 16 keys per two
 // dimensions) and the values into [16 key pairs][D][2] (two keys' values of one dimension per
-// lane). Then per work item (b, query head h, kR query rows), per key block:
+// lane). Then per work item (b, query head h, G blocks of kR query rows: one pass over the key
+// blocks serves them all), per key block and row block:
 //   scores (kR x 32, in 24 registers) = q . k over D/2 pair steps, a broadcast query pair
 //     times two key registers per row;
 //   times scale, masked (-inf), row maxima m', a = e^(m - m'), p = e^(s - m') (float32),
