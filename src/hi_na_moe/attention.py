@@ -56,15 +56,20 @@ AMD_TIERS = {"generic": ("generic C++", None), "avx2": ("AVX2", None), "avx512":
 
 
 @functools.cache
-def kernel_tiers() -> dict[str, tuple[str, int | None]]:
-    """The tier table of this CPU's vendor (above)."""
+def _vendor() -> str:
+    """The CPU's vendor string ("" without the native library: nothing runs the kernels then)."""
     from .hardware import native_module
 
     try:
-        vendor = native_module()[0].cpu_features()["vendor"]
-    except Exception:  # no native library: nothing runs the kernel anyway
-        vendor = ""
-    return AMD_TIERS if vendor == "AuthenticAMD" else INTEL_TIERS
+        return native_module()[0].cpu_features()["vendor"]
+    except Exception:
+        return ""
+
+
+@functools.cache
+def kernel_tiers() -> dict[str, tuple[str, int | None]]:
+    """The tier table of this CPU's vendor (above)."""
+    return AMD_TIERS if _vendor() == "AuthenticAMD" else INTEL_TIERS
 
 
 # Prefill attention (more than one new token) of bfloat16 models: the native kernel
@@ -76,16 +81,6 @@ def kernel_tiers() -> dict[str, tuple[str, int | None]]:
 PREFILL_VENDORS = frozenset({"AuthenticAMD"})
 # False: prefill calls take the modules' own forward (for A/B measurements and as a way out)
 PREFILL = True
-
-
-@functools.cache
-def _vendor() -> str:
-    from .hardware import native_module
-
-    try:
-        return native_module()[0].cpu_features()["vendor"]
-    except Exception:
-        return ""
 
 
 def prefill_kernel(isa: str, D: int, Hq: int, Hkv: int) -> bool:

@@ -639,9 +639,9 @@ def enable_for_model(
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_for_model expects a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(config, **config_kwargs)
-    from .store import _SOURCE, recording_source
+    from .store import current_source, recording_source
 
-    source = _SOURCE.get() or model_source(model)  # from_pretrained set the checkpoint's path
+    source = current_source() or model_source(model)  # from_pretrained set the checkpoint's path
     with _LOCK, recording_source(source):
         if model in _ROOTS:
             raise RuntimeError(

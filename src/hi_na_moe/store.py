@@ -35,7 +35,7 @@ API
     -> DeleteResult`` (removes chosen store files, skipping any an active build still uses).
 ``recording_source(source)``
     a context manager: entries written inside it record ``source`` (what they were built from:
-    a checkpoint's path, a model's name) in their metadata.
+    a checkpoint's path, a model's name) in their metadata; ``current_source()`` is the one set.
 ``Entry``
     ``.meta`` (dict), ``.sections`` (dict name -> read-only memoryview into the mapping),
     ``.array(name, dtype, shape=None)`` (read-only numpy view), ``.key``, ``.name``, ``.path``,
@@ -926,6 +926,11 @@ class PackedStore:
 # metadata as "source", so that `hi-na-moe cache list` can say which model a key belongs to (the
 # key itself is a one-way digest).
 _SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("hi_na_moe_store_source", default=None)
+
+
+def current_source() -> str | None:
+    """The source entries written now would record (None: none set)."""
+    return _SOURCE.get()
 
 
 @contextlib.contextmanager
