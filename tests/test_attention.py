@@ -554,6 +554,194 @@ def test_the_avx2_kernel_leaves_long_caches_to_sdpa_on_intel_only(table, monkeyp
         hi_na_moe.disable_for_model(model)
 
 
+def _gpt_oss(seed=0):
+    """A tiny GPT-OSS (eager attention, sinks, half-width rotary tables, a sliding layer of
+    window 64 and a full one) with sinks large enough to matter."""
+    model = build_tiny("gpt_oss", dtype=torch.bfloat16, seed=seed).model
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-3.0, 3.0, layer.self_attn.sinks.numel()))
+    return model
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """transformers' eager form of a bool mask: 0 where attended, the dtype's lowest value elsewhere."""
+    return torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, torch.finfo(torch.bfloat16).min)
+
+
+def _half_tables(pe):
+    D = pe[0].shape[-1]
+    return pe[0][..., :D // 2].contiguous(), pe[1][..., :D // 2].contiguous()
+
+
+def test_gpt_oss_attention_with_sinks_half_tables_and_eager_masks_on_the_kernels():
+    """GPT-OSS's attention (eager: additive masks; sinks; cos/sin of half the head size) on the
+    decode and prefill kernels: the same cache, outputs within rounding of its own forward, sinks
+    that matter, a sliding-window mask, and the SDPA fallback's sinks."""
+    if "gpt_oss" in UNBUILDABLE:
+        pytest.skip(f"no tiny gpt_oss: {UNBUILDABLE['gpt_oss']}")
+    model = _gpt_oss()
+    assert model.config._attn_implementation == "eager"
+    found = [n for n, _ in attention.find_attention(model, "")]
+    assert len(found) == 2
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    native_prefill = _prefill_native(model)
+    try:
+        assert rep.attention == found and not rep.attention_differ
+        assert rep.attention_prefill == (found if native_prefill else [])
+
+        def close(got, want, rows=None):
+            if rows is not None:
+                got, want = got[rows], want[rows]
+            return bool(((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all())
+
+        for name in found:
+            att = dict(model.named_modules())[name]
+            runner = _runner(att)
+            assert runner.sinks and runner.half_table and runner.eager
+            count, kernel = _Count(runner), _KernelCalls(runner)
+            # decode: no mask, an all-zero additive mask, one hiding keys of row 0
+            h, pe, cache = _decode_inputs(model, att, B=2)
+            pe = _half_tables(pe)
+            hidden = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+            hidden[0, ..., [1, 4]] = False
+            for mask in (None, _additive(torch.ones(2, 1, 1, 7, dtype=torch.bool)), _additive(hidden)):
+                with torch.inference_mode():
+                    c_ours, c_own = cache(), cache()
+                    got, w = att(hidden_states=h, position_embeddings=pe, attention_mask=mask, past_key_values=c_ours)
+                    want, ww = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=mask,
+                                                 past_key_values=c_own)
+                    # the sinks matter: without them the output is far off
+                    runner.sinks = False
+                    off, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=mask, past_key_values=cache())
+                    runner.sinks = True
+                assert w is None and ww is not None
+                lo, lw = c_ours.layers[att.layer_idx], c_own.layers[att.layer_idx]
+                assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
+                assert close(got, want) and not close(off, want)
+            assert count.calls == 6 and kernel.calls == 6
+            # the SDPA fallback (no kernel at a tier) adds the sinks too
+            runner.kernel = False
+            with torch.inference_mode():
+                got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=_additive(hidden),
+                             past_key_values=cache())
+                want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe,
+                                            attention_mask=_additive(hidden), past_key_values=cache())
+            runner.kernel = True
+            assert kernel.calls == 6 and close(got, want)
+            if not native_prefill:
+                continue
+            # prefill: a prompt's causal mask, and a chunk after 6 cached positions with a sliding
+            # window of 8 and row 1 left-padded (its first query attends nothing: excluded, eager
+            # gives the values' mean there, a padding position's output)
+            calls = _PrefillCalls(runner)
+            for B, T, past in ((2, 30, 0), (2, 40, 6)):
+                h, pe, cache = _prefill_inputs(model, att, B, T, past, seed=T)
+                pe = _half_tables(pe)
+                pos = torch.arange(past + T)
+                q = pos[past:, None]
+                band = (pos[None, :] <= q) & (pos[None, :] > q - 8)
+                mask = band.expand(B, 1, T, past + T).clone()
+                if past:
+                    mask[1, :, :, :past + 1] = False
+                rows = mask.any(-1).reshape(B, T)
+                with torch.inference_mode():
+                    c_ours, c_own = cache(), cache()
+                    got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=_additive(mask),
+                                 past_key_values=c_ours)
+                    want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe,
+                                                attention_mask=_additive(mask), past_key_values=c_own)
+                lo, lw = c_ours.layers[att.layer_idx], c_own.layers[att.layer_idx]
+                assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
+                assert close(got, want, rows), (name, B, T, past)
+            assert (calls.calls, calls.ran) == (2, 2)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_eager_calls_the_kernels_cannot_reproduce_are_the_modules_own():
+    """Under eager: an additive bias that is not a mask, a prompt without a mask (eager attends
+    every key), and a call while transformers captures the attention weights run the module's own
+    forward, and the weights it returns reach the caller."""
+    model = _gpt_oss()
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        att = model.model.layers[1].self_attn
+        count = _Count(_runner(att))
+        h, pe, cache = _decode_inputs(model, att, B=2)
+        pe = _half_tables(pe)
+        bias = torch.zeros(2, 1, 1, 7, dtype=torch.bfloat16)
+        bias[..., 3] = -1.5  # a bias, not a mask
+        with torch.inference_mode():
+            got, w = att(hidden_states=h, position_embeddings=pe, attention_mask=bias, past_key_values=cache())
+        assert count.calls == 0 and w is not None
+        if _prefill_native(model):
+            hp, pp, cp = _prefill_inputs(model, att, 1, 9, 0)
+            with torch.inference_mode():
+                _, w = att(hidden_states=hp, position_embeddings=_half_tables(pp), attention_mask=None,
+                           past_key_values=cp())
+            assert w is not None
+        ids = torch.tensor([[3, 9, 27, 81, 115, 17]])
+        with torch.inference_mode():
+            out = model(ids, output_attentions=True)
+        assert len(out.attentions) == 2 and all(a is not None for a in out.attentions)
+        assert count.calls == 0
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def _forced_logits(model, seq: torch.Tensor, prompt: int) -> list[torch.Tensor]:
+    """The last-position logits of a prefill of seq[:, :prompt] and of one decode step per later
+    token of seq (teacher forcing: both runs see the same tokens, so a near-tie that greedy
+    decoding would break either way cannot make them diverge)."""
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(seq[:, :prompt], past_key_values=cache, use_cache=True)
+        logits = [out.logits[:, -1].float()]
+        for i in range(prompt, seq.shape[1]):
+            out = model(seq[:, i:i + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1].float())
+    return logits
+
+
+def test_gpt_oss_decodes_alike_past_its_sliding_window():
+    """A whole tiny GPT-OSS: a 70-token prompt (beyond the sliding layer's window of 64) and
+    decode steps, with and without hi_na_moe: close logits at every step, and the attention
+    modules' decode steps on the native path."""
+    model = _gpt_oss(seed=1)
+    seq = torch.randint(3, 250, (1, 76), generator=torch.Generator().manual_seed(0))
+    want = _forced_logits(model, seq, 70)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        counts = [_Count(_runner(layer.self_attn)) for layer in model.model.layers]
+        got = _forced_logits(model, seq, 70)
+        assert [c.calls for c in counts] == [6, 6]
+        for a, b in zip(got, want):
+            assert ((a - b).norm() / b.norm()).item() < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_an_eager_llama_like_model_decodes_on_the_kernels():
+    """OLMoE loaded with attn_implementation="eager" (additive masks, no sinks, full tables)."""
+    model = _olmoe()
+    model.set_attn_implementation("eager")
+    seq = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7, 350, 404, 315, 394]])
+    want = _forced_logits(model, seq, 8)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert len(rep.attention) == 2 and not rep.attention_differ
+        runner = _runner(model.model.layers[0].self_attn)
+        assert runner.eager and not runner.sinks and not runner.half_table
+        count = _Count(runner)
+        got = _forced_logits(model, seq, 8)
+        assert count.calls == 4
+        for a, b in zip(got, want):
+            assert ((a - b).norm() / b.norm()).item() < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_whole_model_decode_with_native_attention_stays_close_and_generates_alike():
     model = _olmoe()
     ids = torch.tensor([[3, 9, 27, 81, 115, 17, 51, 7]])

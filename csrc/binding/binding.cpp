@@ -1029,27 +1029,31 @@ NB_MODULE(_native, m) {
   m.def("attention_decode_raw",
         [](int dtype, uintptr_t q, int64_t B, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
            int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0, int64_t vs1, int64_t vs2, float scale,
-           uintptr_t out, int num_threads, const std::string& isa, uintptr_t mask, int64_t mask_bstride) {
+           uintptr_t out, int num_threads, const std::string& isa, uintptr_t mask, int64_t mask_bstride,
+           uintptr_t sinks) {
           hina::AttnDecodeArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(q),
                                  reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
                                  reinterpret_cast<void*>(out), B, Hq, Hkv, S, D, {ks0, ks1, ks2}, {vs0, vs1, vs2},
-                                 scale, reinterpret_cast<const uint8_t*>(mask), mask_bstride};
+                                 scale, reinterpret_cast<const uint8_t*>(mask), mask_bstride,
+                                 reinterpret_cast<const float*>(sinks)};
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
           hina::attention_decode(a, num_threads, tier);
         },
         "attention_decode() with raw addresses and element strides, nothing checked (dtype: 0 float32, "
-        "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride), for "
+        "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride; sinks: 0 for none, "
+        "else Hq float32 sink logits), for "
         "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
   m.def("attention_prefill_raw",
         [](uintptr_t q, int64_t qs0, int64_t qs1, int64_t qs2, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
            int64_t S, int64_t D, uintptr_t k, int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0,
            int64_t vs1, int64_t vs2, float scale, uintptr_t out, int num_threads, const std::string& isa,
-           uintptr_t mask, int64_t mask_bstride, int64_t mask_tstride) {
+           uintptr_t mask, int64_t mask_bstride, int64_t mask_tstride, uintptr_t sinks) {
           hina::AttnPrefillArgs a{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
                                   reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out), B, T, Hq, Hkv, S, D,
                                   {qs0, qs1, qs2}, {ks0, ks1, ks2}, {vs0, vs1, vs2}, scale,
-                                  reinterpret_cast<const uint8_t*>(mask), mask_bstride, mask_tstride};
+                                  reinterpret_cast<const uint8_t*>(mask), mask_bstride, mask_tstride,
+                                  reinterpret_cast<const float*>(sinks)};
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
           return hina::attention_prefill(a, num_threads, tier);
@@ -1057,7 +1061,7 @@ NB_MODULE(_native, m) {
         "Prefill attention of bfloat16 q (row (b, t, h) at q + b*qs0 + t*qs1 + h*qs2 elements) over k, v "
         "[B, Hkv, S, D] (element strides, the last dimension contiguous) into out [B, T, Hq, D] contiguous; "
         "mask 0: causal from the first key (query t attends keys 0..t), else bool bytes at mask + b*mask_bstride "
-        "+ t*mask_tstride + j. Returns False, writing nothing, where the kernel does not apply (no AVX512-BF16, "
+        "+ t*mask_tstride + j; sinks 0 for none, else Hq float32 sink logits. Returns False, writing nothing, where the kernel does not apply (no AVX512-BF16, "
         "a tier below avx512, an unsupported D). Raw addresses, nothing checked: for hi_na_moe.attention, "
         "which checked the tensors itself. Wrong addresses crash.");
   m.def("attention_prefill_supported",

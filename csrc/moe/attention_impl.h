@@ -5,6 +5,10 @@
 //
 //   scores_j = (q . k_j) * scale, j < S;  p = softmax(scores);  out = sum_j p_j v_j
 //
+// With attention sinks (a per-head logit z, GPT-OSS) the softmax's denominator also holds e^z:
+// m = max(max_j scores_j, z), p_j = e^(scores_j - m) / (sum_i e^(scores_i - m) + e^(z - m)).
+// Without sinks z = -inf, which changes nothing.
+//
 // float32 math, one rounding to the dtype at the end; the softmax's exponentials use std::exp.
 // Keys and values are read through strides (elements) of [batch, kv head, position], the last
 // dimension contiguous: transformers' DynamicCache hands out contiguous [B, Hkv, S, D] tensors,
@@ -70,11 +74,17 @@ inline int64_t select_keys(const AttnDecodeArgs& a, int64_t b, int32_t* keys) {
   return n;
 }
 
+// The sink's term of the softmax's denominator, e^(sink - mx) with mx the maximum over the
+// scores and the sink: 0 without a sink (-inf) or without keys (the row's output is zeros then).
+inline float sink_share(float sink, float mx, int64_t n) {
+  return sink == -INFINITY || n == 0 ? 0.f : std::exp(sink - mx);
+}
+
 // One (batch, head) row over n keys (their indices in `keys`, or 0..n-1 when keys is null).
 // scratch: n + 2 D floats.
 template <class T>
 void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t n, int64_t D, int64_t ks, int64_t vs,
-              float scale, T* out, float* scratch) {
+              float scale, float sink, T* out, float* scratch) {
   float* sc = scratch;
   float* acc = scratch + n;
   float* qf = acc + D;
@@ -84,20 +94,22 @@ void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t n
     sc[j] = dot(qf, k + (keys ? keys[j] : j) * ks, D) * scale;
     mx = std::max(mx, sc[j]);
   }
+  mx = std::max(mx, sink);
   float sum = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     sc[j] = std::exp(sc[j] - mx);
     sum += sc[j];
   }
+  sum += sink_share(sink, mx, n);
   for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
   for (int64_t j = 0; j < n; ++j) axpy(sc[j], v + (keys ? keys[j] : j) * vs, acc, D);
   const float inv = n ? 1.f / sum : 0.f;  // no key attended: zeros, as SDPA gives
   for (int64_t i = 0; i < D; ++i) Elem<T>::put(out, i, acc[i] * inv);
 }
 
-// Every build's driver: head(q, k, v, keys, n, out) for each (batch, query head) of [h0, h1), with
-// k and v at that row's kv head, and the kept keys' indices (keys, a buffer of S; null without
-// a mask) gathered once per batch row.
+// Every build's driver: head(q, k, v, keys, n, sink, out) for each (batch, query head) of [h0, h1),
+// with k and v at that row's kv head, the kept keys' indices (keys, a buffer of S; null without
+// a mask) gathered once per batch row, and the head's sink logit (-inf: none).
 template <class T, class Head>
 void for_heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1, int32_t* keys, Head&& head) {
   const int64_t groups = a.Hq / a.Hkv;
@@ -107,7 +119,7 @@ void for_heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1, int32_t* keys, H
     if (a.mask && b != row) n = select_keys(a, row = b, keys);
     head(static_cast<const T*>(a.q) + bh * a.D, static_cast<const T*>(a.k) + b * a.k_strides[0] + kvh * a.k_strides[1],
          static_cast<const T*>(a.v) + b * a.v_strides[0] + kvh * a.v_strides[1], a.mask ? keys : nullptr, n,
-         static_cast<T*>(a.out) + bh * a.D);
+         a.sinks ? a.sinks[bh % a.Hq] : -INFINITY, static_cast<T*>(a.out) + bh * a.D);
   }
 }
 
@@ -122,8 +134,9 @@ void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   thread_local std::vector<int32_t> keys;
   scratch.resize(static_cast<size_t>(a.S + 2 * a.D));
   keys.resize(static_cast<size_t>(a.S));
-  for_heads<T>(a, h0, h1, keys.data(), [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, T* out) {
-    one_head(q, k, v, kept, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, out, scratch.data());
+  for_heads<T>(a, h0, h1, keys.data(),
+              [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, float sink, T* out) {
+    one_head(q, k, v, kept, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, sink, out, scratch.data());
   });
 }
 

@@ -1419,8 +1419,9 @@ void test_gated_mlp(const std::vector<Isa>& tiers) {
 }
 
 // attention_decode on every tier against a double-precision softmax attention, through strides
-// of a longer cache buffer (StaticCache-like), with grouped-query heads and head sizes with and
-// without a vector build; rope_rotate_half against the same rounding steps in double.
+// of a longer cache buffer (StaticCache-like), with grouped-query heads, head sizes with and
+// without a vector build, and with attention sinks (one head's sink far above its scores, one far
+// below); rope_rotate_half against the same rounding steps in double.
 void test_attention_decode(const std::vector<Isa>& tiers) {
   if (!selected("attention")) return;
   std::mt19937 rng(9);
@@ -1435,7 +1436,9 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
         // a bool mask per batch row (every third key of row 1 masked, key 0 always attended)
         std::vector<uint8_t> mask(static_cast<size_t>(B * S), 1);
         for (int64_t j = 1; j < S; j += 3) mask[S + j] = 0;
-        for (const bool masked : {false, true}) {
+        const std::vector<float> sinks = {0.5f, 30.0f, -1.25f, -40.0f};  // [Hq]
+        for (const bool masked : {false, true})
+        for (const bool sunk : {false, true}) {
           std::vector<double> ref(static_cast<size_t>(B * Hq * D));
           for (int64_t b = 0; b < B; ++b)
             for (int64_t h = 0; h < Hq; ++h) {
@@ -1450,8 +1453,10 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
                 sc[j] = d * scale;
                 mx = std::max(mx, sc[j]);
               }
+              if (sunk) mx = std::max(mx, double(sinks[h]));
               for (int64_t j = 0; j < S; ++j)
                 if (!masked || mask[b * S + j]) sum += (sc[j] = std::exp(sc[j] - mx));
+              if (sunk) sum += std::exp(double(sinks[h]) - mx);
               for (int64_t i = 0; i < D; ++i) {
                 double o = 0;
                 for (int64_t j = 0; j < S; ++j)
@@ -1468,7 +1473,7 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
               std::vector<uint8_t> out(static_cast<size_t>(B * Hq * D) * dtype_size(dt), 0xff);
               AttnDecodeArgs a{dt, q.data(), k.data(), v.data(), out.data(), B, Hq, Hkv, S, D,
                                {Hkv * Smax * D, Smax * D, D}, {Hkv * Smax * D, Smax * D, D}, scale,
-                               masked ? mask.data() : nullptr, S};
+                               masked ? mask.data() : nullptr, S, sunk ? sinks.data() : nullptr};
               attention_decode(a, threads, isa);
               double worst = 0;
               for (size_t i = 0; i < ref.size(); ++i)
@@ -1476,7 +1481,7 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
               const double lim = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 512;
               note(std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa), worst);
               report(worst <= lim, std::string("attention_decode ") + dtype_name(dt) + " " + isa_name(isa) +
-                                       (masked ? " masked" : "") + " D=" + std::to_string(D) + " S=" +
+                                       (masked ? " masked" : "") + (sunk ? " sinks" : "") + " D=" + std::to_string(D) + " S=" +
                                        std::to_string(S) + ": err " + std::to_string(worst));
             }
           }
@@ -1535,8 +1540,9 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
 // `past` cached positions, batch row 1 left-padded so that its first query attends nothing: zeros,
 // as SDPA gives); query rows read through a padded row stride, keys and values through a longer
 // cache buffer; row counts around the kernel's blocks of 12 and 24 query rows and 32 keys,
-// grouped-query heads, head sizes from 16 to 256; 1 and 2 threads. Tiers without the kernel
-// must decline and write nothing.
+// grouped-query heads, head sizes from 16 to 256; 1 and 2 threads; with attention sinks (heads
+// whose sink is far above, near and far below their scores). Tiers without the kernel must
+// decline and write nothing.
 void test_attention_prefill(const std::vector<Isa>& tiers) {
   if (!selected("attention")) return;
   std::mt19937 rng(11);
@@ -1546,8 +1552,11 @@ void test_attention_prefill(const std::vector<Isa>& tiers) {
   for (int64_t D : {16, 48, 128, 256}) {
     for (int64_t T : {1, 5, 12, 13, 24, 25, 40, 70}) {
       for (int64_t past : {0, 7, 33}) {
-        for (const bool masked : {false, true}) {
+        for (const bool masked : {false, true})
+        for (const bool sunk : {false, true}) {
           if (!masked && past) continue;  // no mask: keys [0, T) of the cache, as transformers asks
+          if (sunk && D != 48 && D != 128) continue;
+          const std::vector<float> sinks = {30.0f, 0.25f, -2.0f, -50.0f};  // [Hq]
           const int64_t B = 2, Hq = 4, Hkv = 2, S = past + T, Smax = S + 3, qrow = Hq * D + 8;
           const auto q = random_array(dt, B * T * qrow, 1.0f, rng);
           const auto k = random_array(dt, B * Hkv * Smax * D, 2.0f, rng);
@@ -1575,8 +1584,11 @@ void test_attention_prefill(const std::vector<Isa>& tiers) {
                     d += double(load_elem(dt, q.data(), qo + i)) * load_elem(dt, k.data(), base + j * D + i);
                   mx = std::max(mx, sc[j] = d * scale);
                 }
+                const bool any = mx > -1e300;  // no key attended: zeros, whatever the sink
+                if (sunk) mx = std::max(mx, double(sinks[h]));
                 for (int64_t j = 0; j < S; ++j)
                   if (attended(b, t, j)) sum += (sc[j] = std::exp(sc[j] - mx));
+                if (sunk && any) sum += std::exp(double(sinks[h]) - mx);
                 for (int64_t i = 0; i < D && sum > 0; ++i) {
                   double o = 0;
                   for (int64_t j = 0; j < S; ++j)
@@ -1590,8 +1602,9 @@ void test_attention_prefill(const std::vector<Isa>& tiers) {
               std::vector<uint8_t> out(static_cast<size_t>(B * T * Hq * D) * 2, 0xff);
               AttnPrefillArgs a{q.data(), k.data(), v.data(), out.data(), B, T, Hq, Hkv, S, D,
                                 {T * qrow, qrow, D}, {Hkv * Smax * D, Smax * D, D}, {Hkv * Smax * D, Smax * D, D},
-                                scale, masked ? mask.data() : nullptr, T * S, S};
+                                scale, masked ? mask.data() : nullptr, T * S, S, sunk ? sinks.data() : nullptr};
               const std::string what = std::string("attention_prefill ") + isa_name(isa) + (masked ? " masked" : "") +
+                                       (sunk ? " sinks" : "") +
                                        " D=" + std::to_string(D) + " T=" + std::to_string(T) + " past=" +
                                        std::to_string(past) + " threads=" + std::to_string(threads);
               const bool expect = attention_prefill_supported(a, isa);

@@ -19,7 +19,15 @@ attention weights asked for, unknown arguments) is the module's own forward.
 
 Which modules: a class named *Attention with q_proj, k_proj, v_proj and o_proj, an integer
 head_dim, layer_idx and num_key_value_groups, a float scaling, and the model's attention
-implementation "sdpa" (eager would return attention weights). What it computes is checked
+implementation "sdpa" or "eager" (GPT-OSS has no other on CPU). Under eager, transformers passes
+additive float masks: one holding only 0 and the dtype's lowest value (or -inf) is taken as the
+bool mask it stands for, any other (ALiBi-like biases) leaves the call to the module; a prefill
+call without a mask (eager then attends every key) too; and the attention weights eager returns
+are not computed, so a call while transformers captures them (output_attentions) or while another
+hook watches the module is the module's own. Attention sinks (GPT-OSS: a learned logit per head
+in the softmax's denominator, the module's `sinks`) and rotary tables of half the head size
+(GPT-OSS's cos/sin, applied to the two halves) are forms of their own; a sliding window is in the
+mask transformers builds, which the kernels follow. What it computes is checked
 before it is patched: on a probe (random hidden states and rotary tables, a DynamicCache holding
 a few positions) its own forward and each known form run side by side. A form is taken when the
 keys and values it appends to the cache are the module's bit for bit (projections, norms,
@@ -27,6 +35,8 @@ clamp and the rotary embedding in the same roundings) and its output is within t
 rounding of the module's (the attention's float32 sums run in another order than SDPA's). The
 forms differ only in where q/k norms sit: none (Llama, Mixtral, Qwen2-MoE), on the whole
 projection (OLMoE) or per head (Qwen3-MoE); OLMoE's clip_qkv clamp is read from the config.
+A module with a `sinks` tensor of one value per query head is tried with them; rotary tables of
+head_dim / 2 are tried when the module's forward rejects full-width ones.
 """
 
 from __future__ import annotations
@@ -124,6 +134,19 @@ _IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "out
 # sums in another order, rounded once to the dtype, then o_proj
 _OUT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-8}
 FORMS = ("no qk norm", "qk norm on the projections", "qk norm per head")
+# the attention implementations whose calls these paths take (see the module docstring)
+_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _bool_of_additive(mask: torch.Tensor) -> torch.Tensor | None:
+    """The bool mask an additive float mask stands for (0: attended; the dtype's lowest value or
+    -inf: not), or None when it holds any other value (a bias the kernels do not add)."""
+    allowed = mask == 0
+    blocked = (mask == torch.finfo(mask.dtype).min) | torch.isneginf(mask)
+    if not bool((allowed | blocked).all()):
+        return None
+    return allowed
+
 
 
 def find_attention(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
@@ -138,10 +161,34 @@ def find_attention(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]
             continue
         if not isinstance(getattr(m, "scaling", None), float):
             continue
-        if getattr(getattr(m, "config", None), "_attn_implementation", None) != "sdpa":
+        if getattr(getattr(m, "config", None), "_attn_implementation", None) not in _IMPLEMENTATIONS:
             continue
         found.append((name, m))
     return found
+
+
+def _sink_rescale(o: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  sinks: torch.Tensor, groups: int) -> torch.Tensor:
+    """SDPA's output o [B, Hq, T, D] with attention sinks added to its softmax: each row's
+    weights shrink by L / (L + e^z) = sigmoid(log L - z), L the sum of its exponentiated scores
+    (float32, from the scores computed again; the SDPA fallback's, not the kernels' way). A row
+    attending no key stays zeros."""
+    k = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    f = torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - sinks.view(1, -1, 1, 1))
+    return (o.float() * f).to(o.dtype)
+
+
+def _watched(module: nn.Module) -> bool:
+    """Whether a hook on the module may look at its output (eager's attention weights, which
+    the native paths do not compute): any hook but transformers' idle output-capturing ones."""
+    if not module._forward_hooks and not module._forward_pre_hooks:
+        return False
+    from .layers import _idle_capture_hooks
+
+    return not _idle_capture_hooks(module)
 
 
 class NativeAttention:
@@ -167,6 +214,11 @@ class NativeAttention:
         self.dtype = module.o_proj.weight.dtype
         self.form: str | None = None
         self.clip = getattr(getattr(module, "config", None), "clip_qkv", None)
+        self.eager = getattr(getattr(module, "config", None), "_attn_implementation", None) == "eager"
+        # the probe's findings: whether the module's sinks enter the softmax, and whether its rotary
+        # tables are head_dim / 2 wide (GPT-OSS)
+        self.sinks = False
+        self.half_table = False
         # prefill calls on the native kernel (prefill_kernel), once the probe saw them match
         self.prefill = False
 
@@ -191,6 +243,18 @@ class NativeAttention:
         return (q.reshape(B, self.Hq, self.D).contiguous(), k.reshape(B, self.Hkv, self.D).contiguous(),
                 v.reshape(B, self.Hkv, self.D).contiguous())
 
+    def _sink_logits(self, m: nn.Module) -> torch.Tensor | None:
+        """The module's sinks as float32 [Hq] (read at every call: they are the module's own
+        parameter), or None when its softmax has none."""
+        return m.sinks.detach().float().contiguous() if self.sinks else None
+
+    def _full_tables(self, cos: torch.Tensor, sin: torch.Tensor):
+        """cos and sin as head_dim-wide tables: half-width ones (GPT-OSS) are the same values for
+        both halves, what the rotate-half kernel applies."""
+        if self.half_table:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos, sin
+
     def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                 mask: torch.Tensor | None = None, direct=None):
         """(output, None) of a decode step; `direct` (hi_na_moe.layers): the projections' and
@@ -198,6 +262,7 @@ class NativeAttention:
         B = h.shape[0]
         code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h, form, B, direct)
+        cos, sin = self._full_tables(cos, sin)
         cos, sin = cos.reshape(-1, self.D), sin.reshape(-1, self.D)
         if cos.shape[0] != B:  # one position for every row (position_ids [1, 1]): broadcast
             cos, sin = cos.expand(B, self.D), sin.expand(B, self.D)
@@ -211,15 +276,16 @@ class NativeAttention:
         if cache is not None:
             keys, values = kv_cache.append(cache, m.layer_idx, keys, values)
         out = torch.empty(B, 1, self.Hq * self.D, dtype=self.dtype)
+        sinks = self._sink_logits(m)
         if self.kernel_fits(keys, values, mask, B):
             ks, vs = keys.stride(), values.stride()
             self.native.attention_decode_raw(
                 code, qr.data_ptr(), B, self.Hq, self.Hkv, keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2],
                 values.data_ptr(), vs[0], vs[1], vs[2], m.scaling, out.data_ptr(),
                 self.threads or torch.get_num_threads(), self.isa, 0 if mask is None else mask.data_ptr(),
-                0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
+                0 if mask is None or mask.shape[0] == 1 else mask.stride(0), 0 if sinks is None else sinks.data_ptr())
         else:
-            self.sdpa(m, qr, keys, values, mask, out)
+            self.sdpa(m, qr, keys, values, mask, out, sinks)
         return (m.o_proj(out) if direct is None else direct[3](out)), None
 
     def kernel_fits(self, keys, values, mask: torch.Tensor | None, B: int) -> bool:
@@ -232,12 +298,16 @@ class NativeAttention:
                 and (mask is None or mask.shape[-1] == keys.shape[2])
                 and (self.kernel_keys is None or keys.shape[2] <= self.kernel_keys))
 
-    def sdpa(self, m: nn.Module, qr: torch.Tensor, keys, values, mask, out: torch.Tensor) -> None:
+    def sdpa(self, m: nn.Module, qr: torch.Tensor, keys, values, mask, out: torch.Tensor,
+             sinks: torch.Tensor | None = None) -> None:
         """The attention by PyTorch's SDPA into out [B, 1, Hq D]: no vector build for this tier,
         or a cache that hands back something the kernel does not take."""
         B = qr.shape[0]
-        o = F.scaled_dot_product_attention(qr.view(B, self.Hq, 1, self.D), keys, values, attn_mask=mask,
-                                           scale=m.scaling, enable_gqa=self.Hq != self.Hkv)
+        q = qr.view(B, self.Hq, 1, self.D)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=m.scaling,
+                                           enable_gqa=self.Hq != self.Hkv)
+        if sinks is not None:
+            o = _sink_rescale(o, q, keys, mask, m.scaling, sinks, self.Hq // self.Hkv)
         out.copy_(o.transpose(1, 2).reshape(B, 1, -1))
 
     # -- the prefill path ---------------------------------------------------------------------
@@ -249,6 +319,7 @@ class NativeAttention:
         B, T = h.shape[:2]
         code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h.reshape(B * T, 1, self.hidden), form, B * T)
+        cos, sin = self._full_tables(cos, sin)
         cos = cos.reshape(-1, T, self.D).expand(B, T, self.D).reshape(B * T, self.D).contiguous()
         sin = sin.reshape(-1, T, self.D).expand(B, T, self.D).reshape(B * T, self.D).contiguous()
         qr, kr = torch.empty_like(q), torch.empty_like(k)
@@ -263,6 +334,7 @@ class NativeAttention:
         if cache is not None:
             keys, values = kv_cache.append(cache, m.layer_idx, keys, values)
         out = torch.empty(B, T, self.Hq * self.D, dtype=self.dtype)
+        sinks = self._sink_logits(m)
         done = False
         if (type(keys) is torch.Tensor and type(values) is torch.Tensor and keys.dtype is self.dtype
                 and values.dtype is self.dtype and keys.dim() == 4 and keys.shape == values.shape
@@ -276,13 +348,16 @@ class NativeAttention:
                 qr.data_ptr(), T * self.Hq * self.D, self.Hq * self.D, self.D, B, T, self.Hq, self.Hkv,
                 keys.shape[2], self.D, keys.data_ptr(), ks[0], ks[1], ks[2], values.data_ptr(), vs[0], vs[1], vs[2],
                 m.scaling, out.data_ptr(), threads, self.isa, 0 if mask is None else mask.data_ptr(), mb,
-                0 if mask is None else mask.stride(2))
+                0 if mask is None else mask.stride(2), 0 if sinks is None else sinks.data_ptr())
         if not done:  # what transformers' SDPA call computes (no mask: causal over the first T keys)
             if mask is None:
                 keys, values = keys[:, :, :T], values[:, :, :T]
-            o = F.scaled_dot_product_attention(qr.view(B, T, self.Hq, self.D).transpose(1, 2), keys, values,
-                                               attn_mask=mask, is_causal=mask is None, scale=m.scaling,
-                                               enable_gqa=self.Hq != self.Hkv)
+                mask = torch.ones(T, T, dtype=torch.bool).tril() if sinks is not None else None
+            qt = qr.view(B, T, self.Hq, self.D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, is_causal=mask is None,
+                                               scale=m.scaling, enable_gqa=self.Hq != self.Hkv)
+            if sinks is not None:
+                o = _sink_rescale(o, qt, keys, mask, m.scaling, sinks, self.Hq // self.Hkv)
             out.copy_(o.transpose(1, 2).reshape(B, T, -1))
         return m.o_proj(out), None
 
@@ -311,27 +386,38 @@ class NativeAttention:
         h, pe, mask = got.get("hidden_states"), got.get("position_embeddings"), got.get("attention_mask")
         if not isinstance(pe, tuple) or len(pe) != 2:
             return None
+        if self.eager and _watched(module):
+            return None
         if (type(h) is not torch.Tensor or h.dim() != 3 or h.shape[2] != self.hidden or h.dtype is not self.dtype
                 or not h.is_cpu or h.requires_grad):
             return None
         B, T = h.shape[:2]
         if T == 1 and B > _MAX_BATCH or T > 1 and not (prefill and self.prefill and PREFILL) or T < 1:
             return None
+        if self.eager:
+            if mask is None and T > 1:
+                return None  # eager without a mask attends every key, not the causal ones
+            if type(mask) is torch.Tensor and mask.is_floating_point() and mask.dim() == 4 and mask.is_cpu:
+                mask = _bool_of_additive(mask)  # a few small ops for a decode step's [B, 1, 1, S]
+                if mask is None:
+                    return None  # an additive bias, not a mask
         if mask is not None and (type(mask) is not torch.Tensor or mask.dtype is not torch.bool or mask.dim() != 4
                                  or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != T
                                  or mask.stride(3) != 1 or not mask.is_cpu):
             return None  # a float or per-head mask: the module's own forward
         cos, sin = pe
+        w = self.D // 2 if self.half_table else self.D
         for t in (cos, sin):
-            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() not in (B * T * self.D, T * self.D)
-                    or not t.is_cpu
-                    or t.is_neg() or t.shape[-1] != self.D):
+            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() not in (B * T * w, T * w)
+                    or not t.is_cpu or t.is_neg() or t.shape[-1] != w):
                 return None
         return h, cos, sin, got.get("past_key_values"), mask
 
     # -- the probe ----------------------------------------------------------------------------
     def matches(self) -> bool:
-        """Whether one of the forms computes what the module's own forward does (module docstring)."""
+        """Whether one of the forms computes what the module's own forward does (module docstring):
+        the q/k norm forms, with or without the module's sinks, with full-width or half-width
+        rotary tables; under eager also with an additive float mask."""
         from transformers import DynamicCache
 
         m = self.module
@@ -339,10 +425,15 @@ class NativeAttention:
         B, past = 2, 5
         h = torch.randn(B, 1, self.hidden, generator=gen).to(self.dtype)
         ang = torch.rand(B, 1, self.D // 2, generator=gen) * 6.3
-        emb = torch.cat([ang, ang], dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         k0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
         v0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
+        # under eager, a second case: an additive mask hiding two of row 1's keys
+        fmask = torch.zeros(B, 1, 1, past + 1, dtype=self.dtype)
+        fmask[1, :, :, [0, 2]] = torch.finfo(self.dtype).min
+        masks = [None] + ([fmask] if self.eager else [])
+        sinks = getattr(m, "sinks", None)
+        sink_options = ((True, False) if isinstance(sinks, torch.Tensor) and tuple(sinks.shape) == (self.Hq,)
+                        else (False,))
 
         def cache():
             c = DynamicCache()
@@ -350,55 +441,73 @@ class NativeAttention:
             return c
 
         with torch.no_grad():
-            own_cache = cache()
-            try:
-                want = self.original(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None,
-                                     past_key_values=own_cache)
-            except Exception:
-                return False
-            if (not isinstance(want, tuple) or len(want) != 2 or want[1] is not None
-                    or not isinstance(want[0], torch.Tensor) or want[0].shape != h.shape):
-                return False
-            want_k, want_v = own_cache.layers[m.layer_idx].keys, own_cache.layers[m.layer_idx].values
-            for form in FORMS:
-                if form != FORMS[0] and not (isinstance(getattr(m, "q_norm", None), nn.Module)
-                                             and isinstance(getattr(m, "k_norm", None), nn.Module)):
-                    continue
-                ours = cache()
-                try:
-                    got, _ = self._decode(m, form, h, cos, sin, ours)
-                except Exception:
-                    continue
-                layer = ours.layers[m.layer_idx]
-                if not (torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)):
-                    continue
-                tol = _OUT_RTOL[self.dtype] * want[0].float().abs().amax()
-                if got.shape == want[0].shape and bool(((got.float() - want[0].float()).abs() <= tol).all()):
-                    self.form = form
-                    self.prefill = (self.dtype is torch.bfloat16
-                                    and prefill_kernel(self.isa, self.D, self.Hq, self.Hkv)
-                                    and self._prefill_matches(form, gen))
-                    return True
+            for half in (False, True):
+                emb = ang if half else torch.cat([ang, ang], dim=-1)
+                cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+                wants = []
+                for mk in masks:
+                    own_cache = cache()
+                    try:
+                        want = self.original(hidden_states=h, position_embeddings=(cos, sin), attention_mask=mk,
+                                             past_key_values=own_cache)
+                    except Exception:
+                        break
+                    if (not isinstance(want, tuple) or len(want) != 2 or (want[1] is not None and not self.eager)
+                            or not isinstance(want[0], torch.Tensor) or want[0].shape != h.shape):
+                        return False
+                    layer = own_cache.layers[m.layer_idx]
+                    wants.append((mk, want[0], layer.keys, layer.values))
+                if len(wants) != len(masks):
+                    continue  # this table width is not the module's
+                for form in FORMS:
+                    if form != FORMS[0] and not (isinstance(getattr(m, "q_norm", None), nn.Module)
+                                                 and isinstance(getattr(m, "k_norm", None), nn.Module)):
+                        continue
+                    for with_sinks in sink_options:
+                        self.half_table, self.sinks = half, with_sinks
+                        if all(self._decode_matches(form, h, cos, sin, cache(), *w) for w in wants):
+                            self.form = form
+                            self.prefill = (self.dtype is torch.bfloat16
+                                            and prefill_kernel(self.isa, self.D, self.Hq, self.Hkv)
+                                            and self._prefill_matches(form, gen))
+                            return True
+        self.half_table = self.sinks = False
         return False
+
+    def _decode_matches(self, form: str, h, cos, sin, cache, mask, want, want_k, want_v) -> bool:
+        """Whether _decode in this form appends want_k/want_v bit for bit and returns want within
+        rounding (mask: the module's own, an additive float one under eager)."""
+        m = self.module
+        try:
+            got, _ = self._decode(m, form, h, cos, sin, cache, None if mask is None else _bool_of_additive(mask))
+        except Exception:
+            return False
+        layer = cache.layers[m.layer_idx]
+        if not (torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)):
+            return False
+        tol = _OUT_RTOL[self.dtype] * want.float().abs().amax()
+        return got.shape == want.shape and bool(((got.float() - want.float()).abs() <= tol).all())
 
     def _prefill_matches(self, form: str, gen: torch.Generator) -> bool:
         """Whether the prefill path computes what the module's own forward does: keys and values
         appended bit for bit, the output within rounding; on a fresh cache with no mask (causal:
         what transformers passes for a prompt) and on a cache holding a few positions with a bool
         mask (a later chunk of a prompt; the second row left-padded, its first query attending
-        nothing)."""
+        nothing). Under eager the module gets these masks as additive float ones, the prompt's
+        causal one included."""
         from transformers import DynamicCache
 
         m = self.module
         B, past, T = 2, 5, 7
         h = torch.randn(B, T, self.hidden, generator=gen).to(self.dtype)
         ang = torch.rand(B, T, self.D // 2, generator=gen) * 6.3
-        emb = torch.cat([ang, ang], dim=-1)
+        emb = ang if self.half_table else torch.cat([ang, ang], dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         k0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
         v0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
         mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)
         mask[1, :, :, :past + 1] = False
+        causal = torch.ones(1, 1, T, T, dtype=torch.bool).tril()
         for with_past in (False, True):
             caches = []
             for _ in range(2):
@@ -407,8 +516,12 @@ class NativeAttention:
                     c.update(k0.clone(), v0.clone(), m.layer_idx)
                 caches.append(c)
             mk = mask if with_past else None
+            own = mk
+            if self.eager:  # transformers' additive masks; a prompt's causal one too (eager has no is_causal)
+                mk = mk if with_past else causal
+                own = torch.zeros(mk.shape, dtype=self.dtype).masked_fill(~mk, torch.finfo(self.dtype).min)
             try:
-                want = self.original(hidden_states=h, position_embeddings=(cos, sin), attention_mask=mk,
+                want = self.original(hidden_states=h, position_embeddings=(cos, sin), attention_mask=own,
                                      past_key_values=caches[0])
                 got, _ = self._prefill(m, form, h, cos, sin, caches[1], mk)
             except Exception:
@@ -418,8 +531,15 @@ class NativeAttention:
             a, b = caches[0].layers[m.layer_idx], caches[1].layers[m.layer_idx]
             if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
                 return False
-            tol = _OUT_RTOL[self.dtype] * want[0].float().abs().amax()
-            if not bool(((got.float() - want[0].float()).abs() <= tol).all()):
+            want = want[0]
+            if self.eager and mk is not None:
+                # a query attending no key: SDPA and the kernel give zeros, eager without sinks the
+                # mean of the values (every score at the dtype's lowest value): a padding position's
+                # output, which no other position reads
+                seen = mk.any(-1).expand(B, 1, T).reshape(B, T)
+                want, got = want[seen], got[seen]
+            tol = _OUT_RTOL[self.dtype] * want.float().abs().amax()
+            if not bool(((got.float() - want.float()).abs() <= tol).all()):
                 return False
         return True
 

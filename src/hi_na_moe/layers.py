@@ -203,7 +203,8 @@ class NativeLayer:
         q, o = patched_member(a.q_proj), patched_member(a.o_proj)
         if (q is None or len(q[0].modules) != 3 or patched_member(a.k_proj) != (q[0], 1)
                 or patched_member(a.v_proj) != (q[0], 2) or o is None or len(o[0].modules) != 1
-                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype):
+                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype
+                or at.sinks or at.half_table):  # the native calls know neither (attention.py's forms)
             return None
         qk = FORMS.index(at.form)
         norms = (None, None)
@@ -316,7 +317,12 @@ class NativeLayer:
         else:
             s = x + a
             n2 = self.ln2(s)
-        return self._residual(s, self.mlp(n2) if self.moe is None else self.moe(n2), code)
+        if self.moe is not None:
+            return self._residual(s, self.moe(n2), code)
+        out = self.mlp(n2)
+        # a block returning (hidden, router scores), as GPT-OSS's does and its layer unpacks
+        # (the probe shows whether the layer takes the first)
+        return self._residual(s, out[0] if type(out) is tuple else out, code)
 
     def _residual(self, s: torch.Tensor, out, code: int) -> torch.Tensor:
         """s + out, the layer's last residual add: natively into s (a tensor of this call's own)
@@ -526,7 +532,7 @@ class NativeLayer:
         B, past, D = 2, 4, at.D
         x = torch.randn(B, 1, self.hidden, generator=gen).to(at.dtype)
         ang = torch.rand(B, 1, D // 2, generator=gen) * 6.3
-        emb = torch.cat([ang, ang], dim=-1)
+        emb = ang if at.half_table else torch.cat([ang, ang], dim=-1)  # the tables the attention takes
         cos, sin = emb.cos().to(at.dtype), emb.sin().to(at.dtype)
         k0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)
         v0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)

@@ -342,6 +342,10 @@ struct AttnDecodeArgs {
   // keys and values are not read. A row with every key masked gives zeros, as PyTorch's SDPA does.
   const uint8_t* mask = nullptr;
   int64_t mask_bstride = 0;
+  // optional: attention sinks, one float32 logit per query head [Hq] (GPT-OSS): the softmax runs
+  // over the scores and sinks[h] together and the sink's share is dropped, so the weights of the
+  // keys sum to less than 1: p_j = e^(s_j - m) / (sum_i e^(s_i - m) + e^(sinks[h] - m)).
+  const float* sinks = nullptr;
 };
 // Query head h reads kv head h / (Hq / Hkv) (grouped-query attention; Hq a multiple of Hkv).
 // float32 math, one rounding at the end; heads split across num_threads (0: every hardware
@@ -367,6 +371,7 @@ struct AttnPrefillArgs {
   // attending no key gives zeros, as SDPA does (and attention_decode).
   const uint8_t* mask = nullptr;
   int64_t mask_bstride = 0, mask_tstride = 0;
+  const float* sinks = nullptr;  // optional [Hq]: attention sinks, as AttnDecodeArgs::sinks
 };
 // Whether attention_prefill has a kernel for these arguments at tier isa on this CPU: bfloat16
 // dot products (AVX512-BF16) at the avx512/amx tiers, D a multiple of 16 up to 256, Hq a

@@ -55,7 +55,7 @@ constexpr int kCols = 128;  // output columns accumulated per pass over the keys
 // One (batch, head) row, D a multiple of 8; qf: the query as float32 (D values), sc: n floats.
 template <class T>
 void one_head(const float* qf, const T* k, const T* v, const int32_t* keys, int64_t n, int64_t D, int64_t ks,
-              int64_t vs, float scale, T* out, float* sc) {
+              int64_t vs, float scale, float sink, T* out, float* sc) {
   auto key = [keys](int64_t j) { return keys ? static_cast<int64_t>(keys[j]) : j; };
   float mx = -INFINITY;
   int64_t j = 0;
@@ -85,6 +85,7 @@ void one_head(const float* qf, const T* k, const T* v, const int32_t* keys, int6
     sc[j] = hsum(s0) * scale;
     mx = std::max(mx, sc[j]);
   }
+  mx = std::max(mx, sink);
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
   for (j = 0; j + 8 <= n; j += 8) {
@@ -94,6 +95,7 @@ void one_head(const float* qf, const T* k, const T* v, const int32_t* keys, int6
   }
   float sum = hsum(vsum);
   for (; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+  sum += attn_impl::sink_share(sink, mx, n);
   const float inv = n ? 1.0f / sum : 0.f;  // no key attended: zeros, as SDPA gives
   for (int64_t c0 = 0; c0 < D; c0 += kCols) {
     const int nc = static_cast<int>(std::min<int64_t>(kCols, D - c0) / 8);
@@ -117,9 +119,10 @@ void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   float* sc = static_cast<float*>(scratch.get(static_cast<size_t>(a.S) * sizeof(float)));
   float* qf = static_cast<float*>(q_buf.get(static_cast<size_t>(a.D) * sizeof(float)));
   int32_t* keys = a.mask ? static_cast<int32_t*>(key_buf.get(static_cast<size_t>(a.S) * sizeof(int32_t))) : nullptr;
-  attn_impl::for_heads<T>(a, h0, h1, keys, [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, T* out) {
+  attn_impl::for_heads<T>(a, h0, h1, keys,
+                          [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, float sink, T* out) {
     for (int64_t i = 0; i < a.D; ++i) qf[i] = attn_impl::Elem<T>::get(q, i);
-    one_head(qf, k, v, kept, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, out, sc);
+    one_head(qf, k, v, kept, n, a.D, a.k_strides[2], a.v_strides[2], a.scale, sink, out, sc);
   });
 }
 

@@ -46,7 +46,7 @@ inline __m512 exp_neg(__m512 x) {
 // query and the output accumulator held in registers.
 template <class T, int NC>
 void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t S, int64_t ks, int64_t vs, float scale,
-              T* out, float* sc) {
+              float sink, T* out, float* sc) {
   auto key = [keys](int64_t j) { return keys ? static_cast<int64_t>(keys[j]) : j; };
   __m512 qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = load16(q + 16 * c);
@@ -76,6 +76,7 @@ void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t S
     sc[j] = _mm512_reduce_add_ps(s0) * scale;
     mx = std::max(mx, sc[j]);
   }
+  mx = std::max(mx, sink);
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
   for (j = 0; j + 16 <= S; j += 16) {
@@ -89,7 +90,8 @@ void one_head(const T* q, const T* k, const T* v, const int32_t* keys, int64_t S
     _mm512_mask_storeu_ps(sc + j, m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
   }
-  const float inv = S ? 1.0f / _mm512_reduce_add_ps(vsum) : 0.f;  // no key attended: zeros, as SDPA gives
+  // no key attended: zeros, as SDPA gives
+  const float inv = S ? 1.0f / (_mm512_reduce_add_ps(vsum) + attn_impl::sink_share(sink, mx, S)) : 0.f;
   __m512 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
   for (j = 0; j < S; ++j) {
@@ -107,8 +109,9 @@ void heads_nc(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   thread_local AlignedBuf scratch, key_buf;
   float* sc = static_cast<float*>(scratch.get(static_cast<size_t>(a.S) * sizeof(float)));
   int32_t* keys = a.mask ? static_cast<int32_t*>(key_buf.get(static_cast<size_t>(a.S) * sizeof(int32_t))) : nullptr;
-  attn_impl::for_heads<T>(a, h0, h1, keys, [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, T* out) {
-    one_head<T, NC>(q, k, v, kept, n, a.k_strides[2], a.v_strides[2], a.scale, out, sc);
+  attn_impl::for_heads<T>(a, h0, h1, keys,
+                          [&](const T* q, const T* k, const T* v, const int32_t* kept, int64_t n, float sink, T* out) {
+    one_head<T, NC>(q, k, v, kept, n, a.k_strides[2], a.v_strides[2], a.scale, sink, out, sc);
   });
 }
 

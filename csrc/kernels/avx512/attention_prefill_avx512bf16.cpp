@@ -16,7 +16,8 @@
 //   times scale, masked (-inf), row maxima m', a = e^(m - m'), p = e^(s - m') (float32),
 //     l = l a + sum(p); p rounded to bf16 (round to nearest even);
 //   o = o a + p . v, o (kR x D float32) in an L1 buffer, RP rows at a time in registers.
-// At the end out = o / l, rounded once to bf16. A row with no key attended gives zeros (what
+// At the end out = o / l, rounded once to bf16 (with attention sinks, l also holds the sink's
+// e^z, rescaled to the larger of the row's maximum and z). A row with no key attended gives zeros (what
 // PyTorch's SDPA returns for it: transformers' left-padded batches have such rows).
 #include <immintrin.h>
 
@@ -204,12 +205,19 @@ void step(const AttnPrefillArgs& a, const Layout& L, const uint16_t* kp, const u
   pv_block<NC>(R.o, R.alpha, R.pb, vp + blk * L.kblock);
 }
 
-// out = o / l, rounded once to bf16.
+// out = o / l, rounded once to bf16. With a sink logit z for head h, the denominator also holds
+// e^z: with M = max(m, z), out = o e^(m - M) / (l e^(m - M) + e^(z - M)).
 template <int NC>
 void finish(const AttnPrefillArgs& a, int64_t b, int64_t h, const Rows& R) {
   constexpr int64_t D = NC * 16;
+  const float z = a.sinks ? a.sinks[h] : -INFINITY;
   for (int64_t r = 0; r < R.rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(R.l[r] > 0.f ? 1.f / R.l[r] : 0.f);  // no key attended: 0, as SDPA gives
+    float f = R.l[r] > 0.f ? 1.f / R.l[r] : 0.f;  // no key attended: 0, as SDPA gives
+    if (z != -INFINITY && R.l[r] > 0.f) {
+      const float M = std::max(R.m[r], z), c = std::exp(R.m[r] - M);
+      f = c / (R.l[r] * c + std::exp(z - M));
+    }
+    const __m512 inv = _mm512_set1_ps(f);
     uint16_t* dst = static_cast<uint16_t*>(a.out) + ((b * a.T + R.t0 + r) * a.Hq + h) * D;
     for (int c = 0; c < NC; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
