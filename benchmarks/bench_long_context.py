@@ -140,7 +140,11 @@ def main() -> int:
                         nxt = out.logits[:, -1:].argmax(-1)
                     del cache, out
                 use_arm(arms[0])
-                kv = 2 * conf.num_hidden_layers * kv_heads * head_dim * n * 2
+                # positions each layer reads: a sliding layer (GPT-OSS) at most its window
+                types = getattr(conf, "layer_types", None) or ["full_attention"] * conf.num_hidden_layers
+                window = getattr(conf, "sliding_window", None) or n
+                kv = sum(2 * kv_heads * head_dim * (min(n, window) if t == "sliding_attention" else n) * 2
+                         for t in types)
                 for arm in arms:
                     med = statistics.median(steps[arm])
                     label = f"{kind}, {arm}" if arm else kind

@@ -10,7 +10,7 @@ over 4 kv heads of 128), and a 64-wide head (16 of 64).
 --ckpt: the whole model's prefill of a random prompt of each --lengths, one forward with a
 fresh DynamicCache and logits_to_keep=1 (as generate prefills, and bench_full_model.py), with
 hi_na_moe.attention.PREFILL on (the attention on the native kernel) and off (the attention
-modules' own forward: SDPA), alternating, --reps pairs per length after one untimed forward
+modules' own forward: SDPA, or eager for GPT-OSS, which has no SDPA form), alternating, --reps pairs per length after one untimed forward
 per arm; the medians and their ratio. Loads with hi_na_moe.from_pretrained from a warm store
 (--cache-dir).
 
@@ -145,6 +145,7 @@ def model(args, torch) -> list[dict]:
           flush=True)
     if not rep.attention_prefill:
         raise SystemExit(f"no native prefill attention here: {rep.attention_prefill_math}")
+    own = m.config._attn_implementation  # what the modules' own forward computes attention with
     rows = []
     for T in args.lengths:
         ids = torch.randint(3, m.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
@@ -152,20 +153,20 @@ def model(args, torch) -> list[dict]:
         for on in (True, False):  # untimed: first-touch of buffers and caches for both arms
             attention.PREFILL = on
             with torch.inference_mode():
-                m(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+                m(ids, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
         for rep_i in range(args.reps):
             for on in ((True, False) if rep_i % 2 == 0 else (False, True)):
                 attention.PREFILL = on
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    m(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+                    m(ids, past_key_values=DynamicCache(config=m.config), use_cache=True, logits_to_keep=1)
                 times[on].append(time.perf_counter() - t0)
         attention.PREFILL = True
         on, off = statistics.median(times[True]), statistics.median(times[False])
         row = {"T": T, "native_s": on, "sdpa_s": off, "speedup": off / on, "native_all": times[True],
-               "sdpa_all": times[False]}
+               "sdpa_all": times[False], "own_attention": own}
         rows.append(row)
-        print(f"prefill-{T}: native attention {on:.2f} s ({T / on:.0f} tok/s), own forward (SDPA) {off:.2f} s "
+        print(f"prefill-{T}: native attention {on:.2f} s ({T / on:.0f} tok/s), own forward ({own}) {off:.2f} s "
               f"({T / off:.0f} tok/s): {off / on:.3f}x", flush=True)
     return rows
 

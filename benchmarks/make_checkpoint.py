@@ -23,7 +23,8 @@ re-initialised weights.
     python benchmarks/make_checkpoint.py --shape qwen1.5-moe-a2.7b --layers 4 --out /work/ckpt/qwen1.5-moe-a2.7b-4l
 
 Shapes: olmoe-1b-7b (OLMoE-1B-7B), qwen3-30b-a3b (Qwen3-30B-A3B), qwen1.5-moe-a2.7b
-(Qwen1.5-MoE-A2.7B: routed experts plus a shared expert and q/k/v biases).
+(Qwen1.5-MoE-A2.7B: routed experts plus a shared expert and q/k/v biases), gpt-oss-20b
+(GPT-OSS-20B in bf16: sinks, sliding windows, biases, experts saved fused).
 
 `--verify` loads the result with `AutoModelForCausalLM.from_pretrained` (the whole model in
 RAM: use it on small `--layers`), fails on missing/unexpected/mismatched keys, checks a few
@@ -121,9 +122,39 @@ SHAPES: dict[str, dict] = {
         bos_token_id=151643,
         eos_token_id=151643,
     ),
+    # GPT-OSS-20B (its published config.json): 32 experts of width 2880 (top-4) with biases and
+    # the clamped SwiGLU, attention with biases and sinks (one learned logit per head), sliding
+    # windows of 128 on every other layer, YaRN rope. transformers saves its experts fused
+    # (gate_up_proj [E, H, 2I], down_proj [E, I, H], and their biases), written so here. The
+    # published weights are MXFP4; these are bf16, as transformers dequantises them on CPU.
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        attention_bias=True,
+        swiglu_limit=7.0,
+        tie_word_embeddings=False,
+        pad_token_id=199999,
+        eos_token_id=200002,
+    ),
 }
 
-ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM"}
+# families whose fused experts transformers saves fused (not one nn.Linear layout per expert)
+SAVED_FUSED = {"gpt_oss"}
 
 DTYPES = {
     "bf16": (torch.bfloat16, "BF16"),
@@ -151,8 +182,8 @@ class TensorSpec:
 
     @property
     def is_norm(self) -> bool:
-        # every 1-D weight of these models is a norm's scale; biases (qwen2_moe's q/k/v) are not
-        return len(self.shape) == 1 and not self.is_bias
+        # a norm's scale (1-D, "...norm.weight"); biases and GPT-OSS's sinks are drawn like the rest
+        return len(self.shape) == 1 and self.name.endswith("norm.weight")
 
 
 def build_config(shape: str, layers: int | None, dtype: str):
@@ -179,9 +210,12 @@ def checkpoint_tensors(config) -> list[TensorSpec]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     specs: list[TensorSpec] = []
+    fused = config.model_type in SAVED_FUSED
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
-        if name.endswith("experts.gate_up_proj"):
+        if fused:
+            specs.append(TensorSpec(name, shape))
+        elif name.endswith("experts.gate_up_proj"):
             prefix = name[: -len("gate_up_proj")]
             n_exp, two_i, hidden = shape
             for e in range(n_exp):
@@ -215,6 +249,10 @@ def check_against_save_pretrained(model_type: str) -> None:
     )
     if model_type == "olmoe":
         params.update(intermediate_size=48, num_key_value_heads=4)
+    elif model_type == "gpt_oss":
+        params.pop("num_experts")  # an alias of num_local_experts here
+        params.update(intermediate_size=48, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                      num_local_experts=4)
     elif model_type == "qwen2_moe":
         # head_dim is hidden / heads (16) here: Qwen2MoeConfig has no head_dim field
         params.update(intermediate_size=80, moe_intermediate_size=48, shared_expert_intermediate_size=112,
@@ -322,7 +360,6 @@ def verify(out: Path, specs: list[TensorSpec], seed: int, std: float, dtype: tor
     by_name = {s.name: s for s in specs}
     # A plain tensor, a norm, and the first/last expert of layer 0 (checks the fusing order).
     exp0 = "model.layers.0.mlp.experts.0."
-    last = f"model.layers.0.mlp.experts.{model.config.num_experts - 1}."
     checks = {
         "model.layers.0.self_attn.q_proj.weight": state["model.layers.0.self_attn.q_proj.weight"],
         "model.norm.weight": state["model.norm.weight"],
@@ -333,7 +370,12 @@ def verify(out: Path, specs: list[TensorSpec], seed: int, std: float, dtype: tor
         if name in state:  # qwen2_moe only
             checks[name] = state[name]
     fused = "model.layers.0.mlp.experts."
-    if fused + "gate_up_proj" in state:
+    if model.config.model_type in SAVED_FUSED:  # written as loaded: check the fused tensors as they are
+        for name in (fused + "gate_up_proj", fused + "down_proj", fused + "gate_up_proj_bias",
+                     "model.layers.0.self_attn.sinks"):
+            checks[name] = state[name]
+    elif fused + "gate_up_proj" in state:
+        last = f"model.layers.0.mlp.experts.{model.config.num_experts - 1}."
         gate_up, down = state[fused + "gate_up_proj"], state[fused + "down_proj"]
         inter = gate_up.shape[1] // 2
         for prefix, e in ((exp0, 0), (last, gate_up.shape[0] - 1)):
