@@ -15,7 +15,8 @@ o_proj called straight on their runners (no module calls); one native call for t
 and the post-attention norm; the MoE block's router and experts called straight on their runners
 when the block is of a known form (the router then the experts, as OLMoE, Mixtral and Qwen3-MoE
 write it; those plus a sigmoid-gated shared expert, as Qwen2-MoE does, the shared expert and its
-gate called as modules), else the mlp module called as usual; one native call for the last
+gate called as modules), else the mlp module called as usual (the first of what it returns when
+that is a tuple: GPT-OSS's block returns its router scores too); one native call for the last
 residual add.
 
 Everything else is the layer's own forward: prefill, training, any argument the attention's
