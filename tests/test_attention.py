@@ -620,6 +620,14 @@ def test_gpt_oss_attention_with_sinks_half_tables_and_eager_masks_on_the_kernels
                 assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
                 assert close(got, want) and not close(off, want)
             assert count.calls == 6 and kernel.calls == 6
+            # the sinks changed in place after enable: the next call uses the new values
+            with torch.no_grad():
+                att.sinks.mul_(-1.5)
+            with torch.inference_mode():
+                got, _ = att(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=cache())
+                want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe, attention_mask=None,
+                                            past_key_values=cache())
+            assert close(got, want) and kernel.calls == 7
             # the SDPA fallback (no kernel at a tier) adds the sinks too
             runner.kernel = False
             with torch.inference_mode():
@@ -628,7 +636,7 @@ def test_gpt_oss_attention_with_sinks_half_tables_and_eager_masks_on_the_kernels
                 want, _ = type(att).forward(att, hidden_states=h, position_embeddings=pe,
                                             attention_mask=_additive(hidden), past_key_values=cache())
             runner.kernel = True
-            assert kernel.calls == 6 and close(got, want)
+            assert kernel.calls == 7 and close(got, want)
             if not native_prefill:
                 continue
             # prefill: a prompt's causal mask, and a chunk after 6 cached positions with a sliding
@@ -711,8 +719,9 @@ def test_gpt_oss_decodes_alike_past_its_sliding_window():
     model = _gpt_oss(seed=1)
     seq = torch.randint(3, 250, (1, 76), generator=torch.Generator().manual_seed(0))
     want = _forced_logits(model, seq, 70)
-    hi_na_moe.enable_for_model(model, scope="all")
+    rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
+        assert rep.layers == ["model.layers.0", "model.layers.1"]  # the decoder layers' short paths
         counts = [_Count(_runner(layer.self_attn)) for layer in model.model.layers]
         got = _forced_logits(model, seq, 70)
         assert [c.calls for c in counts] == [6, 6]

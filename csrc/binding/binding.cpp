@@ -956,16 +956,17 @@ NB_MODULE(_native, m) {
         "rounded to the dtype as PyTorch's elementwise ops round it.");
   m.def("rope_rotate_half_raw",
         [](uintptr_t x, int64_t B, int64_t heads, int64_t D, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype,
-           const std::string& isa, int num_threads) {
+           const std::string& isa, int num_threads, bool half_table) {
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
           hina::rope_rotate_half(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), B, heads, D,
                                  reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
-                                 reinterpret_cast<void*>(out), tier, num_threads);
+                                 reinterpret_cast<void*>(out), tier, num_threads, half_table);
         },
         nb::arg("x"), nb::arg("B"), nb::arg("heads"), nb::arg("D"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"),
-        nb::arg("dtype"), nb::arg("isa") = "generic", nb::arg("num_threads") = 1,
-        "rope_rotate_half() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16), "
+        nb::arg("dtype"), nb::arg("isa") = "generic", nb::arg("num_threads") = 1, nb::arg("half_table") = false,
+        "rope_rotate_half() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
+        "half_table: cos and sin hold D/2 values per row, one angle for both halves, as GPT-OSS's), "
         "for hi_na_moe.attention, which checked the tensors itself; the same bits at every tier (bfloat16 "
         "vectorised at avx512/amx), rows split over num_threads (0: all) when there are many. Wrong addresses "
         "crash.");

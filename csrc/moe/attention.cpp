@@ -15,7 +15,7 @@ void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
 void attention_decode_avx2(const AttnDecodeArgs& a, int64_t h0, int64_t h1);
 bool attention_prefill_avx512bf16(const AttnPrefillArgs& a, int num_threads);
 void rope_rotate_half_bf16_avx512(const uint16_t* x, int64_t B, int64_t heads, int64_t D, const uint16_t* cos,
-                                  const uint16_t* sin, uint16_t* out);
+                                  const uint16_t* sin, uint16_t* out, bool half_table);
 }  // namespace detail
 
 namespace {
@@ -23,9 +23,9 @@ namespace {
 constexpr int64_t kParallelMacs = 1 << 16;
 
 template <class T>
-void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, const T* sin, T* out) {
+void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, const T* sin, T* out, bool half_table) {
   using E = attn_impl::Elem<T>;
-  const int64_t half = D / 2;
+  const int64_t half = D / 2, width = half_table ? half : D;
   auto round = [](float v) {
     T t;
     E::put(&t, 0, v);
@@ -35,12 +35,13 @@ void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, co
     for (int64_t h = 0; h < heads; ++h) {
       const T* xr = x + (b * heads + h) * D;
       T* yr = out + (b * heads + h) * D;
-      const T* c = cos + b * D;
-      const T* s = sin + b * D;
+      const T* c = cos + b * width;
+      const T* s = sin + b * width;
       for (int64_t i = 0; i < D; ++i) {
         const float rot = i < half ? -E::get(xr, i + half) : E::get(xr, i - half);
-        const float a = round(E::get(xr, i) * E::get(c, i));
-        const float r = round(rot * E::get(s, i));
+        const int64_t ti = half_table && i >= half ? i - half : i;  // the table's entry for i
+        const float a = round(E::get(xr, i) * E::get(c, ti));
+        const float r = round(rot * E::get(s, ti));
         E::put(yr, i, a + r);
       }
     }
@@ -48,41 +49,43 @@ void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, co
 }  // namespace
 
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out) {
+                      const void* sin, void* out, bool half_table) {
   switch (dt) {
     case DType::kF32:
       rope_rows(static_cast<const float*>(x), B, heads, D, static_cast<const float*>(cos),
-                static_cast<const float*>(sin), static_cast<float*>(out));
+                static_cast<const float*>(sin), static_cast<float*>(out), half_table);
       break;
     case DType::kBF16:
       rope_rows(static_cast<const uint16_t*>(x), B, heads, D, static_cast<const uint16_t*>(cos),
-                static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out));
+                static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), half_table);
       break;
     case DType::kF16:
       using H = attn_impl::Half;
       rope_rows(static_cast<const H*>(x), B, heads, D, static_cast<const H*>(cos), static_cast<const H*>(sin),
-                static_cast<H*>(out));
+                static_cast<H*>(out), half_table);
       break;
   }
 }
 
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out, Isa isa, int num_threads) {
+                      const void* sin, void* out, Isa isa, int num_threads, bool half_table) {
   const size_t es = dtype_size(dt);
+  const int64_t width = half_table ? D / 2 : D;  // table entries per row
   auto rows = [&](int64_t b0, int64_t b1) {
     const char* xb = static_cast<const char*>(x) + b0 * heads * D * es;
-    const char* cb = static_cast<const char*>(cos) + b0 * D * es;
-    const char* sb = static_cast<const char*>(sin) + b0 * D * es;
+    const char* cb = static_cast<const char*>(cos) + b0 * width * es;
+    const char* sb = static_cast<const char*>(sin) + b0 * width * es;
     char* ob = static_cast<char*>(out) + b0 * heads * D * es;
 #if defined(HINA_HAVE_X86_KERNELS)
     if (dt == DType::kBF16 && (isa == Isa::kAvx512 || isa == Isa::kAmx))
       return detail::rope_rotate_half_bf16_avx512(reinterpret_cast<const uint16_t*>(xb), b1 - b0, heads, D,
                                                   reinterpret_cast<const uint16_t*>(cb),
-                                                  reinterpret_cast<const uint16_t*>(sb), reinterpret_cast<uint16_t*>(ob));
+                                                  reinterpret_cast<const uint16_t*>(sb), reinterpret_cast<uint16_t*>(ob),
+                                                  half_table);
 #else
     (void)isa;
 #endif
-    rope_rotate_half(dt, xb, b1 - b0, heads, D, cb, sb, ob);
+    rope_rotate_half(dt, xb, b1 - b0, heads, D, cb, sb, ob, half_table);
   };
   if (num_threads <= 0) num_threads = default_num_threads();
   const int n = static_cast<int>(std::min<int64_t>({num_threads, B, std::max<int64_t>(1, B * heads * D / kParallelMacs)}));

@@ -1531,6 +1531,25 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
           report(got == want, std::string("rope_rotate_half ") + dtype_name(dt) + " " + isa_name(isa) + " D=" +
                                   std::to_string(Dm) + " threads=" + std::to_string(threads) + ": the baseline's bits");
         }
+      // half-width tables (GPT-OSS): the bits of the full-width table holding each angle twice
+      const size_t es = dtype_size(dt), hb = static_cast<size_t>(Dm / 2) * es;
+      const auto ch = random_array(dt, Bm * Dm / 2, 1.0f, rng);
+      const auto sh = random_array(dt, Bm * Dm / 2, 1.0f, rng);
+      std::vector<uint8_t> cf(static_cast<size_t>(Bm * Dm) * es), sf(cf.size());
+      for (int64_t b = 0; b < Bm; ++b)
+        for (int part = 0; part < 2; ++part) {
+          std::memcpy(cf.data() + (b * 2 + part) * hb, ch.data() + b * hb, hb);
+          std::memcpy(sf.data() + (b * 2 + part) * hb, sh.data() + b * hb, hb);
+        }
+      rope_rotate_half(dt, xm.data(), Bm, Hm, Dm, cf.data(), sf.data(), want.data());
+      for (Isa isa : all)
+        for (int threads : {1, 2}) {
+          std::vector<uint8_t> got(want.size(), 0xee);
+          rope_rotate_half(dt, xm.data(), Bm, Hm, Dm, ch.data(), sh.data(), got.data(), isa, threads, true);
+          report(got == want, std::string("rope_rotate_half ") + dtype_name(dt) + " " + isa_name(isa) + " D=" +
+                                  std::to_string(Dm) + " threads=" + std::to_string(threads) +
+                                  " half_table: the doubled table's bits");
+        }
     }
   }
 }

@@ -142,6 +142,8 @@ def _bool_of_additive(mask: torch.Tensor) -> torch.Tensor | None:
     """The bool mask an additive float mask stands for (0: attended; the dtype's lowest value or
     -inf: not), or None when it holds any other value (a bias the kernels do not add)."""
     allowed = mask == 0
+    if bool(allowed.all()):  # a decode step's usual mask: two ops, not six
+        return allowed
     blocked = (mask == torch.finfo(mask.dtype).min) | torch.isneginf(mask)
     if not bool((allowed | blocked).all()):
         return None
@@ -218,6 +220,7 @@ class NativeAttention:
         # the probe's findings: whether the module's sinks enter the softmax, and whether its rotary
         # tables are head_dim / 2 wide (GPT-OSS)
         self.sinks = False
+        self._sink_f32, self._sink_key = None, None
         self.half_table = False
         # prefill calls on the native kernel (prefill_kernel), once the probe saw them match
         self.prefill = False
@@ -244,16 +247,15 @@ class NativeAttention:
                 v.reshape(B, self.Hkv, self.D).contiguous())
 
     def _sink_logits(self, m: nn.Module) -> torch.Tensor | None:
-        """The module's sinks as float32 [Hq] (read at every call: they are the module's own
-        parameter), or None when its softmax has none."""
-        return m.sinks.detach().float().contiguous() if self.sinks else None
-
-    def _full_tables(self, cos: torch.Tensor, sin: torch.Tensor):
-        """cos and sin as head_dim-wide tables: half-width ones (GPT-OSS) are the same values for
-        both halves, what the rotate-half kernel applies."""
-        if self.half_table:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        return cos, sin
+        """The module's sinks as float32 [Hq], or None when its softmax has none: a copy made
+        again whenever the parameter changes (another tensor, or its version counter moved)."""
+        if not self.sinks:
+            return None
+        p = m.sinks
+        key = (id(p), p.data_ptr(), p._version)
+        if self._sink_key != key:
+            self._sink_f32, self._sink_key = p.detach().float().contiguous(), key
+        return self._sink_f32
 
     def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                 mask: torch.Tensor | None = None, direct=None):
@@ -262,16 +264,18 @@ class NativeAttention:
         B = h.shape[0]
         code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h, form, B, direct)
-        cos, sin = self._full_tables(cos, sin)
-        cos, sin = cos.reshape(-1, self.D), sin.reshape(-1, self.D)
+        w, half = (self.D // 2, True) if self.half_table else (self.D, False)  # the tables' width
+        cos, sin = cos.reshape(-1, w), sin.reshape(-1, w)
         if cos.shape[0] != B:  # one position for every row (position_ids [1, 1]): broadcast
-            cos, sin = cos.expand(B, self.D), sin.expand(B, self.D)
+            cos, sin = cos.expand(B, w), sin.expand(B, w)
         cos, sin = cos.contiguous(), sin.contiguous()
         qr, kr = torch.empty_like(q), torch.empty_like(k)
         rope = self.native.rope_rotate_half_raw
         threads = self.threads or torch.get_num_threads()
-        rope(q.data_ptr(), B, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code, self.isa, threads)
-        rope(k.data_ptr(), B, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code, self.isa, threads)
+        rope(q.data_ptr(), B, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code, self.isa, threads,
+             half)
+        rope(k.data_ptr(), B, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code, self.isa, threads,
+             half)
         keys, values = kr.unsqueeze(2), v.unsqueeze(2)  # [B, Hkv, 1, D]
         if cache is not None:
             keys, values = kv_cache.append(cache, m.layer_idx, keys, values)
@@ -319,16 +323,16 @@ class NativeAttention:
         B, T = h.shape[:2]
         code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h.reshape(B * T, 1, self.hidden), form, B * T)
-        cos, sin = self._full_tables(cos, sin)
-        cos = cos.reshape(-1, T, self.D).expand(B, T, self.D).reshape(B * T, self.D).contiguous()
-        sin = sin.reshape(-1, T, self.D).expand(B, T, self.D).reshape(B * T, self.D).contiguous()
+        w, half = (self.D // 2, True) if self.half_table else (self.D, False)  # the tables' width
+        cos = cos.reshape(-1, T, w).expand(B, T, w).reshape(B * T, w).contiguous()
+        sin = sin.reshape(-1, T, w).expand(B, T, w).reshape(B * T, w).contiguous()
         qr, kr = torch.empty_like(q), torch.empty_like(k)
         rope = self.native.rope_rotate_half_raw
         threads = self.threads or torch.get_num_threads()
         rope(q.data_ptr(), B * T, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code, self.isa,
-             threads)
+             threads, half)
         rope(k.data_ptr(), B * T, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code, self.isa,
-             threads)
+             threads, half)
         keys = kr.view(B, T, self.Hkv, self.D).transpose(1, 2)  # [B, Hkv, T, D], as the module's
         values = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
         if cache is not None:

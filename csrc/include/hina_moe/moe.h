@@ -318,14 +318,16 @@ void add_rms_norm(DType dt, const void* a, const void* b, int64_t rows, int64_t 
 // Rotary embedding, transformers' rotate_half form, for one position per batch row:
 // out = round(round(x * cos) + round(rotate_half(x) * sin)), each product and the sum rounded to
 // the dtype as PyTorch's elementwise ops round them (bit-identical). x and out [B, heads, D],
-// cos and sin [B, D], all C-contiguous in dtype dt; D even; out may not overlap x.
+// cos and sin [B, D], all C-contiguous in dtype dt; D even; out may not overlap x. half_table:
+// cos and sin are [B, D/2], one angle for both halves (GPT-OSS's tables; the same bits as the
+// table written twice).
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out);
+                      const void* sin, void* out, bool half_table = false);
 // The same bits, for many rows (a prompt's B*T positions): bfloat16 on the AVX-512 build at
 // tiers avx512/amx (16 values a vector), rows split over num_threads (0: every hardware thread)
 // when there are enough; other dtypes and tiers the baseline loops.
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out, Isa isa, int num_threads);
+                      const void* sin, void* out, Isa isa, int num_threads, bool half_table = false);
 
 // Attention of one query per (batch, head) over S cached keys/values (see csrc/moe/attention_impl.h).
 struct AttnDecodeArgs {

@@ -147,11 +147,11 @@ inline __m512 round_bf16(__m512 v) {
 // + round(-hi s_lo)), out_hi = round(round(hi c_hi) + round(lo s_hi)), float32 products of bf16
 // values being exact, each rounding the one rope_rows makes (the same bits).
 void rope_rotate_half_bf16_avx512(const uint16_t* x, int64_t B, int64_t heads, int64_t D, const uint16_t* cos,
-                                  const uint16_t* sin, uint16_t* out) {
-  const int64_t half = D / 2;
+                                  const uint16_t* sin, uint16_t* out, bool half_table) {
+  const int64_t half = D / 2, width = half_table ? half : D, hi_off = half_table ? 0 : half;
   for (int64_t b = 0; b < B; ++b) {
-    const uint16_t* c = cos + b * D;
-    const uint16_t* s = sin + b * D;
+    const uint16_t* c = cos + b * width;
+    const uint16_t* s = sin + b * width;
     for (int64_t h = 0; h < heads; ++h) {
       const uint16_t* xr = x + (b * heads + h) * D;
       uint16_t* yr = out + (b * heads + h) * D;
@@ -161,8 +161,8 @@ void rope_rotate_half_bf16_avx512(const uint16_t* x, int64_t B, int64_t heads, i
         const __m512 ylo = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(lo, bf16_ps(c + i, m))),
                                                     round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi),
                                                                              bf16_ps(s + i, m)))));
-        const __m512 yhi = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(hi, bf16_ps(c + half + i, m))),
-                                                    round_bf16(_mm512_mul_ps(lo, bf16_ps(s + half + i, m)))));
+        const __m512 yhi = round_bf16(_mm512_add_ps(round_bf16(_mm512_mul_ps(hi, bf16_ps(c + hi_off + i, m))),
+                                                    round_bf16(_mm512_mul_ps(lo, bf16_ps(s + hi_off + i, m)))));
         _mm256_mask_storeu_epi16(yr + i, m, v512::cvt_bf16(ylo));
         _mm256_mask_storeu_epi16(yr + half + i, m, v512::cvt_bf16(yhi));
       }
