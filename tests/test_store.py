@@ -806,6 +806,22 @@ def test_entries_size_remove_clear(store, tmp_path):
     assert os.listdir(store.root / KEY) == ["notes.txt"]
 
 
+def test_a_directory_named_like_an_entry_is_not_the_stores(store):
+    # someone's directory with an entry's or a lock's suffix inside a key directory: listed as
+    # not the store's, left in place by clear (it used to stop clear with IsADirectoryError)
+    store.write(KEY, "a", {}, {"x": b"1" * 100})
+    odd = store.root / KEY / "mine.hnm"
+    (odd / "inner").mkdir(parents=True)
+    (store.root / KEY / "other.lock").mkdir()
+    assert [(e.key, e.name) for e in store.entries()] == [(KEY, "a")]
+    assert store.size_bytes() == store.path_for(KEY, "a").stat().st_size
+    kinds = {f.file: f.kind for k in store.summary() for f in k.files}
+    assert kinds["mine.hnm"] == "other" and kinds["other.lock"] == "other"
+    freed = store.clear()
+    assert freed > 0 and store.entries() == []
+    assert (odd / "inner").is_dir() and (store.root / KEY / "other.lock").is_dir()
+
+
 def test_verify_argument_is_checked(written):
     store, _ = written
     with pytest.raises(ValueError, match="verify"):

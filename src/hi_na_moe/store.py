@@ -772,6 +772,8 @@ class PackedStore:
 
     @staticmethod
     def _our_files(d: Path) -> list[tuple[str, os.stat_result]]:
+        """The files of key directory d named as the store names its files; a directory so named
+        is not one (the store makes none there: _classify calls it "other" too)."""
         out = []
         for n in sorted(os.listdir(d)):
             if n.endswith(ENTRY_SUFFIX) or n.endswith(LOCK_SUFFIX) or (n.startswith(".") and _TMP_MARK in n):
@@ -779,7 +781,8 @@ class PackedStore:
                     st = os.lstat(d / n)
                 except FileNotFoundError:
                     continue
-                out.append((n, st))
+                if not stat.S_ISDIR(st.st_mode):
+                    out.append((n, st))
         return out
 
     def entries(self) -> list[EntryInfo]:
