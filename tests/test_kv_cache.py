@@ -49,6 +49,43 @@ def test_appends_in_place_hold_what_the_caches_own_update_holds(dtype):
     assert len(buffers) == 4  # two layers, each one buffer and one regrowth: written in place between
 
 
+def _sliding_caches(gen, window: int, T: int):
+    a, b = DynamicCache(), DynamicCache()
+    a.layers = [DynamicSlidingWindowLayer(sliding_window=window)]
+    b.layers = [DynamicSlidingWindowLayer(sliding_window=window)]
+    k, v = _kv(gen, T=T)
+    a.update(k, v, 0)
+    b.update(k.clone(), v.clone(), 0)
+    return a, b
+
+
+@pytest.mark.parametrize("window,prompt", [(2, 1), (8, 3), (8, 20), (64, 5)])
+def test_a_sliding_window_layer_appended_in_place_holds_what_its_own_update_holds(window, prompt):
+    """A DynamicSlidingWindowLayer: the same returned states, the same last window - 1 positions
+    held, the same count and mask sizes, bit for bit, past the window and past the buffers' room;
+    the views handed out are never overwritten."""
+    gen = torch.Generator().manual_seed(window + prompt)
+    ours, ref = _sliding_caches(gen, window, prompt)
+    held, buffers = [], set()
+    for step in range(300):  # past the first buffers' room (at most 63 + 256 positions)
+        k, v = _kv(gen)
+        got = kv_cache.append(ours, 0, k, v)
+        want = ref.update(k, v, 0)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        layer, lr = ours.layers[0], ref.layers[0]
+        assert type(layer) is DynamicSlidingWindowLayer
+        assert torch.equal(layer.keys, lr.keys) and torch.equal(layer.values, lr.values)
+        assert layer.keys.shape[2] == min(prompt + step + 1, window - 1)
+        assert layer.cumulative_length == lr.cumulative_length == prompt + step + 1
+        assert ours.get_seq_length() == ref.get_seq_length() and layer.get_mask_sizes(1) == lr.get_mask_sizes(1)
+        buffers.add(layer.keys.untyped_storage().data_ptr())
+        if step % 37 == 0:
+            held.append((got[0], got[0].clone(), got[1], got[1].clone()))
+    assert 2 <= len(buffers) <= 3  # written in place between the buffers' renewals
+    for keys, k0, values, v0 in held:
+        assert torch.equal(keys, k0) and torch.equal(values, v0)
+
+
 def test_views_handed_out_are_never_overwritten():
     gen = torch.Generator().manual_seed(1)
     ours, ref = _caches(gen, layers=1)
@@ -94,10 +131,13 @@ def test_other_caches_layers_and_modes_go_through_the_caches_own_update(monkeypa
     inst.update(*_kv(gen, T=4), 0)
     inst.update = lambda *a, _u=inst.update, **k: _u(*a, **k)  # replaced on the object
     assert appended_by_update(inst)
-    sliding = DynamicCache()
-    sliding.layers = [DynamicSlidingWindowLayer(sliding_window=64)]
-    sliding.update(*_kv(gen, T=4), 0)
-    assert appended_by_update(sliding)
+    for window, record in ((1, False), (64, True)):  # a window of 1 keeps every position; a recording layer too
+        sliding = DynamicCache()
+        sliding.layers = [DynamicSlidingWindowLayer(sliding_window=window)]
+        if record:
+            sliding.layers[0].activate_past_recording()
+        sliding.update(*_kv(gen, T=4), 0)
+        assert appended_by_update(sliding)
     empty = DynamicCache()  # no prompt yet: the first update initialises the layer
     assert appended_by_update(empty)
     shape = DynamicCache()

@@ -82,7 +82,7 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
         pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
-    if getattr(model.config, "sliding_window", None):  # the tiny Mixtral's (see the test below)
+    if getattr(model.config, "sliding_window", None):  # the tiny Mixtral's (windowed: the tests below)
         model.config.sliding_window = None
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -236,7 +236,15 @@ class _Spy(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
 
-def test_a_stack_with_sliding_window_attention_keeps_its_own_forward(monkeypatch):
+def _cache_kinds(model, cache) -> set[str]:
+    return {type(layer).__name__ for layer in cache.layers}
+
+
+def test_a_windowed_stack_takes_the_steps_whose_keys_are_all_in_the_window(monkeypatch):
+    """Mixtral with a window of 8 (no layer_types: every layer windowed). With the cache generate
+    makes (DynamicCache(config=...): the layers keep the window's keys) every step is the loop's,
+    past the window too; with a plain DynamicCache (keeping every key) the steps past the window
+    and those with padding are the stack's own forward's. The same logits and cache, bit for bit."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
@@ -247,10 +255,106 @@ def test_a_stack_with_sliding_window_attention_keeps_its_own_forward(monkeypatch
     model = MixtralForCausalLM(cfg).eval().bfloat16()
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
-        assert rep.layers and rep.stacks == [] and rep.stacks_differ == ["model"]
-        assert "sliding-window attention" in str(rep)
+        assert rep.layers and rep.stacks == ["model"] and not rep.stacks_differ
+        runner = patched_runner(model.model)
+        assert runner.window == 8 and runner.windowed == (0, 1)
+        _same(model, torch.tensor([[3, 9, 4, 7]]), steps=12)  # 4 past the window
+        assert _cache_kinds(model, DynamicCache(config=model.config)) == {"DynamicSlidingWindowLayer"}
+
+        count = _Count(model)
+        ids = torch.tensor([[3, 9, 4, 7]])
+        with torch.inference_mode():
+            for cache_args, loops in (({}, 4), ({"config": model.config}, 12)):
+                cache, count.loops = DynamicCache(**cache_args), 0
+                saved: dict = {}
+                out = model(ids, past_key_values=cache, use_cache=True)
+                logits = []
+                for _ in range(12):  # positions 4..15: in a window of 8 up to position 7
+                    out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+                    logits.append(out.logits)
+                assert count.loops == loops
+                _own(model, True, saved)
+                try:
+                    cache2 = DynamicCache(**cache_args)
+                    out = model(ids, past_key_values=cache2, use_cache=True)
+                    for want in logits:
+                        out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache2, use_cache=True)
+                        assert torch.equal(out.logits, want)
+                finally:
+                    _own(model, False, saved)
+        _same(model, torch.tensor([[0, 9, 4, 7], [3, 9, 4, 7]]), steps=2, loops=False,  # padding: the own forward
+              attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
     finally:
         hi_na_moe.disable_for_model(model)
+
+    # layers typed full beside the window, which Mixtral's forward windows all the same: the probe
+    # looks past the window and sees it
+    model.config.layer_types = ["full_attention"] * 2
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.layers and rep.stacks == [] and rep.stacks_differ == ["model"]
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("isa", [t for t in ("avx2", "auto") if t == "auto" or _native_isa(t)])
+def test_gpt_oss_decodes_in_one_native_call_past_its_sliding_window(isa, monkeypatch):
+    """GPT-OSS (layers typed sliding and full, attention sinks, half-width rotary tables, eager
+    attention, a router child named router, biases): the probe looks past the window of its
+    sliding layer to see its full layer unmasked; every decode step then runs in one native call,
+    past the window too (the sliding layer's keys appended in place, its view moving on), bit for
+    bit the stack's own forward, its loop over the layers, and the cache's own update."""
+    from hi_na_moe import kv_cache
+
+    if "gpt_oss" in UNBUILDABLE:
+        pytest.skip(f"no tiny gpt_oss: {UNBUILDABLE['gpt_oss']}")
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = build_tiny("gpt_oss", dtype=torch.bfloat16, seed=1).model.eval()
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    window = model.config.sliding_window
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-3.0, 3.0, layer.self_attn.sinks.numel()))
+    rep = hi_na_moe.enable_for_model(model, scope="all", isa=isa)
+    try:
+        assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_loop_only
+        runner = patched_runner(model.model)
+        assert runner.windowed == (0,)
+        ids = torch.randint(3, 250, (1, window - 2), generator=torch.Generator().manual_seed(0))
+        count = _same(model, ids, steps=6)  # 4 steps past the window
+        assert count.one_calls == 6
+        _by_layer(model, ids, 6)
+        two = torch.randint(3, 250, (2, window + 3), generator=torch.Generator().manual_seed(1))
+        got, c_got = greedy_decode(model, two, 4)
+        monkeypatch.setattr(kv_cache, "IN_PLACE", False)
+        want, c_want = greedy_decode(model, two, 4)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for a, b in zip(c_got.layers, c_want.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert a.get_seq_length() == b.get_seq_length()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_layers_of_another_kind_keep_the_stacks_own_forward():
+    """A layer_types entry other than full or sliding attention (chunked, linear, ...), or a
+    sliding layer with no window: not a stack this loop takes."""
+    from types import SimpleNamespace
+
+    from hi_na_moe.stack import PROBE_WINDOW, NativeStack
+
+    def w(**kw):
+        return NativeStack._windowed(SimpleNamespace(**kw), 3)
+
+    assert w() == (0, ()) and w(sliding_window=0, layer_types=["full_attention"] * 3) == (0, ())
+    assert w(sliding_window=16) == (16, (0, 1, 2))
+    assert w(sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"]) == (16, (0, 2))
+    assert w(sliding_window=PROBE_WINDOW + 1, layer_types=["sliding_attention", "full_attention",
+                                                          "full_attention"]) == (PROBE_WINDOW + 1, (0, 1, 2))
+    assert w(layer_types=["sliding_attention", "full_attention", "full_attention"]) is None
+    assert w(sliding_window=16, layer_types=["chunked_attention", "full_attention", "full_attention"]) is None
+    assert w(layer_types=["full_attention", "linear_attention", "full_attention"]) is None
+    assert w(layer_types=["full_attention"] * 2) is None
 
 
 def _by_layer(model, ids, steps, one_call=True, attention_mask=None):

@@ -539,7 +539,7 @@ class StepPlan {
                  int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
                  float scale, const std::string& isa, nb::object o, uintptr_t ln2_w, float ln2_eps, nb::object router,
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
-                 int experts_threads, int num_threads, nb::tuple shared) {
+                 int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
     if (shared.size() != 0 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I, gate) of a shared expert");
@@ -552,6 +552,7 @@ class StepPlan {
     d.pre = hina::LayerPreArgs{dt, 0, H, nullptr, reinterpret_cast<const void*>(ln1_w), ln1_eps, bq.packed(),
                                bq.params(), Hq, Hkv, D, qk_norm, reinterpret_cast<const void*>(qn_w),
                                reinterpret_cast<const void*>(kn_w), qn_eps, kn_eps};
+    d.pre.half_table = half_table;
     d.post.dtype = dt;
     d.post.H = H;
     d.post.attn.dtype = dt;
@@ -559,6 +560,7 @@ class StepPlan {
     d.post.attn.Hkv = Hkv;
     d.post.attn.D = D;
     d.post.attn.scale = scale;
+    d.post.attn.sinks = reinterpret_cast<const float*>(sinks);  // kept alive by the caller (plan_args)
     d.post.o = bo.packed();
     d.post.o_params = bo.params();
     d.post.ln2_w = reinterpret_cast<const void*>(ln2_w);
@@ -1076,20 +1078,21 @@ NB_MODULE(_native, m) {
         [](int dtype, int64_t B, int64_t H, uintptr_t x, uintptr_t ln1_w, float ln1_eps, const BoundForward& qkv,
            int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
            uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
-           uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads) {
+           uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads,
+           bool half_table) {
           hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
                                reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
                                qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
                                qn_eps, kn_eps, reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
                                cos_bstride, reinterpret_cast<void*>(h), reinterpret_cast<void*>(qkv_out),
                                reinterpret_cast<void*>(qk_tmp), reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
-                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride};
+                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride, half_table};
           nb::gil_scoped_release release;
           hina::layer_decode_pre(a, num_threads);
         },
         "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
         "qkv: the BoundForward of an up-only block; kv_bstride/kv_hstride: the elements between k's and v's batch rows "
-        "and heads), for hi_na_moe.layers, which checked the tensors. Wrong "
+        "and heads; half_table: cos/sin rows of D/2 values), for hi_na_moe.layers, which checked the tensors. Wrong "
         "addresses crash.");
   m.def("layer_decode_post_raw",
         [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
@@ -1100,7 +1103,7 @@ NB_MODULE(_native, m) {
            bool sel_renorm, int sel_w_dtype, uintptr_t sel_w, uintptr_t sel_idx, const BoundForward* experts,
            int experts_threads, uintptr_t experts_out, const BoundForward* shared_gu, const BoundForward* shared_down,
            int64_t shared_I, const BoundForward* shared_gate, uintptr_t shared_scratch_gu, uintptr_t shared_scratch_m,
-           uintptr_t shared_out, uintptr_t shared_logit) -> nb::object {
+           uintptr_t shared_out, uintptr_t shared_logit, uintptr_t sinks) -> nb::object {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -1110,6 +1113,7 @@ NB_MODULE(_native, m) {
                                 o.packed(), o.params(), reinterpret_cast<void*>(o_out), reinterpret_cast<const void*>(x),
                                 reinterpret_cast<const void*>(ln2_w), ln2_eps, reinterpret_cast<void*>(sum),
                                 reinterpret_cast<void*>(normed)};
+          a.attn.sinks = reinterpret_cast<const float*>(sinks);
           if (router != nullptr) {
             a.router = router->packed();
             a.router_params = router->params();
@@ -1161,9 +1165,9 @@ NB_MODULE(_native, m) {
         nb::arg("experts_threads") = 0, nb::arg("experts_out") = 0, nb::arg("shared_gu").none() = nb::none(),
         nb::arg("shared_down").none() = nb::none(), nb::arg("shared_I") = 0, nb::arg("shared_gate").none() = nb::none(),
         nb::arg("shared_scratch_gu") = 0, nb::arg("shared_scratch_m") = 0, nb::arg("shared_out") = 0,
-        nb::arg("shared_logit") = 0,
+        nb::arg("shared_logit") = 0, nb::arg("sinks") = 0,
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
-        "in attn_out; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
+        "in attn_out; sinks != 0: float32 [Hq], the heads' attention sinks; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
         "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
         "with it, experts (a BoundForward): the experts on that selection with experts_threads, scratch experts_out "
         "[B, H], added into sum; with shared_gu, shared_down (BoundForwards of a gated MLP's up-only blocks, I = "
@@ -1207,7 +1211,8 @@ NB_MODULE(_native, m) {
       "A decode step through L decoder layers in one native call (decode_layers() in moe.h), for "
       "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "
       "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts, and a shared expert's "
-      "(gate/up group, down projection, intermediate size, gate) as the last argument, or ()). run(B, x, cos, sin, "
+      "(gate/up group, down projection, intermediate size, gate), or (); then the address of the attention's float32 "
+      "sinks [Hq] or 0, kept alive by the caller, and half_table: cos/sin rows of D/2 values). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
       "batch/head/position element strides, the positions the attention reads, the position written), scratch of scratch_bytes(B) bytes; "

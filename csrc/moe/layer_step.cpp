@@ -40,15 +40,16 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
     }
     const char* cb = cos + b * a.cos_bstride * es;
     const char* sb = sin + b * a.cos_bstride * es;
-    rope_rotate_half(a.dtype, qr, 1, a.Hq, a.D, cb, sb, static_cast<char*>(a.q) + b * nq * es);
+    rope_rotate_half(a.dtype, qr, 1, a.Hq, a.D, cb, sb, static_cast<char*>(a.q) + b * nq * es, a.half_table);
     char* kb = static_cast<char*>(a.k) + b * a.kv_bstride * es;
     char* vb = static_cast<char*>(a.v) + b * a.kv_bstride * es;
     if (a.kv_hstride == a.D) {
-      rope_rotate_half(a.dtype, kr, 1, a.Hkv, a.D, cb, sb, kb);
+      rope_rotate_half(a.dtype, kr, 1, a.Hkv, a.D, cb, sb, kb, a.half_table);
       std::memcpy(vb, vr, static_cast<size_t>(nkv) * es);
     } else {  // one head at a time into the cache's rows
       for (int64_t h = 0; h < a.Hkv; ++h) {
-        rope_rotate_half(a.dtype, kr + h * a.D * es, 1, 1, a.D, cb, sb, kb + h * a.kv_hstride * es);
+        rope_rotate_half(a.dtype, kr + h * a.D * es, 1, 1, a.D, cb, sb, kb + h * a.kv_hstride * es,
+                         a.half_table);
         std::memcpy(vb + h * a.kv_hstride * es, vr + h * a.D * es, static_cast<size_t>(a.D) * es);
       }
     }

@@ -12,8 +12,17 @@ What the cache holds is what `DynamicLayer.update` would hold, bit for bit, and 
 the DynamicLayer it was; only the strides of its tensors differ (views of longer buffers). The
 room to grow is max(256, T / 8) positions beyond the T cached when the buffers are (re)made.
 
+A DynamicSlidingWindowLayer (a sliding-window layer of DynamicCache(config=...): GPT-OSS,
+Mixtral with a window, ...) keeps only the last window - 1 positions, and its update returns
+those and the new one. In place, its keys and values are views of the buffers that start later
+by one position a step once the window is full: the new position is written after the view, the
+update's return is the view one position longer, and the layer then holds its last window - 1
+positions (its cumulative_length one further, as its update counts). The buffers' room is
+used up after max(256, T / 8) steps and the next append copies the window into new ones.
+
 When it applies: a cache whose type is DynamicCache exactly, not offloading, whose layer
-`layer_idx` is a DynamicLayer exactly and already holds at least one position (the prompt), with
+`layer_idx` is a DynamicLayer or DynamicSlidingWindowLayer exactly (the latter with a window of at
+least 2 and not recording its past) and already holds at least one position (the prompt), with
 keys and values of the expected [B, kv_heads, T, head_dim] shape and dtype on the CPU, and with
 `Cache.update` and `DynamicLayer.update` the functions transformers ships (not replaced on the
 classes or the objects). Anything else goes through the cache's own `update`.
@@ -44,24 +53,31 @@ __all__ = ["Slot", "slot", "commit", "append", "StaticSlot", "static_slot", "sta
 
 
 class Slot:
-    """A layer's buffers k and v [B, heads, cap, D], the views of their first t positions the
-    layer holds (kview, vview), and t, the position the next append writes."""
+    """A layer's buffers k and v [B, heads, cap, D], the views of their t positions from base the
+    layer holds (kview, vview), and t: the next append writes position base + t. base stays 0 but
+    for a sliding-window layer (window: its window, else 0), whose view moves on once full."""
 
-    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form")
+    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form", "base", "window")
 
-    def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int):
+    def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int, window: int = 0):
         self.layer, self.k, self.v, self.t, self.cap = layer, k, v, t, k.shape[2]
         self.form = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
         self.kview = self.vview = None
+        self.base, self.window = 0, window
 
     def strides(self) -> tuple[int, int]:
         """Elements between batch rows and between heads of k and v."""
         s = self.k.stride()
         return s[0], s[1]
 
+    def start(self) -> int:
+        """Bytes from k's (and v's) start to position base of row 0, head 0: the first position the
+        attention of the next append reads."""
+        return self.base * self.k.stride(2) * self.k.element_size()
+
     def offset(self) -> int:
-        """Bytes from k's (and v's) start to position t of row 0, head 0."""
-        return self.t * self.k.stride(2) * self.k.element_size()
+        """Bytes from k's (and v's) start to position base + t of row 0, head 0 (the next append's)."""
+        return (self.base + self.t) * self.k.stride(2) * self.k.element_size()
 
 
 IN_PLACE = True
@@ -72,25 +88,29 @@ _SHIPPED: tuple | None = None
 def _shipped() -> tuple:
     global _SHIPPED
     if _SHIPPED is None:
-        from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+        from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-        _SHIPPED = (DynamicCache, DynamicLayer, Cache.update, DynamicLayer.update)
+        _SHIPPED = (DynamicCache, Cache.update, {DynamicLayer: DynamicLayer.update,
+                                                 DynamicSlidingWindowLayer: DynamicSlidingWindowLayer.update})
     return _SHIPPED
 
 
 def _shipped_layer(cache, layer_idx: int, shipped: tuple):
     """Layer `layer_idx` of `cache` when the cache and the layer are exactly the classes of
-    `shipped` (cache class, layer class, and their update functions as transformers ships them),
-    not offloading, the layer initialised and neither update replaced on the object; else None."""
-    cc, lc, cache_update, layer_update = shipped
-    if (not IN_PLACE or type(cache) is not cc or cc.update is not cache_update or lc.update is not layer_update
-            or cache.offloading or "update" in cache.__dict__):
+    `shipped` (cache class, its update, {layer class: its update} as transformers ships them), not
+    offloading, the layer initialised and neither update replaced on the class or the object;
+    else None."""
+    cc, cache_update, layer_updates = shipped
+    if (not IN_PLACE or type(cache) is not cc or cc.update is not cache_update or cache.offloading
+            or "update" in cache.__dict__):
         return None
     layers = cache.layers
     if not 0 <= layer_idx < len(layers):
         return None
     layer = layers[layer_idx]
-    if type(layer) is not lc or not layer.is_initialized or "update" in layer.__dict__:
+    lc = type(layer)
+    if (layer_updates.get(lc) is None or lc.update is not layer_updates[lc] or not layer.is_initialized
+            or "update" in layer.__dict__):
         return None
     return layer
 
@@ -98,12 +118,13 @@ def _shipped_layer(cache, layer_idx: int, shipped: tuple):
 def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> Slot | None:
     """Where to write the next position of layer `layer_idx` of `cache` in place (then call
     commit), or None: the cache's own update must run (module docstring)."""
-    layer = _shipped_layer(cache, layer_idx, _shipped())
+    shipped = _shipped()
+    layer = _shipped_layer(cache, layer_idx, shipped)
     if layer is None:
         return None
     keys, values = layer.keys, layer.values
     s = _SLOTS.get(layer)
-    if (s is not None and keys is s.kview and values is s.vview and s.t < s.cap
+    if (s is not None and keys is s.kview and values is s.vview and s.base + s.t < s.cap
             and s.form == (B, heads, D, dtype)):
         if not s.k.is_inference() or torch.is_inference_mode_enabled():
             return s
@@ -112,13 +133,20 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) 
             or values.shape != keys.shape or keys.dtype is not dtype or values.dtype is not dtype
             or not keys.is_cpu or not values.is_cpu or keys.requires_grad or values.requires_grad):
         return None
-    T = keys.shape[2]
+    T, window = keys.shape[2], 0
+    if getattr(type(layer), "is_sliding", False):  # a DynamicSlidingWindowLayer (_shipped_layer let it through)
+        window, n = layer.sliding_window, layer.cumulative_length
+        # a window of 1 keeps every position (its update's slice [-0:]); a recording layer keeps
+        # them all until crop
+        if (type(window) is not int or window < 2 or layer.record_past or type(n) is not int
+                or T != min(n, window - 1)):
+            return None
     cap = T + max(256, T // 8)
     k = torch.empty(B, heads, cap, D, dtype=dtype)
     v = torch.empty(B, heads, cap, D, dtype=dtype)
     k[:, :, :T].copy_(keys)
     v[:, :, :T].copy_(values)
-    s = Slot(layer, k, v, T)
+    s = Slot(layer, k, v, T, window)
     # the layer holds views of the new buffers from here on: were the caller to fail before
     # commit, the layer still holds its T positions
     s.kview, s.vview = k[:, :, :T], v[:, :, :T]
@@ -136,6 +164,9 @@ class StaticSlot:
     def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int):
         self.layer, self.k, self.v, self.t = layer, k, v, t
 
+    def start(self) -> int:  # the attention reads the buffers from position 0 (Slot.start)
+        return 0
+
 
 _SHIPPED_STATIC: tuple | None = None
 
@@ -147,7 +178,7 @@ def static_slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.
     if _SHIPPED_STATIC is None:
         from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
-        _SHIPPED_STATIC = (StaticCache, StaticLayer, Cache.update, StaticLayer.update)
+        _SHIPPED_STATIC = (StaticCache, Cache.update, {StaticLayer: StaticLayer.update})
     layer = _shipped_layer(cache, layer_idx, _SHIPPED_STATIC)
     if layer is None:
         return None
@@ -173,14 +204,26 @@ def static_commit(s: StaticSlot) -> None:
 
 
 def commit(s: Slot) -> tuple[torch.Tensor, torch.Tensor]:
-    """After position s.t of s.k and s.v was written: the layer's keys and values one position
-    longer, returned as the cache's update returns them."""
+    """After position s.base + s.t of s.k and s.v was written: the layer's keys and values one
+    position longer (a sliding-window layer: its last window - 1 of them), and what the cache's
+    update returns (the positions held before and the new one)."""
     t = s.t + 1
-    s.kview, s.vview = s.k.narrow(2, 0, t), s.v.narrow(2, 0, t)  # [:, :, :t] with less Python
-    s.t = t
+    full = s.k.narrow(2, s.base, t), s.v.narrow(2, s.base, t)  # [:, :, base:base + t] with less Python
     layer = s.layer
+    if s.window:
+        layer.cumulative_length += 1
+        keep = s.window - 1
+        if t > keep:
+            s.base += t - keep
+            t = keep
+            s.kview, s.vview = s.k.narrow(2, s.base, t), s.v.narrow(2, s.base, t)
+        else:
+            s.kview, s.vview = full
+    else:
+        s.kview, s.vview = full
+    s.t = t
     layer.keys, layer.values = s.kview, s.vview
-    return s.kview, s.vview
+    return full
 
 
 def append(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +233,7 @@ def append(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     s = slot(cache, layer_idx, B, heads, D, k.dtype) if n == 1 and v.shape == k.shape and v.dtype is k.dtype else None
     if s is None:
         return cache.update(k, v, layer_idx)
-    s.k[:, :, s.t:s.t + 1].copy_(k)
-    s.v[:, :, s.t:s.t + 1].copy_(v)
+    at = s.base + s.t
+    s.k[:, :, at:at + 1].copy_(k)
+    s.v[:, :, at:at + 1].copy_(v)
     return commit(s)

@@ -204,8 +204,7 @@ class NativeLayer:
         q, o = patched_member(a.q_proj), patched_member(a.o_proj)
         if (q is None or len(q[0].modules) != 3 or patched_member(a.k_proj) != (q[0], 1)
                 or patched_member(a.v_proj) != (q[0], 2) or o is None or len(o[0].modules) != 1
-                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype
-                or at.sinks or at.half_table):  # the native calls know neither (attention.py's forms)
+                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype):
             return None
         qk = FORMS.index(at.form)
         norms = (None, None)
@@ -223,7 +222,7 @@ class NativeLayer:
         skipped = [self.ln1, self.ln2, *a.modules()]
         links = [(self.module, p) for p in _PARTS] + [(a, n) for n, _ in a.named_children()]
         if self.moe is not None:
-            skipped += [self.mlp, self.mlp.gate, self.mlp.experts]
+            skipped += [self.mlp, self.moe.gate, self.mlp.experts]
             links += [(self.mlp, n) for n, _ in self.mlp.named_children()]
             if self.moe.shared_native is not None:
                 se = self.mlp.shared_expert
@@ -240,16 +239,19 @@ class NativeLayer:
     def _moe_direct(self, mlp: nn.Module):
         """A function computing a MoE block's forward for decode rows without the block's, its
         router's and its experts' module calls, or None. The forms: the router then the experts
-        (OLMoE, Mixtral, Qwen3-MoE), and those plus a sigmoid-gated shared expert (Qwen2-MoE),
-        each called as a module; the layer's probe tells whether the block computes that."""
+        (OLMoE, Mixtral, Qwen3-MoE; GPT-OSS's router child is named router and its block also
+        returns the router's scores, which its layer drops), and those plus a sigmoid-gated shared
+        expert (Qwen2-MoE), each called as a module; the layer's probe tells whether the block
+        computes that."""
         from .patching import patched_experts, patched_runner
         from .routers import NativeRouter
 
         children = {n for n, _ in mlp.named_children()}
         shared = children == {"gate", "experts", "shared_expert", "shared_expert_gate"}
-        if not (children == {"gate", "experts"} or shared) or mlp.__dict__.get("forward") is not None:
+        if (not (children in ({"gate", "experts"}, {"router", "experts"}) or shared)
+                or mlp.__dict__.get("forward") is not None):
             return None
-        gate, experts = mlp.gate, mlp.experts
+        gate, experts = mlp._modules["router" if "router" in children else "gate"], mlp.experts
         router, runner = patched_runner(gate), patched_experts(experts)
         if not isinstance(router, NativeRouter) or runner is None or router.hidden != self.hidden:
             return None
@@ -364,6 +366,8 @@ class NativeLayer:
         es, code = x.element_size(), _DTYPE_CODES[dt]
         nq, nkv = Hq * D, Hkv * D
         cos, sin = cos.contiguous(), sin.contiguous()
+        half = at.half_table  # GPT-OSS's tables: D/2 values a row
+        width = D // 2 if half else D
         threads = qkv.threads or torch.get_num_threads()
         # scratch: h [B, H], q|k|v [B, nq + 2 nkv], normed q|k [B, nq + nkv], attention heads
         # [B, nq], o_proj's output [B, H]
@@ -387,12 +391,14 @@ class NativeLayer:
             code, B, H, x.data_ptr(), w1.data_ptr(), self.norm1.eps, qkv.bound, Hq, Hkv, D, qk,
             0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
             0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
-            D if cos.numel() == B * D else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs, threads)
+            width if cos.numel() == B * width else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs,
+            threads, half)
         if slot is not None:
             keys, values = kv_cache.commit(slot)
         else:
             keys, values = (k, v) if cache is None else cache.update(k, v, self.attn_mod.layer_idx)
         m = self.attn_mod
+        sinks = at._sink_logits(m)
         if at.kernel_fits(keys, values, mask, B):
             ks, vs = keys.stride(), values.stride()
             attn = (qr.data_ptr(), keys.shape[2], keys.data_ptr(), ks[0], ks[1], ks[2], values.data_ptr(), vs[0],
@@ -400,7 +406,7 @@ class NativeLayer:
                     0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
         else:  # SDPA does the attention math (attention.math_kernel); the call then skips its own
             heads = torch.empty(B, 1, nq, dtype=dt)
-            at.sdpa(m, qr, keys, values, mask, heads)
+            at.sdpa(m, qr, keys, values, mask, heads, sinks)
             attn_p = heads.data_ptr()
             attn = (0,) * 12
         moe = self.moe
@@ -432,11 +438,15 @@ class NativeLayer:
             code, B, H, attn[0], Hq, Hkv, attn[1], D, attn[2], attn[3], attn[4], attn[5], attn[6], attn[7], attn[8],
             attn[9], m.scaling, attn[10], attn[11], at.isa, attn_p, o.bound, o_p, x.data_ptr(), w2.data_ptr(),
             self.norm2.eps, s.data_ptr(), n2.data_ptr(), router.bound if use_router else None,
-            0 if logits is None else logits.data_ptr(), threads, *select)
+            0 if logits is None else logits.data_ptr(), threads, *select,
+            sinks=0 if sinks is None or not attn[0] else sinks.data_ptr())
         if fused is not None:
             _LAST_KERNEL[moe.experts.handle] = name
             return s
-        return self._residual(s, self.mlp(n2) if moe is None else moe(n2, logits, chosen), code)
+        if moe is not None:
+            return self._residual(s, moe(n2, logits, chosen), code)
+        out = self.mlp(n2)
+        return self._residual(s, out[0] if type(out) is tuple else out, code)  # (GPT-OSS's block: _fast)
 
     def _shared_args(self, moe, dt: torch.dtype, B: int) -> tuple | None:
         """A shared expert's arguments to the native calls (its gate/up group's, down_proj's and
@@ -491,10 +501,12 @@ class NativeLayer:
             return None
         qkv, o, qk, qn, kn = self.step
         at = self.attn
+        sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
         return (_DTYPE_CODES[dt], self.hidden, ptrs[0], self.norm1.eps, qkv.bound, at.Hq, at.Hkv, at.D, qk,
                 ptrs[2] if qk else 0, ptrs[3] if qk else 0, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
                 self.attn_mod.scaling, at.isa, o.bound, ptrs[1], self.norm2.eps, router.bound, router.experts, form,
-                k, renorm, _DTYPE_CODES[wdt], fused[0], fused[1], qkv.threads or torch.get_num_threads(), shared)
+                k, renorm, _DTYPE_CODES[wdt], fused[0], fused[1], qkv.threads or torch.get_num_threads(), shared,
+                0 if sinks is None else sinks.data_ptr(), at.half_table)
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

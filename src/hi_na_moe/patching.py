@@ -376,8 +376,8 @@ class EnableReport:
                     f"differed, e.g. {self.layers_differ[0]})" if self.layers_differ else "")
             lines.append(f"  decoder layers with decode steps in few native calls: {len(self.layers)}{left}")
         if not self.dry_run and (self.stacks or self.stacks_differ):
-            left = (f"; {len(self.stacks_differ)} take their own forward (sliding-window attention, or their "
-                    f"probe differed, e.g. "
+            left = (f"; {len(self.stacks_differ)} take their own forward (a layer of other than full or "
+                    f"sliding-window attention, or their probe differed, e.g. "
                     f"{self.stacks_differ[0]!r})" if self.stacks_differ else "")
             names = ", ".join(repr(n) for n in self.stacks)
             lines.append(f"  decoder stacks with decode steps as one loop over those layers: {len(self.stacks)}"

@@ -7,10 +7,16 @@ where each Python frame runs several times slower than hot (benchmarks/study_mod
 measured 3-6 % of an int4 OLMoE step for all of it).
 
 Which stacks: a module whose children are exactly embed_tokens, rotary_emb, layers and norm (the
-*Model under a *ForCausalLM of OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE, ...), every layer patched as
-a hi_na_moe.layers.NativeLayer by this enable, with no sliding window in its config (sliding_window
-unset or 0, every layer_types entry "full_attention"): a window's mask is not empty at long
-context, which no short probe would show. Its decode call then runs: the embedding called as a
+*Model under a *ForCausalLM of OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ...), every layer
+patched as a hi_na_moe.layers.NativeLayer by this enable, every layer of full or sliding-window
+attention (layer_types). A layer a window may restrict (_windowed: one typed sliding, every layer
+of a config with a window and no layer_types, as Mixtral's forward masks them) takes decode steps
+here only while none of its keys falls out of the window, so that it needs no mask: its cache
+keeps the window's keys (a DynamicSlidingWindowLayer, as DynamicCache(config=...) and generate
+make it) or holds fewer positions than the window; else, and for any step with a mask, the stack's
+own forward runs. Layers typed full beside a window count as windowed unless the probe looked past
+the window (a window of at most PROBE_WINDOW tokens) and saw the own forward leave them unmasked.
+Its decode call then runs: the embedding called as a
 module (its hooks run), the rotary module's output read from a table of its own outputs when
 nothing could tell (hi_na_moe.rope_table; else the module is called), each layer's short path
 called straight, in order, and the final norm as a module, or at the end of the one native call
@@ -65,6 +71,9 @@ ONE_CALL = True
 FINAL_NORM = True
 # the rotary module's output read from a table of its own outputs (hi_na_moe.rope_table)
 ROPE_TABLE = True
+# a config with a sliding window and layers typed full attention: the longest window the probe
+# looks past (a prompt of window + 1 tokens) to see that those layers are not windowed
+PROBE_WINDOW = 256
 
 _CHILDREN = frozenset(("embed_tokens", "rotary_emb", "layers", "norm"))
 _KWARGS = frozenset(("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache",
@@ -117,10 +126,12 @@ class NativeStack:
         m = self.module
         cfg = getattr(m, "config", None)
         layers = tuple(m.layers)
-        if (cfg is None or getattr(cfg, "sliding_window", None)  # None or 0: no window
-                or any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
-                or getattr(cfg, "num_hidden_layers", None) != len(layers)):
+        if cfg is None or getattr(cfg, "num_hidden_layers", None) != len(layers):
             return False
+        windowed = self._windowed(cfg, len(layers))
+        if windowed is None:
+            return False
+        self.window, self.windowed = windowed
         runners = tuple(patched_runner(layer) for layer in layers)
         if not all(isinstance(r, NativeLayer) and r.ready for r in runners):
             return False
@@ -145,6 +156,25 @@ class NativeStack:
         self.norm_forward = m.norm.__dict__.get("forward")
         return self._probe()
 
+    @staticmethod
+    def _windowed(cfg, n: int) -> tuple[int, tuple[int, ...]] | None:
+        """(the sliding window or 0, the layers a window may restrict) for a config whose layers
+        are full or sliding attention, or None (another kind: chunked, linear, ...). A layer typed
+        "sliding_attention" is windowed; with a window and no layer_types, every layer (Mixtral's
+        forward masks them all so); one typed "full_attention" beside a window is windowed too
+        unless the probe sees past the window (_probe: a window of at most PROBE_WINDOW)."""
+        window = getattr(cfg, "sliding_window", None) or 0
+        types = getattr(cfg, "layer_types", None)
+        if type(window) is not int or window < 0:
+            return None
+        if types is None:
+            return window, tuple(range(n)) if window else ()
+        if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
+            return None
+        if any(t == "sliding_attention" for t in types) and not window:
+            return None
+        return window, tuple(i for i, t in enumerate(types) if window and (t == "sliding_attention" or window > PROBE_WINDOW))
+
     def _probe(self) -> bool:
         from transformers import DynamicCache, StaticCache
 
@@ -158,7 +188,7 @@ class NativeStack:
         pad[0, 0] = 0
         variants = [({}, DynamicCache), ({"attention_mask": torch.ones(B, T + 1, dtype=torch.long)}, DynamicCache),
                     ({"position_ids": torch.full((B, 1), T, dtype=torch.long)}, DynamicCache)]
-        if self.mask_fn is not None:
+        if self.mask_fn is not None and not self.windowed:  # (windowed layers: unmasked steps only, _args)
             keep = torch.zeros(B, 1, 1, 8, dtype=torch.bool)  # generate's own mask over a StaticCache
             keep[..., : T + 1] = True
             keep[0, ..., 0] = False
@@ -166,6 +196,8 @@ class NativeStack:
                          ({"attention_mask": keep}, StaticCache)]
         try:
             with torch.no_grad():
+                if self.window and len(self.windowed) < len(self.layers) and not self._probe_past_window(vocab, gen):
+                    return False
                 prompts = {}
                 for kind in (DynamicCache, StaticCache):
                     c = kind(config=self.config) if kind is DynamicCache else kind(config=self.config, max_cache_len=8)
@@ -191,6 +223,43 @@ class NativeStack:
         except Exception:
             return False
         self.ready = True
+        return True
+
+    def _probe_past_window(self, vocab: int, gen: torch.Generator) -> bool:
+        """Whether a decode step past the window, with the cache the stack's own forward makes
+        (its sliding layers keeping the window's keys), is the own forward's: what shows that the
+        layers typed full attention are not windowed (_windowed)."""
+        from transformers import DynamicCache
+
+        ids = torch.randint(vocab, (1, self.window + 1), generator=gen)
+        nxt = torch.randint(vocab, (1, 1), generator=gen)
+        cache = DynamicCache(config=self.config)
+        self.original(input_ids=ids, past_key_values=cache, use_cache=True)
+        own, ours = copy.deepcopy(cache), copy.deepcopy(cache)
+        want = self.original(input_ids=nxt, past_key_values=own, use_cache=True)
+        self.out_type = type(want)
+        fast = self._args((), {"input_ids": nxt, "past_key_values": ours, "use_cache": True})
+        if fast is None:
+            return False
+        got = self._run(*fast)
+        return (type(got) is type(want) and torch.equal(got.last_hidden_state, want.last_hidden_state)
+                and all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                        for a, b in zip(own.layers, ours.layers)))
+
+    def _in_window(self, cache) -> bool:
+        """Whether no key of this step falls out of a windowed layer's window (so the layers need
+        no mask): the layer's cache keeps only the window's (a DynamicSlidingWindowLayer of this
+        window), or holds fewer positions than the window."""
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        layers = cache.layers
+        if len(layers) != len(self.layers):
+            return False
+        for i in self.windowed:
+            c = layers[i]
+            if not ((type(c) is DynamicSlidingWindowLayer and c.sliding_window == self.window)
+                    or (type(c) is DynamicLayer and c.get_seq_length() < self.window)):
+                return False
         return True
 
     # -- the decode path ----------------------------------------------------------------------
@@ -232,8 +301,10 @@ class NativeStack:
             return None
         if type(cache) is DynamicCache and (mask is None or (mask.dim() == 2 and mask.shape[1] == past + 1
                                                              and bool(mask.all()))):
+            if self.windowed and not self._in_window(cache):
+                return None
             return ids, cache, pos, None, False, past  # the layers get no mask
-        if self.mask_fn is None:
+        if self.mask_fn is None or self.windowed:
             return None
         return ids, cache, pos, mask, True, past
 
@@ -326,9 +397,9 @@ class NativeStack:
             if (S is None or (at.kernel_keys is not None and S > at.kernel_keys)
                     or (mask is not None and mask.shape[-1] != S)):
                 return None
-            st = s.k.stride()
+            st, off = s.k.stride(), s.start()  # (a sliding-window layer's view starts later)
             slots.append(s)
-            kv += (s.k.data_ptr(), s.v.data_ptr(), st[0], st[1], st[2], S, s.t)
+            kv += (s.k.data_ptr() + off, s.v.data_ptr() + off, st[0], st[1], st[2], S, s.t)
         plan = self._plan
         if plan is None or plan[1] != args:
             from .hardware import native_module
@@ -338,13 +409,14 @@ class NativeStack:
                 step.set_layer(i, *a)
             plan = self._plan = (step, args)
         cos, sin = cos.contiguous(), sin.contiguous()
-        D = self.runners[0].attn.D
+        at = self.runners[0].attn
+        width = at.D // 2 if at.half_table else at.D  # a row of the tables (half: GPT-OSS's)
         kv = array("q", kv)
         scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
         out = torch.empty_like(h)
         norm = self._final_norm(dt)
         normed = None if norm is None else torch.empty_like(h)
-        names = plan[0].run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), D if cos.numel() == B * D else 0,
+        names = plan[0].run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), width if cos.numel() == B * width else 0,
                             0 if mask is None else mask.data_ptr(),
                             0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                             kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr(),

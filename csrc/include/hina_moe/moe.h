@@ -459,11 +459,12 @@ struct LayerPreArgs {
   void* k;        // out [B, Hkv, D] at the strides below
   void* v;        // out [B, Hkv, D] at the strides below
   int64_t kv_bstride, kv_hstride;  // elements
+  bool half_table = false;  // cos and sin rows of D/2 values (rope_rotate_half's half_table: GPT-OSS)
 };
 void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 
-// The step after the cache update: the attention (attn; skipped when attn.q is null, its out
-// then already holding the heads' outputs), o = o_proj.linear(attn.out), sum = x + o and
+// The step after the cache update: the attention (attn, with its sinks when set; skipped when
+// attn.q is null, its out then already holding the heads' outputs), o = o_proj.linear(attn.out), sum = x + o and
 // normed = rms_norm(sum) (add_rms_norm), then, with a router, logits = router.linear(normed) and,
 // with select.w, the router's selection from them (router_select), and with experts, the MoE
 // block's experts and the residual add into sum.
