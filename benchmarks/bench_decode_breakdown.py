@@ -45,6 +45,9 @@ the layers' short paths (hi_na_moe.stack.ONE_CALL), whole-step times only likewi
 or as modules after the call in the layers' loop (hi_na_moe.layers.FUSE_SHARED), likewise;
 --ab-rope-norm: the stack's rotary output from its table and its final norm inside the one call,
 or both modules called (hi_na_moe.stack.ROPE_TABLE and FINAL_NORM), likewise;
+--ab-layer-calls: the layers' two native calls with the stack's loop or one call, or each layer's
+per-module short path (hi_na_moe.layers' NativeLayer.step unset) under the stack's own forward
+(what GPT-OSS's steps ran before the native calls took its sinks and sliding windows), likewise;
 --ab-prefetch A,B: the kernels' software prefetch A or B bytes ahead into L2 (needs the
 HINA_PREFETCH_TUNING build of bench_prefetch.py, whose kernels read HINA_PF at every job), likewise.
 
@@ -111,6 +114,9 @@ def main() -> int:
     ap.add_argument("--ab-rope-norm", action="store_true",
                     help="alternate the stack's rotary table and final norm in the call / both modules called "
                          "(scope all; step times only)")
+    ap.add_argument("--ab-layer-calls", action="store_true",
+                    help="alternate the layers' native calls with the stack / their per-module short path under the "
+                         "stack's own forward (scope all; step times only)")
     ap.add_argument("--ab-prefetch", default=None, metavar="A,B",
                     help="alternate the kernels' prefetch distance, bytes ahead into L2 (tuning build; step times only)")
     ap.add_argument("--ab-pool", action="store_true",
@@ -161,12 +167,15 @@ def main() -> int:
                              ("attention", args.ab_attention), ("layers", args.ab_layers),
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
                              ("one-call", args.ab_one_call), ("shared", args.ab_shared),
-                             ("rope-norm", args.ab_rope_norm), ("prefetch", bool(args.ab_prefetch)),
+                             ("rope-norm", args.ab_rope_norm), ("layer-calls", args.ab_layer_calls),
+                             ("prefetch", bool(args.ab_prefetch)),
                              ("wrapper", args.ab_wrapper), ("pool", args.ab_pool)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-prefetch, --ab-wrapper, --ab-pool: one A/B at a time")
-    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "prefetch", "wrapper", "pool")
+                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-layer-calls, --ab-prefetch, --ab-wrapper, --ab-pool: "
+                         "one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "layer-calls", "prefetch",
+                   "wrapper", "pool")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -180,6 +189,7 @@ def main() -> int:
             counted[part] += 1
 
     arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else
+                               "per-module " if kind == "layer-calls" else
                                "layer-loop " if kind == "one-call" else "modules " if kind in ("shared", "rope-norm")
                                else "PyTorch ") + kind] if kind else [""]
     use_native = None
@@ -223,6 +233,22 @@ def main() -> int:
 
             def use_native(on: bool) -> None:
                 stack.ROPE_TABLE = stack.FINAL_NORM = on
+        elif kind == "layer-calls":
+            from hi_na_moe.layers import NativeLayer
+            from hi_na_moe.patching import patched_runner
+            from hi_na_moe.stack import NativeStack
+
+            runners = [r for m in model.modules() if isinstance(r := patched_runner(m), (NativeLayer, NativeStack))]
+            calls = {id(r): r.step for r in runners if isinstance(r, NativeLayer)}
+            if not any(calls.values()):
+                raise SystemExit("--ab-layer-calls: no decoder layer takes the native calls")
+
+            def use_native(on: bool) -> None:
+                for r in runners:
+                    if isinstance(r, NativeLayer):
+                        r.step = calls[id(r)] if on else None
+                    else:
+                        r.ready = on
         else:
             from ab_switch import small_module_switch
 
