@@ -185,7 +185,7 @@ class _KernelCalls:
         return getattr(self.native, name)
 
 
-def _decode_inputs(model, att, B=1, past=6, seed=0):
+def _decode_inputs(model, att, B=1, past=6, seed=0, tables=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     H, D = model.config.hidden_size, att.head_dim
     Hkv = att.k_proj.out_features // D
@@ -200,11 +200,14 @@ def _decode_inputs(model, att, B=1, past=6, seed=0):
         c.update(k0.clone(), v0.clone(), att.layer_idx)
         return c
 
-    return h, (emb.cos().bfloat16(), emb.sin().bfloat16()), cache
+    return h, (emb.cos().to(tables), emb.sin().to(tables)), cache
 
 
 FAMILIES = {"olmoe": "qk norm on the projections", "mixtral": "no qk norm", "qwen2_moe": "no qk norm",
-            "qwen3_moe": "qk norm per head"}
+            "qwen3_moe": "qk norm per head", "ernie4_5_moe": "no qk norm"}
+# the rotary forms (and the dtype of the tables their rotary modules hand over) besides
+# rotate_half in the model's dtype: ERNIE 4.5 rotates interleaved pairs in float32
+ROPES = {"ernie4_5_moe": ("interleaved_f32", torch.float32)}
 
 
 @pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in {x.model_type for x in moe_families()}])
@@ -222,9 +225,11 @@ def test_known_families_decode_on_the_kernels_with_the_same_cache(model_type):
             att = dict(model.named_modules())[name]
             runner = _runner(att)
             assert runner.form == FAMILIES[model_type]
+            rope, tables = ROPES.get(model_type, ("rotate_half", torch.bfloat16))
+            assert (runner.rope, runner.table_dtype) == (rope, tables)
             count = _Count(runner)
             for B in (1, 3):
-                h, pe, cache = _decode_inputs(model, att, B=B)
+                h, pe, cache = _decode_inputs(model, att, B=B, tables=tables)
                 with torch.inference_mode():
                     c_ours, c_own = cache(), cache()
                     got, w = att(hidden_states=h, position_embeddings=pe, attention_mask=None,
@@ -236,7 +241,7 @@ def test_known_families_decode_on_the_kernels_with_the_same_cache(model_type):
                 assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
                 assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
             # a bool mask over the keys, as a StaticCache or a padded batch brings (7 = 6 cached + 1)
-            h, pe, cache = _decode_inputs(model, att, B=2, seed=1)
+            h, pe, cache = _decode_inputs(model, att, B=2, seed=1, tables=tables)
             mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
             mask[0, ..., :3] = False
             with torch.inference_mode():
@@ -328,7 +333,7 @@ class _Declines:
         return getattr(self.real, name)
 
 
-def _prefill_inputs(model, att, B, T, past, seed=0):
+def _prefill_inputs(model, att, B, T, past, seed=0, tables=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     H, D = model.config.hidden_size, att.head_dim
     Hkv = att.k_proj.out_features // D
@@ -344,7 +349,7 @@ def _prefill_inputs(model, att, B, T, past, seed=0):
             c.update(k0.clone(), v0.clone(), att.layer_idx)
         return c
 
-    return h, (emb.cos().bfloat16(), emb.sin().bfloat16()), cache
+    return h, (emb.cos().to(tables), emb.sin().to(tables)), cache
 
 
 def _prefill_native(model) -> bool:
@@ -373,7 +378,8 @@ def test_known_families_prefill_on_the_kernel_with_the_same_cache(model_type):
             att = dict(model.named_modules())[name]
             calls = _PrefillCalls(_runner(att))
             for B, T, past, masked in ((2, 13, 0, False), (2, 30, 6, True), (1, 5, 0, False)):
-                h, pe, cache = _prefill_inputs(model, att, B, T, past, seed=T)
+                h, pe, cache = _prefill_inputs(model, att, B, T, past, seed=T,
+                                               tables=ROPES.get(model_type, (None, torch.bfloat16))[1])
                 mask = None
                 if masked:
                     mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)
@@ -727,6 +733,54 @@ def test_gpt_oss_decodes_alike_past_its_sliding_window():
         assert [c.calls for c in counts] == [6, 6]
         for a, b in zip(got, want):
             assert ((a - b).norm() / b.norm()).item() < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_ernie_rotates_interleaved_pairs_in_float32_on_the_kernel(dtype):
+    """ERNIE 4.5 (interleaved pairs, float32 math on float32 tables): the whole model's logits
+    close to its own with every attention module's decode steps on the native path (the probe
+    took the keys bit for bit), and the kernel bit for bit the module's formula on extreme
+    values, rows split over threads."""
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import apply_rotary_pos_emb as ernie_rope
+
+    if "ernie4_5_moe" in UNBUILDABLE:
+        pytest.skip(f"no tiny ernie4_5_moe: {UNBUILDABLE['ernie4_5_moe']}")
+    gen = torch.Generator().manual_seed(4)
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        for D, rows in ((128, 300), (6, 3)):
+            x = (torch.randn(rows, 3, D, generator=gen) * 4).to(dt)
+            x[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 6e4]).to(dt)
+            ang = torch.rand(rows, 1, D // 2, generator=gen) * 100
+            emb = torch.cat([ang, ang], -1)
+            cos, sin = emb.cos(), emb.sin()  # float32, as ERNIE's rotary module keeps them
+            want, _ = ernie_rope(x.unsqueeze(2), x.unsqueeze(2), cos, sin)
+            want = want[:, :, 0]
+            c, s = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+            for threads in (1, 2):
+                out = torch.full_like(x, 7)
+                _native().rope_interleaved_f32_raw(x.data_ptr(), rows, 3, D, c.data_ptr(), s.data_ptr(), D,
+                                                   out.data_ptr(), code[dt], threads)
+                bits = torch.int32 if dt == torch.float32 else torch.int16
+                nan = want.isnan()  # NaN where the module has one (its payload is PyTorch's business)
+                assert torch.equal(out.isnan(), nan), (dt, D, threads)
+                assert torch.equal(out.view(bits)[~nan], want.view(bits)[~nan]), (dt, D, threads)
+    model = build_tiny("ernie4_5_moe", dtype=dtype).model
+    seq = torch.randint(3, 120, (1, 20), generator=gen)
+    want = _forced_logits(model, seq, 12)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert len(rep.attention) == model.config.num_hidden_layers and not rep.attention_differ
+        runners = [_runner(layer.self_attn) for layer in model.model.layers]
+        assert all(r.rope == "interleaved_f32" and r.table_dtype == torch.float32 for r in runners)
+        counts = [_Count(r) for r in runners]
+        got = _forced_logits(model, seq, 12)
+        assert [c.calls for c in counts] == [8] * len(runners)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for a, b in zip(got, want):
+            assert ((a - b).norm() / b.norm()).item() < tol
     finally:
         hi_na_moe.disable_for_model(model)
 

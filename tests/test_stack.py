@@ -336,6 +336,27 @@ def test_gpt_oss_decodes_in_one_native_call_past_its_sliding_window(isa, monkeyp
         hi_na_moe.disable_for_model(model)
 
 
+def test_ernie_decodes_in_the_loop_with_its_float32_rotary_table(monkeypatch):
+    """ERNIE 4.5 (interleaved float32 rotary form, a dense first layer, a shared expert, a
+    float32 router): its stack's decode steps run the loop over the layers' short paths, its
+    rotary module's float32 outputs read from the table, bit for bit the stack's own forward; not
+    one native call (the layers' native calls rotate halves), and the report says why."""
+    if "ernie4_5_moe" in UNBUILDABLE:
+        pytest.skip(f"no tiny ernie4_5_moe: {UNBUILDABLE['ernie4_5_moe']}")
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = build_tiny("ernie4_5_moe", dtype=torch.bfloat16).model.eval()
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_rotary_module
+        assert rep.stacks_loop_only == {"model": "model.layers.0: its attention's rotary form (interleaved_f32) "
+                                                 "is not the native calls' (rotate_half)"}
+        runner = patched_runner(model.model)
+        count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), steps=5)
+        assert count.one_calls == 0 and runner.rope.cos is not None and runner.rope.cos.dtype == torch.float32
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_layers_of_another_kind_keep_the_stacks_own_forward():
     """A layer_types entry other than full or sliding attention (chunked, linear, ...), or a
     sliding layer with no window: not a stack this loop takes."""

@@ -972,6 +972,19 @@ NB_MODULE(_native, m) {
         "for hi_na_moe.attention, which checked the tensors itself; the same bits at every tier (bfloat16 "
         "vectorised at avx512/amx), rows split over num_threads (0: all) when there are many. Wrong addresses "
         "crash.");
+  m.def("rope_interleaved_f32_raw",
+        [](uintptr_t x, int64_t B, int64_t heads, int64_t D, uintptr_t cos, uintptr_t sin, int64_t table_bstride,
+           uintptr_t out, int dtype, int num_threads) {
+          nb::gil_scoped_release release;
+          hina::rope_interleaved_f32(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), B, heads, D,
+                                     reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin),
+                                     table_bstride, reinterpret_cast<void*>(out), num_threads);
+        },
+        nb::arg("x"), nb::arg("B"), nb::arg("heads"), nb::arg("D"), nb::arg("cos"), nb::arg("sin"),
+        nb::arg("table_bstride"), nb::arg("out"), nb::arg("dtype"), nb::arg("num_threads") = 1,
+        "rope_interleaved_f32() (moe.h: ERNIE 4.5's interleaved pairs in float32, float32 tables of table_bstride "
+        "values a row, the first D/2 read) with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, "
+        "2 float16), for hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
   m.def("attention_decode",
         [](nb::handle q_obj, nb::handle k_obj, nb::handle v_obj, float scale, nb::handle out_obj, int num_threads,
            const std::string& isa, nb::handle mask_obj) {

@@ -93,6 +93,59 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
   ThreadPool::global().run(n, [&](int tid, int nt) { rows(B * tid / nt, B * (tid + 1) / nt); });
 }
 
+namespace {
+template <class T>
+void rope_interleaved_rows(const T* x, int64_t B, int64_t heads, int64_t D, const float* cos, const float* sin,
+                           int64_t table_bstride, T* out) {
+  using E = attn_impl::Elem<T>;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = cos + b * table_bstride;
+    const float* s = sin + b * table_bstride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xr = x + (b * heads + h) * D;
+      T* yr = out + (b * heads + h) * D;
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const float x0 = E::get(xr, 2 * i), x1 = E::get(xr, 2 * i + 1);
+        // separate statements, and this file has no FMA contraction: each product is rounded
+        const float a0 = x0 * c[i], b0 = -x1 * s[i];
+        const float a1 = x1 * c[i], b1 = x0 * s[i];
+        E::put(yr, 2 * i, a0 + b0);
+        E::put(yr, 2 * i + 1, a1 + b1);
+      }
+    }
+  }
+}
+}  // namespace
+
+void rope_interleaved_f32(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const float* cos,
+                          const float* sin, int64_t table_bstride, void* out, int num_threads) {
+  const size_t es = dtype_size(dt);
+  auto rows = [&](int64_t b0, int64_t b1) {
+    const void* xb = static_cast<const char*>(x) + b0 * heads * D * es;
+    void* ob = static_cast<char*>(out) + b0 * heads * D * es;
+    const float* cb = cos + b0 * table_bstride;
+    const float* sb = sin + b0 * table_bstride;
+    switch (dt) {
+      case DType::kF32:
+        rope_interleaved_rows(static_cast<const float*>(xb), b1 - b0, heads, D, cb, sb, table_bstride,
+                              static_cast<float*>(ob));
+        break;
+      case DType::kBF16:
+        rope_interleaved_rows(static_cast<const uint16_t*>(xb), b1 - b0, heads, D, cb, sb, table_bstride,
+                              static_cast<uint16_t*>(ob));
+        break;
+      case DType::kF16:
+        rope_interleaved_rows(static_cast<const attn_impl::Half*>(xb), b1 - b0, heads, D, cb, sb, table_bstride,
+                              static_cast<attn_impl::Half*>(ob));
+        break;
+    }
+  };
+  if (num_threads <= 0) num_threads = default_num_threads();
+  const int n = static_cast<int>(std::min<int64_t>({num_threads, B, std::max<int64_t>(1, B * heads * D / kParallelMacs)}));
+  if (n <= 1) return rows(0, B);
+  ThreadPool::global().run(n, [&](int tid, int nt) { rows(B * tid / nt, B * (tid + 1) / nt); });
+}
+
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
   const int64_t rows = a.B * a.Hq;
   if (rows <= 0) return;

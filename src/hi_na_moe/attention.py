@@ -26,7 +26,8 @@ call without a mask (eager then attends every key) too; and the attention weight
 are not computed, so a call while transformers captures them (output_attentions) or while another
 hook watches the module is the module's own. Attention sinks (GPT-OSS: a learned logit per head
 in the softmax's denominator, the module's `sinks`) and rotary tables of half the head size
-(GPT-OSS's cos/sin, applied to the two halves) are forms of their own; a sliding window is in the
+(GPT-OSS's cos/sin, applied to the two halves) are forms of their own, and so is ERNIE 4.5's
+rotation of interleaved pairs in float32 on float32 tables; a sliding window is in the
 mask transformers builds, which the kernels follow. What it computes is checked
 before it is patched: on a probe (random hidden states and rotary tables, a DynamicCache holding
 a few positions) its own forward and each known form run side by side. A form is taken when the
@@ -222,6 +223,10 @@ class NativeAttention:
         self.sinks = False
         self._sink_f32, self._sink_key = None, None
         self.half_table = False
+        # the rotary form: "rotate_half" (transformers' usual, tables in the model's dtype) or
+        # "interleaved_f32" (ERNIE 4.5: pairs (2i, 2i + 1), float32 math on float32 tables)
+        self.rope = "rotate_half"
+        self.table_dtype = self.dtype
         # prefill calls on the native kernel (prefill_kernel), once the probe saw them match
         self.prefill = False
 
@@ -257,6 +262,29 @@ class NativeAttention:
             self._sink_f32, self._sink_key = p.detach().float().contiguous(), key
         return self._sink_f32
 
+    def table_width(self) -> int:
+        """Values a row of the rotary tables the module takes holds."""
+        return self.D // 2 if self.half_table else self.D
+
+    def tables(self, ang: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the angles ang [..., D/2] as this module's rotary module hands them over
+        (the probes' tables): half-width or both halves, in the table dtype."""
+        emb = ang if self.half_table else torch.cat([ang, ang], dim=-1)
+        return emb.cos().to(self.table_dtype), emb.sin().to(self.table_dtype)
+
+    def _rotate(self, x: torch.Tensor, rows: int, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                threads: int) -> torch.Tensor:
+        """x [rows, heads, D] through the rotary form (cos, sin: [rows, table_width()] contiguous)."""
+        out = torch.empty_like(x)
+        if self.rope == "interleaved_f32":
+            self.native.rope_interleaved_f32_raw(x.data_ptr(), rows, heads, self.D, cos.data_ptr(), sin.data_ptr(),
+                                                 cos.shape[-1], out.data_ptr(), _DTYPE_CODES[self.dtype], threads)
+        else:
+            self.native.rope_rotate_half_raw(x.data_ptr(), rows, heads, self.D, cos.data_ptr(), sin.data_ptr(),
+                                             out.data_ptr(), _DTYPE_CODES[self.dtype], self.isa, threads,
+                                             self.half_table)
+        return out
+
     def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                 mask: torch.Tensor | None = None, direct=None):
         """(output, None) of a decode step; `direct` (hi_na_moe.layers): the projections' and
@@ -264,18 +292,14 @@ class NativeAttention:
         B = h.shape[0]
         code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h, form, B, direct)
-        w, half = (self.D // 2, True) if self.half_table else (self.D, False)  # the tables' width
+        w = self.table_width()
         cos, sin = cos.reshape(-1, w), sin.reshape(-1, w)
         if cos.shape[0] != B:  # one position for every row (position_ids [1, 1]): broadcast
             cos, sin = cos.expand(B, w), sin.expand(B, w)
         cos, sin = cos.contiguous(), sin.contiguous()
-        qr, kr = torch.empty_like(q), torch.empty_like(k)
-        rope = self.native.rope_rotate_half_raw
         threads = self.threads or torch.get_num_threads()
-        rope(q.data_ptr(), B, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code, self.isa, threads,
-             half)
-        rope(k.data_ptr(), B, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code, self.isa, threads,
-             half)
+        qr = self._rotate(q, B, self.Hq, cos, sin, threads)
+        kr = self._rotate(k, B, self.Hkv, cos, sin, threads)
         keys, values = kr.unsqueeze(2), v.unsqueeze(2)  # [B, Hkv, 1, D]
         if cache is not None:
             keys, values = kv_cache.append(cache, m.layer_idx, keys, values)
@@ -323,16 +347,12 @@ class NativeAttention:
         B, T = h.shape[:2]
         code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h.reshape(B * T, 1, self.hidden), form, B * T)
-        w, half = (self.D // 2, True) if self.half_table else (self.D, False)  # the tables' width
+        w = self.table_width()
         cos = cos.reshape(-1, T, w).expand(B, T, w).reshape(B * T, w).contiguous()
         sin = sin.reshape(-1, T, w).expand(B, T, w).reshape(B * T, w).contiguous()
-        qr, kr = torch.empty_like(q), torch.empty_like(k)
-        rope = self.native.rope_rotate_half_raw
         threads = self.threads or torch.get_num_threads()
-        rope(q.data_ptr(), B * T, self.Hq, self.D, cos.data_ptr(), sin.data_ptr(), qr.data_ptr(), code, self.isa,
-             threads, half)
-        rope(k.data_ptr(), B * T, self.Hkv, self.D, cos.data_ptr(), sin.data_ptr(), kr.data_ptr(), code, self.isa,
-             threads, half)
+        qr = self._rotate(q, B * T, self.Hq, cos, sin, threads)
+        kr = self._rotate(k, B * T, self.Hkv, cos, sin, threads)
         keys = kr.view(B, T, self.Hkv, self.D).transpose(1, 2)  # [B, Hkv, T, D], as the module's
         values = v.view(B, T, self.Hkv, self.D).transpose(1, 2)
         if cache is not None:
@@ -410,9 +430,9 @@ class NativeAttention:
                                  or mask.stride(3) != 1 or not mask.is_cpu):
             return None  # a float or per-head mask: the module's own forward
         cos, sin = pe
-        w = self.D // 2 if self.half_table else self.D
+        w = self.table_width()
         for t in (cos, sin):
-            if (type(t) is not torch.Tensor or t.dtype is not self.dtype or t.numel() not in (B * T * w, T * w)
+            if (type(t) is not torch.Tensor or t.dtype is not self.table_dtype or t.numel() not in (B * T * w, T * w)
                     or not t.is_cpu or t.is_neg() or t.shape[-1] != w):
                 return None
         return h, cos, sin, got.get("past_key_values"), mask
@@ -444,10 +464,13 @@ class NativeAttention:
             c.update(k0.clone(), v0.clone(), m.layer_idx)
             return c
 
+        # the rotary forms: (half-width tables, form, the tables' dtype)
+        ropes = [(False, "rotate_half", self.dtype), (True, "rotate_half", self.dtype),
+                 (False, "interleaved_f32", torch.float32)]
         with torch.no_grad():
-            for half in (False, True):
-                emb = ang if half else torch.cat([ang, ang], dim=-1)
-                cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            for half, rope, tdt in ropes:
+                self.half_table, self.rope, self.table_dtype = half, rope, tdt
+                cos, sin = self.tables(ang)
                 wants = []
                 for mk in masks:
                     own_cache = cache()
@@ -468,7 +491,7 @@ class NativeAttention:
                                                  and isinstance(getattr(m, "k_norm", None), nn.Module)):
                         continue
                     for with_sinks in sink_options:
-                        self.half_table, self.sinks = half, with_sinks
+                        self.sinks = with_sinks
                         if all(self._decode_matches(form, h, cos, sin, cache(), *w) for w in wants):
                             self.form = form
                             self.prefill = (self.dtype is torch.bfloat16
@@ -476,6 +499,7 @@ class NativeAttention:
                                             and self._prefill_matches(form, gen))
                             return True
         self.half_table = self.sinks = False
+        self.rope, self.table_dtype = "rotate_half", self.dtype
         return False
 
     def _decode_matches(self, form: str, h, cos, sin, cache, mask, want, want_k, want_v) -> bool:
@@ -505,8 +529,7 @@ class NativeAttention:
         B, past, T = 2, 5, 7
         h = torch.randn(B, T, self.hidden, generator=gen).to(self.dtype)
         ang = torch.rand(B, T, self.D // 2, generator=gen) * 6.3
-        emb = ang if self.half_table else torch.cat([ang, ang], dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = self.tables(ang)
         k0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
         v0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
         mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)

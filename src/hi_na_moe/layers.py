@@ -204,7 +204,8 @@ class NativeLayer:
         q, o = patched_member(a.q_proj), patched_member(a.o_proj)
         if (q is None or len(q[0].modules) != 3 or patched_member(a.k_proj) != (q[0], 1)
                 or patched_member(a.v_proj) != (q[0], 2) or o is None or len(o[0].modules) != 1
-                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype):
+                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype
+                or at.rope != "rotate_half"):  # (the native calls rotate halves)
             return None
         qk = FORMS.index(at.form)
         norms = (None, None)
@@ -464,6 +465,8 @@ class NativeLayer:
         report), or None when it can, subject to what plan_args checks at each step."""
         moe = self.moe
         if self.step is None:
+            if self.attn.rope != "rotate_half":
+                return f"its attention's rotary form ({self.attn.rope}) is not the native calls' (rotate_half)"
             return "its q/k/v or o_proj are not on the runners the native calls take"
         if moe is None:
             return "its MoE block is called as a module (not of the router-then-experts form)"
@@ -545,8 +548,7 @@ class NativeLayer:
         B, past, D = 2, 4, at.D
         x = torch.randn(B, 1, self.hidden, generator=gen).to(at.dtype)
         ang = torch.rand(B, 1, D // 2, generator=gen) * 6.3
-        emb = ang if at.half_table else torch.cat([ang, ang], dim=-1)  # the tables the attention takes
-        cos, sin = emb.cos().to(at.dtype), emb.sin().to(at.dtype)
+        cos, sin = at.tables(ang)  # the tables the attention takes
         k0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)
         v0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)
         idx = self.attn_mod.layer_idx

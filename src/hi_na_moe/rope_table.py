@@ -72,7 +72,8 @@ class RopeTable:
         return None
 
     def lookup(self, x: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) [1, 1, D] of `position` as module(x, [[position]]) returns them, or None
+        """(cos, sin) [1, 1, D] of `position` as module(x, [[position]]) returns them (in the
+        dtype it returns: x's, or float32 as ERNIE 4.5's keeps them), or None
         when the table cannot give them (then call the module)."""
         if not self.usable():
             return None
@@ -95,8 +96,8 @@ class RopeTable:
             proto = x.new_empty((1, 1, 1))
             cos, sin = m(proto, torch.arange(rows).unsqueeze(0))
             if (type(cos) is not torch.Tensor or type(sin) is not torch.Tensor or cos.dim() != 3
-                    or cos.shape[:2] != (1, rows) or sin.shape != cos.shape or cos.dtype is not x.dtype
-                    or sin.dtype is not x.dtype or not cos.is_contiguous() or not sin.is_contiguous()):
+                    or cos.shape[:2] != (1, rows) or sin.shape != cos.shape or sin.dtype is not cos.dtype
+                    or not cos.is_floating_point() or not cos.is_contiguous() or not sin.is_contiguous()):
                 self.broken = "the rotary module's output is not a pair of [1, positions, D] tensors"
                 return False
             for p in sorted({0, rows // 2, rows - 1, position}):

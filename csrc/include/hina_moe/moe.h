@@ -328,6 +328,16 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
 // when there are enough; other dtypes and tiers the baseline loops.
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
                       const void* sin, void* out, Isa isa, int num_threads, bool half_table = false);
+// Rotary embedding, interleaved pairs in float32 (ERNIE 4.5's form): for pair i of a head,
+// c = cos[i], s = sin[i] (the first D/2 entries of a float32 table row of table_bstride values),
+//   out[2i]     = round_dt(f32(f32(x[2i] * c) + f32(-x[2i+1] * s)))
+//   out[2i + 1] = round_dt(f32(f32(x[2i+1] * c) + f32(x[2i] * s)))
+// each product and the sum rounded to float32 and the result once to the dtype, as PyTorch's
+// float32 elementwise ops after x.float() and the final .to(dtype) round them (bit-identical).
+// x and out [B, heads, D] C-contiguous in dtype dt; D even; out may not overlap x. Rows split over
+// num_threads (0: every hardware thread) when there are enough.
+void rope_interleaved_f32(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const float* cos,
+                          const float* sin, int64_t table_bstride, void* out, int num_threads);
 
 // Attention of one query per (batch, head) over S cached keys/values (see csrc/moe/attention_impl.h).
 struct AttnDecodeArgs {
