@@ -24,7 +24,8 @@ re-initialised weights.
 
 Shapes: olmoe-1b-7b (OLMoE-1B-7B), qwen3-30b-a3b (Qwen3-30B-A3B), qwen1.5-moe-a2.7b
 (Qwen1.5-MoE-A2.7B: routed experts plus a shared expert and q/k/v biases), gpt-oss-20b
-(GPT-OSS-20B in bf16: sinks, sliding windows, biases, experts saved fused).
+(GPT-OSS-20B in bf16: sinks, sliding windows, biases, experts saved fused), ernie-4.5-21b-a3b
+(ERNIE-4.5-21B-A3B: a dense first layer, shared experts, a float32 router, interleaved rotary).
 
 `--verify` loads the result with `AutoModelForCausalLM.from_pretrained` (the whole model in
 RAM: use it on small `--layers`), fails on missing/unexpected/mismatched keys, checks a few
@@ -149,12 +150,41 @@ SHAPES: dict[str, dict] = {
         pad_token_id=199999,
         eos_token_id=200002,
     ),
+    # ERNIE-4.5-21B-A3B (its published config.json): a dense first layer, then 64 experts of width
+    # 1536 (top-6) and two shared experts per layer, a float32 router with a correction bias
+    # (transformers keeps both float32 on load), rotary pairs interleaved in float32, tied embeddings
+    "ernie-4.5-21b-a3b": dict(
+        model_type="ernie4_5_moe",
+        vocab_size=103424,
+        hidden_size=2560,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=20,
+        num_key_value_heads=4,
+        moe_num_experts=64,
+        moe_k=6,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        moe_layer_end_index=27,
+        moe_layer_interval=1,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+        use_bias=False,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 # families whose fused experts transformers saves fused (not one nn.Linear layout per expert)
 SAVED_FUSED = {"gpt_oss"}
+# parameter names transformers saves under another key (its checkpoint conversion, reversed)
+SAVED_RENAMES = {"ernie4_5_moe": ((".mlp.gate.moe_statics.", ".mlp.moe_statics."),)}
 
 DTYPES = {
     "bf16": (torch.bfloat16, "BF16"),
@@ -211,8 +241,11 @@ def checkpoint_tensors(config) -> list[TensorSpec]:
         model = AutoModelForCausalLM.from_config(config)
     specs: list[TensorSpec] = []
     fused = config.model_type in SAVED_FUSED
+    renames = SAVED_RENAMES.get(config.model_type, ())
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
+        for old, new in renames:
+            name = name.replace(old, new)
         if fused:
             specs.append(TensorSpec(name, shape))
         elif name.endswith("experts.gate_up_proj"):
@@ -359,24 +392,27 @@ def verify(out: Path, specs: list[TensorSpec], seed: int, std: float, dtype: tor
     state = model.state_dict()
     by_name = {s.name: s for s in specs}
     # A plain tensor, a norm, and the first/last expert of layer 0 (checks the fusing order).
-    exp0 = "model.layers.0.mlp.experts.0."
+    # the first layer with experts (ERNIE's first is dense)
+    moe = next(i for i in range(model.config.num_hidden_layers) if f"model.layers.{i}.mlp.experts.down_proj" in state)
+    exp0 = f"model.layers.{moe}.mlp.experts.0."
     checks = {
         "model.layers.0.self_attn.q_proj.weight": state["model.layers.0.self_attn.q_proj.weight"],
         "model.norm.weight": state["model.norm.weight"],
-        "lm_head.weight": state["lm_head.weight"],
     }
+    if "lm_head.weight" in by_name:  # (not written when tied to the embedding)
+        checks["lm_head.weight"] = state["lm_head.weight"]
     for name in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.shared_expert.down_proj.weight",
                  "model.layers.0.mlp.shared_expert_gate.weight"):
         if name in state:  # qwen2_moe only
             checks[name] = state[name]
-    fused = "model.layers.0.mlp.experts."
+    fused = f"model.layers.{moe}.mlp.experts."
     if model.config.model_type in SAVED_FUSED:  # written as loaded: check the fused tensors as they are
         for name in (fused + "gate_up_proj", fused + "down_proj", fused + "gate_up_proj_bias",
                      "model.layers.0.self_attn.sinks"):
             checks[name] = state[name]
     elif fused + "gate_up_proj" in state:
-        last = f"model.layers.0.mlp.experts.{model.config.num_experts - 1}."
         gate_up, down = state[fused + "gate_up_proj"], state[fused + "down_proj"]
+        last = f"{fused}{gate_up.shape[0] - 1}."
         inter = gate_up.shape[1] // 2
         for prefix, e in ((exp0, 0), (last, gate_up.shape[0] - 1)):
             checks[prefix + "gate_proj.weight"] = gate_up[e, :inter]
