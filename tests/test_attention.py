@@ -768,11 +768,18 @@ def test_ernie_rotates_interleaved_pairs_in_float32_on_the_kernel(dtype):
                 assert torch.equal(out.isnan(), nan), (dt, D, threads)
                 assert torch.equal(out.view(bits)[~nan], want.view(bits)[~nan]), (dt, D, threads)
     model = build_tiny("ernie4_5_moe", dtype=dtype).model
+    with torch.no_grad():  # a score correction that matters (its router's biased form runs natively too)
+        for layer in model.model.layers:
+            statics = getattr(getattr(layer.mlp, "gate", None), "moe_statics", None)
+            if statics is not None:
+                statics.e_score_correction_bias.copy_(torch.randn(statics.e_score_correction_bias.shape,
+                                                                  generator=gen) * 0.3)
     seq = torch.randint(3, 120, (1, 20), generator=gen)
     want = _forced_logits(model, seq, 12)
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
         assert len(rep.attention) == model.config.num_hidden_layers and not rep.attention_differ
+        assert rep.routers and not rep.routers_differ and not rep.routers_select_pytorch
         runners = [_runner(layer.self_attn) for layer in model.model.layers]
         assert all(r.rope == "interleaved_f32" and r.table_dtype == torch.float32 for r in runners)
         counts = [_Count(r) for r in runners]

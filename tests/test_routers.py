@@ -93,7 +93,7 @@ def test_patched_routers_decode_like_the_model_and_leave_prefill_and_training_al
         runner = _runner(model, "model.layers.0.mlp.gate")
         calls = []
         select = runner.select_into  # the native selection, on the native logits
-        runner.select_into = lambda logits: calls.append(logits.shape[0]) or select(logits)
+        runner.select_into = lambda logits, *a: calls.append(logits.shape[0]) or select(logits, *a)
         with torch.inference_mode():
             got = model(ids[:, :1]).logits  # the decoder layers' native step selects in layer_decode_post
             assert calls == []
@@ -210,13 +210,14 @@ def test_routing_linears_stay_lossless_when_the_rest_is_quantised(weights):
     assert {d.name: d.weights for d in plan.dense}[name] == "lossless"
 
 
-def _select(logits, k, form, renorm, w_dtype):
+def _select(logits, k, form, renorm, w_dtype, bias=None, norm_min=0.0):
     from hi_na_moe.hardware import native_module
 
     B, E = logits.shape
     w, idx = torch.empty(B, k, dtype=w_dtype), torch.empty(B, k, dtype=torch.int64)
     native_module()[0].router_select_raw(routers._CODES[logits.dtype], logits.data_ptr(), B, E, k, form, renorm,
-                                         routers._CODES[w_dtype], w.data_ptr(), idx.data_ptr())
+                                         routers._CODES[w_dtype], w.data_ptr(), idx.data_ptr(),
+                                         0 if bias is None else bias.data_ptr(), norm_min)
     return w, idx
 
 
@@ -243,6 +244,19 @@ def test_router_select_moves_ties_as_torch_topk(dtype, E, k):
         assert torch.equal(w.isnan(), top.isnan())
         ok = ~top.isnan()
         assert ((w[ok] - top[ok]).abs() <= routers._SELECT_RTOL[torch.float32] * top[ok].abs()).all()
+    # ERNIE's: chosen by the probabilities plus a correction bias (ties among the sums too), the
+    # probabilities as weights over max(sum, norm_min); a norm_min above some rows' sums
+    bias = (torch.randint(-2, 3, (E,), generator=gen).float() / 64)
+    probs = F.softmax(x, dtype=torch.float, dim=-1)
+    _, idx = torch.topk(probs + bias, k, dim=-1)
+    top = torch.gather(probs, -1, idx)
+    norm_min = 0.5
+    top = top / torch.clamp(top.sum(-1, keepdim=True), min=norm_min)
+    w, got = _select(x, k, 0, True, torch.float32, bias, norm_min)
+    assert torch.equal(got, idx)
+    assert torch.equal(w.isnan(), top.isnan())
+    ok = ~top.isnan()
+    assert ((w[ok] - top[ok]).abs() <= routers._SELECT_RTOL[torch.float32] * top[ok].abs()).all()
     top, idx = torch.topk(x, k, dim=-1)
     want = F.softmax(top, dim=-1)  # in the logits' dtype, as topk-softmax without float32 logits
     w, got = _select(x, k, 1, False, dtype)
@@ -250,6 +264,47 @@ def test_router_select_moves_ties_as_torch_topk(dtype, E, k):
     ok = ~want.isnan()
     assert torch.equal(w.isnan(), want.isnan())
     assert ((w[ok].float() - want[ok].float()).abs() <= routers._SELECT_RTOL[dtype] * want[ok].float().abs()).all()
+
+
+def test_ernies_float32_router_with_its_score_correction_runs_natively():
+    """ERNIE 4.5's router (float32 weight on bf16 inputs, softmax, experts chosen with the
+    correction bias, weights without it over max(sum, norm_min)): the biased form, the native
+    logits and selection; the same experts as its own forward, weights within rounding; a bias
+    changed after enable is read at the next call; a module whose bias no form reads is left
+    to PyTorch."""
+    if "ernie4_5_moe" in UNBUILDABLE:
+        pytest.skip(f"no tiny ernie4_5_moe: {UNBUILDABLE['ernie4_5_moe']}")
+    model = build_tiny("ernie4_5_moe", dtype=torch.bfloat16).model
+    gate = model.model.layers[1].mlp.gate
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=gen))
+        bias = gate.moe_statics.e_score_correction_bias
+        bias.copy_(torch.randn(bias.shape, generator=gen) * 0.3)  # large enough to change the choice
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.routers == ["model.layers.1.mlp.gate"] and not rep.routers_select_pytorch
+        runner = _runner(model, "model.layers.1.mlp.gate")
+        assert runner.form_name == "softmax-biased-topk, float32 router" and runner.biased
+        calls = []
+        select = runner.select_into
+        runner.select_into = lambda *a: calls.append(1) or select(*a)
+        h = torch.randn(6, runner.hidden, generator=gen).bfloat16()
+        for step in range(2):
+            with torch.inference_mode():
+                got = gate(h)
+                own = type(gate).forward(gate, h)
+            assert len(calls) == step + 1
+            assert [t.dtype for t in got] == [t.dtype for t in own] == [torch.float32, torch.bfloat16, torch.int64]
+            assert torch.equal(got[2], own[2])
+            assert ((got[1].float() - own[1].float()).abs() <= 2**-7 * own[1].float().abs()).all()
+            assert ((got[0] - own[0]).abs() <= 2**-16 * own[0].abs().amax(-1, keepdim=True)).all()
+            unbiased = torch.topk(F.softmax(own[0], dim=-1), own[2].shape[1], dim=-1).indices
+            assert not torch.equal(unbiased, own[2])  # the bias did change the choice
+            with torch.no_grad():
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.3)
+    finally:
+        hi_na_moe.disable_for_model(model)
 
 
 def test_native_select_off_gives_the_pytorch_form_and_a_select_that_differs_is_not_used(monkeypatch):
@@ -277,8 +332,8 @@ def test_native_select_off_gives_the_pytorch_form_and_a_select_that_differs_is_n
         hi_na_moe.disable_for_model(model)
 
     # a selection that breaks ties by index: the probe's tie-heavy logits tell, and the form stays PyTorch's
-    def by_index(self, logits):
-        w, idx = real(self, logits)
+    def by_index(self, logits, *a):
+        w, idx = real(self, logits, *a)
         order = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, : idx.shape[1]]
         return w, order
 

@@ -345,9 +345,16 @@ def test_ernie_decodes_in_the_loop_with_its_float32_rotary_table(monkeypatch):
         pytest.skip(f"no tiny ernie4_5_moe: {UNBUILDABLE['ernie4_5_moe']}")
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = build_tiny("ernie4_5_moe", dtype=torch.bfloat16).model.eval()
+    with torch.no_grad():  # a score correction that matters
+        bias = model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias
+        bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
         assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_rotary_module
+        # the MoE block without its module calls: the router's biased form natively, the shared
+        # experts added
+        moe = patched_runner(model.model.layers[1]).moe
+        assert moe is not None and moe.shared and moe.router.biased
         assert rep.stacks_loop_only == {"model": "model.layers.0: its attention's rotary form (interleaved_f32) "
                                                  "is not the native calls' (rotate_half)"}
         runner = patched_runner(model.model)

@@ -1240,20 +1240,25 @@ NB_MODULE(_native, m) {
       .def("__len__", &StepPlan::size);
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,
-           uintptr_t w, uintptr_t idx) {
+           uintptr_t w, uintptr_t idx, uintptr_t sel_bias, float norm_min) {
           if (B < 0 || E < 1 || k < 1 || k > E) bad("router_select: need B >= 0 and 1 <= k <= E");
           if (form < 0 || form > 1) bad("router_select: form must be 0 (softmax-topk) or 1 (topk-softmax)");
           if (dtype < 0 || dtype > 2 || w_dtype < 0 || w_dtype > 2) bad("router_select: dtype codes are 0, 1 or 2");
           hina::RouterSelectArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(logits), B, E, k,
                                    static_cast<hina::RouterForm>(form), renorm, static_cast<hina::DType>(w_dtype),
                                    reinterpret_cast<void*>(w), reinterpret_cast<int64_t*>(idx)};
+          a.sel_bias = reinterpret_cast<const float*>(sel_bias);
+          a.norm_min = norm_min;
           hina::router_select(a);
         },
         nb::arg("dtype"), nb::arg("logits"), nb::arg("B"), nb::arg("E"), nb::arg("k"), nb::arg("form"),
-        nb::arg("renorm"), nb::arg("w_dtype"), nb::arg("w"), nb::arg("idx"),
+        nb::arg("renorm"), nb::arg("w_dtype"), nb::arg("w"), nb::arg("idx"), nb::arg("sel_bias") = 0,
+        nb::arg("norm_min") = 0.0f,
         "router_select() (moe.h) with raw addresses, addresses unchecked (dtype codes: 0 float32, 1 bfloat16, "
         "2 float16; form 0 softmax-topk, 1 topk-softmax): logits [B, E] -> w [B, k] of w_dtype, int64 idx [B, k], "
-        "the top-k's ties moved as torch.topk moves them. For hi_na_moe.routers. Wrong addresses crash.");
+        "the top-k's ties moved as torch.topk moves them; sel_bias != 0 (form 0): float32 [E] added to the "
+        "probabilities to choose, the weights the probabilities, renorm over max(sum, norm_min). For "
+        "hi_na_moe.routers. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {
           hina::BandwidthResult r;

@@ -1,5 +1,6 @@
 // A MoE router's selection from its logits (hi_na_moe.routers), in the two forms transformers
-// writes: softmax then top-k, or top-k then a softmax over the k.
+// writes: softmax then top-k (optionally choosing on the probabilities plus a correction bias and
+// keeping the probabilities as weights: ERNIE 4.5), or top-k then a softmax over the k.
 //
 // The top-k reproduces torch.topk's CPU kernel, ties included: PyTorch selects with the C++
 // standard library (a partial sort when 64 k <= E, else nth_element and a sort of the first
@@ -86,16 +87,19 @@ void router_select(const RouterSelectArgs& a) {
     float* v = vals.data();
     for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
     if (a.form == RouterForm::kSoftmaxTopk) softmax(v, a.E);
-    for (int64_t j = 0; j < a.E; ++j) q[j] = {v[j], j};
+    const bool biased = a.form == RouterForm::kSoftmaxTopk && a.sel_bias != nullptr;
+    for (int64_t j = 0; j < a.E; ++j) q[j] = {biased ? v[j] + a.sel_bias[j] : v[j], j};
     top_k(q, a.k);
-    for (int64_t j = 0; j < a.k; ++j) {
-      v[j] = q[j].first;
-      a.idx[b * a.k + j] = q[j].second;
-    }
+    for (int64_t j = 0; j < a.k; ++j) a.idx[b * a.k + j] = q[j].second;
+    // the chosen weights: the probabilities themselves when a bias chose them (q holds p + bias;
+    // v is read before it is written, k <= E and q[j] names an index, so gather first)
+    for (int64_t j = 0; j < a.k; ++j) q[j].first = biased ? v[q[j].second] : q[j].first;
+    for (int64_t j = 0; j < a.k; ++j) v[j] = q[j].first;
     if (a.form == RouterForm::kSoftmaxTopk) {
       if (a.renorm) {
         float s = 0.0f;
         for (int64_t j = 0; j < a.k; ++j) s += v[j];
+        if (biased) s = std::isnan(s) ? s : std::max(s, a.norm_min);  // torch.clamp(sum, min=norm_min)
         for (int64_t j = 0; j < a.k; ++j) v[j] /= s;
       }
     } else {

@@ -242,14 +242,15 @@ class NativeLayer:
         router's and its experts' module calls, or None. The forms: the router then the experts
         (OLMoE, Mixtral, Qwen3-MoE; GPT-OSS's router child is named router and its block also
         returns the router's scores, which its layer drops), and those plus a sigmoid-gated shared
-        expert (Qwen2-MoE), each called as a module; the layer's probe tells whether the block
-        computes that."""
+        expert (Qwen2-MoE) or shared experts added as they are (ERNIE 4.5), each called as a
+        module; the layer's probe tells whether the block computes that."""
         from .patching import patched_experts, patched_runner
         from .routers import NativeRouter
 
         children = {n for n, _ in mlp.named_children()}
         shared = children == {"gate", "experts", "shared_expert", "shared_expert_gate"}
-        if (not (children in ({"gate", "experts"}, {"router", "experts"}) or shared)
+        plain = children == {"gate", "experts", "shared_experts"}  # ERNIE 4.5: added, no gate
+        if (not (children in ({"gate", "experts"}, {"router", "experts"}) or shared or plain)
                 or mlp.__dict__.get("forward") is not None):
             return None
         gate, experts = mlp._modules["router" if "router" in children else "gate"], mlp.experts
@@ -274,9 +275,11 @@ class NativeLayer:
                 out = experts(h, idx, w)
             if shared:
                 out = out + torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
+            elif plain:
+                out = out + mlp.shared_experts(h)
             return out.view(x.shape)
 
-        moe.router, moe.gate, moe.experts, moe.shared = router, gate, runner, shared
+        moe.router, moe.gate, moe.experts, moe.shared = router, gate, runner, shared or plain
         moe.shared_native = self._shared_native(mlp) if shared else None
         return moe
 
@@ -417,7 +420,7 @@ class NativeLayer:
                       and router._unchanged(gate))
         logits = torch.empty(B, router.experts, dtype=dt) if use_router else None
         chosen, select, fused = None, (), None
-        if use_router and router.select is not None and routers.NATIVE_SELECT:
+        if use_router and router.select is not None and routers.NATIVE_SELECT and not router.biased:
             form, k, renorm, wdt, _ = router.select
             chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
             select = (form, router.experts, k, renorm, _DTYPE_CODES[wdt], chosen[0].data_ptr(), chosen[1].data_ptr())
@@ -471,12 +474,14 @@ class NativeLayer:
         if moe is None:
             return "its MoE block is called as a module (not of the router-then-experts form)"
         if moe.shared and moe.shared_native is None:
-            return ("its MoE block's shared expert is not on the native MLP call with its gate on the dense kernel "
-                    "(run as modules after the routed experts)")
+            return ("its MoE block's shared expert is not on the native MLP call with a sigmoid gate on the dense "
+                    "kernel (run as modules after the routed experts)")
         if not self.attn.kernel:
             return f"no native attention kernel at tier {self.attn.isa} (PyTorch's SDPA does the math)"
         if moe.router.select is None:
             return "its router's softmax/top-k stay PyTorch's (router_select did not reproduce its probe)"
+        if moe.router.biased:
+            return "its router chooses with a score-correction bias, which the native calls' selection does not add"
         return None
 
     def plan_args(self, dt: torch.dtype, B: int) -> tuple | None:

@@ -16,14 +16,19 @@ transformers 5.x writes them:
   sum 1 and optionally cast back to the logits' dtype (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral,
   MiniMax, Jamba, FlexOlmo);
 - topk-softmax: the top k logits (optionally in float32 first), a softmax over those k,
-  optionally cast to the input's dtype (GPT-OSS, with the router's bias; Granite-MoE; Aria).
+  optionally cast to the input's dtype (GPT-OSS, with the router's bias; Granite-MoE; Aria);
+- softmax-biased-topk (ERNIE 4.5): a router kept in float32 whose input is cast to float32 first,
+  softmax over the logits, the experts chosen by the top k of the probabilities plus a score
+  correction bias (the router's `*e_score_correction_bias`, one value per expert), their
+  probabilities as weights divided by max(their sum, the router's norm_min), cast to the input's
+  dtype.
 
 Two forms can be the same function up to float32 rounding (a softmax over the top k, and a
 softmax over all renormalised over the top k); when both reproduce a probe the first in the list
 is used, and the two differ at most in the last bit of the scores.
 
-Routers with score-correction buffers, expert groups or sigmoid scores (DeepSeek-V3 and its
-relatives) match neither form and stay PyTorch's; the report names them.
+Routers with expert groups or sigmoid scores (DeepSeek-V3 and its relatives) match none of the
+forms and stay PyTorch's; the report names them.
 
 The native logits are the same dot products accumulated in float32 in another order, then
 rounded once: they can differ from F.linear's in the last bit (the probe checks they are within
@@ -98,8 +103,47 @@ def _topk_softmax(k: int, float_first: bool, cast: bool) -> Form:
     return run
 
 
-def _forms(k: int) -> list[tuple[str, Form]]:
-    """Every variant of the known forms for top-k size k, with its name for the report."""
+_CORRECTION = "e_score_correction_bias"
+
+
+def _correction_path(module: nn.Module) -> tuple[str, ...] | None:
+    """The path (submodule names, then the tensor's) of the router's score-correction bias, or
+    None when it has none."""
+    for name, _ in (*module.named_parameters(), *module.named_buffers()):
+        if name.split(".")[-1] == _CORRECTION:
+            return tuple(name.split("."))
+    return None
+
+
+def _correction(module: nn.Module, path: tuple[str, ...]):
+    """The router's score-correction tensor at `path` (through the modules' dicts: this runs at
+    every decode step), or None when it is gone."""
+    m = module
+    for part in path[:-1]:
+        m = m._modules.get(part)
+        if m is None:
+            return None
+    t = m._parameters.get(path[-1])
+    return m._buffers.get(path[-1]) if t is None else t
+
+
+def _softmax_biased_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> Form:
+    def run(linear, h):
+        logits = linear(h.float())
+        probs = F.softmax(logits, dim=1, dtype=torch.float)
+        _, idx = torch.topk(probs + _correction(module, path).squeeze(), k, dim=-1)
+        w = torch.gather(probs, dim=-1, index=idx)
+        w = w / torch.clamp(w.sum(dim=-1, keepdim=True), min=module.norm_min)
+        return logits, w.to(h.dtype), idx
+
+    run.native = lambda dt: (0, k, True, dt, False)  # type: ignore[attr-defined]  (weights: the input's dtype)
+    run.biased = True  # type: ignore[attr-defined]
+    return run
+
+
+def _forms(k: int, module: nn.Module | None = None) -> list[tuple[str, Form]]:
+    """Every variant of the known forms for top-k size k, with its name for the report (with the
+    module: also those reading its score-correction bias and settings)."""
     out = []
     for renorm in (True, False):
         for cast in (True, False):
@@ -109,6 +153,11 @@ def _forms(k: int) -> list[tuple[str, Form]]:
         for cast in (True, False):
             out.append((f"topk-softmax{', float32 logits' if float_first else ''}{', cast' if cast else ''}",
                         _topk_softmax(k, float_first, cast)))
+    path = None if module is None else _correction_path(module)
+    if path is not None:  # only forms that read it: a probe of a bias that is still zeros would pass the others
+        out = []
+        if type(module.__dict__.get("norm_min")) is float and module.weight.dtype is torch.float32:
+            out.append(("softmax-biased-topk, float32 router", _softmax_biased_topk(k, module, path)))
     return out
 
 
@@ -118,9 +167,10 @@ def find_routers(model: nn.Module, exclude: str,
 
     A candidate is a module (not an nn.Linear, which scope="all" runs as a dense layer) whose
     class name contains "Router", with a 2-D float `weight` parameter (on `devices`), optionally a
-    1-D `bias` of one value per output, and no other parameter or buffer (a score-correction
-    buffer, as in DeepSeek-V3, changes the routing in ways no form here has). What a candidate
-    computes is still checked (NativeRouter.matches)."""
+    1-D `bias` of one value per output and a float32 score-correction bias of one value per
+    expert (`*e_score_correction_bias`, a parameter or buffer, in it or a submodule: ERNIE 4.5,
+    DeepSeek-V3), and no other parameter or buffer. What a candidate computes is still checked
+    (NativeRouter.matches): DeepSeek-V3's groups and sigmoid scores match no form."""
     found, unfit = [], []
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) or "Router" not in type(m).__name__ or _matches(name, exclude):
@@ -129,7 +179,10 @@ def find_routers(model: nn.Module, exclude: str,
         w, b = params.get("weight"), params.get("bias")
         if w is None or w.dim() != 2:
             continue  # not a router with its own logits weight (e.g. one holding an nn.Linear)
-        if (set(params) - {"bias"} != {"weight"} or any(True for _ in m.buffers()) or w.device.type not in devices
+        extra = {n: t for n, t in (*params.items(), *m.named_buffers()) if n not in ("weight", "bias")}
+        correction = all(n.split(".")[-1] == _CORRECTION and t.numel() == w.shape[0] and t.dtype is torch.float32
+                         for n, t in extra.items()) and len(extra) <= 1
+        if (not correction or w.device.type not in devices
                 or w.dtype not in NATIVE_DTYPES or w.numel() == 0
                 or (b is not None and (b.shape != (w.shape[0],) or b.dtype != w.dtype or b.device != w.device))):
             unfit.append(name)
@@ -160,6 +213,9 @@ class NativeRouter:
         self.dtype, self.experts, self.hidden = w.dtype, w.shape[0], w.shape[1]
         self.form: Form | None = None
         self.form_name: str | None = None
+        # the form's score-correction bias (softmax-biased-topk): its path in the module, read at
+        # every step; router_select chooses with it
+        self.correction: tuple[str, ...] | None = None
         # router_select's (form, k, renorm, weights' dtype, float32 logits out) when it reproduces
         # the form (matches)
         self.select: tuple | None = None
@@ -206,14 +262,30 @@ class NativeRouter:
         self.bound.linear(h.data_ptr(), h.shape[0], out.data_ptr(), self.threads or torch.get_num_threads())
         return out
 
-    def select_into(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def biased(self) -> bool:
+        """Whether the form chooses with a score-correction bias (the layers' native calls
+        select without one, so they leave such a router to this module's calls)."""
+        return self.correction is not None
+
+    def select_into(self, logits: torch.Tensor, wdt: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(weights, indices) of the form from `logits` [B, experts] (contiguous, the router's
-        dtype) on router_select; self.select must be set."""
-        form, k, renorm, wdt, _ = self.select
+        dtype) on router_select, the weights in `wdt` (default: the form's); self.select must be
+        set. None when the form's score-correction bias is not as router_select reads it."""
+        form, k, renorm, w_dt, _ = self.select
+        wdt = w_dt if wdt is None else wdt
         B = logits.shape[0]
+        bias, norm_min = 0, 0.0
+        if self.correction is not None:
+            t = _correction(self.module, self.correction)
+            if (type(t) not in (torch.Tensor, nn.Parameter) or t.dtype is not torch.float32 or t.numel() != self.experts
+                    or not t.is_contiguous() or not t.is_cpu):
+                return None
+            bias, norm_min = t.data_ptr(), self.module.norm_min
         w, idx = torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64)
         self.native.router_select_raw(_CODES[self.dtype], logits.data_ptr(), B, self.experts, k, form, renorm,
-                                      _CODES[wdt], w.data_ptr(), idx.data_ptr())
+                                      _CODES[wdt], w.data_ptr(), idx.data_ptr(), bias, norm_min)
         return w, idx
 
     def _select_reproduces(self, h: torch.Tensor) -> bool:
@@ -223,7 +295,10 @@ class NativeRouter:
         ties = (torch.randint(-6, 7, (256, self.experts), generator=gen).float() / 4).to(self.dtype)
         for logits in (self._reference_logits(h).contiguous(), ties):
             _, want_w, want_idx = self.form(lambda _: logits, logits)
-            w, idx = self.select_into(logits)
+            got = self.select_into(logits, want_w.dtype)
+            if got is None:
+                return False
+            w, idx = got
             if w.dtype != want_w.dtype or not torch.equal(idx, want_idx):
                 return False
             want = want_w.float()
@@ -252,7 +327,7 @@ class NativeRouter:
                 or want[2].dim() != 2 or want[2].dtype != torch.int64 or want[0].shape != (h.shape[0], self.experts)):
             return []
         out = []
-        for name, form in candidates or _forms(want[2].shape[1]):
+        for name, form in candidates or _forms(want[2].shape[1], self.module):
             got = form(self._reference_logits, h)
             if all(g.dtype == x.dtype and g.shape == x.shape and torch.equal(g, x) for g, x in zip(got, want)):
                 out.append((name, form))
@@ -271,6 +346,11 @@ class NativeRouter:
             if not found:
                 return False
             self.form_name, self.form = found[0]
+            if getattr(self.form, "biased", False):
+                self.correction = _correction_path(self.module)
+                # the model's own inputs are of its dtype, cast to float32 by the router: so too here
+                if not self._reproduces([found[0]], h.bfloat16()):
+                    return False
             ref = self._reference_logits(h).float()
             nat = self._logits(h).float()
             self.select = self.form.native(self.dtype)
@@ -281,14 +361,17 @@ class NativeRouter:
 
     def forward(self, module: nn.Module, h: torch.Tensor):
         # the decode call in few operations (see dense.NativeLinear.forward); anything else, and
-        # a setting changed since the probe, go to the module's own forward
-        if (type(h) is torch.Tensor and h.dim() == 2 and h.dtype is self.dtype and h.shape[1] == self.hidden
+        # a setting changed since the probe, go to the module's own forward. A float32 router of
+        # the biased form casts its input itself (the form's logits are of h.float())
+        if (type(h) is torch.Tensor and h.dim() == 2 and h.shape[1] == self.hidden
+                and (h.dtype is self.dtype or (self.correction is not None and h.dtype in _CODES))
                 and h.shape[0] <= ROUTER_MAX_ROWS and h.is_contiguous() and h.is_cpu and not h.requires_grad
                 and not h.is_neg() and not module.training and self._unchanged(module)):
             if self.select is not None and NATIVE_SELECT:
-                logits = self._logits(h)
-                w, idx = self.select_into(logits)
-                return logits.float() if self.select[4] else logits, w, idx
+                logits = self._logits(h if h.dtype is self.dtype else h.float())
+                got = self.select_into(logits, h.dtype if self.correction is not None else None)
+                if got is not None:
+                    return logits.float() if self.select[4] else logits, got[0], got[1]
             return self.form(self._logits, h)
         return self.original(h)
 

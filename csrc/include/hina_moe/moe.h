@@ -410,6 +410,11 @@ struct RouterSelectArgs {
   DType w_dtype;
   void* w;       // out [B, k]
   int64_t* idx;  // out [B, k]
+  // kSoftmaxTopk only: with sel_bias [E] (float32), the top k of probs + sel_bias choose the experts
+  // and their weights are the probabilities without it (ERNIE 4.5's score correction); renorm
+  // then divides by max(sum, norm_min)
+  const float* sel_bias = nullptr;
+  float norm_min = 0.0f;
 };
 void router_select(const RouterSelectArgs& a);
 
