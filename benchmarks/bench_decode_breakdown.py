@@ -48,6 +48,10 @@ or both modules called (hi_na_moe.stack.ROPE_TABLE and FINAL_NORM), likewise;
 --ab-layer-calls: the layers' two native calls with the stack's loop or one call, or each layer's
 per-module short path (hi_na_moe.layers' NativeLayer.step unset) under the stack's own forward
 (what GPT-OSS's steps ran before the native calls took its sinks and sliding windows), likewise;
+--ab-moe-block: the layers' short paths with their MoE blocks' router, experts and shared
+experts called directly (hi_na_moe.layers' NativeLayer.moe) and the routers on the native path,
+or each MoE block called as its module with the routers on their own forwards (what ERNIE 4.5's
+steps ran before its router had a native form), likewise;
 --ab-prefetch A,B: the kernels' software prefetch A or B bytes ahead into L2 (needs the
 HINA_PREFETCH_TUNING build of bench_prefetch.py, whose kernels read HINA_PF at every job), likewise.
 
@@ -117,6 +121,9 @@ def main() -> int:
     ap.add_argument("--ab-layer-calls", action="store_true",
                     help="alternate the layers' native calls with the stack / their per-module short path under the "
                          "stack's own forward (scope all; step times only)")
+    ap.add_argument("--ab-moe-block", action="store_true",
+                    help="alternate the MoE blocks called directly with native routers / as modules with the "
+                         "routers' own forwards (scope all; step times only)")
     ap.add_argument("--ab-prefetch", default=None, metavar="A,B",
                     help="alternate the kernels' prefetch distance, bytes ahead into L2 (tuning build; step times only)")
     ap.add_argument("--ab-pool", action="store_true",
@@ -168,14 +175,15 @@ def main() -> int:
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
                              ("one-call", args.ab_one_call), ("shared", args.ab_shared),
                              ("rope-norm", args.ab_rope_norm), ("layer-calls", args.ab_layer_calls),
+                             ("moe-block", args.ab_moe_block),
                              ("prefetch", bool(args.ab_prefetch)),
                              ("wrapper", args.ab_wrapper), ("pool", args.ab_pool)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-layer-calls, --ab-prefetch, --ab-wrapper, --ab-pool: "
-                         "one A/B at a time")
-    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "layer-calls", "prefetch",
-                   "wrapper", "pool")
+                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-layer-calls, --ab-moe-block, --ab-prefetch, --ab-wrapper, "
+                         "--ab-pool: one A/B at a time")
+    whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "layer-calls", "moe-block",
+                   "prefetch", "wrapper", "pool")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -189,7 +197,7 @@ def main() -> int:
             counted[part] += 1
 
     arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else
-                               "per-module " if kind == "layer-calls" else
+                               "per-module " if kind == "layer-calls" else "module " if kind == "moe-block" else
                                "layer-loop " if kind == "one-call" else "modules " if kind in ("shared", "rope-norm")
                                else "PyTorch ") + kind] if kind else [""]
     use_native = None
@@ -233,6 +241,22 @@ def main() -> int:
 
             def use_native(on: bool) -> None:
                 stack.ROPE_TABLE = stack.FINAL_NORM = on
+        elif kind == "moe-block":
+            from ab_switch import small_module_switch
+
+            from hi_na_moe.layers import NativeLayer
+            from hi_na_moe.patching import patched_runner
+
+            layer_runners = [r for m in model.modules() if isinstance(r := patched_runner(m), NativeLayer)]
+            blocks = {id(r): r.moe for r in layer_runners}
+            if not any(blocks.values()):
+                raise SystemExit("--ab-moe-block: no decoder layer calls its MoE block directly")
+            use_routers = small_module_switch(model, "routers")
+
+            def use_native(on: bool) -> None:
+                use_routers(on)
+                for r in layer_runners:
+                    r.moe = blocks[id(r)] if on else None
         elif kind == "layer-calls":
             from hi_na_moe.layers import NativeLayer
             from hi_na_moe.patching import patched_runner
