@@ -338,9 +338,9 @@ def test_gpt_oss_decodes_in_one_native_call_past_its_sliding_window(isa, monkeyp
 
 def test_ernie_decodes_in_the_loop_with_its_float32_rotary_table(monkeypatch):
     """ERNIE 4.5 (interleaved float32 rotary form, a dense first layer, a shared expert, a
-    float32 router): its stack's decode steps run the loop over the layers' short paths, its
+    float32 router): its stack's decode steps run the loop over the layers' two native calls, its
     rotary module's float32 outputs read from the table, bit for bit the stack's own forward; not
-    one native call (the layers' native calls rotate halves), and the report says why."""
+    one native call (its dense first layer, and its biased router), and the report says why."""
     if "ernie4_5_moe" in UNBUILDABLE:
         pytest.skip(f"no tiny ernie4_5_moe: {UNBUILDABLE['ernie4_5_moe']}")
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
@@ -355,8 +355,10 @@ def test_ernie_decodes_in_the_loop_with_its_float32_rotary_table(monkeypatch):
         # experts added
         moe = patched_runner(model.model.layers[1]).moe
         assert moe is not None and moe.shared and moe.router.biased
-        assert rep.stacks_loop_only == {"model": "model.layers.0: its attention's rotary form (interleaved_f32) "
-                                                 "is not the native calls' (rotate_half)"}
+        assert rep.stacks_loop_only == {"model": "model.layers.0: its MLP is dense (the one native call runs MoE "
+                                                 "layers)"}
+        # the layers' two native calls, ERNIE's rotation in the first
+        assert all(patched_runner(layer).step is not None for layer in model.model.layers)
         runner = patched_runner(model.model)
         count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), steps=5)
         assert count.one_calls == 0 and runner.rope.cos is not None and runner.rope.cos.dtype == torch.float32

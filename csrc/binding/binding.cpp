@@ -539,7 +539,8 @@ class StepPlan {
                  int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
                  float scale, const std::string& isa, nb::object o, uintptr_t ln2_w, float ln2_eps, nb::object router,
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
-                 int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table) {
+                 int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table,
+                 bool interleaved_f32) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
     if (shared.size() != 0 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I, gate) of a shared expert");
@@ -553,6 +554,7 @@ class StepPlan {
                                bq.params(), Hq, Hkv, D, qk_norm, reinterpret_cast<const void*>(qn_w),
                                reinterpret_cast<const void*>(kn_w), qn_eps, kn_eps};
     d.pre.half_table = half_table;
+    d.pre.interleaved_f32 = interleaved_f32;
     d.post.dtype = dt;
     d.post.H = H;
     d.post.attn.dtype = dt;
@@ -1092,20 +1094,20 @@ NB_MODULE(_native, m) {
            int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
            uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
            uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads,
-           bool half_table) {
+           bool half_table, bool interleaved_f32) {
           hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
                                reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
                                qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
                                qn_eps, kn_eps, reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
                                cos_bstride, reinterpret_cast<void*>(h), reinterpret_cast<void*>(qkv_out),
                                reinterpret_cast<void*>(qk_tmp), reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
-                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride, half_table};
+                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride, half_table, interleaved_f32};
           nb::gil_scoped_release release;
           hina::layer_decode_pre(a, num_threads);
         },
         "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
         "qkv: the BoundForward of an up-only block; kv_bstride/kv_hstride: the elements between k's and v's batch rows "
-        "and heads; half_table: cos/sin rows of D/2 values), for hi_na_moe.layers, which checked the tensors. Wrong "
+        "and heads; half_table: cos/sin rows of D/2 values; interleaved_f32: ERNIE's rotation on float32 cos/sin), for hi_na_moe.layers, which checked the tensors. Wrong "
         "addresses crash.");
   m.def("layer_decode_post_raw",
         [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
@@ -1225,7 +1227,8 @@ NB_MODULE(_native, m) {
       "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "
       "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts, and a shared expert's "
       "(gate/up group, down projection, intermediate size, gate), or (); then the address of the attention's float32 "
-      "sinks [Hq] or 0, kept alive by the caller, and half_table: cos/sin rows of D/2 values). run(B, x, cos, sin, "
+      "sinks [Hq] or 0, kept alive by the caller, half_table: cos/sin rows of D/2 values, and interleaved_f32: ERNIE's "
+      "rotation on float32 cos/sin). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
       "batch/head/position element strides, the positions the attention reads, the position written), scratch of scratch_bytes(B) bytes; "

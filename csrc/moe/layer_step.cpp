@@ -38,18 +38,25 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
       qr = qn;
       kr = kn;
     }
-    const char* cb = cos + b * a.cos_bstride * es;
-    const char* sb = sin + b * a.cos_bstride * es;
-    rope_rotate_half(a.dtype, qr, 1, a.Hq, a.D, cb, sb, static_cast<char*>(a.q) + b * nq * es, a.half_table);
+    const size_t tes = a.interleaved_f32 ? sizeof(float) : es;  // the tables' element size
+    const char* cb = cos + b * a.cos_bstride * tes;
+    const char* sb = sin + b * a.cos_bstride * tes;
+    auto rotate = [&](const char* x, int64_t heads, char* out) {
+      if (a.interleaved_f32)
+        rope_interleaved_f32(a.dtype, x, 1, heads, a.D, reinterpret_cast<const float*>(cb),
+                             reinterpret_cast<const float*>(sb), 0, out, 1);
+      else
+        rope_rotate_half(a.dtype, x, 1, heads, a.D, cb, sb, out, a.half_table);
+    };
+    rotate(qr, a.Hq, static_cast<char*>(a.q) + b * nq * es);
     char* kb = static_cast<char*>(a.k) + b * a.kv_bstride * es;
     char* vb = static_cast<char*>(a.v) + b * a.kv_bstride * es;
     if (a.kv_hstride == a.D) {
-      rope_rotate_half(a.dtype, kr, 1, a.Hkv, a.D, cb, sb, kb, a.half_table);
+      rotate(kr, a.Hkv, kb);
       std::memcpy(vb, vr, static_cast<size_t>(nkv) * es);
     } else {  // one head at a time into the cache's rows
       for (int64_t h = 0; h < a.Hkv; ++h) {
-        rope_rotate_half(a.dtype, kr + h * a.D * es, 1, 1, a.D, cb, sb, kb + h * a.kv_hstride * es,
-                         a.half_table);
+        rotate(kr + h * a.D * es, 1, kb + h * a.kv_hstride * es);
         std::memcpy(vb + h * a.kv_hstride * es, vr + h * a.D * es, static_cast<size_t>(a.D) * es);
       }
     }

@@ -204,8 +204,7 @@ class NativeLayer:
         q, o = patched_member(a.q_proj), patched_member(a.o_proj)
         if (q is None or len(q[0].modules) != 3 or patched_member(a.k_proj) != (q[0], 1)
                 or patched_member(a.v_proj) != (q[0], 2) or o is None or len(o[0].modules) != 1
-                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype
-                or at.rope != "rotate_half"):  # (the native calls rotate halves)
+                or at.clip is not None or q[0].dtype is not at.dtype or o[0].dtype is not at.dtype):
             return None
         qk = FORMS.index(at.form)
         norms = (None, None)
@@ -371,7 +370,8 @@ class NativeLayer:
         nq, nkv = Hq * D, Hkv * D
         cos, sin = cos.contiguous(), sin.contiguous()
         half = at.half_table  # GPT-OSS's tables: D/2 values a row
-        width = D // 2 if half else D
+        width = at.table_width()
+        interleaved = at.rope == "interleaved_f32"  # ERNIE's: float32 tables
         threads = qkv.threads or torch.get_num_threads()
         # scratch: h [B, H], q|k|v [B, nq + 2 nkv], normed q|k [B, nq + nkv], attention heads
         # [B, nq], o_proj's output [B, H]
@@ -396,7 +396,7 @@ class NativeLayer:
             0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
             0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
             width if cos.numel() == B * width else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs,
-            threads, half)
+            threads, half, interleaved)
         if slot is not None:
             keys, values = kv_cache.commit(slot)
         else:
@@ -468,10 +468,10 @@ class NativeLayer:
         report), or None when it can, subject to what plan_args checks at each step."""
         moe = self.moe
         if self.step is None:
-            if self.attn.rope != "rotate_half":
-                return f"its attention's rotary form ({self.attn.rope}) is not the native calls' (rotate_half)"
             return "its q/k/v or o_proj are not on the runners the native calls take"
         if moe is None:
+            if not isinstance(getattr(self.mlp, "experts", None), nn.Module):
+                return "its MLP is dense (the one native call runs MoE layers)"
             return "its MoE block is called as a module (not of the router-then-experts form)"
         if moe.shared and moe.shared_native is None:
             return ("its MoE block's shared expert is not on the native MLP call with a sigmoid gate on the dense "
@@ -514,7 +514,7 @@ class NativeLayer:
                 ptrs[2] if qk else 0, ptrs[3] if qk else 0, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
                 self.attn_mod.scaling, at.isa, o.bound, ptrs[1], self.norm2.eps, router.bound, router.experts, form,
                 k, renorm, _DTYPE_CODES[wdt], fused[0], fused[1], qkv.threads or torch.get_num_threads(), shared,
-                0 if sinks is None else sinks.data_ptr(), at.half_table)
+                0 if sinks is None else sinks.data_ptr(), at.half_table, at.rope == "interleaved_f32")
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

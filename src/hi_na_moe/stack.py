@@ -410,7 +410,7 @@ class NativeStack:
             plan = self._plan = (step, args)
         cos, sin = cos.contiguous(), sin.contiguous()
         at = self.runners[0].attn
-        width = at.D // 2 if at.half_table else at.D  # a row of the tables (half: GPT-OSS's)
+        width = at.table_width()  # a row of the tables (half: GPT-OSS's)
         kv = array("q", kv)
         scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
         out = torch.empty_like(h)

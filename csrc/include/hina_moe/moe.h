@@ -475,6 +475,9 @@ struct LayerPreArgs {
   void* v;        // out [B, Hkv, D] at the strides below
   int64_t kv_bstride, kv_hstride;  // elements
   bool half_table = false;  // cos and sin rows of D/2 values (rope_rotate_half's half_table: GPT-OSS)
+  // the rotation is rope_interleaved_f32's (ERNIE 4.5): cos and sin are float32, cos_bstride counts
+  // float32 values
+  bool interleaved_f32 = false;
 };
 void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 
