@@ -84,6 +84,13 @@ def test_a_sliding_window_layer_appended_in_place_holds_what_its_own_update_hold
     assert 2 <= len(buffers) <= 3  # written in place between the buffers' renewals
     for keys, k0, values, v0 in held:
         assert torch.equal(keys, k0) and torch.equal(values, v0)
+    # recording its past from here on (assisted decoding): the layer's own update, as the reference's
+    ours.layers[0].activate_past_recording()
+    ref.layers[0].activate_past_recording()
+    for _ in range(3):
+        k, v = _kv(gen)
+        got, want = kv_cache.append(ours, 0, k, v), ref.update(k, v, 0)
+        assert torch.equal(got[0], want[0]) and torch.equal(ours.layers[0].keys, ref.layers[0].keys)
 
 
 def test_views_handed_out_are_never_overwritten():

@@ -124,6 +124,8 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) 
         return None
     keys, values = layer.keys, layer.values
     s = _SLOTS.get(layer)
+    if s is not None and s.window and layer.record_past:
+        return None  # recording its past since (assisted decoding): its own update keeps every position
     if (s is not None and keys is s.kview and values is s.vview and s.base + s.t < s.cap
             and s.form == (B, heads, D, dtype)):
         if not s.k.is_inference() or torch.is_inference_mode_enabled():
