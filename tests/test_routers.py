@@ -303,6 +303,12 @@ def test_ernies_float32_router_with_its_score_correction_runs_natively():
             assert not torch.equal(unbiased, own[2])  # the bias did change the choice
             with torch.no_grad():
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.3)
+        # a bias replaced by one the form does not read (another dtype): the module's own forward
+        gate.moe_statics.e_score_correction_bias = torch.nn.Parameter(bias.detach().double(), requires_grad=False)
+        with torch.inference_mode():
+            for g, o in zip(gate(h), type(gate).forward(gate, h)):
+                assert torch.equal(g, o)
+        assert len(calls) == 2
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -268,6 +268,15 @@ class NativeRouter:
         select without one, so they leave such a router to this module's calls)."""
         return self.correction is not None
 
+    def _bias(self) -> torch.Tensor | None:
+        """The form's score-correction bias as the form and router_select read it (float32, one
+        contiguous value per expert, on the CPU), or None when it is not so any more."""
+        t = _correction(self.module, self.correction)
+        if (type(t) not in (torch.Tensor, nn.Parameter) or t.dtype is not torch.float32 or t.numel() != self.experts
+                or not t.is_contiguous() or not t.is_cpu):
+            return None
+        return t
+
     def select_into(self, logits: torch.Tensor, wdt: torch.dtype | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(weights, indices) of the form from `logits` [B, experts] (contiguous, the router's
@@ -278,9 +287,8 @@ class NativeRouter:
         B = logits.shape[0]
         bias, norm_min = 0, 0.0
         if self.correction is not None:
-            t = _correction(self.module, self.correction)
-            if (type(t) not in (torch.Tensor, nn.Parameter) or t.dtype is not torch.float32 or t.numel() != self.experts
-                    or not t.is_contiguous() or not t.is_cpu):
+            t = self._bias()
+            if t is None:
                 return None
             bias, norm_min = t.data_ptr(), self.module.norm_min
         w, idx = torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64)
@@ -366,7 +374,8 @@ class NativeRouter:
         if (type(h) is torch.Tensor and h.dim() == 2 and h.shape[1] == self.hidden
                 and (h.dtype is self.dtype or (self.correction is not None and h.dtype in _CODES))
                 and h.shape[0] <= ROUTER_MAX_ROWS and h.is_contiguous() and h.is_cpu and not h.requires_grad
-                and not h.is_neg() and not module.training and self._unchanged(module)):
+                and not h.is_neg() and not module.training and self._unchanged(module)
+                and (self.correction is None or self._bias() is not None)):
             if self.select is not None and NATIVE_SELECT:
                 logits = self._logits(h if h.dtype is self.dtype else h.float())
                 got = self.select_into(logits, h.dtype if self.correction is not None else None)
