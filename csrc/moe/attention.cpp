@@ -22,6 +22,16 @@ namespace {
 // below this many multiply-adds one thread does the work: waking the pool costs more
 constexpr int64_t kParallelMacs = 1 << 16;
 
+// rows(b0, b1) over the B rows [0, B), split over the pool (num_threads <= 0: every hardware
+// thread) when B rows of `per_row` values are enough work
+template <class F>
+void split_rows(int64_t B, int64_t per_row, int num_threads, const F& rows) {
+  if (num_threads <= 0) num_threads = default_num_threads();
+  const int n = static_cast<int>(std::min<int64_t>({num_threads, B, std::max<int64_t>(1, B * per_row / kParallelMacs)}));
+  if (n <= 1) return rows(0, B);
+  ThreadPool::global().run(n, [&](int tid, int nt) { rows(B * tid / nt, B * (tid + 1) / nt); });
+}
+
 template <class T>
 void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, const T* sin, T* out, bool half_table) {
   using E = attn_impl::Elem<T>;
@@ -87,10 +97,7 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
 #endif
     rope_rotate_half(dt, xb, b1 - b0, heads, D, cb, sb, ob, half_table);
   };
-  if (num_threads <= 0) num_threads = default_num_threads();
-  const int n = static_cast<int>(std::min<int64_t>({num_threads, B, std::max<int64_t>(1, B * heads * D / kParallelMacs)}));
-  if (n <= 1) return rows(0, B);
-  ThreadPool::global().run(n, [&](int tid, int nt) { rows(B * tid / nt, B * (tid + 1) / nt); });
+  split_rows(B, heads * D, num_threads, rows);
 }
 
 namespace {
@@ -140,10 +147,7 @@ void rope_interleaved_f32(DType dt, const void* x, int64_t B, int64_t heads, int
         break;
     }
   };
-  if (num_threads <= 0) num_threads = default_num_threads();
-  const int n = static_cast<int>(std::min<int64_t>({num_threads, B, std::max<int64_t>(1, B * heads * D / kParallelMacs)}));
-  if (n <= 1) return rows(0, B);
-  ThreadPool::global().run(n, [&](int tid, int nt) { rows(B * tid / nt, B * (tid + 1) / nt); });
+  split_rows(B, heads * D, num_threads, rows);
 }
 
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {

@@ -345,7 +345,6 @@ class NativeAttention:
         projections, rotary embedding and cache update over B T rows, the attention on the
         native prefill kernel (SDPA where it declines)."""
         B, T = h.shape[:2]
-        code = _DTYPE_CODES[self.dtype]
         q, k, v = self._project(m, h.reshape(B * T, 1, self.hidden), form, B * T)
         w = self.table_width()
         cos = cos.reshape(-1, T, w).expand(B, T, w).reshape(B * T, w).contiguous()

@@ -118,8 +118,7 @@ def _shipped_layer(cache, layer_idx: int, shipped: tuple):
 def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> Slot | None:
     """Where to write the next position of layer `layer_idx` of `cache` in place (then call
     commit), or None: the cache's own update must run (module docstring)."""
-    shipped = _shipped()
-    layer = _shipped_layer(cache, layer_idx, shipped)
+    layer = _shipped_layer(cache, layer_idx, _shipped())
     if layer is None:
         return None
     keys, values = layer.keys, layer.values

@@ -144,6 +144,11 @@ def _softmax_biased_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> Fo
 def _forms(k: int, module: nn.Module | None = None) -> list[tuple[str, Form]]:
     """Every variant of the known forms for top-k size k, with its name for the report (with the
     module: also those reading its score-correction bias and settings)."""
+    path = None if module is None else _correction_path(module)
+    if path is not None:  # only forms that read it: a probe of a bias that is still zeros would pass the others
+        if type(module.__dict__.get("norm_min")) is float and module.weight.dtype is torch.float32:
+            return [("softmax-biased-topk, float32 router", _softmax_biased_topk(k, module, path))]
+        return []
     out = []
     for renorm in (True, False):
         for cast in (True, False):
@@ -153,11 +158,6 @@ def _forms(k: int, module: nn.Module | None = None) -> list[tuple[str, Form]]:
         for cast in (True, False):
             out.append((f"topk-softmax{', float32 logits' if float_first else ''}{', cast' if cast else ''}",
                         _topk_softmax(k, float_first, cast)))
-    path = None if module is None else _correction_path(module)
-    if path is not None:  # only forms that read it: a probe of a bias that is still zeros would pass the others
-        out = []
-        if type(module.__dict__.get("norm_min")) is float and module.weight.dtype is torch.float32:
-            out.append(("softmax-biased-topk, float32 router", _softmax_biased_topk(k, module, path)))
     return out
 
 
@@ -277,23 +277,24 @@ class NativeRouter:
             return None
         return t
 
-    def select_into(self, logits: torch.Tensor, wdt: torch.dtype | None = None
+    def select_into(self, logits: torch.Tensor, wdt: torch.dtype | None = None, bias: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(weights, indices) of the form from `logits` [B, experts] (contiguous, the router's
         dtype) on router_select, the weights in `wdt` (default: the form's); self.select must be
-        set. None when the form's score-correction bias is not as router_select reads it."""
+        set. With a score-correction bias: `bias`, or else _bias(); None when it is not as
+        router_select reads it."""
         form, k, renorm, w_dt, _ = self.select
         wdt = w_dt if wdt is None else wdt
         B = logits.shape[0]
-        bias, norm_min = 0, 0.0
+        bias_p, norm_min = 0, 0.0
         if self.correction is not None:
-            t = self._bias()
+            t = self._bias() if bias is None else bias
             if t is None:
                 return None
-            bias, norm_min = t.data_ptr(), self.module.norm_min
+            bias_p, norm_min = t.data_ptr(), self.module.norm_min
         w, idx = torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64)
         self.native.router_select_raw(_CODES[self.dtype], logits.data_ptr(), B, self.experts, k, form, renorm,
-                                      _CODES[wdt], w.data_ptr(), idx.data_ptr(), bias, norm_min)
+                                      _CODES[wdt], w.data_ptr(), idx.data_ptr(), bias_p, norm_min)
         return w, idx
 
     def _select_reproduces(self, h: torch.Tensor) -> bool:
@@ -374,13 +375,16 @@ class NativeRouter:
         if (type(h) is torch.Tensor and h.dim() == 2 and h.shape[1] == self.hidden
                 and (h.dtype is self.dtype or (self.correction is not None and h.dtype in _CODES))
                 and h.shape[0] <= ROUTER_MAX_ROWS and h.is_contiguous() and h.is_cpu and not h.requires_grad
-                and not h.is_neg() and not module.training and self._unchanged(module)
-                and (self.correction is None or self._bias() is not None)):
+                and not h.is_neg() and not module.training and self._unchanged(module)):
+            bias = None
+            if self.correction is not None:
+                bias = self._bias()
+                if bias is None:  # not as the form reads it any more
+                    return self.original(h)
             if self.select is not None and NATIVE_SELECT:
                 logits = self._logits(h if h.dtype is self.dtype else h.float())
-                got = self.select_into(logits, h.dtype if self.correction is not None else None)
-                if got is not None:
-                    return logits.float() if self.select[4] else logits, got[0], got[1]
+                w, idx = self.select_into(logits, h.dtype if bias is not None else None, bias)
+                return logits.float() if self.select[4] else logits, w, idx
             return self.form(self._logits, h)
         return self.original(h)
 
