@@ -336,11 +336,11 @@ def test_gpt_oss_decodes_in_one_native_call_past_its_sliding_window(isa, monkeyp
         hi_na_moe.disable_for_model(model)
 
 
-def test_ernie_decodes_in_the_loop_with_its_float32_rotary_table(monkeypatch):
-    """ERNIE 4.5 (interleaved float32 rotary form, a dense first layer, a shared expert, a
-    float32 router): its stack's decode steps run the loop over the layers' two native calls, its
-    rotary module's float32 outputs read from the table, bit for bit the stack's own forward; not
-    one native call (its dense first layer, and its biased router), and the report says why."""
+def test_ernie_decodes_in_one_call_with_its_dense_layer_biased_router_and_shared_experts(monkeypatch):
+    """ERNIE 4.5 (interleaved float32 rotary form, a dense first layer, ungated shared experts, a
+    float32 router choosing with a score-correction bias): its stack's decode steps run in one
+    native call, its rotary module's float32 outputs read from the table, bit for bit the stack's
+    own forward and its loop over the layers' two native calls, with a mask of padding too."""
     if "ernie4_5_moe" in UNBUILDABLE:
         pytest.skip(f"no tiny ernie4_5_moe: {UNBUILDABLE['ernie4_5_moe']}")
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
@@ -351,17 +351,44 @@ def test_ernie_decodes_in_the_loop_with_its_float32_rotary_table(monkeypatch):
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
         assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_rotary_module
-        # the MoE block without its module calls: the router's biased form natively, the shared
-        # experts added
-        moe = patched_runner(model.model.layers[1]).moe
-        assert moe is not None and moe.shared and moe.router.biased
-        assert rep.stacks_loop_only == {"model": "model.layers.0: its MLP is dense (the one native call runs MoE "
-                                                 "layers)"}
-        # the layers' two native calls, ERNIE's rotation in the first
+        assert not rep.stacks_loop_only
+        # the dense layer's MLP and the MoE block (the biased float32 router, the shared experts
+        # added) on the native calls
+        first, moe = patched_runner(model.model.layers[0]), patched_runner(model.model.layers[1]).moe
+        assert first.moe is None and first.dense is not None
+        assert moe is not None and moe.shared and moe.router.biased and moe.router.dtype == torch.float32
+        assert moe.shared_native is not None and moe.shared_native[1] is None
         assert all(patched_runner(layer).step is not None for layer in model.model.layers)
         runner = patched_runner(model.model)
-        count = _same(model, torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]]), steps=5)
-        assert count.one_calls == 0 and runner.rope.cos is not None and runner.rope.cos.dtype == torch.float32
+        ids = torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]])
+        count = _same(model, ids, steps=5)
+        assert count.one_calls == 5 and runner.rope.cos is not None and runner.rope.cos.dtype == torch.float32
+        _by_layer(model, ids, 4)
+        count = _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
+                      attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+        assert count.one_calls == 3
+        # the bias changed in place after enable: read at every step, in the call too
+        with torch.no_grad():
+            bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+        count = _same(model, ids, steps=3)
+        assert count.one_calls == 3
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_dense_layers_beside_moe_layers_run_in_the_one_call(monkeypatch):
+    """Qwen2-MoE with mlp_only_layers (dense MLPs in some layers, as DeepSeek's first_k_dense_replace
+    and ERNIE's first layer): every layer in one native call, bit for bit the stack's own forward
+    and its loop."""
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = build_tiny("qwen2_moe", dtype=torch.bfloat16, mlp_only_layers=[0]).model.eval()
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_loop_only
+        assert patched_runner(model.model.layers[0]).dense is not None
+        ids = torch.tensor([[3, 9, 4, 7]])
+        assert _same(model, ids, steps=4).one_calls == 4
+        _by_layer(model, ids, 3)
     finally:
         hi_na_moe.disable_for_model(model)
 

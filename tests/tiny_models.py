@@ -456,10 +456,15 @@ def tiny_config(model_type: str):
     return cls(**d)
 
 
-def build_tiny(model_type: str, dtype=torch.float32, seed: int = 0) -> Tiny:
+def build_tiny(model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -> Tiny:
+    """A tiny model of the family with random weights; `overrides`: config attributes to set."""
     if model_type in UNBUILDABLE:
         raise RuntimeError(f"{model_type}: cannot be built tiny: {UNBUILDABLE[model_type]}")
     cfg = copy.deepcopy(tiny_config(model_type))  # each model its own config (attn implementation, dtype...)
+    for key, value in overrides.items():
+        if not hasattr(cfg, key):
+            raise AttributeError(f"{model_type}'s config has no {key!r} to override")
+        setattr(cfg, key, value)
     auto, use_cfg = _text_model_class(model_type, cfg)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in auto.from_config(use_cfg).parameters())

@@ -540,14 +540,15 @@ class StepPlan {
                  float scale, const std::string& isa, nb::object o, uintptr_t ln2_w, float ln2_eps, nb::object router,
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
                  int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table,
-                 bool interleaved_f32) {
+                 bool interleaved_f32, int router_dtype, uintptr_t sel_bias, float norm_min, nb::tuple mlp) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
-    if (shared.size() != 0 && shared.size() != 4)
-      bad("StepPlan.set_layer: shared must be () or (gate_up, down, I, gate) of a shared expert");
+    if (shared.size() != 0 && shared.size() != 3 && shared.size() != 4)
+      bad("StepPlan.set_layer: shared must be () or (gate_up, down, I[, gate]) of a shared expert");
+    const bool dense = router.is_none();
+    if (dense != (mlp.size() == 3) || (mlp.size() != 0 && mlp.size() != 3))
+      bad("StepPlan.set_layer: a layer has a router and experts (mlp ()), or none and mlp (gate_up, down, I)");
     const auto& bq = nb::cast<const BoundForward&>(qkv);
     const auto& bo = nb::cast<const BoundForward&>(o);
-    const auto& br = nb::cast<const BoundForward&>(router);
-    const auto& be = nb::cast<const BoundForward&>(experts);
     const auto dt = static_cast<hina::DType>(dtype);
     hina::DecodeLayer d{};
     d.pre = hina::LayerPreArgs{dt, 0, H, nullptr, reinterpret_cast<const void*>(ln1_w), ln1_eps, bq.packed(),
@@ -567,29 +568,52 @@ class StepPlan {
     d.post.o_params = bo.params();
     d.post.ln2_w = reinterpret_cast<const void*>(ln2_w);
     d.post.ln2_eps = ln2_eps;
-    d.post.router = br.packed();
-    d.post.router_params = br.params();
-    d.post.select.E = E;
-    d.post.select.k = sel_k;
-    d.post.select.form = static_cast<hina::RouterForm>(sel_form);
-    d.post.select.renorm = sel_renorm;
-    d.post.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
-    d.post.experts = be.packed();
-    d.post.experts_params = be.params();
-    d.post.experts_threads = experts_threads;
-    std::vector<nb::object> owners = {std::move(qkv), std::move(o), std::move(router), std::move(experts)};
-    if (shared.size() == 4) {
-      const auto& bg = nb::cast<const BoundForward&>(shared[0]);
-      const auto& bd = nb::cast<const BoundForward&>(shared[1]);
-      const auto& bs = nb::cast<const BoundForward&>(shared[3]);
-      d.post.shared_mlp.I = nb::cast<int64_t>(shared[2]);
-      d.post.shared_mlp.gate_up = bg.packed();
-      d.post.shared_mlp.gate_up_params = bg.params();
-      d.post.shared_mlp.down = bd.packed();
-      d.post.shared_mlp.down_params = bd.params();
-      d.post.shared_gate = bs.packed();
-      d.post.shared_gate_params = bs.params();
-      owners.push_back(shared);
+    std::vector<nb::object> owners = {std::move(qkv), std::move(o)};
+    auto gated_mlp = [](const nb::tuple& t) {  // (gate_up, down, I)
+      const auto& bg = nb::cast<const BoundForward&>(t[0]);
+      const auto& bd = nb::cast<const BoundForward&>(t[1]);
+      hina::GatedMlpArgs m{};
+      m.I = nb::cast<int64_t>(t[2]);
+      m.gate_up = bg.packed();
+      m.gate_up_params = bg.params();
+      m.down = bd.packed();
+      m.down_params = bd.params();
+      return m;
+    };
+    if (dense) {
+      d.post.mlp = gated_mlp(mlp);
+      owners.push_back(mlp);
+    } else {
+      const auto& br = nb::cast<const BoundForward&>(router);
+      const auto& be = nb::cast<const BoundForward&>(experts);
+      d.post.router = br.packed();
+      d.post.router_params = br.params();
+      if (router_dtype >= 0 && router_dtype != dtype) {
+        if (router_dtype > 2) bad("StepPlan.set_layer: router_dtype must be -1 or a dtype code (0, 1, 2)");
+        d.post.router_cast = true;
+        d.post.router_dtype = static_cast<hina::DType>(router_dtype);
+      }
+      d.post.select.E = E;
+      d.post.select.k = sel_k;
+      d.post.select.form = static_cast<hina::RouterForm>(sel_form);
+      d.post.select.renorm = sel_renorm;
+      d.post.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
+      d.post.select.sel_bias = reinterpret_cast<const float*>(sel_bias);  // kept alive by the caller (plan_args)
+      d.post.select.norm_min = norm_min;
+      d.post.experts = be.packed();
+      d.post.experts_params = be.params();
+      d.post.experts_threads = experts_threads;
+      owners.push_back(std::move(router));
+      owners.push_back(std::move(experts));
+      if (shared.size() >= 3) {
+        d.post.shared_mlp = gated_mlp(shared);
+        if (shared.size() == 4) {
+          const auto& bs = nb::cast<const BoundForward&>(shared[3]);
+          d.post.shared_gate = bs.packed();
+          d.post.shared_gate_params = bs.params();
+        }
+        owners.push_back(shared);
+      }
     }
     d.num_threads = num_threads;
     d.attn_isa = hina::resolve_isa(isa.c_str());
@@ -1118,7 +1142,9 @@ NB_MODULE(_native, m) {
            bool sel_renorm, int sel_w_dtype, uintptr_t sel_w, uintptr_t sel_idx, const BoundForward* experts,
            int experts_threads, uintptr_t experts_out, const BoundForward* shared_gu, const BoundForward* shared_down,
            int64_t shared_I, const BoundForward* shared_gate, uintptr_t shared_scratch_gu, uintptr_t shared_scratch_m,
-           uintptr_t shared_out, uintptr_t shared_logit, uintptr_t sinks) -> nb::object {
+           uintptr_t shared_out, uintptr_t shared_logit, uintptr_t sinks, int router_dtype, uintptr_t router_in,
+           uintptr_t sel_bias, float norm_min, const BoundForward* mlp_gate_up, const BoundForward* mlp_down,
+           int64_t mlp_I, uintptr_t mlp_gu, uintptr_t mlp_m, uintptr_t mlp_out) -> nb::object {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -1133,6 +1159,15 @@ NB_MODULE(_native, m) {
             a.router = router->packed();
             a.router_params = router->params();
             a.logits = reinterpret_cast<void*>(logits);
+            if (router_dtype >= 0 && router_dtype != dtype) {
+              if (router_dtype > 2 || router_in == 0)
+                bad("layer_decode_post_raw: router_dtype must be a dtype code (0, 1, 2) with router_in scratch");
+              a.router_cast = true;
+              a.router_dtype = static_cast<hina::DType>(router_dtype);
+              a.router_in = reinterpret_cast<void*>(router_in);
+            }
+            a.select.sel_bias = reinterpret_cast<const float*>(sel_bias);
+            a.select.norm_min = norm_min;
             if (sel_w != 0) {
               a.select.E = sel_E;
               a.select.k = sel_k;
@@ -1147,19 +1182,26 @@ NB_MODULE(_native, m) {
                 a.experts_threads = experts_threads;
                 a.experts_out = reinterpret_cast<void*>(experts_out);
                 if (shared_gu != nullptr) {
-                  if (shared_down == nullptr || shared_gate == nullptr)
-                    bad("layer_decode_post_raw: shared_gu needs shared_down and shared_gate");
+                  if (shared_down == nullptr) bad("layer_decode_post_raw: shared_gu needs shared_down");
                   a.shared_mlp = hina::GatedMlpArgs{dt, B, shared_I, shared_gu->packed(), shared_gu->params(),
                                                     shared_down->packed(), shared_down->params(), nullptr,
                                                     reinterpret_cast<void*>(shared_scratch_gu),
                                                     reinterpret_cast<void*>(shared_scratch_m),
                                                     reinterpret_cast<void*>(shared_out)};
-                  a.shared_gate = shared_gate->packed();
-                  a.shared_gate_params = shared_gate->params();
-                  a.shared_logit = reinterpret_cast<void*>(shared_logit);
+                  if (shared_gate != nullptr) {  // (none: added as it is)
+                    a.shared_gate = shared_gate->packed();
+                    a.shared_gate_params = shared_gate->params();
+                    a.shared_logit = reinterpret_cast<void*>(shared_logit);
+                  }
                 }
               }
             }
+          } else if (mlp_gate_up != nullptr) {
+            if (mlp_down == nullptr || mlp_gu == 0 || mlp_m == 0 || mlp_out == 0)
+              bad("layer_decode_post_raw: mlp_gate_up needs mlp_down and the mlp_gu, mlp_m and mlp_out scratch");
+            a.mlp = hina::GatedMlpArgs{dt, B, mlp_I, mlp_gate_up->packed(), mlp_gate_up->params(), mlp_down->packed(),
+                                       mlp_down->params(), nullptr, reinterpret_cast<void*>(mlp_gu),
+                                       reinterpret_cast<void*>(mlp_m), reinterpret_cast<void*>(mlp_out)};
           }
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           const char* name;
@@ -1180,15 +1222,23 @@ NB_MODULE(_native, m) {
         nb::arg("experts_threads") = 0, nb::arg("experts_out") = 0, nb::arg("shared_gu").none() = nb::none(),
         nb::arg("shared_down").none() = nb::none(), nb::arg("shared_I") = 0, nb::arg("shared_gate").none() = nb::none(),
         nb::arg("shared_scratch_gu") = 0, nb::arg("shared_scratch_m") = 0, nb::arg("shared_out") = 0,
-        nb::arg("shared_logit") = 0, nb::arg("sinks") = 0,
+        nb::arg("shared_logit") = 0, nb::arg("sinks") = 0, nb::arg("router_dtype") = -1, nb::arg("router_in") = 0,
+        nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.f, nb::arg("mlp_gate_up").none() = nb::none(),
+        nb::arg("mlp_down").none() = nb::none(), nb::arg("mlp_I") = 0, nb::arg("mlp_gu") = 0, nb::arg("mlp_m") = 0,
+        nb::arg("mlp_out") = 0,
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
         "in attn_out; sinks != 0: float32 [Hq], the heads' attention sinks; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
         "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
         "with it, experts (a BoundForward): the experts on that selection with experts_threads, scratch experts_out "
         "[B, H], added into sum; with shared_gu, shared_down (BoundForwards of a gated MLP's up-only blocks, I = "
-        "shared_I) and shared_gate (of its 1-output gate), the shared expert combined into experts_out first, "
-        "scratch shared_scratch_gu [B, 2 I], shared_scratch_m [B, I], shared_out [B, H], shared_logit [B]), for "
-        "hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong addresses crash.");
+        "shared_I) and shared_gate (of its 1-output gate, or None: added as it is), the shared expert combined into "
+        "experts_out first, scratch shared_scratch_gu [B, 2 I], shared_scratch_m [B, I], shared_out [B, H], "
+        "shared_logit [B]); router_dtype (a code other than dtype's, -1: dtype): the router's, normed converted "
+        "to it in router_in [B, H] for its linear, the logits of it; sel_bias: float32 [sel_E], the top k of "
+        "softmax + sel_bias choose and the renormalising sum is at least norm_min; router None and mlp_gate_up, "
+        "mlp_down (I = mlp_I): a dense layer, sum += its gated MLP on normed (scratch mlp_gu [B, 2 I], mlp_m "
+        "[B, I], mlp_out [B, H]). For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
+        "addresses crash.");
   m.def("gated_mlp_raw",
         [](int dtype, int64_t B, int64_t I, uintptr_t x, const BoundForward& gate_up, const BoundForward& down,
            uintptr_t gu, uintptr_t mid, uintptr_t out, int num_threads) {
@@ -1226,16 +1276,26 @@ NB_MODULE(_native, m) {
       "A decode step through L decoder layers in one native call (decode_layers() in moe.h), for "
       "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "
       "BoundForwards: the q/k/v group, o_proj, the router's linear and the experts, and a shared expert's "
-      "(gate/up group, down projection, intermediate size, gate), or (); then the address of the attention's float32 "
-      "sinks [Hq] or 0, kept alive by the caller, half_table: cos/sin rows of D/2 values, and interleaved_f32: ERNIE's "
-      "rotation on float32 cos/sin). run(B, x, cos, sin, "
+      "(gate/up group, down projection, intermediate size[, gate]: none, added as it is), or (); then the address of "
+      "the attention's float32 sinks [Hq] or 0, kept alive by the caller, half_table: cos/sin rows of D/2 values, "
+      "interleaved_f32: ERNIE's rotation on float32 cos/sin, router_dtype: the router's dtype code when it differs "
+      "from the layer's (else -1), sel_bias: the address of a float32 score-correction bias [E] or 0 (kept alive "
+      "by the caller) with norm_min, and mlp: () or, for a dense layer (router None), its gated MLP's (gate/up "
+      "group, down projection, intermediate size)). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
       "batch/head/position element strides, the positions the attention reads, the position written), scratch of scratch_bytes(B) bytes; "
       "norm_w non-zero: also normed = rms_norm(out, norm_w, norm_eps), the stack's final norm. "
       "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer.")
       .def(nb::init<int64_t>(), nb::arg("layers"))
-      .def("set_layer", &StepPlan::set_layer)
+      .def("set_layer", &StepPlan::set_layer, nb::arg("i"), nb::arg("dtype"), nb::arg("H"), nb::arg("ln1_w"),
+           nb::arg("ln1_eps"), nb::arg("qkv"), nb::arg("Hq"), nb::arg("Hkv"), nb::arg("D"), nb::arg("qk_norm"),
+           nb::arg("qn_w"), nb::arg("kn_w"), nb::arg("qn_eps"), nb::arg("kn_eps"), nb::arg("scale"), nb::arg("isa"),
+           nb::arg("o"), nb::arg("ln2_w"), nb::arg("ln2_eps"), nb::arg("router").none(), nb::arg("E"),
+           nb::arg("sel_form"), nb::arg("sel_k"), nb::arg("sel_renorm"), nb::arg("sel_w_dtype"),
+           nb::arg("experts").none(), nb::arg("experts_threads"), nb::arg("num_threads"), nb::arg("shared"),
+           nb::arg("sinks"), nb::arg("half_table"), nb::arg("interleaved_f32"), nb::arg("router_dtype"),
+           nb::arg("sel_bias"), nb::arg("norm_min"), nb::arg("mlp"))
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),

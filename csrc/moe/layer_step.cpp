@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "hina_moe/moe.h"
+#include "kernel_api.h"
 
 namespace hina {
 
@@ -63,19 +64,56 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
   }
 }
 
+namespace {
+
+// dst[i] = src[i] in another dtype (the router's input: bfloat16 or float16 to float32 is exact)
+void convert(DType from, const void* src, DType to, void* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v;
+    switch (from) {
+      case DType::kBF16: v = detail::bf16_to_f32(static_cast<const uint16_t*>(src)[i]); break;
+      case DType::kF16: v = detail::f16_to_f32(static_cast<const uint16_t*>(src)[i]); break;
+      default: v = static_cast<const float*>(src)[i];
+    }
+    switch (to) {
+      case DType::kBF16: static_cast<uint16_t*>(dst)[i] = detail::f32_to_bf16(v); break;
+      case DType::kF16: static_cast<uint16_t*>(dst)[i] = detail::f32_to_f16(v); break;
+      default: static_cast<float*>(dst)[i] = v;
+    }
+  }
+}
+
+// a gated MLP on normed (a dense layer's, or a shared expert's) into m.out
+void mlp_on(const GatedMlpArgs& mlp, const LayerPostArgs& a, int num_threads) {
+  GatedMlpArgs m = mlp;
+  m.dtype = a.dtype;
+  m.B = a.B;
+  m.x = a.normed;
+  gated_mlp_decode(m, num_threads);
+}
+
+}  // namespace
+
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
   if (a.attn.q != nullptr) attention_decode(a.attn, num_threads, attn_isa);
   MoeParams p = a.o_params;
   p.num_threads = num_threads;
   a.o->linear(a.attn.out, a.B, a.o_out, p);
   add_rms_norm(a.dtype, a.x, a.o_out, a.B, a.H, a.ln2_w, a.ln2_eps, a.sum, a.normed);
+  if (a.router == nullptr && a.mlp.gate_up != nullptr) {  // a dense layer
+    mlp_on(a.mlp, a, num_threads);
+    add(a.dtype, a.sum, a.mlp.out, a.B * a.H, a.sum);
+    return nullptr;
+  }
   if (a.router != nullptr) {
     MoeParams r = a.router_params;
     r.num_threads = num_threads;
-    a.router->linear(a.normed, a.B, a.logits, r);
+    const DType ldt = a.router_cast ? a.router_dtype : a.dtype;  // the logits'
+    if (a.router_cast) convert(a.dtype, a.normed, ldt, a.router_in, a.B * a.H);
+    a.router->linear(a.router_cast ? a.router_in : a.normed, a.B, a.logits, r);
     if (a.select.w != nullptr) {
       RouterSelectArgs s = a.select;
-      s.dtype = a.dtype;
+      s.dtype = ldt;
       s.logits = a.logits;
       s.B = a.B;
       router_select(s);
@@ -85,15 +123,15 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
         e.topk_w_dtype = s.w_dtype;
         const char* name = a.experts->forward(a.normed, a.B, s.idx, 64, s.w, s.k, a.experts_out, e);
         if (a.shared_mlp.gate_up != nullptr) {
-          GatedMlpArgs m = a.shared_mlp;
-          m.dtype = a.dtype;
-          m.B = a.B;
-          m.x = a.normed;
-          gated_mlp_decode(m, num_threads);
-          MoeParams g = a.shared_gate_params;
-          g.num_threads = num_threads;
-          a.shared_gate->linear(a.normed, a.B, a.shared_logit, g);
-          shared_combine(a.dtype, a.experts_out, m.out, a.shared_logit, a.B, a.H, a.experts_out);
+          mlp_on(a.shared_mlp, a, num_threads);
+          if (a.shared_gate == nullptr) {  // added as it is
+            add(a.dtype, a.experts_out, a.shared_mlp.out, a.B * a.H, a.experts_out);
+          } else {
+            MoeParams g = a.shared_gate_params;
+            g.num_threads = num_threads;
+            a.shared_gate->linear(a.normed, a.B, a.shared_logit, g);
+            shared_combine(a.dtype, a.experts_out, a.shared_mlp.out, a.shared_logit, a.B, a.H, a.experts_out);
+          }
         }
         add(a.dtype, a.sum, a.experts_out, a.B * a.H, a.sum);
         return name;
@@ -106,9 +144,10 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
 namespace {
 
 // The scratch of one step, carved from one buffer: the largest layer's sizes.
+// A dense layer's MLP uses the shared expert's scratch (a layer has one or the other).
 struct StepScratch {
-  size_t h, qkv, qk_tmp, q, attn, o_out, normed, logits, w, idx, experts_out, shared_gu, shared_m, shared_out,
-      shared_logit, x0, x1, total;
+  size_t h, qkv, qk_tmp, q, attn, o_out, normed, router_in, logits, w, idx, experts_out, shared_gu, shared_m,
+      shared_out, shared_logit, x0, x1, total;
 };
 
 size_t take(size_t& at, size_t bytes) {
@@ -119,16 +158,21 @@ size_t take(size_t& at, size_t bytes) {
 
 StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
   int64_t H = 0, nq = 0, nkv = 0, E = 0, k = 0, I = 0;
-  size_t es = 1;
+  size_t es = 1, les = 1;  // the largest dtype of the layers, and of their logits
+  bool cast = false;
   for (int64_t l = 0; l < L; ++l) {
     const LayerPreArgs& p = layers[l].pre;
+    const LayerPostArgs& a = layers[l].post;
     es = std::max(es, dtype_size(p.dtype));
+    les = std::max(les, dtype_size(a.router_cast ? a.router_dtype : p.dtype));
+    cast |= a.router_cast;
     H = std::max(H, p.H);
     nq = std::max(nq, p.Hq * p.D);
     nkv = std::max(nkv, p.Hkv * p.D);
-    E = std::max(E, layers[l].post.select.E);
-    k = std::max(k, layers[l].post.select.k);
-    if (layers[l].post.shared_mlp.gate_up != nullptr) I = std::max(I, layers[l].post.shared_mlp.I);
+    E = std::max(E, a.select.E);
+    k = std::max(k, a.select.k);
+    if (a.shared_mlp.gate_up != nullptr) I = std::max(I, a.shared_mlp.I);
+    if (a.mlp.gate_up != nullptr) I = std::max(I, a.mlp.I);
   }
   const size_t b = static_cast<size_t>(B);
   StepScratch s{};
@@ -140,7 +184,8 @@ StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
   s.attn = take(at, b * nq * es);
   s.o_out = take(at, b * H * es);
   s.normed = take(at, b * H * es);
-  s.logits = take(at, b * E * es);
+  s.router_in = take(at, cast ? b * H * sizeof(float) : 0);
+  s.logits = take(at, b * E * les);
   s.w = take(at, b * k * 4);
   s.idx = take(at, b * k * 8);
   s.experts_out = take(at, b * H * es);
@@ -206,6 +251,7 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     a.sum = l == L - 1 ? out : base + (l % 2 == 0 ? s.x0 : s.x1);
     a.normed = base + s.normed;
     a.logits = base + s.logits;
+    a.router_in = base + s.router_in;
     a.select.w = base + s.w;
     a.select.idx = reinterpret_cast<int64_t*>(base + s.idx);
     a.experts_out = base + s.experts_out;
@@ -214,6 +260,11 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
       a.shared_mlp.m = base + s.shared_m;
       a.shared_mlp.out = base + s.shared_out;
       a.shared_logit = base + s.shared_logit;
+    }
+    if (a.mlp.gate_up != nullptr) {
+      a.mlp.gu = base + s.shared_gu;
+      a.mlp.m = base + s.shared_m;
+      a.mlp.out = base + s.shared_out;
     }
     names[l] = layer_decode_post(a, d.num_threads, d.attn_isa);
     cur = a.sum;

@@ -28,8 +28,10 @@ or a forward replaced after enable.
 When every part is on a runner the native calls take, the step is two native calls around the
 cache update instead (layer_decode_pre: input norm, q/k/v, q/k norms, rotary, k and v written into
 the cache's buffers; layer_decode_post: attention, o_proj, residual add and post-attention norm,
-the router's logits and selection, the experts, the last residual add), and hi_na_moe.stack can
-run all layers' steps in one (plan_args).
+the router's logits (a float32 router on a float32 copy of its input) and selection (with a
+score-correction bias), the experts, a shared expert (gated or not), the last residual add; in a
+dense layer its gated MLP on the native MLP call and the last residual add), and hi_na_moe.stack
+can run all layers' steps in one (plan_args).
 
 What it computes is checked before it is patched: on a probe (two rows of random hidden states
 and rotary tables, a DynamicCache holding a few positions) the layer's own forward, itself on
@@ -187,6 +189,7 @@ class NativeLayer:
         self.direct = (qkv, norms[0], norms[1], direct(a.o_proj))
         self.hidden = self.norm1.n
         self.moe = self._moe_direct(self.mlp)
+        self.dense = self._dense_native() if self.moe is None else None
         self.step = self._native_step()
         self._watch()
         self.ready = self.norm2.n == self.hidden == self.attn.hidden
@@ -225,9 +228,13 @@ class NativeLayer:
             skipped += [self.mlp, self.moe.gate, self.mlp.experts]
             links += [(self.mlp, n) for n, _ in self.mlp.named_children()]
             if self.moe.shared_native is not None:
-                se = self.mlp.shared_expert
-                skipped += [*se.modules(), self.mlp.shared_expert_gate]
+                plain = "shared_experts" in self.mlp._modules
+                se = self.mlp.shared_experts if plain else self.mlp.shared_expert
+                skipped += [*se.modules()] + ([] if plain else [self.mlp.shared_expert_gate])
                 links += [(se, n) for n, _ in se.named_children()]
+        elif self.dense is not None:  # the dense MLP in the native call
+            skipped += [*self.mlp.modules()]
+            links += [(self.mlp, n) for n, _ in self.mlp.named_children()]
         self.watch = Watch(skipped, links)
         # the norms' weights as the native calls read them, through the parameter dicts (a
         # module attribute lookup of a parameter is a Python call, and this runs every step)
@@ -279,22 +286,39 @@ class NativeLayer:
             return out.view(x.shape)
 
         moe.router, moe.gate, moe.experts, moe.shared = router, gate, runner, shared or plain
-        moe.shared_native = self._shared_native(mlp) if shared else None
+        moe.shared_native = self._shared_native(mlp, plain) if shared or plain else None
         return moe
 
-    def _shared_native(self, mlp: nn.Module):
-        """(the shared expert's NativeMLP, its gate's NativeLinear) when the native calls can run
-        both in the layer's step (layer_decode_post), else None: the shared expert on the gated-MLP
-        call (hi_na_moe.mlp), its gate alone on the dense kernel, one output, the layer's dtype."""
+    def _shared_native(self, mlp: nn.Module, plain: bool):
+        """(the shared expert's NativeMLP, its gate's NativeLinear or None when `plain`: added without
+        one) when the native calls can run both in the layer's step (layer_decode_post), else None:
+        the shared expert on the gated-MLP call (hi_na_moe.mlp), its gate alone on the dense kernel,
+        one output, the layer's dtype."""
         from .mlp import NativeMLP
         from .patching import patched_member, patched_runner
 
-        runner, g = patched_runner(mlp.shared_expert), patched_member(mlp.shared_expert_gate)
-        if (not isinstance(runner, NativeMLP) or not runner.ready or runner.hidden != self.hidden or g is None
-                or g[1] != 0 or len(g[0].modules) != 1 or g[0].out_features != 1 or g[0].in_features != self.hidden
-                or g[0].dtype is not runner.dtype):
+        runner = patched_runner(mlp.shared_experts if plain else mlp.shared_expert)
+        if not isinstance(runner, NativeMLP) or not runner.ready or runner.hidden != self.hidden:
+            return None
+        if plain:
+            return runner, None
+        g = patched_member(mlp.shared_expert_gate)
+        if (g is None or g[1] != 0 or len(g[0].modules) != 1 or g[0].out_features != 1
+                or g[0].in_features != self.hidden or g[0].dtype is not runner.dtype):
             return None
         return runner, g[0]
+
+    def _dense_native(self):
+        """The dense MLP's NativeMLP when the native call can run it (layer_decode_post's mlp: a
+        dense layer, as ERNIE 4.5's first, DeepSeek's first_k_dense_replace or Qwen2-MoE's
+        mlp_only_layers), else None."""
+        from .mlp import NativeMLP
+        from .patching import patched_runner
+
+        runner = patched_runner(self.mlp)
+        if not isinstance(runner, NativeMLP) or not runner.ready or runner.hidden != self.hidden:
+            return None
+        return runner
 
     def _observed(self) -> bool:
         """Whether something would see the skipped modules' calls (module docstring)."""
@@ -416,16 +440,31 @@ class NativeLayer:
         moe = self.moe
         router = moe.router if moe is not None else None
         gate = moe.gate if moe is not None else None
-        use_router = (router is not None and router.dtype is dt and B <= ROUTER_MAX_ROWS and not gate.training
-                      and router._unchanged(gate))
-        logits = torch.empty(B, router.experts, dtype=dt) if use_router else None
+        # a float32 router casting its input (ERNIE 4.5's biased form) takes a converted copy
+        cast = router is not None and router.dtype is not dt
+        use_router = (router is not None and (not cast or router.biased) and B <= ROUTER_MAX_ROWS
+                      and not gate.training and router._unchanged(gate))
+        bias = router._bias() if use_router and router.biased else None
+        if bias is None and use_router and router.biased:  # not as the form reads it: its own forward
+            use_router = False
+        extra = {}
+        if use_router:
+            logits = torch.empty(B, router.experts, dtype=router.dtype)
+            if cast:
+                router_in = torch.empty(B, H, dtype=router.dtype)
+                extra.update(router_dtype=_DTYPE_CODES[router.dtype], router_in=router_in.data_ptr())
+            if bias is not None:
+                extra.update(sel_bias=bias.data_ptr(), norm_min=router.module.norm_min)
+        else:
+            logits = None
         chosen, select, fused = None, (), None
-        if use_router and router.select is not None and routers.NATIVE_SELECT and not router.biased:
-            form, k, renorm, wdt, _ = router.select
+        if use_router and router.select is not None and routers.NATIVE_SELECT:
+            form, k, renorm, _, _ = router.select
+            wdt = router.weights_dtype(dt)
             chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
             select = (form, router.experts, k, renorm, _DTYPE_CODES[wdt], chosen[0].data_ptr(), chosen[1].data_ptr())
-            # the experts, a shared expert (on the native MLP call, with its gate) and the last
-            # residual add in the same call; a shared expert not on them runs as modules after it
+            # the experts, a shared expert (on the native MLP call, with its gate if any) and the
+            # last residual add in the same call; a shared expert not on them runs as modules after it
             shared = self._shared_args(moe, dt, B) if moe.shared else ()
             fused = (None if not FUSE_EXPERTS or shared is None
                      else moe.experts.bound_for(dt, H, B * k))
@@ -433,19 +472,29 @@ class NativeLayer:
                 eo = torch.empty_like(x)
                 select += (fused[0], fused[1], eo.data_ptr())
                 if shared:
-                    sc = torch.empty(B * (3 * shared[2] + H + 32) * es, dtype=torch.uint8)
+                    inter = shared[2]
+                    sc = torch.empty(B * (3 * inter + H + 32) * es, dtype=torch.uint8)
                     p = sc.data_ptr()
-                    select += shared + (p, p + 2 * B * shared[2] * es, p + 3 * B * shared[2] * es,
-                                        p + (3 * shared[2] + H) * B * es)
+                    select += (shared[0], shared[1], inter, shared[3] if len(shared) == 4 else None,
+                               p, p + 2 * B * inter * es, p + 3 * B * inter * es, p + (3 * inter + H) * B * es)
+        dense = self._dense_args(dt, B) if moe is None else None
+        if dense is not None:  # a dense layer's MLP and last residual add in the call
+            gu, down, inter = dense
+            sc = torch.empty(B * (3 * inter + H) * es, dtype=torch.uint8)
+            p = sc.data_ptr()
+            extra.update(mlp_gate_up=gu, mlp_down=down, mlp_I=inter, mlp_gu=p, mlp_m=p + 2 * B * inter * es,
+                         mlp_out=p + 3 * B * inter * es)
         s, n2 = torch.empty_like(x), torch.empty_like(x)
         name = self.native.layer_decode_post_raw(
             code, B, H, attn[0], Hq, Hkv, attn[1], D, attn[2], attn[3], attn[4], attn[5], attn[6], attn[7], attn[8],
             attn[9], m.scaling, attn[10], attn[11], at.isa, attn_p, o.bound, o_p, x.data_ptr(), w2.data_ptr(),
             self.norm2.eps, s.data_ptr(), n2.data_ptr(), router.bound if use_router else None,
             0 if logits is None else logits.data_ptr(), threads, *select,
-            sinks=0 if sinks is None or not attn[0] else sinks.data_ptr())
+            sinks=0 if sinks is None or not attn[0] else sinks.data_ptr(), **extra)
         if fused is not None:
             _LAST_KERNEL[moe.experts.handle] = name
+            return s
+        if dense is not None:
             return s
         if moe is not None:
             return self._residual(s, moe(n2, logits, chosen), code)
@@ -453,15 +502,23 @@ class NativeLayer:
         return self._residual(s, out[0] if type(out) is tuple else out, code)  # (GPT-OSS's block: _fast)
 
     def _shared_args(self, moe, dt: torch.dtype, B: int) -> tuple | None:
-        """A shared expert's arguments to the native calls (its gate/up group's, down_proj's and
-        gate's BoundForwards and its intermediate size), or None when they cannot run it."""
+        """A shared expert's arguments to the native calls (its gate/up group's and down_proj's
+        BoundForwards, its intermediate size, and its gate's BoundForward if it has one), or None
+        when they cannot run it."""
         if moe.shared_native is None or not FUSE_SHARED:
             return None
         mlp, gate = moe.shared_native
         if mlp.dtype is not dt or B > NORM_MAX_ROWS:
             return None
-        gu, down, inter = mlp.bounds()
-        return gu, down, inter, gate.bound
+        return mlp.bounds() + (() if gate is None else (gate.bound,))
+
+    def _dense_args(self, dt: torch.dtype, B: int) -> tuple | None:
+        """A dense layer's MLP arguments to the native calls (its gate/up group's and down_proj's
+        BoundForwards, its intermediate size), or None when they cannot run it."""
+        d = self.dense
+        if d is None or not FUSE_EXPERTS or d.dtype is not dt or B > NORM_MAX_ROWS:
+            return None
+        return d.bounds()
 
     def one_call_blocker(self) -> str | None:
         """Why this layer's decode step can never run in the stack's one native call (for the
@@ -469,19 +526,21 @@ class NativeLayer:
         moe = self.moe
         if self.step is None:
             return "its q/k/v or o_proj are not on the runners the native calls take"
-        if moe is None:
-            if not isinstance(getattr(self.mlp, "experts", None), nn.Module):
-                return "its MLP is dense (the one native call runs MoE layers)"
-            return "its MoE block is called as a module (not of the router-then-experts form)"
-        if moe.shared and moe.shared_native is None:
-            return ("its MoE block's shared expert is not on the native MLP call with a sigmoid gate on the dense "
-                    "kernel (run as modules after the routed experts)")
         if not self.attn.kernel:
             return f"no native attention kernel at tier {self.attn.isa} (PyTorch's SDPA does the math)"
+        if moe is None:
+            if self.dense is not None:
+                return None
+            if not isinstance(getattr(self.mlp, "experts", None), nn.Module):
+                return "its dense MLP is not a gated MLP on the native MLP call (hi_na_moe.mlp)"
+            return "its MoE block is called as a module (not of the router-then-experts form)"
+        if moe.shared and moe.shared_native is None:
+            return ("its MoE block's shared expert is not on the native MLP call (with its sigmoid gate, if any, on "
+                    "the dense kernel): run as modules after the routed experts")
         if moe.router.select is None:
             return "its router's softmax/top-k stay PyTorch's (router_select did not reproduce its probe)"
-        if moe.router.biased:
-            return "its router chooses with a score-correction bias, which the native calls' selection does not add"
+        if moe.router.dtype is not self.attn.dtype and not moe.router.biased:
+            return "its router's dtype is not the layer's"
         return None
 
     def plan_args(self, dt: torch.dtype, B: int) -> tuple | None:
@@ -499,22 +558,35 @@ class NativeLayer:
         if weights is None:
             return None
         ptrs = [w.data_ptr() for w in weights]
+        qkv, o, qk, qn, kn = self.step
+        at = self.attn
+        threads = qkv.threads or torch.get_num_threads()
+        sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
+        head = (_DTYPE_CODES[dt], self.hidden, ptrs[0], self.norm1.eps, qkv.bound, at.Hq, at.Hkv, at.D, qk,
+                ptrs[2] if qk else 0, ptrs[3] if qk else 0, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
+                self.attn_mod.scaling, at.isa, o.bound, ptrs[1], self.norm2.eps)
+        tail = (0 if sinks is None else sinks.data_ptr(), at.half_table, at.rope == "interleaved_f32")
+        if moe is None:  # a dense layer
+            dense = self._dense_args(dt, B)
+            if dense is None:
+                return None
+            return head + (None, 0, 0, 0, False, 0, None, 0, threads, ()) + tail + (-1, 0, 0.0, dense)
         router, gate = moe.router, moe.gate
-        if router.dtype is not dt or gate.training or not router._unchanged(gate):
+        cast = router.dtype is not dt  # (one_call_blocker: a biased float32 router)
+        if gate.training or not router._unchanged(gate):
             return None
-        form, k, renorm, wdt, _ = router.select
+        bias = router._bias() if router.biased else None
+        if router.biased and bias is None:
+            return None
+        form, k, renorm, _, _ = router.select
         fused = moe.experts.bound_for(dt, self.hidden, B * k)
         shared = self._shared_args(moe, dt, B) if moe.shared else ()
         if fused is None or shared is None:
             return None
-        qkv, o, qk, qn, kn = self.step
-        at = self.attn
-        sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
-        return (_DTYPE_CODES[dt], self.hidden, ptrs[0], self.norm1.eps, qkv.bound, at.Hq, at.Hkv, at.D, qk,
-                ptrs[2] if qk else 0, ptrs[3] if qk else 0, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
-                self.attn_mod.scaling, at.isa, o.bound, ptrs[1], self.norm2.eps, router.bound, router.experts, form,
-                k, renorm, _DTYPE_CODES[wdt], fused[0], fused[1], qkv.threads or torch.get_num_threads(), shared,
-                0 if sinks is None else sinks.data_ptr(), at.half_table, at.rope == "interleaved_f32")
+        return head + (router.bound, router.experts, form, k, renorm, _DTYPE_CODES[router.weights_dtype(dt)],
+                       fused[0], fused[1], threads, shared) + tail + (
+                    _DTYPE_CODES[router.dtype] if cast else -1, 0 if bias is None else bias.data_ptr(),
+                    router.module.norm_min if bias is not None else 0.0, ())
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

@@ -264,8 +264,8 @@ class NativeRouter:
 
     @property
     def biased(self) -> bool:
-        """Whether the form chooses with a score-correction bias (the layers' native calls
-        select without one, so they leave such a router to this module's calls)."""
+        """Whether the form chooses with a score-correction bias (the layers' native calls then
+        pass it, as _bias() reads it, to their selection)."""
         return self.correction is not None
 
     def _bias(self) -> torch.Tensor | None:
@@ -276,6 +276,11 @@ class NativeRouter:
                 or not t.is_contiguous() or not t.is_cpu):
             return None
         return t
+
+    def weights_dtype(self, dt: torch.dtype) -> torch.dtype:
+        """The dtype of the weights router_select gives for inputs of dtype dt (self.select set):
+        the form's, or with a score-correction bias the input's (the form casts them to it)."""
+        return dt if self.correction is not None else self.select[3]
 
     def select_into(self, logits: torch.Tensor, wdt: torch.dtype | None = None, bias: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -383,7 +388,7 @@ class NativeRouter:
                     return self.original(h)
             if self.select is not None and NATIVE_SELECT:
                 logits = self._logits(h if h.dtype is self.dtype else h.float())
-                w, idx = self.select_into(logits, h.dtype if bias is not None else None, bias)
+                w, idx = self.select_into(logits, self.weights_dtype(h.dtype), bias)
                 return logits.float() if self.select[4] else logits, w, idx
             return self.form(self._logits, h)
         return self.original(h)

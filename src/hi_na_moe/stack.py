@@ -427,7 +427,8 @@ class NativeStack:
             else:
                 kv_cache.commit(s)
         for r, name in zip(self.runners, names):
-            _LAST_KERNEL[r.moe.experts.handle] = name
+            if r.moe is not None:  # (a dense layer runs no experts)
+                _LAST_KERNEL[r.moe.experts.handle] = name
         return out, normed
 
     def _final_norm(self, dt: torch.dtype) -> tuple[int, float] | None:

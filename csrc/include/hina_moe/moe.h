@@ -485,7 +485,8 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 // attn.q is null, its out then already holding the heads' outputs), o = o_proj.linear(attn.out), sum = x + o and
 // normed = rms_norm(sum) (add_rms_norm), then, with a router, logits = router.linear(normed) and,
 // with select.w, the router's selection from them (router_select), and with experts, the MoE
-// block's experts and the residual add into sum.
+// block's experts and the residual add into sum; or, in a dense layer (mlp.gate_up set, no
+// router), sum += gated_mlp_decode(normed).
 struct LayerPostArgs {
   DType dtype;
   int64_t B, H;
@@ -515,10 +516,20 @@ struct LayerPostArgs {
   // residual add: experts_out = shared_combine(experts_out, gated_mlp_decode(normed),
   // shared_gate.linear(normed)) (shared_mlp's dtype, B, x, gu, m and out are set here;
   // shared_logit: scratch [B])
+  // shared_gate null: a shared expert without a gate, added as it is (ERNIE 4.5):
+  // experts_out = add(experts_out, gated_mlp_decode(normed))
   GatedMlpArgs shared_mlp{};
   const PackedExperts* shared_gate = nullptr;  // [B, H] -> [B, 1]
   MoeParams shared_gate_params;
   void* shared_logit = nullptr;
+  // a router of another dtype than the layer's (ERNIE 4.5's float32 router, which casts its input):
+  // normed converted to router_dtype into router_in (scratch [B, H] of it) for its linear; the
+  // logits (and select.dtype) are then of router_dtype
+  DType router_dtype = DType::kF32;
+  bool router_cast = false;
+  void* router_in = nullptr;
+  // a dense layer: its gated MLP (dtype, B and x set here; gu, m and out: scratch), no router
+  GatedMlpArgs mlp{};
 };
 // Returns the name of the experts' kernel that ran (forward()'s), or null when none ran.
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
@@ -526,7 +537,7 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
 // One decoder layer of decode_layers(): its two calls' arguments with what stays between steps
 // (weights, sizes, the packed blocks, the router's selection form, the experts, a shared expert's
 // blocks); decode_layers sets the rest, scratch included. The layer must have a router with a
-// selection and experts.
+// selection and experts, or be dense (post.mlp.gate_up set).
 struct DecodeLayer {
   LayerPreArgs pre;
   LayerPostArgs post;
