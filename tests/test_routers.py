@@ -27,7 +27,9 @@ EXPECTED = {
     "olmoe": "softmax-topk, cast", "qwen2_moe": "softmax-topk, cast", "qwen3_moe": "softmax-topk, cast",
     "mixtral": "softmax-topk, renormalised", "minimax": "softmax-topk, renormalised",
     "jamba": "softmax-topk, cast", "gpt_oss": ("topk-softmax, cast", "topk-softmax"), "granitemoe": "topk-softmax, float32 logits, cast",
-    "deepseek_v3": None, "glm4_moe": None,
+    # DeepSeek-V3's grouped sigmoid form, float32 logits from a bf16 weight
+    "deepseek_v3": "sigmoid-group-topk, float32 logits", "glm4_moe": "sigmoid-group-topk, float32 logits",
+    "dots1": "sigmoid-group-topk, float32 logits", "solar_open": "sigmoid-group-topk, float32 logits",
 }
 
 
@@ -73,7 +75,7 @@ def test_router_forms_across_families(model_type):
             assert torch.equal(got[0], by_hand[0]) and torch.equal(got[2], by_hand[2])
             tol = routers._SELECT_RTOL[got[1].dtype] * by_hand[1].float().abs()
             assert ((got[1].float() - by_hand[1].float()).abs() <= tol).all()
-            ref = F.linear(h, mod.weight, getattr(mod, "bias", None)).float()
+            ref = F.linear(h.to(got[0].dtype), mod.weight.to(got[0].dtype), getattr(mod, "bias", None)).float()
             assert ((got[0].float() - ref).abs() <= 2**-7 * ref.abs().amax(-1, keepdim=True)).all()
             assert torch.allclose(got[1].float(), own[1].float(), rtol=2e-2, atol=2e-3)
     finally:
@@ -210,15 +212,58 @@ def test_routing_linears_stay_lossless_when_the_rest_is_quantised(weights):
     assert {d.name: d.weights for d in plan.dense}[name] == "lossless"
 
 
-def _select(logits, k, form, renorm, w_dtype, bias=None, norm_min=0.0):
+def _select(logits, k, form, renorm, w_dtype, bias=None, norm_min=0.0, groups=1, topk_group=1, scale=1.0):
     from hi_na_moe.hardware import native_module
 
     B, E = logits.shape
     w, idx = torch.empty(B, k, dtype=w_dtype), torch.empty(B, k, dtype=torch.int64)
     native_module()[0].router_select_raw(routers._CODES[logits.dtype], logits.data_ptr(), B, E, k, form, renorm,
                                          routers._CODES[w_dtype], w.data_ptr(), idx.data_ptr(),
-                                         0 if bias is None else bias.data_ptr(), norm_min)
+                                         0 if bias is None else bias.data_ptr(), norm_min, groups, topk_group, scale)
     return w, idx
+
+
+@pytest.mark.parametrize("E,k,groups,topk_group", [(256, 8, 8, 4), (128, 2, 4, 2), (16, 4, 4, 2), (8, 2, 1, 1),
+                                                   (8, 3, 4, 3), (64, 6, 8, 8)])
+def test_router_select_grouped_sigmoid_form_against_deepseek_v3s_router(E, k, groups, topk_group):
+    """router_select's grouped sigmoid form against transformers' DeepseekV3TopkRouter itself (an
+    identity weight, so its logits are the rows given): the same experts in the same order (its
+    top-ks with sorted=False: nth_element's order, or partial_sort's when 64 k <= E) on rows
+    whose scores, biased scores and group scores tie, the weights within a few float32 ulps,
+    with and without renormalisation."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    gen = torch.Generator().manual_seed(E + k + groups)
+    x = torch.randint(-4, 5, (400, E), generator=gen).float() / 4
+    x[::4] = torch.randn(100, E, generator=gen) * 3
+    for renorm in (True, False):
+        cfg = DeepseekV3Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=k, n_group=groups,
+                               topk_group=topk_group, norm_topk_prob=renorm, routed_scaling_factor=2.5)
+        router = DeepseekV3TopkRouter(cfg)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(E))
+            router.e_score_correction_bias.copy_(torch.randint(-2, 3, (E,), generator=gen).float() / 64)
+            logits, want_w, want_idx = router(x)
+        assert torch.equal(logits, x)
+        w, idx = _select(x, k, 2, renorm, torch.float32, router.e_score_correction_bias, 0.0, groups, topk_group,
+                         2.5)
+        assert torch.equal(idx, want_idx)
+        assert ((w - want_w).abs() <= routers._SELECT_RTOL[torch.float32] * want_w.abs()).all()
+    # the rows do test the order of ties: lowest index first among equal scores is not it
+    choice = x.sigmoid() + router.e_score_correction_bias
+    if groups == 1:
+        assert not torch.equal(torch.sort(-choice, dim=-1, stable=True).indices[:, :k], idx)
+
+
+def test_router_select_grouped_form_checks_its_settings():
+    """Group settings that would read past a row are refused, naming what is wrong."""
+    x, bias = torch.zeros(2, 8), torch.zeros(8)
+    for groups, topk_group, k in ((3, 1, 2), (8, 1, 1), (4, 5, 2), (4, 1, 3), (0, 1, 1)):
+        with pytest.raises(ValueError, match="form 2 needs groups dividing E"):
+            _select(x, k, 2, True, torch.float32, bias, 0.0, groups, topk_group)
+    with pytest.raises(ValueError, match="sel_bias"):
+        _select(x, 2, 2, True, torch.float32, None, 0.0, 4, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -376,6 +376,40 @@ def test_ernie_decodes_in_one_call_with_its_dense_layer_biased_router_and_shared
         hi_na_moe.disable_for_model(model)
 
 
+@pytest.mark.parametrize("model_type", ["dots1", "solar_open"])
+def test_grouped_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monkeypatch):
+    """DeepSeek-V3's router form (sigmoid scores, a score-correction bias that matters, two
+    expert groups of which one is kept, float32 logits from a bf16 weight) beside shared experts
+    (and Solar Open's dense first layer): dots.llm1 and Solar Open decode in one native call, bit
+    for bit the stack's own forward and its loop, padding included."""
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = build_tiny(model_type, dtype=torch.bfloat16, n_group=2, topk_group=1).model.eval()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_loop_only
+        assert rep.routers and not rep.routers_differ and not rep.routers_select_pytorch
+        moe = [patched_runner(layer).moe for layer in model.model.layers if patched_runner(layer).moe is not None]
+        assert moe and all(m.router.form_name == "sigmoid-group-topk, float32 logits" for m in moe)
+        # a dense layer (first_k_dense_replace) in the call too
+        assert all(patched_runner(layer).dense is not None for layer in model.model.layers
+                   if patched_runner(layer).moe is None)
+        ids = torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]])
+        assert _same(model, ids, steps=4).one_calls == 4
+        _by_layer(model, ids, 3)
+        count = _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
+                      attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+        assert count.one_calls == 3
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_dense_layers_beside_moe_layers_run_in_the_one_call(monkeypatch):
     """Qwen2-MoE with mlp_only_layers (dense MLPs in some layers, as DeepSeek's first_k_dense_replace
     and ERNIE's first layer): every layer in one native call, bit for bit the stack's own forward

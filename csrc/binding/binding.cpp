@@ -520,6 +520,21 @@ nb::dict kernel_table(const std::string& qdot) {
 
 }  // namespace
 
+// The grouped sigmoid form's settings (RouterForm::kSigmoidGroupTopk), checked where Python hands
+// them over: a wrong group count would read past a row.
+static void check_select(const char* where, int form, int64_t E, int64_t k, int64_t groups, int64_t topk_group,
+                         uintptr_t sel_bias) {
+  if (form < 0 || form > 2)
+    bad(std::string(where) + ": form must be 0 (softmax-topk), 1 (topk-softmax) or 2 (sigmoid-group-topk)");
+  if (form != 2) return;
+  if (groups < 1 || E % groups != 0 || E / groups < 2 || topk_group < 1 || topk_group > groups ||
+      k > topk_group * (E / groups) || sel_bias == 0)
+    bad(std::string(where) + ": form 2 needs groups dividing E into groups of at least 2, 1 <= topk_group <= "
+        "groups, k <= topk_group * E / groups and a sel_bias (got E " + std::to_string(E) + ", k " +
+        std::to_string(k) + ", groups " + std::to_string(groups) + ", topk_group " + std::to_string(topk_group) +
+        ")");
+}
+
 static hina::PoolBackend pool_backend_from(const std::string& name) {
   if (name == "auto") return hina::PoolBackend::kAuto;
   if (name == "own") return hina::PoolBackend::kOwn;
@@ -540,7 +555,8 @@ class StepPlan {
                  float scale, const std::string& isa, nb::object o, uintptr_t ln2_w, float ln2_eps, nb::object router,
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
                  int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table,
-                 bool interleaved_f32, int router_dtype, uintptr_t sel_bias, float norm_min, nb::tuple mlp) {
+                 bool interleaved_f32, int router_dtype, uintptr_t sel_bias, float norm_min, nb::tuple mlp,
+                 int64_t sel_groups, int64_t sel_topk_group, float sel_scale) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
     if (shared.size() != 0 && shared.size() != 3 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I[, gate]) of a shared expert");
@@ -598,8 +614,12 @@ class StepPlan {
       d.post.select.form = static_cast<hina::RouterForm>(sel_form);
       d.post.select.renorm = sel_renorm;
       d.post.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
+      check_select("StepPlan.set_layer", sel_form, E, sel_k, sel_groups, sel_topk_group, sel_bias);
       d.post.select.sel_bias = reinterpret_cast<const float*>(sel_bias);  // kept alive by the caller (plan_args)
       d.post.select.norm_min = norm_min;
+      d.post.select.groups = sel_groups;
+      d.post.select.topk_group = sel_topk_group;
+      d.post.select.scale = sel_scale;
       d.post.experts = be.packed();
       d.post.experts_params = be.params();
       d.post.experts_threads = experts_threads;
@@ -1144,7 +1164,8 @@ NB_MODULE(_native, m) {
            int64_t shared_I, const BoundForward* shared_gate, uintptr_t shared_scratch_gu, uintptr_t shared_scratch_m,
            uintptr_t shared_out, uintptr_t shared_logit, uintptr_t sinks, int router_dtype, uintptr_t router_in,
            uintptr_t sel_bias, float norm_min, const BoundForward* mlp_gate_up, const BoundForward* mlp_down,
-           int64_t mlp_I, uintptr_t mlp_gu, uintptr_t mlp_m, uintptr_t mlp_out) -> nb::object {
+           int64_t mlp_I, uintptr_t mlp_gu, uintptr_t mlp_m, uintptr_t mlp_out, int64_t sel_groups,
+           int64_t sel_topk_group, float sel_scale) -> nb::object {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -1168,7 +1189,11 @@ NB_MODULE(_native, m) {
             }
             a.select.sel_bias = reinterpret_cast<const float*>(sel_bias);
             a.select.norm_min = norm_min;
+            a.select.groups = sel_groups;
+            a.select.topk_group = sel_topk_group;
+            a.select.scale = sel_scale;
             if (sel_w != 0) {
+              check_select("layer_decode_post_raw", sel_form, sel_E, sel_k, sel_groups, sel_topk_group, sel_bias);
               a.select.E = sel_E;
               a.select.k = sel_k;
               a.select.form = static_cast<hina::RouterForm>(sel_form);
@@ -1225,7 +1250,7 @@ NB_MODULE(_native, m) {
         nb::arg("shared_logit") = 0, nb::arg("sinks") = 0, nb::arg("router_dtype") = -1, nb::arg("router_in") = 0,
         nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.f, nb::arg("mlp_gate_up").none() = nb::none(),
         nb::arg("mlp_down").none() = nb::none(), nb::arg("mlp_I") = 0, nb::arg("mlp_gu") = 0, nb::arg("mlp_m") = 0,
-        nb::arg("mlp_out") = 0,
+        nb::arg("mlp_out") = 0, nb::arg("sel_groups") = 1, nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f,
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
         "in attn_out; sinks != 0: float32 [Hq], the heads' attention sinks; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
         "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
@@ -1235,7 +1260,8 @@ NB_MODULE(_native, m) {
         "experts_out first, scratch shared_scratch_gu [B, 2 I], shared_scratch_m [B, I], shared_out [B, H], "
         "shared_logit [B]); router_dtype (a code other than dtype's, -1: dtype): the router's, normed converted "
         "to it in router_in [B, H] for its linear, the logits of it; sel_bias: float32 [sel_E], the top k of "
-        "softmax + sel_bias choose and the renormalising sum is at least norm_min; router None and mlp_gate_up, "
+        "softmax + sel_bias choose and the renormalising sum is at least norm_min (sel_form 2: router_select's "
+        "grouped sigmoid form with sel_groups, sel_topk_group and sel_scale); router None and mlp_gate_up, "
         "mlp_down (I = mlp_I): a dense layer, sum += its gated MLP on normed (scratch mlp_gu [B, 2 I], mlp_m "
         "[B, I], mlp_out [B, H]). For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
         "addresses crash.");
@@ -1280,7 +1306,7 @@ NB_MODULE(_native, m) {
       "the attention's float32 sinks [Hq] or 0, kept alive by the caller, half_table: cos/sin rows of D/2 values, "
       "interleaved_f32: ERNIE's rotation on float32 cos/sin, router_dtype: the router's dtype code when it differs "
       "from the layer's (else -1), sel_bias: the address of a float32 score-correction bias [E] or 0 (kept alive "
-      "by the caller) with norm_min, and mlp: () or, for a dense layer (router None), its gated MLP's (gate/up "
+      "by the caller) with norm_min (sel_groups, sel_topk_group, sel_scale: the grouped sigmoid form's), and mlp: () or, for a dense layer (router None), its gated MLP's (gate/up "
       "group, down projection, intermediate size)). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
@@ -1295,7 +1321,8 @@ NB_MODULE(_native, m) {
            nb::arg("sel_form"), nb::arg("sel_k"), nb::arg("sel_renorm"), nb::arg("sel_w_dtype"),
            nb::arg("experts").none(), nb::arg("experts_threads"), nb::arg("num_threads"), nb::arg("shared"),
            nb::arg("sinks"), nb::arg("half_table"), nb::arg("interleaved_f32"), nb::arg("router_dtype"),
-           nb::arg("sel_bias"), nb::arg("norm_min"), nb::arg("mlp"))
+           nb::arg("sel_bias"), nb::arg("norm_min"), nb::arg("mlp"), nb::arg("sel_groups") = 1,
+           nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),
@@ -1303,24 +1330,30 @@ NB_MODULE(_native, m) {
       .def("__len__", &StepPlan::size);
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,
-           uintptr_t w, uintptr_t idx, uintptr_t sel_bias, float norm_min) {
+           uintptr_t w, uintptr_t idx, uintptr_t sel_bias, float norm_min, int64_t groups, int64_t topk_group,
+           float scale) {
           if (B < 0 || E < 1 || k < 1 || k > E) bad("router_select: need B >= 0 and 1 <= k <= E");
-          if (form < 0 || form > 1) bad("router_select: form must be 0 (softmax-topk) or 1 (topk-softmax)");
+          check_select("router_select", form, E, k, groups, topk_group, sel_bias);
           if (dtype < 0 || dtype > 2 || w_dtype < 0 || w_dtype > 2) bad("router_select: dtype codes are 0, 1 or 2");
           hina::RouterSelectArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(logits), B, E, k,
                                    static_cast<hina::RouterForm>(form), renorm, static_cast<hina::DType>(w_dtype),
                                    reinterpret_cast<void*>(w), reinterpret_cast<int64_t*>(idx)};
           a.sel_bias = reinterpret_cast<const float*>(sel_bias);
           a.norm_min = norm_min;
+          a.groups = groups;
+          a.topk_group = topk_group;
+          a.scale = scale;
           hina::router_select(a);
         },
         nb::arg("dtype"), nb::arg("logits"), nb::arg("B"), nb::arg("E"), nb::arg("k"), nb::arg("form"),
         nb::arg("renorm"), nb::arg("w_dtype"), nb::arg("w"), nb::arg("idx"), nb::arg("sel_bias") = 0,
-        nb::arg("norm_min") = 0.0f,
+        nb::arg("norm_min") = 0.0f, nb::arg("groups") = 1, nb::arg("topk_group") = 1, nb::arg("scale") = 1.0f,
         "router_select() (moe.h) with raw addresses, addresses unchecked (dtype codes: 0 float32, 1 bfloat16, "
-        "2 float16; form 0 softmax-topk, 1 topk-softmax): logits [B, E] -> w [B, k] of w_dtype, int64 idx [B, k], "
-        "the top-k's ties moved as torch.topk moves them; sel_bias != 0 (form 0): float32 [E] added to the "
-        "probabilities to choose, the weights the probabilities, renorm over max(sum, norm_min). For "
+        "2 float16; form 0 softmax-topk, 1 topk-softmax, 2 sigmoid-group-topk): logits [B, E] -> w [B, k] of "
+        "w_dtype, int64 idx [B, k], the top-k's ties moved as torch.topk moves them; sel_bias != 0 (form 0): "
+        "float32 [E] added to the probabilities to choose, the weights the probabilities, renorm over max(sum, "
+        "norm_min); form 2 (DeepSeek-V3's): sigmoid scores plus sel_bias (required) choose within the topk_group "
+        "best of `groups` expert groups, the weights the scores (renorm: over sum + 1e-20) times scale. For "
         "hi_na_moe.routers. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {

@@ -45,16 +45,19 @@ bool before(const Entry& a, const Entry& b) {  // the larger value first, NaN be
   return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
 }
 
-// The k largest of q (in index order on entry) to q[0..k), largest first, as torch.topk moves them.
-void top_k(std::vector<Entry>& q, int64_t k) {
-  const int64_t n = static_cast<int64_t>(q.size());
+// The k largest of q[0..n) (in index order on entry) to q[0..k) as torch.topk moves them:
+// largest first, or with sorted false as its selection leaves them (PyTorch sorts only after
+// nth_element; partial_sort's output is sorted either way).
+void top_k(Entry* q, int64_t n, int64_t k, bool sorted = true) {
   if (k * 64 <= n) {
-    std::partial_sort(q.begin(), q.begin() + k, q.end(), before);
+    std::partial_sort(q, q + k, q + n, before);
   } else {
-    std::nth_element(q.begin(), q.begin() + (k - 1), q.end(), before);
-    std::sort(q.begin(), q.begin() + (k - 1), before);
+    std::nth_element(q, q + (k - 1), q + n, before);
+    if (sorted) std::sort(q, q + (k - 1), before);
   }
 }
+
+void top_k(std::vector<Entry>& q, int64_t k) { top_k(q.data(), static_cast<int64_t>(q.size()), k); }
 
 // out[j] = exp(v[j] - max) / sum over the n values (float32).
 void softmax(float* v, int64_t n) {
@@ -74,9 +77,61 @@ void softmax(float* v, int64_t n) {
   for (int64_t j = 0; j < n; ++j) v[j] *= r;
 }
 
+// DeepSeek-V3's grouped selection (kSigmoidGroupTopk) of one row of E float32 logits, as the
+// module's ops compute it: sigmoid, the bias added, group scores, the groups' and the experts'
+// top-k (moe.h).
+void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, std::vector<Entry>& q, float* s,
+                       int64_t* idx, float* w) {
+  const int64_t E = a.E, G = a.groups, n = E / G;
+  for (int64_t j = 0; j < E; ++j) s[j] = 1.0f / (1.0f + std::exp(-logits[j]));
+  // each group's score: its two largest of s + bias, as topk(2) gives them, summed
+  std::vector<Entry>& g = q;  // q[0..G): the groups; q[G..G + n): one group's entries
+  g.resize(static_cast<size_t>(G + std::max(n, E)));
+  Entry* grp = g.data() + G;
+  for (int64_t i = 0; i < G; ++i) {
+    for (int64_t j = 0; j < n; ++j) grp[j] = {s[i * n + j] + a.sel_bias[i * n + j], j};
+    top_k(grp, n, 2);
+    g[i] = {grp[0].first + grp[1].first, i};
+  }
+  top_k(g.data(), G, a.topk_group, false);
+  // the kept groups' experts; the others' scores are -inf (masked_fill), in index order
+  std::vector<char> keep(static_cast<size_t>(G), 0);
+  for (int64_t i = 0; i < a.topk_group; ++i) keep[static_cast<size_t>(g[i].second)] = 1;
+  Entry* c = grp;
+  for (int64_t j = 0; j < E; ++j) c[j] = {keep[static_cast<size_t>(j / n)] ? s[j] + a.sel_bias[j] : -INFINITY, j};
+  top_k(c, E, a.k, false);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < a.k; ++j) {
+    idx[j] = c[j].second;
+    w[j] = s[c[j].second];
+    sum += w[j];
+  }
+  if (a.renorm) {
+    const float d = sum + 1e-20f;
+    for (int64_t j = 0; j < a.k; ++j) w[j] /= d;
+  }
+  for (int64_t j = 0; j < a.k; ++j) w[j] *= a.scale;
+}
+
 }  // namespace
 
 void router_select(const RouterSelectArgs& a) {
+  if (a.form == RouterForm::kSigmoidGroupTopk) {
+    thread_local std::vector<Entry> q;
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(2 * a.E + a.k));
+    float* v = buf.data();
+    float* s = v + a.E;
+    float* w = s + a.E;
+    const size_t ldt = dtype_size(a.dtype);
+    for (int64_t b = 0; b < a.B; ++b) {
+      const char* row = static_cast<const char*>(a.logits) + b * a.E * ldt;
+      for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
+      sigmoid_group_row(a, v, q, s, a.idx + b * a.k, w);
+      for (int64_t j = 0; j < a.k; ++j) store(a.w_dtype, a.w, b * a.k + j, w[j]);
+    }
+    return;
+  }
   thread_local std::vector<Entry> q;
   thread_local std::vector<float> vals;
   q.resize(static_cast<size_t>(a.E));

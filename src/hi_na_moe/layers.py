@@ -453,14 +453,13 @@ class NativeLayer:
             if cast:
                 router_in = torch.empty(B, H, dtype=router.dtype)
                 extra.update(router_dtype=_DTYPE_CODES[router.dtype], router_in=router_in.data_ptr())
-            if bias is not None:
-                extra.update(sel_bias=bias.data_ptr(), norm_min=router.module.norm_min)
         else:
             logits = None
         chosen, select, fused = None, (), None
         if use_router and router.select is not None and routers.NATIVE_SELECT:
-            form, k, renorm, _, _ = router.select
+            form, k, renorm = router.select[:3]
             wdt = router.weights_dtype(dt)
+            extra.update(router.select_settings(bias))
             chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
             select = (form, router.experts, k, renorm, _DTYPE_CODES[wdt], chosen[0].data_ptr(), chosen[1].data_ptr())
             # the experts, a shared expert (on the native MLP call, with its gate if any) and the
@@ -578,15 +577,16 @@ class NativeLayer:
         bias = router._bias() if router.biased else None
         if router.biased and bias is None:
             return None
-        form, k, renorm, _, _ = router.select
+        form, k, renorm = router.select[:3]
         fused = moe.experts.bound_for(dt, self.hidden, B * k)
         shared = self._shared_args(moe, dt, B) if moe.shared else ()
         if fused is None or shared is None:
             return None
+        sel = router.select_settings(bias)
         return head + (router.bound, router.experts, form, k, renorm, _DTYPE_CODES[router.weights_dtype(dt)],
                        fused[0], fused[1], threads, shared) + tail + (
-                    _DTYPE_CODES[router.dtype] if cast else -1, 0 if bias is None else bias.data_ptr(),
-                    router.module.norm_min if bias is not None else 0.0, ())
+                    _DTYPE_CODES[router.dtype] if cast else -1, sel["sel_bias"], sel["norm_min"], (),
+                    sel["sel_groups"], sel["sel_topk_group"], sel["sel_scale"])
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

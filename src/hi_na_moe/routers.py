@@ -21,14 +21,20 @@ transformers 5.x writes them:
   softmax over the logits, the experts chosen by the top k of the probabilities plus a score
   correction bias (the router's `*e_score_correction_bias`, one value per expert), their
   probabilities as weights divided by max(their sum, the router's norm_min), cast to the input's
-  dtype.
+  dtype;
+- sigmoid-group-topk (DeepSeek-V3, GLM-4.5, dots.llm1, Solar Open): float32 logits of the input
+  and weight cast to float32, sigmoid scores plus the score-correction bias scored per expert
+  group (the sum of each group's two best), the experts chosen among the topk_group best groups,
+  both top-ks unsorted as torch.topk(sorted=False) leaves them; the chosen scores as weights,
+  optionally over (their sum + 1e-20), times routed_scaling_factor, in float32. The packed copy of
+  such a router is float32 (the module's logits are float32 products of its cast weight).
 
 Two forms can be the same function up to float32 rounding (a softmax over the top k, and a
 softmax over all renormalised over the top k); when both reproduce a probe the first in the list
 is used, and the two differ at most in the last bit of the scores.
 
-Routers with expert groups or sigmoid scores (DeepSeek-V3 and its relatives) match none of the
-forms and stay PyTorch's; the report names them.
+Other routers (MiniMax-M2's and Hunyuan's, which take the bias as an argument; DeepSeek-V2's
+softmax groups) match none of the forms and stay PyTorch's; the report names them.
 
 The native logits are the same dot products accumulated in float32 in another order, then
 rounded once: they can differ from F.linear's in the last bit (the probe checks they are within
@@ -80,9 +86,9 @@ def _softmax_topk(k: int, renorm: bool, cast: bool) -> Form:
             top = top.to(logits.dtype)
         return logits, top, idx
 
-    # router_select's form, k, renorm and the weights' dtype for logits of dtype dt, and whether
-    # the form returns its logits in float32
-    run.native = lambda dt: (0, k, renorm, dt if cast else torch.float32, False)  # type: ignore[attr-defined]
+    # router_select's form, k, renorm, the weights' dtype (None: the input's) for logits of dtype
+    # dt, whether the form returns its logits in float32, and the grouped form's settings
+    run.native = lambda dt: (0, k, renorm, dt if cast else torch.float32, False, _NO_GROUPS)  # type: ignore[attr-defined]
     return run
 
 
@@ -99,11 +105,12 @@ def _topk_softmax(k: int, float_first: bool, cast: bool) -> Form:
 
     # (the native path's h has the logits' dtype)
     run.native = lambda dt: (1, k, False, dt if cast or not float_first else torch.float32,  # type: ignore[attr-defined]
-                             float_first)
+                             float_first, _NO_GROUPS)
     return run
 
 
 _CORRECTION = "e_score_correction_bias"
+_NO_GROUPS = (1, 1, 1.0)  # router_select's groups, topk_group and scale for the ungrouped forms
 
 
 def _correction_path(module: nn.Module) -> tuple[str, ...] | None:
@@ -136,9 +143,39 @@ def _softmax_biased_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> Fo
         w = w / torch.clamp(w.sum(dim=-1, keepdim=True), min=module.norm_min)
         return logits, w.to(h.dtype), idx
 
-    run.native = lambda dt: (0, k, True, dt, False)  # type: ignore[attr-defined]  (weights: the input's dtype)
+    run.native = lambda dt: (0, k, True, None, False, _NO_GROUPS)  # type: ignore[attr-defined]  (weights: the input's dtype)
     run.biased = True  # type: ignore[attr-defined]
     return run
+
+
+def _sigmoid_group_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> Form:
+    def run(linear, h):
+        logits = linear(h.float())
+        scores = logits.sigmoid()
+        choice = scores + _correction(module, path)
+        G, E = module.num_group, logits.shape[-1]
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        keep = keep.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        idx = torch.topk(choice.masked_fill(~keep, float("-inf")), k=k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if module.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, w * module.routed_scaling_factor, idx
+
+    run.native = lambda dt: (2, k, bool(module.norm_topk_prob), torch.float32, False,  # type: ignore[attr-defined]
+                             (module.num_group, module.topk_group, float(module.routed_scaling_factor)))
+    run.biased = True  # type: ignore[attr-defined]
+    run.float_logits = True  # type: ignore[attr-defined]  (float32 logits of a router of any dtype)
+    return run
+
+
+def _grouped(module: nn.Module) -> bool:
+    """Whether the module has the grouped sigmoid form's settings (DeepSeek-V3's names)."""
+    d = module.__dict__
+    return (type(d.get("num_group")) is int and type(d.get("topk_group")) is int
+            and type(d.get("norm_topk_prob")) is bool and type(d.get("routed_scaling_factor")) in (int, float))
 
 
 def _forms(k: int, module: nn.Module | None = None) -> list[tuple[str, Form]]:
@@ -146,9 +183,12 @@ def _forms(k: int, module: nn.Module | None = None) -> list[tuple[str, Form]]:
     module: also those reading its score-correction bias and settings)."""
     path = None if module is None else _correction_path(module)
     if path is not None:  # only forms that read it: a probe of a bias that is still zeros would pass the others
+        out = []
         if type(module.__dict__.get("norm_min")) is float and module.weight.dtype is torch.float32:
-            return [("softmax-biased-topk, float32 router", _softmax_biased_topk(k, module, path))]
-        return []
+            out.append(("softmax-biased-topk, float32 router", _softmax_biased_topk(k, module, path)))
+        if _grouped(module):
+            out.append(("sigmoid-group-topk, float32 logits", _sigmoid_group_topk(k, module, path)))
+        return out
     out = []
     for renorm in (True, False):
         for cast in (True, False):
@@ -210,7 +250,10 @@ class NativeRouter:
         self.original = original_forward  # the module's own forward (bound)
         self.isa, self.threads = isa, threads
         w = module.weight
-        self.dtype, self.experts, self.hidden = w.dtype, w.shape[0], w.shape[1]
+        # the module's weight dtype, and the packed copy's and its logits' (float32 for a form
+        # computing them in float32 from a weight of another dtype: set by matches)
+        self.wdtype = self.dtype = w.dtype
+        self.experts, self.hidden = w.shape[0], w.shape[1]
         self.form: Form | None = None
         self.form_name: str | None = None
         # the form's score-correction bias (softmax-biased-topk): its path in the module, read at
@@ -234,7 +277,8 @@ class NativeRouter:
         self.native = native_module()[0]
         with torch.no_grad():
             packed = self.native.PackedExperts.pack_linear(
-                w.detach().contiguous(), None if b is None else b.detach().contiguous(), isa=self.isa,
+                w.detach().to(self.dtype).contiguous(), None if b is None else b.detach().to(self.dtype).contiguous(),
+                isa=self.isa,
                 num_threads=self.threads, weights="lossless")
         self.packed, self.bound, self.nbytes = packed, packed.bind(), packed.nbytes
         self._state = (w, b, w._version, None if b is None else b._version)
@@ -249,8 +293,8 @@ class NativeRouter:
         b = params["bias"] if "bias" in params else module.__dict__.get("bias")
         pw, pb, vw, vb = self._state
         if w is not pw or b is not pb or w._version != vw or (b is not None and b._version != vb):
-            if (not isinstance(w, torch.Tensor) or w.shape != (self.experts, self.hidden) or w.dtype is not self.dtype
-                    or not w.is_cpu or (b is not None and (b.shape != (self.experts,) or b.dtype is not self.dtype))):
+            if (not isinstance(w, torch.Tensor) or w.shape != (self.experts, self.hidden) or w.dtype is not self.wdtype
+                    or not w.is_cpu or (b is not None and (b.shape != (self.experts,) or b.dtype is not self.wdtype))):
                 return False
             with self._lock:
                 self._pack(w, b)
@@ -279,27 +323,35 @@ class NativeRouter:
 
     def weights_dtype(self, dt: torch.dtype) -> torch.dtype:
         """The dtype of the weights router_select gives for inputs of dtype dt (self.select set):
-        the form's, or with a score-correction bias the input's (the form casts them to it)."""
-        return dt if self.correction is not None else self.select[3]
+        the form's, or the input's for a form that casts them to it (ERNIE's)."""
+        w = self.select[3]
+        return dt if w is None else w
 
-    def select_into(self, logits: torch.Tensor, wdt: torch.dtype | None = None, bias: torch.Tensor | None = None
+    def select_settings(self, bias: torch.Tensor | None) -> dict:
+        """router_select's arguments beyond the form (the native calls' names): the score-correction
+        bias's address and norm_min, and the grouped form's groups, topk_group and scale."""
+        groups, topk_group, scale = self.select[5]
+        return {"sel_bias": 0 if bias is None else bias.data_ptr(),
+                "norm_min": float(self.module.__dict__.get("norm_min", 0.0)) if bias is not None else 0.0,
+                "sel_groups": groups, "sel_topk_group": topk_group, "sel_scale": scale}
+
+    def select_into(self, logits: torch.Tensor, wdt: torch.dtype, bias: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(weights, indices) of the form from `logits` [B, experts] (contiguous, the router's
-        dtype) on router_select, the weights in `wdt` (default: the form's); self.select must be
-        set. With a score-correction bias: `bias`, or else _bias(); None when it is not as
-        router_select reads it."""
-        form, k, renorm, w_dt, _ = self.select
-        wdt = w_dt if wdt is None else wdt
+        """(weights, indices) of the form from `logits` [B, experts] (contiguous, of self.dtype) on
+        router_select, the weights in `wdt`; self.select must be set. With a score-correction bias:
+        `bias`, or else _bias(); None when it is not as router_select reads it."""
+        form, k, renorm = self.select[:3]
         B = logits.shape[0]
-        bias_p, norm_min = 0, 0.0
+        t = None
         if self.correction is not None:
             t = self._bias() if bias is None else bias
             if t is None:
                 return None
-            bias_p, norm_min = t.data_ptr(), self.module.norm_min
+        a = self.select_settings(t)
         w, idx = torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64)
         self.native.router_select_raw(_CODES[self.dtype], logits.data_ptr(), B, self.experts, k, form, renorm,
-                                      _CODES[wdt], w.data_ptr(), idx.data_ptr(), bias_p, norm_min)
+                                      _CODES[wdt], w.data_ptr(), idx.data_ptr(), a["sel_bias"], a["norm_min"],
+                                      a["sel_groups"], a["sel_topk_group"], a["sel_scale"])
         return w, idx
 
     def _select_reproduces(self, h: torch.Tensor) -> bool:
@@ -322,14 +374,17 @@ class NativeRouter:
         return True
 
     def _reference_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.module.weight, getattr(self.module, "bias", None))
+        """F.linear's logits of h, in h's dtype (the weight cast to it, as a router computing in
+        float32 casts its own)."""
+        w, b = self.module.weight, getattr(self.module, "bias", None)
+        return F.linear(h, w.to(h.dtype), None if b is None else b.to(h.dtype))
 
     def _probe(self, rows: int, seed: int) -> torch.Tensor:
         """Rows at scales from 1e-2 to 1e2: the softmax runs from flat to peaked, and
         low-precision logits tie."""
         gen = torch.Generator().manual_seed(seed)
         scale = torch.logspace(-2, 2, 5).repeat_interleave(-(-rows // 5))[:rows].unsqueeze(1)
-        return (torch.randn(rows, self.hidden, generator=gen) * scale).to(self.dtype)
+        return (torch.randn(rows, self.hidden, generator=gen) * scale).to(self.wdtype)
 
     def _reproduces(self, candidates: list[tuple[str, Form]], h: torch.Tensor) -> list[tuple[str, Form]]:
         """The candidates whose output on h is the module's own, bit for bit."""
@@ -365,10 +420,14 @@ class NativeRouter:
                 # the model's own inputs are of its dtype, cast to float32 by the router: so too here
                 if not self._reproduces([found[0]], h.bfloat16()):
                     return False
-            ref = self._reference_logits(h).float()
-            nat = self._logits(h).float()
+            if getattr(self.form, "float_logits", False) and self.dtype is not torch.float32:
+                self.dtype = torch.float32  # its logits from a float32 copy of the weight
+                self._pack(self.module.weight, getattr(self.module, "bias", None))
+            x = h.to(self.dtype)
+            ref = self._reference_logits(x).float()
+            nat = self._logits(x).float()
             self.select = self.form.native(self.dtype)
-            if not self._select_reproduces(h):
+            if not self._select_reproduces(x):
                 self.select = None
         tol = _LOGIT_RTOL[self.dtype] * ref.abs().amax(dim=-1, keepdim=True)
         return bool(((nat - ref).abs() <= tol).all())
@@ -387,7 +446,7 @@ class NativeRouter:
                 if bias is None:  # not as the form reads it any more
                     return self.original(h)
             if self.select is not None and NATIVE_SELECT:
-                logits = self._logits(h if h.dtype is self.dtype else h.float())
+                logits = self._logits(h if h.dtype is self.dtype else h.to(self.dtype))
                 w, idx = self.select_into(logits, self.weights_dtype(h.dtype), bias)
                 return logits.float() if self.select[4] else logits, w, idx
             return self.form(self._logits, h)

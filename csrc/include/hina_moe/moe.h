@@ -396,11 +396,17 @@ bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa);
 // A MoE router's selection from its logits (csrc/moe/router.cpp), per row of E logits:
 //   kSoftmaxTopk: p = softmax(float32(logits)); the k largest p (values and indices), then
 //                 optionally w = top / sum(top) (renorm);
-//   kTopkSoftmax: the k largest logits, then w = softmax over those k (float32 math).
-// The top-k moves ties as torch.topk's CPU kernel does (not by index); the softmax uses
-// std::exp, so w can differ from PyTorch's in the last float32 bits. w is rounded once to
-// w_dtype; idx is int64. Single-threaded (a decode step's few rows).
-enum class RouterForm : int { kSoftmaxTopk = 0, kTopkSoftmax = 1 };
+//   kTopkSoftmax: the k largest logits, then w = softmax over those k (float32 math);
+//   kSigmoidGroupTopk (DeepSeek-V3 and its kin): s = sigmoid(float32(logits)), c = s + sel_bias
+//                 (required); the E experts in `groups` groups of E / groups (at least 2), each
+//                 group scored by the sum of its two largest c; the topk_group best groups kept
+//                 and the k largest c among their experts chosen, both as torch.topk(...,
+//                 sorted=False) leaves them (index order: its selection's); w = s of the chosen,
+//                 divided by (their sum + 1e-20) with renorm, then times scale.
+// The top-k moves ties as torch.topk's CPU kernel does (not by index); the softmax and the
+// sigmoid use std::exp, so w can differ from PyTorch's in the last float32 bits. w is rounded
+// once to w_dtype; idx is int64. Single-threaded (a decode step's few rows).
+enum class RouterForm : int { kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidGroupTopk = 2 };
 struct RouterSelectArgs {
   DType dtype;         // the logits'
   const void* logits;  // [B, E] contiguous
@@ -415,6 +421,10 @@ struct RouterSelectArgs {
   // then divides by max(sum, norm_min)
   const float* sel_bias = nullptr;
   float norm_min = 0.0f;
+  // kSigmoidGroupTopk only (groups divides E, E / groups >= 2, 1 <= topk_group <= groups, and
+  // k <= topk_group * E / groups)
+  int64_t groups = 1, topk_group = 1;
+  float scale = 1.0f;
 };
 void router_select(const RouterSelectArgs& a);
 
