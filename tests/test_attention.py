@@ -185,12 +185,13 @@ class _KernelCalls:
         return getattr(self.native, name)
 
 
-def _decode_inputs(model, att, B=1, past=6, seed=0, tables=torch.bfloat16):
+def _decode_inputs(model, att, B=1, past=6, seed=0, tables=torch.bfloat16, rot=None):
+    """rot: the rotary dims of a head (tables of rot values a row), default head_dim."""
     gen = torch.Generator().manual_seed(seed)
     H, D = model.config.hidden_size, att.head_dim
     Hkv = att.k_proj.out_features // D
     h = torch.randn(B, 1, H, generator=gen).bfloat16()
-    ang = torch.rand(B, 1, D // 2, generator=gen) * 6
+    ang = torch.rand(B, 1, (rot or D) // 2, generator=gen) * 6
     emb = torch.cat([ang, ang], -1)
     k0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
     v0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
@@ -204,10 +205,12 @@ def _decode_inputs(model, att, B=1, past=6, seed=0, tables=torch.bfloat16):
 
 
 FAMILIES = {"olmoe": "qk norm on the projections", "mixtral": "no qk norm", "qwen2_moe": "no qk norm",
-            "qwen3_moe": "qk norm per head", "ernie4_5_moe": "no qk norm"}
+            "qwen3_moe": "qk norm per head", "ernie4_5_moe": "no qk norm", "glm4_moe": "no qk norm"}
 # the rotary forms (and the dtype of the tables their rotary modules hand over) besides
 # rotate_half in the model's dtype: ERNIE 4.5 rotates interleaved pairs in float32
 ROPES = {"ernie4_5_moe": ("interleaved_f32", torch.float32)}
+# the rotary dims of a head where fewer than head_dim (GLM-4.5's partial_rotary_factor 0.5 of 16)
+ROTS = {"glm4_moe": 8}
 
 
 @pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in {x.model_type for x in moe_families()}])
@@ -227,9 +230,11 @@ def test_known_families_decode_on_the_kernels_with_the_same_cache(model_type):
             assert runner.form == FAMILIES[model_type]
             rope, tables = ROPES.get(model_type, ("rotate_half", torch.bfloat16))
             assert (runner.rope, runner.table_dtype) == (rope, tables)
+            rot = ROTS.get(model_type)
+            assert runner.rot == (rot or runner.D)
             count = _Count(runner)
             for B in (1, 3):
-                h, pe, cache = _decode_inputs(model, att, B=B, tables=tables)
+                h, pe, cache = _decode_inputs(model, att, B=B, tables=tables, rot=rot)
                 with torch.inference_mode():
                     c_ours, c_own = cache(), cache()
                     got, w = att(hidden_states=h, position_embeddings=pe, attention_mask=None,
@@ -241,7 +246,7 @@ def test_known_families_decode_on_the_kernels_with_the_same_cache(model_type):
                 assert torch.equal(lo.keys, lw.keys) and torch.equal(lo.values, lw.values)
                 assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs().amax()).all()
             # a bool mask over the keys, as a StaticCache or a padded batch brings (7 = 6 cached + 1)
-            h, pe, cache = _decode_inputs(model, att, B=2, seed=1, tables=tables)
+            h, pe, cache = _decode_inputs(model, att, B=2, seed=1, tables=tables, rot=rot)
             mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
             mask[0, ..., :3] = False
             with torch.inference_mode():
@@ -333,12 +338,12 @@ class _Declines:
         return getattr(self.real, name)
 
 
-def _prefill_inputs(model, att, B, T, past, seed=0, tables=torch.bfloat16):
+def _prefill_inputs(model, att, B, T, past, seed=0, tables=torch.bfloat16, rot=None):
     gen = torch.Generator().manual_seed(seed)
     H, D = model.config.hidden_size, att.head_dim
     Hkv = att.k_proj.out_features // D
     h = torch.randn(B, T, H, generator=gen).bfloat16()
-    ang = torch.rand(B, T, D // 2, generator=gen) * 6
+    ang = torch.rand(B, T, (rot or D) // 2, generator=gen) * 6
     emb = torch.cat([ang, ang], -1)
     k0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
     v0 = torch.randn(B, Hkv, past, D, generator=gen).bfloat16()
@@ -379,7 +384,8 @@ def test_known_families_prefill_on_the_kernel_with_the_same_cache(model_type):
             calls = _PrefillCalls(_runner(att))
             for B, T, past, masked in ((2, 13, 0, False), (2, 30, 6, True), (1, 5, 0, False)):
                 h, pe, cache = _prefill_inputs(model, att, B, T, past, seed=T,
-                                               tables=ROPES.get(model_type, (None, torch.bfloat16))[1])
+                                               tables=ROPES.get(model_type, (None, torch.bfloat16))[1],
+                                               rot=ROTS.get(model_type))
                 mask = None
                 if masked:
                     mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)

@@ -376,12 +376,12 @@ def test_ernie_decodes_in_one_call_with_its_dense_layer_biased_router_and_shared
         hi_na_moe.disable_for_model(model)
 
 
-@pytest.mark.parametrize("model_type", ["dots1", "solar_open"])
+@pytest.mark.parametrize("model_type", ["glm4_moe", "dots1", "solar_open"])
 def test_grouped_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monkeypatch):
     """DeepSeek-V3's router form (sigmoid scores, a score-correction bias that matters, two
     expert groups of which one is kept, float32 logits from a bf16 weight) beside shared experts
-    (and Solar Open's dense first layer): dots.llm1 and Solar Open decode in one native call, bit
-    for bit the stack's own forward and its loop, padding included."""
+    and dense first layers: GLM-4.5 (its partial rotary too), dots.llm1 and Solar Open decode in
+    one native call, bit for bit the stack's own forward and its loop, padding included."""
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)

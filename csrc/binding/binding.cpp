@@ -556,7 +556,7 @@ class StepPlan {
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
                  int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table,
                  bool interleaved_f32, int router_dtype, uintptr_t sel_bias, float norm_min, nb::tuple mlp,
-                 int64_t sel_groups, int64_t sel_topk_group, float sel_scale) {
+                 int64_t sel_groups, int64_t sel_topk_group, float sel_scale, int64_t rot) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
     if (shared.size() != 0 && shared.size() != 3 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I[, gate]) of a shared expert");
@@ -572,6 +572,7 @@ class StepPlan {
                                reinterpret_cast<const void*>(kn_w), qn_eps, kn_eps};
     d.pre.half_table = half_table;
     d.pre.interleaved_f32 = interleaved_f32;
+    d.pre.rot = rot;
     d.post.dtype = dt;
     d.post.H = H;
     d.post.attn.dtype = dt;
@@ -1004,17 +1005,20 @@ NB_MODULE(_native, m) {
         "rounded to the dtype as PyTorch's elementwise ops round it.");
   m.def("rope_rotate_half_raw",
         [](uintptr_t x, int64_t B, int64_t heads, int64_t D, uintptr_t cos, uintptr_t sin, uintptr_t out, int dtype,
-           const std::string& isa, int num_threads, bool half_table) {
+           const std::string& isa, int num_threads, bool half_table, int64_t rot) {
+          if (rot < 0 || rot > D || rot % 2 != 0) bad("rope_rotate_half: rot must be even and at most D (0: D)");
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
           hina::rope_rotate_half(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), B, heads, D,
                                  reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
-                                 reinterpret_cast<void*>(out), tier, num_threads, half_table);
+                                 reinterpret_cast<void*>(out), tier, num_threads, half_table, rot);
         },
         nb::arg("x"), nb::arg("B"), nb::arg("heads"), nb::arg("D"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"),
         nb::arg("dtype"), nb::arg("isa") = "generic", nb::arg("num_threads") = 1, nb::arg("half_table") = false,
+        nb::arg("rot") = 0,
         "rope_rotate_half() with raw addresses and nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
-        "half_table: cos and sin hold D/2 values per row, one angle for both halves, as GPT-OSS's), "
+        "half_table: cos and sin hold D/2 values per row, one angle for both halves, as GPT-OSS's; rot: partial "
+        "rotary, the first rot values of each head rotated, the rest copied, tables of rot values a row), "
         "for hi_na_moe.attention, which checked the tensors itself; the same bits at every tier (bfloat16 "
         "vectorised at avx512/amx), rows split over num_threads (0: all) when there are many. Wrong addresses "
         "crash.");
@@ -1138,20 +1142,21 @@ NB_MODULE(_native, m) {
            int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
            uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
            uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads,
-           bool half_table, bool interleaved_f32) {
+           bool half_table, bool interleaved_f32, int64_t rot) {
           hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
                                reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
                                qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
                                qn_eps, kn_eps, reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
                                cos_bstride, reinterpret_cast<void*>(h), reinterpret_cast<void*>(qkv_out),
                                reinterpret_cast<void*>(qk_tmp), reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
-                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride, half_table, interleaved_f32};
+                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride, half_table, interleaved_f32, rot};
           nb::gil_scoped_release release;
           hina::layer_decode_pre(a, num_threads);
         },
         "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
         "qkv: the BoundForward of an up-only block; kv_bstride/kv_hstride: the elements between k's and v's batch rows "
-        "and heads; half_table: cos/sin rows of D/2 values; interleaved_f32: ERNIE's rotation on float32 cos/sin), for hi_na_moe.layers, which checked the tensors. Wrong "
+        "and heads; half_table: cos/sin rows of D/2 values; interleaved_f32: ERNIE's rotation on float32 cos/sin; rot: "
+        "rope_rotate_half's partial rotary dims, 0: D), for hi_na_moe.layers, which checked the tensors. Wrong "
         "addresses crash.");
   m.def("layer_decode_post_raw",
         [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
@@ -1306,7 +1311,7 @@ NB_MODULE(_native, m) {
       "the attention's float32 sinks [Hq] or 0, kept alive by the caller, half_table: cos/sin rows of D/2 values, "
       "interleaved_f32: ERNIE's rotation on float32 cos/sin, router_dtype: the router's dtype code when it differs "
       "from the layer's (else -1), sel_bias: the address of a float32 score-correction bias [E] or 0 (kept alive "
-      "by the caller) with norm_min (sel_groups, sel_topk_group, sel_scale: the grouped sigmoid form's), and mlp: () or, for a dense layer (router None), its gated MLP's (gate/up "
+      "by the caller) with norm_min (sel_groups, sel_topk_group, sel_scale: the grouped sigmoid form's; rot: partial rotary dims, 0: D), and mlp: () or, for a dense layer (router None), its gated MLP's (gate/up "
       "group, down projection, intermediate size)). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
@@ -1322,7 +1327,7 @@ NB_MODULE(_native, m) {
            nb::arg("experts").none(), nb::arg("experts_threads"), nb::arg("num_threads"), nb::arg("shared"),
            nb::arg("sinks"), nb::arg("half_table"), nb::arg("interleaved_f32"), nb::arg("router_dtype"),
            nb::arg("sel_bias"), nb::arg("norm_min"), nb::arg("mlp"), nb::arg("sel_groups") = 1,
-           nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f)
+           nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f, nb::arg("rot") = 0)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),

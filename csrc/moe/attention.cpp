@@ -33,9 +33,10 @@ void split_rows(int64_t B, int64_t per_row, int num_threads, const F& rows) {
 }
 
 template <class T>
-void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, const T* sin, T* out, bool half_table) {
+void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, const T* sin, T* out, bool half_table,
+               int64_t rot) {
   using E = attn_impl::Elem<T>;
-  const int64_t half = D / 2, width = half_table ? half : D;
+  const int64_t half = rot / 2, width = half_table ? half : rot;
   auto round = [](float v) {
     T t;
     E::put(&t, 0, v);
@@ -47,47 +48,51 @@ void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, co
       T* yr = out + (b * heads + h) * D;
       const T* c = cos + b * width;
       const T* s = sin + b * width;
-      for (int64_t i = 0; i < D; ++i) {
-        const float rot = i < half ? -E::get(xr, i + half) : E::get(xr, i - half);
+      for (int64_t i = 0; i < rot; ++i) {
+        const float other = i < half ? -E::get(xr, i + half) : E::get(xr, i - half);
         const int64_t ti = half_table && i >= half ? i - half : i;  // the table's entry for i
         const float a = round(E::get(xr, i) * E::get(c, ti));
-        const float r = round(rot * E::get(s, ti));
+        const float r = round(other * E::get(s, ti));
         E::put(yr, i, a + r);
       }
+      for (int64_t i = rot; i < D; ++i) yr[i] = xr[i];  // past the rotary dims: as they are
     }
 }
 }  // namespace
 
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out, bool half_table) {
+                      const void* sin, void* out, bool half_table, int64_t rot) {
+  if (rot <= 0) rot = D;
   switch (dt) {
     case DType::kF32:
       rope_rows(static_cast<const float*>(x), B, heads, D, static_cast<const float*>(cos),
-                static_cast<const float*>(sin), static_cast<float*>(out), half_table);
+                static_cast<const float*>(sin), static_cast<float*>(out), half_table, rot);
       break;
     case DType::kBF16:
       rope_rows(static_cast<const uint16_t*>(x), B, heads, D, static_cast<const uint16_t*>(cos),
-                static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), half_table);
+                static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), half_table, rot);
       break;
     case DType::kF16:
       using H = attn_impl::Half;
       rope_rows(static_cast<const H*>(x), B, heads, D, static_cast<const H*>(cos), static_cast<const H*>(sin),
-                static_cast<H*>(out), half_table);
+                static_cast<H*>(out), half_table, rot);
       break;
   }
 }
 
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out, Isa isa, int num_threads, bool half_table) {
+                      const void* sin, void* out, Isa isa, int num_threads, bool half_table, int64_t rot) {
   const size_t es = dtype_size(dt);
-  const int64_t width = half_table ? D / 2 : D;  // table entries per row
+  if (rot <= 0) rot = D;
+  const int64_t width = half_table ? rot / 2 : rot;  // table entries per row
   auto rows = [&](int64_t b0, int64_t b1) {
     const char* xb = static_cast<const char*>(x) + b0 * heads * D * es;
     const char* cb = static_cast<const char*>(cos) + b0 * width * es;
     const char* sb = static_cast<const char*>(sin) + b0 * width * es;
     char* ob = static_cast<char*>(out) + b0 * heads * D * es;
 #if defined(HINA_HAVE_X86_KERNELS)
-    if (dt == DType::kBF16 && (isa == Isa::kAvx512 || isa == Isa::kAmx))
+    // (partial rotary dims: the baseline loops, not vectorised)
+    if (dt == DType::kBF16 && (isa == Isa::kAvx512 || isa == Isa::kAmx) && rot == D)
       return detail::rope_rotate_half_bf16_avx512(reinterpret_cast<const uint16_t*>(xb), b1 - b0, heads, D,
                                                   reinterpret_cast<const uint16_t*>(cb),
                                                   reinterpret_cast<const uint16_t*>(sb), reinterpret_cast<uint16_t*>(ob),
@@ -95,7 +100,7 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
 #else
     (void)isa;
 #endif
-    rope_rotate_half(dt, xb, b1 - b0, heads, D, cb, sb, ob, half_table);
+    rope_rotate_half(dt, xb, b1 - b0, heads, D, cb, sb, ob, half_table, rot);
   };
   split_rows(B, heads * D, num_threads, rows);
 }

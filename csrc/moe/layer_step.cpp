@@ -47,7 +47,7 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
         rope_interleaved_f32(a.dtype, x, 1, heads, a.D, reinterpret_cast<const float*>(cb),
                              reinterpret_cast<const float*>(sb), 0, out, 1);
       else
-        rope_rotate_half(a.dtype, x, 1, heads, a.D, cb, sb, out, a.half_table);
+        rope_rotate_half(a.dtype, x, 1, heads, a.D, cb, sb, out, a.half_table, a.rot);
     };
     rotate(qr, a.Hq, static_cast<char*>(a.q) + b * nq * es);
     char* kb = static_cast<char*>(a.k) + b * a.kv_bstride * es;

@@ -1550,6 +1550,27 @@ void test_attention_decode(const std::vector<Isa>& tiers) {
                                   std::to_string(Dm) + " threads=" + std::to_string(threads) +
                                   " half_table: the doubled table's bits");
         }
+      // partial rotary (GLM-4.5): the first rot values of each head rotated as a head of rot
+      // values on tables of rot values a row, the rest copied; every tier and thread count
+      const int64_t rot = Dm / 2 % 2 == 0 ? Dm / 2 : Dm / 2 + 1;
+      const size_t rb = static_cast<size_t>(rot) * es, db = static_cast<size_t>(Dm) * es;
+      const auto cr = random_array(dt, Bm * rot, 1.0f, rng);
+      const auto sr = random_array(dt, Bm * rot, 1.0f, rng);
+      std::vector<uint8_t> xr(static_cast<size_t>(Bm * Hm) * rb), yr(xr.size());
+      for (int64_t r = 0; r < Bm * Hm; ++r) std::memcpy(xr.data() + r * rb, xm.data() + r * db, rb);
+      rope_rotate_half(dt, xr.data(), Bm, Hm, rot, cr.data(), sr.data(), yr.data());
+      for (int64_t r = 0; r < Bm * Hm; ++r) {  // the rotated part, then the head's other values as they were
+        std::memcpy(want.data() + r * db, yr.data() + r * rb, rb);
+        std::memcpy(want.data() + r * db + rb, xm.data() + r * db + rb, db - rb);
+      }
+      for (Isa isa : all)
+        for (int threads : {1, 2}) {
+          std::vector<uint8_t> got(want.size(), 0xee);
+          rope_rotate_half(dt, xm.data(), Bm, Hm, Dm, cr.data(), sr.data(), got.data(), isa, threads, false, rot);
+          report(got == want, std::string("rope_rotate_half ") + dtype_name(dt) + " " + isa_name(isa) + " D=" +
+                                  std::to_string(Dm) + " rot=" + std::to_string(rot) + " threads=" +
+                                  std::to_string(threads) + ": a head of rot values, the rest copied");
+        }
     }
   }
 }

@@ -27,7 +27,9 @@ are not computed, so a call while transformers captures them (output_attentions)
 hook watches the module is the module's own. Attention sinks (GPT-OSS: a learned logit per head
 in the softmax's denominator, the module's `sinks`) and rotary tables of half the head size
 (GPT-OSS's cos/sin, applied to the two halves) are forms of their own, and so is ERNIE 4.5's
-rotation of interleaved pairs in float32 on float32 tables; a sliding window is in the
+rotation of interleaved pairs in float32 on float32 tables, and GLM-4.5's partial rotary (the
+first int(head_dim * partial_rotary_factor) values of a head rotated, the rest kept; tried first
+when the config sets the factor); a sliding window is in the
 mask transformers builds, which the kernels follow. What it computes is checked
 before it is patched: on a probe (random hidden states and rotary tables, a DynamicCache holding
 a few positions) its own forward and each known form run side by side. A form is taken when the
@@ -194,6 +196,21 @@ def _watched(module: nn.Module) -> bool:
     return not _idle_capture_hooks(module)
 
 
+def _partial_rotary_dims(module: nn.Module, D: int) -> int | None:
+    """The rotary dims of a head when the module's config rotates fewer than D of them (its
+    partial_rotary_factor, in rope_parameters or on the config, as the rotary modules read it:
+    int(D * factor)), else None."""
+    cfg = getattr(module, "config", None)
+    params = getattr(cfg, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(cfg, "partial_rotary_factor", None)
+    if type(factor) not in (int, float) or not 0 < factor < 1:
+        return None
+    rot = int(D * factor)
+    return rot if rot >= 2 and rot % 2 == 0 else None
+
+
 class NativeAttention:
     """One attention module whose decode calls run on the native rotary and attention kernels."""
 
@@ -227,6 +244,9 @@ class NativeAttention:
         # "interleaved_f32" (ERNIE 4.5: pairs (2i, 2i + 1), float32 math on float32 tables)
         self.rope = "rotate_half"
         self.table_dtype = self.dtype
+        # the rotary dims of a head (rotate_half: the first rot rotated, the rest kept; GLM-4.5's
+        # partial_rotary_factor makes it less than D)
+        self.rot = self.D
         # prefill calls on the native kernel (prefill_kernel), once the probe saw them match
         self.prefill = False
 
@@ -264,11 +284,12 @@ class NativeAttention:
 
     def table_width(self) -> int:
         """Values a row of the rotary tables the module takes holds."""
-        return self.D // 2 if self.half_table else self.D
+        return self.rot // 2 if self.half_table else self.rot
 
     def tables(self, ang: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the angles ang [..., D/2] as this module's rotary module hands them over
-        (the probes' tables): half-width or both halves, in the table dtype."""
+        (the probes' tables): half-width or both halves, of the rotary dims, in the table dtype."""
+        ang = ang[..., : self.rot // 2]
         emb = ang if self.half_table else torch.cat([ang, ang], dim=-1)
         return emb.cos().to(self.table_dtype), emb.sin().to(self.table_dtype)
 
@@ -282,7 +303,7 @@ class NativeAttention:
         else:
             self.native.rope_rotate_half_raw(x.data_ptr(), rows, heads, self.D, cos.data_ptr(), sin.data_ptr(),
                                              out.data_ptr(), _DTYPE_CODES[self.dtype], self.isa, threads,
-                                             self.half_table)
+                                             self.half_table, self.rot)
         return out
 
     def _decode(self, m: nn.Module, form: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
@@ -463,11 +484,16 @@ class NativeAttention:
             c.update(k0.clone(), v0.clone(), m.layer_idx)
             return c
 
-        # the rotary forms: (half-width tables, form, the tables' dtype)
-        ropes = [(False, "rotate_half", self.dtype), (True, "rotate_half", self.dtype),
-                 (False, "interleaved_f32", torch.float32)]
+        # the rotary forms: (half-width tables, form, the tables' dtype, rotary dims); the partial
+        # one first when the config asks for it (a module rotating whole heads on D-wide tables
+        # would match the full form on the probe's tables, and then get narrower ones at runtime)
+        ropes = [(False, "rotate_half", self.dtype, self.D), (True, "rotate_half", self.dtype, self.D),
+                 (False, "interleaved_f32", torch.float32, self.D)]
+        rot = _partial_rotary_dims(m, self.D)
+        if rot is not None:
+            ropes.insert(0, (False, "rotate_half", self.dtype, rot))
         with torch.no_grad():
-            for half, rope, tdt in ropes:
+            for half, rope, tdt, self.rot in ropes:
                 self.half_table, self.rope, self.table_dtype = half, rope, tdt
                 cos, sin = self.tables(ang)
                 wants = []
@@ -498,7 +524,7 @@ class NativeAttention:
                                             and self._prefill_matches(form, gen))
                             return True
         self.half_table = self.sinks = False
-        self.rope, self.table_dtype = "rotate_half", self.dtype
+        self.rope, self.table_dtype, self.rot = "rotate_half", self.dtype, self.D
         return False
 
     def _decode_matches(self, form: str, h, cos, sin, cache, mask, want, want_k, want_v) -> bool:

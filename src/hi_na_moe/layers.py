@@ -420,7 +420,7 @@ class NativeLayer:
             0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
             0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
             width if cos.numel() == B * width else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs,
-            threads, half, interleaved)
+            threads, half, interleaved, at.rot)
         if slot is not None:
             keys, values = kv_cache.commit(slot)
         else:
@@ -569,7 +569,8 @@ class NativeLayer:
             dense = self._dense_args(dt, B)
             if dense is None:
                 return None
-            return head + (None, 0, 0, 0, False, 0, None, 0, threads, ()) + tail + (-1, 0, 0.0, dense)
+            return head + (None, 0, 0, 0, False, 0, None, 0, threads, ()) + tail + (-1, 0, 0.0, dense, 1, 1, 1.0,
+                                                                                     at.rot)
         router, gate = moe.router, moe.gate
         cast = router.dtype is not dt  # (one_call_blocker: a biased float32 router)
         if gate.training or not router._unchanged(gate):
@@ -586,7 +587,7 @@ class NativeLayer:
         return head + (router.bound, router.experts, form, k, renorm, _DTYPE_CODES[router.weights_dtype(dt)],
                        fused[0], fused[1], threads, shared) + tail + (
                     _DTYPE_CODES[router.dtype] if cast else -1, sel["sel_bias"], sel["norm_min"], (),
-                    sel["sel_groups"], sel["sel_topk_group"], sel["sel_scale"])
+                    sel["sel_groups"], sel["sel_topk_group"], sel["sel_scale"], at.rot)
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

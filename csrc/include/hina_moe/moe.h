@@ -320,14 +320,17 @@ void add_rms_norm(DType dt, const void* a, const void* b, int64_t rows, int64_t 
 // the dtype as PyTorch's elementwise ops round them (bit-identical). x and out [B, heads, D],
 // cos and sin [B, D], all C-contiguous in dtype dt; D even; out may not overlap x. half_table:
 // cos and sin are [B, D/2], one angle for both halves (GPT-OSS's tables; the same bits as the
-// table written twice).
+// table written twice). rot (even, <= D; 0: D): partial rotary (GLM-4.5's partial_rotary_factor),
+// only the first rot values of each head rotated as a head of rot values, the rest copied as they
+// are; the tables then hold rot values a row (rot / 2 with half_table).
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out, bool half_table = false);
+                      const void* sin, void* out, bool half_table = false, int64_t rot = 0);
 // The same bits, for many rows (a prompt's B*T positions): bfloat16 on the AVX-512 build at
 // tiers avx512/amx (16 values a vector), rows split over num_threads (0: every hardware thread)
-// when there are enough; other dtypes and tiers the baseline loops.
+// when there are enough; other dtypes and tiers, and partial rotary, the baseline loops.
 void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const void* cos,
-                      const void* sin, void* out, Isa isa, int num_threads, bool half_table = false);
+                      const void* sin, void* out, Isa isa, int num_threads, bool half_table = false,
+                      int64_t rot = 0);
 // Rotary embedding, interleaved pairs in float32 (ERNIE 4.5's form): for pair i of a head,
 // c = cos[i], s = sin[i] (the first D/2 entries of a float32 table row of table_bstride values),
 //   out[2i]     = round_dt(f32(f32(x[2i] * c) + f32(-x[2i+1] * s)))
@@ -488,6 +491,7 @@ struct LayerPreArgs {
   // the rotation is rope_interleaved_f32's (ERNIE 4.5): cos and sin are float32, cos_bstride counts
   // float32 values
   bool interleaved_f32 = false;
+  int64_t rot = 0;  // rope_rotate_half's rotary dims (0: D)
 };
 void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 
