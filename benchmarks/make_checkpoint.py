@@ -25,7 +25,9 @@ re-initialised weights.
 Shapes: olmoe-1b-7b (OLMoE-1B-7B), qwen3-30b-a3b (Qwen3-30B-A3B), qwen1.5-moe-a2.7b
 (Qwen1.5-MoE-A2.7B: routed experts plus a shared expert and q/k/v biases), gpt-oss-20b
 (GPT-OSS-20B in bf16: sinks, sliding windows, biases, experts saved fused), ernie-4.5-21b-a3b
-(ERNIE-4.5-21B-A3B: a dense first layer, shared experts, a float32 router, interleaved rotary).
+(ERNIE-4.5-21B-A3B: a dense first layer, shared experts, a float32 router, interleaved rotary),
+glm-4.5-air (GLM-4.5-Air: a dense first layer, a shared expert, DeepSeek-V3's sigmoid router with a
+correction bias, partial rotary).
 
 `--verify` loads the result with `AutoModelForCausalLM.from_pretrained` (the whole model in
 RAM: use it on small `--layers`), fails on missing/unexpected/mismatched keys, checks a few
@@ -177,10 +179,42 @@ SHAPES: dict[str, dict] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # GLM-4.5-Air (its published config.json): a dense first layer, then 128 experts of width 1408
+    # (top-8) and a shared expert per layer, DeepSeek-V3's router (sigmoid scores, a score
+    # correction bias kept float32, one expert group), partial rotary (half of each head), q/k/v
+    # biases, untied embeddings
+    "glm-4.5-air": dict(
+        model_type="glm4_moe",
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        n_routed_experts=128,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        attention_bias=True,
+        use_qk_norm=False,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 1000000.0, "partial_rotary_factor": 0.5, "rope_type": "default"},
+        tie_word_embeddings=False,
+        pad_token_id=151329,
+        eos_token_id=151329,
+    ),
 }
 
 ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM"}
 # families whose fused experts transformers saves fused (not one nn.Linear layout per expert)
 SAVED_FUSED = {"gpt_oss"}
 # parameter names transformers saves under another key (its checkpoint conversion, reversed)
@@ -242,7 +276,9 @@ def checkpoint_tensors(config) -> list[TensorSpec]:
     specs: list[TensorSpec] = []
     fused = config.model_type in SAVED_FUSED
     renames = SAVED_RENAMES.get(config.model_type, ())
-    for name, param in model.named_parameters():
+    saved = set(model.state_dict())  # persistent buffers are saved too (DeepSeek-V3's correction bias)
+    buffers = [(n, b) for n, b in model.named_buffers() if n in saved]
+    for name, param in [*model.named_parameters(), *buffers]:
         shape = tuple(param.shape)
         for old, new in renames:
             name = name.replace(old, new)
@@ -292,6 +328,8 @@ def check_against_save_pretrained(model_type: str) -> None:
                       num_key_value_heads=2)
     else:
         params.update(intermediate_size=80, moe_intermediate_size=48, num_key_value_heads=2, head_dim=16)
+        if model_type == "glm4_moe":
+            params.update(n_routed_experts=4)
     config = AutoConfig.for_model(model_type, **params)
     ours = {s.name: s.shape for s in checkpoint_tensors(config)}
     model = AutoModelForCausalLM.from_config(config)
