@@ -24,7 +24,7 @@ def _native_isa(tier: str) -> bool:
 
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
-FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "aria")
 
 
 class _Count:

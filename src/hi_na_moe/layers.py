@@ -248,14 +248,15 @@ class NativeLayer:
         router's and its experts' module calls, or None. The forms: the router then the experts
         (OLMoE, Mixtral, Qwen3-MoE; GPT-OSS's router child is named router and its block also
         returns the router's scores, which its layer drops), and those plus a sigmoid-gated shared
-        expert (Qwen2-MoE) or shared experts added as they are (ERNIE 4.5), each called as a
-        module; the layer's probe tells whether the block computes that."""
+        expert (Qwen2-MoE) or shared experts added as they are (ERNIE 4.5, GLM-4.5, Aria), each
+        called as a module; the layer's probe tells whether the block computes that."""
         from .patching import patched_experts, patched_runner
         from .routers import NativeRouter
 
         children = {n for n, _ in mlp.named_children()}
         shared = children == {"gate", "experts", "shared_expert", "shared_expert_gate"}
-        plain = children == {"gate", "experts", "shared_experts"}  # ERNIE 4.5: added, no gate
+        # added, no gate: ERNIE 4.5, GLM-4.5, dots.llm1 (gate), Aria (router)
+        plain = children in ({"gate", "experts", "shared_experts"}, {"router", "experts", "shared_experts"})
         if (not (children in ({"gate", "experts"}, {"router", "experts"}) or shared or plain)
                 or mlp.__dict__.get("forward") is not None):
             return None
