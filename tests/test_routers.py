@@ -30,6 +30,9 @@ EXPECTED = {
     # DeepSeek-V3's grouped sigmoid form, float32 logits from a bf16 weight
     "deepseek_v3": "sigmoid-group-topk, float32 logits", "glm4_moe": "sigmoid-group-topk, float32 logits",
     "dots1": "sigmoid-group-topk, float32 logits", "solar_open": "sigmoid-group-topk, float32 logits",
+    # the correction bias as the forward's argument: MiniMax-M2 (logits in the weight's dtype, no
+    # epsilon: NaN weights over zero scores) and Hunyuan-V3 (float32 logits, scaled)
+    "minimax_m2": "sigmoid-topk, bias argument", "hy_v3": "sigmoid-topk, bias argument, float32 logits, +1e-20, scaled",
 }
 
 
@@ -64,12 +67,14 @@ def test_router_forms_across_families(model_type):
             mod = dict(model.named_modules())[name]
             h = (torch.randn(4, runner.hidden, generator=gen)).bfloat16()
             assert runner.select is not None  # every known form has its native selection
+            bias = torch.randn(runner.experts, generator=gen) * 0.3 if runner.bias_arg else None
+            arg = () if bias is None else (bias,)
             with torch.inference_mode():
-                got = mod(h)
-                own = type(mod).forward(mod, h)
+                got = mod(h, *arg)
+                own = type(mod).forward(mod, h, *arg)
                 # the form in PyTorch on the native logits: the same experts in the same order,
                 # the weights within a few float32 ulps (router_select's exp is not PyTorch's)
-                by_hand = runner.form(runner._logits, h)
+                by_hand = runner.form(runner._logits, h, bias)
             for g, o, b in zip(got, own, by_hand):
                 assert g.dtype == o.dtype and g.shape == o.shape and g.dtype == b.dtype
             assert torch.equal(got[0], by_hand[0]) and torch.equal(got[2], by_hand[2])
@@ -212,14 +217,15 @@ def test_routing_linears_stay_lossless_when_the_rest_is_quantised(weights):
     assert {d.name: d.weights for d in plan.dense}[name] == "lossless"
 
 
-def _select(logits, k, form, renorm, w_dtype, bias=None, norm_min=0.0, groups=1, topk_group=1, scale=1.0):
+def _select(logits, k, form, renorm, w_dtype, bias=None, norm_min=0.0, groups=1, topk_group=1, scale=1.0, eps=1e-20):
     from hi_na_moe.hardware import native_module
 
     B, E = logits.shape
     w, idx = torch.empty(B, k, dtype=w_dtype), torch.empty(B, k, dtype=torch.int64)
     native_module()[0].router_select_raw(routers._CODES[logits.dtype], logits.data_ptr(), B, E, k, form, renorm,
                                          routers._CODES[w_dtype], w.data_ptr(), idx.data_ptr(),
-                                         0 if bias is None else bias.data_ptr(), norm_min, groups, topk_group, scale)
+                                         0 if bias is None else bias.data_ptr(), norm_min, groups, topk_group, scale,
+                                         eps)
     return w, idx
 
 
@@ -254,6 +260,30 @@ def test_router_select_grouped_sigmoid_form_against_deepseek_v3s_router(E, k, gr
     choice = x.sigmoid() + router.e_score_correction_bias
     if groups == 1:
         assert not torch.equal(torch.sort(-choice, dim=-1, stable=True).indices[:, :k], idx)
+
+
+def test_router_select_sigmoid_form_without_epsilon_against_minimax_m2s_router():
+    """One group and no epsilon (MiniMax-M2's router, the bias its forward's argument): the same
+    experts in the same order as the module (an identity weight, so its logits are the rows),
+    weights within a few float32 ulps, and NaN weights where every chosen score is zero."""
+    from transformers import MiniMaxM2Config
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
+
+    E, k = 16, 4
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-4, 5, (300, E), generator=gen).float() / 4
+    x[::3] = torch.randn(100, E, generator=gen) * 3
+    x[7] = -200.0  # every score zero: 0 / 0
+    router = MiniMaxM2TopKRouter(MiniMaxM2Config(hidden_size=E, num_local_experts=E, num_experts_per_tok=k))
+    bias = torch.randint(-2, 3, (E,), generator=gen).float() / 64
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+        logits, want_w, want_idx = router(x, bias)
+    assert torch.equal(logits, x) and want_w[7].isnan().all()
+    w, idx = _select(x, k, 2, True, torch.float32, bias, 0.0, 1, 1, 1.0, 0.0)
+    assert torch.equal(idx, want_idx) and torch.equal(w.isnan(), want_w.isnan())
+    ok = ~want_w.isnan()
+    assert ((w[ok] - want_w[ok]).abs() <= routers._SELECT_RTOL[torch.float32] * want_w[ok].abs()).all()
 
 
 def test_router_select_grouped_form_checks_its_settings():

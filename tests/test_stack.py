@@ -376,16 +376,26 @@ def test_ernie_decodes_in_one_call_with_its_dense_layer_biased_router_and_shared
         hi_na_moe.disable_for_model(model)
 
 
-@pytest.mark.parametrize("model_type", ["glm4_moe", "dots1", "solar_open"])
-def test_grouped_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monkeypatch):
-    """DeepSeek-V3's router form (sigmoid scores, a score-correction bias that matters, two
-    expert groups of which one is kept, float32 logits from a bf16 weight) beside shared experts
-    and dense first layers: GLM-4.5 (its partial rotary too), dots.llm1 and Solar Open decode in
-    one native call, bit for bit the stack's own forward and its loop, padding included."""
+_GROUPED = {"n_group": 2, "topk_group": 1}
+_SIGMOID_ROUTERS = {"glm4_moe": ("sigmoid-group-topk, float32 logits", _GROUPED),
+                    "dots1": ("sigmoid-group-topk, float32 logits", _GROUPED),
+                    "solar_open": ("sigmoid-group-topk, float32 logits", _GROUPED),
+                    "minimax_m2": ("sigmoid-topk, bias argument", {}),
+                    "hy_v3": ("sigmoid-topk, bias argument, float32 logits, +1e-20, scaled", {})}
+
+
+@pytest.mark.parametrize("model_type", list(_SIGMOID_ROUTERS))
+def test_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monkeypatch):
+    """Sigmoid routers with a score-correction bias that matters, beside shared experts and
+    dense first layers, decode in one native call, bit for bit the stack's own forward and its
+    loop, padding included: DeepSeek-V3's form (two expert groups of which one is kept, float32
+    logits from a bf16 weight) in GLM-4.5 (its partial rotary too), dots.llm1 and Solar Open; the
+    bias as the router's argument, the block's buffer, in MiniMax-M2 and Hunyuan-V3."""
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
-    model = build_tiny(model_type, dtype=torch.bfloat16, n_group=2, topk_group=1).model.eval()
+    form, overrides = _SIGMOID_ROUTERS[model_type]
+    model = build_tiny(model_type, dtype=torch.bfloat16, **overrides).model.eval()
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for name, buf in model.named_buffers():
@@ -396,7 +406,7 @@ def test_grouped_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monk
         assert rep.stacks == ["model"] and not rep.stacks_differ and not rep.stacks_loop_only
         assert rep.routers and not rep.routers_differ and not rep.routers_select_pytorch
         moe = [patched_runner(layer).moe for layer in model.model.layers if patched_runner(layer).moe is not None]
-        assert moe and all(m.router.form_name == "sigmoid-group-topk, float32 logits" for m in moe)
+        assert moe and all(m.router.form_name == form for m in moe)
         # a dense layer (first_k_dense_replace) in the call too
         assert all(patched_runner(layer).dense is not None for layer in model.model.layers
                    if patched_runner(layer).moe is None)
@@ -406,6 +416,12 @@ def test_grouped_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monk
         count = _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
                       attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
         assert count.one_calls == 3
+        # the biases changed in place after enable: read at the next step, in the one call too
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
+        assert _same(model, ids, steps=3).one_calls == 3
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -556,7 +556,7 @@ class StepPlan {
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
                  int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table,
                  bool interleaved_f32, int router_dtype, uintptr_t sel_bias, float norm_min, nb::tuple mlp,
-                 int64_t sel_groups, int64_t sel_topk_group, float sel_scale, int64_t rot) {
+                 int64_t sel_groups, int64_t sel_topk_group, float sel_scale, int64_t rot, float sel_eps) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
     if (shared.size() != 0 && shared.size() != 3 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I[, gate]) of a shared expert");
@@ -621,6 +621,7 @@ class StepPlan {
       d.post.select.groups = sel_groups;
       d.post.select.topk_group = sel_topk_group;
       d.post.select.scale = sel_scale;
+      d.post.select.eps = sel_eps;
       d.post.experts = be.packed();
       d.post.experts_params = be.params();
       d.post.experts_threads = experts_threads;
@@ -1170,7 +1171,7 @@ NB_MODULE(_native, m) {
            uintptr_t shared_out, uintptr_t shared_logit, uintptr_t sinks, int router_dtype, uintptr_t router_in,
            uintptr_t sel_bias, float norm_min, const BoundForward* mlp_gate_up, const BoundForward* mlp_down,
            int64_t mlp_I, uintptr_t mlp_gu, uintptr_t mlp_m, uintptr_t mlp_out, int64_t sel_groups,
-           int64_t sel_topk_group, float sel_scale) -> nb::object {
+           int64_t sel_topk_group, float sel_scale, float sel_eps) -> nb::object {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -1197,6 +1198,7 @@ NB_MODULE(_native, m) {
             a.select.groups = sel_groups;
             a.select.topk_group = sel_topk_group;
             a.select.scale = sel_scale;
+            a.select.eps = sel_eps;
             if (sel_w != 0) {
               check_select("layer_decode_post_raw", sel_form, sel_E, sel_k, sel_groups, sel_topk_group, sel_bias);
               a.select.E = sel_E;
@@ -1256,6 +1258,7 @@ NB_MODULE(_native, m) {
         nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.f, nb::arg("mlp_gate_up").none() = nb::none(),
         nb::arg("mlp_down").none() = nb::none(), nb::arg("mlp_I") = 0, nb::arg("mlp_gu") = 0, nb::arg("mlp_m") = 0,
         nb::arg("mlp_out") = 0, nb::arg("sel_groups") = 1, nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f,
+        nb::arg("sel_eps") = 1e-20f,
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
         "in attn_out; sinks != 0: float32 [Hq], the heads' attention sinks; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
         "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
@@ -1266,7 +1269,7 @@ NB_MODULE(_native, m) {
         "shared_logit [B]); router_dtype (a code other than dtype's, -1: dtype): the router's, normed converted "
         "to it in router_in [B, H] for its linear, the logits of it; sel_bias: float32 [sel_E], the top k of "
         "softmax + sel_bias choose and the renormalising sum is at least norm_min (sel_form 2: router_select's "
-        "grouped sigmoid form with sel_groups, sel_topk_group and sel_scale); router None and mlp_gate_up, "
+        "grouped sigmoid form with sel_groups, sel_topk_group, sel_scale and sel_eps); router None and mlp_gate_up, "
         "mlp_down (I = mlp_I): a dense layer, sum += its gated MLP on normed (scratch mlp_gu [B, 2 I], mlp_m "
         "[B, I], mlp_out [B, H]). For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
         "addresses crash.");
@@ -1311,7 +1314,7 @@ NB_MODULE(_native, m) {
       "the attention's float32 sinks [Hq] or 0, kept alive by the caller, half_table: cos/sin rows of D/2 values, "
       "interleaved_f32: ERNIE's rotation on float32 cos/sin, router_dtype: the router's dtype code when it differs "
       "from the layer's (else -1), sel_bias: the address of a float32 score-correction bias [E] or 0 (kept alive "
-      "by the caller) with norm_min (sel_groups, sel_topk_group, sel_scale: the grouped sigmoid form's; rot: partial rotary dims, 0: D), and mlp: () or, for a dense layer (router None), its gated MLP's (gate/up "
+      "by the caller) with norm_min (sel_groups, sel_topk_group, sel_scale, sel_eps: the grouped sigmoid form's; rot: partial rotary dims, 0: D), and mlp: () or, for a dense layer (router None), its gated MLP's (gate/up "
       "group, down projection, intermediate size)). run(B, x, cos, sin, "
       "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
@@ -1327,7 +1330,8 @@ NB_MODULE(_native, m) {
            nb::arg("experts").none(), nb::arg("experts_threads"), nb::arg("num_threads"), nb::arg("shared"),
            nb::arg("sinks"), nb::arg("half_table"), nb::arg("interleaved_f32"), nb::arg("router_dtype"),
            nb::arg("sel_bias"), nb::arg("norm_min"), nb::arg("mlp"), nb::arg("sel_groups") = 1,
-           nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f, nb::arg("rot") = 0)
+           nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f, nb::arg("rot") = 0,
+           nb::arg("sel_eps") = 1e-20f)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),
@@ -1336,7 +1340,7 @@ NB_MODULE(_native, m) {
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,
            uintptr_t w, uintptr_t idx, uintptr_t sel_bias, float norm_min, int64_t groups, int64_t topk_group,
-           float scale) {
+           float scale, float eps) {
           if (B < 0 || E < 1 || k < 1 || k > E) bad("router_select: need B >= 0 and 1 <= k <= E");
           check_select("router_select", form, E, k, groups, topk_group, sel_bias);
           if (dtype < 0 || dtype > 2 || w_dtype < 0 || w_dtype > 2) bad("router_select: dtype codes are 0, 1 or 2");
@@ -1348,17 +1352,19 @@ NB_MODULE(_native, m) {
           a.groups = groups;
           a.topk_group = topk_group;
           a.scale = scale;
+          a.eps = eps;
           hina::router_select(a);
         },
         nb::arg("dtype"), nb::arg("logits"), nb::arg("B"), nb::arg("E"), nb::arg("k"), nb::arg("form"),
         nb::arg("renorm"), nb::arg("w_dtype"), nb::arg("w"), nb::arg("idx"), nb::arg("sel_bias") = 0,
         nb::arg("norm_min") = 0.0f, nb::arg("groups") = 1, nb::arg("topk_group") = 1, nb::arg("scale") = 1.0f,
+        nb::arg("eps") = 1e-20f,
         "router_select() (moe.h) with raw addresses, addresses unchecked (dtype codes: 0 float32, 1 bfloat16, "
         "2 float16; form 0 softmax-topk, 1 topk-softmax, 2 sigmoid-group-topk): logits [B, E] -> w [B, k] of "
         "w_dtype, int64 idx [B, k], the top-k's ties moved as torch.topk moves them; sel_bias != 0 (form 0): "
         "float32 [E] added to the probabilities to choose, the weights the probabilities, renorm over max(sum, "
         "norm_min); form 2 (DeepSeek-V3's): sigmoid scores plus sel_bias (required) choose within the topk_group "
-        "best of `groups` expert groups, the weights the scores (renorm: over sum + 1e-20) times scale. For "
+        "best of `groups` expert groups, the weights the scores (renorm: over sum + eps) times scale. For "
         "hi_na_moe.routers. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {

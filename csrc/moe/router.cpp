@@ -107,7 +107,7 @@ void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, std::vect
     sum += w[j];
   }
   if (a.renorm) {
-    const float d = sum + 1e-20f;
+    const float d = sum + a.eps;
     for (int64_t j = 0; j < a.k; ++j) w[j] /= d;
   }
   for (int64_t j = 0; j < a.k; ++j) w[j] *= a.scale;

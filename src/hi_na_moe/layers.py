@@ -265,18 +265,24 @@ class NativeLayer:
         if not isinstance(router, NativeRouter) or runner is None or router.hidden != self.hidden:
             return None
         H = self.hidden
+        # a router taking the correction bias as an argument (MiniMax-M2, Hunyuan-V3): the block's
+        # buffer, read at every call (the layer's probe shows the block passes it)
+        buffers = mlp._buffers
+        if router.bias_arg and not isinstance(buffers.get(routers.BIAS_BUFFER), torch.Tensor):
+            return None
 
         def moe(x: torch.Tensor, logits: torch.Tensor | None = None, chosen: tuple | None = None) -> torch.Tensor:
             """The block's output; `logits`: the router's, already computed natively from x
             (layer_decode_post), after router._unchanged(gate) said its packed copy is current;
             `chosen`: with them, the router's (weights, indices) from router_select."""
             h = x.view(-1, H)
+            arg = (buffers.get(routers.BIAS_BUFFER),) if router.bias_arg else ()
             if chosen is not None:
                 w, idx = chosen
             elif logits is None:
-                _, w, idx = router.forward(gate, h)
+                _, w, idx = router.forward(gate, h, *arg)
             else:
-                _, w, idx = router.form(lambda _: logits, h)
+                _, w, idx = router.form(lambda _: logits, h, router._bias(*arg) if router.biased else None)
             out = runner.fast(h, idx, w)
             if out is None:
                 out = experts(h, idx, w)
@@ -287,6 +293,8 @@ class NativeLayer:
             return out.view(x.shape)
 
         moe.router, moe.gate, moe.experts, moe.shared = router, gate, runner, shared or plain
+        # the correction bias as the native calls read it (router._bias), or None
+        moe.bias = lambda: router._bias(buffers.get(routers.BIAS_BUFFER) if router.bias_arg else None)
         moe.shared_native = self._shared_native(mlp, plain) if shared or plain else None
         return moe
 
@@ -445,7 +453,7 @@ class NativeLayer:
         cast = router is not None and router.dtype is not dt
         use_router = (router is not None and (not cast or router.biased) and B <= ROUTER_MAX_ROWS
                       and not gate.training and router._unchanged(gate))
-        bias = router._bias() if use_router and router.biased else None
+        bias = moe.bias() if use_router and router.biased else None
         if bias is None and use_router and router.biased:  # not as the form reads it: its own forward
             use_router = False
         extra = {}
@@ -571,12 +579,12 @@ class NativeLayer:
             if dense is None:
                 return None
             return head + (None, 0, 0, 0, False, 0, None, 0, threads, ()) + tail + (-1, 0, 0.0, dense, 1, 1, 1.0,
-                                                                                     at.rot)
+                                                                                     at.rot, 1e-20)
         router, gate = moe.router, moe.gate
         cast = router.dtype is not dt  # (one_call_blocker: a biased float32 router)
         if gate.training or not router._unchanged(gate):
             return None
-        bias = router._bias() if router.biased else None
+        bias = moe.bias() if router.biased else None
         if router.biased and bias is None:
             return None
         form, k, renorm = router.select[:3]
@@ -588,7 +596,7 @@ class NativeLayer:
         return head + (router.bound, router.experts, form, k, renorm, _DTYPE_CODES[router.weights_dtype(dt)],
                        fused[0], fused[1], threads, shared) + tail + (
                     _DTYPE_CODES[router.dtype] if cast else -1, sel["sel_bias"], sel["norm_min"], (),
-                    sel["sel_groups"], sel["sel_topk_group"], sel["sel_scale"], at.rot)
+                    sel["sel_groups"], sel["sel_topk_group"], sel["sel_scale"], at.rot, sel["sel_eps"])
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

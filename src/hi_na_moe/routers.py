@@ -33,8 +33,16 @@ Two forms can be the same function up to float32 rounding (a softmax over the to
 softmax over all renormalised over the top k); when both reproduce a probe the first in the list
 is used, and the two differ at most in the last bit of the scores.
 
-Other routers (MiniMax-M2's and Hunyuan's, which take the bias as an argument; DeepSeek-V2's
-softmax groups) match none of the forms and stay PyTorch's; the report names them.
+- sigmoid-topk, bias argument (MiniMax-M2, Hunyuan-V3): the router's forward takes the correction
+  bias as its second argument (the MoE block's `e_score_correction_bias` buffer); sigmoid scores
+  of the logits (in the weight's dtype, or float32), the top k of scores plus the bias (unsorted),
+  the chosen scores over their sum (plus 1e-20 or not: MiniMax-M2's gives NaN weights where every
+  chosen score is zero, and the probe tells them apart by that), optionally times
+  router_scaling_factor. Probed with a random bias; a bias of bfloat16 or float16 is read through
+  a float32 copy, made again when the tensor changes.
+
+Other routers (DeepSeek-V2's softmax groups, ...) match none of the forms and stay PyTorch's; the
+report names them.
 
 The native logits are the same dot products accumulated in float32 in another order, then
 rounded once: they can differ from F.linear's in the last bit (the probe checks they are within
@@ -68,7 +76,8 @@ NATIVE_SELECT = True  # the softmax and top-k after the logits on router_select 
 # the dtype's rounding of a float32 sum taken in another order
 _LOGIT_RTOL = {torch.float32: 2.0**-16, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
-Form = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], tuple]
+# a form: (linear, h, the score-correction bias or None) -> (logits, weights, indices)
+Form = Callable[..., tuple]
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # the weights of router_select may differ from the form's by this much (relative): float32
 # softmaxes with another exp (a few ulps), or one step of the dtype they are cast to
@@ -76,7 +85,7 @@ _SELECT_RTOL = {torch.float32: 2.0**-18, torch.bfloat16: 2.0**-7, torch.float16:
 
 
 def _softmax_topk(k: int, renorm: bool, cast: bool) -> Form:
-    def run(linear, h):
+    def run(linear, h, bias=None):
         logits = linear(h)
         probs = F.softmax(logits, dtype=torch.float, dim=-1)
         top, idx = torch.topk(probs, k, dim=-1)
@@ -93,7 +102,7 @@ def _softmax_topk(k: int, renorm: bool, cast: bool) -> Form:
 
 
 def _topk_softmax(k: int, float_first: bool, cast: bool) -> Form:
-    def run(linear, h):
+    def run(linear, h, bias=None):
         logits = linear(h)
         if float_first:
             logits = logits.float()
@@ -110,7 +119,9 @@ def _topk_softmax(k: int, float_first: bool, cast: bool) -> Form:
 
 
 _CORRECTION = "e_score_correction_bias"
-_NO_GROUPS = (1, 1, 1.0)  # router_select's groups, topk_group and scale for the ungrouped forms
+BIAS_BUFFER = _CORRECTION  # the MoE block's buffer a bias-argument router is called with
+# router_select's groups, topk_group, scale and renormalising epsilon for the ungrouped forms
+_NO_GROUPS = (1, 1, 1.0, 1e-20)
 
 
 def _correction_path(module: nn.Module) -> tuple[str, ...] | None:
@@ -135,10 +146,11 @@ def _correction(module: nn.Module, path: tuple[str, ...]):
 
 
 def _softmax_biased_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> Form:
-    def run(linear, h):
+    def run(linear, h, bias=None):
         logits = linear(h.float())
         probs = F.softmax(logits, dim=1, dtype=torch.float)
-        _, idx = torch.topk(probs + _correction(module, path).squeeze(), k, dim=-1)
+        b = _correction(module, path) if bias is None else bias
+        _, idx = torch.topk(probs + b.squeeze(), k, dim=-1)
         w = torch.gather(probs, dim=-1, index=idx)
         w = w / torch.clamp(w.sum(dim=-1, keepdim=True), min=module.norm_min)
         return logits, w.to(h.dtype), idx
@@ -149,10 +161,10 @@ def _softmax_biased_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> Fo
 
 
 def _sigmoid_group_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> Form:
-    def run(linear, h):
+    def run(linear, h, bias=None):
         logits = linear(h.float())
         scores = logits.sigmoid()
-        choice = scores + _correction(module, path)
+        choice = scores + (_correction(module, path) if bias is None else bias)
         G, E = module.num_group, logits.shape[-1]
         group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
         group_idx = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
@@ -165,10 +177,52 @@ def _sigmoid_group_topk(k: int, module: nn.Module, path: tuple[str, ...]) -> For
         return logits, w * module.routed_scaling_factor, idx
 
     run.native = lambda dt: (2, k, bool(module.norm_topk_prob), torch.float32, False,  # type: ignore[attr-defined]
-                             (module.num_group, module.topk_group, float(module.routed_scaling_factor)))
+                             (module.num_group, module.topk_group, float(module.routed_scaling_factor), 1e-20))
     run.biased = True  # type: ignore[attr-defined]
     run.float_logits = True  # type: ignore[attr-defined]  (float32 logits of a router of any dtype)
     return run
+
+
+def _sigmoid_topk_arg(k: int, module: nn.Module, float_logits: bool, eps: float, scale: str | None) -> Form:
+    """MiniMax-M2's and Hunyuan-V3's routers: the score-correction bias is their forward's second
+    argument (the MoE block holds it)."""
+    def run(linear, h, bias=None):
+        logits = linear(h.float()) if float_logits else linear(h)
+        scores = logits.float().sigmoid()
+        idx = torch.topk(scores + bias, k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + eps) if eps else w / w.sum(dim=-1, keepdim=True)
+        if scale is not None:
+            w = w * getattr(module, scale)
+        return logits, w, idx
+
+    run.native = lambda dt: (2, k, True, torch.float32, False,  # type: ignore[attr-defined]
+                             (1, 1, 1.0 if scale is None else float(getattr(module, scale)), eps))
+    run.biased = True  # type: ignore[attr-defined]
+    run.float_logits = float_logits  # type: ignore[attr-defined]
+    return run
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal, NaNs in the same places counting as equal (a renormalisation over a sum of
+    zero scores gives NaN weights, which a form must reproduce)."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
+def _takes_bias_argument(forward) -> bool:
+    """Whether a router's (bound) forward takes the score-correction bias as a second positional
+    argument (`forward(hidden_states, e_score_correction_bias)`)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return (len(params) == 2 and params[1].name.endswith("bias")
+            and all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params))
 
 
 def _grouped(module: nn.Module) -> bool:
@@ -178,9 +232,16 @@ def _grouped(module: nn.Module) -> bool:
             and type(d.get("norm_topk_prob")) is bool and type(d.get("routed_scaling_factor")) in (int, float))
 
 
-def _forms(k: int, module: nn.Module | None = None) -> list[tuple[str, Form]]:
+def _forms(k: int, module: nn.Module | None = None, bias_arg: bool = False) -> list[tuple[str, Form]]:
     """Every variant of the known forms for top-k size k, with its name for the report (with the
-    module: also those reading its score-correction bias and settings)."""
+    module: also those reading its score-correction bias and settings; with bias_arg: those taking
+    the bias as the forward's argument)."""
+    if bias_arg:
+        d = module.__dict__
+        scale = "router_scaling_factor" if type(d.get("router_scaling_factor")) in (int, float) else None
+        return [(f"sigmoid-topk, bias argument{', float32 logits' if fl else ''}{', +1e-20' if eps else ''}"
+                 f"{', scaled' if scale else ''}", _sigmoid_topk_arg(k, module, fl, eps, scale))
+                for fl in (True, False) for eps in (1e-20, 0.0)]
     path = None if module is None else _correction_path(module)
     if path is not None:  # only forms that read it: a probe of a bias that is still zeros would pass the others
         out = []
@@ -259,6 +320,14 @@ class NativeRouter:
         # the form's score-correction bias (softmax-biased-topk): its path in the module, read at
         # every step; router_select chooses with it
         self.correction: tuple[str, ...] | None = None
+        # or the bias is the forward's second argument (MiniMax-M2, Hunyuan-V3: the block holds it),
+        # probed with _probe_bias
+        self.bias_arg = _takes_bias_argument(original_forward)
+        self._probe_bias = (torch.randn(self.experts, generator=torch.Generator().manual_seed(17)) * 0.3
+                            if self.bias_arg else None)
+        # (key, float32 copy, the tensor copied) of a bias argument of another dtype (_bias); the
+        # tensor is held so that its id is not reused while the key names it
+        self._bias_copy: tuple | None = None
         # router_select's (form, k, renorm, weights' dtype, float32 logits out) when it reproduces
         # the form (matches)
         self.select: tuple | None = None
@@ -310,16 +379,25 @@ class NativeRouter:
     def biased(self) -> bool:
         """Whether the form chooses with a score-correction bias (the layers' native calls then
         pass it, as _bias() reads it, to their selection)."""
-        return self.correction is not None
+        return self.correction is not None or self.bias_arg
 
-    def _bias(self) -> torch.Tensor | None:
+    def _bias(self, arg: torch.Tensor | None = None) -> torch.Tensor | None:
         """The form's score-correction bias as the form and router_select read it (float32, one
-        contiguous value per expert, on the CPU), or None when it is not so any more."""
-        t = _correction(self.module, self.correction)
-        if (type(t) not in (torch.Tensor, nn.Parameter) or t.dtype is not torch.float32 or t.numel() != self.experts
-                or not t.is_contiguous() or not t.is_cpu):
+        contiguous value per expert, on the CPU), or None when it is not so any more: the module's
+        own, or with bias_arg the forward's argument `arg` (bfloat16 or float16 converted, which is
+        exact, as the form's addition promotes it)."""
+        t = arg if self.bias_arg else _correction(self.module, self.correction)
+        if (type(t) not in (torch.Tensor, nn.Parameter) or t.numel() != self.experts or not t.is_cpu
+                or t.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
             return None
-        return t
+        if t.dtype is not torch.float32 and self.bias_arg:
+            # a float32 copy, kept until the tensor changes: the stack's one call holds its address
+            # across steps (StepPlan), so it must outlive this call and stay put
+            key = (id(t), t.data_ptr(), t._version)
+            if self._bias_copy is None or self._bias_copy[0] != key:
+                self._bias_copy = (key, t.detach().float().reshape(-1).contiguous(), t)
+            return self._bias_copy[1]
+        return t if t.dtype is torch.float32 and t.is_contiguous() else None
 
     def weights_dtype(self, dt: torch.dtype) -> torch.dtype:
         """The dtype of the weights router_select gives for inputs of dtype dt (self.select set):
@@ -330,10 +408,10 @@ class NativeRouter:
     def select_settings(self, bias: torch.Tensor | None) -> dict:
         """router_select's arguments beyond the form (the native calls' names): the score-correction
         bias's address and norm_min, and the grouped form's groups, topk_group and scale."""
-        groups, topk_group, scale = self.select[5]
+        groups, topk_group, scale, eps = self.select[5]
         return {"sel_bias": 0 if bias is None else bias.data_ptr(),
                 "norm_min": float(self.module.__dict__.get("norm_min", 0.0)) if bias is not None else 0.0,
-                "sel_groups": groups, "sel_topk_group": topk_group, "sel_scale": scale}
+                "sel_groups": groups, "sel_topk_group": topk_group, "sel_scale": scale, "sel_eps": eps}
 
     def select_into(self, logits: torch.Tensor, wdt: torch.dtype, bias: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -343,7 +421,7 @@ class NativeRouter:
         form, k, renorm = self.select[:3]
         B = logits.shape[0]
         t = None
-        if self.correction is not None:
+        if self.biased:
             t = self._bias() if bias is None else bias
             if t is None:
                 return None
@@ -351,7 +429,7 @@ class NativeRouter:
         w, idx = torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64)
         self.native.router_select_raw(_CODES[self.dtype], logits.data_ptr(), B, self.experts, k, form, renorm,
                                       _CODES[wdt], w.data_ptr(), idx.data_ptr(), a["sel_bias"], a["norm_min"],
-                                      a["sel_groups"], a["sel_topk_group"], a["sel_scale"])
+                                      a["sel_groups"], a["sel_topk_group"], a["sel_scale"], a["sel_eps"])
         return w, idx
 
     def _select_reproduces(self, h: torch.Tensor) -> bool:
@@ -359,17 +437,19 @@ class NativeRouter:
         _SELECT_RTOL, from F.linear's logits of h and from tie-heavy logits."""
         gen = torch.Generator().manual_seed(13)
         ties = (torch.randint(-6, 7, (256, self.experts), generator=gen).float() / 4).to(self.dtype)
+        bias = self._probe_bias if self.bias_arg else None
         for logits in (self._reference_logits(h).contiguous(), ties):
-            _, want_w, want_idx = self.form(lambda _: logits, logits)
-            got = self.select_into(logits, want_w.dtype)
+            _, want_w, want_idx = self.form(lambda _: logits, logits, bias)
+            got = self.select_into(logits, want_w.dtype, bias)
             if got is None:
                 return False
             w, idx = got
             if w.dtype != want_w.dtype or not torch.equal(idx, want_idx):
                 return False
             want = want_w.float()
+            nan = want.isnan()  # (a renormalisation over zero scores: NaN in both, in the same places)
             tol = _SELECT_RTOL[w.dtype] * want.abs() + torch.finfo(torch.float32).tiny
-            if not bool(((w.float() - want).abs() <= tol).all()):
+            if not torch.equal(w.isnan(), nan) or not bool(((w.float() - want).abs() <= tol)[~nan].all()):
                 return False
         return True
 
@@ -388,17 +468,18 @@ class NativeRouter:
 
     def _reproduces(self, candidates: list[tuple[str, Form]], h: torch.Tensor) -> list[tuple[str, Form]]:
         """The candidates whose output on h is the module's own, bit for bit."""
+        bias = self._probe_bias if self.bias_arg else None
         try:
-            want = self.original(h)
+            want = self.original(h) if bias is None else self.original(h, bias)
         except Exception:
             return []
         if (not isinstance(want, (tuple, list)) or len(want) != 3 or not all(isinstance(t, torch.Tensor) for t in want)
                 or want[2].dim() != 2 or want[2].dtype != torch.int64 or want[0].shape != (h.shape[0], self.experts)):
             return []
         out = []
-        for name, form in candidates or _forms(want[2].shape[1], self.module):
-            got = form(self._reference_logits, h)
-            if all(g.dtype == x.dtype and g.shape == x.shape and torch.equal(g, x) for g, x in zip(got, want)):
+        for name, form in candidates or _forms(want[2].shape[1], self.module, self.bias_arg):
+            got = form(self._reference_logits, h, bias)
+            if all(g.dtype == x.dtype and g.shape == x.shape and _same_bits(g, x) for g, x in zip(got, want)):
                 out.append((name, form))
         return out
 
@@ -415,7 +496,7 @@ class NativeRouter:
             if not found:
                 return False
             self.form_name, self.form = found[0]
-            if getattr(self.form, "biased", False):
+            if getattr(self.form, "biased", False) and not self.bias_arg:
                 self.correction = _correction_path(self.module)
                 # the model's own inputs are of its dtype, cast to float32 by the router: so too here
                 if not self._reproduces([found[0]], h.bfloat16()):
@@ -432,25 +513,26 @@ class NativeRouter:
         tol = _LOGIT_RTOL[self.dtype] * ref.abs().amax(dim=-1, keepdim=True)
         return bool(((nat - ref).abs() <= tol).all())
 
-    def forward(self, module: nn.Module, h: torch.Tensor):
+    def forward(self, module: nn.Module, h: torch.Tensor, *rest):
         # the decode call in few operations (see dense.NativeLinear.forward); anything else, and
         # a setting changed since the probe, go to the module's own forward. A float32 router of
-        # the biased form casts its input itself (the form's logits are of h.float())
-        if (type(h) is torch.Tensor and h.dim() == 2 and h.shape[1] == self.hidden
-                and (h.dtype is self.dtype or (self.correction is not None and h.dtype in _CODES))
+        # the biased form casts its input itself (the form's logits are of h.float()); with
+        # bias_arg the bias is the call's second argument
+        if (len(rest) == self.bias_arg and type(h) is torch.Tensor and h.dim() == 2 and h.shape[1] == self.hidden
+                and (h.dtype is self.dtype or (self.biased and h.dtype in _CODES))
                 and h.shape[0] <= ROUTER_MAX_ROWS and h.is_contiguous() and h.is_cpu and not h.requires_grad
                 and not h.is_neg() and not module.training and self._unchanged(module)):
             bias = None
-            if self.correction is not None:
-                bias = self._bias()
+            if self.biased:
+                bias = self._bias(rest[0] if rest else None)
                 if bias is None:  # not as the form reads it any more
-                    return self.original(h)
+                    return self.original(h, *rest)
             if self.select is not None and NATIVE_SELECT:
                 logits = self._logits(h if h.dtype is self.dtype else h.to(self.dtype))
                 w, idx = self.select_into(logits, self.weights_dtype(h.dtype), bias)
                 return logits.float() if self.select[4] else logits, w, idx
-            return self.form(self._logits, h)
-        return self.original(h)
+            return self.form(self._logits, h, bias)
+        return self.original(h, *rest)
 
     def restore(self) -> None:  # the module's parameters were never touched
         pass

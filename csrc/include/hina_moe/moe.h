@@ -405,7 +405,8 @@ bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa);
 //                 group scored by the sum of its two largest c; the topk_group best groups kept
 //                 and the k largest c among their experts chosen, both as torch.topk(...,
 //                 sorted=False) leaves them (index order: its selection's); w = s of the chosen,
-//                 divided by (their sum + 1e-20) with renorm, then times scale.
+//                 divided by (their sum + eps) with renorm, then times scale. With one group
+//                 (groups = topk_group = 1) every expert is a candidate (MiniMax-M2, Hunyuan-V3).
 // The top-k moves ties as torch.topk's CPU kernel does (not by index); the softmax and the
 // sigmoid use std::exp, so w can differ from PyTorch's in the last float32 bits. w is rounded
 // once to w_dtype; idx is int64. Single-threaded (a decode step's few rows).
@@ -428,6 +429,7 @@ struct RouterSelectArgs {
   // k <= topk_group * E / groups)
   int64_t groups = 1, topk_group = 1;
   float scale = 1.0f;
+  float eps = 1e-20f;  // kSigmoidGroupTopk: the renormalising sum's epsilon (MiniMax-M2: 0)
 };
 void router_select(const RouterSelectArgs& a);
 
