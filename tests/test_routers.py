@@ -33,6 +33,8 @@ EXPECTED = {
     # the correction bias as the forward's argument: MiniMax-M2 (logits in the weight's dtype, no
     # epsilon: NaN weights over zero scores) and Hunyuan-V3 (float32 logits, scaled)
     "minimax_m2": "sigmoid-topk, bias argument", "hy_v3": "sigmoid-topk, bias argument, float32 logits, +1e-20, scaled",
+    # DeepSeek-V2's softmax over float32 logits, greedy or group-limited
+    "deepseek_v2": "softmax-group-topk, float32 logits", "deepseek_ocr2": "softmax-group-topk, float32 logits",
 }
 
 
@@ -284,6 +286,33 @@ def test_router_select_sigmoid_form_without_epsilon_against_minimax_m2s_router()
     assert torch.equal(idx, want_idx) and torch.equal(w.isnan(), want_w.isnan())
     ok = ~want_w.isnan()
     assert ((w[ok] - want_w[ok]).abs() <= routers._SELECT_RTOL[torch.float32] * want_w[ok].abs()).all()
+
+
+@pytest.mark.parametrize("method,E,k,groups,topk_group", [("greedy", 64, 6, 1, 1), ("greedy", 160, 2, 1, 1),
+                                                           ("group_limited_greedy", 160, 6, 8, 3),
+                                                           ("group_limited_greedy", 16, 4, 4, 2)])
+def test_router_select_softmax_group_form_against_deepseek_v2s_router(method, E, k, groups, topk_group):
+    """router_select's DeepSeek-V2 form against transformers' DeepseekV2TopkRouter (an identity
+    weight: its logits are the rows): softmax, greedy or group-limited (the others' probabilities
+    0), the top k unsorted as torch.topk leaves them, times the scaling factor; the same experts
+    in the same order on tie-heavy rows, weights within a few float32 ulps."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    gen = torch.Generator().manual_seed(E + k)
+    x = torch.randint(-4, 5, (400, E), generator=gen).float() / 4
+    x[::4] = torch.randn(100, E, generator=gen) * 3
+    cfg = DeepseekV2Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=k, n_group=groups,
+                           topk_group=topk_group, topk_method=method, routed_scaling_factor=16.0,
+                           num_attention_heads=4, num_key_value_heads=4)
+    router = DeepseekV2TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+        logits, want_w, want_idx = router(x)
+    assert torch.equal(logits, x)
+    w, idx = _select(x, k, 3, False, torch.float32, None, 0.0, groups, topk_group, 16.0, 0.0)
+    assert torch.equal(idx, want_idx)
+    assert ((w - want_w).abs() <= routers._SELECT_RTOL[torch.float32] * want_w.abs()).all()
 
 
 def test_router_select_grouped_form_checks_its_settings():

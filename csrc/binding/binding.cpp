@@ -524,13 +524,15 @@ nb::dict kernel_table(const std::string& qdot) {
 // them over: a wrong group count would read past a row.
 static void check_select(const char* where, int form, int64_t E, int64_t k, int64_t groups, int64_t topk_group,
                          uintptr_t sel_bias) {
-  if (form < 0 || form > 2)
-    bad(std::string(where) + ": form must be 0 (softmax-topk), 1 (topk-softmax) or 2 (sigmoid-group-topk)");
-  if (form != 2) return;
+  if (form < 0 || form > 3)
+    bad(std::string(where) + ": form must be 0 (softmax-topk), 1 (topk-softmax), 2 (sigmoid-group-topk) or 3 "
+        "(softmax-group-topk)");
+  if (form < 2) return;
   if (groups < 1 || E % groups != 0 || E / groups < 2 || topk_group < 1 || topk_group > groups ||
-      k > topk_group * (E / groups) || sel_bias == 0)
-    bad(std::string(where) + ": form 2 needs groups dividing E into groups of at least 2, 1 <= topk_group <= "
-        "groups, k <= topk_group * E / groups and a sel_bias (got E " + std::to_string(E) + ", k " +
+      k > topk_group * (E / groups) || (form == 2 && sel_bias == 0))
+    bad(std::string(where) + ": form " + std::to_string(form) + " needs groups dividing E into groups of at least "
+        "2, 1 <= topk_group <= groups, k <= topk_group * E / groups (and form 2 a sel_bias) (got E " +
+        std::to_string(E) + ", k " +
         std::to_string(k) + ", groups " + std::to_string(groups) + ", topk_group " + std::to_string(topk_group) +
         ")");
 }
@@ -1364,7 +1366,9 @@ NB_MODULE(_native, m) {
         "w_dtype, int64 idx [B, k], the top-k's ties moved as torch.topk moves them; sel_bias != 0 (form 0): "
         "float32 [E] added to the probabilities to choose, the weights the probabilities, renorm over max(sum, "
         "norm_min); form 2 (DeepSeek-V3's): sigmoid scores plus sel_bias (required) choose within the topk_group "
-        "best of `groups` expert groups, the weights the scores (renorm: over sum + eps) times scale. For "
+        "best of `groups` expert groups, the weights the scores (renorm: over sum + eps) times scale; form 3 "
+        "(DeepSeek-V2's): softmax, the experts outside the topk_group groups of largest maximum counted as 0, the "
+        "top k of the probabilities times scale. For "
         "hi_na_moe.routers. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {

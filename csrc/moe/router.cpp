@@ -113,9 +113,50 @@ void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, std::vect
   for (int64_t j = 0; j < a.k; ++j) w[j] *= a.scale;
 }
 
+// DeepSeek-V2's selection (kSoftmaxGroupTopk) of one row of E float32 logits (moe.h).
+void softmax_group_row(const RouterSelectArgs& a, float* p, std::vector<Entry>& q, int64_t* idx, float* w) {
+  const int64_t E = a.E, G = a.groups, n = E / G;
+  softmax(p, E);
+  q.resize(static_cast<size_t>(G + E));
+  Entry* c = q.data() + G;
+  if (G > 1) {  // the groups' largest probabilities; the experts of all but the best topk_group count as 0
+    for (int64_t i = 0; i < G; ++i) {
+      float m = p[i * n];
+      for (int64_t j = 1; j < n; ++j) m = std::isnan(m) ? m : std::max(m, p[i * n + j]);
+      q[i] = {m, i};
+    }
+    top_k(q.data(), G, a.topk_group, false);
+    std::vector<char> keep(static_cast<size_t>(G), 0);
+    for (int64_t i = 0; i < a.topk_group; ++i) keep[static_cast<size_t>(q[i].second)] = 1;
+    for (int64_t j = 0; j < E; ++j) c[j] = {keep[static_cast<size_t>(j / n)] ? p[j] : 0.0f, j};
+  } else {
+    for (int64_t j = 0; j < E; ++j) c[j] = {p[j], j};
+  }
+  top_k(c, E, a.k, false);
+  for (int64_t j = 0; j < a.k; ++j) {
+    idx[j] = c[j].second;
+    w[j] = c[j].first * a.scale;
+  }
+}
+
 }  // namespace
 
 void router_select(const RouterSelectArgs& a) {
+  if (a.form == RouterForm::kSoftmaxGroupTopk) {
+    thread_local std::vector<Entry> q;
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(a.E + a.k));
+    float* v = buf.data();
+    float* w = v + a.E;
+    const size_t ldt = dtype_size(a.dtype);
+    for (int64_t b = 0; b < a.B; ++b) {
+      const char* row = static_cast<const char*>(a.logits) + b * a.E * ldt;
+      for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
+      softmax_group_row(a, v, q, a.idx + b * a.k, w);
+      for (int64_t j = 0; j < a.k; ++j) store(a.w_dtype, a.w, b * a.k + j, w[j]);
+    }
+    return;
+  }
   if (a.form == RouterForm::kSigmoidGroupTopk) {
     thread_local std::vector<Entry> q;
     thread_local std::vector<float> buf;

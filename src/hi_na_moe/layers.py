@@ -449,9 +449,10 @@ class NativeLayer:
         moe = self.moe
         router = moe.router if moe is not None else None
         gate = moe.gate if moe is not None else None
-        # a float32 router casting its input (ERNIE 4.5's biased form) takes a converted copy
+        # a router whose form casts its input (float32 logits: ERNIE 4.5, DeepSeek-V2/V3, ...) takes
+        # a converted copy
         cast = router is not None and router.dtype is not dt
-        use_router = (router is not None and (not cast or router.biased) and B <= ROUTER_MAX_ROWS
+        use_router = (router is not None and (not cast or router.casts) and B <= ROUTER_MAX_ROWS
                       and not gate.training and router._unchanged(gate))
         bias = moe.bias() if use_router and router.biased else None
         if bias is None and use_router and router.biased:  # not as the form reads it: its own forward
@@ -547,7 +548,7 @@ class NativeLayer:
                     "the dense kernel): run as modules after the routed experts")
         if moe.router.select is None:
             return "its router's softmax/top-k stay PyTorch's (router_select did not reproduce its probe)"
-        if moe.router.dtype is not self.attn.dtype and not moe.router.biased:
+        if moe.router.dtype is not self.attn.dtype and not moe.router.casts:
             return "its router's dtype is not the layer's"
         return None
 
@@ -581,7 +582,7 @@ class NativeLayer:
             return head + (None, 0, 0, 0, False, 0, None, 0, threads, ()) + tail + (-1, 0, 0.0, dense, 1, 1, 1.0,
                                                                                      at.rot, 1e-20)
         router, gate = moe.router, moe.gate
-        cast = router.dtype is not dt  # (one_call_blocker: a biased float32 router)
+        cast = router.dtype is not dt  # (one_call_blocker: a router whose form casts its input)
         if gate.training or not router._unchanged(gate):
             return None
         bias = moe.bias() if router.biased else None

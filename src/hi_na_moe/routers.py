@@ -33,6 +33,9 @@ Two forms can be the same function up to float32 rounding (a softmax over the to
 softmax over all renormalised over the top k); when both reproduce a probe the first in the list
 is used, and the two differ at most in the last bit of the scores.
 
+- softmax-group-topk (DeepSeek-V2, DeepSeek-OCR 2's decoder): float32 logits as above, a softmax,
+  the top k unsorted (greedy), or within the topk_group groups of largest maximum, the others'
+  probabilities counted as 0 (group_limited_greedy), times routed_scaling_factor, in float32;
 - sigmoid-topk, bias argument (MiniMax-M2, Hunyuan-V3): the router's forward takes the correction
   bias as its second argument (the MoE block's `e_score_correction_bias` buffer); sigmoid scores
   of the logits (in the weight's dtype, or float32), the top k of scores plus the bias (unsorted),
@@ -41,8 +44,7 @@ is used, and the two differ at most in the last bit of the scores.
   router_scaling_factor. Probed with a random bias; a bias of bfloat16 or float16 is read through
   a float32 copy, made again when the tensor changes.
 
-Other routers (DeepSeek-V2's softmax groups, ...) match none of the forms and stay PyTorch's; the
-report names them.
+Other routers match none of the forms and stay PyTorch's; the report names them.
 
 The native logits are the same dot products accumulated in float32 in another order, then
 rounded once: they can differ from F.linear's in the last bit (the probe checks they are within
@@ -225,6 +227,33 @@ def _takes_bias_argument(forward) -> bool:
             and all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params))
 
 
+def _softmax_group_topk(k: int, module: nn.Module) -> Form:
+    """DeepSeek-V2's router: softmax over float32 logits, greedy or group-limited top k (the
+    groups by their largest probability, the others' probabilities counted as 0), times
+    routed_scaling_factor."""
+    def run(linear, h, bias=None):
+        logits = linear(h.float())
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if module.topk_method == "group_limited_greedy":
+            G, E = module.num_group, logits.shape[-1]
+            group_scores = scores.view(-1, G, E // G).max(dim=-1).values
+            group_idx = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+            scores = scores.masked_fill(~keep.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E), 0.0)
+        w, idx = torch.topk(scores, k=k, dim=-1, sorted=False)
+        return logits, w * module.routed_scaling_factor, idx
+
+    def native(dt):
+        grouped = module.topk_method == "group_limited_greedy"
+        return (3, k, False, torch.float32, False, (module.num_group if grouped else 1,
+                                                    module.topk_group if grouped else 1,
+                                                    float(module.routed_scaling_factor), 0.0))
+
+    run.native = native  # type: ignore[attr-defined]
+    run.float_logits = True  # type: ignore[attr-defined]
+    return run
+
+
 def _grouped(module: nn.Module) -> bool:
     """Whether the module has the grouped sigmoid form's settings (DeepSeek-V3's names)."""
     d = module.__dict__
@@ -251,6 +280,10 @@ def _forms(k: int, module: nn.Module | None = None, bias_arg: bool = False) -> l
             out.append(("sigmoid-group-topk, float32 logits", _sigmoid_group_topk(k, module, path)))
         return out
     out = []
+    d = {} if module is None else module.__dict__
+    if (d.get("topk_method") in ("greedy", "group_limited_greedy") and type(d.get("num_group")) is int
+            and type(d.get("topk_group")) is int and type(d.get("routed_scaling_factor")) in (int, float)):
+        out.append(("softmax-group-topk, float32 logits", _softmax_group_topk(k, module)))
     for renorm in (True, False):
         for cast in (True, False):
             out.append((f"softmax-topk{', renormalised' if renorm else ''}{', cast' if cast else ''}",
@@ -380,6 +413,13 @@ class NativeRouter:
         """Whether the form chooses with a score-correction bias (the layers' native calls then
         pass it, as _bias() reads it, to their selection)."""
         return self.correction is not None or self.bias_arg
+
+    @property
+    def casts(self) -> bool:
+        """Whether the form casts its input to the packed dtype itself (float32 logits of a router
+        of another dtype, or ERNIE's float32 router): inputs of the layer's dtype are taken and
+        converted, as the module converts them."""
+        return bool(getattr(self.form, "float_logits", False)) or self.correction is not None
 
     def _bias(self, arg: torch.Tensor | None = None) -> torch.Tensor | None:
         """The form's score-correction bias as the form and router_select read it (float32, one
@@ -519,7 +559,7 @@ class NativeRouter:
         # the biased form casts its input itself (the form's logits are of h.float()); with
         # bias_arg the bias is the call's second argument
         if (len(rest) == self.bias_arg and type(h) is torch.Tensor and h.dim() == 2 and h.shape[1] == self.hidden
-                and (h.dtype is self.dtype or (self.biased and h.dtype in _CODES))
+                and (h.dtype is self.dtype or ((self.biased or self.casts) and h.dtype in _CODES))
                 and h.shape[0] <= ROUTER_MAX_ROWS and h.is_contiguous() and h.is_cpu and not h.requires_grad
                 and not h.is_neg() and not module.training and self._unchanged(module)):
             bias = None

@@ -410,7 +410,10 @@ bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa);
 // The top-k moves ties as torch.topk's CPU kernel does (not by index); the softmax and the
 // sigmoid use std::exp, so w can differ from PyTorch's in the last float32 bits. w is rounded
 // once to w_dtype; idx is int64. Single-threaded (a decode step's few rows).
-enum class RouterForm : int { kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidGroupTopk = 2 };
+//   kSoftmaxGroupTopk (DeepSeek-V2): p = softmax(float32(logits)); with groups > 1 each group
+//                 scored by its largest p, the topk_group best kept and the others' p taken as 0;
+//                 the k largest as torch.topk(..., sorted=False) leaves them, w = p * scale.
+enum class RouterForm : int { kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidGroupTopk = 2, kSoftmaxGroupTopk = 3 };
 struct RouterSelectArgs {
   DType dtype;         // the logits'
   const void* logits;  // [B, E] contiguous
@@ -425,8 +428,8 @@ struct RouterSelectArgs {
   // then divides by max(sum, norm_min)
   const float* sel_bias = nullptr;
   float norm_min = 0.0f;
-  // kSigmoidGroupTopk only (groups divides E, E / groups >= 2, 1 <= topk_group <= groups, and
-  // k <= topk_group * E / groups)
+  // kSigmoidGroupTopk and kSoftmaxGroupTopk (groups divides E, E / groups >= 2, 1 <= topk_group <=
+  // groups, and k <= topk_group * E / groups)
   int64_t groups = 1, topk_group = 1;
   float scale = 1.0f;
   float eps = 1e-20f;  // kSigmoidGroupTopk: the renormalising sum's epsilon (MiniMax-M2: 0)
