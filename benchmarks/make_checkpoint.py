@@ -27,7 +27,8 @@ Shapes: olmoe-1b-7b (OLMoE-1B-7B), qwen3-30b-a3b (Qwen3-30B-A3B), qwen1.5-moe-a2
 (GPT-OSS-20B in bf16: sinks, sliding windows, biases, experts saved fused), ernie-4.5-21b-a3b
 (ERNIE-4.5-21B-A3B: a dense first layer, shared experts, a float32 router, interleaved rotary),
 glm-4.5-air (GLM-4.5-Air: a dense first layer, a shared expert, DeepSeek-V3's sigmoid router with a
-correction bias, partial rotary).
+correction bias, partial rotary), deepseek-v2-lite (DeepSeek-V2-Lite: a dense first layer, shared
+experts, DeepSeek-V2's softmax router, multi-head latent attention).
 
 `--verify` loads the result with `AutoModelForCausalLM.from_pretrained` (the whole model in
 RAM: use it on small `--layers`), fails on missing/unexpected/mismatched keys, checks a few
@@ -210,11 +211,46 @@ SHAPES: dict[str, dict] = {
         pad_token_id=151329,
         eos_token_id=151329,
     ),
+    # DeepSeek-V2-Lite (its published config.json): a dense first layer, then 64 experts of width
+    # 1408 (top-6, greedy softmax router, unscaled) and two shared experts per layer, multi-head
+    # latent attention (kv_lora_rank 512, no q LoRA), YaRN rotary
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 0.707, "mscale_all_dim": 0.707},
+        tie_word_embeddings=False,
+        bos_token_id=100000,
+        eos_token_id=100001,
+    ),
 }
 
 ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM"}
+                 "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 # families whose fused experts transformers saves fused (not one nn.Linear layout per expert)
 SAVED_FUSED = {"gpt_oss"}
 # parameter names transformers saves under another key (its checkpoint conversion, reversed)
@@ -328,8 +364,10 @@ def check_against_save_pretrained(model_type: str) -> None:
                       num_key_value_heads=2)
     else:
         params.update(intermediate_size=80, moe_intermediate_size=48, num_key_value_heads=2, head_dim=16)
-        if model_type == "glm4_moe":
+        if model_type in ("glm4_moe", "deepseek_v2"):
             params.update(n_routed_experts=4)
+        if model_type == "deepseek_v2":
+            params.update(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     config = AutoConfig.for_model(model_type, **params)
     ours = {s.name: s.shape for s in checkpoint_tensors(config)}
     model = AutoModelForCausalLM.from_config(config)
