@@ -426,6 +426,22 @@ def test_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monkeypatch)
         hi_na_moe.disable_for_model(model)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_omni_moe", "qwen3_vl_moe", "glm4v_moe", "deepseek_ocr2"])
+def test_multimodal_text_decoders_take_the_one_call(model_type, monkeypatch):
+    """The text decoders of multimodal families (their steps are the text families' above): the
+    report names a decoder stack that takes the one native call, none that differs or loops."""
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert len(rep.stacks) == 1 and not rep.stacks_differ and not rep.stacks_loop_only
+        assert "with a DynamicCache or StaticCache every layer in one native call: 1" in str(rep)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_dense_layers_beside_moe_layers_run_in_the_one_call(monkeypatch):
     """Qwen2-MoE with mlp_only_layers (dense MLPs in some layers, as DeepSeek's first_k_dense_replace
     and ERNIE's first layer): every layer in one native call, bit for bit the stack's own forward
