@@ -315,6 +315,27 @@ def test_router_select_softmax_group_form_against_deepseek_v2s_router(method, E,
     assert ((w - want_w).abs() <= routers._SELECT_RTOL[torch.float32] * want_w.abs()).all()
 
 
+def test_a_form_router_select_refuses_keeps_pytorchs_selection():
+    """DeepSeek-V2's router with expert groups of one (its forward takes them, router_select does
+    not): the form is matched for the native logits, the selection stays PyTorch's ops, and the
+    router still returns its own forward's experts."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = DeepseekV2Config(hidden_size=64, n_routed_experts=8, num_experts_per_tok=2, n_group=8, topk_group=4,
+                           topk_method="group_limited_greedy", num_attention_heads=4, num_key_value_heads=4)
+    router = DeepseekV2TopkRouter(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(1)))
+    runner = routers.NativeRouter("gate", router, router.forward)
+    assert runner.matches() and runner.form_name == "softmax-group-topk, float32 logits"
+    assert runner.select is None
+    h = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        got, own = runner.forward(router, h), router(h)
+    assert torch.equal(got[2], own[2])
+
+
 def test_router_select_grouped_form_checks_its_settings():
     """Group settings that would read past a row are refused, naming what is wrong."""
     x, bias = torch.zeros(2, 8), torch.zeros(8)

@@ -480,7 +480,10 @@ class NativeRouter:
         bias = self._probe_bias if self.bias_arg else None
         for logits in (self._reference_logits(h).contiguous(), ties):
             _, want_w, want_idx = self.form(lambda _: logits, logits, bias)
-            got = self.select_into(logits, want_w.dtype, bias)
+            try:
+                got = self.select_into(logits, want_w.dtype, bias)
+            except ValueError:  # settings router_select refuses (expert groups of one, ...)
+                return False
             if got is None:
                 return False
             w, idx = got
@@ -518,7 +521,10 @@ class NativeRouter:
             return []
         out = []
         for name, form in candidates or _forms(want[2].shape[1], self.module, self.bias_arg):
-            got = form(self._reference_logits, h, bias)
+            try:
+                got = form(self._reference_logits, h, bias)
+            except Exception:  # settings this form cannot take (say, expert groups of one)
+                continue
             if all(g.dtype == x.dtype and g.shape == x.shape and _same_bits(g, x) for g, x in zip(got, want)):
                 out.append((name, form))
         return out
