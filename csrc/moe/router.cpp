@@ -77,27 +77,29 @@ void softmax(float* v, int64_t n) {
   for (int64_t j = 0; j < n; ++j) v[j] *= r;
 }
 
+// Of the G groups scored in groups[0..G) (index order on entry), marks in keep the topk_group that
+// torch.topk(..., sorted=False) picks.
+void keep_groups(Entry* groups, int64_t G, int64_t topk_group, std::vector<char>& keep) {
+  top_k(groups, G, topk_group, false);
+  keep.assign(static_cast<size_t>(G), 0);
+  for (int64_t i = 0; i < topk_group; ++i) keep[static_cast<size_t>(groups[i].second)] = 1;
+}
+
 // DeepSeek-V3's grouped selection (kSigmoidGroupTopk) of one row of E float32 logits, as the
 // module's ops compute it: sigmoid, the bias added, group scores, the groups' and the experts'
-// top-k (moe.h).
-void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, std::vector<Entry>& q, float* s,
+// top-k (moe.h). q: G + E entries of scratch, s: E floats of scratch.
+void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, Entry* q, std::vector<char>& keep, float* s,
                        int64_t* idx, float* w) {
   const int64_t E = a.E, G = a.groups, n = E / G;
   for (int64_t j = 0; j < E; ++j) s[j] = 1.0f / (1.0f + std::exp(-logits[j]));
-  // each group's score: its two largest of s + bias, as topk(2) gives them, summed
-  std::vector<Entry>& g = q;  // q[0..G): the groups; q[G..G + n): one group's entries
-  g.resize(static_cast<size_t>(G + std::max(n, E)));
-  Entry* grp = g.data() + G;
-  for (int64_t i = 0; i < G; ++i) {
-    for (int64_t j = 0; j < n; ++j) grp[j] = {s[i * n + j] + a.sel_bias[i * n + j], j};
-    top_k(grp, n, 2);
-    g[i] = {grp[0].first + grp[1].first, i};
+  Entry* c = q + G;  // one group's entries, then the experts'
+  for (int64_t i = 0; i < G; ++i) {  // a group's score: its two largest of s + bias (topk(2)), summed
+    for (int64_t j = 0; j < n; ++j) c[j] = {s[i * n + j] + a.sel_bias[i * n + j], j};
+    top_k(c, n, 2);
+    q[i] = {c[0].first + c[1].first, i};
   }
-  top_k(g.data(), G, a.topk_group, false);
+  keep_groups(q, G, a.topk_group, keep);
   // the kept groups' experts; the others' scores are -inf (masked_fill), in index order
-  std::vector<char> keep(static_cast<size_t>(G), 0);
-  for (int64_t i = 0; i < a.topk_group; ++i) keep[static_cast<size_t>(g[i].second)] = 1;
-  Entry* c = grp;
   for (int64_t j = 0; j < E; ++j) c[j] = {keep[static_cast<size_t>(j / n)] ? s[j] + a.sel_bias[j] : -INFINITY, j};
   top_k(c, E, a.k, false);
   float sum = 0.0f;
@@ -113,21 +115,20 @@ void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, std::vect
   for (int64_t j = 0; j < a.k; ++j) w[j] *= a.scale;
 }
 
-// DeepSeek-V2's selection (kSoftmaxGroupTopk) of one row of E float32 logits (moe.h).
-void softmax_group_row(const RouterSelectArgs& a, float* p, std::vector<Entry>& q, int64_t* idx, float* w) {
+// DeepSeek-V2's selection (kSoftmaxGroupTopk) of one row of E float32 logits (moe.h), p holding
+// them. q: G + E entries of scratch.
+void softmax_group_row(const RouterSelectArgs& a, float* p, Entry* q, std::vector<char>& keep, int64_t* idx,
+                       float* w) {
   const int64_t E = a.E, G = a.groups, n = E / G;
   softmax(p, E);
-  q.resize(static_cast<size_t>(G + E));
-  Entry* c = q.data() + G;
+  Entry* c = q + G;
   if (G > 1) {  // the groups' largest probabilities; the experts of all but the best topk_group count as 0
     for (int64_t i = 0; i < G; ++i) {
       float m = p[i * n];
       for (int64_t j = 1; j < n; ++j) m = std::isnan(m) ? m : std::max(m, p[i * n + j]);
       q[i] = {m, i};
     }
-    top_k(q.data(), G, a.topk_group, false);
-    std::vector<char> keep(static_cast<size_t>(G), 0);
-    for (int64_t i = 0; i < a.topk_group; ++i) keep[static_cast<size_t>(q[i].second)] = 1;
+    keep_groups(q, G, a.topk_group, keep);
     for (int64_t j = 0; j < E; ++j) c[j] = {keep[static_cast<size_t>(j / n)] ? p[j] : 0.0f, j};
   } else {
     for (int64_t j = 0; j < E; ++j) c[j] = {p[j], j};
@@ -142,33 +143,23 @@ void softmax_group_row(const RouterSelectArgs& a, float* p, std::vector<Entry>& 
 }  // namespace
 
 void router_select(const RouterSelectArgs& a) {
-  if (a.form == RouterForm::kSoftmaxGroupTopk) {
+  if (a.form == RouterForm::kSigmoidGroupTopk || a.form == RouterForm::kSoftmaxGroupTopk) {
     thread_local std::vector<Entry> q;
+    thread_local std::vector<char> keep;
     thread_local std::vector<float> buf;
-    buf.resize(static_cast<size_t>(a.E + a.k));
-    float* v = buf.data();
-    float* w = v + a.E;
-    const size_t ldt = dtype_size(a.dtype);
-    for (int64_t b = 0; b < a.B; ++b) {
-      const char* row = static_cast<const char*>(a.logits) + b * a.E * ldt;
-      for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
-      softmax_group_row(a, v, q, a.idx + b * a.k, w);
-      for (int64_t j = 0; j < a.k; ++j) store(a.w_dtype, a.w, b * a.k + j, w[j]);
-    }
-    return;
-  }
-  if (a.form == RouterForm::kSigmoidGroupTopk) {
-    thread_local std::vector<Entry> q;
-    thread_local std::vector<float> buf;
+    q.resize(static_cast<size_t>(a.groups + a.E));
     buf.resize(static_cast<size_t>(2 * a.E + a.k));
-    float* v = buf.data();
+    float* v = buf.data();  // the row's logits
     float* s = v + a.E;
     float* w = s + a.E;
     const size_t ldt = dtype_size(a.dtype);
     for (int64_t b = 0; b < a.B; ++b) {
       const char* row = static_cast<const char*>(a.logits) + b * a.E * ldt;
       for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
-      sigmoid_group_row(a, v, q, s, a.idx + b * a.k, w);
+      if (a.form == RouterForm::kSigmoidGroupTopk)
+        sigmoid_group_row(a, v, q.data(), keep, s, a.idx + b * a.k, w);
+      else
+        softmax_group_row(a, v, q.data(), keep, a.idx + b * a.k, w);
       for (int64_t j = 0; j < a.k; ++j) store(a.w_dtype, a.w, b * a.k + j, w[j]);
     }
     return;
