@@ -1327,13 +1327,14 @@ NB_MODULE(_native, m) {
       .def("set_layer", &StepPlan::set_layer, nb::arg("i"), nb::arg("dtype"), nb::arg("H"), nb::arg("ln1_w"),
            nb::arg("ln1_eps"), nb::arg("qkv"), nb::arg("Hq"), nb::arg("Hkv"), nb::arg("D"), nb::arg("qk_norm"),
            nb::arg("qn_w"), nb::arg("kn_w"), nb::arg("qn_eps"), nb::arg("kn_eps"), nb::arg("scale"), nb::arg("isa"),
-           nb::arg("o"), nb::arg("ln2_w"), nb::arg("ln2_eps"), nb::arg("router").none(), nb::arg("E"),
-           nb::arg("sel_form"), nb::arg("sel_k"), nb::arg("sel_renorm"), nb::arg("sel_w_dtype"),
-           nb::arg("experts").none(), nb::arg("experts_threads"), nb::arg("num_threads"), nb::arg("shared"),
-           nb::arg("sinks"), nb::arg("half_table"), nb::arg("interleaved_f32"), nb::arg("router_dtype"),
-           nb::arg("sel_bias"), nb::arg("norm_min"), nb::arg("mlp"), nb::arg("sel_groups") = 1,
-           nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f, nb::arg("rot") = 0,
-           nb::arg("sel_eps") = 1e-20f)
+           nb::arg("o"), nb::arg("ln2_w"), nb::arg("ln2_eps"), nb::arg("router").none() = nb::none(),
+           nb::arg("E") = 0, nb::arg("sel_form") = 0, nb::arg("sel_k") = 0, nb::arg("sel_renorm") = false,
+           nb::arg("sel_w_dtype") = 0, nb::arg("experts").none() = nb::none(), nb::arg("experts_threads") = 0,
+           nb::arg("num_threads") = 0, nb::arg("shared") = nb::tuple(), nb::arg("sinks") = 0,
+           nb::arg("half_table") = false, nb::arg("interleaved_f32") = false, nb::arg("router_dtype") = -1,
+           nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.0f, nb::arg("mlp") = nb::tuple(),
+           nb::arg("sel_groups") = 1, nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f,
+           nb::arg("rot") = 0, nb::arg("sel_eps") = 1e-20f)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),

@@ -68,19 +68,7 @@ namespace {
 
 // dst[i] = src[i] in another dtype (the router's input: bfloat16 or float16 to float32 is exact)
 void convert(DType from, const void* src, DType to, void* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float v;
-    switch (from) {
-      case DType::kBF16: v = detail::bf16_to_f32(static_cast<const uint16_t*>(src)[i]); break;
-      case DType::kF16: v = detail::f16_to_f32(static_cast<const uint16_t*>(src)[i]); break;
-      default: v = static_cast<const float*>(src)[i];
-    }
-    switch (to) {
-      case DType::kBF16: static_cast<uint16_t*>(dst)[i] = detail::f32_to_bf16(v); break;
-      case DType::kF16: static_cast<uint16_t*>(dst)[i] = detail::f32_to_f16(v); break;
-      default: static_cast<float*>(dst)[i] = v;
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) detail::store_elem(to, dst, i, detail::load_elem(from, src, i));
 }
 
 // a gated MLP on normed (a dense layer's, or a shared expert's) into m.out

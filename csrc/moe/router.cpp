@@ -23,21 +23,8 @@
 namespace hina {
 namespace {
 
-float load(DType dt, const void* p, int64_t i) {
-  switch (dt) {
-    case DType::kBF16: return detail::bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kF16: return detail::f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-void store(DType dt, void* p, int64_t i, float v) {
-  switch (dt) {
-    case DType::kBF16: static_cast<uint16_t*>(p)[i] = detail::f32_to_bf16(v); break;
-    case DType::kF16: static_cast<uint16_t*>(p)[i] = detail::f32_to_f16(v); break;
-    default: static_cast<float*>(p)[i] = v;
-  }
-}
+using detail::load_elem;
+using detail::store_elem;
 
 using Entry = std::pair<float, int64_t>;
 
@@ -155,12 +142,12 @@ void router_select(const RouterSelectArgs& a) {
     const size_t ldt = dtype_size(a.dtype);
     for (int64_t b = 0; b < a.B; ++b) {
       const char* row = static_cast<const char*>(a.logits) + b * a.E * ldt;
-      for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
+      for (int64_t j = 0; j < a.E; ++j) v[j] = load_elem(a.dtype, row, j);
       if (a.form == RouterForm::kSigmoidGroupTopk)
         sigmoid_group_row(a, v, q.data(), keep, s, a.idx + b * a.k, w);
       else
         softmax_group_row(a, v, q.data(), keep, a.idx + b * a.k, w);
-      for (int64_t j = 0; j < a.k; ++j) store(a.w_dtype, a.w, b * a.k + j, w[j]);
+      for (int64_t j = 0; j < a.k; ++j) store_elem(a.w_dtype, a.w, b * a.k + j, w[j]);
     }
     return;
   }
@@ -172,7 +159,7 @@ void router_select(const RouterSelectArgs& a) {
   for (int64_t b = 0; b < a.B; ++b) {
     const char* row = static_cast<const char*>(a.logits) + b * a.E * ldt;
     float* v = vals.data();
-    for (int64_t j = 0; j < a.E; ++j) v[j] = load(a.dtype, row, j);
+    for (int64_t j = 0; j < a.E; ++j) v[j] = load_elem(a.dtype, row, j);
     if (a.form == RouterForm::kSoftmaxTopk) softmax(v, a.E);
     const bool biased = a.form == RouterForm::kSoftmaxTopk && a.sel_bias != nullptr;
     for (int64_t j = 0; j < a.E; ++j) q[j] = {biased ? v[j] + a.sel_bias[j] : v[j], j};
@@ -192,7 +179,7 @@ void router_select(const RouterSelectArgs& a) {
     } else {
       softmax(v, a.k);
     }
-    for (int64_t j = 0; j < a.k; ++j) store(a.w_dtype, a.w, b * a.k + j, v[j]);
+    for (int64_t j = 0; j < a.k; ++j) store_elem(a.w_dtype, a.w, b * a.k + j, v[j]);
   }
 }
 

@@ -448,15 +448,10 @@ class NativeLayer:
             attn = (0,) * 12
         moe = self.moe
         router = moe.router if moe is not None else None
-        gate = moe.gate if moe is not None else None
+        use_router, bias = self._router_ready(moe, dt, B) if router is not None else (False, None)
         # a router whose form casts its input (float32 logits: ERNIE 4.5, DeepSeek-V2/V3, ...) takes
         # a converted copy
         cast = router is not None and router.dtype is not dt
-        use_router = (router is not None and (not cast or router.casts) and B <= ROUTER_MAX_ROWS
-                      and not gate.training and router._unchanged(gate))
-        bias = moe.bias() if use_router and router.biased else None
-        if bias is None and use_router and router.biased:  # not as the form reads it: its own forward
-            use_router = False
         extra = {}
         if use_router:
             logits = torch.empty(B, router.experts, dtype=router.dtype)
@@ -552,8 +547,8 @@ class NativeLayer:
             return "its router's dtype is not the layer's"
         return None
 
-    def plan_args(self, dt: torch.dtype, B: int) -> tuple | None:
-        """This layer's arguments to StepPlan.set_layer (after its index) for a decode step of B
+    def plan_args(self, dt: torch.dtype, B: int) -> dict | None:
+        """This layer's keyword arguments to StepPlan.set_layer (after its index) for a decode step of B
         rows of dtype dt in hi_na_moe.stack's one native call, or None when its step cannot run
         there: that call runs what _native_fast runs with the router's selection and the experts
         in the second call, the attention on the kernel, and no shared expert. Read at every step
@@ -569,35 +564,43 @@ class NativeLayer:
         ptrs = [w.data_ptr() for w in weights]
         qkv, o, qk, qn, kn = self.step
         at = self.attn
-        threads = qkv.threads or torch.get_num_threads()
         sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
-        head = (_DTYPE_CODES[dt], self.hidden, ptrs[0], self.norm1.eps, qkv.bound, at.Hq, at.Hkv, at.D, qk,
-                ptrs[2] if qk else 0, ptrs[3] if qk else 0, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
-                self.attn_mod.scaling, at.isa, o.bound, ptrs[1], self.norm2.eps)
-        tail = (0 if sinks is None else sinks.data_ptr(), at.half_table, at.rope == "interleaved_f32")
+        args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=qkv.bound,
+                    Hq=at.Hq, Hkv=at.Hkv, D=at.D, qk_norm=qk, qn_w=ptrs[2] if qk else 0, kn_w=ptrs[3] if qk else 0,
+                    qn_eps=qn.eps if qk else 0.0, kn_eps=kn.eps if qk else 0.0, scale=self.attn_mod.scaling,
+                    isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
+                    num_threads=qkv.threads or torch.get_num_threads(), sinks=0 if sinks is None else sinks.data_ptr(),
+                    half_table=at.half_table, interleaved_f32=at.rope == "interleaved_f32", rot=at.rot)
         if moe is None:  # a dense layer
             dense = self._dense_args(dt, B)
-            if dense is None:
-                return None
-            return head + (None, 0, 0, 0, False, 0, None, 0, threads, ()) + tail + (-1, 0, 0.0, dense, 1, 1, 1.0,
-                                                                                     at.rot, 1e-20)
-        router, gate = moe.router, moe.gate
-        cast = router.dtype is not dt  # (one_call_blocker: a router whose form casts its input)
-        if gate.training or not router._unchanged(gate):
+            return None if dense is None else {**args, "mlp": dense}
+        ready, bias = self._router_ready(moe, dt, B)
+        if not ready:
             return None
-        bias = moe.bias() if router.biased else None
-        if router.biased and bias is None:
-            return None
+        router = moe.router
         form, k, renorm = router.select[:3]
         fused = moe.experts.bound_for(dt, self.hidden, B * k)
         shared = self._shared_args(moe, dt, B) if moe.shared else ()
         if fused is None or shared is None:
             return None
-        sel = router.select_settings(bias)
-        return head + (router.bound, router.experts, form, k, renorm, _DTYPE_CODES[router.weights_dtype(dt)],
-                       fused[0], fused[1], threads, shared) + tail + (
-                    _DTYPE_CODES[router.dtype] if cast else -1, sel["sel_bias"], sel["norm_min"], (),
-                    sel["sel_groups"], sel["sel_topk_group"], sel["sel_scale"], at.rot, sel["sel_eps"])
+        return {**args, "router": router.bound, "E": router.experts, "sel_form": form, "sel_k": k, "sel_renorm": renorm,
+                "sel_w_dtype": _DTYPE_CODES[router.weights_dtype(dt)], "experts": fused[0], "experts_threads": fused[1],
+                "shared": shared, "router_dtype": _DTYPE_CODES[router.dtype] if router.dtype is not dt else -1,
+                **router.select_settings(bias)}
+
+    def _router_ready(self, moe, dt: torch.dtype, B: int) -> tuple[bool, torch.Tensor | None]:
+        """(whether the native calls can compute the MoE block's router for B rows of dtype dt now,
+        the score-correction bias they then read or None): a router of the layer's dtype or one whose
+        form casts its input, decode-sized rows, not training, its packed copy current, its bias (if
+        any) as the form reads it."""
+        router, gate = moe.router, moe.gate
+        if ((router.dtype is not dt and not router.casts) or B > ROUTER_MAX_ROWS or gate.training
+                or not router._unchanged(gate)):
+            return False, None
+        if not router.biased:
+            return True, None
+        bias = moe.bias()
+        return bias is not None, bias
 
     def forward(self, module: nn.Module, *args, **kwargs):
         if self.ready and not module.training and len(args) == 1 and not self._observed():

@@ -406,7 +406,7 @@ class NativeStack:
 
             step = native_module()[0].StepPlan(len(args))
             for i, a in enumerate(args):
-                step.set_layer(i, *a)
+                step.set_layer(i, **a)
             plan = self._plan = (step, args)
         cos, sin = cos.contiguous(), sin.contiguous()
         at = self.runners[0].attn
