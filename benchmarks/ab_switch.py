@@ -1,5 +1,5 @@
 """In-process A/B of hi_na_moe's small-module patches (scope="all"): switch the modules a report
-lists under `kind` ("norms", "routers", "attention") between hi_na_moe's forward and their own.
+lists under `kind` ("norms", "routers", "attention": with the latent attention modules) between hi_na_moe's forward and their own.
 Used by bench_decode_breakdown.py and bench_long_context.py (run as scripts from this folder)."""
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ def small_module_switch(model, kind: str):
 
     rep = hi_na_moe.report_for(model)
     mods = dict(model.named_modules())
-    patched = {mods[n]: mods[n].__dict__["forward"] for n in (getattr(rep, kind) if rep else [])}
+    # "attention" takes the latent attention (MLA) modules too (hi_na_moe.mla)
+    names = (getattr(rep, kind) + (rep.attention_latent if kind == "attention" else [])) if rep else []
+    patched = {mods[n]: mods[n].__dict__["forward"] for n in names}
     if not patched:
         raise SystemExit(f"--ab-{kind}: none of this model's {kind} runs on the native kernels (scope all?)")
 

@@ -1113,6 +1113,26 @@ NB_MODULE(_native, m) {
         "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride; sinks: 0 for none, "
         "else Hq float32 sink logits), for "
         "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+  m.def("mla_decode_raw",
+        [](int dtype, uintptr_t q_nope, int64_t qn0, int64_t qn1, uintptr_t q_rope, int64_t qr0, int64_t qr1,
+           uintptr_t w, uintptr_t latent, int64_t c0, int64_t c1, uintptr_t k_rope, int64_t kr0, int64_t kr1,
+           uintptr_t out, int64_t B, int64_t H, int64_t S, int64_t Dn, int64_t Dr, int64_t L, int64_t Dv, float scale,
+           uintptr_t mask, int64_t mask_bstride, int num_threads, const std::string& isa) {
+          hina::MlaDecodeArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(q_nope),
+                                reinterpret_cast<const void*>(q_rope), reinterpret_cast<const void*>(w),
+                                reinterpret_cast<const void*>(latent), reinterpret_cast<const void*>(k_rope),
+                                reinterpret_cast<void*>(out), B, H, S, Dn, Dr, L, Dv, {qn0, qn1}, {qr0, qr1},
+                                {c0, c1}, {kr0, kr1}, scale, reinterpret_cast<const uint8_t*>(mask), mask_bstride};
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
+          nb::gil_scoped_release release;
+          hina::mla_decode(a, num_threads, tier);
+        },
+        "Decode attention of multi-head latent attention with kv_b_proj absorbed (hina::mla_decode): q_nope "
+        "(b, h, d < Dn) at q_nope + b*qn0 + h*qn1 + d elements, q_rope likewise (rotated), w [H, Dn + Dv, L] "
+        "contiguous (kv_b_proj's weight), latent (b, s, l) at latent + b*c0 + s*c1 + l, k_rope likewise, out "
+        "[B, H, Dv] contiguous; dtype 0 float32, 1 bfloat16, 2 float16; mask 0 for none, else bool bytes at "
+        "mask + b * mask_bstride. Raw addresses, nothing checked: for hi_na_moe.mla, which checked the tensors "
+        "itself. Wrong addresses crash.");
   m.def("attention_prefill_raw",
         [](uintptr_t q, int64_t qs0, int64_t qs1, int64_t qs2, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
            int64_t S, int64_t D, uintptr_t k, int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0,

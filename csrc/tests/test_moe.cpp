@@ -1418,6 +1418,88 @@ void test_gated_mlp(const std::vector<Isa>& tiers) {
   }
 }
 
+// mla_decode on every tier against the form transformers computes, in double: every head's keys
+// [W_k latent_s, k_rope_s] and values W_v latent_s made explicitly, then softmax attention. Latent
+// and rope keys read through strides of a longer buffer, queries through per-head strides (the
+// nope and rope parts of one projection), sizes with and without whole vectors, a mask.
+void test_mla_decode(const std::vector<Isa>& tiers) {
+  if (!selected("mla")) return;
+  std::mt19937 rng(21);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    struct Dims { int64_t H, Dn, Dr, L, Dv; };
+    for (const Dims& d : {Dims{4, 32, 16, 64, 32}, Dims{3, 24, 8, 40, 20}, Dims{2, 128, 64, 512, 128}}) {
+      for (int64_t S : {1, 5, 33}) {
+        const int64_t B = 2, Smax = S + 3, qw = d.Dn + d.Dr, rows = d.Dn + d.Dv;
+        const auto q = random_array(dt, B * d.H * qw, 1.0f, rng);  // [B, H, Dn + Dr]: nope then rope
+        const auto w = random_array(dt, d.H * rows * d.L, 0.2f, rng);
+        const auto lat = random_array(dt, B * Smax * d.L, 1.0f, rng);
+        const auto kr = random_array(dt, B * Smax * d.Dr, 1.0f, rng);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(qw));
+        std::vector<uint8_t> mask(static_cast<size_t>(B * S), 1);
+        for (int64_t j = 1; j < S; j += 2) mask[S + j] = 0;  // row 1: every other position hidden
+        auto W = [&](int64_t h, int64_t r, int64_t l) { return double(load_elem(dt, w.data(), (h * rows + r) * d.L + l)); };
+        for (const bool masked : {false, true}) {
+          std::vector<double> ref(static_cast<size_t>(B * d.H * d.Dv));
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < d.H; ++h) {
+              std::vector<double> sc(static_cast<size_t>(S), 0.0);
+              double mx = -1e300, sum = 0;
+              for (int64_t s = 0; s < S; ++s) {
+                if (masked && !mask[b * S + s]) continue;
+                double dotp = 0;
+                for (int64_t i = 0; i < d.Dn; ++i) {  // key i of head h at position s: W_k[h, i] . latent_s
+                  double key = 0;
+                  for (int64_t l = 0; l < d.L; ++l) key += W(h, i, l) * load_elem(dt, lat.data(), (b * Smax + s) * d.L + l);
+                  dotp += double(load_elem(dt, q.data(), (b * d.H + h) * qw + i)) * key;
+                }
+                for (int64_t i = 0; i < d.Dr; ++i)
+                  dotp += double(load_elem(dt, q.data(), (b * d.H + h) * qw + d.Dn + i)) *
+                          load_elem(dt, kr.data(), (b * Smax + s) * d.Dr + i);
+                sc[s] = dotp * scale;
+                mx = std::max(mx, sc[s]);
+              }
+              for (int64_t s = 0; s < S; ++s)
+                if (!masked || mask[b * S + s]) sum += (sc[s] = std::exp(sc[s] - mx));
+              for (int64_t e = 0; e < d.Dv; ++e) {
+                double o = 0;
+                for (int64_t s = 0; s < S; ++s) {
+                  if (masked && !mask[b * S + s]) continue;
+                  double val = 0;
+                  for (int64_t l = 0; l < d.L; ++l) val += W(h, d.Dn + e, l) * load_elem(dt, lat.data(), (b * Smax + s) * d.L + l);
+                  o += sc[s] * val;
+                }
+                ref[(b * d.H + h) * d.Dv + e] = o / sum;
+              }
+            }
+          double rmax = 0;
+          for (double r : ref) rmax = std::max(rmax, std::fabs(r));
+          std::vector<Isa> all = tiers;
+          all.insert(all.begin(), Isa::kGeneric);
+          const size_t es = dtype_size(dt);
+          for (Isa isa : all) {
+            for (int threads : {1, 2}) {
+              std::vector<uint8_t> out(static_cast<size_t>(B * d.H * d.Dv) * es, 0xff);
+              MlaDecodeArgs a{dt, q.data(), q.data() + d.Dn * es, w.data(), lat.data(), kr.data(), out.data(),
+                              B, d.H, S, d.Dn, d.Dr, d.L, d.Dv, {d.H * qw, qw}, {d.H * qw, qw}, {Smax * d.L, d.L},
+                              {Smax * d.Dr, d.Dr}, scale, masked ? mask.data() : nullptr, S};
+              mla_decode(a, threads, isa);
+              double worst = 0;
+              for (size_t i = 0; i < ref.size(); ++i)
+                worst = std::max(worst, std::fabs(double(load_elem(dt, out.data(), int64_t(i))) - ref[i]) / rmax);
+              const double lim = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 512;
+              note(std::string("mla_decode ") + dtype_name(dt) + " " + isa_name(isa), worst);
+              report(worst <= lim, std::string("mla_decode ") + dtype_name(dt) + " " + isa_name(isa) +
+                                       (masked ? " masked" : "") + " H=" + std::to_string(d.H) + " L=" +
+                                       std::to_string(d.L) + " S=" + std::to_string(S) + " threads=" +
+                                       std::to_string(threads) + ": err " + std::to_string(worst));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // attention_decode on every tier against a double-precision softmax attention, through strides
 // of a longer cache buffer (StaticCache-like), with grouped-query heads, head sizes with and
 // without a vector build, and with attention sinks (one head's sink far above its scores, one far
@@ -1725,6 +1807,7 @@ int main(int argc, char** argv) {
   test_add_rms_norm();
   test_gated_mlp(all);
   test_attention_decode(tiers);
+  test_mla_decode(tiers);
   test_attention_prefill(tiers);
   test_fork_child();
   for (const auto& kv : g_worst)

@@ -196,6 +196,48 @@ def _watched(module: nn.Module) -> bool:
     return not _idle_capture_hooks(module)
 
 
+_CALL_NAMES = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+
+
+def call_args(module: nn.Module, args: tuple, kwargs: dict, eager: bool, takes,
+              names: tuple[str, ...] = _CALL_NAMES) -> tuple | None:
+    """(hidden_states, position_embeddings, mask, past_key_values) of a call to an attention module
+    holding only those (and arguments SDPA ignores), with hidden states [B, T, hidden] on the CPU
+    that takes(hidden) accepts, and a mask that is None or bool [B or 1, 1, T, S] (under eager an
+    additive float mask standing for one is converted; see the module docstring); else None.
+    names: the forward's positional parameters, in order."""
+    if module.training or len(args) > len(names):
+        return None
+    got = dict(zip(names, args))
+    if any(key not in _CALL_NAMES and key not in _IGNORED_KWARGS for key in got):
+        return None
+    for key, val in kwargs.items():
+        if key in _CALL_NAMES and key not in got:
+            got[key] = val
+        elif key == "output_attentions" and not val:
+            continue
+        elif key not in _IGNORED_KWARGS:
+            return None
+    h, mask = got.get("hidden_states"), got.get("attention_mask")
+    if eager and _watched(module):
+        return None
+    if type(h) is not torch.Tensor or h.dim() != 3 or not h.is_cpu or h.requires_grad or not takes(h):
+        return None
+    B, T = h.shape[:2]
+    if eager:
+        if mask is None and T > 1:
+            return None  # eager without a mask attends every key, not the causal ones
+        if type(mask) is torch.Tensor and mask.is_floating_point() and mask.dim() == 4 and mask.is_cpu:
+            mask = _bool_of_additive(mask)  # a few small ops for a decode step's [B, 1, 1, S]
+            if mask is None:
+                return None  # an additive bias, not a mask
+    if mask is not None and (type(mask) is not torch.Tensor or mask.dtype is not torch.bool or mask.dim() != 4
+                             or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != T
+                             or mask.stride(3) != 1 or not mask.is_cpu):
+        return None  # a float or per-head mask: the module's own forward
+    return h, got.get("position_embeddings"), mask, got.get("past_key_values")
+
+
 def _partial_rotary_dims(module: nn.Module, D: int) -> int | None:
     """The rotary dims of a head when the module's config rotates fewer than D of them (its
     partial_rotary_factor, in rope_parameters or on the config, as the rotary modules read it:
@@ -416,46 +458,26 @@ class NativeAttention:
     def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict, prefill: bool = False):
         """(hidden, cos, sin, cache, mask) when this call is a plain decode step, or with
         `prefill` a prefill call the native prefill kernel takes (self.prefill), else None."""
-        if module.training or len(args) > 4:
+
+        def takes(h: torch.Tensor) -> bool:
+            B, T = h.shape[:2]
+            return (h.shape[2] == self.hidden and h.dtype is self.dtype and T >= 1
+                    and (B <= _MAX_BATCH if T == 1 else prefill and self.prefill and PREFILL))
+
+        got = call_args(module, args, kwargs, self.eager, takes)
+        if got is None:
             return None
-        names = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
-        got = dict(zip(names, args))
-        for key, val in kwargs.items():
-            if key in names and key not in got:
-                got[key] = val
-            elif key == "output_attentions" and not val:
-                continue
-            elif key not in _IGNORED_KWARGS:
-                return None
-        h, pe, mask = got.get("hidden_states"), got.get("position_embeddings"), got.get("attention_mask")
+        h, pe, mask, cache = got
         if not isinstance(pe, tuple) or len(pe) != 2:
             return None
-        if self.eager and _watched(module):
-            return None
-        if (type(h) is not torch.Tensor or h.dim() != 3 or h.shape[2] != self.hidden or h.dtype is not self.dtype
-                or not h.is_cpu or h.requires_grad):
-            return None
         B, T = h.shape[:2]
-        if T == 1 and B > _MAX_BATCH or T > 1 and not (prefill and self.prefill and PREFILL) or T < 1:
-            return None
-        if self.eager:
-            if mask is None and T > 1:
-                return None  # eager without a mask attends every key, not the causal ones
-            if type(mask) is torch.Tensor and mask.is_floating_point() and mask.dim() == 4 and mask.is_cpu:
-                mask = _bool_of_additive(mask)  # a few small ops for a decode step's [B, 1, 1, S]
-                if mask is None:
-                    return None  # an additive bias, not a mask
-        if mask is not None and (type(mask) is not torch.Tensor or mask.dtype is not torch.bool or mask.dim() != 4
-                                 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != T
-                                 or mask.stride(3) != 1 or not mask.is_cpu):
-            return None  # a float or per-head mask: the module's own forward
         cos, sin = pe
         w = self.table_width()
         for t in (cos, sin):
             if (type(t) is not torch.Tensor or t.dtype is not self.table_dtype or t.numel() not in (B * T * w, T * w)
                     or not t.is_cpu or t.is_neg() or t.shape[-1] != w):
                 return None
-        return h, cos, sin, got.get("past_key_values"), mask
+        return h, cos, sin, cache, mask
 
     # -- the probe ----------------------------------------------------------------------------
     def matches(self) -> bool:

@@ -456,10 +456,10 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
 
 def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
     """Pack and patch the linears of scope="all", then the RMSNorms, the routers, the attention
-    modules and the gated MLPs (hi_na_moe.mlp), then the decoder layers (hi_na_moe.layers);
-    returns ([(module, runner, old forward)], linear reports, {"norms": (names patched, names
-    whose probe did not match), "routers", "attention", "mlps", "layers", "stacks": (the
-    same)}). On an error, what was patched is undone before it propagates."""
+    modules (hi_na_moe.attention; latent attention: hi_na_moe.mla) and the gated MLPs
+    (hi_na_moe.mlp), then the decoder layers (hi_na_moe.layers); returns ([(module, runner, old
+    forward)], linear reports, {"norms": (names patched, names whose probe did not match),
+    "routers", "attention", "attention_latent", "mlps", "layers", "stacks": (the same)}). On an error, what was patched is undone before it propagates."""
     from tqdm.auto import tqdm
 
     from .ops import _isa_name
@@ -494,6 +494,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
                                            runner.member_bytes(i), freed[i], runner.cache_event, group,
                                            runner.format_note))
         from .attention import NativeAttention, find_attention
+        from .mla import NativeMLA, find_mla
         from .mlp import NativeMLP, find_mlps
         from .routers import NativeRouter, find_routers
 
@@ -504,6 +505,8 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
                 ("routers", routers, lambda name, m, fwd: NativeRouter(name, m, fwd, isa, cfg.threads), unfit),
                 ("attention", find_attention(model, cfg.dense_exclude),
                  lambda name, m, fwd: NativeAttention(name, m, fwd, isa, cfg.threads), []),
+                ("attention_latent", find_mla(model, cfg.dense_exclude),
+                 lambda name, m, fwd: NativeMLA(name, m, fwd, isa, cfg.threads), []),
                 ("mlps", find_mlps(model, cfg.dense_exclude), NativeMLP, [])):
             more, names, differ = patch_probed(found, make, gate, gated)
             done += more

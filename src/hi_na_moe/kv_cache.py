@@ -53,7 +53,8 @@ __all__ = ["Slot", "slot", "commit", "append", "StaticSlot", "static_slot", "sta
 
 
 class Slot:
-    """A layer's buffers k and v [B, heads, cap, D], the views of their t positions from base the
+    """A layer's buffers k [B, heads, cap, D] and v [B, heads, cap, Dv] (Dv = D but for latent
+    attention's caches, hi_na_moe.mla), the views of their t positions from base the
     layer holds (kview, vview), and t: the next append writes position base + t. base stays 0 but
     for a sliding-window layer (window: its window, else 0), whose view moves on once full."""
 
@@ -61,7 +62,7 @@ class Slot:
 
     def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int, window: int = 0):
         self.layer, self.k, self.v, self.t, self.cap = layer, k, v, t, k.shape[2]
-        self.form = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
+        self.form = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype)
         self.kview = self.vview = None
         self.base, self.window = 0, window
 
@@ -115,9 +116,11 @@ def _shipped_layer(cache, layer_idx: int, shipped: tuple):
     return layer
 
 
-def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> Slot | None:
+def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype, Dv: int | None = None) -> Slot | None:
     """Where to write the next position of layer `layer_idx` of `cache` in place (then call
-    commit), or None: the cache's own update must run (module docstring)."""
+    commit), or None: the cache's own update must run (module docstring). Values are Dv wide
+    (default D)."""
+    Dv = D if Dv is None else Dv
     layer = _shipped_layer(cache, layer_idx, _shipped())
     if layer is None:
         return None
@@ -126,12 +129,12 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) 
     if s is not None and s.window and layer.record_past:
         return None  # recording its past since (assisted decoding): its own update keeps every position
     if (s is not None and keys is s.kview and values is s.vview and s.base + s.t < s.cap
-            and s.form == (B, heads, D, dtype)):
+            and s.form == (B, heads, D, Dv, dtype)):
         if not s.k.is_inference() or torch.is_inference_mode_enabled():
             return s
     if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or keys.dim() != 4
             or keys.shape[0] != B or keys.shape[1] != heads or keys.shape[3] != D or keys.shape[2] == 0
-            or values.shape != keys.shape or keys.dtype is not dtype or values.dtype is not dtype
+            or values.shape != (B, heads, keys.shape[2], Dv) or keys.dtype is not dtype or values.dtype is not dtype
             or not keys.is_cpu or not values.is_cpu or keys.requires_grad or values.requires_grad):
         return None
     T, window = keys.shape[2], 0
@@ -144,7 +147,7 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) 
             return None
     cap = T + max(256, T // 8)
     k = torch.empty(B, heads, cap, D, dtype=dtype)
-    v = torch.empty(B, heads, cap, D, dtype=dtype)
+    v = torch.empty(B, heads, cap, Dv, dtype=dtype)
     k[:, :, :T].copy_(keys)
     v[:, :, :T].copy_(values)
     s = Slot(layer, k, v, T, window)
@@ -228,10 +231,11 @@ def commit(s: Slot) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def append(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cache.update(k, v, layer_idx) for one new position (k, v [B, heads, 1, D]), in place when
-    slot() allows it."""
+    """cache.update(k, v, layer_idx) for one new position (k [B, heads, 1, D], v [B, heads, 1, Dv]),
+    in place when slot() allows it."""
     B, heads, n, D = k.shape
-    s = slot(cache, layer_idx, B, heads, D, k.dtype) if n == 1 and v.shape == k.shape and v.dtype is k.dtype else None
+    s = (slot(cache, layer_idx, B, heads, D, k.dtype, v.shape[3])
+         if n == 1 and v.dim() == 4 and v.shape[:3] == k.shape[:3] and v.dtype is k.dtype else None)
     if s is None:
         return cache.update(k, v, layer_idx)
     at = s.base + s.t

@@ -240,6 +240,12 @@ class EnableReport:
     # computes prefill attention at this tier (attention.prefill_math)
     attention_prefill: list = field(default_factory=list)
     attention_prefill_math: str | None = None
+    # scope="all": the multi-head latent attention modules (DeepSeek-V2/V3, ...) whose decode calls
+    # run on the native absorbed kernel (hi_na_moe.mla), the candidates whose probe differed, and
+    # the bytes of the dense copies of packed kv_b_proj weights that kernel reads
+    attention_latent: list = field(default_factory=list)
+    attention_latent_differ: list = field(default_factory=list)
+    attention_latent_bytes: int = 0
     # scope="all": the gated MLP modules (shared experts, dense MLPs) whose decode calls are one
     # native call (hi_na_moe.mlp), and the candidates whose probe did not match
     mlps: list = field(default_factory=list)
@@ -290,6 +296,9 @@ class EnableReport:
             "attention_math": self.attention_math,
             "attention_prefill": list(self.attention_prefill),
             "attention_prefill_math": self.attention_prefill_math,
+            "attention_latent": list(self.attention_latent),
+            "attention_latent_differ": list(self.attention_latent_differ),
+            "attention_latent_bytes": self.attention_latent_bytes,
         }
 
     def to_json(self) -> str:
@@ -335,12 +344,14 @@ class EnableReport:
                          if events else "")
                 lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
                              f"{freed / 2**20:.0f} MiB of their own weights released{store}")
-        if self.dry_run and (self.norms or self.routers or self.attention or self.routers_differ or self.mlps or self.layers):
+        if self.dry_run and (self.norms or self.routers or self.attention or self.attention_latent
+                             or self.routers_differ or self.mlps or self.layers):
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
             mlps = f"{len(self.mlps)} gated MLP(s), " if self.mlps else ""
+            latent = f"{len(self.attention_latent)} latent attention module(s), " if self.attention_latent else ""
             lines.append(f"  small modules scope='all' would probe at enable and run natively where their form "
                          f"matches: {len(self.norms)} RMSNorm, {len(self.routers)} router(s), {len(self.attention)} "
-                         f"attention module(s), {mlps}{len(self.layers)} decoder layer(s), "
+                         f"attention module(s), {latent}{mlps}{len(self.layers)} decoder layer(s), "
                          f"{len(self.stacks)} decoder stack(s){left}")
         elif self.norms or self.norms_differ:
             left = (f"; {len(self.norms_differ)} left to PyTorch (they compute something else, e.g. "
@@ -365,6 +376,13 @@ class EnableReport:
                        "AVX512-BF16 kernel" if self.attention_prefill
                        else f"their own forward (prefill attention at this tier: {self.attention_prefill_math})")
                 lines.append(f"    prefill calls: {pre}")
+        if not self.dry_run and (self.attention_latent or self.attention_latent_differ):
+            left = (f"; {len(self.attention_latent_differ)} left to PyTorch (their probe differed, e.g. "
+                    f"{self.attention_latent_differ[0]})" if self.attention_latent_differ else "")
+            copy = (f"; {self.attention_latent_bytes / 2**20:.1f} MiB of dense kv_b_proj copies it reads"
+                    if self.attention_latent_bytes else "")
+            lines.append(f"  latent attention (MLA) modules with decode steps on the native absorbed kernel: "
+                         f"{len(self.attention_latent)}{copy}{left}")
         if not self.dry_run and (self.mlps or self.mlps_differ):
             left = (f"; {len(self.mlps_differ)} take their own forward (a projection not on the dense kernels, "
                     f"an activation other than SiLU, or their probe differed, e.g. {self.mlps_differ[0]})"
@@ -600,6 +618,9 @@ def inspect_model(
         routers, report.routers_differ = find_routers(model, cfg.dense_exclude, devices)
         report.routers = [n for n, _ in routers]
         report.attention = [n for n, _ in find_attention(model, cfg.dense_exclude)]
+        from .mla import find_mla
+
+        report.attention_latent = [n for n, _ in find_mla(model, cfg.dense_exclude)]
         from .mlp import find_mlps
 
         report.mlps = [n for n, _ in find_mlps(model, cfg.dense_exclude)]
@@ -689,6 +710,9 @@ def enable_for_model(
                 report.routers_select_pytorch = [n for n in report.routers
                                                  if getattr(patched_runner(mods[n]), "select", None) is None]
                 report.attention, report.attention_differ = small["attention"]
+                report.attention_latent, report.attention_latent_differ = small["attention_latent"]
+                report.attention_latent_bytes = sum(patched_runner(mods[n]).extra_bytes()
+                                                    for n in report.attention_latent)
                 report.mlps, report.mlps_differ = small["mlps"]
                 report.layers, report.layers_differ = small["layers"]
                 report.stacks, report.stacks_differ = small["stacks"]

@@ -368,6 +368,38 @@ struct AttnDecodeArgs {
 // AVX2; others: the baseline build).
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa);
 
+// Decode attention of multi-head latent attention (MLA: DeepSeek-V2/V3 and the families built on
+// them; see csrc/moe/mla_impl.h) over its compressed cache, the key and value up-projection
+// absorbed into the query and the output. Per (batch row b, head h), with W = kv_b_proj's
+// weight viewed [H, Dn + Dv, L] (rows d < Dn make head h's keys from the latent, the next Dv its
+// values):
+//   ql = sum_d q_nope[b, h, d] W[h, d, :]                       (float32, L values)
+//   score_s = (ql . latent[b, s] + q_rope[b, h] . k_rope[b, s]) * scale,  p = softmax(score)
+//   out[b, h, e] = W[h, Dn + e, :] . (sum_s p_s latent[b, s])     (e < Dv)
+// which is the softmax attention of q = [q_nope, q_rope] over keys [W_k latent_s, k_rope_s] and
+// values W_v latent_s, without making those keys and values. float32 math, one rounding to
+// dtype at the end.
+struct MlaDecodeArgs {
+  DType dtype;
+  const void* q_nope;  // element (b, h, d) at q_nope[b*qn_strides[0] + h*qn_strides[1] + d], d < Dn
+  const void* q_rope;  // (b, h, d) at q_rope[b*qr_strides[0] + h*qr_strides[1] + d], d < Dr (rotated)
+  const void* w;       // [H, Dn + Dv, L] contiguous
+  const void* latent;  // (b, s, l) at latent[b*c_strides[0] + s*c_strides[1] + l], l < L
+  const void* k_rope;  // (b, s, d) at k_rope[b*kr_strides[0] + s*kr_strides[1] + d], d < Dr (rotated)
+  void* out;           // [B, H, Dv] contiguous
+  int64_t B, H, S, Dn, Dr, L, Dv;
+  int64_t qn_strides[2], qr_strides[2], c_strides[2], kr_strides[2];
+  float scale;
+  // optional: position s of row b is attended iff mask[b * mask_bstride + s] != 0 (as
+  // AttnDecodeArgs::mask); a row attending nothing gives zeros
+  const uint8_t* mask = nullptr;
+  int64_t mask_bstride = 0;
+};
+// Heads split across num_threads (0: every hardware thread) when the work is large enough; each
+// thread reads the cache once for all of its heads. isa picks the build (kAvx512/kAmx:
+// AVX-512; kAvx2: AVX2; others: the baseline build).
+void mla_decode(const MlaDecodeArgs& a, int num_threads, Isa isa);
+
 // Attention of T query rows per (batch, head) over S cached keys/values, bfloat16 in and out
 // (see csrc/kernels/avx512/attention_prefill_avx512bf16.cpp): the prefill counterpart of
 // attention_decode, float32 sums and softmax, the probabilities rounded to bfloat16 for p . v.

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "moe/attention_impl.h"
+#include "moe/mla_impl.h"
 
 namespace hina::detail {
 namespace {
@@ -126,6 +127,52 @@ void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   });
 }
 
+// mla_impl.h's vector policy: 8 lanes, four accumulators for the dot products, exp_neg.
+struct MlaOps {
+  template <class T>
+  static void to_float(const T* x, float* y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, load8(x + i));
+    for (; i < n; ++i) y[i] = attn_impl::Elem<T>::get(x, i);
+  }
+  template <class T>
+  static float dot(const float* a, const T* b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), s1);
+      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), load8(b + i + 16), s2);
+      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), load8(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; i < n; ++i) s += a[i] * attn_impl::Elem<T>::get(b, i);
+    return s;
+  }
+  template <class T>
+  static void axpy(float s, const T* x, float* acc, int64_t n) {
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vs, load8(x + i), _mm256_loadu_ps(acc + i)));
+    for (; i < n; ++i) acc[i] += s * attn_impl::Elem<T>::get(x, i);
+  }
+  static float exp_sum(float* x, int64_t n, float mx) {
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmx));
+      _mm256_storeu_ps(x + i, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
+    return sum;
+  }
+};
+
 }  // namespace
 
 void attention_decode_avx2(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
@@ -135,5 +182,7 @@ void attention_decode_avx2(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
     case DType::kF16: heads<attn_impl::Half>(a, h0, h1); break;
   }
 }
+
+void mla_decode_avx2(const MlaDecodeArgs& a, int64_t h0, int64_t h1) { mla_impl::run<MlaOps>(a, h0, h1); }
 
 }  // namespace hina::detail

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "moe/attention_impl.h"
+#include "moe/mla_impl.h"
 #include "vec_avx512.h"
 
 namespace hina::detail {
@@ -141,6 +142,52 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v512::cvt_bf16(v)), 16));
 }
 
+// mla_impl.h's vector policy: 16 lanes, four accumulators for the dot products, exp_neg.
+struct MlaOps {
+  template <class T>
+  static void to_float(const T* x, float* y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, load16(x + i));
+    for (; i < n; ++i) y[i] = attn_impl::Elem<T>::get(x, i);
+  }
+  template <class T>
+  static float dot(const float* a, const T* b, int64_t n) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s0);
+      s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), s1);
+      s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), load16(b + i + 32), s2);
+      s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), load16(b + i + 48), s3);
+    }
+    for (; i + 16 <= n; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s0);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+    for (; i < n; ++i) s += a[i] * attn_impl::Elem<T>::get(b, i);
+    return s;
+  }
+  template <class T>
+  static void axpy(float s, const T* x, float* acc, int64_t n) {
+    const __m512 vs = _mm512_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vs, load16(x + i), _mm512_loadu_ps(acc + i)));
+    for (; i < n; ++i) acc[i] += s * attn_impl::Elem<T>::get(x, i);
+  }
+  static float exp_sum(float* x, int64_t n, float mx) {
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmx));
+      _mm512_storeu_ps(x + i, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    float sum = _mm512_reduce_add_ps(vsum);
+    for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
+    return sum;
+  }
+};
+
 }  // namespace
 
 // rope_rotate_half for bfloat16, 16 values of each half at a time: out_lo = round(round(lo c_lo)
@@ -177,5 +224,7 @@ void attention_decode_avx512(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
     case DType::kF16: heads<attn_impl::Half>(a, h0, h1); break;
   }
 }
+
+void mla_decode_avx512(const MlaDecodeArgs& a, int64_t h0, int64_t h1) { mla_impl::run<MlaOps>(a, h0, h1); }
 
 }  // namespace hina::detail

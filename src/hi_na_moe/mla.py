@@ -1,0 +1,318 @@
+"""scope="all": the decode step of multi-head latent attention (MLA) modules on a native kernel.
+
+DeepSeek-V2 and V3 and the families built on them attend through a compressed cache: a position
+holds kv_lora_rank latent values (after kv_a_layernorm) and qk_rope_head_dim rotated key values
+shared by every head. transformers' modules then make every head's keys and values of every
+cached position again through kv_b_proj at every step and run SDPA over them: S x H x (Dn + Dv)
+x L multiply-adds a layer and step, which grows with the context (DeepSeek-V2-Lite's shape on
+this machine: 1.9 ms a layer at 80 positions, 35 ms at 2048; benchmarks/RESULTS.md).
+
+Here a decode call (one new token per sequence, at most 16 sequences; no mask, or a bool one, or
+under eager an additive one standing for a bool one) runs as: the module's own projections and
+norms (q_proj, or q_a_proj, q_a_layernorm and q_b_proj; kv_a_proj_with_mqa and kv_a_layernorm:
+themselves on native kernels under scope="all"), the rotary embedding of the rope parts in the
+module's own PyTorch ops (a few small tensors), the cache update (in place for a DynamicCache:
+hi_na_moe.kv_cache), one native call for the attention with kv_b_proj absorbed
+(hina::mla_decode: the query goes into the latent space once, the scores and the weighted sum
+run over the cached latent rows, the result comes out through kv_b_proj's value rows; float32
+math, one rounding), and the module's own o_proj. kv_b_proj's weight is read where the module
+keeps it; when scope="all" packed it (its own weight released), what its packed forward computes
+is made dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values; the report's
+latent attention line gives the bytes). Prefill calls (several new tokens) are the module's own
+forward: their keys are made once, as the module does.
+
+Which modules: a class named *Attention of one of the transformers families in FAMILIES, whose
+forward was read to be the form above (others build on it with more: DeepSeek-V3.2's and GLM-5's
+top-k indexers, LongCat's LoRA scales, Mistral 4's position-dependent query scale, which a probe
+at a few positions cannot tell apart), with exactly the children of _PARTS, the integer sizes,
+a float scaling, kv_b_proj without a bias, and the attention implementation "sdpa" or "eager".
+What it computes is checked before it is patched: on a probe (random hidden states and rotary
+angles, a DynamicCache holding a few positions) its own forward and the decode path run side by
+side with each rotary form: DeepSeek-V2's complex multiplication (position_embeddings a complex
+tensor), V3's interleaved pairs (rope_interleave) and rotate_half. A form is taken when the latent
+and rope key it appends to the cache are the module's bit for bit and its output is within the
+dtype's rounding of the module's (hi_na_moe.attention's tolerance).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from . import kv_cache
+from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, _bool_of_additive, call_args
+from .dense import _DTYPE_CODES, _matches
+
+# transformers families whose MLA module's forward is this module's form (read in 5.23)
+FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1"})
+ROPES = ("complex", "interleaved", "rotate_half")
+_PARTS = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                    "kv_b_proj", "o_proj"})
+_SIZES = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim", "layer_idx")
+
+
+def _family(m: nn.Module) -> str | None:
+    """The transformers model family whose modeling file defines the module's class, else None."""
+    parts = type(m).__module__.split(".")
+    if len(parts) == 4 and parts[:2] == ["transformers", "models"] and parts[3] == f"modeling_{parts[2]}":
+        return parts[2]
+    return None
+
+
+def find_mla(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the latent attention candidates (see the module docstring)."""
+    found = []
+    for name, m in model.named_modules():
+        if not type(m).__name__.endswith("Attention") or _family(m) not in FAMILIES or _matches(name, exclude):
+            continue
+        children = {n for n, _ in m.named_children()}
+        if not children <= _PARTS or not {"kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"} <= children:
+            continue
+        if not all(type(getattr(m, a, None)) is int and getattr(m, a) >= 0 for a in _SIZES):
+            continue
+        lora = getattr(m, "q_lora_rank", None)
+        q_parts = ("q_a_proj", "q_a_layernorm", "q_b_proj") if lora is not None else ("q_proj",)
+        if not all(isinstance(getattr(m, p, None), nn.Module) for p in q_parts):
+            continue
+        linears = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + [p for p in q_parts if p.endswith("proj")]
+        if not all(isinstance(getattr(m, p), nn.Linear) for p in linears) or m.kv_b_proj.bias is not None:
+            continue
+        if not isinstance(getattr(m, "scaling", None), float):
+            continue
+        if getattr(getattr(m, "config", None), "_attn_implementation", None) not in _IMPLEMENTATIONS:
+            continue
+        found.append((name, m))
+    return found
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class NativeMLA:
+    """One latent attention module whose decode calls run on the native absorbed kernel."""
+
+    weights = "lossless"
+
+    def __init__(self, name: str, module: nn.Module, original_forward, isa: str = "auto", threads: int = 0):
+        from .hardware import native_module
+
+        self.name, self.module = name, module
+        self.original = original_forward
+        self.native = native_module()[0]
+        self.isa, self.threads = isa, threads
+        m = module
+        self.H, self.Dn, self.Dr = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.L, self.Dv = m.kv_lora_rank, m.v_head_dim
+        self.hidden = m.kv_a_proj_with_mqa.in_features
+        self.dtype = m.o_proj.weight.dtype
+        self.eager = getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"
+        # the forward's positional parameters, in its order (DeepSeek-V2 takes the mask second)
+        params = inspect.signature(original_forward).parameters.values()
+        self.names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        self.rope: str | None = None  # one of ROPES once the probe matched
+        self._w, self._w_key = None, None
+        self.prefill = False  # prefill calls are the module's own forward
+
+    # -- kv_b_proj's weight -------------------------------------------------------------------
+    def _weight(self) -> torch.Tensor:
+        """kv_b_proj's weight [H (Dn + Dv), L] as the module computes with it: its own parameter
+        while its forward is its own (read at every call, not copied), else what its patched
+        forward computes (scope="all": packed, maybe quantised), made dense once as
+        kv_b_proj(I)^T and kept while that forward stays."""
+        p = self.module.kv_b_proj
+        fwd = p.__dict__.get("forward")
+        rows = self.H * (self.Dn + self.Dv)
+        if fwd is None:
+            w = p.weight
+            if (type(w) in (torch.Tensor, nn.Parameter) and w.dtype is self.dtype and w.shape == (rows, self.L)
+                    and w.is_contiguous() and w.is_cpu and not w.is_neg()):
+                return w.detach()
+            key = (None, id(w), w.data_ptr(), w._version)
+        else:
+            key = (id(fwd),)
+        if key != self._w_key:
+            with torch.no_grad():
+                w = p(torch.eye(self.L, dtype=self.dtype))
+            if w.shape != (self.L, rows):
+                raise RuntimeError(f"{self.name}.kv_b_proj gave {tuple(w.shape)} for the identity, not {(self.L, rows)}")
+            self._w, self._w_key = w.t().contiguous(), key
+        return self._w
+
+    def extra_bytes(self) -> int:
+        """Bytes of the dense copy of kv_b_proj's weight this runner holds (0 when it reads the
+        module's own)."""
+        return 0 if self._w is None or self.module.kv_b_proj.__dict__.get("forward") is None else (
+            self._w.numel() * self._w.element_size())
+
+    # -- the decode path ----------------------------------------------------------------------
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, pe) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, H, 1, Dr] and k [B, 1, 1, Dr] through the rotary form, in the ops the module uses."""
+        if self.rope == "complex":
+            f = pe.unsqueeze(1)
+            xq = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+            xk = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+            return torch.view_as_real(xq * f).flatten(3).type_as(q), torch.view_as_real(xk * f).flatten(3).type_as(k)
+        cos, sin = pe
+        if self.rope == "interleaved":
+            cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+            sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+            q1, q2, k1, k2 = q[..., 0::2], q[..., 1::2], k[..., 0::2], k[..., 1::2]
+            return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+                    torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _decode(self, m: nn.Module, h: torch.Tensor, pe, cache, mask: torch.Tensor | None = None):
+        """(output, None) of a decode step (h [B, 1, hidden])."""
+        B, H, Dn, Dr, L, Dv = h.shape[0], self.H, self.Dn, self.Dr, self.L, self.Dv
+        q = m.q_proj(h) if getattr(m, "q_lora_rank", None) is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(h)))
+        q_nope, q_pe = torch.split(q.view(B, 1, H, Dn + Dr).transpose(1, 2), [Dn, Dr], dim=-1)
+        latent, k_pe = torch.split(m.kv_a_proj_with_mqa(h), [L, Dr], dim=-1)
+        latent = m.kv_a_layernorm(latent).view(B, 1, 1, L)
+        q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, 1, Dr), pe)
+        if cache is not None:
+            latent, k_pe = kv_cache.append(cache, m.layer_idx, latent, k_pe)
+        w = self._weight()
+        out = torch.empty(B, 1, H * Dv, dtype=self.dtype)
+        if self._kernel_fits(q_nope, q_pe, latent, k_pe, mask, B):
+            ps = mask is not None and mask.shape[0] > 1
+            self.native.mla_decode_raw(
+                _DTYPE_CODES[self.dtype], q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_pe.data_ptr(),
+                q_pe.stride(0), q_pe.stride(1), w.data_ptr(), latent.data_ptr(), latent.stride(0), latent.stride(2),
+                k_pe.data_ptr(), k_pe.stride(0), k_pe.stride(2), out.data_ptr(), B, H, latent.shape[2], Dn, Dr, L, Dv,
+                m.scaling, 0 if mask is None else mask.data_ptr(), mask.stride(0) if ps else 0,
+                self.threads or torch.get_num_threads(), self.isa)
+        else:
+            self._absorbed_torch(q_nope, q_pe, w, latent, k_pe, mask, m.scaling, out)
+        return m.o_proj(out), None
+
+    def _kernel_fits(self, q_nope, q_pe, latent, k_pe, mask, B: int) -> bool:
+        """Whether the kernel reads these tensors (what a cache hands back is checked: another
+        cache class may hold something else)."""
+        S = latent.shape[2] if type(latent) is torch.Tensor and latent.dim() == 4 else -1
+        return (S >= 1 and type(k_pe) is torch.Tensor and latent.dtype is self.dtype and k_pe.dtype is self.dtype
+                and latent.shape == (B, 1, S, self.L) and k_pe.shape == (B, 1, S, self.Dr)
+                and latent.stride(3) == 1 and k_pe.stride(3) == 1 and latent.is_cpu and k_pe.is_cpu
+                and not latent.is_neg() and not k_pe.is_neg() and q_nope.stride(3) == 1 and q_pe.stride(3) == 1
+                and q_pe.dtype is self.dtype and (mask is None or mask.shape[-1] == S))
+
+    def _absorbed_torch(self, q_nope, q_pe, w, latent, k_pe, mask, scale: float, out: torch.Tensor) -> None:
+        """The kernel's computation in PyTorch ops (float32), into out [B, 1, H Dv]: a fallback
+        for caches that hand back tensors the kernel does not read."""
+        B, H, Dn, Dv = q_nope.shape[0], self.H, self.Dn, self.Dv
+        wf = w.float().view(H, Dn + Dv, self.L)
+        ql = torch.einsum("bhd,hdl->bhl", q_nope[:, :, 0].float(), wf[:, :Dn])
+        c = latent[:, 0].float()
+        scores = (torch.einsum("bhl,bsl->bhs", ql, c)
+                  + torch.einsum("bhd,bsd->bhs", q_pe[:, :, 0].float(), k_pe[:, 0].float())) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+        p = torch.nan_to_num(scores.softmax(-1))  # a row attending nothing: zeros
+        o = torch.einsum("bhl,hel->bhe", torch.einsum("bhs,bsl->bhl", p, c), wf[:, Dn:])
+        out.copy_(o.reshape(B, 1, H * Dv))
+
+    def forward(self, module: nn.Module, *args, **kwargs):
+        fast = self._fast_args(module, args, kwargs)
+        if fast is None:
+            return self.original(*args, **kwargs)
+        return self._decode(module, *fast)
+
+    def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict):
+        """(hidden, position embeddings, cache, mask) when this call is a plain decode step the
+        probe's rotary form takes, else None."""
+        takes = lambda h: h.shape[1] == 1 and h.shape[0] <= _MAX_BATCH and h.shape[2] == self.hidden and (  # noqa: E731
+            h.dtype is self.dtype)
+        got = call_args(module, args, kwargs, self.eager, takes, self.names)
+        if got is None:
+            return None
+        h, pe, mask, cache = got
+        B = h.shape[0]
+        half = self.Dr // 2
+        if self.rope == "complex":
+            tables, width = (pe,), half
+            if type(pe) is not torch.Tensor or pe.dtype is not torch.complex64:
+                return None
+        else:
+            if not isinstance(pe, tuple) or len(pe) != 2 or any(type(t) is not torch.Tensor for t in pe):
+                return None
+            tables, width = pe, self.Dr
+            if any(t.dtype is not self.dtype for t in pe):
+                return None
+        for t in tables:
+            if t.numel() not in (B * width, width) or t.shape[-1] != width or not t.is_cpu:
+                return None
+        return h, pe, cache, mask
+
+    # -- the probe ----------------------------------------------------------------------------
+    def _tables(self, form: str, ang: torch.Tensor):
+        """The position embeddings of angles ang [B, 1, Dr / 2] as the form's rotary module hands
+        them over."""
+        if form == "complex":
+            return torch.polar(torch.ones_like(ang), ang)
+        emb = torch.cat([ang, ang], dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def matches(self) -> bool:
+        """Whether one rotary form computes what the module's own forward does (module docstring);
+        under eager also with an additive float mask."""
+        from transformers import DynamicCache
+
+        if self.native is None or not hasattr(self.native, "mla_decode_raw"):
+            return False
+        m = self.module
+        gen = torch.Generator().manual_seed(7)
+        B, past = 2, 5
+        h = torch.randn(B, 1, self.hidden, generator=gen).to(self.dtype)
+        ang = torch.rand(B, 1, self.Dr // 2, generator=gen) * 6.3
+        c0 = torch.randn(B, 1, past, self.L, generator=gen).to(self.dtype)
+        k0 = torch.randn(B, 1, past, self.Dr, generator=gen).to(self.dtype)
+        fmask = torch.zeros(B, 1, 1, past + 1, dtype=self.dtype)
+        fmask[1, :, :, [0, 2]] = torch.finfo(self.dtype).min
+        bmask = fmask == 0
+        cases = [None, fmask if self.eager else bmask]
+
+        def cache():
+            c = DynamicCache()
+            c.update(c0.clone(), k0.clone(), m.layer_idx)
+            return c
+
+        with torch.no_grad():
+            for form in ROPES:
+                self.rope = form
+                pe = self._tables(form, ang)
+                ok = True
+                for mk in cases:
+                    own, ours = cache(), cache()
+                    try:
+                        want = self.original(hidden_states=h, position_embeddings=pe, attention_mask=mk,
+                                             past_key_values=own)
+                    except Exception:
+                        ok = False
+                        break
+                    if (not isinstance(want, tuple) or len(want) != 2 or not isinstance(want[0], torch.Tensor)
+                            or want[0].shape != h.shape):
+                        ok = False
+                        break
+                    try:
+                        got, _ = self._decode(m, h, pe, ours, None if mk is None else _bool_of_additive(mk)
+                                              if self.eager else mk)
+                    except Exception:
+                        ok = False
+                        break
+                    a, b = own.layers[m.layer_idx], ours.layers[m.layer_idx]
+                    tol = _OUT_RTOL[self.dtype] * want[0].float().abs().amax()
+                    if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                            and bool(((got.float() - want[0].float()).abs() <= tol).all())):
+                        ok = False
+                        break
+                if ok:
+                    return True
+        self.rope = None
+        return False
+
+    def restore(self) -> None:  # nothing of the module was touched but its forward
+        pass

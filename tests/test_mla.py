@@ -1,0 +1,279 @@
+"""scope="all" (hi_na_moe.mla): decode steps of multi-head latent attention modules (DeepSeek-V2/V3
+and the families built on them) on the native absorbed kernel. The kernel against the keys and
+values transformers makes (a float64 attention over them, every tier); the patched modules
+against their own forwards on the same packed projections (the same cache contents, logits
+within rounding at every teacher-forced step) for each family and rotary form, with padded
+batches, eager masks and quantised weights; and the modules left to their own forward."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from tiny_models import UNBUILDABLE, build_tiny
+from transformers import DynamicCache
+
+import hi_na_moe
+from hi_na_moe import dense, kv_cache, mla
+from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.patching import patched_runner
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native():
+    from hi_na_moe import _native
+
+    return _native
+
+
+def _tiers():
+    return [t for t in ("generic", "avx2", "avx512", "amx") if _native().isa_supported(t)]
+
+
+def _expanded_reference(q_nope, q_pe, w, latent, k_pe, scale, mask=None):
+    """What transformers computes, in float64: every head's keys [W_k c, k_pe] and values W_v c."""
+    H, Dn = q_nope.shape[1], q_nope.shape[2]
+    wd = w.double().view(H, -1, w.shape[-1])
+    keys = torch.einsum("hdl,bsl->bhsd", wd[:, :Dn], latent.double())
+    values = torch.einsum("hel,bsl->bhse", wd[:, Dn:], latent.double())
+    scores = (torch.einsum("bhd,bhsd->bhs", q_nope.double(), keys)
+              + torch.einsum("bhd,bsd->bhs", q_pe.double(), k_pe.double())) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.einsum("bhs,bhse->bhe", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("dtype", list(CODES), ids=str)
+def test_mla_kernel_is_the_expanded_attention_on_every_tier(dtype):
+    gen = torch.Generator().manual_seed(0)
+    B, H, Dn, Dr, L, Dv = 2, 3, 32, 16, 72, 24
+    for S in (1, 9, 40):
+        q = torch.randn(B, H, Dn + Dr, generator=gen).to(dtype)  # nope then rope, as the projection gives
+        w = (torch.randn(H * (Dn + Dv), L, generator=gen) * 0.2).to(dtype)
+        buf_c = torch.randn(B, S + 4, L, generator=gen).to(dtype)  # a longer buffer: strided positions
+        buf_k = torch.randn(B, S + 4, Dr, generator=gen).to(dtype)
+        latent, k_pe = buf_c[:, :S], buf_k[:, :S]
+        mask = torch.ones(B, S, dtype=torch.bool)
+        mask[1, ::2] = False
+        mask[1, -1] = True
+        for mk in (None, mask):
+            want = _expanded_reference(q[..., :Dn], q[..., Dn:], w, latent, k_pe, 0.125, mk)
+            for tier in _tiers():
+                for threads in (1, 2):
+                    out = torch.full((B, H, Dv), 7.0).to(dtype)
+                    _native().mla_decode_raw(
+                        CODES[dtype], q.data_ptr(), q.stride(0), q.stride(1), q.data_ptr() + Dn * q.element_size(),
+                        q.stride(0), q.stride(1), w.data_ptr(), latent.data_ptr(), latent.stride(0),
+                        latent.stride(1), k_pe.data_ptr(), k_pe.stride(0), k_pe.stride(1), out.data_ptr(), B, H, S, Dn,
+                        Dr, L, Dv, 0.125, 0 if mk is None else mk.data_ptr(), 0 if mk is None else mk.stride(0),
+                        threads, tier)
+                    err = ((out.double() - want).abs().max() / want.abs().max()).item()
+                    assert err < {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}[dtype], (
+                        S, mk is not None, tier, threads, err)
+
+
+def _tiny(model_type: str, dtype, **overrides):
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
+    return build_tiny(model_type, dtype, **overrides).model
+
+
+def _forced_logits(model, seq: torch.Tensor, prompt: int, mask: torch.Tensor | None = None):
+    """The last-position logits of a prefill of seq[:, :prompt] and of one decode step per later
+    token (teacher forcing), and the cache."""
+    cache = DynamicCache(config=model.config)
+    kw = {} if mask is None else {"attention_mask": mask[:, :prompt]}
+    with torch.inference_mode():
+        out = model(seq[:, :prompt], past_key_values=cache, use_cache=True, **kw)
+        logits = [out.logits[:, -1].float()]
+        for i in range(prompt, seq.shape[1]):
+            kw = {} if mask is None else {"attention_mask": mask[:, :i + 1]}
+            out = model(seq[:, i:i + 1], past_key_values=cache, use_cache=True, **kw)
+            logits.append(out.logits[:, -1].float())
+    return logits, cache
+
+
+class _Count:
+    """Counts the decode calls a runner takes on its native path."""
+
+    def __init__(self, runner):
+        self.calls = 0
+        decode = runner._decode
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return decode(*args, **kwargs)
+
+        runner._decode = counted
+
+
+def _mla_modules(model):
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "kv_b_proj")]
+
+
+def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e-2, **enable):
+    """Enable scope="all" on model and on a copy whose MLA modules keep their own forward (the
+    same packed projections under them): the first layer's cache contents bit for bit, and close
+    logits at every teacher-forced step. Returns the enabled model's report and its runners."""
+    twin = copy.deepcopy(model)
+    monkeypatch.setattr(mla, "FAMILIES", frozenset())
+    rep_twin = hi_na_moe.enable_for_model(twin, scope="all", **enable)
+    monkeypatch.undo()
+    rep = hi_na_moe.enable_for_model(model, scope="all", **enable)
+    try:
+        assert rep_twin.attention_latent == []
+        names = [n for n, _ in _mla_modules(model)]
+        assert names and rep.attention_latent == names, str(rep)
+        runners = [patched_runner(m) for _, m in _mla_modules(model)]
+        counts = [_Count(r) for r in runners]
+        want, want_cache = _forced_logits(twin, seq, prompt, mask)
+        got, got_cache = _forced_logits(model, seq, prompt, mask)
+        assert [c.calls for c in counts] == [seq.shape[1] - prompt] * len(counts)
+        if seq.shape[1] > prompt:  # the latent and rope keys appended in place (hi_na_moe.kv_cache)
+            assert all(kv_cache._SLOTS.get(layer) is not None for layer in got_cache.layers)
+        # the first layer's cache bit for bit (the same inputs); later layers' inputs went through
+        # the attention above them, within rounding
+        for i, (a, b) in enumerate(zip(want_cache.layers, got_cache.layers)):
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                assert torch.equal(x, y) if i == 0 else ((x.float() - y.float()).norm() / y.float().norm()) < tol
+        for a, b in zip(got, want):
+            assert ((a - b).norm() / b.norm()).item() < tol
+        return rep, runners
+    finally:
+        hi_na_moe.disable_for_model(model)
+        hi_na_moe.disable_for_model(twin)
+
+
+@pytest.mark.parametrize("model_type, overrides, rope", [
+    ("deepseek_v2", {}, "complex"),
+    ("deepseek_v3", {"rope_interleave": True}, "interleaved"),
+    ("deepseek_v3", {"rope_interleave": False}, "rotate_half"),
+    ("glm4_moe_lite", {}, None),
+    ("youtu", {}, None),
+    ("axk1", {}, None),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overrides, rope, dtype, monkeypatch):
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny(model_type, dtype, **overrides)
+        seq = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 7)
+        if rope is not None:
+            assert {r.rope for r in runners} == {rope}
+        assert "latent attention (MLA) modules with decode steps on the native absorbed kernel: 2" in str(rep)
+    finally:
+        dense.MIN_WEIGHTS = old
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_padded_batches_and_eager_masks_decode_on_the_kernel(impl, monkeypatch):
+    model = _tiny("deepseek_v3", torch.bfloat16)
+    model.config._attn_implementation = impl
+    for m in model.modules():
+        if getattr(m, "config", None) is not None:
+            m.config._attn_implementation = impl
+    seq = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :3] = 0  # row 1 left-padded
+    _compare_with_own_forward(model, monkeypatch, seq, 6, mask)
+
+
+def test_quantised_kv_b_proj_is_read_through_a_dense_copy_and_reported(monkeypatch):
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny("deepseek_v2", torch.bfloat16)
+        seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(3))
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6, weights="int4", cache=False)
+        m = _mla_modules(model)[0][1]
+        copy_bytes = m.kv_b_proj.out_features * m.kv_b_proj.in_features * 2
+        assert rep.attention_latent_bytes == copy_bytes * len(runners)
+        assert "MiB of dense kv_b_proj copies it reads" in str(rep)
+    finally:
+        dense.MIN_WEIGHTS = old
+
+
+def test_a_kv_b_proj_left_to_pytorch_is_read_in_place_at_every_call():
+    """kv_b_proj excluded from the dense kernels keeps its own weight: the kernel reads it where it
+    is (no copy), so a change to it shows at the next step, as in the module's own forward."""
+    model = _tiny("deepseek_v3", torch.float32)
+    twin = copy.deepcopy(model)
+    seq = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(4))
+    rep = hi_na_moe.enable_for_model(model, scope="all", dense_exclude="*kv_b_proj")
+    try:
+        assert rep.attention_latent and rep.attention_latent_bytes == 0
+        with torch.no_grad():
+            for a, b in zip(_mla_modules(model), _mla_modules(twin)):
+                a[1].kv_b_proj.weight.mul_(-0.5)
+                b[1].kv_b_proj.weight.mul_(-0.5)
+        got, _ = _forced_logits(model, seq, 5)
+        want, _ = _forced_logits(twin, seq, 5)
+        for a, b in zip(got, want):
+            assert ((a - b).norm() / b.norm()).item() < 1e-3
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_calls_that_are_not_a_plain_decode_step_are_the_modules_own():
+    model = _tiny("deepseek_v2", torch.bfloat16)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        name, m = _mla_modules(model)[0]
+        runner = patched_runner(m)
+        count = _Count(runner)
+        cfg = model.config
+        rot = model.model.rotary_emb
+        h = torch.randn(1, 3, cfg.hidden_size).to(torch.bfloat16)
+        pe = rot(h, torch.arange(3)[None])
+        with torch.no_grad():
+            m(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=DynamicCache())
+            m(hidden_states=h[:, :1], position_embeddings=pe[:, :1], attention_mask=None, past_key_values=None,
+              output_attentions=True)
+            many = torch.randn(17, 1, cfg.hidden_size).to(torch.bfloat16)
+            m(hidden_states=many, position_embeddings=pe[:, :1].expand(17, 1, -1), attention_mask=None)
+        assert count.calls == 0  # a prefill, attention weights asked for, more than 16 rows
+        with torch.no_grad():
+            m(hidden_states=h[:, :1], position_embeddings=pe[:, :1], attention_mask=None, past_key_values=None)
+        assert count.calls == 1
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "mistral4", "deepseek_v32", "glm_moe_dsa"])
+def test_latent_attention_of_other_forms_is_not_taken(model_type):
+    """Families whose MLA module adds what a probe at a few positions cannot see (top-k indexers,
+    LoRA scales, a position-dependent query scale) are no candidates."""
+    model = _tiny(model_type, torch.float32)
+    assert _mla_modules(model)
+    assert mla.find_mla(model, "") == []
+
+
+def test_the_fallback_computes_what_the_kernel_does():
+    """The absorbed attention in PyTorch ops (for caches handing back tensors the kernel does not
+    read) against the kernel."""
+    model = _tiny("deepseek_v2", torch.float32)
+    name, m = _mla_modules(model)[0]
+    runner = mla.NativeMLA(name, m, m.forward)
+    gen = torch.Generator().manual_seed(5)
+    B, S = 2, 6
+    q = torch.randn(B, runner.H, 1, runner.Dn + runner.Dr, generator=gen)
+    q_nope, q_pe = q[..., :runner.Dn], q[..., runner.Dn:].contiguous()
+    latent = torch.randn(B, 1, S, runner.L, generator=gen)
+    k_pe = torch.randn(B, 1, S, runner.Dr, generator=gen)
+    w = runner._weight()
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[1, ..., :2] = False
+    for mk in (None, mask):
+        a = torch.empty(B, 1, runner.H * runner.Dv)
+        runner._absorbed_torch(q_nope, q_pe, w, latent, k_pe, mk, m.scaling, a)
+        want = _expanded_reference(q_nope[:, :, 0], q_pe[:, :, 0], w, latent[:, 0], k_pe[:, 0], m.scaling,
+                                   None if mk is None else mk[:, 0, 0])
+        assert ((a.view(B, runner.H, -1).double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
