@@ -493,3 +493,29 @@ def test_load_state_dict_into_released_weights_says_what_to_do(scope, layer):
     model.load_state_dict(sd)  # disabled: the usual load
     with torch.inference_mode():
         assert torch.isfinite(model(IDS).logits).all()
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_routing_linear_whose_router_reads_the_weight_itself_keeps_it(monkeypatch, dtype):
+    """LongCat-Flash's router computes F.linear(h.float(), self.classifier.weight.float()), never
+    classifier(h): a released weight (the zero placeholder) made every logit 0 and the routing
+    uniform. Routing linears are packed and run natively when called, but keep their weight."""
+    from tiny_models import UNBUILDABLE, build_tiny
+
+    from hi_na_moe import dense
+
+    if "longcat_flash" in UNBUILDABLE:
+        pytest.skip(f"no tiny longcat_flash: {UNBUILDABLE['longcat_flash']}")
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    tiny = build_tiny("longcat_flash", dtype)
+    model, router = tiny.model, tiny.model.model.layers[0].mlp.router
+    ids = torch.randint(0, tiny.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    w = router.classifier.weight.detach().clone()
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False)
+        rep = hi_na_moe.enable_for_model(model, scope="all")
+        try:
+            assert "model.layers.0.mlp.router.classifier" in {d.name for d in rep.dense}
+            assert torch.equal(router.classifier.weight, w)
+            assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+        finally:
+            hi_na_moe.disable_for_model(model)

@@ -471,7 +471,9 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
         from .store import PackedStore
 
         store = PackedStore(cfg.store_root())
-    # a weight shared with another module (tied lm_head / embeddings) is never released
+    # a weight shared with another module (tied lm_head / embeddings) is never released, nor a
+    # routing linear's: its router may read the weight itself (LongCat-Flash: F.linear(h.float(),
+    # self.classifier.weight.float()), never calling the patched forward) and a few KiB save nothing
     shared = _shared_params(model)
     routing = routing_linears(model)
     groups = fuse_groups(todo, cfg, shared, routing) if cfg.dense_fuse else [[item] for item in todo]
@@ -486,7 +488,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
                 m.forward = types.MethodType(gated(gate, runner.forward_of(i)), m)
                 done.append((m, runner, old))
             keep = set(range(len(members))) if cfg.keep_weights else {
-                i for i, (_, m) in enumerate(members) if id(m.weight) in shared}
+                i for i, (n, m) in enumerate(members) if id(m.weight) in shared or n in routing}
             freed = runner.release(keep)
             group = runner.name if len(members) > 1 else None
             for i, (name, m) in enumerate(members):
