@@ -27,7 +27,10 @@ growing cache, as --ab-attention does below.
 --ab-attention (scope all): on each cache, the attention modules alternate every two steps
 between hi_na_moe's decode path (native RoPE and attention kernels) and their own forward, on
 the same growing cache (both compute the same function), and each arm gets its own row; the
-cache then holds N + 2 x --steps tokens at the end.
+cache then holds N + 2 x --steps tokens at the end. Latent attention modules (DeepSeek-V2/V3:
+hi_na_moe.mla) alternate likewise; their cache holds a latent and a rope key a position, which the
+last column counts (the modules' own forward reads it and then makes every head's keys and
+values from it).
 
     python benchmarks/bench_long_context.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --scope all \\
         --dense-lossless "" --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
@@ -143,8 +146,11 @@ def main() -> int:
                 # positions each layer reads: a sliding layer (GPT-OSS) at most its window
                 types = getattr(conf, "layer_types", None) or ["full_attention"] * conf.num_hidden_layers
                 window = getattr(conf, "sliding_window", None) or n
-                kv = sum(2 * kv_heads * head_dim * (min(n, window) if t == "sliding_attention" else n) * 2
-                         for t in types)
+                if getattr(conf, "kv_lora_rank", None):  # latent attention: a latent and a rope key a position
+                    kv = (conf.kv_lora_rank + conf.qk_rope_head_dim) * n * 2 * conf.num_hidden_layers
+                else:
+                    kv = sum(2 * kv_heads * head_dim * (min(n, window) if t == "sliding_attention" else n) * 2
+                             for t in types)
                 for arm in arms:
                     med = statistics.median(steps[arm])
                     label = f"{kind}, {arm}" if arm else kind

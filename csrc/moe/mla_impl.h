@@ -29,6 +29,114 @@ namespace hina::mla_impl {
 
 using attn_impl::Elem;
 
+// The latent half of the scores, sc[g * S + j] = ql[g] . latent(j) for heads g < G and kept
+// positions j < n (latent(j) at lat + pos(j) * cs, pos(j) = kept ? kept[j] : j), and the latent
+// outputs, ol[g] += sum_j p[g * S + j] latent(j): position by position, each position made
+// float32 once (row: L floats) for every head. A policy's own versions may block them otherwise.
+template <class Ops, class T>
+void latent_scores_rows(const float* ql, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                        int64_t n, float* sc, int64_t S, float* row) {
+  for (int64_t j = 0; j < n; ++j) {
+    Ops::to_float(lat + (kept ? kept[j] : j) * cs, row, L);
+    for (int64_t g = 0; g < G; ++g) sc[g * S + j] = Ops::dot(ql + g * L, row, L);
+  }
+}
+
+template <class Ops, class T>
+void latent_sums_rows(const float* p, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept, int64_t n,
+                      int64_t S, float* ol, float* row) {
+  for (int64_t j = 0; j < n; ++j) {
+    Ops::to_float(lat + (kept ? kept[j] : j) * cs, row, L);
+    for (int64_t g = 0; g < G; ++g) Ops::axpy(p[g * S + j], row, ol + g * L, L);
+  }
+}
+
+// Register-blocked versions of the two for the vector builds, written once over a vector type V
+// (V::kWidth float32 lanes; load(const T*) converting, loadf, storef, set1, fma, zero, sum):
+// scores of kPos positions against kHeads heads at a time (kHeads x kPos accumulators over L,
+// each position's values loaded once for the heads), and the sums of kSumHeads heads over
+// kCols vectors of L at a time, their accumulators held across a block of positions (each
+// position's values loaded once for the heads). L must be a multiple of kCols * V::kWidth;
+// policies fall back to the position-by-position loops otherwise.
+template <class V, int kHeads, int kPos, class T>
+void latent_scores_blocked(const float* ql, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                           int64_t n, float* sc, int64_t S) {
+  auto at = [&](int64_t j) { return lat + (kept ? kept[j] : j) * cs; };
+  auto one = [&](const float* q, const T* r) {  // a dot product of L values, four accumulators
+    typename V::Reg a0 = V::zero(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t l = 0;
+    for (; l + 4 * V::kWidth <= L; l += 4 * V::kWidth) {
+      a0 = V::fma(V::loadf(q + l), V::load(r + l), a0);
+      a1 = V::fma(V::loadf(q + l + V::kWidth), V::load(r + l + V::kWidth), a1);
+      a2 = V::fma(V::loadf(q + l + 2 * V::kWidth), V::load(r + l + 2 * V::kWidth), a2);
+      a3 = V::fma(V::loadf(q + l + 3 * V::kWidth), V::load(r + l + 3 * V::kWidth), a3);
+    }
+    for (; l < L; l += V::kWidth) a0 = V::fma(V::loadf(q + l), V::load(r + l), a0);
+    return V::sum(V::add(V::add(a0, a1), V::add(a2, a3)));
+  };
+  int64_t j = 0;
+  for (; j + kPos <= n; j += kPos) {
+    const T* r[kPos];
+    for (int p = 0; p < kPos; ++p) r[p] = at(j + p);
+    int64_t g = 0;
+    for (; g + kHeads <= G; g += kHeads) {
+      typename V::Reg acc[kHeads][kPos];
+      for (auto& a : acc)
+        for (auto& v : a) v = V::zero();
+      for (int64_t l = 0; l < L; l += V::kWidth) {
+        typename V::Reg x[kPos];
+        for (int p = 0; p < kPos; ++p) x[p] = V::load(r[p] + l);
+        for (int h = 0; h < kHeads; ++h) {
+          const typename V::Reg q = V::loadf(ql + (g + h) * L + l);
+          for (int p = 0; p < kPos; ++p) acc[h][p] = V::fma(q, x[p], acc[h][p]);
+        }
+      }
+      for (int h = 0; h < kHeads; ++h)
+        for (int p = 0; p < kPos; ++p) sc[(g + h) * S + j + p] = V::sum(acc[h][p]);
+    }
+    for (; g < G; ++g)
+      for (int p = 0; p < kPos; ++p) sc[g * S + j + p] = one(ql + g * L, r[p]);
+  }
+  for (; j < n; ++j)
+    for (int64_t g = 0; g < G; ++g) sc[g * S + j] = one(ql + g * L, at(j));
+}
+
+// kH heads [g, g + kH) of latent_sums_blocked over positions [j0, j1) and values [l, l + kCols
+// V::kWidth) (compile-time counts: the accumulators stay in registers)
+template <class V, int kH, int kCols, class At>
+inline void latent_sums_tile(const float* p, int64_t g, int64_t L, At at, int64_t j0, int64_t j1, int64_t l, int64_t S,
+                             float* ol) {
+  typename V::Reg acc[kH][kCols];
+  for (int h = 0; h < kH; ++h)
+    for (int c = 0; c < kCols; ++c) acc[h][c] = V::loadf(ol + (g + h) * L + l + c * V::kWidth);
+  for (int64_t j = j0; j < j1; ++j) {
+    const auto* r = at(j) + l;
+    typename V::Reg x[kCols];
+    for (int c = 0; c < kCols; ++c) x[c] = V::load(r + c * V::kWidth);
+    for (int h = 0; h < kH; ++h) {
+      const typename V::Reg w = V::set1(p[(g + h) * S + j]);
+      for (int c = 0; c < kCols; ++c) acc[h][c] = V::fma(w, x[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < kH; ++h)
+    for (int c = 0; c < kCols; ++c) V::storef(ol + (g + h) * L + l + c * V::kWidth, acc[h][c]);
+}
+
+template <class V, int kSumHeads, int kCols, class T>
+void latent_sums_blocked(const float* p, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                         int64_t n, int64_t S, float* ol) {
+  auto at = [&](int64_t j) { return lat + (kept ? kept[j] : j) * cs; };
+  constexpr int64_t kBlock = 256;  // positions a pass: 256 rows of a 512 rank in bf16 stay in L2
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t j1 = std::min(n, j0 + kBlock);
+    for (int64_t l = 0; l < L; l += kCols * V::kWidth) {
+      int64_t g = 0;
+      for (; g + kSumHeads <= G; g += kSumHeads) latent_sums_tile<V, kSumHeads, kCols>(p, g, L, at, j0, j1, l, S, ol);
+      for (; g < G; ++g) latent_sums_tile<V, 1, kCols>(p, g, L, at, j0, j1, l, S, ol);
+    }
+  }
+}
+
 // The baseline policy: attention_impl.h's loops (kLanes independent accumulators, no
 // reassociation needed for the compiler to vectorise them).
 struct BaseOps {
@@ -50,6 +158,16 @@ struct BaseOps {
     for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
     return sum;
   }
+  template <class T>
+  static void latent_scores(const float* ql, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                            int64_t n, float* sc, int64_t S, float* row) {
+    latent_scores_rows<BaseOps>(ql, G, L, lat, cs, kept, n, sc, S, row);
+  }
+  template <class T>
+  static void latent_sums(const float* p, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                          int64_t n, int64_t S, float* ol, float* row) {
+    latent_sums_rows<BaseOps>(p, G, L, lat, cs, kept, n, S, ol, row);
+  }
 };
 
 // Heads [h0, h1) of every batch row.
@@ -57,10 +175,10 @@ template <class Ops, class T>
 void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
   const int64_t G = h1 - h0, L = a.L, R = a.Dr, S = a.S, rows = a.Dn + a.Dv;
   // per head: its latent query (L) and rope query (R), its scores (S), its latent output (L);
-  // then one position's latent and rope key as float32 (L + R)
+  // then one position's latent as float32 (L)
   thread_local std::vector<float> scratch;
   thread_local std::vector<int32_t> kept;
-  scratch.resize(static_cast<size_t>(G * (2 * L + R + S) + L + R));
+  scratch.resize(static_cast<size_t>(G * (2 * L + R + S) + L));
   kept.resize(static_cast<size_t>(S));
   float* ql = scratch.data();
   float* qr = ql + G * L;
@@ -81,7 +199,9 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
       for (int64_t s = 0; s < S; ++s)
         if (m[s]) kept[n++] = static_cast<int32_t>(s);
     }
-    auto pos = [&](int64_t j) { return a.mask ? static_cast<int64_t>(kept[j]) : j; };
+    const int32_t* kp = a.mask ? kept.data() : nullptr;
+    const T* lat_b = lat + b * a.c_strides[0];
+    const T* kr_b = kr + b * a.kr_strides[0];
     // the queries: the nope part through the key rows of W into the latent space
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = h0 + g;
@@ -92,13 +212,11 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
       for (int64_t d = 0; d < a.Dn; ++d) Ops::axpy(Elem<T>::get(qh, d), wh + d * L, q, L);
       Ops::to_float(qp + b * a.qr_strides[0] + h * a.qr_strides[1], qr + g * R, R);
     }
-    // the scores: each kept position once, for every head of the group
+    // the scores: the latent half, then the rope half, each kept position once for every head
+    Ops::latent_scores(ql, G, L, lat_b, a.c_strides[1], kp, n, sc, S, row);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t s = pos(j);
-      Ops::to_float(lat + b * a.c_strides[0] + s * a.c_strides[1], row, L);
-      Ops::to_float(kr + b * a.kr_strides[0] + s * a.kr_strides[1], row + L, R);
-      for (int64_t g = 0; g < G; ++g)
-        sc[g * S + j] = (Ops::dot(ql + g * L, row, L) + Ops::dot(qr + g * R, row + L, R)) * a.scale;
+      const T* k = kr_b + (kp ? kp[j] : j) * a.kr_strides[1];
+      for (int64_t g = 0; g < G; ++g) sc[g * S + j] = (sc[g * S + j] + Ops::dot(qr + g * R, k, R)) * a.scale;
     }
     // the softmax of each head, normalised in place (no position attended: zeros, as SDPA gives)
     for (int64_t g = 0; g < G; ++g) {
@@ -111,11 +229,7 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
     }
     // the latent outputs: each kept position once again
     std::fill(ol, ol + G * L, 0.f);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t s = pos(j);
-      Ops::to_float(lat + b * a.c_strides[0] + s * a.c_strides[1], row, L);
-      for (int64_t g = 0; g < G; ++g) Ops::axpy(sc[g * S + j], row, ol + g * L, L);
-    }
+    Ops::latent_sums(sc, G, L, lat_b, a.c_strides[1], kp, n, S, ol, row);
     // out of the latent space through the value rows of W
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = h0 + g;

@@ -1426,9 +1426,13 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
   if (!selected("mla")) return;
   std::mt19937 rng(21);
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
-    struct Dims { int64_t H, Dn, Dr, L, Dv; };
-    for (const Dims& d : {Dims{4, 32, 16, 64, 32}, Dims{3, 24, 8, 40, 20}, Dims{2, 128, 64, 512, 128}}) {
-      for (int64_t S : {1, 5, 33}) {
+    // sizes: with and without whole vectors; ten heads (the AVX-512 build's blocks of four and
+    // eight heads and their remainders, on one and two threads) over more positions than its
+    // block of 256
+    struct Dims { int64_t H, Dn, Dr, L, Dv; std::vector<int64_t> Ss; };
+    for (const Dims& d : {Dims{4, 32, 16, 64, 32, {1, 5, 33}}, Dims{3, 24, 8, 40, 20, {1, 5, 33}},
+                          Dims{2, 128, 64, 512, 128, {1, 5, 33}}, Dims{10, 16, 16, 64, 16, {7, 301}}}) {
+      for (int64_t S : d.Ss) {
         const int64_t B = 2, Smax = S + 3, qw = d.Dn + d.Dr, rows = d.Dn + d.Dv;
         const auto q = random_array(dt, B * d.H * qw, 1.0f, rng);  // [B, H, Dn + Dr]: nope then rope
         const auto w = random_array(dt, d.H * rows * d.L, 0.2f, rng);

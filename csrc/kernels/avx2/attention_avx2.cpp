@@ -127,6 +127,21 @@ void heads(const AttnDecodeArgs& a, int64_t h0, int64_t h1) {
   });
 }
 
+// mla_impl.h's vector type for its blocked loops: 8 float32 lanes.
+struct Vec {
+  using Reg = __m256;
+  static constexpr int kWidth = 8;
+  template <class T>
+  static Reg load(const T* p) { return load8(p); }
+  static Reg loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, Reg v) { _mm256_storeu_ps(p, v); }
+  static Reg set1(float v) { return _mm256_set1_ps(v); }
+  static Reg zero() { return _mm256_setzero_ps(); }
+  static Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static float sum(Reg v) { return hsum(v); }
+};
+
 // mla_impl.h's vector policy: 8 lanes, four accumulators for the dot products, exp_neg.
 struct MlaOps {
   template <class T>
@@ -170,6 +185,20 @@ struct MlaOps {
     float sum = hsum(vsum);
     for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
     return sum;
+  }
+  // Register-blocked (mla_impl.h): three heads by four positions for the scores (12 of the 16
+  // ymm registers), four heads by 16 values for the sums.
+  template <class T>
+  static void latent_scores(const float* ql, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                            int64_t n, float* sc, int64_t S, float* row) {
+    if (L % 8) return mla_impl::latent_scores_rows<MlaOps>(ql, G, L, lat, cs, kept, n, sc, S, row);
+    mla_impl::latent_scores_blocked<Vec, 3, 4>(ql, G, L, lat, cs, kept, n, sc, S);
+  }
+  template <class T>
+  static void latent_sums(const float* p, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                          int64_t n, int64_t S, float* ol, float* row) {
+    if (L % 16) return mla_impl::latent_sums_rows<MlaOps>(p, G, L, lat, cs, kept, n, S, ol, row);
+    mla_impl::latent_sums_blocked<Vec, 4, 2>(p, G, L, lat, cs, kept, n, S, ol);
   }
 };
 

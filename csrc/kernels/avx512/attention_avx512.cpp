@@ -142,6 +142,21 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v512::cvt_bf16(v)), 16));
 }
 
+// mla_impl.h's vector type for its blocked loops: 16 float32 lanes.
+struct Vec {
+  using Reg = __m512;
+  static constexpr int kWidth = 16;
+  template <class T>
+  static Reg load(const T* p) { return load16(p); }
+  static Reg loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, Reg v) { _mm512_storeu_ps(p, v); }
+  static Reg set1(float v) { return _mm512_set1_ps(v); }
+  static Reg zero() { return _mm512_setzero_ps(); }
+  static Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static float sum(Reg v) { return _mm512_reduce_add_ps(v); }
+};
+
 // mla_impl.h's vector policy: 16 lanes, four accumulators for the dot products, exp_neg.
 struct MlaOps {
   template <class T>
@@ -185,6 +200,20 @@ struct MlaOps {
     float sum = _mm512_reduce_add_ps(vsum);
     for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
     return sum;
+  }
+  // Register-blocked (mla_impl.h): four heads by four positions for the scores (16 of the 32
+  // zmm registers), eight heads by 32 values for the sums.
+  template <class T>
+  static void latent_scores(const float* ql, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                            int64_t n, float* sc, int64_t S, float* row) {
+    if (L % 16) return mla_impl::latent_scores_rows<MlaOps>(ql, G, L, lat, cs, kept, n, sc, S, row);
+    mla_impl::latent_scores_blocked<Vec, 4, 4>(ql, G, L, lat, cs, kept, n, sc, S);
+  }
+  template <class T>
+  static void latent_sums(const float* p, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
+                          int64_t n, int64_t S, float* ol, float* row) {
+    if (L % 32) return mla_impl::latent_sums_rows<MlaOps>(p, G, L, lat, cs, kept, n, S, ol, row);
+    mla_impl::latent_sums_blocked<Vec, 8, 2>(p, G, L, lat, cs, kept, n, S, ol);
   }
 };
 
