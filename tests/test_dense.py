@@ -495,27 +495,42 @@ def test_load_state_dict_into_released_weights_says_what_to_do(scope, layer):
         assert torch.isfinite(model(IDS).logits).all()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_routing_linear_whose_router_reads_the_weight_itself_keeps_it(monkeypatch, dtype):
-    """LongCat-Flash's router computes F.linear(h.float(), self.classifier.weight.float()), never
-    classifier(h): a released weight (the zero placeholder) made every logit 0 and the routing
-    uniform. Routing linears are packed and run natively when called, but keep their weight."""
+@pytest.mark.parametrize("model_type, linear, reader", [
+    ("longcat_flash", "model.layers.0.mlp.router.classifier", "model.layers.0.mlp.router"),
+    ("jamba", "model.layers.1.mamba.dt_proj", "model.layers.1.mamba"),
+])
+def test_a_linear_whose_weight_its_parent_reads_itself_keeps_it(monkeypatch, dtype, model_type, linear, reader):
+    """LongCat-Flash's router computes F.linear(h.float(), self.classifier.weight.float()) and
+    Jamba's Mamba mixer self.dt_proj.weight @ x, neither calling the Linear: a released weight
+    (the zero placeholder) made LongCat's routing uniform and Jamba's time steps zero. Such a
+    linear is packed and runs natively when called, but keeps its weight, and the report says why;
+    the model then computes what it computes with keep_weights=True."""
+    import copy
+
     from tiny_models import UNBUILDABLE, build_tiny
 
     from hi_na_moe import dense
 
-    if "longcat_flash" in UNBUILDABLE:
-        pytest.skip(f"no tiny longcat_flash: {UNBUILDABLE['longcat_flash']}")
+    if model_type in UNBUILDABLE:
+        pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
-    tiny = build_tiny("longcat_flash", dtype)
-    model, router = tiny.model, tiny.model.model.layers[0].mlp.router
+    tiny = build_tiny(model_type, dtype)
+    model = tiny.model
+    twin = copy.deepcopy(model)
+    lin = model.get_submodule(linear)
+    w = lin.weight.detach().clone()
     ids = torch.randint(0, tiny.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
-    w = router.classifier.weight.detach().clone()
     with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=8, do_sample=False)
+        want = model(ids).logits
         rep = hi_na_moe.enable_for_model(model, scope="all")
+        hi_na_moe.enable_for_model(twin, scope="all", keep_weights=True)
         try:
-            assert "model.layers.0.mlp.router.classifier" in {d.name for d in rep.dense}
-            assert torch.equal(router.classifier.weight, w)
-            assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+            entry = {d.name: d for d in rep.dense}[linear]
+            assert entry.released_bytes == 0 and f"weight kept: {reader} reads it itself" in entry.note
+            assert torch.equal(lin.weight, w)
+            got, kept = model(ids).logits, twin(ids).logits
+            assert torch.equal(got, kept)
+            assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
         finally:
             hi_na_moe.disable_for_model(model)
+            hi_na_moe.disable_for_model(twin)

@@ -99,6 +99,58 @@ def routing_linears(model: nn.Module) -> frozenset[str]:
     return frozenset(found)
 
 
+# attributes of a tensor that say nothing of its values (reading them off a released placeholder is fine)
+_TENSOR_META = r"(?:dtype|device|shape|size|ndim|dim|numel|is_[a-z_]+|requires_grad|data_ptr|element_size|nbytes|itemsize)"
+
+
+@functools.cache
+def _class_sources(cls: type) -> str:
+    """The source of the methods of cls and of its bases up to nn.Module, but initialisers
+    (__init__, _init_weights, ...: they write weights before any packing) ("" where there is none)."""
+    import inspect
+
+    out = []
+    for c in cls.__mro__:
+        if c is object or c.__module__.startswith("torch."):
+            continue
+        for key, fn in vars(c).items():
+            if "init" in key or not callable(fn):
+                continue
+            try:
+                out.append(inspect.getsource(fn))
+            except (OSError, TypeError):
+                pass
+    return "\n".join(out)
+
+
+def weight_read_directly(model: nn.Module, name: str) -> str | None:
+    """The name of a module above the linear `name` whose class's code reads `<child>.weight`
+    itself (as a tensor, not its dtype or shape), else None. Such a weight must not be released:
+    Jamba's Mamba mixer computes self.dt_proj.weight @ x, LongCat-Flash's router
+    F.linear(h, self.classifier.weight.float()), neither calling the Linear."""
+    parts = name.split(".")
+    chain = [model]
+    for part in parts[:-1]:
+        chain.append(getattr(chain[-1], part, None))
+        if chain[-1] is None:
+            return None
+    for i in range(len(chain) - 1, -1, -1):  # the parent first
+        if _reads_weight(type(chain[i]), parts[-1]):
+            return ".".join(parts[:i]) or "the model"
+    return None
+
+
+@functools.cache
+def _reads_weight(cls: type, child: str) -> bool:
+    """Whether cls's methods (_class_sources) read `.<child>.weight` as a tensor."""
+    src = _class_sources(cls)
+    for hit in re.finditer(rf"\.{re.escape(child)}\.weight\b(?!\s*\.\s*{_TENSOR_META}\b)", src):
+        line = src[src.rfind("\n", 0, hit.start()) + 1:hit.start()]
+        if not re.search(r"isinstance\([^()]*$", line):  # isinstance(self.x.weight, ...): a type test
+            return True
+    return False
+
+
 def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str,
                  devices: tuple[str, ...] = ("cpu",)) -> list[tuple[str, nn.Linear]]:
     """(name, module) of the linears scope="all" runs, in module order."""
@@ -487,14 +539,17 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
                 old = m.__dict__.get("forward", _MISSING)
                 m.forward = types.MethodType(gated(gate, runner.forward_of(i)), m)
                 done.append((m, runner, old))
+            readers = {i: weight_read_directly(model, n) for i, (n, _) in enumerate(members)}
             keep = set(range(len(members))) if cfg.keep_weights else {
-                i for i, (n, m) in enumerate(members) if id(m.weight) in shared or n in routing}
+                i for i, (n, m) in enumerate(members) if id(m.weight) in shared or n in routing or readers[i]}
             freed = runner.release(keep)
             group = runner.name if len(members) > 1 else None
             for i, (name, m) in enumerate(members):
+                note = runner.format_note
+                if readers[i] and not cfg.keep_weights:
+                    note = "; ".join(filter(None, (note, f"weight kept: {readers[i]} reads it itself")))
                 reports.append(DenseReport(name, m.out_features, m.in_features, runner.weights, runner.kernel,
-                                           runner.member_bytes(i), freed[i], runner.cache_event, group,
-                                           runner.format_note))
+                                           runner.member_bytes(i), freed[i], runner.cache_event, group, note))
         from .attention import NativeAttention, find_attention
         from .mla import NativeMLA, find_mla
         from .mlp import NativeMLP, find_mlps
