@@ -86,6 +86,22 @@ def test_bench_scope_all(tmp_path, capsys, monkeypatch):
     # the fp32 shipped model: int8 experts alone read ~80 % of native's bytes per token (9.2 of
     # 11.6 MB); with its attention projections in int8 too (lm_head stays fp32) ~53 %
     assert hina["bytes_per_token"] < 0.65 * native["bytes_per_token"]
+    assert hina["attention_refused_at_runtime"] == [] and native["attention_decode_calls"] is None
+
+
+def test_bench_names_attention_refused_at_every_decode_step(capsys, monkeypatch):
+    """A module whose probe matched but whose decode calls all took its own forward (GLM-4.5's
+    partial rotary before session 17) is named under the table."""
+    from hi_na_moe import patching
+
+    monkeypatch.setattr(patching, "decode_call_counts", lambda model: {"model.layers.0.self_attn": (0, 2),
+                                                                       "model.layers.1.self_attn": (2, 0)})
+    rc = main(["bench", "--model", "builtin", "--gen-tokens", "3", "--num-iters", "1", "--warmup", "0",
+               "--seq-len", "8", "--scope", "all", "--compare", "hina"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert ("note: 1 attention module(s) matched their probe at enable but took their own forward at every decode "
+            "step of this run (e.g. model.layers.0.self_attn)") in out
 
 
 def test_bench_with_a_static_kv_cache(capsys):

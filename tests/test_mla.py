@@ -18,7 +18,7 @@ from transformers import DynamicCache
 import hi_na_moe
 from hi_na_moe import dense, kv_cache, mla
 from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.patching import patched_runner
+from hi_na_moe.patching import decode_call_counts, patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -133,6 +133,8 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
         want, want_cache = _forced_logits(twin, seq, prompt, mask)
         got, got_cache = _forced_logits(model, seq, prompt, mask)
         assert [c.calls for c in counts] == [seq.shape[1] - prompt] * len(counts)
+        steps = seq.shape[1] - prompt
+        assert decode_call_counts(model) == {n: (steps, 0) for n in names}
         if seq.shape[1] > prompt:  # the latent and rope keys appended in place (hi_na_moe.kv_cache)
             assert all(kv_cache._SLOTS.get(layer) is not None for layer in got_cache.layers)
         # the first layer's cache bit for bit (the same inputs); later layers' inputs went through
@@ -150,6 +152,7 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
 
 @pytest.mark.parametrize("model_type, overrides, rope", [
     ("deepseek_v2", {}, "complex"),
+    ("deepseek_v2", {"q_lora_rank": None}, "complex"),  # q_proj, as DeepSeek-V2-Lite
     ("deepseek_v3", {"rope_interleave": True}, "interleaved"),
     ("deepseek_v3", {"rope_interleave": False}, "rotate_half"),
     ("glm4_moe_lite", {}, None),
@@ -165,6 +168,8 @@ def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overr
         rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 7)
         if rope is not None:
             assert {r.rope for r in runners} == {rope}
+        # q_proj (or q_a_proj) and kv_a_proj_with_mqa packed as one group, called once
+        assert all(r._fused for r in runners)
         assert "latent attention (MLA) modules with decode steps on the native absorbed kernel: 2" in str(rep)
     finally:
         dense.MIN_WEIGHTS = old
@@ -239,6 +244,22 @@ def test_calls_that_are_not_a_plain_decode_step_are_the_modules_own():
         with torch.no_grad():
             m(hidden_states=h[:, :1], position_embeddings=pe[:, :1], attention_mask=None, past_key_values=None)
         assert count.calls == 1
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def test_decode_calls_refused_at_runtime_are_counted():
+    """A module whose probe matched but whose decode calls its native path refuses (GLM-4.5's state
+    before session 17, with the attention's tables) shows as native 0 in decode_call_counts."""
+    model = _tiny("deepseek_v2", torch.bfloat16)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        mods = _mla_modules(model)
+        patched_runner(mods[0][1])._fast_args = lambda *a: None  # every call refused
+        seq = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(6))
+        _forced_logits(model, seq, 6)
+        counts = decode_call_counts(model)
+        assert counts[mods[0][0]] == (0, 3) and counts[mods[1][0]] == (3, 0)
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -196,6 +196,24 @@ def _watched(module: nn.Module) -> bool:
     return not _idle_capture_hooks(module)
 
 
+class DecodeCalls:
+    """Decode calls (one new token) an attention runner took on its native path, and those it left
+    to the module's own forward: a module whose probe matched but whose every call is refused at
+    runtime (GLM-4.5's partial rotary tables before session 17) shows as native 0, own n
+    (patching.decode_call_counts; `hi-na-moe bench` names such modules)."""
+
+    __slots__ = ("native", "declined")
+
+    def __init__(self):
+        self.native = self.declined = 0
+
+    def own(self, args: tuple, kwargs: dict) -> None:
+        """Count a call the module's own forward takes, if it is decode-shaped."""
+        h = args[0] if args else kwargs.get("hidden_states")
+        if type(h) is torch.Tensor and h.dim() == 3 and h.shape[1] == 1:
+            self.declined += 1
+
+
 _CALL_NAMES = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
 
 
@@ -291,6 +309,7 @@ class NativeAttention:
         self.rot = self.D
         # prefill calls on the native kernel (prefill_kernel), once the probe saw them match
         self.prefill = False
+        self.calls = DecodeCalls()
 
     # -- the decode path ----------------------------------------------------------------------
     def _project(self, m: nn.Module, h: torch.Tensor, form: str, B: int, direct=None):
@@ -450,8 +469,10 @@ class NativeAttention:
     def forward(self, module: nn.Module, *args, **kwargs):
         fast = self._fast_args(module, args, kwargs, prefill=True)
         if fast is None:
+            self.calls.own(args, kwargs)
             return self.original(*args, **kwargs)
         if fast[0].shape[1] == 1:
+            self.calls.native += 1
             return self._decode(module, self.form, *fast)
         return self._prefill(module, self.form, *fast)
 

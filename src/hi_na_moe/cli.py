@@ -451,6 +451,12 @@ def cmd_bench(args) -> int:
             decode += lat
             outs.append(out)
         tokens[arm] = outs[0]
+        if report is not None:
+            from hi_na_moe.patching import decode_call_counts
+
+            counts = decode_call_counts(model)
+            # matched on the probe, yet every decode call at runtime took the module's own forward
+            refused = sorted(n for n, (native, own) in counts.items() if own and not native)
         step = statistics.median(decode)
         results[arm] = {
             "kernel": (report.blocks[0].kernel if report and report.blocks else "transformers"),
@@ -467,6 +473,9 @@ def cmd_bench(args) -> int:
             if ((active_hina if arm == "hina" else active) and bw) else None,
             "quality_vs_native": quality.get(arm),
             "dense_layers": len(report.dense) if report is not None else 0,
+            "attention_decode_calls": ({n: {"native": a, "own_forward": b} for n, (a, b) in counts.items()}
+                                       if report is not None else None),
+            "attention_refused_at_runtime": refused if report is not None else None,
             "peak_rss_bytes": _peak_rss(),
             "samples": {"prefill_s": prefill, "decode_step_s": decode},
         }
@@ -501,6 +510,12 @@ def cmd_bench(args) -> int:
         for arm, q in quality.items():
             print(f"{arm} ({args.weights}) vs native on the prompt: logits KL {q['kl']:.4f} nats/token, top-1 agreement "
                   f"{100 * q['top1']:.1f} %, block SQNR {q['sqnr_min_db']:.1f}-{q['sqnr_max_db']:.1f} dB (random probe)")
+        for arm, r in results.items():
+            if r["attention_refused_at_runtime"]:
+                bad = r["attention_refused_at_runtime"]
+                print(f"note: {len(bad)} attention module(s) matched their probe at enable but took their own forward "
+                      f"at every decode step of this run (e.g. {bad[0]}): a runtime argument the native path does "
+                      "not take; please report it")
         if same is not None:
             print("greedy tokens: " + ("identical" if same else "DIFFERENT between native and hina")
                   + ("" if args.weights in LOSSLESS_FORMATS else f" (expected to differ with {args.weights} weights)"))

@@ -429,8 +429,10 @@ class NativeLinear:
                 self._entry = None
 
 
-# sibling linears that models call with one input tensor: run as one block
-FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# sibling linears that models call with one input tensor: run as one block (latent attention,
+# hi_na_moe.mla: the query and the compressed key-value projections of the hidden states)
+FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_proj", "kv_a_proj_with_mqa"),
+               ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
 def group_name(names: list[str]) -> str:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import kv_cache
-from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, _bool_of_additive, call_args
+from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, DecodeCalls, _bool_of_additive, call_args
 from .dense import _DTYPE_CODES, _matches
 
 # transformers families whose MLA module's forward is this module's form (read in 5.23)
@@ -115,7 +115,9 @@ class NativeMLA:
         self.names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
         self.rope: str | None = None  # one of ROPES once the probe matched
         self._w, self._w_key = None, None
+        self._fused = None  # the packed group of the q and kv_a projections, once looked up (False: none)
         self.prefill = False  # prefill calls are the module's own forward
+        self.calls = DecodeCalls()
 
     # -- kv_b_proj's weight -------------------------------------------------------------------
     def _weight(self) -> torch.Tensor:
@@ -169,9 +171,9 @@ class NativeMLA:
     def _decode(self, m: nn.Module, h: torch.Tensor, pe, cache, mask: torch.Tensor | None = None):
         """(output, None) of a decode step (h [B, 1, hidden])."""
         B, H, Dn, Dr, L, Dv = h.shape[0], self.H, self.Dn, self.Dr, self.L, self.Dv
-        q = m.q_proj(h) if getattr(m, "q_lora_rank", None) is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(h)))
+        q, ckv = self._projections(m, h)
         q_nope, q_pe = torch.split(q.view(B, 1, H, Dn + Dr).transpose(1, 2), [Dn, Dr], dim=-1)
-        latent, k_pe = torch.split(m.kv_a_proj_with_mqa(h), [L, Dr], dim=-1)
+        latent, k_pe = torch.split(ckv, [L, Dr], dim=-1)
         latent = m.kv_a_layernorm(latent).view(B, 1, 1, L)
         q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, 1, Dr), pe)
         if cache is not None:
@@ -189,6 +191,24 @@ class NativeMLA:
         else:
             self._absorbed_torch(q_nope, q_pe, w, latent, k_pe, mask, m.scaling, out)
         return m.o_proj(out), None
+
+    def _projections(self, m: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, the compressed key-value projection) of h as the module makes them; in one kernel
+        call when scope="all" packed q_proj (or q_a_proj) and kv_a_proj_with_mqa as one group
+        (dense.FUSE_GROUPS: the same outputs as their member calls)."""
+        lora = getattr(m, "q_lora_rank", None) is not None
+        first = m.q_a_proj if lora else m.q_proj
+        if self._fused is None:
+            from .patching import patched_member
+
+            a, b = patched_member(first), patched_member(m.kv_a_proj_with_mqa)
+            self._fused = (a[0] if a is not None and b is not None and a[0] is b[0] and (a[1], b[1]) == (0, 1)
+                           and len(a[0].modules) == 2 else False)
+        if self._fused:
+            q, ckv = self._fused.split(self._fused.forward(first, h))
+        else:
+            q, ckv = first(h), m.kv_a_proj_with_mqa(h)
+        return (m.q_b_proj(m.q_a_layernorm(q)) if lora else q), ckv
 
     def _kernel_fits(self, q_nope, q_pe, latent, k_pe, mask, B: int) -> bool:
         """Whether the kernel reads these tensors (what a cache hands back is checked: another
@@ -218,7 +238,9 @@ class NativeMLA:
     def forward(self, module: nn.Module, *args, **kwargs):
         fast = self._fast_args(module, args, kwargs)
         if fast is None:
+            self.calls.own(args, kwargs)
             return self.original(*args, **kwargs)
+        self.calls.native += 1
         return self._decode(module, *fast)
 
     def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict):

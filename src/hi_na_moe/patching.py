@@ -514,6 +514,18 @@ def patched_runner(module: nn.Module):
     return getattr(inner, "__self__", None)
 
 
+def decode_call_counts(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Per attention module patched under scope="all" (hi_na_moe.attention, hi_na_moe.mla): (decode
+    calls its native path took, decode calls it left to the module's own forward) since enable.
+    Calls a decoder layer's or stack's native path makes past the module are in neither."""
+    out = {}
+    for name, m in model.named_modules():
+        calls = getattr(patched_runner(m), "calls", None)
+        if calls is not None and hasattr(calls, "declined"):
+            out[name] = (calls.native, calls.declined)
+    return out
+
+
 def patched_experts(module: nn.Module):
     """The NativeExperts behind an experts module patched with its short path (_fast_first), or None."""
     return getattr(_patched_inner(module), "runner", None)
