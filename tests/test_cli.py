@@ -32,6 +32,9 @@ def test_check_text_and_json(capsys):
     from hi_na_moe.attention import math_kernel
 
     assert f'attention of decode steps (scope="all"): {math_kernel(_native.resolve_isa())}' in text
+    from hi_na_moe import mla
+
+    assert f'latent attention (MLA) of decode steps (scope="all"): {mla.math_kernel(_native.resolve_isa())}' in text
     assert main(["check", "--model", str(shipped_model_dir()), "--output", "json", "--no-bandwidth"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["blocks"]["summary"]["moe_blocks"] == 4

@@ -138,6 +138,8 @@ def cmd_check(args) -> int:
         print(f"  attention of decode steps (scope=\"all\"): {cap['attention']}")
     if cap.get("attention_prefill"):
         print(f"  attention of prefill (scope=\"all\"): {cap['attention_prefill']}")
+    if cap.get("attention_latent"):
+        print(f"  latent attention (MLA) of decode steps (scope=\"all\"): {cap['attention_latent']}")
     if cap.get("note"):
         print(f"  note: {cap['note']}")
     c = sysi["cores"]

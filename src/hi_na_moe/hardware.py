@@ -58,6 +58,9 @@ def capabilities(config: Any = None) -> dict[str, Any]:
 
     info["attention"] = math_kernel(info["selected_isa"])
     info["attention_prefill"] = prefill_math(info["selected_isa"])
+    from .mla import math_kernel as latent_math
+
+    info["attention_latent"] = latent_math(info["selected_isa"])
     return info
 
 

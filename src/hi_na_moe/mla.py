@@ -87,6 +87,12 @@ def find_mla(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def math_kernel(isa: str) -> str:
+    """What computes latent attention's decode steps at tier `isa` (for `check`)."""
+    build = {"amx": "AVX-512", "avx512": "AVX-512", "avx2": "AVX2"}.get(isa, "baseline C++")
+    return f"the native {build} kernel with kv_b_proj absorbed, at every context length"
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
