@@ -579,6 +579,10 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
             more, names, differ = patch_probed(find(model, cfg.dense_exclude), make, gate, gated)
             done += more
             small[kind] = (names, sorted(differ))
+        for _, runner, _ in done:  # the layers' and stacks' probes called the attention modules
+            calls = getattr(runner, "calls", None)
+            if calls is not None and hasattr(calls, "declined"):
+                calls.native = calls.declined = 0
     except BaseException:
         unpatch(done)
         raise

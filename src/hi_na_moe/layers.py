@@ -150,6 +150,7 @@ class NativeLayer:
         self.original = original_forward
         self.native = native_module()[0]
         self.ready = False
+        self.mla = False  # the attention is latent attention (hi_na_moe.mla)
 
     # -- the parts ----------------------------------------------------------------------------
     def _prepare(self) -> bool:
@@ -161,9 +162,22 @@ class NativeLayer:
         self.ln1, self.attn_mod, self.ln2, self.mlp = (getattr(m, p) for p in _PARTS)
         self.norm1, self.norm2 = patched_runner(self.ln1), patched_runner(self.ln2)
         self.attn = patched_runner(self.attn_mod)
+        from .mla import NativeMLA
+
+        # latent attention (hi_na_moe.mla): its decode path called straight, the layer's step in
+        # Python (no native calls: layer_decode_pre/post know no latent cache)
+        self.mla = isinstance(self.attn, NativeMLA) and self.attn.rope is not None
         if not (isinstance(self.norm1, NativeNorm) and isinstance(self.norm2, NativeNorm)
-                and isinstance(self.attn, NativeAttention) and self.attn.form is not None):
+                and (isinstance(self.attn, NativeAttention) and self.attn.form is not None or self.mla)):
             return False
+        if self.mla:
+            self.direct = self.step = None
+            self.hidden = self.norm1.n
+            self.moe = self._moe_direct(self.mlp)
+            self.dense = self._dense_native() if self.moe is None else None
+            self._watch()
+            self.ready = self.norm2.n == self.hidden == self.attn.hidden
+            return self.ready
         a = self.attn_mod
 
         def direct(mod: nn.Module):
@@ -338,7 +352,9 @@ class NativeLayer:
         return self.watch.observed()
 
     # -- the decode path ----------------------------------------------------------------------
-    def _fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask) -> torch.Tensor:
+    def _fast(self, x: torch.Tensor, cos, sin: torch.Tensor | None, cache, mask) -> torch.Tensor:
+        """The decode step; latent attention (self.mla) takes its position embeddings as `cos`
+        (sin None): a complex tensor or a (cos, sin) pair, as the module gets them."""
         B, H = x.shape[0], self.hidden
         if self.step is not None and B <= NORM_MAX_ROWS:
             out = self._native_fast(x, cos, sin, cache, mask)
@@ -346,7 +362,10 @@ class NativeLayer:
                 return out
         code = _DTYPE_CODES[x.dtype]
         h = self.norm1.forward(self.ln1, x)
-        a, _ = self.attn._decode(self.attn_mod, self.attn.form, h, cos, sin, cache, mask, self.direct)
+        if self.mla:
+            a, _ = self.attn._decode(self.attn_mod, h, cos, cache, mask)
+        else:
+            a, _ = self.attn._decode(self.attn_mod, self.attn.form, h, cos, sin, cache, mask, self.direct)
         w = self.ln2.weight
         if (type(a) is torch.Tensor and a.shape == x.shape and a.dtype is x.dtype and a.is_contiguous()
                 and not a.is_neg() and w.dtype is x.dtype and w.is_contiguous() and w.is_cpu and B <= NORM_MAX_ROWS):
@@ -528,6 +547,8 @@ class NativeLayer:
         """Why this layer's decode step can never run in the stack's one native call (for the
         report), or None when it can, subject to what plan_args checks at each step."""
         moe = self.moe
+        if self.mla:
+            return "its latent attention (MLA) runs as a native call of its own (not in the layer's native calls)"
         if self.step is None:
             return "its q/k/v or o_proj are not on the runners the native calls take"
         if not self.attn.kernel:
@@ -607,6 +628,9 @@ class NativeLayer:
             x = args[0]
             fast = self.attn._fast_args(self.attn_mod, (x,), kwargs)
             if fast is not None and x.is_contiguous() and not x.is_neg():
+                if self.mla:
+                    _, pe, cache, mask = fast
+                    return self._fast(x, pe, None, cache, mask)
                 _, cos, sin, cache, mask = fast
                 return self._fast(x, cos, sin, cache, mask)
         return self.original(*args, **kwargs)
@@ -636,12 +660,19 @@ class NativeLayer:
 
         at = self.attn
         gen = torch.Generator().manual_seed(3)
-        B, past, D = 2, 4, at.D
+        B, past = 2, 4
         x = torch.randn(B, 1, self.hidden, generator=gen).to(at.dtype)
-        ang = torch.rand(B, 1, D // 2, generator=gen) * 6.3
-        cos, sin = at.tables(ang)  # the tables the attention takes
-        k0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)
-        v0 = torch.randn(B, at.Hkv, past, D, generator=gen).to(at.dtype)
+        if self.mla:  # the latent and rope key cache, the form's position embeddings
+            ang = torch.rand(B, 1, at.Dr // 2, generator=gen) * 6.3
+            pe = at._tables(at.rope, ang)
+            cos, sin = (pe, None) if at.rope == "complex" else pe
+            k0 = torch.randn(B, 1, past, at.L, generator=gen).to(at.dtype)
+            v0 = torch.randn(B, 1, past, at.Dr, generator=gen).to(at.dtype)
+        else:
+            ang = torch.rand(B, 1, at.D // 2, generator=gen) * 6.3
+            pe = cos, sin = at.tables(ang)  # the tables the attention takes
+            k0 = torch.randn(B, at.Hkv, past, at.D, generator=gen).to(at.dtype)
+            v0 = torch.randn(B, at.Hkv, past, at.D, generator=gen).to(at.dtype)
         idx = self.attn_mod.layer_idx
 
         def cache():
@@ -653,8 +684,8 @@ class NativeLayer:
             own, ours = cache(), cache()
             try:
                 want = self.original(x, attention_mask=None, past_key_values=own, use_cache=True,
-                                     position_embeddings=(cos, sin))
-                got = self._fast(x, cos, sin, ours, None)
+                                     position_embeddings=pe)
+                got = self._fast(x, pe if self.mla else cos, sin, ours, None)
             except Exception:
                 return False
         if not isinstance(want, torch.Tensor) or want.dtype != got.dtype or want.shape != got.shape:

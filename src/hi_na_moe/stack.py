@@ -94,7 +94,9 @@ def find_stacks(model: nn.Module, exclude: str, candidates: set[str] | None = No
                 and not _matches(name, exclude)):
             continue
         if candidates is None:
-            ok = all(isinstance(patched_runner(layer), NativeLayer) for layer in layers)
+            # latent attention's layers (NativeLayer.mla) run their own loop: the stack's native
+            # paths know no latent cache
+            ok = all(isinstance(r := patched_runner(layer), NativeLayer) and not r.mla for layer in layers)
         else:
             prefix = f"{name}.layers." if name else "layers."
             ok = all(f"{prefix}{i}" in candidates for i in range(len(layers)))
