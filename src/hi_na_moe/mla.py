@@ -18,8 +18,13 @@ run over the cached latent rows, the result comes out through kv_b_proj's value 
 math, one rounding), and the module's own o_proj. kv_b_proj's weight is read where the module
 keeps it; when scope="all" packed it (its own weight released), what its packed forward computes
 is made dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values; the report's
-latent attention line gives the bytes). Prefill calls (several new tokens) are the module's own
-forward: their keys are made once, as the module does.
+latent attention line gives the bytes). Prefill calls of bfloat16 models (several new tokens; no
+mask, or a bool one) where hi_na_moe.attention's prefill kernel runs (AVX512-BF16 on AMD CPUs:
+attention.prefill_kernel) make every head's keys and values once, as the module does, and run the
+attention on that kernel, the values padded with zeros to the keys' width: PyTorch's SDPA with keys
+of 192 and values of 128 took 52-118 ms a layer at 512 tokens here against 5 ms (session 18). A
+second probe (a prompt; a chunk after cached positions with a left-padded row) checks them as
+NativeAttention's does; other prefill calls are the module's own forward.
 
 Which modules: a class named *Attention of one of the transformers families in FAMILIES, whose
 forward was read to be the form above (others build on it with more: DeepSeek-V3.2's and GLM-5's
@@ -39,9 +44,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from . import kv_cache
+from . import attention, kv_cache
 from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, DecodeCalls, _bool_of_additive, call_args
 from .dense import _DTYPE_CODES, _matches
 
@@ -216,6 +222,45 @@ class NativeMLA:
             q, ckv = first(h), m.kv_a_proj_with_mqa(h)
         return (m.q_b_proj(m.q_a_layernorm(q)) if lora else q), ckv
 
+    def _prefill(self, m: nn.Module, h: torch.Tensor, pe, cache, mask: torch.Tensor | None = None):
+        """(output, None) of a call with T > 1 new tokens a row (bfloat16): the module's
+        projections, norm, rotary ops and cache update as the decode path makes them, every
+        head's keys and values made from the cached latents as the module makes them (kv_b_proj,
+        the rope key repeated over the heads), and the attention on the native prefill kernel,
+        whose keys and values share one width: the values are padded with zeros from Dv to
+        Dn + Dr, which adds nothing to the sums, and the output's extra columns dropped."""
+        B, T = h.shape[:2]
+        H, Dn, Dr, L, Dv = self.H, self.Dn, self.Dr, self.L, self.Dv
+        Dk = Dn + Dr
+        q, ckv = self._projections(m, h)
+        q_nope, q_pe = torch.split(q.view(B, T, H, Dk).transpose(1, 2), [Dn, Dr], dim=-1)
+        latent, k_pe = torch.split(ckv, [L, Dr], dim=-1)
+        latent = m.kv_a_layernorm(latent).view(B, 1, T, L)
+        q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, T, Dr), pe)
+        if cache is not None:
+            latent, k_pe = kv_cache.append(cache, m.layer_idx, latent, k_pe)
+        S = latent.shape[2]
+        kv = m.kv_b_proj(latent).view(B, S, H, Dn + Dv).transpose(1, 2)
+        keys = torch.empty(B, H, S, Dk, dtype=self.dtype)
+        keys[..., :Dn] = kv[..., :Dn]
+        keys[..., Dn:] = k_pe
+        values = torch.zeros(B, H, S, Dk, dtype=self.dtype)
+        values[..., :Dv] = kv[..., Dn:]
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [B, H, T, Dk]
+        out = torch.empty(B, T, H, Dk, dtype=self.dtype)
+        qs, ks = query.stride(), keys.stride()
+        threads = self.threads or torch.get_num_threads()
+        done = (mask is None or mask.shape[-1] == S) and (mask is not None or S >= T) and self.native.attention_prefill_raw(
+            query.data_ptr(), qs[0], qs[2], qs[1], B, T, H, H, S, Dk, keys.data_ptr(), ks[0], ks[1], ks[2],
+            values.data_ptr(), ks[0], ks[1], ks[2], m.scaling, out.data_ptr(), threads, self.isa,
+            0 if mask is None else mask.data_ptr(), 0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
+            0 if mask is None else mask.stride(2), 0)
+        if not done:  # what transformers' SDPA call computes (no mask: causal from the first key)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
+                                               scale=m.scaling)
+            out.copy_(o.transpose(1, 2))
+        return m.o_proj(out[..., :Dv].reshape(B, T, H * Dv)), None
+
     def _kernel_fits(self, q_nope, q_pe, latent, k_pe, mask, B: int) -> bool:
         """Whether the kernel reads these tensors (what a cache hands back is checked: another
         cache class may hold something else)."""
@@ -242,23 +287,30 @@ class NativeMLA:
         out.copy_(o.reshape(B, 1, H * Dv))
 
     def forward(self, module: nn.Module, *args, **kwargs):
-        fast = self._fast_args(module, args, kwargs)
+        fast = self._fast_args(module, args, kwargs, prefill=True)
         if fast is None:
             self.calls.own(args, kwargs)
             return self.original(*args, **kwargs)
+        if fast[0].shape[1] > 1:
+            return self._prefill(module, *fast)
         self.calls.native += 1
         return self._decode(module, *fast)
 
-    def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict):
+    def _fast_args(self, module: nn.Module, args: tuple, kwargs: dict, prefill: bool = False):
         """(hidden, position embeddings, cache, mask) when this call is a plain decode step the
-        probe's rotary form takes, else None."""
-        takes = lambda h: h.shape[1] == 1 and h.shape[0] <= _MAX_BATCH and h.shape[2] == self.hidden and (  # noqa: E731
-            h.dtype is self.dtype)
+        probe's rotary form takes, or with `prefill` a prefill call the native prefill kernel
+        takes (self.prefill), else None."""
+
+        def takes(h: torch.Tensor) -> bool:
+            B, T = h.shape[:2]
+            return (h.shape[2] == self.hidden and h.dtype is self.dtype and T >= 1
+                    and (B <= _MAX_BATCH if T == 1 else prefill and self.prefill and attention.PREFILL))
+
         got = call_args(module, args, kwargs, self.eager, takes, self.names)
         if got is None:
             return None
         h, pe, mask, cache = got
-        B = h.shape[0]
+        B, T = h.shape[:2]
         half = self.Dr // 2
         if self.rope == "complex":
             tables, width = (pe,), half
@@ -270,8 +322,8 @@ class NativeMLA:
             tables, width = pe, self.Dr
             if any(t.dtype is not self.dtype for t in pe):
                 return None
-        for t in tables:
-            if t.numel() not in (B * width, width) or t.shape[-1] != width or not t.is_cpu:
+        for t in tables:  # a table a row and position, or one for every row
+            if t.numel() not in (B * T * width, T * width) or t.shape[-1] != width or not t.is_cpu:
                 return None
         return h, pe, cache, mask
 
@@ -338,9 +390,61 @@ class NativeMLA:
                         ok = False
                         break
                 if ok:
+                    self.prefill = (self.dtype is torch.bfloat16
+                                    and attention.prefill_kernel(self.isa, self.Dn + self.Dr, self.H, self.H)
+                                    and self._prefill_matches(gen))
                     return True
         self.rope = None
         return False
+
+    def _prefill_matches(self, gen: torch.Generator) -> bool:
+        """Whether the prefill path computes what the module's own forward does (as
+        NativeAttention._prefill_matches): the same latents and rope keys appended bit for bit
+        and the output within rounding, on a fresh cache without a mask (a prompt) and on a cache
+        holding a few positions with a bool mask whose second row is left-padded (its first query
+        attends nothing); under eager the module gets them as additive masks."""
+        from transformers import DynamicCache
+
+        m = self.module
+        B, past, T = 2, 5, 7
+        h = torch.randn(B, T, self.hidden, generator=gen).to(self.dtype)
+        pe = self._tables(self.rope, torch.rand(B, T, self.Dr // 2, generator=gen) * 6.3)
+        c0 = torch.randn(B, 1, past, self.L, generator=gen).to(self.dtype)
+        k0 = torch.randn(B, 1, past, self.Dr, generator=gen).to(self.dtype)
+        mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)
+        mask[1, :, :, :past + 1] = False
+        causal = torch.ones(1, 1, T, T, dtype=torch.bool).tril()
+        for with_past in (False, True):
+            caches = []
+            for _ in range(2):
+                c = DynamicCache()
+                if with_past:
+                    c.update(c0.clone(), k0.clone(), m.layer_idx)
+                caches.append(c)
+            mk = mask if with_past else None
+            own = mk
+            if self.eager:
+                mk = mk if with_past else causal
+                own = torch.zeros(mk.shape, dtype=self.dtype).masked_fill(~mk, torch.finfo(self.dtype).min)
+            try:
+                want = self.original(hidden_states=h, position_embeddings=pe, attention_mask=own,
+                                     past_key_values=caches[0])
+                got, _ = self._prefill(m, h, pe, caches[1], mk)
+            except Exception:
+                return False
+            if not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor) or got.shape != want[0].shape:
+                return False
+            a, b = caches[0].layers[m.layer_idx], caches[1].layers[m.layer_idx]
+            if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
+                return False
+            want = want[0]
+            if mk is not None:  # a query attending nothing: a padding position, which no other reads
+                seen = mk.any(-1).expand(B, 1, T).reshape(B, T)
+                want, got = want[seen], got[seen]
+            tol = _OUT_RTOL[self.dtype] * want.float().abs().amax()
+            if not bool(((got.float() - want.float()).abs() <= tol).all()):
+                return False
+        return True
 
     def restore(self) -> None:  # nothing of the module was touched but its forward
         pass

@@ -246,6 +246,7 @@ class EnableReport:
     attention_latent: list = field(default_factory=list)
     attention_latent_differ: list = field(default_factory=list)
     attention_latent_bytes: int = 0
+    attention_latent_prefill: list = field(default_factory=list)  # of those, prefill on the native kernel
     # scope="all": the gated MLP modules (shared experts, dense MLPs) whose decode calls are one
     # native call (hi_na_moe.mlp), and the candidates whose probe did not match
     mlps: list = field(default_factory=list)
@@ -299,6 +300,7 @@ class EnableReport:
             "attention_latent": list(self.attention_latent),
             "attention_latent_differ": list(self.attention_latent_differ),
             "attention_latent_bytes": self.attention_latent_bytes,
+            "attention_latent_prefill": list(self.attention_latent_prefill),
         }
 
     def to_json(self) -> str:
@@ -383,6 +385,11 @@ class EnableReport:
                     if self.attention_latent_bytes else "")
             lines.append(f"  latent attention (MLA) modules with decode steps on the native absorbed kernel: "
                          f"{len(self.attention_latent)}{copy}{left}")
+            if self.attention_latent:
+                pre = (f"{len(self.attention_latent_prefill)} of {len(self.attention_latent)} with their attention on "
+                       "the native AVX512-BF16 kernel" if self.attention_latent_prefill
+                       else f"their own forward (prefill attention at this tier: {self.attention_prefill_math})")
+                lines.append(f"    prefill calls: {pre}")
         if not self.dry_run and (self.mlps or self.mlps_differ):
             left = (f"; {len(self.mlps_differ)} take their own forward (a projection not on the dense kernels, "
                     f"an activation other than SiLU, or their probe differed, e.g. {self.mlps_differ[0]})"
@@ -725,6 +732,8 @@ def enable_for_model(
                 report.attention_latent, report.attention_latent_differ = small["attention_latent"]
                 report.attention_latent_bytes = sum(patched_runner(mods[n]).extra_bytes()
                                                     for n in report.attention_latent)
+                report.attention_latent_prefill = [n for n in report.attention_latent
+                                                   if patched_runner(mods[n]).prefill]
                 report.mlps, report.mlps_differ = small["mlps"]
                 report.layers, report.layers_differ = small["layers"]
                 report.stacks, report.stacks_differ = small["stacks"]
@@ -736,7 +745,7 @@ def enable_for_model(
                     why = runner.rope.blocker()
                     if why is not None:
                         report.stacks_rotary_module[name] = why
-                if report.attention:
+                if report.attention or report.attention_latent:
                     from .attention import math_kernel, prefill_math
 
                     report.attention_math = math_kernel(ops._isa_name(cfg))
