@@ -9,8 +9,9 @@ over 4 kv heads of 128), and a 64-wide head (16 of 64).
 
 --ckpt: the whole model's prefill of a random prompt of each --lengths, one forward with a
 fresh DynamicCache and logits_to_keep=1 (as generate prefills, and bench_full_model.py), with
-hi_na_moe.attention.PREFILL on (the attention on the native kernel) and off (the attention
-modules' own forward: SDPA, or eager for GPT-OSS, which has no SDPA form), alternating, --reps pairs per length after one untimed forward
+hi_na_moe.attention.PREFILL on (the attention on the native kernel; latent attention's too,
+hi_na_moe.mla) and off (the attention modules' own forward: SDPA, or eager for GPT-OSS, which has
+no SDPA form), alternating, --reps pairs per length after one untimed forward
 per arm; the medians and their ratio. Loads with hi_na_moe.from_pretrained from a warm store
 (--cache-dir).
 
@@ -141,9 +142,12 @@ def model(args, torch) -> list[dict]:
                                 threads=args.threads)
     m = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False, config=cfg)
     rep = hi_na_moe.report_for(m)
-    print(f"{len(rep.attention_prefill)} of {len(rep.attention)} attention modules with native prefill attention",
+    # latent attention (hi_na_moe.mla) counts too: its prefill follows attention.PREFILL as well
+    on, of = (len(rep.attention_prefill) + len(rep.attention_latent_prefill),
+              len(rep.attention) + len(rep.attention_latent))
+    print(f"{on} of {of} attention modules with native prefill attention",
           flush=True)
-    if not rep.attention_prefill:
+    if not on:
         raise SystemExit(f"no native prefill attention here: {rep.attention_prefill_math}")
     own = m.config._attn_implementation  # what the modules' own forward computes attention with
     rows = []

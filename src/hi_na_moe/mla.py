@@ -21,8 +21,9 @@ is made dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values; t
 latent attention line gives the bytes). Prefill calls of bfloat16 models (several new tokens; no
 mask, or a bool one) where hi_na_moe.attention's prefill kernel runs (AVX512-BF16 on AMD CPUs:
 attention.prefill_kernel) make every head's keys and values once, as the module does, and run the
-attention on that kernel, the values padded with zeros to the keys' width: PyTorch's SDPA with keys
-of 192 and values of 128 took 52-118 ms a layer at 512 tokens here against 5 ms (session 18). A
+attention on that kernel, the values padded with zeros to the keys' width: DeepSeek-V2-Lite's shape
+(keys of 192, values of 128, where PyTorch's SDPA is slow here) prefilled 512 tokens 1.26x and 2048
+2.45x faster than with the modules' own forward (bench_prefill_attention.py --ckpt, session 18). A
 second probe (a prompt; a chunk after cached positions with a left-padded row) checks them as
 NativeAttention's does; other prefill calls are the module's own forward.
 
