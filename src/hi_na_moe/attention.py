@@ -256,6 +256,57 @@ def call_args(module: nn.Module, args: tuple, kwargs: dict, eager: bool, takes,
     return h, got.get("position_embeddings"), mask, got.get("past_key_values")
 
 
+def prefill_probe(m: nn.Module, original, ours, h: torch.Tensor, pe, past: tuple, eager: bool,
+                  skip_unattended: bool) -> bool:
+    """Whether a runner's prefill path (ours(cache, mask) -> (output, None)) computes what the
+    module's own forward (original) does on h [2, T, hidden] with position embeddings pe: the
+    cache appended bit for bit, the output within rounding; on a fresh cache with no mask (causal:
+    what transformers passes for a prompt) and on a cache holding past = (keys, values) with a bool
+    mask (a later chunk of a prompt; the second row left-padded, its first query attending
+    nothing). Under eager the module gets these masks as additive float ones, the prompt's causal
+    one included. skip_unattended: leave out the outputs of queries attending nothing (the kernels
+    give zeros there, eager without sinks the mean of the values: a padding position's output,
+    which no other position reads)."""
+    from transformers import DynamicCache
+
+    B, T = h.shape[:2]
+    P = past[0].shape[2]
+    dtype = h.dtype
+    mask = torch.ones(B, 1, T, P + T, dtype=torch.bool).tril(P)
+    mask[1, :, :, :P + 1] = False
+    causal = torch.ones(1, 1, T, T, dtype=torch.bool).tril()
+    for with_past in (False, True):
+        caches = []
+        for _ in range(2):
+            c = DynamicCache()
+            if with_past:
+                c.update(past[0].clone(), past[1].clone(), m.layer_idx)
+            caches.append(c)
+        mk = mask if with_past else None
+        own = mk
+        if eager:  # transformers' additive masks; a prompt's causal one too (eager has no is_causal)
+            mk = mk if with_past else causal
+            own = torch.zeros(mk.shape, dtype=dtype).masked_fill(~mk, torch.finfo(dtype).min)
+        try:
+            want = original(hidden_states=h, position_embeddings=pe, attention_mask=own, past_key_values=caches[0])
+            got, _ = ours(caches[1], mk)
+        except Exception:
+            return False
+        if not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor) or got.shape != want[0].shape:
+            return False
+        a, b = caches[0].layers[m.layer_idx], caches[1].layers[m.layer_idx]
+        if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
+            return False
+        want = want[0]
+        if skip_unattended and mk is not None:
+            seen = mk.any(-1).expand(B, 1, T).reshape(B, T)
+            want, got = want[seen], got[seen]
+        tol = _OUT_RTOL[dtype] * want.float().abs().amax()
+        if not bool(((got.float() - want.float()).abs() <= tol).all()):
+            return False
+    return True
+
+
 def _partial_rotary_dims(module: nn.Module, D: int) -> int | None:
     """The rotary dims of a head when the module's config rotates fewer than D of them (its
     partial_rotary_factor, in rope_parameters or on the config, as the rotary modules read it:
@@ -585,58 +636,14 @@ class NativeAttention:
         return got.shape == want.shape and bool(((got.float() - want.float()).abs() <= tol).all())
 
     def _prefill_matches(self, form: str, gen: torch.Generator) -> bool:
-        """Whether the prefill path computes what the module's own forward does: keys and values
-        appended bit for bit, the output within rounding; on a fresh cache with no mask (causal:
-        what transformers passes for a prompt) and on a cache holding a few positions with a bool
-        mask (a later chunk of a prompt; the second row left-padded, its first query attending
-        nothing). Under eager the module gets these masks as additive float ones, the prompt's
-        causal one included."""
-        from transformers import DynamicCache
-
-        m = self.module
+        """Whether the prefill path computes what the module's own forward does (prefill_probe)."""
         B, past, T = 2, 5, 7
         h = torch.randn(B, T, self.hidden, generator=gen).to(self.dtype)
-        ang = torch.rand(B, T, self.D // 2, generator=gen) * 6.3
-        cos, sin = self.tables(ang)
+        cos, sin = self.tables(torch.rand(B, T, self.D // 2, generator=gen) * 6.3)
         k0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
         v0 = torch.randn(B, self.Hkv, past, self.D, generator=gen).to(self.dtype)
-        mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)
-        mask[1, :, :, :past + 1] = False
-        causal = torch.ones(1, 1, T, T, dtype=torch.bool).tril()
-        for with_past in (False, True):
-            caches = []
-            for _ in range(2):
-                c = DynamicCache()
-                if with_past:
-                    c.update(k0.clone(), v0.clone(), m.layer_idx)
-                caches.append(c)
-            mk = mask if with_past else None
-            own = mk
-            if self.eager:  # transformers' additive masks; a prompt's causal one too (eager has no is_causal)
-                mk = mk if with_past else causal
-                own = torch.zeros(mk.shape, dtype=self.dtype).masked_fill(~mk, torch.finfo(self.dtype).min)
-            try:
-                want = self.original(hidden_states=h, position_embeddings=(cos, sin), attention_mask=own,
-                                     past_key_values=caches[0])
-                got, _ = self._prefill(m, form, h, cos, sin, caches[1], mk)
-            except Exception:
-                return False
-            if not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor) or got.shape != want[0].shape:
-                return False
-            a, b = caches[0].layers[m.layer_idx], caches[1].layers[m.layer_idx]
-            if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
-                return False
-            want = want[0]
-            if self.eager and mk is not None:
-                # a query attending no key: SDPA and the kernel give zeros, eager without sinks the
-                # mean of the values (every score at the dtype's lowest value): a padding position's
-                # output, which no other position reads
-                seen = mk.any(-1).expand(B, 1, T).reshape(B, T)
-                want, got = want[seen], got[seen]
-            tol = _OUT_RTOL[self.dtype] * want.float().abs().amax()
-            if not bool(((got.float() - want.float()).abs() <= tol).all()):
-                return False
-        return True
+        return prefill_probe(self.module, self.original, lambda c, mk: self._prefill(self.module, form, h, cos, sin, c, mk),
+                             h, (cos, sin), (k0, v0), self.eager, self.eager)
 
     def restore(self) -> None:  # nothing of the module was touched but its forward
         pass

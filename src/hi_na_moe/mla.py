@@ -399,53 +399,15 @@ class NativeMLA:
         return False
 
     def _prefill_matches(self, gen: torch.Generator) -> bool:
-        """Whether the prefill path computes what the module's own forward does (as
-        NativeAttention._prefill_matches): the same latents and rope keys appended bit for bit
-        and the output within rounding, on a fresh cache without a mask (a prompt) and on a cache
-        holding a few positions with a bool mask whose second row is left-padded (its first query
-        attends nothing); under eager the module gets them as additive masks."""
-        from transformers import DynamicCache
-
-        m = self.module
+        """Whether the prefill path computes what the module's own forward does
+        (attention.prefill_probe, on a latent cache)."""
         B, past, T = 2, 5, 7
         h = torch.randn(B, T, self.hidden, generator=gen).to(self.dtype)
         pe = self._tables(self.rope, torch.rand(B, T, self.Dr // 2, generator=gen) * 6.3)
         c0 = torch.randn(B, 1, past, self.L, generator=gen).to(self.dtype)
         k0 = torch.randn(B, 1, past, self.Dr, generator=gen).to(self.dtype)
-        mask = torch.ones(B, 1, T, past + T, dtype=torch.bool).tril(past)
-        mask[1, :, :, :past + 1] = False
-        causal = torch.ones(1, 1, T, T, dtype=torch.bool).tril()
-        for with_past in (False, True):
-            caches = []
-            for _ in range(2):
-                c = DynamicCache()
-                if with_past:
-                    c.update(c0.clone(), k0.clone(), m.layer_idx)
-                caches.append(c)
-            mk = mask if with_past else None
-            own = mk
-            if self.eager:
-                mk = mk if with_past else causal
-                own = torch.zeros(mk.shape, dtype=self.dtype).masked_fill(~mk, torch.finfo(self.dtype).min)
-            try:
-                want = self.original(hidden_states=h, position_embeddings=pe, attention_mask=own,
-                                     past_key_values=caches[0])
-                got, _ = self._prefill(m, h, pe, caches[1], mk)
-            except Exception:
-                return False
-            if not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor) or got.shape != want[0].shape:
-                return False
-            a, b = caches[0].layers[m.layer_idx], caches[1].layers[m.layer_idx]
-            if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
-                return False
-            want = want[0]
-            if mk is not None:  # a query attending nothing: a padding position, which no other reads
-                seen = mk.any(-1).expand(B, 1, T).reshape(B, T)
-                want, got = want[seen], got[seen]
-            tol = _OUT_RTOL[self.dtype] * want.float().abs().amax()
-            if not bool(((got.float() - want.float()).abs() <= tol).all()):
-                return False
-        return True
+        return attention.prefill_probe(self.module, self.original, lambda c, mk: self._prefill(self.module, h, pe, c, mk),
+                                       h, pe, (c0, k0), self.eager, self.eager)
 
     def restore(self) -> None:  # nothing of the module was touched but its forward
         pass
