@@ -9,7 +9,8 @@ costs several times its hot time (benchmarks/bench_call_overhead.py).
 
 Which layers: a module whose class name ends in "DecoderLayer", with input_layernorm, self_attn,
 post_attention_layernorm and mlp, both norms patched as hi_na_moe.dense.NativeNorm and the
-attention as hi_na_moe.attention.NativeAttention by this enable. Its decode call then runs as:
+attention as hi_na_moe.attention.NativeAttention (or latent attention as hi_na_moe.mla.NativeMLA,
+whose decode path calls its own projections) by this enable. Its decode call then runs as:
 the input norm's kernel; the attention's decode path with its q/k/v projections, q/k norms and
 o_proj called straight on their runners (no module calls); one native call for the residual add
 and the post-attention norm; the MoE block's router and experts called straight on their runners
@@ -25,7 +26,8 @@ does not call: a forward hook or pre-hook on them (transformers' output-capturin
 while they capture), a global module hook, a dispatch or function mode, torch.compile tracing,
 or a forward replaced after enable.
 
-When every part is on a runner the native calls take, the step is two native calls around the
+When every part is on a runner the native calls take (not for latent attention: the native calls
+know no latent cache), the step is two native calls around the
 cache update instead (layer_decode_pre: input norm, q/k/v, q/k norms, rotary, k and v written into
 the cache's buffers; layer_decode_post: attention, o_proj, residual add and post-attention norm,
 the router's logits (a float32 router on a float32 copy of its input) and selection (with a
@@ -155,29 +157,37 @@ class NativeLayer:
     # -- the parts ----------------------------------------------------------------------------
     def _prepare(self) -> bool:
         """Resolve the parts' runners; False when the layer is not of this shape."""
-        from .attention import FORMS, NativeAttention
-        from .patching import patched_member, patched_runner
+        from .attention import NativeAttention
+        from .mla import NativeMLA
+        from .patching import patched_runner
 
         m = self.module
         self.ln1, self.attn_mod, self.ln2, self.mlp = (getattr(m, p) for p in _PARTS)
         self.norm1, self.norm2 = patched_runner(self.ln1), patched_runner(self.ln2)
         self.attn = patched_runner(self.attn_mod)
-        from .mla import NativeMLA
-
         # latent attention (hi_na_moe.mla): its decode path called straight, the layer's step in
         # Python (no native calls: layer_decode_pre/post know no latent cache)
         self.mla = isinstance(self.attn, NativeMLA) and self.attn.rope is not None
         if not (isinstance(self.norm1, NativeNorm) and isinstance(self.norm2, NativeNorm)
                 and (isinstance(self.attn, NativeAttention) and self.attn.form is not None or self.mla)):
             return False
-        if self.mla:
-            self.direct = self.step = None
-            self.hidden = self.norm1.n
-            self.moe = self._moe_direct(self.mlp)
-            self.dense = self._dense_native() if self.moe is None else None
-            self._watch()
-            self.ready = self.norm2.n == self.hidden == self.attn.hidden
-            return self.ready
+        # the attention's projections and q/k norms as functions (no module calls), for its
+        # decode path; latent attention calls its own (NativeMLA._projections)
+        self.direct = None if self.mla else self._attention_direct()
+        self.hidden = self.norm1.n
+        self.moe = self._moe_direct(self.mlp)
+        self.dense = self._dense_native() if self.moe is None else None
+        self.step = None if self.mla else self._native_step()
+        self._watch()
+        self.ready = self.norm2.n == self.hidden == self.attn.hidden
+        return self.ready
+
+    def _attention_direct(self) -> tuple:
+        """(qkv(h) -> (q, k, v), q_norm, k_norm, o_proj) computing what the attention module's
+        parts compute without their module calls (a part not on a runner: the module itself)."""
+        from .attention import FORMS
+        from .patching import patched_member, patched_runner
+
         a = self.attn_mod
 
         def direct(mod: nn.Module):
@@ -200,14 +210,7 @@ class NativeLayer:
             qp, kp, vp = direct(a.q_proj), direct(a.k_proj), direct(a.v_proj)
             qkv = lambda h: (qp(h), kp(h), vp(h))  # noqa: E731
         norms = (direct(a.q_norm), direct(a.k_norm)) if self.attn.form != FORMS[0] else (None, None)
-        self.direct = (qkv, norms[0], norms[1], direct(a.o_proj))
-        self.hidden = self.norm1.n
-        self.moe = self._moe_direct(self.mlp)
-        self.dense = self._dense_native() if self.moe is None else None
-        self.step = self._native_step()
-        self._watch()
-        self.ready = self.norm2.n == self.hidden == self.attn.hidden
-        return self.ready
+        return qkv, norms[0], norms[1], direct(a.o_proj)
 
     def _native_step(self):
         """(q/k/v group, o_proj's runner, q/k norm code, q_norm's and k_norm's runners) for the
