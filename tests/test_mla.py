@@ -207,6 +207,39 @@ def test_padded_batches_and_eager_masks_decode_on_the_kernel(impl, monkeypatch):
     _compare_with_own_forward(model, monkeypatch, seq, 6, mask)
 
 
+def test_a_static_cache_decodes_on_the_kernel_through_its_mask():
+    """A StaticCache hands the attention its whole buffers and a bool mask over them: the kernel
+    reads the kept positions only; logits close to the module's own at every step."""
+    from transformers import StaticCache
+
+    model = _tiny("deepseek_v3", torch.bfloat16)
+    twin = copy.deepcopy(model)
+    seq = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(8))
+    rep = hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        runners = [patched_runner(m) for _, m in _mla_modules(model)]
+        counts = [_Count(r) for r in runners]
+
+        def run(m):
+            cache = StaticCache(config=m.config, max_cache_len=16)
+            out = []
+            with torch.inference_mode():
+                o = m(seq[:, :6], past_key_values=cache, use_cache=True)
+                out.append(o.logits[:, -1].float())
+                for i in range(6, 10):
+                    o = m(seq[:, i:i + 1], past_key_values=cache, use_cache=True,
+                          cache_position=torch.tensor([i]))
+                    out.append(o.logits[:, -1].float())
+            return out
+
+        got, want = run(model), run(twin)
+        assert rep.attention_latent and [c.calls for c in counts] == [4] * len(counts)
+        for a, b in zip(got, want):
+            assert ((a - b).norm() / b.norm()).item() < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_quantised_kv_b_proj_is_read_through_a_dense_copy_and_reported(monkeypatch):
     dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
     try:
