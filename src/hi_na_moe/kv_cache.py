@@ -67,7 +67,8 @@ class Slot:
         self.base, self.window = 0, window
 
     def strides(self) -> tuple[int, int]:
-        """Elements between batch rows and between heads of k and v."""
+        """Elements between batch rows and between heads of k (and of v when Dv == D, as for the
+        stack's layers, the only callers)."""
         s = self.k.stride()
         return s[0], s[1]
 

@@ -129,7 +129,8 @@ class NativeMLA:
         self.rope: str | None = None  # one of ROPES once the probe matched
         self._w, self._w_key = None, None
         self._fused = None  # the packed group of the q and kv_a projections, once looked up (False: none)
-        self.prefill = False  # prefill calls are the module's own forward
+        # prefill calls on the native prefill kernel, once the second probe saw them match
+        self.prefill = False
         self.calls = DecodeCalls()
 
     # -- kv_b_proj's weight -------------------------------------------------------------------
@@ -165,7 +166,7 @@ class NativeMLA:
 
     # -- the decode path ----------------------------------------------------------------------
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, pe) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, H, 1, Dr] and k [B, 1, 1, Dr] through the rotary form, in the ops the module uses."""
+        """q [B, H, T, Dr] and k [B, 1, T, Dr] through the rotary form, in the ops the module uses."""
         if self.rope == "complex":
             f = pe.unsqueeze(1)
             xq = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
@@ -181,16 +182,26 @@ class NativeMLA:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    def _queries_and_cache(self, m: nn.Module, h: torch.Tensor, pe, cache) -> tuple:
+        """(q_nope [B, H, T, Dn], rotated q_rope [B, H, T, Dr], the cache's latents [B, 1, S, L]
+        and rope keys [B, 1, S, Dr]) of h [B, T, hidden], as the module makes them: its
+        projections and kv_a_layernorm, its rotary form, the new positions appended (in place for
+        one position, kv_cache.append)."""
+        B, T = h.shape[:2]
+        H, Dn, Dr, L = self.H, self.Dn, self.Dr, self.L
+        q, ckv = self._projections(m, h)
+        q_nope, q_pe = torch.split(q.view(B, T, H, Dn + Dr).transpose(1, 2), [Dn, Dr], dim=-1)
+        latent, k_pe = torch.split(ckv, [L, Dr], dim=-1)
+        latent = m.kv_a_layernorm(latent).view(B, 1, T, L)
+        q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, T, Dr), pe)
+        if cache is not None:
+            latent, k_pe = kv_cache.append(cache, m.layer_idx, latent, k_pe)
+        return q_nope, q_pe, latent, k_pe
+
     def _decode(self, m: nn.Module, h: torch.Tensor, pe, cache, mask: torch.Tensor | None = None):
         """(output, None) of a decode step (h [B, 1, hidden])."""
         B, H, Dn, Dr, L, Dv = h.shape[0], self.H, self.Dn, self.Dr, self.L, self.Dv
-        q, ckv = self._projections(m, h)
-        q_nope, q_pe = torch.split(q.view(B, 1, H, Dn + Dr).transpose(1, 2), [Dn, Dr], dim=-1)
-        latent, k_pe = torch.split(ckv, [L, Dr], dim=-1)
-        latent = m.kv_a_layernorm(latent).view(B, 1, 1, L)
-        q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, 1, Dr), pe)
-        if cache is not None:
-            latent, k_pe = kv_cache.append(cache, m.layer_idx, latent, k_pe)
+        q_nope, q_pe, latent, k_pe = self._queries_and_cache(m, h, pe, cache)
         w = self._weight()
         out = torch.empty(B, 1, H * Dv, dtype=self.dtype)
         if self._kernel_fits(q_nope, q_pe, latent, k_pe, mask, B):
@@ -231,15 +242,9 @@ class NativeMLA:
         whose keys and values share one width: the values are padded with zeros from Dv to
         Dn + Dr, which adds nothing to the sums, and the output's extra columns dropped."""
         B, T = h.shape[:2]
-        H, Dn, Dr, L, Dv = self.H, self.Dn, self.Dr, self.L, self.Dv
+        H, Dn, Dr, Dv = self.H, self.Dn, self.Dr, self.Dv
         Dk = Dn + Dr
-        q, ckv = self._projections(m, h)
-        q_nope, q_pe = torch.split(q.view(B, T, H, Dk).transpose(1, 2), [Dn, Dr], dim=-1)
-        latent, k_pe = torch.split(ckv, [L, Dr], dim=-1)
-        latent = m.kv_a_layernorm(latent).view(B, 1, T, L)
-        q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, T, Dr), pe)
-        if cache is not None:
-            latent, k_pe = kv_cache.append(cache, m.layer_idx, latent, k_pe)
+        q_nope, q_pe, latent, k_pe = self._queries_and_cache(m, h, pe, cache)
         S = latent.shape[2]
         kv = m.kv_b_proj(latent).view(B, S, H, Dn + Dv).transpose(1, 2)
         keys = torch.empty(B, H, S, Dk, dtype=self.dtype)
