@@ -46,7 +46,7 @@ or as modules after the call in the layers' loop (hi_na_moe.layers.FUSE_SHARED),
 --ab-rope-norm: the stack's rotary output from its table and its final norm inside the one call,
 or both modules called (hi_na_moe.stack.ROPE_TABLE and FINAL_NORM), likewise;
 --ab-layer-calls: the layers' two native calls with the stack's loop or one call, or each layer's
-per-module short path (hi_na_moe.layers' NativeLayer.step unset) under the stack's own forward
+per-module short path (hi_na_moe.layers' NativeLayer.step and latent_step unset) under the stack's own forward
 (what GPT-OSS's steps ran before the native calls took its sinks and sliding windows), likewise;
 --ab-moe-block: the layers' short paths with their MoE blocks' router, experts and shared
 experts called directly (hi_na_moe.layers' NativeLayer.moe) and the routers on the native path,
@@ -263,14 +263,15 @@ def main() -> int:
             from hi_na_moe.stack import NativeStack
 
             runners = [r for m in model.modules() if isinstance(r := patched_runner(m), (NativeLayer, NativeStack))]
-            calls = {id(r): r.step for r in runners if isinstance(r, NativeLayer)}
-            if not any(calls.values()):
+            # (latent attention's layers: NativeLayer.latent_step)
+            calls = {id(r): (r.step, r.latent_step) for r in runners if isinstance(r, NativeLayer)}
+            if not any(a or b for a, b in calls.values()):
                 raise SystemExit("--ab-layer-calls: no decoder layer takes the native calls")
 
             def use_native(on: bool) -> None:
                 for r in runners:
                     if isinstance(r, NativeLayer):
-                        r.step = calls[id(r)] if on else None
+                        r.step, r.latent_step = calls[id(r)] if on else (None, None)
                     else:
                         r.ready = on
         else:

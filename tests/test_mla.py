@@ -16,7 +16,7 @@ from tiny_models import UNBUILDABLE, build_tiny
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe import attention, dense, kv_cache, mla
+from hi_na_moe import attention, dense, kv_cache, mla, stack
 from hi_na_moe.hardware import native_kernels_available
 from hi_na_moe.patching import decode_call_counts, patched_runner
 
@@ -111,6 +111,22 @@ class _Count:
         setattr(runner, method, counted)
 
 
+class _OneCalls:
+    """Counts the decode steps the stacks ran in their one native call."""
+
+    def __init__(self, stacks):
+        self.calls = 0
+        for st in stacks:
+            call = st._one_call
+
+            def counted(*args, _call=call, **kwargs):
+                out = _call(*args, **kwargs)
+                self.calls += out is not None
+                return out
+
+            st._one_call = counted
+
+
 def _mla_modules(model):
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "kv_b_proj")]
 
@@ -131,16 +147,24 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
         runners = [patched_runner(m) for _, m in _mla_modules(model)]
         counts = [_Count(r) for r in runners]
         prefills = [_Count(r, "_prefill") for r in runners]
+        # a decoder layer whose parts are all on the native calls' runners makes its queries and
+        # cache entries in the first native call and runs the kernel in the second (_latent_pre)
+        layer_runners = [patched_runner(model.get_submodule(n.rsplit(".", 1)[0])) for n in names]
+        in_layers = [_Count(r, "_latent_pre") if r is not None else None for r in layer_runners]
+        # or, all layers at once, in the stack's one native call (hi_na_moe.stack)
+        stacks = [patched_runner(model.get_submodule(n)) for n in rep.stacks]
+        one_calls = _OneCalls(stacks)
         want, want_cache = _forced_logits(twin, seq, prompt, mask)
         got, got_cache = _forced_logits(model, seq, prompt, mask)
-        assert [c.calls for c in counts] == [seq.shape[1] - prompt] * len(counts)
+        steps = [c.calls + (0 if n is None else n.calls) + one_calls.calls for c, n in zip(counts, in_layers)]
+        assert steps == [seq.shape[1] - prompt] * len(counts)
         # the prompt on the native prefill kernel where it runs (bfloat16, AVX512-BF16 on AMD)
         assert [c.calls for c in prefills] == [int(r.prefill) for r in runners]
         assert rep.attention_latent_prefill == [n for n, r in zip(names, runners) if r.prefill]
         # the decoder layers' short paths call the runners straight: no module call to count
         layers = rep.layers == [n.rsplit(".", 1)[0] for n in names]
-        steps = 0 if layers else seq.shape[1] - prompt
-        assert decode_call_counts(model) == {n: (steps, 0) for n in names}
+        own = 0 if layers else seq.shape[1] - prompt
+        assert decode_call_counts(model) == {n: (own, 0) for n in names}
         if seq.shape[1] > prompt:  # the latent and rope keys appended in place (hi_na_moe.kv_cache)
             assert all(kv_cache._SLOTS.get(layer) is not None for layer in got_cache.layers)
         # the first layer's cache bit for bit (the same inputs); later layers' inputs went through
@@ -157,6 +181,10 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
                 assert ((x.float() - y.float()).norm() / y.float().norm()) < tol
         for a, b in zip(got, want):
             assert ((a - b).norm() / b.norm()).item() < tol
+        # (for callers: the layers' runners, and how many decode steps each ran in its native calls)
+        _compare_with_own_forward.layers = layer_runners
+        _compare_with_own_forward.in_layers = [0 if n is None else n.calls for n in in_layers]
+        _compare_with_own_forward.one_calls = one_calls.calls
         return rep, runners
     finally:
         hi_na_moe.disable_for_model(model)
@@ -187,9 +215,58 @@ def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overr
                                                                   runners[0].H, runners[0].H):
             assert all(r.prefill for r in runners)
             assert "with their attention on the native AVX512-BF16 kernel" in str(rep)
-        # every decoder layer on its short path (hi_na_moe.layers), the stack on its own loop
-        assert rep.layers == [n.rsplit(".", 1)[0] for n in rep.attention_latent] and rep.stacks == []
+        # every decoder layer on its short path (hi_na_moe.layers), the stack on its loop over them
+        assert rep.layers == [n.rsplit(".", 1)[0] for n in rep.attention_latent] and rep.stacks == ["model"]
         assert "latent attention (MLA) modules with decode steps on the native absorbed kernel: 2" in str(rep)
+    finally:
+        dense.MIN_WEIGHTS = old
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("deepseek_v2", {"qk_rope_head_dim": 32, "head_dim": 32}),  # the complex form: 16 pairs, PyTorch's vectorised product
+    ("deepseek_v2", {"qk_rope_head_dim": 32, "head_dim": 32, "q_lora_rank": None}),
+    ("deepseek_v3", {"rope_interleave": True}),
+    ("deepseek_v3", {"rope_interleave": False}),
+])
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "layer-calls"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_decoder_layers_run_latent_attention_in_their_native_calls(model_type, overrides, dtype, one_call,
+                                                                   monkeypatch):
+    """With every part on the native calls' runners, a decoder layer's decode step makes the
+    queries, the latent and the rope key in its first native call and runs the absorbed kernel in
+    its second (hi_na_moe.layers._latent_pre): the layer's probe asked for its own forward's bits,
+    and the model's logits stay close to the modules' own forward at every step."""
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny(model_type, dtype, **overrides)
+        seq = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones(2, 11, dtype=torch.long)
+        mask[0, :2] = 0  # a left-padded row: the kernel reads the mask
+        stack.ONE_CALL = one_call
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6, mask)
+        layers = _compare_with_own_forward.layers
+        assert len(layers) == len(runners) and all(r.latent_step is not None for r in layers)
+        # every step in the stack's one native call (hi_na_moe.stack: decode_layers), or in each
+        # layer's two
+        assert rep.stacks == ["model"] and _compare_with_own_forward.one_calls == (11 - 6) * one_call
+        assert _compare_with_own_forward.in_layers == [(11 - 6) * (not one_call)] * len(runners)
+    finally:
+        dense.MIN_WEIGHTS = old
+        stack.ONE_CALL = True
+
+
+def test_a_complex_rotary_of_few_pairs_keeps_the_layers_step_in_python(monkeypatch):
+    """Under 16 pairs a head, PyTorch's complex product runs its scalar loop, whose FMA the native
+    calls do not reproduce: the layers keep latent attention in their Python step."""
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny("deepseek_v2", torch.float32)  # qk_rope_head_dim 8: 4 pairs
+        seq = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(5))
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6)
+        layers = _compare_with_own_forward.layers
+        assert layers and all(r is not None and r.latent_step is None for r in layers)
+        assert _compare_with_own_forward.in_layers == [0] * len(runners)
+        assert _compare_with_own_forward.one_calls == 0
     finally:
         dense.MIN_WEIGHTS = old
 
@@ -207,18 +284,27 @@ def test_padded_batches_and_eager_masks_decode_on_the_kernel(impl, monkeypatch):
     _compare_with_own_forward(model, monkeypatch, seq, 6, mask)
 
 
-def test_a_static_cache_decodes_on_the_kernel_through_its_mask():
+@pytest.mark.parametrize("min_weights", [None, 0], ids=["modules", "one-call"])
+def test_a_static_cache_decodes_on_the_kernel_through_its_mask(min_weights):
     """A StaticCache hands the attention its whole buffers and a bool mask over them: the kernel
-    reads the kept positions only; logits close to the module's own at every step."""
+    reads the kept positions only; logits close to the module's own at every step. With every
+    projection packed (MIN_WEIGHTS 0), the steps run in the stack's one native call, which writes
+    the latent and rope key into the buffers itself (kv_cache.static_slot)."""
     from transformers import StaticCache
 
     model = _tiny("deepseek_v3", torch.bfloat16)
     twin = copy.deepcopy(model)
     seq = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(8))
-    rep = hi_na_moe.enable_for_model(model, scope="all")
+    old = dense.MIN_WEIGHTS
+    dense.MIN_WEIGHTS = old if min_weights is None else min_weights
+    try:
+        rep = hi_na_moe.enable_for_model(model, scope="all")
+    finally:
+        dense.MIN_WEIGHTS = old
     try:
         runners = [patched_runner(m) for _, m in _mla_modules(model)]
         counts = [_Count(r) for r in runners]
+        one_calls = _OneCalls([patched_runner(model.get_submodule(n)) for n in rep.stacks])
 
         def run(m):
             cache = StaticCache(config=m.config, max_cache_len=16)
@@ -227,13 +313,16 @@ def test_a_static_cache_decodes_on_the_kernel_through_its_mask():
                 o = m(seq[:, :6], past_key_values=cache, use_cache=True)
                 out.append(o.logits[:, -1].float())
                 for i in range(6, 10):
-                    o = m(seq[:, i:i + 1], past_key_values=cache, use_cache=True,
-                          cache_position=torch.tensor([i]))
+                    o = m(seq[:, i:i + 1], past_key_values=cache, use_cache=True)
                     out.append(o.logits[:, -1].float())
             return out
 
         got, want = run(model), run(twin)
-        assert rep.attention_latent and [c.calls for c in counts] == [4] * len(counts)
+        assert rep.attention_latent
+        if min_weights is None:
+            assert [c.calls for c in counts] == [4] * len(counts)
+        else:
+            assert one_calls.calls == 4 and [c.calls for c in counts] == [0] * len(counts)
         for a, b in zip(got, want):
             assert ((a - b).norm() / b.norm()).item() < 2e-2
     finally:

@@ -544,6 +544,35 @@ static hina::PoolBackend pool_backend_from(const std::string& name) {
   throw nb::value_error(("unknown thread-pool backend '" + name + "'; expected 'auto', 'own' or 'openmp'").c_str());
 }
 
+// Latent attention's settings of layer_decode_pre (LayerPreArgs::mla) from the tuple hi_na_moe.layers
+// hands over: (rope form 0 complex / 1 interleaved / 2 rotate_half, Dn, Dr, L, q_lora, q_b (a
+// BoundForward, or None without q_lora), qa_w, qa_eps, kv_w, kv_eps); q_b is kept in `owners`.
+static void latent_pre_args(const char* where, const nb::tuple& t, hina::LayerPreArgs::Latent* m,
+                            std::vector<nb::object>* owners) {
+  if (t.size() != 10) bad(std::string(where) + ": mla must be (rope, Dn, Dr, L, q_lora, q_b, qa_w, qa_eps, kv_w, kv_eps)");
+  const int rope = nb::cast<int>(t[0]);
+  if (rope < 0 || rope > 2) bad(std::string(where) + ": mla's rope form must be 0, 1 or 2");
+  m->rope = static_cast<hina::LatentRope>(rope);
+  m->Dn = nb::cast<int64_t>(t[1]);
+  m->Dr = nb::cast<int64_t>(t[2]);
+  m->L = nb::cast<int64_t>(t[3]);
+  m->q_lora = nb::cast<int64_t>(t[4]);
+  if (m->Dn < 0 || m->Dr <= 0 || m->Dr % 2 != 0 || m->L <= 0 || m->q_lora < 0)
+    bad(std::string(where) + ": mla needs Dn >= 0, an even Dr > 0, L > 0 and q_lora >= 0");
+  if ((m->q_lora > 0) == t[5].is_none())
+    bad(std::string(where) + ": mla's q_b is a BoundForward with q_lora > 0 and None without");
+  if (m->q_lora > 0) {
+    const auto& bq = nb::cast<const BoundForward&>(t[5]);
+    m->q_b = bq.packed();
+    m->q_b_params = bq.params();
+    owners->push_back(nb::borrow(t[5]));
+  }
+  m->qa_w = reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[6]));
+  m->qa_eps = nb::cast<float>(t[7]);
+  m->kv_w = reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[8]));
+  m->kv_eps = nb::cast<float>(t[9]);
+}
+
 // A decode step through a model's decoder layers in one call (hina::decode_layers), for
 // hi_na_moe.stack. Each layer's fixed arguments are set once (set_layer) and again only when one of
 // them changes; the BoundForwards it was given are kept alive here.
@@ -558,7 +587,8 @@ class StepPlan {
                  int64_t E, int sel_form, int64_t sel_k, bool sel_renorm, int sel_w_dtype, nb::object experts,
                  int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table,
                  bool interleaved_f32, int router_dtype, uintptr_t sel_bias, float norm_min, nb::tuple mlp,
-                 int64_t sel_groups, int64_t sel_topk_group, float sel_scale, int64_t rot, float sel_eps) {
+                 int64_t sel_groups, int64_t sel_topk_group, float sel_scale, int64_t rot, float sel_eps,
+                 nb::tuple mla, uintptr_t mla_w, int64_t mla_Dv) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
     if (shared.size() != 0 && shared.size() != 3 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I[, gate]) of a shared expert");
@@ -575,6 +605,20 @@ class StepPlan {
     d.pre.half_table = half_table;
     d.pre.interleaved_f32 = interleaved_f32;
     d.pre.rot = rot;
+    std::vector<nb::object> owners = {qkv, o};
+    if (mla.size() != 0) {  // latent attention: its pre step and mla_decode (the rest set by decode_layers)
+      latent_pre_args("StepPlan.set_layer", mla, &d.pre.mla, &owners);
+      if (mla_w == 0 || mla_Dv <= 0) bad("StepPlan.set_layer: latent attention needs mla_w and mla_Dv > 0");
+      hina::MlaDecodeArgs& m = d.post.mla;
+      m.dtype = dt;
+      m.w = reinterpret_cast<const void*>(mla_w);  // kept alive by the caller (plan_args)
+      m.H = Hq;
+      m.Dn = d.pre.mla.Dn;
+      m.Dr = d.pre.mla.Dr;
+      m.L = d.pre.mla.L;
+      m.Dv = mla_Dv;
+      m.scale = scale;
+    }
     d.post.dtype = dt;
     d.post.H = H;
     d.post.attn.dtype = dt;
@@ -587,7 +631,6 @@ class StepPlan {
     d.post.o_params = bo.params();
     d.post.ln2_w = reinterpret_cast<const void*>(ln2_w);
     d.post.ln2_eps = ln2_eps;
-    std::vector<nb::object> owners = {std::move(qkv), std::move(o)};
     auto gated_mlp = [](const nb::tuple& t) {  // (gate_up, down, I)
       const auto& bg = nb::cast<const BoundForward&>(t[0]);
       const auto& bd = nb::cast<const BoundForward&>(t[1]);
@@ -1165,7 +1208,7 @@ NB_MODULE(_native, m) {
            int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
            uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
            uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads,
-           bool half_table, bool interleaved_f32, int64_t rot) {
+           bool half_table, bool interleaved_f32, int64_t rot, nb::tuple mla, int64_t mla_v_bstride) {
           hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
                                reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
                                qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
@@ -1173,14 +1216,21 @@ NB_MODULE(_native, m) {
                                cos_bstride, reinterpret_cast<void*>(h), reinterpret_cast<void*>(qkv_out),
                                reinterpret_cast<void*>(qk_tmp), reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
                                reinterpret_cast<void*>(v), kv_bstride, kv_hstride, half_table, interleaved_f32, rot};
+          std::vector<nb::object> owners;
+          if (mla.size() != 0) {
+            latent_pre_args("layer_decode_pre_raw", mla, &a.mla, &owners);
+            a.mla.v_bstride = mla_v_bstride;
+          }
           nb::gil_scoped_release release;
           hina::layer_decode_pre(a, num_threads);
         },
         "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
         "qkv: the BoundForward of an up-only block; kv_bstride/kv_hstride: the elements between k's and v's batch rows "
         "and heads; half_table: cos/sin rows of D/2 values; interleaved_f32: ERNIE's rotation on float32 cos/sin; rot: "
-        "rope_rotate_half's partial rotary dims, 0: D), for hi_na_moe.layers, which checked the tensors. Wrong "
-        "addresses crash.");
+        "rope_rotate_half's partial rotary dims, 0: D; mla: latent attention's (rope, Dn, Dr, L, q_lora, q_b, qa_w, "
+        "qa_eps, kv_w, kv_eps), k then the latent cache's slot and v the rope key's, mla_v_bstride v's elements between "
+        "rows, qk_tmp [B, q_lora + Hq (Dn + Dr)], q [B, Hq, Dn + Dr]), for hi_na_moe.layers, which checked the tensors. "
+        "Wrong addresses crash.");
   m.def("layer_decode_post_raw",
         [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
            int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0, int64_t vs1, int64_t vs2, float scale,
@@ -1193,7 +1243,7 @@ NB_MODULE(_native, m) {
            uintptr_t shared_out, uintptr_t shared_logit, uintptr_t sinks, int router_dtype, uintptr_t router_in,
            uintptr_t sel_bias, float norm_min, const BoundForward* mlp_gate_up, const BoundForward* mlp_down,
            int64_t mlp_I, uintptr_t mlp_gu, uintptr_t mlp_m, uintptr_t mlp_out, int64_t sel_groups,
-           int64_t sel_topk_group, float sel_scale, float sel_eps) -> nb::object {
+           int64_t sel_topk_group, float sel_scale, float sel_eps, nb::tuple mla) -> nb::object {
           const auto dt = static_cast<hina::DType>(dtype);
           hina::LayerPostArgs a{dt, B, H,
                                 hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
@@ -1204,6 +1254,35 @@ NB_MODULE(_native, m) {
                                 reinterpret_cast<const void*>(ln2_w), ln2_eps, reinterpret_cast<void*>(sum),
                                 reinterpret_cast<void*>(normed)};
           a.attn.sinks = reinterpret_cast<const float*>(sinks);
+          if (mla.size() != 0) {  // latent attention: mla_decode on the queries latent_pre left in q
+            if (mla.size() != 11)
+              bad("layer_decode_post_raw: mla must be (w, Dn, Dr, L, Dv, latent, cs0, cs1, k_rope, krs0, krs1)");
+            hina::MlaDecodeArgs& m = a.mla;
+            auto at = [&](size_t i) { return nb::cast<int64_t>(mla[i]); };
+            m.dtype = dt;
+            m.w = reinterpret_cast<const void*>(static_cast<uintptr_t>(at(0)));
+            m.B = B;
+            m.H = Hq;
+            m.S = S;
+            m.Dn = at(1);
+            m.Dr = at(2);
+            m.L = at(3);
+            m.Dv = at(4);
+            const int64_t hd = m.Dn + m.Dr;
+            m.q_nope = reinterpret_cast<const void*>(q);
+            m.q_rope = reinterpret_cast<const char*>(q) + m.Dn * static_cast<int64_t>(hina::dtype_size(dt));
+            m.qn_strides[0] = m.qr_strides[0] = Hq * hd;
+            m.qn_strides[1] = m.qr_strides[1] = hd;
+            m.latent = reinterpret_cast<const void*>(static_cast<uintptr_t>(at(5)));
+            m.c_strides[0] = at(6);
+            m.c_strides[1] = at(7);
+            m.k_rope = reinterpret_cast<const void*>(static_cast<uintptr_t>(at(8)));
+            m.kr_strides[0] = at(9);
+            m.kr_strides[1] = at(10);
+            m.scale = scale;
+            m.mask = reinterpret_cast<const uint8_t*>(mask);
+            m.mask_bstride = mask_bstride;
+          }
           if (router != nullptr) {
             a.router = router->packed();
             a.router_params = router->params();
@@ -1280,7 +1359,7 @@ NB_MODULE(_native, m) {
         nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.f, nb::arg("mlp_gate_up").none() = nb::none(),
         nb::arg("mlp_down").none() = nb::none(), nb::arg("mlp_I") = 0, nb::arg("mlp_gu") = 0, nb::arg("mlp_m") = 0,
         nb::arg("mlp_out") = 0, nb::arg("sel_groups") = 1, nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f,
-        nb::arg("sel_eps") = 1e-20f,
+        nb::arg("sel_eps") = 1e-20f, nb::arg("mla") = nb::tuple(),
         "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
         "in attn_out; sinks != 0: float32 [Hq], the heads' attention sinks; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
         "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
@@ -1293,7 +1372,9 @@ NB_MODULE(_native, m) {
         "softmax + sel_bias choose and the renormalising sum is at least norm_min (sel_form 2: router_select's "
         "grouped sigmoid form with sel_groups, sel_topk_group, sel_scale and sel_eps); router None and mlp_gate_up, "
         "mlp_down (I = mlp_I): a dense layer, sum += its gated MLP on normed (scratch mlp_gu [B, 2 I], mlp_m "
-        "[B, I], mlp_out [B, H]). For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
+        "[B, I], mlp_out [B, H]); mla (w, Dn, Dr, L, Dv, latent, cs0, cs1, k_rope, krs0, krs1): latent attention, "
+        "mla_decode() over the latent and rope-key caches at those element strides (rows, positions) with q the "
+        "queries layer_decode_pre_raw left [B, Hq, Dn + Dr], into attn_out [B, Hq Dv]. For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
         "addresses crash.");
   m.def("gated_mlp_raw",
         [](int dtype, int64_t B, int64_t I, uintptr_t x, const BoundForward& gate_up, const BoundForward& down,
@@ -1354,7 +1435,8 @@ NB_MODULE(_native, m) {
            nb::arg("half_table") = false, nb::arg("interleaved_f32") = false, nb::arg("router_dtype") = -1,
            nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.0f, nb::arg("mlp") = nb::tuple(),
            nb::arg("sel_groups") = 1, nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f,
-           nb::arg("rot") = 0, nb::arg("sel_eps") = 1e-20f)
+           nb::arg("rot") = 0, nb::arg("sel_eps") = 1e-20f, nb::arg("mla") = nb::tuple(), nb::arg("mla_w") = 0,
+           nb::arg("mla_Dv") = 0)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),

@@ -155,6 +155,67 @@ void rope_interleaved_f32(DType dt, const void* x, int64_t B, int64_t heads, int
   split_rows(B, heads * D, num_threads, rows);
 }
 
+namespace {
+template <class T>
+void rope_latent_rows(LatentRope form, const T* x, int64_t heads, int64_t xs, int64_t D, const void* tab,
+                      const void* sin, T* out, int64_t os) {
+  using E = attn_impl::Elem<T>;
+  auto round = [](float v) {
+    T t;
+    E::put(&t, 0, v);
+    return E::get(&t, 0);
+  };
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* xr = x + h * xs;
+    T* yr = out + h * os;
+    if (form == LatentRope::kComplex) {
+      const float* f = static_cast<const float*>(tab);
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = E::get(xr, 2 * i), x1 = E::get(xr, 2 * i + 1), c = f[2 * i], s = f[2 * i + 1];
+        // separate statements, and this file has no FMA contraction: each product is rounded
+        const float ac = x0 * c, bd = x1 * s, ad = x0 * s, bc = x1 * c;
+        E::put(yr, 2 * i, ac - bd);
+        E::put(yr, 2 * i + 1, ad + bc);
+      }
+    } else {  // kInterleaved
+      const T* c = static_cast<const T*>(tab);
+      const T* s = static_cast<const T*>(sin);
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = E::get(xr, 2 * i), x1 = E::get(xr, 2 * i + 1), ci = E::get(c, i), si = E::get(s, i);
+        E::put(yr, i, round(x0 * ci) - round(x1 * si));
+        E::put(yr, half + i, round(x1 * ci) + round(x0 * si));
+      }
+    }
+  }
+}
+}  // namespace
+
+void rope_latent(DType dt, LatentRope form, const void* x, int64_t heads, int64_t x_hstride, int64_t D,
+                 const void* tab, const void* sin, void* out, int64_t out_hstride) {
+  if (form == LatentRope::kRotateHalf) {
+    const size_t es = dtype_size(dt);
+    for (int64_t h = 0; h < heads; ++h)
+      rope_rotate_half(dt, static_cast<const char*>(x) + h * x_hstride * es, 1, 1, D, tab, sin,
+                       static_cast<char*>(out) + h * out_hstride * es);
+    return;
+  }
+  switch (dt) {
+    case DType::kF32:
+      rope_latent_rows(form, static_cast<const float*>(x), heads, x_hstride, D, tab, sin, static_cast<float*>(out),
+                       out_hstride);
+      break;
+    case DType::kBF16:
+      rope_latent_rows(form, static_cast<const uint16_t*>(x), heads, x_hstride, D, tab, sin,
+                       static_cast<uint16_t*>(out), out_hstride);
+      break;
+    case DType::kF16:
+      rope_latent_rows(form, static_cast<const attn_impl::Half*>(x), heads, x_hstride, D, tab, sin,
+                       static_cast<attn_impl::Half*>(out), out_hstride);
+      break;
+  }
+}
+
 void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
   const int64_t rows = a.B * a.Hq;
   if (rows <= 0) return;

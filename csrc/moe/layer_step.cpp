@@ -11,7 +11,54 @@
 
 namespace hina {
 
+namespace {
+
+// layer_decode_pre for latent attention (LayerPreArgs::mla)
+void latent_pre(const LayerPreArgs& a, int num_threads) {
+  const LayerPreArgs::Latent& m = a.mla;
+  const size_t es = dtype_size(a.dtype);
+  const int64_t hd = m.Dn + m.Dr, nqf = a.Hq * hd, nqa = m.q_lora > 0 ? m.q_lora : nqf;
+  const int64_t n = nqa + m.L + m.Dr;  // a row of the q / kv_a group's output
+  auto* y = static_cast<char*>(a.qkv_out);
+  auto* tmp = static_cast<char*>(a.qk_tmp);  // [B, q_lora] normed q_a, then [B, nqf] q_b's output
+  rms_norm(a.dtype, a.x, a.B, a.H, a.ln1_w, a.ln1_eps, a.h);
+  MoeParams p = a.qkv_params;
+  p.num_threads = num_threads;
+  a.qkv->linear(a.h, a.B, y, p);
+  char* qf = y;  // row b's q at qf + b * qf_bstride elements
+  int64_t qf_bstride = n;
+  if (m.q_lora > 0) {
+    for (int64_t b = 0; b < a.B; ++b)
+      rms_norm(a.dtype, y + b * n * es, 1, m.q_lora, m.qa_w, m.qa_eps, tmp + b * m.q_lora * es);
+    qf = tmp + a.B * m.q_lora * es;
+    qf_bstride = nqf;
+    MoeParams pb = m.q_b_params;
+    pb.num_threads = num_threads;
+    m.q_b->linear(tmp, a.B, qf, pb);
+  }
+  const auto* cos = static_cast<const char*>(a.cos);
+  const auto* sin = static_cast<const char*>(a.sin);
+  // the tables' element size: float32 (re, im) pairs for the complex form
+  const size_t tes = m.rope == LatentRope::kComplex ? sizeof(float) : es;
+  for (int64_t b = 0; b < a.B; ++b) {
+    const char* qr = qf + b * qf_bstride * es;
+    char* qo = static_cast<char*>(a.q) + b * nqf * es;
+    for (int64_t h = 0; h < a.Hq; ++h)  // the heads' no-rope parts as they are
+      std::memcpy(qo + h * hd * es, qr + h * hd * es, static_cast<size_t>(m.Dn) * es);
+    const char* cb = cos + b * a.cos_bstride * tes;
+    const char* sb = sin + b * a.cos_bstride * tes;
+    rope_latent(a.dtype, m.rope, qr + m.Dn * es, a.Hq, hd, m.Dr, cb, sb, qo + m.Dn * es, hd);
+    const char* yr = y + b * n * es;
+    rms_norm(a.dtype, yr + nqa * es, 1, m.L, m.kv_w, m.kv_eps, static_cast<char*>(a.k) + b * a.kv_bstride * es);
+    rope_latent(a.dtype, m.rope, yr + (nqa + m.L) * es, 1, m.Dr, m.Dr, cb, sb,
+                static_cast<char*>(a.v) + b * m.v_bstride * es, m.Dr);
+  }
+}
+
+}  // namespace
+
 void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
+  if (a.mla.rope != LatentRope::kNone) return latent_pre(a, num_threads);
   const size_t es = dtype_size(a.dtype);
   const int64_t nq = a.Hq * a.D, nkv = a.Hkv * a.D, n = nq + 2 * nkv;
   auto* qkv = static_cast<char*>(a.qkv_out);
@@ -83,7 +130,13 @@ void mlp_on(const GatedMlpArgs& mlp, const LayerPostArgs& a, int num_threads) {
 }  // namespace
 
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
-  if (a.attn.q != nullptr) attention_decode(a.attn, num_threads, attn_isa);
+  if (a.mla.w != nullptr) {
+    MlaDecodeArgs m = a.mla;
+    m.out = a.attn.out;
+    mla_decode(m, num_threads, attn_isa);
+  } else if (a.attn.q != nullptr) {
+    attention_decode(a.attn, num_threads, attn_isa);
+  }
   MoeParams p = a.o_params;
   p.num_threads = num_threads;
   a.o->linear(a.attn.out, a.B, a.o_out, p);
@@ -148,6 +201,7 @@ StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
   int64_t H = 0, nq = 0, nkv = 0, E = 0, k = 0, I = 0;
   size_t es = 1, les = 1;  // the largest dtype of the layers, and of their logits
   bool cast = false;
+  int64_t nqkv = 0, ntmp = 0, nattn = 0;  // the q/k/v output's, qk_tmp's and the heads' output's
   for (int64_t l = 0; l < L; ++l) {
     const LayerPreArgs& p = layers[l].pre;
     const LayerPostArgs& a = layers[l].post;
@@ -155,8 +209,20 @@ StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
     les = std::max(les, dtype_size(a.router_cast ? a.router_dtype : p.dtype));
     cast |= a.router_cast;
     H = std::max(H, p.H);
-    nq = std::max(nq, p.Hq * p.D);
-    nkv = std::max(nkv, p.Hkv * p.D);
+    if (p.mla.rope != LatentRope::kNone) {  // latent attention (LayerPreArgs::mla)
+      const LayerPreArgs::Latent& m = p.mla;
+      const int64_t nqf = p.Hq * (m.Dn + m.Dr);
+      nqkv = std::max(nqkv, (m.q_lora > 0 ? m.q_lora : nqf) + m.L + m.Dr);
+      ntmp = std::max(ntmp, m.q_lora + nqf);
+      nq = std::max(nq, nqf);
+      nattn = std::max(nattn, p.Hq * a.mla.Dv);
+    } else {
+      nq = std::max(nq, p.Hq * p.D);
+      nkv = std::max(nkv, p.Hkv * p.D);
+      nqkv = std::max(nqkv, p.Hq * p.D + 2 * p.Hkv * p.D);
+      ntmp = std::max(ntmp, p.Hq * p.D + p.Hkv * p.D);
+      nattn = std::max(nattn, p.Hq * p.D);
+    }
     E = std::max(E, a.select.E);
     k = std::max(k, a.select.k);
     if (a.shared_mlp.gate_up != nullptr) I = std::max(I, a.shared_mlp.I);
@@ -166,10 +232,10 @@ StepScratch step_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
   StepScratch s{};
   size_t at = 0;
   s.h = take(at, b * H * es);
-  s.qkv = take(at, b * (nq + 2 * nkv) * es);
-  s.qk_tmp = take(at, b * (nq + nkv) * es);
+  s.qkv = take(at, b * nqkv * es);
+  s.qk_tmp = take(at, b * ntmp * es);
   s.q = take(at, b * nq * es);
-  s.attn = take(at, b * nq * es);
+  s.attn = take(at, b * nattn * es);
   s.o_out = take(at, b * H * es);
   s.normed = take(at, b * H * es);
   s.router_in = take(at, cast ? b * H * sizeof(float) : 0);
@@ -204,7 +270,8 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     const size_t es = dtype_size(d.pre.dtype);
     const DecodeKV& c = kv[l];
     char* k_at = reinterpret_cast<char*>(c.k) + c.pos * c.sstride * es;
-    char* v_at = reinterpret_cast<char*>(c.v) + c.pos * c.sstride * es;
+    char* v_at = reinterpret_cast<char*>(c.v) + c.pos * c.v_sstride * es;
+    const bool latent = d.pre.mla.rope != LatentRope::kNone;
     LayerPreArgs p = d.pre;
     p.B = B;
     p.x = cur;
@@ -219,6 +286,7 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     p.v = v_at;
     p.kv_bstride = c.bstride;
     p.kv_hstride = c.hstride;
+    p.mla.v_bstride = c.v_bstride;
     layer_decode_pre(p, d.num_threads);
 
     LayerPostArgs a = d.post;
@@ -234,6 +302,24 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     a.attn.mask = mask;
     a.attn.mask_bstride = mask_bstride;
     a.attn.out = base + s.attn;
+    if (latent) {  // the queries as latent_pre left them, the latent and rope-key caches
+      MlaDecodeArgs& m = a.mla;
+      const int64_t hd = m.Dn + m.Dr;
+      m.B = B;
+      m.q_nope = base + s.q;
+      m.q_rope = base + s.q + m.Dn * es;
+      m.qn_strides[0] = m.qr_strides[0] = m.H * hd;
+      m.qn_strides[1] = m.qr_strides[1] = hd;
+      m.latent = reinterpret_cast<const void*>(c.k);
+      m.c_strides[0] = c.bstride;
+      m.c_strides[1] = c.sstride;
+      m.k_rope = reinterpret_cast<const void*>(c.v);
+      m.kr_strides[0] = c.v_bstride;
+      m.kr_strides[1] = c.v_sstride;
+      m.S = c.S;
+      m.mask = mask;
+      m.mask_bstride = mask_bstride;
+    }
     a.o_out = base + s.o_out;
     a.x = cur;
     a.sum = l == L - 1 ? out : base + (l % 2 == 0 ? s.x0 : s.x1);

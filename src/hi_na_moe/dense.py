@@ -664,10 +664,13 @@ class NativeNorm:
 
     def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         w = module.weight
-        if (type(x) is torch.Tensor and x.dtype is w.dtype and x.is_contiguous() and x.is_cpu
+        if (type(x) is torch.Tensor and x.dtype is w.dtype and x.is_cpu
                 and x.dim() >= 1 and x.shape[-1] == self.n and x.numel() <= NORM_MAX_ROWS * self.n
                 and not x.requires_grad and not x.is_neg() and w.numel() == self.n and w.is_contiguous() and w.is_cpu
                 and not (module.training and torch.is_grad_enabled() and w.requires_grad)):
+            # rows of another tensor (latent attention's latent, a split of its projection's output)
+            # are copied, so that every decode-sized input gets the kernel's bits
+            x = x if x.is_contiguous() else x.contiguous()
             out = torch.empty(x.shape, dtype=x.dtype)
             self.native.rms_norm_raw(x.data_ptr(), x.numel() // self.n, self.n, w.data_ptr(), self.eps,
                                      out.data_ptr(), _DTYPE_CODES[x.dtype])

@@ -176,9 +176,12 @@ class StaticSlot:
 _SHIPPED_STATIC: tuple | None = None
 
 
-def static_slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype) -> StaticSlot | None:
+def static_slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype,
+                Dv: int | None = None) -> StaticSlot | None:
     """Where a StaticCache's layer `layer_idx` takes the next position in place (then call
-    static_commit), or None: the cache's own update must run (module docstring)."""
+    static_commit), or None: the cache's own update must run (module docstring). Values Dv wide
+    (latent attention's rope keys, hi_na_moe.mla; their buffer then has its own strides), default D
+    (the same strides as the keys')."""
     global _SHIPPED_STATIC
     if _SHIPPED_STATIC is None:
         from transformers.cache_utils import Cache, StaticCache, StaticLayer
@@ -189,7 +192,9 @@ def static_slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.
         return None
     k, v, n = layer.keys, layer.values, layer.cumulative_length
     if (type(k) is not torch.Tensor or type(v) is not torch.Tensor or k.dim() != 4
-            or k.shape != (B, heads, layer.max_cache_len, D) or v.shape != k.shape or k.stride() != v.stride()
+            or k.shape != (B, heads, layer.max_cache_len, D)
+            or (v.shape != k.shape or k.stride() != v.stride() if Dv is None
+                else v.shape != (B, heads, layer.max_cache_len, Dv) or v.stride(3) != 1)
             or k.stride(3) != 1 or k.dtype is not dtype or v.dtype is not dtype or not k.is_cpu or not v.is_cpu
             or k.requires_grad or v.requires_grad or type(n) is not torch.Tensor or n.dim() != 0 or not n.is_cpu
             or n.dtype is not torch.int64):

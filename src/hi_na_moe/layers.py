@@ -26,14 +26,19 @@ does not call: a forward hook or pre-hook on them (transformers' output-capturin
 while they capture), a global module hook, a dispatch or function mode, torch.compile tracing,
 or a forward replaced after enable.
 
-When every part is on a runner the native calls take (not for latent attention: the native calls
-know no latent cache), the step is two native calls around the
+When every part is on a runner the native calls take, the step is two native calls around the
 cache update instead (layer_decode_pre: input norm, q/k/v, q/k norms, rotary, k and v written into
 the cache's buffers; layer_decode_post: attention, o_proj, residual add and post-attention norm,
 the router's logits (a float32 router on a float32 copy of its input) and selection (with a
 score-correction bias), the experts, a shared expert (gated or not), the last residual add; in a
 dense layer its gated MLP on the native MLP call and the last residual add), and hi_na_moe.stack
-can run all layers' steps in one (plan_args).
+can run all layers' steps in one (plan_args). Latent attention's layers take them too
+(_latent_native): the first call runs the q / kv_a projections' packed group, q_a_layernorm and
+q_b_proj (with a q_lora_rank), the rotary form (hina::rope_latent: DeepSeek-V2's complex product
+where PyTorch's is vectorised, 16 pairs a head or a multiple of them; V3's interleaved pairs;
+rotate_half) and kv_a_layernorm, writing the latent and the rope key into the cache's two buffers,
+and the second runs the absorbed kernel (mla_decode) before o_proj. Where those calls do not give
+the layer's bits its probe falls back to the Python step above.
 
 What it computes is checked before it is patched: on a probe (two rows of random hidden states
 and rotary tables, a DynamicCache holding a few positions) the layer's own forward, itself on
@@ -153,6 +158,7 @@ class NativeLayer:
         self.native = native_module()[0]
         self.ready = False
         self.mla = False  # the attention is latent attention (hi_na_moe.mla)
+        self.step = self.latent_step = None  # what the native calls run (_native_step, _latent_native)
 
     # -- the parts ----------------------------------------------------------------------------
     def _prepare(self) -> bool:
@@ -178,6 +184,7 @@ class NativeLayer:
         self.moe = self._moe_direct(self.mlp)
         self.dense = self._dense_native() if self.moe is None else None
         self.step = None if self.mla else self._native_step()
+        self.latent_step = self._latent_native() if self.mla else None
         self._watch()
         self.ready = self.norm2.n == self.hidden == self.attn.hidden
         return self.ready
@@ -234,6 +241,39 @@ class NativeLayer:
                 return None
         return q[0], o[0], qk, norms[0], norms[1]
 
+    def _latent_native(self):
+        """For latent attention (hi_na_moe.mla): (the packed group of q_proj or q_a_proj and
+        kv_a_proj_with_mqa, o_proj's runner, q_b_proj's runner or None, q_a_layernorm's NativeNorm or
+        None (both None without q_lora_rank), kv_a_layernorm's NativeNorm, the rotary form's code in
+        mla.ROPES) for the two native calls, or None when a part is not on a runner they can call:
+        the two projections one group of two on the dense kernels, q_b_proj and o_proj alone on
+        them, the norms on the norm kernel."""
+        from .mla import ROPES
+        from .patching import patched_member, patched_runner
+
+        a, at = self.attn_mod, self.attn
+        lora = getattr(a, "q_lora_rank", None) is not None
+        g = patched_member(a.q_a_proj if lora else a.q_proj)
+        kv, o = patched_member(a.kv_a_proj_with_mqa), patched_member(a.o_proj)
+        if (g is None or kv is None or g[0] is not kv[0] or (g[1], kv[1]) != (0, 1) or len(g[0].modules) != 2
+                or o is None or len(o[0].modules) != 1 or g[0].dtype is not at.dtype or o[0].dtype is not at.dtype):
+            return None
+        qb = qa = None
+        if lora:
+            b, qa = patched_member(a.q_b_proj), patched_runner(a.q_a_layernorm)
+            if (b is None or len(b[0].modules) != 1 or b[0].dtype is not at.dtype or not isinstance(qa, NativeNorm)
+                    or qa.n != a.q_lora_rank):
+                return None
+            qb = b[0]
+        kvn = patched_runner(a.kv_a_layernorm)
+        if not isinstance(kvn, NativeNorm) or kvn.n != at.L:
+            return None
+        # the complex form's bits are PyTorch's vectorised complex product's: a head of fewer than
+        # 16 pairs, or not a multiple of 16, leaves pairs to its scalar loop, which contracts an FMA
+        if at.rope == "complex" and (at.Dr // 2) % 16:
+            return None
+        return g[0], o[0], qb, qa, kvn, ROPES.index(at.rope)
+
     def _watch(self) -> None:
         """What _observed compares at every call (Watch): the modules this path does not call
         through __call__ (with a fused shared expert, its modules too), and the links it found
@@ -258,6 +298,9 @@ class NativeLayer:
         params = [(self.ln1._parameters, self.norm1.n), (self.ln2._parameters, self.norm2.n)]
         if self.step is not None and self.step[2]:
             params += [(a.q_norm._parameters, self.step[3].n), (a.k_norm._parameters, self.step[4].n)]
+        if self.latent_step is not None:  # (q_a_layernorm's with q_lora_rank, then kv_a_layernorm's)
+            qa, kv = self.latent_step[3], self.latent_step[4]
+            params += ([] if qa is None else [(a.q_a_layernorm._parameters, qa.n)]) + [(a.kv_a_layernorm._parameters, kv.n)]
         self.params = tuple(params)
 
     def _moe_direct(self, mlp: nn.Module):
@@ -359,7 +402,7 @@ class NativeLayer:
         """The decode step; latent attention (self.mla) takes its position embeddings as `cos`
         (sin None): a complex tensor or a (cos, sin) pair, as the module gets them."""
         B, H = x.shape[0], self.hidden
-        if self.step is not None and B <= NORM_MAX_ROWS:
+        if (self.step is not None or self.latent_step is not None) and B <= NORM_MAX_ROWS:
             out = self._native_fast(x, cos, sin, cache, mask)
             if out is not None:
                 return out
@@ -407,19 +450,31 @@ class NativeLayer:
             weights.append(w)
         return weights
 
-    def _native_fast(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask):
+    def _native_fast(self, x: torch.Tensor, cos, sin: torch.Tensor | None, cache, mask):
         """The step in two native calls around the cache update: with the router's native
         selection (routers.NATIVE_SELECT) the second one also runs the selection, the experts and
         the last residual add (FUSE_EXPERTS; not with a shared expert, run as modules after it),
         else the form runs in PyTorch on the call's logits and the experts' kernel after it; None,
         with nothing run, when a weight is not as the kernels read it (then the per-module path
-        runs)."""
-        qkv, o, qk, qn, kn = self.step
-        at, dt = self.attn, x.dtype
-        weights = self._norm_weights(dt)
+        runs). Latent attention (self.mla) takes its position embeddings as `cos` (sin None)."""
+        weights = self._norm_weights(x.dtype)
         if weights is None:
             return None
-        w1, w2 = weights[0], weights[1]
+        if self.mla:
+            pre = self._latent_pre(x, cos, cache, mask, weights)
+            if pre is None:
+                return None
+        else:
+            pre = self._attention_pre(x, cos, sin, cache, mask, weights)
+        return self._post(x, weights[1], *pre)
+
+    def _attention_pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask, weights) -> tuple:
+        """The first native call (layer_decode_pre) and the cache update of a layer of
+        hi_na_moe.attention: (o_proj's runner, the threads, the attention's arguments to the second
+        call, the tensors they point into)."""
+        qkv, o, qk, qn, kn = self.step
+        at, dt = self.attn, x.dtype
+        w1 = weights[0]
         B, H, D, Hq, Hkv = x.shape[0], self.hidden, at.D, at.Hq, at.Hkv
         es, code = x.element_size(), _DTYPE_CODES[dt]
         nq, nkv = Hq * D, Hkv * D
@@ -451,23 +506,106 @@ class NativeLayer:
             0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
             0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
             width if cos.numel() == B * width else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs,
-            threads, half, interleaved, at.rot)
+            threads, half, interleaved, at.rot, (), 0)
         if slot is not None:
             keys, values = kv_cache.commit(slot)
         else:
             keys, values = (k, v) if cache is None else cache.update(k, v, self.attn_mod.layer_idx)
         m = self.attn_mod
         sinks = at._sink_logits(m)
+        heads = None
         if at.kernel_fits(keys, values, mask, B):
             ks, vs = keys.stride(), values.stride()
-            attn = (qr.data_ptr(), keys.shape[2], keys.data_ptr(), ks[0], ks[1], ks[2], values.data_ptr(), vs[0],
-                    vs[1], vs[2], 0 if mask is None else mask.data_ptr(),
-                    0 if mask is None or mask.shape[0] == 1 else mask.stride(0))
+            attn = dict(q=qr.data_ptr(), S=keys.shape[2], k=keys.data_ptr(), ks0=ks[0], ks1=ks[1], ks2=ks[2],
+                        v=values.data_ptr(), vs0=vs[0], vs1=vs[1], vs2=vs[2],
+                        mask=0 if mask is None else mask.data_ptr(),
+                        mask_bstride=0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
+                        sinks=0 if sinks is None else sinks.data_ptr())
         else:  # SDPA does the attention math (attention.math_kernel); the call then skips its own
             heads = torch.empty(B, 1, nq, dtype=dt)
             at.sdpa(m, qr, keys, values, mask, heads, sinks)
             attn_p = heads.data_ptr()
-            attn = (0,) * 12
+            attn = dict(q=0, S=0, k=0, ks0=0, ks1=0, ks2=0, v=0, vs0=0, vs1=0, vs2=0, mask=0, mask_bstride=0, sinks=0)
+        attn.update(Hq=Hq, Hkv=Hkv, D=D, scale=m.scaling, isa=at.isa, attn_out=attn_p, o_out=o_p)
+        return o, threads, attn, (scratch, qr, keys, values, mask, sinks, heads)
+
+    def _latent_pre(self, x: torch.Tensor, pe, cache, mask, weights) -> tuple | None:
+        """_attention_pre for latent attention (hi_na_moe.mla): the first native call makes the
+        queries and writes the latent and rope key into the cache's buffers, and the second runs
+        the absorbed attention kernel on them; None, with nothing run, when kv_b_proj's weight or
+        the rotary tables are not as the kernels read them."""
+        group, o, q_b, qa, kv, form = self.latent_step
+        at, dt = self.attn, x.dtype
+        w = at._weight()
+        B, H, heads = x.shape[0], self.hidden, at.H
+        Dn, Dr, L, Dv = at.Dn, at.Dr, at.L, at.Dv
+        lora = 0 if q_b is None else qa.n
+        nqf = heads * (Dn + Dr)
+        es, code = x.element_size(), _DTYPE_CODES[dt]
+        if form == 0:  # DeepSeek-V2's complex table: its float32 (re, im) pairs
+            if pe.is_conj():
+                return None
+            tab = torch.view_as_real(pe).contiguous()
+            tab_s, width = tab, Dr
+        else:
+            tab, tab_s = pe[0].contiguous(), pe[1].contiguous()
+            width = Dr
+        threads = group.threads or torch.get_num_threads()
+        nqa = lora or nqf
+        # scratch: h [B, H], the q / kv_a output [B, nqa + L + Dr], q_a normed and q_b's output
+        # [B, lora + nqf], the heads' outputs [B, heads Dv], o_proj's [B, H]
+        sizes = (H, nqa + L + Dr, lora + nqf, heads * Dv, H)
+        scratch = torch.empty(B * sum(sizes) * es, dtype=torch.uint8)
+        ptrs, p = [], scratch.data_ptr()
+        for n in sizes:
+            ptrs.append(p)
+            p += B * n * es
+        h_p, y_p, tmp_p, attn_p, o_p = ptrs
+        q = torch.empty(B, heads, 1, Dn + Dr, dtype=dt)  # the queries, their rope parts rotated
+        q_p = q.data_ptr()
+        idx = self.attn_mod.layer_idx
+        slot = None if cache is None else kv_cache.slot(cache, idx, B, 1, L, dt, Dr)
+        if slot is None:
+            k, v = torch.empty(B, 1, 1, L, dtype=dt), torch.empty(B, 1, 1, Dr, dtype=dt)
+            k_p, v_p, k_bs, v_bs = k.data_ptr(), v.data_ptr(), L, Dr
+        else:
+            at_pos = slot.base + slot.t
+            k_p = slot.k.data_ptr() + at_pos * slot.k.stride(2) * es
+            v_p = slot.v.data_ptr() + at_pos * slot.v.stride(2) * es
+            k_bs, v_bs = slot.k.stride(0), slot.v.stride(0)
+        mla = (form, Dn, Dr, L, lora, q_b.bound if q_b is not None else None,
+               weights[2].data_ptr() if lora else 0, qa.eps if lora else 0.0, weights[-1].data_ptr(), kv.eps)
+        self.native.layer_decode_pre_raw(
+            code, B, H, x.data_ptr(), weights[0].data_ptr(), self.norm1.eps, group.bound, heads, 1, Dn + Dr, 0, 0, 0,
+            0.0, 0.0, tab.data_ptr(), tab_s.data_ptr(), width if tab.numel() == B * width else 0, h_p, y_p, tmp_p,
+            q_p, k_p, v_p, k_bs, 0, threads, False, False, 0, mla, v_bs)
+        if slot is not None:
+            latent, k_pe = kv_cache.commit(slot)
+        else:
+            latent, k_pe = (k, v) if cache is None else cache.update(k, v, idx)
+        q_nope, q_pe = q[..., :Dn], q[..., Dn:]
+        m = self.attn_mod
+        if at._kernel_fits(q_nope, q_pe, latent, k_pe, mask, B):
+            ls, ks = latent.stride(), k_pe.stride()
+            attn = dict(q=q_p, S=latent.shape[2], mask=0 if mask is None else mask.data_ptr(),
+                        mask_bstride=0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
+                        mla=(w.data_ptr(), Dn, Dr, L, Dv, latent.data_ptr(), ls[0], ls[2], k_pe.data_ptr(), ks[0], ks[2]))
+        else:  # the kernel's computation in PyTorch ops (NativeMLA._absorbed_torch)
+            heads_out = torch.empty(B, 1, heads * Dv, dtype=dt)
+            at._absorbed_torch(q_nope, q_pe, w, latent, k_pe, mask, m.scaling, heads_out)
+            attn_p = heads_out.data_ptr()
+            attn = dict(q=0, S=0, mask=0, mask_bstride=0)
+            scratch = (scratch, heads_out)
+        attn.update(k=0, ks0=0, ks1=0, ks2=0, v=0, vs0=0, vs1=0, vs2=0, sinks=0, Hq=heads, Hkv=1, D=Dn + Dr,
+                    scale=m.scaling, isa=at.isa, attn_out=attn_p, o_out=o_p)
+        return o, threads, attn, (scratch, q, w, tab, tab_s, latent, k_pe, mask)
+
+    def _post(self, x: torch.Tensor, w2: torch.Tensor, o, threads: int, attn: dict, keep: tuple) -> torch.Tensor:
+        """The second native call (layer_decode_post) after _attention_pre or _latent_pre: the
+        attention, o_proj, the residual add and norm, and what of the MLP block it can run."""
+        dt = x.dtype
+        B, H = x.shape[0], self.hidden
+        es, code = x.element_size(), _DTYPE_CODES[dt]
         moe = self.moe
         router = moe.router if moe is not None else None
         use_router, bias = self._router_ready(moe, dt, B) if router is not None else (False, None)
@@ -482,13 +620,14 @@ class NativeLayer:
                 extra.update(router_dtype=_DTYPE_CODES[router.dtype], router_in=router_in.data_ptr())
         else:
             logits = None
-        chosen, select, fused = None, (), None
+        chosen, fused = None, None
         if use_router and router.select is not None and routers.NATIVE_SELECT:
             form, k, renorm = router.select[:3]
             wdt = router.weights_dtype(dt)
             extra.update(router.select_settings(bias))
             chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
-            select = (form, router.experts, k, renorm, _DTYPE_CODES[wdt], chosen[0].data_ptr(), chosen[1].data_ptr())
+            extra.update(sel_form=form, sel_E=router.experts, sel_k=k, sel_renorm=renorm,
+                         sel_w_dtype=_DTYPE_CODES[wdt], sel_w=chosen[0].data_ptr(), sel_idx=chosen[1].data_ptr())
             # the experts, a shared expert (on the native MLP call, with its gate if any) and the
             # last residual add in the same call; a shared expert not on them runs as modules after it
             shared = self._shared_args(moe, dt, B) if moe.shared else ()
@@ -496,13 +635,15 @@ class NativeLayer:
                      else moe.experts.bound_for(dt, H, B * k))
             if fused is not None:
                 eo = torch.empty_like(x)
-                select += (fused[0], fused[1], eo.data_ptr())
+                extra.update(experts=fused[0], experts_threads=fused[1], experts_out=eo.data_ptr())
                 if shared:
                     inter = shared[2]
                     sc = torch.empty(B * (3 * inter + H + 32) * es, dtype=torch.uint8)
                     p = sc.data_ptr()
-                    select += (shared[0], shared[1], inter, shared[3] if len(shared) == 4 else None,
-                               p, p + 2 * B * inter * es, p + 3 * B * inter * es, p + (3 * inter + H) * B * es)
+                    extra.update(shared_gu=shared[0], shared_down=shared[1], shared_I=inter,
+                                 shared_gate=shared[3] if len(shared) == 4 else None, shared_scratch_gu=p,
+                                 shared_scratch_m=p + 2 * B * inter * es, shared_out=p + 3 * B * inter * es,
+                                 shared_logit=p + (3 * inter + H) * B * es)
         dense = self._dense_args(dt, B) if moe is None else None
         if dense is not None:  # a dense layer's MLP and last residual add in the call
             gu, down, inter = dense
@@ -512,11 +653,9 @@ class NativeLayer:
                          mlp_out=p + 3 * B * inter * es)
         s, n2 = torch.empty_like(x), torch.empty_like(x)
         name = self.native.layer_decode_post_raw(
-            code, B, H, attn[0], Hq, Hkv, attn[1], D, attn[2], attn[3], attn[4], attn[5], attn[6], attn[7], attn[8],
-            attn[9], m.scaling, attn[10], attn[11], at.isa, attn_p, o.bound, o_p, x.data_ptr(), w2.data_ptr(),
-            self.norm2.eps, s.data_ptr(), n2.data_ptr(), router.bound if use_router else None,
-            0 if logits is None else logits.data_ptr(), threads, *select,
-            sinks=0 if sinks is None or not attn[0] else sinks.data_ptr(), **extra)
+            dtype=code, B=B, H=H, o=o.bound, x=x.data_ptr(), ln2_w=w2.data_ptr(), ln2_eps=self.norm2.eps,
+            sum=s.data_ptr(), normed=n2.data_ptr(), router=router.bound if use_router else None,
+            logits=0 if logits is None else logits.data_ptr(), num_threads=threads, **attn, **extra)
         if fused is not None:
             _LAST_KERNEL[moe.experts.handle] = name
             return s
@@ -551,10 +690,12 @@ class NativeLayer:
         report), or None when it can, subject to what plan_args checks at each step."""
         moe = self.moe
         if self.mla:
-            return "its latent attention (MLA) runs as a native call of its own (not in the layer's native calls)"
-        if self.step is None:
+            if self.latent_step is None:
+                return ("its latent attention (MLA) runs in the layer's Python step: its projections or norms are not "
+                        "on the runners the native calls take, or its rotary form is one they do not reproduce")
+        elif self.step is None:
             return "its q/k/v or o_proj are not on the runners the native calls take"
-        if not self.attn.kernel:
+        elif not self.attn.kernel:
             return f"no native attention kernel at tier {self.attn.isa} (PyTorch's SDPA does the math)"
         if moe is None:
             if self.dense is not None:
@@ -586,15 +727,28 @@ class NativeLayer:
         if weights is None:
             return None
         ptrs = [w.data_ptr() for w in weights]
-        qkv, o, qk, qn, kn = self.step
         at = self.attn
-        sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
-        args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=qkv.bound,
-                    Hq=at.Hq, Hkv=at.Hkv, D=at.D, qk_norm=qk, qn_w=ptrs[2] if qk else 0, kn_w=ptrs[3] if qk else 0,
-                    qn_eps=qn.eps if qk else 0.0, kn_eps=kn.eps if qk else 0.0, scale=self.attn_mod.scaling,
-                    isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
-                    num_threads=qkv.threads or torch.get_num_threads(), sinks=0 if sinks is None else sinks.data_ptr(),
-                    half_table=at.half_table, interleaved_f32=at.rope == "interleaved_f32", rot=at.rot)
+        if self.mla:
+            group, o, q_b, qa, kv, form = self.latent_step
+            lora = 0 if q_b is None else qa.n
+            w = at._weight()  # kept by the attention runner while kv_b_proj's forward stays
+            args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=group.bound,
+                        Hq=at.H, Hkv=1, D=at.Dn + at.Dr, qk_norm=0, qn_w=0, kn_w=0, qn_eps=0.0, kn_eps=0.0,
+                        scale=self.attn_mod.scaling, isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
+                        num_threads=group.threads or torch.get_num_threads(),
+                        mla=(form, at.Dn, at.Dr, at.L, lora, None if q_b is None else q_b.bound,
+                             ptrs[2] if lora else 0, qa.eps if lora else 0.0, ptrs[-1], kv.eps),
+                        mla_w=w.data_ptr(), mla_Dv=at.Dv)
+        else:
+            qkv, o, qk, qn, kn = self.step
+            sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
+            args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=qkv.bound,
+                        Hq=at.Hq, Hkv=at.Hkv, D=at.D, qk_norm=qk, qn_w=ptrs[2] if qk else 0, kn_w=ptrs[3] if qk else 0,
+                        qn_eps=qn.eps if qk else 0.0, kn_eps=kn.eps if qk else 0.0, scale=self.attn_mod.scaling,
+                        isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
+                        num_threads=qkv.threads or torch.get_num_threads(),
+                        sinks=0 if sinks is None else sinks.data_ptr(), half_table=at.half_table,
+                        interleaved_f32=at.rope == "interleaved_f32", rot=at.rot)
         if moe is None:  # a dense layer
             dense = self._dense_args(dt, B)
             return None if dense is None else {**args, "mlp": dense}
@@ -647,6 +801,11 @@ class NativeLayer:
             return False
         if self._probe():
             return True
+        if self.latent_step is not None:  # latent attention in the layer's step in Python instead
+            self.latent_step = None
+            self._watch()
+            if self._probe():
+                return True
         if self.moe is None:
             return False
         if self.moe.shared_native is not None:  # the shared expert as modules after the call

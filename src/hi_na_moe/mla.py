@@ -15,7 +15,9 @@ module's own PyTorch ops (a few small tensors), the cache update (in place for a
 hi_na_moe.kv_cache), one native call for the attention with kv_b_proj absorbed
 (hina::mla_decode: the query goes into the latent space once, the scores and the weighted sum
 run over the cached latent rows, the result comes out through kv_b_proj's value rows; float32
-math, one rounding), and the module's own o_proj. kv_b_proj's weight is read where the module
+math, one rounding), and the module's own o_proj. (A decoder layer whose parts are all on native
+runners runs all of this in its two native calls instead, and the decoder stack every layer's in
+one: hi_na_moe.layers, hi_na_moe.stack.) kv_b_proj's weight is read where the module
 keeps it; when scope="all" packed it (its own weight released), what its packed forward computes
 is made dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values; the report's
 latent attention line gives the bytes). Prefill calls of bfloat16 models (several new tokens; no

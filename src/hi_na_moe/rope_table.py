@@ -71,10 +71,11 @@ class RopeTable:
             return f"its rope type {rope_type!r} may rewrite its frequencies as the sequence grows"
         return None
 
-    def lookup(self, x: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def lookup(self, x: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(cos, sin) [1, 1, D] of `position` as module(x, [[position]]) returns them (in the
-        dtype it returns: x's, or float32 as ERNIE 4.5's keeps them), or None
-        when the table cannot give them (then call the module)."""
+        dtype it returns: x's, or float32 as ERNIE 4.5's keeps them; a module returning one complex
+        tensor, as DeepSeek-V2's: (that tensor's row, None)), or None when the table cannot give
+        them (then call the module)."""
         if not self.usable():
             return None
         key = self._key(x.dtype)
@@ -87,22 +88,29 @@ class RopeTable:
                 rows *= 2
             if rows > MAX_ROWS or not self._build(x, rows, key, position):
                 return None
-        return self.cos.narrow(1, position, 1), self.sin.narrow(1, position, 1)
+        return self.cos.narrow(1, position, 1), None if self.sin is None else self.sin.narrow(1, position, 1)
 
     def _build(self, x: torch.Tensor, rows: int, key, position: int) -> bool:
         m = self.module
         self.cos = self.sin = self.key = None
         with torch.no_grad():
             proto = x.new_empty((1, 1, 1))
-            cos, sin = m(proto, torch.arange(rows).unsqueeze(0))
-            if (type(cos) is not torch.Tensor or type(sin) is not torch.Tensor or cos.dim() != 3
-                    or cos.shape[:2] != (1, rows) or sin.shape != cos.shape or sin.dtype is not cos.dtype
-                    or not cos.is_floating_point() or not cos.is_contiguous() or not sin.is_contiguous()):
-                self.broken = "the rotary module's output is not a pair of [1, positions, D] tensors"
+
+            def pair(out):  # (cos, sin), or (the complex tensor, None)
+                return (out, None) if type(out) is torch.Tensor and out.is_complex() else out
+
+            cos, sin = pair(m(proto, torch.arange(rows).unsqueeze(0)))
+            if (type(cos) is not torch.Tensor or cos.dim() != 3 or cos.shape[:2] != (1, rows)
+                    or not cos.is_contiguous() or not (cos.is_complex() if sin is None else (
+                        type(sin) is torch.Tensor and sin.shape == cos.shape and sin.dtype is cos.dtype
+                        and cos.is_floating_point() and sin.is_contiguous()))):
+                self.broken = ("the rotary module's output is not a pair of [1, positions, D] tensors, or one "
+                               "complex tensor")
                 return False
             for p in sorted({0, rows // 2, rows - 1, position}):
-                c, s = m(proto, torch.tensor([[p]]))
-                if not (_same_bits(c, cos[:, p:p + 1]) and _same_bits(s, sin[:, p:p + 1])):
+                c, s = pair(m(proto, torch.tensor([[p]])))
+                if not (_same_bits(c, cos[:, p:p + 1]) and (s is None if sin is None else (
+                        s is not None and _same_bits(s, sin[:, p:p + 1])))):
                     self.broken = f"its output for position {p} alone differs from its row of the table"
                     return False
         now = self._key(x.dtype)

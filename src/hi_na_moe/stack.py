@@ -8,8 +8,9 @@ measured 3-6 % of an int4 OLMoE step for all of it).
 
 Which stacks: a module whose children are exactly embed_tokens, rotary_emb, layers and norm (the
 *Model under a *ForCausalLM of OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ...), every layer
-patched as a hi_na_moe.layers.NativeLayer by this enable, every layer of full or sliding-window
-attention (layer_types). A layer a window may restrict (_windowed: one typed sliding, every layer
+patched as a hi_na_moe.layers.NativeLayer by this enable (latent attention's included: its rotary
+module's one complex tensor, DeepSeek-V2's, is handed over whole), every layer of full or
+sliding-window attention (layer_types). A layer a window may restrict (_windowed: one typed sliding, every layer
 of a config with a window and no layer_types, as Mixtral's forward masks them) takes decode steps
 here only while none of its keys falls out of the window, so that it needs no mask: its cache
 keeps the window's keys (a DynamicSlidingWindowLayer, as DynamicCache(config=...) and generate
@@ -37,7 +38,8 @@ replaced, a layer in training mode), runs the stack's own forward.
 With a DynamicCache (padding included) or a StaticCache (under the mask over its buffers), when
 every layer's step can run in the native calls with the router's selection and the experts
 inside (NativeLayer.plan_args) and every layer's cache takes the new position in place
-(hi_na_moe.kv_cache: slot, static_slot), the layers run in one native call instead
+(hi_na_moe.kv_cache: slot, static_slot; latent attention's latents and rope keys in their two
+buffers), the layers run in one native call instead
 (decode_layers, through a StepPlan holding each layer's fixed arguments): the same kernels in the
 same order as the loop, so the same bits, with no Python between the layers' weight streams.
 ONE_CALL = False keeps the loop.
@@ -94,9 +96,7 @@ def find_stacks(model: nn.Module, exclude: str, candidates: set[str] | None = No
                 and not _matches(name, exclude)):
             continue
         if candidates is None:
-            # latent attention's layers (NativeLayer.mla) run their own loop: the stack's native
-            # paths know no latent cache
-            ok = all(isinstance(r := patched_runner(layer), NativeLayer) and not r.mla for layer in layers)
+            ok = all(isinstance(patched_runner(layer), NativeLayer) for layer in layers)
         else:
             prefix = f"{name}.layers." if name else "layers."
             ok = all(f"{prefix}{i}" in candidates for i in range(len(layers)))
@@ -337,27 +337,30 @@ class NativeStack:
         if masked:
             mask = self.mask_fn(config=self.config, inputs_embeds=h, attention_mask=mask2d, past_key_values=cache,
                                 position_ids=pos)
-        cos, sin = rope if rope is not None else rotary(h, pos)
+        pe = rope if rope is not None else rotary(h, pos)
+        # (cos, sin), or DeepSeek-V2's one complex tensor, as the layers get it (pe)
+        cos, sin = (pe, None) if type(pe) is torch.Tensor else pe
+        pe = cos if sin is None else (cos, sin)
         at = self.runners[0].attn
         if (type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg()
                 and at._fast_args(self.runners[0].attn_mod, (h,),
-                                  {"position_embeddings": (cos, sin), "attention_mask": mask}) is not None):
+                                  {"position_embeddings": pe, "attention_mask": mask}) is not None):
             out = self._one_call(h, cos, sin, cache, mask) if ONE_CALL else None
             if out is not None:
                 h, normed = out
                 if normed is not None:  # the final norm ran in the call
                     return self.out_type(last_hidden_state=normed, past_key_values=cache)
             else:
-                for r in self.runners:
-                    h = r._fast(h, cos, sin, cache, mask)
+                for r in self.runners:  # (latent attention's layers take the position embeddings whole)
+                    h = r._fast(h, pe, None, cache, mask) if r.mla else r._fast(h, cos, sin, cache, mask)
         else:  # a fallback, for hidden states the short paths do not read (say, another dtype than
             # the layers' after a cast): the layers called as the stack's own loop calls them
             if rope is not None:  # the layers' own code gets copies, not the table's rows
-                cos, sin = cos.clone(), sin.clone()
+                pe = cos.clone() if sin is None else (cos.clone(), sin.clone())
                 pos = (torch.arange(ids.shape[1]) + past).unsqueeze(0)
             for layer in self.layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                          position_embeddings=(cos, sin))
+                          position_embeddings=pe)
         return self.out_type(last_hidden_state=m.norm(h), past_key_values=cache)
 
     def one_call_blocker(self) -> str | None:
@@ -388,20 +391,27 @@ class NativeStack:
             args.append(a)
         slots, kv = [], []
         static = type(cache) is not self._dynamic  # a StaticCache (_args): its buffers, under its mask
+        latent = self.runners[0].mla  # the tables' form: latent attention's, or the others'
         for r in self.runners:
             at = r.attn
+            if r.mla != latent:
+                return None
+            # latent attention's cache: the latents [B, 1, cap, L] as keys, the rope keys as values
+            heads, D, Dv = (1, at.L, at.Dr) if latent else (at.Hkv, at.D, None)
             if static:
-                s = kv_cache.static_slot(cache, r.attn_mod.layer_idx, B, at.Hkv, at.D, dt)
+                s = kv_cache.static_slot(cache, r.attn_mod.layer_idx, B, heads, D, dt, Dv)
                 S = None if s is None or mask is None else s.k.shape[2]
             else:
-                s = kv_cache.slot(cache, r.attn_mod.layer_idx, B, at.Hkv, at.D, dt)
+                s = kv_cache.slot(cache, r.attn_mod.layer_idx, B, heads, D, dt, Dv)
                 S = None if s is None else s.t + 1
-            if (S is None or (at.kernel_keys is not None and S > at.kernel_keys)
+            if (S is None or (not latent and at.kernel_keys is not None and S > at.kernel_keys)
                     or (mask is not None and mask.shape[-1] != S)):
                 return None
-            st, off = s.k.stride(), s.start()  # (a sliding-window layer's view starts later)
+            # (a sliding-window layer's view starts later: Slot.start)
+            st, sv, off = s.k.stride(), s.v.stride(), s.start()
+            voff = off // st[2] * sv[2]
             slots.append(s)
-            kv += (s.k.data_ptr() + off, s.v.data_ptr() + off, st[0], st[1], st[2], S, s.t)
+            kv += (s.k.data_ptr() + off, s.v.data_ptr() + voff, st[0], st[1], st[2], S, s.t, sv[0], sv[2])
         plan = self._plan
         if plan is None or plan[1] != args:
             from .hardware import native_module
@@ -410,9 +420,16 @@ class NativeStack:
             for i, a in enumerate(args):
                 step.set_layer(i, **a)
             plan = self._plan = (step, args)
-        cos, sin = cos.contiguous(), sin.contiguous()
         at = self.runners[0].attn
-        width = at.table_width()  # a row of the tables (half: GPT-OSS's)
+        if latent:  # rope_latent's tables: the complex form's float32 (re, im) pairs, else rows of Dr
+            if sin is None:
+                if cos.is_conj():
+                    return None
+                cos = sin = torch.view_as_real(cos)
+            width = at.Dr
+        else:
+            width = at.table_width()  # a row of the tables (half: GPT-OSS's)
+        cos, sin = cos.contiguous(), sin.contiguous()
         kv = array("q", kv)
         scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
         out = torch.empty_like(h)

@@ -342,6 +342,21 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
 void rope_interleaved_f32(DType dt, const void* x, int64_t B, int64_t heads, int64_t D, const float* cos,
                           const float* sin, int64_t table_bstride, void* out, int num_threads);
 
+// Rotary embedding of latent attention's rope dims (hi_na_moe.mla) for one position: `heads`
+// rows of D values (D even) at x + h * x_hstride elements into out + h * out_hstride (out may
+// not overlap x), each product and sum rounded as the module's PyTorch ops round them:
+//   kComplex (DeepSeek-V2: x.float() viewed as complex pairs times a complex64 table, then
+//     .type_as(x)): tab holds D/2 float32 (re, im) pairs (sin unused); for pair i, (c, s) = tab[i],
+//     out[2i] = dt(f32(x0 c) - f32(x1 s)), out[2i+1] = dt(f32(x0 s) + f32(x1 c)) (no FMA, as
+//     PyTorch's vectorised complex product; its scalar loop, which runs at under 8 pairs, contracts one);
+//   kInterleaved (DeepSeek-V3's rope_interleave: the pairs de-interleaved, then rotate_half): tab
+//     and sin rows of D values in dtype, c, s their first D/2; out[i] = r(r(x0 c_i) - r(x1 s_i)),
+//     out[D/2 + i] = r(r(x1 c_i) + r(x0 s_i)), r rounding to the dtype;
+//   kRotateHalf: rope_rotate_half's bits (tab: cos).
+enum class LatentRope : int { kNone = -1, kComplex = 0, kInterleaved = 1, kRotateHalf = 2 };
+void rope_latent(DType dt, LatentRope form, const void* x, int64_t heads, int64_t x_hstride, int64_t D,
+                 const void* tab, const void* sin, void* out, int64_t out_hstride);
+
 // Attention of one query per (batch, head) over S cached keys/values (see csrc/moe/attention_impl.h).
 struct AttnDecodeArgs {
   DType dtype;
@@ -529,6 +544,26 @@ struct LayerPreArgs {
   // float32 values
   bool interleaved_f32 = false;
   int64_t rot = 0;  // rope_rotate_half's rotary dims (0: D)
+  // Latent attention (hi_na_moe.mla: DeepSeek-V2/V3's MLA) when mla.rope is not kNone. Then Hq
+  // is its heads (Hkv, D, qk_norm, qk_tmp's size above unused) and the step is, per row:
+  //   h = rms_norm(x); [qa | c | kr] = qkv.linear(h) (qkv: the packed group of q_proj, or q_a_proj,
+  //   and kv_a_proj_with_mqa: [B, H] -> [B, nqa + L + Dr], nqa = q_lora or Hq (Dn + Dr));
+  //   with q_lora > 0: qf = q_b.linear(rms_norm(qa, qa_w)), else qf = qa (each head Dn + Dr values);
+  //   q [B, Hq, Dn + Dr] = qf with each head's last Dr values rotated (rope_latent, form mla.rope;
+  //   cos as rope_latent's tab: float32 pairs for kComplex, cos_bstride then counting float32
+  //   values); k + b * kv_bstride: rms_norm(c, kv_w) (the latent cache's slot of row b, L values);
+  //   v + b * v_bstride: kr rotated (the rope key's slot, Dr values).
+  // qk_tmp: scratch [B, q_lora + Hq (Dn + Dr)].
+  struct Latent {
+    LatentRope rope = LatentRope::kNone;
+    int64_t Dn = 0, Dr = 0, L = 0, q_lora = 0, v_bstride = 0;
+    const PackedExperts* q_b = nullptr;  // with q_lora: [B, q_lora] -> [B, Hq (Dn + Dr)]
+    MoeParams q_b_params;
+    const void* qa_w = nullptr;
+    float qa_eps = 0.f;
+    const void* kv_w = nullptr;
+    float kv_eps = 0.f;
+  } mla;
 };
 void layer_decode_pre(const LayerPreArgs& a, int num_threads);
 
@@ -581,6 +616,9 @@ struct LayerPostArgs {
   void* router_in = nullptr;
   // a dense layer: its gated MLP (dtype, B and x set here; gu, m and out: scratch), no router
   GatedMlpArgs mlp{};
+  // latent attention: with mla.w set, mla_decode(mla) runs instead of attention_decode(attn), its
+  // out set here to attn.out ([B, H Dv]; attn's other fields unused)
+  MlaDecodeArgs mla{};
 };
 // Returns the name of the experts' kernel that ran (forward()'s), or null when none ran.
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
@@ -599,9 +637,12 @@ struct DecodeLayer {
 // strides (the last dimension contiguous); this step writes position pos and the attention reads
 // positions [0, S) (hi_na_moe.kv_cache: a DynamicCache's slot, pos = S - 1; a StaticCache's
 // buffers, S = their capacity and the mask hiding what is not written yet).
+// A latent attention layer's: k the latent cache [B, 1, capacity, L], v the rope keys' [B, 1,
+// capacity, Dr] with their own strides v_bstride, v_sstride (for other layers these equal k's).
 struct DecodeKV {
   int64_t k, v;  // addresses
   int64_t bstride, hstride, sstride, S, pos;
+  int64_t v_bstride, v_sstride;
 };
 // A decode step through L decoder layers, one after the other, as L pairs of layer_decode_pre and
 // layer_decode_post (with the experts) compute them: the same kernels on the same values, so
