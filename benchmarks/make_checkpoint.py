@@ -28,7 +28,8 @@ Shapes: olmoe-1b-7b (OLMoE-1B-7B), qwen3-30b-a3b (Qwen3-30B-A3B), qwen1.5-moe-a2
 (ERNIE-4.5-21B-A3B: a dense first layer, shared experts, a float32 router, interleaved rotary),
 glm-4.5-air (GLM-4.5-Air: a dense first layer, a shared expert, DeepSeek-V3's sigmoid router with a
 correction bias, partial rotary), deepseek-v2-lite (DeepSeek-V2-Lite: a dense first layer, shared
-experts, DeepSeek-V2's softmax router, multi-head latent attention).
+experts, DeepSeek-V2's softmax router, multi-head latent attention), deepseek-v2-lite-qlora (the
+same with DeepSeek-V2's q LoRA, for llama.cpp, which takes fewer layers of the Lite form only so).
 
 `--verify` loads the result with `AutoModelForCausalLM.from_pretrained` (the whole model in
 RAM: use it on small `--layers`), fails on missing/unexpected/mismatched keys, checks a few
@@ -247,6 +248,11 @@ SHAPES: dict[str, dict] = {
         eos_token_id=100001,
     ),
 }
+# DeepSeek-V2-Lite with DeepSeek-V2's q LoRA (q_a_proj to rank 1536, q_a_layernorm, q_b_proj)
+# instead of its q_proj: the llama.cpp that llama-cpp-python 0.3.36 vendors reads a deepseek2
+# GGUF without q LoRA only at 26 or 27 layers (its test for the Lite models), so a slice of
+# fewer layers is compared with llama.cpp in this form
+SHAPES["deepseek-v2-lite-qlora"] = dict(SHAPES["deepseek-v2-lite"], q_lora_rank=1536)
 
 ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",

@@ -9,7 +9,9 @@ PyPI `gguf` package; no torch, no transformers.
 
 What is written:
 - Architecture "olmoe" for OlmoeForCausalLM checkpoints, "qwen3moe" for Qwen3MoeForCausalLM,
-  "qwen2moe" for Qwen2MoeForCausalLM (Qwen1.5-MoE); tensor names from gguf's TensorNameMap,
+  "qwen2moe" for Qwen2MoeForCausalLM (Qwen1.5-MoE), "deepseek2" for DeepseekV2ForCausalLM
+  (kv_b_proj split into attn_k_b, each head's key rows transposed, and attn_v_b, as llama.cpp's
+  MLA path loads them; its MQA-over-the-latent lengths, YaRN, shared experts); tensor names from gguf's TensorNameMap,
   hyper-parameters under the keys GGUFWriter's helpers define (block_count, context/embedding/
   feed_forward length, head counts, rope base, rms eps, expert count/used, key/value length;
   expert_feed_forward_length for qwen3moe/qwen2moe, expert_shared_feed_forward_length for
@@ -56,7 +58,9 @@ ARCHS = {
     "OlmoeForCausalLM": gguf.MODEL_ARCH.OLMOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
     "Qwen2MoeForCausalLM": gguf.MODEL_ARCH.QWEN2MOE,
+    "DeepseekV2ForCausalLM": gguf.MODEL_ARCH.DEEPSEEK2,
 }
+KV_B_RE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.kv_b_proj\.weight$")
 # Matrices llama.cpp's converter never quantises: the router and qwen2moe's shared-expert gate
 # (one output row; a product with it decides a whole branch's weight).
 KEEP_F32 = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP)
@@ -115,6 +119,9 @@ class Planned:
     sources: list[Source]  # one, or one per expert (stacked on a new first axis)
     shape: tuple[int, ...]  # numpy order (GGUF stores it reversed)
     qtype: QT
+    # the whole (small) source array -> the tensor to write, in the source's element type (raw
+    # bf16 bits move as they are): deepseek2's kv_b_proj split into k_b and v_b
+    view: object = None
 
     @property
     def nbytes(self) -> int:
@@ -125,14 +132,37 @@ class Planned:
         return int(np.prod(gguf.quant_shape_to_byte_shape(self.shape, self.qtype)))
 
 
-def plan_tensors(sources: dict[str, Source], arch, n_layers: int, qtype: QT) -> list[Planned]:
+def split_kv_b(src: Source, heads: int, nope: int, v_dim: int) -> list[tuple[str, tuple[int, ...], object]]:
+    """deepseek2's kv_b_proj [heads (nope + v_dim), L] as llama.cpp's MLA path reads it (its own
+    converter's split): k_b [heads, L, nope] (each head's key rows, transposed) and v_b [heads,
+    v_dim, L]."""
+    rows, L = src.shape
+    if rows != heads * (nope + v_dim):
+        raise ValueError(f"kv_b_proj {src.shape}: expected {heads} x ({nope} + {v_dim}) rows")
+
+    def k_b(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(heads, nope + v_dim, L)[:, :nope].transpose(0, 2, 1))
+
+    def v_b(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(heads, nope + v_dim, L)[:, nope:])
+
+    return [("k_b_proj", (heads, L, nope), k_b), ("v_b_proj", (heads, v_dim, L), v_b)]
+
+
+def plan_tensors(sources: dict[str, Source], arch, n_layers: int, qtype: QT, cfg: dict | None = None) -> list[Planned]:
     tmap = gguf.get_tensor_name_map(arch, n_layers)
     experts: dict[tuple[str, str], dict[int, Source]] = {}
     plain: list[tuple[str, Source]] = []
+    views: list[tuple[str, Source, tuple[int, ...], object]] = []
     for name, src in sources.items():
         m = EXPERT_RE.match(name)
+        kv = KV_B_RE.match(name) if arch == gguf.MODEL_ARCH.DEEPSEEK2 else None
         if m:
             experts.setdefault((m.group(1), m.group(4)), {})[int(m.group(3))] = src
+        elif kv:
+            for part, shape, fn in split_kv_b(src, cfg["num_attention_heads"], cfg["qk_nope_head_dim"],
+                                              cfg["v_head_dim"]):
+                views.append((f"{kv.group(1)}.{part}.weight", src, shape, fn))
         else:
             plain.append((name, src))
     merged = []
@@ -155,6 +185,11 @@ def plan_tensors(sources: dict[str, Source], arch, n_layers: int, qtype: QT) -> 
         else:
             t = qtype
         plan.append(Planned(name, srcs, shape, t))
+    for hf_name, src, shape, fn in views:
+        found = tmap.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if found is None:
+            raise ValueError(f"no GGUF name for {hf_name} in arch {arch.name}")
+        plan.append(Planned(found[1], [src], shape, qtype, fn))
 
     def order(p: Planned):
         m = re.match(r"blk\.(\d+)\.", p.name)
@@ -181,6 +216,8 @@ def convert(p: Planned, bar) -> np.ndarray:
     out = np.empty(out_shape, dtype=out_dtype)
     for e, src in enumerate(p.sources):
         arr = src.map()
+        if p.view is not None:
+            arr = p.view(np.asarray(arr))
         dst = out[e] if len(p.sources) > 1 else out
         if arr.ndim == 1:
             dst[...] = convert_piece(arr, src.dtype, p.qtype)
@@ -204,17 +241,47 @@ def synthetic_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
+def add_deepseek2(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """deepseek2's own keys: its MLA read as MQA over the latent (one kv head of kv_lora_rank +
+    rope dims, values of kv_lora_rank) and decompressed per head (the *_mla lengths), the dense
+    leading layers, the shared experts, the routed weights' scale, the rotary dims and YaRN."""
+    L, rope_dims = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    w.add_leading_dense_block_count(cfg.get("first_k_dense_replace", 0))
+    if cfg.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(L)
+    w.add_key_length(L + rope_dims)
+    w.add_value_length(L)
+    w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dims)
+    w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_shared_count(cfg.get("n_shared_experts", 0))
+    w.add_expert_weights_scale(float(cfg.get("routed_scaling_factor", 1.0)))
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope_dims)
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("mscale_all_dim") is not None:  # (llama.cpp's converter writes 0.1 x mscale_all_dim)
+            w.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
+
+
 def add_metadata(w: gguf.GGUFWriter, cfg: dict, arch, ftype, name: str) -> None:
     w.add_name(name)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
+    deepseek2 = arch == gguf.MODEL_ARCH.DEEPSEEK2
+    w.add_head_count_kv(1 if deepseek2 else cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
+    w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts"))))
+    if deepseek2:
+        add_deepseek2(w, cfg)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     # olmoe: llama.cpp reads the experts' width from feed_forward_length (OLMoE has no dense
     # MLP); qwen3moe and qwen2moe read it from expert_feed_forward_length, and qwen2moe the
@@ -225,7 +292,7 @@ def add_metadata(w: gguf.GGUFWriter, cfg: dict, arch, ftype, name: str) -> None:
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if "shared_expert_intermediate_size" in cfg:
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if cfg.get("head_dim"):
+    if cfg.get("head_dim") and not deepseek2:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     w.add_file_type(ftype)
@@ -255,13 +322,14 @@ def check(path: Path, plan: list[Planned], n_samples: int = 3) -> None:
     picks = [p for p in plan if p.qtype == QT.F32][:1] + [p for p in plan if p.qtype != QT.F32][:n_samples]
     picks += [p for p in plan if "exps" in p.name][:1]
     # qwen2moe: a shared-expert matrix, its gate and a bias too
-    for want in ("ffn_down_shexp", "ffn_gate_inp_shexp", "attn_q.bias"):
+    # deepseek2: the two halves of kv_b_proj
+    for want in ("ffn_down_shexp", "ffn_gate_inp_shexp", "attn_q.bias", "attn_k_b", "attn_v_b"):
         picks += [p for p in plan if want in p.name and p not in picks][:1]
     for p in picks:
         data = got[p.name].data
         first = data[0] if len(p.sources) > 1 else data
         src = p.sources[0]
-        ref = to_f32(src.map(), src.dtype)
+        ref = to_f32(src.map() if p.view is None else p.view(np.asarray(src.map())), src.dtype)
         if p.qtype == QT.BF16:
             # the reader hands bf16 out as raw bytes
             deq = (np.asarray(first).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -296,7 +364,7 @@ def main(argv=None) -> int:
     out = args.out or args.checkpoint.with_name(f"{args.checkpoint.name}-{args.type}.gguf")
 
     sources = read_checkpoint(args.checkpoint)
-    plan = plan_tensors(sources, arch, cfg["num_hidden_layers"], qtype)
+    plan = plan_tensors(sources, arch, cfg["num_hidden_layers"], qtype, cfg)
     total_out = sum(p.nbytes for p in plan)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
