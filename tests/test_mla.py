@@ -406,13 +406,85 @@ def test_decode_calls_refused_at_runtime_are_counted():
         hi_na_moe.disable_for_model(model)
 
 
-@pytest.mark.parametrize("model_type", ["longcat_flash", "mistral4", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", ["longcat_flash", "deepseek_v32", "glm_moe_dsa"])
 def test_latent_attention_of_other_forms_is_not_taken(model_type):
     """Families whose MLA module adds what a probe at a few positions cannot see (top-k indexers,
-    LoRA scales, a position-dependent query scale) are no candidates."""
+    LoRA scales) are no candidates."""
     model = _tiny(model_type, torch.float32)
     assert _mla_modules(model)
     assert mla.find_mla(model, "") == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_mistral4s_query_scale_is_taken_from_the_calls_positions(dtype, monkeypatch):
+    """Mistral 4 scales its query by a factor of the position (1 below the original context):
+    decode steps past the original context run on the kernel with the module's factor, the logits
+    close to its own forward's at every step, the first layer's cache bit for bit."""
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny("mistral4", dtype)
+        orig = model.config.rope_parameters["original_max_position_embeddings"]
+        twin = copy.deepcopy(model)
+        monkeypatch.setattr(mla, "FAMILIES", frozenset())
+        hi_na_moe.enable_for_model(twin, scope="all")
+        monkeypatch.undo()
+        rep = hi_na_moe.enable_for_model(model, scope="all")
+        names = [n for n, _ in _mla_modules(model)]
+        assert rep.attention_latent == names and rep.layers == []
+        runners = [patched_runner(m) for _, m in _mla_modules(model)]
+        assert all(r.q_scale is not None and not r.prefill for r in runners)
+        counts = [_Count(r) for r in runners]
+        seq = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(6))
+        start = 200 * orig - 3  # far past the original context (a factor of 1.53), crossing a step of it
+
+        def run(m):
+            cache = DynamicCache(config=m.config)
+            pos = torch.arange(start, start + seq.shape[1]).expand(2, -1)
+            def last(o):  # (the tiny Mistral 4 is the bare model: its hidden states)
+                return (o.logits if hasattr(o, "logits") else o.last_hidden_state)[:, -1].float()
+
+            with torch.inference_mode():
+                out = [last(m(seq[:, :5], position_ids=pos[:, :5], past_key_values=cache, use_cache=True))]
+                for i in range(5, seq.shape[1]):
+                    out.append(last(m(seq[:, i:i + 1], position_ids=pos[:, i:i + 1], past_key_values=cache,
+                                      use_cache=True)))
+            return out, cache
+
+        got, got_cache = run(model)
+        want, want_cache = run(twin)
+        assert [c.calls for c in counts] == [seq.shape[1] - 5] * len(counts)
+        a, b = want_cache.layers[0], got_cache.layers[0]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        for g, w in zip(got, want):
+            assert ((g - w).norm() / w.norm()).item() < 2e-2
+        # the factor matters (the tiny model's residual stream hides it, so the module alone): its
+        # own forward at a far position, against the decode path with and without the factor
+        r, m = runners[1], _mla_modules(model)[1][1]
+        gen = torch.Generator().manual_seed(9)
+        h = torch.randn(2, 1, r.hidden, generator=gen).to(dtype)
+        pe = r._tables(r.rope, torch.rand(2, 1, r.Dr // 2, generator=gen) * 6.3)
+        c0 = torch.randn(2, 1, 6, r.L, generator=gen).to(dtype) * 4
+        k0 = torch.randn(2, 1, 6, r.Dr, generator=gen).to(dtype) * 4
+        pos = torch.tensor([[500 * orig], [7]])
+        fn, beta, _ = r.q_scale
+
+        def cache():
+            c = DynamicCache()
+            c.update(c0.clone(), k0.clone(), m.layer_idx)
+            return c
+
+        with torch.no_grad():
+            own = r.original(hidden_states=h, position_embeddings=pe, attention_mask=None, position_ids=pos,
+                             past_key_values=cache())[0].float()
+            scaled = r._decode(m, h, pe, cache(), None, fn(pos, beta, orig).to(dtype))[0].float()
+            plain = r._decode(m, h, pe, cache(), None, None)[0].float()
+        tol = attention._OUT_RTOL[dtype] * own.abs().amax()
+        assert ((scaled - own).abs() <= tol).all() and ((plain[0] - own[0]).abs() > tol).any()
+        assert torch.equal(plain[1], scaled[1])  # (row 1 inside the original context: a factor of 1)
+    finally:
+        dense.MIN_WEIGHTS = old
+        hi_na_moe.disable_for_model(model)
+        hi_na_moe.disable_for_model(twin)
 
 
 def test_the_fallback_computes_what_the_kernel_does():

@@ -31,8 +31,8 @@ NativeAttention's does; other prefill calls are the module's own forward.
 
 Which modules: a class named *Attention of one of the transformers families in FAMILIES, whose
 forward was read to be the form above (others build on it with more: DeepSeek-V3.2's and GLM-5's
-top-k indexers, LongCat's LoRA scales, Mistral 4's position-dependent query scale, which a probe
-at a few positions cannot tell apart), with exactly the children of _PARTS, the integer sizes,
+top-k indexers, LongCat's LoRA scales, which a probe at a few positions cannot tell apart), with
+exactly the children of _PARTS, the integer sizes,
 a float scaling, kv_b_proj without a bias, and the attention implementation "sdpa" or "eager".
 What it computes is checked before it is patched: on a probe (random hidden states and rotary
 angles, a DynamicCache holding a few positions) its own forward and the decode path run side by
@@ -40,6 +40,12 @@ side with each rotary form: DeepSeek-V2's complex multiplication (position_embed
 tensor), V3's interleaved pairs (rope_interleave) and rotate_half. A form is taken when the latent
 and rope key it appends to the cache are the module's bit for bit and its output is within the
 dtype's rounding of the module's (hi_na_moe.attention's tolerance).
+
+Mistral 4 (QUERY_SCALE) multiplies the query by a factor of the position after the rotary
+embedding (Llama 4's attention temperature: 1 below the original context length, growing past
+it). Its decode calls take the factor from their position_ids through the modeling file's own
+function and multiply as the module does, and its probe puts a row past the original context;
+its prefill calls and its decoder layers keep their own forward (which passes the positions).
 """
 
 from __future__ import annotations
@@ -55,7 +61,11 @@ from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, DecodeCalls, _bo
 from .dense import _DTYPE_CODES, _matches
 
 # transformers families whose MLA module's forward is this module's form (read in 5.23)
-FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1"})
+FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "mistral4"})
+# ... and those of them whose query is then multiplied by a scale of the position (Mistral 4's
+# Llama-4-style attention temperature: get_llama_4_attn_scale(position_ids, beta, original max
+# positions) of its modeling file, 1 below the original context)
+QUERY_SCALE = frozenset({"mistral4"})
 ROPES = ("complex", "interleaved", "rotate_half")
 _PARTS = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
                     "kv_b_proj", "o_proj"})
@@ -92,8 +102,25 @@ def find_mla(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
             continue
         if getattr(getattr(m, "config", None), "_attn_implementation", None) not in _IMPLEMENTATIONS:
             continue
+        if _family(m) in QUERY_SCALE and _query_scale(m) is None:
+            continue
         found.append((name, m))
     return found
+
+
+def _query_scale(m: nn.Module):
+    """(the modeling file's get_llama_4_attn_scale, beta, original max positions) of a
+    QUERY_SCALE family's module as its forward reads them, or None."""
+    import sys
+
+    fn = getattr(sys.modules.get(type(m).__module__), "get_llama_4_attn_scale", None)
+    rope = getattr(getattr(m, "config", None), "rope_parameters", None)
+    if not callable(fn) or not isinstance(rope, dict):
+        return None
+    beta, orig = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if type(beta) not in (int, float) or type(orig) is not int or orig <= 0:
+        return None
+    return fn, beta, orig
 
 
 def math_kernel(isa: str) -> str:
@@ -134,6 +161,9 @@ class NativeMLA:
         # prefill calls on the native prefill kernel, once the second probe saw them match
         self.prefill = False
         self.calls = DecodeCalls()
+        # a QUERY_SCALE family's (function, beta, original max positions): the query scaled by
+        # the position's factor before the attention; its calls need their position_ids
+        self.q_scale = _query_scale(m) if _family(m) in QUERY_SCALE else None
 
     # -- kv_b_proj's weight -------------------------------------------------------------------
     def _weight(self) -> torch.Tensor:
@@ -184,11 +214,12 @@ class NativeMLA:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-    def _queries_and_cache(self, m: nn.Module, h: torch.Tensor, pe, cache) -> tuple:
+    def _queries_and_cache(self, m: nn.Module, h: torch.Tensor, pe, cache, qs: torch.Tensor | None = None) -> tuple:
         """(q_nope [B, H, T, Dn], rotated q_rope [B, H, T, Dr], the cache's latents [B, 1, S, L]
         and rope keys [B, 1, S, Dr]) of h [B, T, hidden], as the module makes them: its
         projections and kv_a_layernorm, its rotary form, the new positions appended (in place for
-        one position, kv_cache.append)."""
+        one position, kv_cache.append), and with qs (a QUERY_SCALE family's [B or 1, 1, T, 1] in
+        the dtype) the query times qs, each value rounded as the module's product rounds it."""
         B, T = h.shape[:2]
         H, Dn, Dr, L = self.H, self.Dn, self.Dr, self.L
         q, ckv = self._projections(m, h)
@@ -198,12 +229,15 @@ class NativeMLA:
         q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, T, Dr), pe)
         if cache is not None:
             latent, k_pe = kv_cache.append(cache, m.layer_idx, latent, k_pe)
+        if qs is not None:
+            q_nope, q_pe = q_nope * qs, q_pe * qs
         return q_nope, q_pe, latent, k_pe
 
-    def _decode(self, m: nn.Module, h: torch.Tensor, pe, cache, mask: torch.Tensor | None = None):
-        """(output, None) of a decode step (h [B, 1, hidden])."""
+    def _decode(self, m: nn.Module, h: torch.Tensor, pe, cache, mask: torch.Tensor | None = None,
+                qs: torch.Tensor | None = None):
+        """(output, None) of a decode step (h [B, 1, hidden]; qs: _queries_and_cache's)."""
         B, H, Dn, Dr, L, Dv = h.shape[0], self.H, self.Dn, self.Dr, self.L, self.Dv
-        q_nope, q_pe, latent, k_pe = self._queries_and_cache(m, h, pe, cache)
+        q_nope, q_pe, latent, k_pe = self._queries_and_cache(m, h, pe, cache, qs)
         w = self._weight()
         out = torch.empty(B, 1, H * Dv, dtype=self.dtype)
         if self._kernel_fits(q_nope, q_pe, latent, k_pe, mask, B):
@@ -319,6 +353,18 @@ class NativeMLA:
             return None
         h, pe, mask, cache = got
         B, T = h.shape[:2]
+        if self.q_scale is not None:  # the query's scale from the call's positions, as the module makes it
+            if prefill and T > 1:
+                return None  # (prefill: the module's own forward)
+            i = self.names.index("position_ids") if "position_ids" in self.names else len(args)
+            pos = args[i] if i < len(args) else kwargs.get("position_ids")
+            if type(pos) is not torch.Tensor or pos.dim() != 2 or pos.shape[1] != T or pos.shape[0] not in (1, B):
+                return None
+            fn, beta, orig = self.q_scale
+            qs = fn(pos, beta, orig)
+            if type(qs) is not torch.Tensor or qs.shape != (pos.shape[0], 1, T, 1):
+                return None
+            qs = qs.to(self.dtype)
         half = self.Dr // 2
         if self.rope == "complex":
             tables, width = (pe,), half
@@ -333,7 +379,7 @@ class NativeMLA:
         for t in tables:  # a table a row and position, or one for every row
             if t.numel() not in (B * T * width, T * width) or t.shape[-1] != width or not t.is_cpu:
                 return None
-        return h, pe, cache, mask
+        return (h, pe, cache, mask) if self.q_scale is None else (h, pe, cache, mask, qs)
 
     # -- the probe ----------------------------------------------------------------------------
     def _tables(self, form: str, ang: torch.Tensor):
@@ -368,6 +414,14 @@ class NativeMLA:
             c.update(c0.clone(), k0.clone(), m.layer_idx)
             return c
 
+        # a QUERY_SCALE family: one row past the original context (a scale other than 1)
+        extra, qs = {}, None
+        if self.q_scale is not None:
+            fn, beta, orig = self.q_scale
+            pos = torch.tensor([[3 * orig + 2], [past]])
+            extra = {"position_ids": pos}
+            qs = fn(pos, beta, orig).to(self.dtype)
+
         with torch.no_grad():
             for form in ROPES:
                 self.rope = form
@@ -377,7 +431,7 @@ class NativeMLA:
                     own, ours = cache(), cache()
                     try:
                         want = self.original(hidden_states=h, position_embeddings=pe, attention_mask=mk,
-                                             past_key_values=own)
+                                             past_key_values=own, **extra)
                     except Exception:
                         ok = False
                         break
@@ -387,7 +441,7 @@ class NativeMLA:
                         break
                     try:
                         got, _ = self._decode(m, h, pe, ours, None if mk is None else _bool_of_additive(mk)
-                                              if self.eager else mk)
+                                              if self.eager else mk, qs)
                     except Exception:
                         ok = False
                         break
@@ -398,7 +452,7 @@ class NativeMLA:
                         ok = False
                         break
                 if ok:
-                    self.prefill = (self.dtype is torch.bfloat16
+                    self.prefill = (self.dtype is torch.bfloat16 and self.q_scale is None
                                     and attention.prefill_kernel(self.isa, self.Dn + self.Dr, self.H, self.H)
                                     and self._prefill_matches(gen))
                     return True
