@@ -406,10 +406,10 @@ def test_decode_calls_refused_at_runtime_are_counted():
         hi_na_moe.disable_for_model(model)
 
 
-@pytest.mark.parametrize("model_type", ["longcat_flash", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_latent_attention_of_other_forms_is_not_taken(model_type):
-    """Families whose MLA module adds what a probe at a few positions cannot see (top-k indexers,
-    LoRA scales) are no candidates."""
+    """Families whose MLA module adds what a probe at a few positions cannot see (top-k indexers)
+    are no candidates."""
     model = _tiny(model_type, torch.float32)
     assert _mla_modules(model)
     assert mla.find_mla(model, "") == []
@@ -485,6 +485,23 @@ def test_mistral4s_query_scale_is_taken_from_the_calls_positions(dtype, monkeypa
         dense.MIN_WEIGHTS = old
         hi_na_moe.disable_for_model(model)
         hi_na_moe.disable_for_model(twin)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_longcats_lora_scales_are_applied_as_its_module_applies_them(dtype, monkeypatch):
+    """LongCat-Flash (two *MLA modules a decoder layer) scales the query and the normed latent by
+    fixed factors: the same cache bit for bit and close logits as its own forward; the factors
+    are read from the module at each call."""
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny("longcat_flash", dtype)
+        seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(3))
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6)
+        assert len(runners) == 2 * len(model.model.layers) and all(r.lora_scales for r in runners)
+        m = _mla_modules(model)[0][1]
+        assert m.mla_scale_q_lora != 1.0 and m.mla_scale_kv_lora != 1.0
+    finally:
+        dense.MIN_WEIGHTS = old
 
 
 def test_the_fallback_computes_what_the_kernel_does():

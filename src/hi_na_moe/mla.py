@@ -31,8 +31,8 @@ NativeAttention's does; other prefill calls are the module's own forward.
 
 Which modules: a class named *Attention of one of the transformers families in FAMILIES, whose
 forward was read to be the form above (others build on it with more: DeepSeek-V3.2's and GLM-5's
-top-k indexers, LongCat's LoRA scales, which a probe at a few positions cannot tell apart), with
-exactly the children of _PARTS, the integer sizes,
+top-k indexers, which a probe at a few positions cannot tell apart), with exactly the children
+of _PARTS, the integer sizes,
 a float scaling, kv_b_proj without a bias, and the attention implementation "sdpa" or "eager".
 What it computes is checked before it is patched: on a probe (random hidden states and rotary
 angles, a DynamicCache holding a few positions) its own forward and the decode path run side by
@@ -46,6 +46,9 @@ embedding (Llama 4's attention temperature: 1 below the original context length,
 it). Its decode calls take the factor from their position_ids through the modeling file's own
 function and multiply as the module does, and its probe puts a row past the original context;
 its prefill calls and its decoder layers keep their own forward (which passes the positions).
+LongCat-Flash (LORA_SCALES) multiplies the query, before the rotary embedding, and the normed
+latent by fixed factors (its module's mla_scale_q_lora and mla_scale_kv_lora); both paths
+multiply as it does.
 """
 
 from __future__ import annotations
@@ -61,11 +64,15 @@ from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, DecodeCalls, _bo
 from .dense import _DTYPE_CODES, _matches
 
 # transformers families whose MLA module's forward is this module's form (read in 5.23)
-FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "mistral4"})
+FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "mistral4", "longcat_flash"})
 # ... and those of them whose query is then multiplied by a scale of the position (Mistral 4's
 # Llama-4-style attention temperature: get_llama_4_attn_scale(position_ids, beta, original max
 # positions) of its modeling file, 1 below the original context)
 QUERY_SCALE = frozenset({"mistral4"})
+# ... and those that scale the query (before the rotary embedding) and the normed latent by fixed
+# factors, the module's float attributes mla_scale_q_lora and mla_scale_kv_lora (LongCat-Flash,
+# whose module is named *MLA)
+LORA_SCALES = frozenset({"longcat_flash"})
 ROPES = ("complex", "interleaved", "rotate_half")
 _PARTS = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
                     "kv_b_proj", "o_proj"})
@@ -84,7 +91,12 @@ def find_mla(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
     """(name, module) of the latent attention candidates (see the module docstring)."""
     found = []
     for name, m in model.named_modules():
-        if not type(m).__name__.endswith("Attention") or _family(m) not in FAMILIES or _matches(name, exclude):
+        family = _family(m)
+        if (family not in FAMILIES or _matches(name, exclude)
+                or not type(m).__name__.endswith(("Attention", "MLA") if family in LORA_SCALES else "Attention")):
+            continue
+        if family in LORA_SCALES and not all(type(getattr(m, a, None)) is float
+                                             for a in ("mla_scale_q_lora", "mla_scale_kv_lora")):
             continue
         children = {n for n, _ in m.named_children()}
         if not children <= _PARTS or not {"kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"} <= children:
@@ -164,6 +176,8 @@ class NativeMLA:
         # a QUERY_SCALE family's (function, beta, original max positions): the query scaled by
         # the position's factor before the attention; its calls need their position_ids
         self.q_scale = _query_scale(m) if _family(m) in QUERY_SCALE else None
+        # a LORA_SCALES family's: multiply the query and the normed latent by the module's factors
+        self.lora_scales = _family(m) in LORA_SCALES
 
     # -- kv_b_proj's weight -------------------------------------------------------------------
     def _weight(self) -> torch.Tensor:
@@ -225,7 +239,11 @@ class NativeMLA:
         q, ckv = self._projections(m, h)
         q_nope, q_pe = torch.split(q.view(B, T, H, Dn + Dr).transpose(1, 2), [Dn, Dr], dim=-1)
         latent, k_pe = torch.split(ckv, [L, Dr], dim=-1)
-        latent = m.kv_a_layernorm(latent).view(B, 1, T, L)
+        latent = m.kv_a_layernorm(latent)
+        if self.lora_scales:  # (read at every call, as the module reads them)
+            q_nope, q_pe = q_nope * m.mla_scale_q_lora, q_pe * m.mla_scale_q_lora
+            latent = latent * m.mla_scale_kv_lora
+        latent = latent.view(B, 1, T, L)
         q_pe, k_pe = self._rotate(q_pe, k_pe.view(B, 1, T, Dr), pe)
         if cache is not None:
             latent, k_pe = kv_cache.append(cache, m.layer_idx, latent, k_pe)
