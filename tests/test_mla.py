@@ -166,12 +166,13 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
         own = 0 if layers else seq.shape[1] - prompt
         assert decode_call_counts(model) == {n: (own, 0) for n in names}
         if seq.shape[1] > prompt:  # the latent and rope keys appended in place (hi_na_moe.kv_cache)
-            assert all(kv_cache._SLOTS.get(layer) is not None for layer in got_cache.layers)
-        # the first layer's cache bit for bit (the same inputs); later layers' inputs went through
-        # the attention above them, within rounding
-        # the attention above them, within rounding (padding positions left out: a query attending
-        # nothing gives zeros on the kernels and eager's mean of the values, which no one reads)
-        for i, (a, b) in enumerate(zip(want_cache.layers, got_cache.layers)):
+            assert all(kv_cache._SLOTS.get(got_cache.layers[m.layer_idx]) is not None for _, m in _mla_modules(model))
+        # the first latent attention layer's cache bit for bit (the same inputs); later layers'
+        # inputs went through the attention above them, within rounding (padding positions left
+        # out: a query attending nothing gives zeros on the kernels and eager's mean of the values,
+        # which no one reads). (Kimi-Linear's cache holds its linear-attention layers too.)
+        for i, (_, m) in enumerate(_mla_modules(model)):
+            a, b = want_cache.layers[m.layer_idx], got_cache.layers[m.layer_idx]
             for x, y in ((a.keys, b.keys), (a.values, b.values)):
                 if i == 0:
                     assert torch.equal(x, y)
@@ -199,6 +200,7 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
     ("glm4_moe_lite", {}, None),
     ("youtu", {}, None),
     ("axk1", {}, None),
+    ("minicpm3", {}, "rotate_half"),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overrides, rope, dtype, monkeypatch):
@@ -215,8 +217,13 @@ def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overr
                                                                   runners[0].H, runners[0].H):
             assert all(r.prefill for r in runners)
             assert "with their attention on the native AVX512-BF16 kernel" in str(rep)
-        # every decoder layer on its short path (hi_na_moe.layers), the stack on its loop over them
-        assert rep.layers == [n.rsplit(".", 1)[0] for n in rep.attention_latent] and rep.stacks == ["model"]
+        # every decoder layer on its short path (hi_na_moe.layers), the stack on its loop over them;
+        # MiniCPM3's layers scale their residual branches (scale_depth): their own forward
+        layer_names = [n.rsplit(".", 1)[0] for n in rep.attention_latent]
+        if model_type == "minicpm3":
+            assert rep.layers == [] and rep.layers_differ == layer_names
+        else:
+            assert rep.layers == layer_names and rep.stacks == ["model"]
         assert "latent attention (MLA) modules with decode steps on the native absorbed kernel: 2" in str(rep)
     finally:
         dense.MIN_WEIGHTS = old
@@ -500,6 +507,20 @@ def test_longcats_lora_scales_are_applied_as_its_module_applies_them(dtype, monk
         assert len(runners) == 2 * len(model.model.layers) and all(r.lora_scales for r in runners)
         m = _mla_modules(model)[0][1]
         assert m.mla_scale_q_lora != 1.0 and m.mla_scale_kv_lora != 1.0
+    finally:
+        dense.MIN_WEIGHTS = old
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kimi_linears_mla_without_rotary_embedding_decodes_on_the_kernel(dtype, monkeypatch):
+    """Kimi-Linear's MLA layers (between its linear-attention layers) rotate nothing and take no
+    position embeddings: the form "none", the same cache bit for bit and close logits."""
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny("kimi_linear", dtype)
+        seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(4))
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6)
+        assert runners and {r.rope for r in runners} == {"none"}
     finally:
         dense.MIN_WEIGHTS = old
 

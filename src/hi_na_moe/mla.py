@@ -48,7 +48,8 @@ function and multiply as the module does, and its probe puts a row past the orig
 its prefill calls and its decoder layers keep their own forward (which passes the positions).
 LongCat-Flash (LORA_SCALES) multiplies the query, before the rotary embedding, and the normed
 latent by fixed factors (its module's mla_scale_q_lora and mla_scale_kv_lora); both paths
-multiply as it does.
+multiply as it does. Kimi-Linear's MLA layers (NO_ROPE) rotate nothing: the form "none", the
+query's and key's rope parts as projected. MiniCPM3's module is V3's with rotate_half only.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, DecodeCalls, _bo
 from .dense import _DTYPE_CODES, _matches
 
 # transformers families whose MLA module's forward is this module's form (read in 5.23)
-FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "mistral4", "longcat_flash"})
+FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "mistral4", "longcat_flash",
+                      "minicpm3", "kimi_linear"})
 # ... and those of them whose query is then multiplied by a scale of the position (Mistral 4's
 # Llama-4-style attention temperature: get_llama_4_attn_scale(position_ids, beta, original max
 # positions) of its modeling file, 1 below the original context)
@@ -73,7 +75,10 @@ QUERY_SCALE = frozenset({"mistral4"})
 # factors, the module's float attributes mla_scale_q_lora and mla_scale_kv_lora (LongCat-Flash,
 # whose module is named *MLA)
 LORA_SCALES = frozenset({"longcat_flash"})
-ROPES = ("complex", "interleaved", "rotate_half")
+# ... and those with no rotary embedding at all (Kimi-Linear's NoPE MLA: the rope part of the
+# query and key kept as projected, and no position_embeddings parameter): the form "none"
+NO_ROPE = frozenset({"kimi_linear"})
+ROPES = ("complex", "interleaved", "rotate_half")  # (and "none": NO_ROPE)
 _PARTS = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
                     "kv_b_proj", "o_proj"})
 _SIZES = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim", "layer_idx")
@@ -178,6 +183,7 @@ class NativeMLA:
         self.q_scale = _query_scale(m) if _family(m) in QUERY_SCALE else None
         # a LORA_SCALES family's: multiply the query and the normed latent by the module's factors
         self.lora_scales = _family(m) in LORA_SCALES
+        self.no_rope = _family(m) in NO_ROPE
 
     # -- kv_b_proj's weight -------------------------------------------------------------------
     def _weight(self) -> torch.Tensor:
@@ -213,6 +219,8 @@ class NativeMLA:
     # -- the decode path ----------------------------------------------------------------------
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, pe) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, H, T, Dr] and k [B, 1, T, Dr] through the rotary form, in the ops the module uses."""
+        if self.rope == "none":
+            return q, k
         if self.rope == "complex":
             f = pe.unsqueeze(1)
             xq = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
@@ -384,7 +392,11 @@ class NativeMLA:
                 return None
             qs = qs.to(self.dtype)
         half = self.Dr // 2
-        if self.rope == "complex":
+        if self.rope == "none":  # (no position embeddings: the module takes none)
+            if pe is not None:
+                return None
+            tables, width = (), 0
+        elif self.rope == "complex":
             tables, width = (pe,), half
             if type(pe) is not torch.Tensor or pe.dtype is not torch.complex64:
                 return None
@@ -403,6 +415,8 @@ class NativeMLA:
     def _tables(self, form: str, ang: torch.Tensor):
         """The position embeddings of angles ang [B, 1, Dr / 2] as the form's rotary module hands
         them over."""
+        if form == "none":
+            return None
         if form == "complex":
             return torch.polar(torch.ones_like(ang), ang)
         emb = torch.cat([ang, ang], dim=-1)
@@ -440,16 +454,17 @@ class NativeMLA:
             extra = {"position_ids": pos}
             qs = fn(pos, beta, orig).to(self.dtype)
 
+        original = self._original_for_probe()
         with torch.no_grad():
-            for form in ROPES:
+            for form in ("none",) if self.no_rope else ROPES:
                 self.rope = form
                 pe = self._tables(form, ang)
                 ok = True
                 for mk in cases:
                     own, ours = cache(), cache()
                     try:
-                        want = self.original(hidden_states=h, position_embeddings=pe, attention_mask=mk,
-                                             past_key_values=own, **extra)
+                        want = original(hidden_states=h, position_embeddings=pe, attention_mask=mk,
+                                        past_key_values=own, **extra)
                     except Exception:
                         ok = False
                         break
@@ -485,8 +500,17 @@ class NativeMLA:
         pe = self._tables(self.rope, torch.rand(B, T, self.Dr // 2, generator=gen) * 6.3)
         c0 = torch.randn(B, 1, past, self.L, generator=gen).to(self.dtype)
         k0 = torch.randn(B, 1, past, self.Dr, generator=gen).to(self.dtype)
-        return attention.prefill_probe(self.module, self.original, lambda c, mk: self._prefill(self.module, h, pe, c, mk),
-                                       h, pe, (c0, k0), self.eager, self.eager)
+        return attention.prefill_probe(self.module, self._original_for_probe(),
+                                       lambda c, mk: self._prefill(self.module, h, pe, c, mk), h, pe, (c0, k0),
+                                       self.eager, self.eager)
+
+    def _original_for_probe(self):
+        """The module's own forward as the probes call it (keywords, position_embeddings among
+        them), without position_embeddings for a NO_ROPE family (its forward has no such
+        parameter)."""
+        if not self.no_rope:
+            return self.original
+        return lambda **kw: self.original(**{k: v for k, v in kw.items() if k != "position_embeddings"})
 
     def restore(self) -> None:  # nothing of the module was touched but its forward
         pass
