@@ -1418,6 +1418,203 @@ void test_gated_mlp(const std::vector<Isa>& tiers) {
   }
 }
 
+// A latent attention decoder layer's decode step (LayerPreArgs::mla, LayerPostArgs::mla; dense
+// MLP): layer_decode_pre's outputs against their parts (the q / kv_a group's rows, q_b_proj, the
+// norms, rope_rotate_half for that form and the complex and interleaved products in double), then
+// decode_layers (the stack's one call: its scratch sized by decode_layers_scratch, which ASan
+// checks) against the two calls layer_decode_pre / layer_decode_post, bit for bit, outputs and
+// cache writes.
+void test_latent_layer_step(const std::vector<Isa>& tiers) {
+  if (!selected("latent_layer")) return;
+  std::mt19937 rng(29);
+  const int64_t B = 2, Hd = 64, Hq = 3, Dn = 16, Dr = 32, L = 48, Dv = 16, I = 40, cap = 8, pos = 4;
+  const int64_t hd = Dn + Dr, nqf = Hq * hd;
+  for (DType dt : {DType::kF32, DType::kBF16})
+    for (LatentRope form : {LatentRope::kComplex, LatentRope::kInterleaved, LatentRope::kRotateHalf})
+      for (int64_t lora : {int64_t{0}, int64_t{24}})
+        for (Isa isa : tiers) {
+          const size_t es = dtype_size(dt);
+          const int64_t nqa = lora ? lora : nqf, ny = nqa + L + Dr;
+          const float sc = 1.0f / std::sqrt(float(Hd));
+          const auto x = random_array(dt, B * Hd, 1.0f, rng);
+          const auto ln1 = random_array(dt, Hd, 1.0f, rng), ln2 = random_array(dt, Hd, 1.0f, rng);
+          const auto qa_w = random_array(dt, lora ? lora : 1, 1.0f, rng), kv_w = random_array(dt, L, 1.0f, rng);
+          const auto w_qkv = random_array(dt, ny * Hd, sc, rng);
+          const auto w_qb = random_array(dt, nqf * (lora ? lora : 1), 0.2f, rng);
+          const auto w_o = random_array(dt, Hd * Hq * Dv, 0.2f, rng);
+          const auto w_kvb = random_array(dt, Hq * (Dn + Dv) * L, 0.2f, rng);
+          const auto w_gu = random_array(dt, 2 * I * Hd, sc, rng), w_d = random_array(dt, Hd * I, 0.15f, rng);
+          auto qkv = PackedExperts::pack_linear(dt, ny, Hd, w_qkv.data(), nullptr, isa, 1);
+          auto qb = lora ? PackedExperts::pack_linear(dt, nqf, lora, w_qb.data(), nullptr, isa, 1) : nullptr;
+          auto o = PackedExperts::pack_linear(dt, Hd, Hq * Dv, w_o.data(), nullptr, isa, 1);
+          auto gu = PackedExperts::pack_linear(dt, 2 * I, Hd, w_gu.data(), nullptr, isa, 1);
+          auto down = PackedExperts::pack_linear(dt, Hd, I, w_d.data(), nullptr, isa, 1);
+          // the rotary tables of one position a row: float32 (re, im) pairs, or rows of Dr
+          std::vector<float> pairs(static_cast<size_t>(B * Dr));
+          std::vector<uint8_t> cosv(static_cast<size_t>(B * Dr) * es), sinv(cosv.size());
+          std::uniform_real_distribution<float> ang(0.0f, 6.2f);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t i = 0; i < Dr / 2; ++i) {
+              const float a = ang(rng);
+              pairs[b * Dr + 2 * i] = std::cos(a);
+              pairs[b * Dr + 2 * i + 1] = std::sin(a);
+              for (int64_t j : {i, i + Dr / 2}) {
+                store_elem(dt, cosv.data(), b * Dr + j, std::cos(a));
+                store_elem(dt, sinv.data(), b * Dr + j, std::sin(a));
+              }
+            }
+          const bool cx = form == LatentRope::kComplex;
+          const void* cos = cx ? static_cast<const void*>(pairs.data()) : cosv.data();
+          const void* sin = cx ? static_cast<const void*>(pairs.data()) : sinv.data();
+          // the caches: [B, 1, cap, L] and [B, 1, cap, Dr], positions before pos random
+          const auto lat0 = random_array(dt, B * cap * L, 1.0f, rng), kr0 = random_array(dt, B * cap * Dr, 1.0f, rng);
+          LayerPreArgs pre{};
+          pre.dtype = dt;
+          pre.H = Hd;
+          pre.ln1_w = ln1.data();
+          pre.ln1_eps = 1e-6f;
+          pre.qkv = qkv.get();
+          pre.Hq = Hq;
+          pre.Hkv = 1;
+          pre.D = hd;
+          pre.mla.rope = form;
+          pre.mla.Dn = Dn;
+          pre.mla.Dr = Dr;
+          pre.mla.L = L;
+          pre.mla.q_lora = lora;
+          pre.mla.q_b = qb.get();
+          pre.mla.qa_w = qa_w.data();
+          pre.mla.qa_eps = 1e-6f;
+          pre.mla.kv_w = kv_w.data();
+          pre.mla.kv_eps = 1e-6f;
+          LayerPostArgs post{};
+          post.dtype = dt;
+          post.H = Hd;
+          post.o = o.get();
+          post.ln2_w = ln2.data();
+          post.ln2_eps = 1e-6f;
+          post.mlp.I = I;
+          post.mlp.gate_up = gu.get();
+          post.mlp.down = down.get();
+          MlaDecodeArgs& m = post.mla;
+          m.dtype = dt;
+          m.w = w_kvb.data();
+          m.H = Hq;
+          m.Dn = Dn;
+          m.Dr = Dr;
+          m.L = L;
+          m.Dv = Dv;
+          m.scale = 0.125f;
+          const std::string name = std::string("latent layer step ") + dtype_name(dt) + " form " +
+                                   std::to_string(int(form)) + " q_lora " + std::to_string(lora) + " " + isa_name(isa);
+
+          // the two calls, and layer_decode_pre's outputs against their parts
+          auto lat1 = lat0, kr1 = kr0;
+          std::vector<uint8_t> h(static_cast<size_t>(B * Hd) * es), y(static_cast<size_t>(B * ny) * es),
+              tmp(static_cast<size_t>(B * (lora + nqf)) * es), q(static_cast<size_t>(B * nqf) * es),
+              attn(static_cast<size_t>(B * Hq * Dv) * es), o_out(h.size()), sum1(h.size()), normed(h.size()),
+              mgu(static_cast<size_t>(B * 2 * I) * es), mm(static_cast<size_t>(B * I) * es), mout(h.size());
+          LayerPreArgs p1 = pre;
+          p1.B = B;
+          p1.x = x.data();
+          p1.cos = cos;
+          p1.sin = sin;
+          p1.cos_bstride = Dr;
+          p1.h = h.data();
+          p1.qkv_out = y.data();
+          p1.qk_tmp = tmp.data();
+          p1.q = q.data();
+          p1.k = lat1.data() + static_cast<size_t>(pos * L) * es;
+          p1.v = kr1.data() + static_cast<size_t>(pos * Dr) * es;
+          p1.kv_bstride = cap * L;
+          p1.mla.v_bstride = cap * Dr;
+          layer_decode_pre(p1, 1);
+          // the parts: the group's rows, q_b_proj on the normed q_a, the latent's norm
+          std::vector<uint8_t> h_ref(h.size()), y_ref(y.size()), qf(static_cast<size_t>(B * nqf) * es);
+          MoeParams lp;
+          lp.num_threads = 1;
+          rms_norm(dt, x.data(), B, Hd, ln1.data(), 1e-6f, h_ref.data());
+          qkv->linear(h_ref.data(), B, y_ref.data(), lp);
+          bool ok = y_ref == y;
+          for (int64_t b = 0; b < B; ++b) {
+            const uint8_t* yr = y_ref.data() + static_cast<size_t>(b * ny) * es;
+            std::vector<uint8_t> qrow(static_cast<size_t>(nqf) * es), nl(static_cast<size_t>(L) * es);
+            if (lora) {
+              std::vector<uint8_t> qn(static_cast<size_t>(lora) * es);
+              rms_norm(dt, yr, 1, lora, qa_w.data(), 1e-6f, qn.data());
+              qb->linear(qn.data(), 1, qrow.data(), lp);
+            } else {
+              std::memcpy(qrow.data(), yr, qrow.size());
+            }
+            rms_norm(dt, yr + static_cast<size_t>(nqa) * es, 1, L, kv_w.data(), 1e-6f, nl.data());
+            ok = ok && std::memcmp(nl.data(), lat1.data() + static_cast<size_t>(b * cap * L + pos * L) * es, nl.size()) == 0;
+            const uint8_t* qo = q.data() + static_cast<size_t>(b * nqf) * es;
+            double worst = 0;
+            // one rope part: the query heads' and the key's, against rope_rotate_half or the
+            // product in double (within one rounding to the dtype)
+            auto rope_check = [&](const uint8_t* in, const uint8_t* out) {
+              if (form == LatentRope::kRotateHalf) {
+                std::vector<uint8_t> want(static_cast<size_t>(Dr) * es);
+                rope_rotate_half(dt, in, 1, 1, Dr, cosv.data() + static_cast<size_t>(b * Dr) * es,
+                                 sinv.data() + static_cast<size_t>(b * Dr) * es, want.data());
+                ok = ok && std::memcmp(want.data(), out, want.size()) == 0;
+                return;
+              }
+              for (int64_t i = 0; i < Dr / 2; ++i) {
+                const double x0 = load_elem(dt, in, 2 * i), x1 = load_elem(dt, in, 2 * i + 1);
+                const double c = cx ? pairs[b * Dr + 2 * i] : load_elem(dt, cosv.data(), b * Dr + i);
+                const double s2 = cx ? pairs[b * Dr + 2 * i + 1] : load_elem(dt, sinv.data(), b * Dr + i);
+                const double a = x0 * c - x1 * s2, bb = x0 * s2 + x1 * c;
+                const int64_t ia = cx ? 2 * i : i, ib = cx ? 2 * i + 1 : Dr / 2 + i;
+                worst = std::max({worst, std::fabs(load_elem(dt, out, ia) - a), std::fabs(load_elem(dt, out, ib) - bb)});
+              }
+            };
+            for (int64_t hh = 0; hh < Hq; ++hh) {
+              ok = ok && std::memcmp(qo + static_cast<size_t>(hh * hd) * es, qrow.data() + static_cast<size_t>(hh * hd) * es,
+                                     static_cast<size_t>(Dn) * es) == 0;
+              rope_check(qrow.data() + static_cast<size_t>(hh * hd + Dn) * es, qo + static_cast<size_t>(hh * hd + Dn) * es);
+            }
+            rope_check(yr + static_cast<size_t>(nqa + L) * es, kr1.data() + static_cast<size_t>(b * cap * Dr + pos * Dr) * es);
+            ok = ok && worst <= (dt == DType::kF32 ? 1e-5 : 3.0 / 128);  // values up to ~2: bf16's steps
+          }
+          LayerPostArgs a1 = post;
+          a1.B = B;
+          a1.attn.out = attn.data();
+          a1.o_out = o_out.data();
+          a1.x = x.data();
+          a1.sum = sum1.data();
+          a1.normed = normed.data();
+          a1.mlp.gu = mgu.data();
+          a1.mlp.m = mm.data();
+          a1.mlp.out = mout.data();
+          a1.mla.B = B;
+          a1.mla.S = pos + 1;
+          a1.mla.q_nope = q.data();
+          a1.mla.q_rope = q.data() + static_cast<size_t>(Dn) * es;
+          a1.mla.qn_strides[0] = a1.mla.qr_strides[0] = nqf;
+          a1.mla.qn_strides[1] = a1.mla.qr_strides[1] = hd;
+          a1.mla.latent = lat1.data();
+          a1.mla.c_strides[0] = cap * L;
+          a1.mla.c_strides[1] = L;
+          a1.mla.k_rope = kr1.data();
+          a1.mla.kr_strides[0] = cap * Dr;
+          a1.mla.kr_strides[1] = Dr;
+          layer_decode_post(a1, 1, isa);
+
+          // the stack's one call, two threads, its scratch exactly decode_layers_scratch
+          auto lat2 = lat0, kr2 = kr0;
+          DecodeLayer d{pre, post, 2, isa};
+          DecodeKV kv{static_cast<int64_t>(reinterpret_cast<uintptr_t>(lat2.data())),
+                      static_cast<int64_t>(reinterpret_cast<uintptr_t>(kr2.data())), cap * L, 0, L, pos + 1, pos,
+                      cap * Dr, Dr};
+          std::vector<uint8_t> scratch(decode_layers_scratch(&d, 1, B)), sum2(h.size(), 0xee);
+          const char* names[1] = {nullptr};
+          decode_layers(&d, &kv, 1, B, x.data(), cos, sin, Dr, nullptr, 0, scratch.data(), sum2.data(), names);
+          report(ok && sum2 == sum1 && lat2 == lat1 && kr2 == kr1,
+                 name + ": the first call's parts; one call = the two calls, bit for bit");
+        }
+}
+
 // mla_decode on every tier against the form transformers computes, in double: every head's keys
 // [W_k latent_s, k_rope_s] and values W_v latent_s made explicitly, then softmax attention. Latent
 // and rope keys read through strides of a longer buffer, queries through per-head strides (the
@@ -1812,6 +2009,7 @@ int main(int argc, char** argv) {
   test_gated_mlp(all);
   test_attention_decode(tiers);
   test_mla_decode(tiers);
+  test_latent_layer_step(tiers);
   test_attention_prefill(tiers);
   test_fork_child();
   for (const auto& kv : g_worst)
