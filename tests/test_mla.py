@@ -525,6 +525,20 @@ def test_kimi_linears_mla_without_rotary_embedding_decodes_on_the_kernel(dtype, 
         dense.MIN_WEIGHTS = old
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bailing_hybrids_output_gate_is_applied_as_its_module_applies_it(dtype, monkeypatch):
+    """Bailing-hybrid (Ling 3.0) gates each head's output by sigmoid(g_proj(h)) before o_proj:
+    the same cache bit for bit and close logits, on both the decode and the prefill paths."""
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny("bailing_hybrid", dtype)
+        seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(5))
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6)
+        assert runners and all(r.output_gate for r in runners)
+    finally:
+        dense.MIN_WEIGHTS = old
+
+
 def test_the_fallback_computes_what_the_kernel_does():
     """The absorbed attention in PyTorch ops (for caches handing back tensors the kernel does not
     read) against the kernel."""

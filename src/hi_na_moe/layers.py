@@ -174,9 +174,10 @@ class NativeLayer:
         # latent attention (hi_na_moe.mla): its decode path called straight, the layer's step in
         # Python (no native calls: layer_decode_pre/post know no latent cache)
         self.mla = isinstance(self.attn, NativeMLA) and self.attn.rope is not None
-        if self.mla and (self.attn.q_scale is not None or self.attn.no_rope):
+        if self.mla and (self.attn.q_scale is not None or self.attn.no_rope or self.attn.output_gate):
             # (a query scale needs the call's position_ids, which the layer's own forward passes;
-            # a module without rotary embedding takes no position embeddings)
+            # a module without rotary embedding takes no position embeddings; an output gate is
+            # not in the native calls)
             return False
         if not (isinstance(self.norm1, NativeNorm) and isinstance(self.norm2, NativeNorm)
                 and (isinstance(self.attn, NativeAttention) and self.attn.form is not None or self.mla)):

@@ -50,6 +50,8 @@ LongCat-Flash (LORA_SCALES) multiplies the query, before the rotary embedding, a
 latent by fixed factors (its module's mla_scale_q_lora and mla_scale_kv_lora); both paths
 multiply as it does. Kimi-Linear's MLA layers (NO_ROPE) rotate nothing: the form "none", the
 query's and key's rope parts as projected. MiniCPM3's module is V3's with rotate_half only.
+Bailing-hybrid's (OUTPUT_GATE, Ling 3.0) multiplies each head's output by a sigmoid gate of the
+hidden states (its g_proj) before o_proj; both paths do it in its ops.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from .dense import _DTYPE_CODES, _matches
 
 # transformers families whose MLA module's forward is this module's form (read in 5.23)
 FAMILIES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "mistral4", "longcat_flash",
-                      "minicpm3", "kimi_linear"})
+                      "minicpm3", "kimi_linear", "bailing_hybrid"})
 # ... and those of them whose query is then multiplied by a scale of the position (Mistral 4's
 # Llama-4-style attention temperature: get_llama_4_attn_scale(position_ids, beta, original max
 # positions) of its modeling file, 1 below the original context)
@@ -78,6 +80,9 @@ LORA_SCALES = frozenset({"longcat_flash"})
 # ... and those with no rotary embedding at all (Kimi-Linear's NoPE MLA: the rope part of the
 # query and key kept as projected, and no position_embeddings parameter): the form "none"
 NO_ROPE = frozenset({"kimi_linear"})
+# ... and those whose heads' outputs are multiplied by a sigmoid gate of the hidden states before
+# o_proj: sigmoid(g_proj(h).float()).to(dtype), one value a head (Bailing-hybrid, Ling 3.0)
+OUTPUT_GATE = frozenset({"bailing_hybrid"})
 ROPES = ("complex", "interleaved", "rotate_half")  # (and "none": NO_ROPE)
 _PARTS = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
                     "kv_b_proj", "o_proj"})
@@ -104,6 +109,11 @@ def find_mla(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
                                              for a in ("mla_scale_q_lora", "mla_scale_kv_lora")):
             continue
         children = {n for n, _ in m.named_children()}
+        if family in OUTPUT_GATE:  # (its gate: a Linear of the hidden size to one value a head)
+            g = getattr(m, "g_proj", None)
+            if not isinstance(g, nn.Linear) or g.out_features != getattr(m, "num_heads", None):
+                continue
+            children -= {"g_proj"}
         if not children <= _PARTS or not {"kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"} <= children:
             continue
         if not all(type(getattr(m, a, None)) is int and getattr(m, a) >= 0 for a in _SIZES):
@@ -184,6 +194,7 @@ class NativeMLA:
         # a LORA_SCALES family's: multiply the query and the normed latent by the module's factors
         self.lora_scales = _family(m) in LORA_SCALES
         self.no_rope = _family(m) in NO_ROPE
+        self.output_gate = _family(m) in OUTPUT_GATE
 
     # -- kv_b_proj's weight -------------------------------------------------------------------
     def _weight(self) -> torch.Tensor:
@@ -276,7 +287,7 @@ class NativeMLA:
                 self.threads or torch.get_num_threads(), self.isa)
         else:
             self._absorbed_torch(q_nope, q_pe, w, latent, k_pe, mask, m.scaling, out)
-        return m.o_proj(out), None
+        return m.o_proj(self._gated(m, h, out)), None
 
     def _projections(self, m: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, the compressed key-value projection) of h as the module makes them; in one kernel
@@ -327,7 +338,17 @@ class NativeMLA:
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
                                                scale=m.scaling)
             out.copy_(o.transpose(1, 2))
-        return m.o_proj(out[..., :Dv].reshape(B, T, H * Dv)), None
+        return m.o_proj(self._gated(m, h, out[..., :Dv].reshape(B, T, H * Dv))), None
+
+    def _gated(self, m: nn.Module, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs out [B, T, H Dv] times an OUTPUT_GATE family's gate, in the module's
+        ops (sigmoid of g_proj in float32, rounded to the dtype, then the product, one value a
+        head); out itself for the others."""
+        if not self.output_gate:
+            return out
+        B, T = out.shape[:2]
+        gate = torch.sigmoid(m.g_proj(h).float()).to(h.dtype)
+        return (out.view(B, T, self.H, self.Dv) * gate.unsqueeze(-1)).reshape(B, T, self.H * self.Dv)
 
     def _kernel_fits(self, q_nope, q_pe, latent, k_pe, mask, B: int) -> bool:
         """Whether the kernel reads these tensors (what a cache hands back is checked: another
