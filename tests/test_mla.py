@@ -425,8 +425,9 @@ def test_latent_attention_of_other_forms_is_not_taken(model_type):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_mistral4s_query_scale_is_taken_from_the_calls_positions(dtype, monkeypatch):
     """Mistral 4 scales its query by a factor of the position (1 below the original context):
-    decode steps past the original context run on the kernel with the module's factor, the logits
-    close to its own forward's at every step, the first layer's cache bit for bit."""
+    decode steps past the original context run in the decoder layers' native calls with the
+    module's factor, the logits close to its own forward's at every step, the first layer's cache
+    bit for bit; the factor matters (the module alone, with and without it)."""
     dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
     try:
         model = _tiny("mistral4", dtype)
@@ -437,10 +438,17 @@ def test_mistral4s_query_scale_is_taken_from_the_calls_positions(dtype, monkeypa
         monkeypatch.undo()
         rep = hi_na_moe.enable_for_model(model, scope="all")
         names = [n for n, _ in _mla_modules(model)]
-        assert rep.attention_latent == names and rep.layers == []
+        assert rep.attention_latent == names
         runners = [patched_runner(m) for _, m in _mla_modules(model)]
         assert all(r.q_scale is not None and not r.prefill for r in runners)
+        # the decoder layers' native calls scale the query too, and the stack's one call where it
+        # runs (float32: its router's form, softmax in the model's dtype with V3's group choice,
+        # is native only there)
+        layers = [patched_runner(model.get_submodule(n.rsplit(".", 1)[0])) for n in names]
+        assert all(r is not None and r.latent_step is not None for r in layers) and len(rep.stacks) == 1
         counts = [_Count(r) for r in runners]
+        in_layers = [_Count(r, "_latent_pre") for r in layers]
+        one_calls = _OneCalls([patched_runner(model.get_submodule(n)) for n in rep.stacks])
         seq = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(6))
         start = 200 * orig - 3  # far past the original context (a factor of 1.53), crossing a step of it
 
@@ -459,7 +467,10 @@ def test_mistral4s_query_scale_is_taken_from_the_calls_positions(dtype, monkeypa
 
         got, got_cache = run(model)
         want, want_cache = run(twin)
-        assert [c.calls for c in counts] == [seq.shape[1] - 5] * len(counts)
+        assert [c.calls + one_calls.calls for c in in_layers] == [seq.shape[1] - 5] * len(layers)
+        assert [c.calls for c in counts] == [0] * len(counts)
+        if dtype is torch.float32:
+            assert one_calls.calls == seq.shape[1] - 5
         a, b = want_cache.layers[0], got_cache.layers[0]
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         for g, w in zip(got, want):

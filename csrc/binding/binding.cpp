@@ -549,7 +549,8 @@ static hina::PoolBackend pool_backend_from(const std::string& name) {
 // BoundForward, or None without q_lora), qa_w, qa_eps, kv_w, kv_eps); q_b is kept in `owners`.
 static void latent_pre_args(const char* where, const nb::tuple& t, hina::LayerPreArgs::Latent* m,
                             std::vector<nb::object>* owners) {
-  if (t.size() != 10) bad(std::string(where) + ": mla must be (rope, Dn, Dr, L, q_lora, q_b, qa_w, qa_eps, kv_w, kv_eps)");
+  if (t.size() != 10 && t.size() != 11)
+    bad(std::string(where) + ": mla must be (rope, Dn, Dr, L, q_lora, q_b, qa_w, qa_eps, kv_w, kv_eps[, q_scale])");
   const int rope = nb::cast<int>(t[0]);
   if (rope < 0 || rope > 2) bad(std::string(where) + ": mla's rope form must be 0, 1 or 2");
   m->rope = static_cast<hina::LatentRope>(rope);
@@ -571,6 +572,7 @@ static void latent_pre_args(const char* where, const nb::tuple& t, hina::LayerPr
   m->qa_eps = nb::cast<float>(t[7]);
   m->kv_w = reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[8]));
   m->kv_eps = nb::cast<float>(t[9]);
+  if (t.size() == 11) m->q_scale = reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[10]));
 }
 
 // A decode step through a model's decoder layers in one call (hina::decode_layers), for
@@ -690,7 +692,7 @@ class StepPlan {
   size_t scratch_bytes(int64_t B) const { return hina::decode_layers_scratch(layers_.data(), size(), B); }
   nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t mask,
                int64_t mask_bstride, uintptr_t kv, uintptr_t scratch, uintptr_t out, uintptr_t norm_w, float norm_eps,
-               uintptr_t normed) const {
+               uintptr_t normed, uintptr_t q_scale) const {
     for (const auto& o : owners_)
       if (o.empty()) bad("StepPlan.run: a layer was never set");
     std::vector<const char*> names(layers_.size(), nullptr);
@@ -701,7 +703,7 @@ class StepPlan {
                           reinterpret_cast<const void*>(sin), cos_bstride, reinterpret_cast<const uint8_t*>(mask),
                           mask_bstride, reinterpret_cast<void*>(scratch),
                           reinterpret_cast<void*>(out), names.data(), reinterpret_cast<const void*>(norm_w),
-                          norm_eps, reinterpret_cast<void*>(normed));
+                          norm_eps, reinterpret_cast<void*>(normed), reinterpret_cast<const void*>(q_scale));
     }
     nb::list l;
     for (const char* n : names) l.append(n == nullptr ? nb::none() : nb::object(nb::str(n)));
@@ -1440,7 +1442,8 @@ NB_MODULE(_native, m) {
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),
-           nb::arg("out"), nb::arg("norm_w") = 0, nb::arg("norm_eps") = 0.f, nb::arg("normed") = 0)
+           nb::arg("out"), nb::arg("norm_w") = 0, nb::arg("norm_eps") = 0.f, nb::arg("normed") = 0,
+           nb::arg("q_scale") = 0)
       .def("__len__", &StepPlan::size);
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,

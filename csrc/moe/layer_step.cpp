@@ -48,6 +48,11 @@ void latent_pre(const LayerPreArgs& a, int num_threads) {
     const char* cb = cos + b * a.cos_bstride * tes;
     const char* sb = sin + b * a.cos_bstride * tes;
     rope_latent(a.dtype, m.rope, qr + m.Dn * es, a.Hq, hd, m.Dr, cb, sb, qo + m.Dn * es, hd);
+    if (m.q_scale != nullptr) {  // the whole query times the row's scale, each product rounded
+      const float s = detail::load_elem(a.dtype, m.q_scale, b);
+      for (int64_t i = 0; i < nqf; ++i)
+        detail::store_elem(a.dtype, qo, i, detail::load_elem(a.dtype, qo, i) * s);
+    }
     const char* yr = y + b * n * es;
     rms_norm(a.dtype, yr + nqa * es, 1, m.L, m.kv_w, m.kv_eps, static_cast<char*>(a.k) + b * a.kv_bstride * es);
     rope_latent(a.dtype, m.rope, yr + (nqa + m.L) * es, 1, m.Dr, m.Dr, cb, sb,
@@ -261,7 +266,8 @@ size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
 
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
-                   void* out, const char** names, const void* norm_w, float norm_eps, void* normed) {
+                   void* out, const char** names, const void* norm_w, float norm_eps, void* normed,
+                   const void* q_scale) {
   const StepScratch s = step_scratch(layers, L, B);
   char* base = static_cast<char*>(scratch);
   const void* cur = x;
@@ -287,6 +293,7 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     p.kv_bstride = c.bstride;
     p.kv_hstride = c.hstride;
     p.mla.v_bstride = c.v_bstride;
+    if (latent) p.mla.q_scale = q_scale;
     layer_decode_pre(p, d.num_threads);
 
     LayerPostArgs a = d.post;

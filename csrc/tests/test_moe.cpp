@@ -1577,6 +1577,25 @@ void test_latent_layer_step(const std::vector<Isa>& tiers) {
             rope_check(yr + static_cast<size_t>(nqa + L) * es, kr1.data() + static_cast<size_t>(b * cap * Dr + pos * Dr) * es);
             ok = ok && worst <= (dt == DType::kF32 ? 1e-5 : 3.0 / 128);  // values up to ~2: bf16's steps
           }
+          // a query scale (Mistral 4): the same run's query, each value times its row's scale, rounded
+          {
+            std::vector<uint8_t> qsv(static_cast<size_t>(B) * es), q3(q.size()), y3(y.size()), tmp3(tmp.size());
+            store_elem(dt, qsv.data(), 0, 1.5f);
+            store_elem(dt, qsv.data(), 1, 0.75f);
+            auto lat3 = lat0, kr3 = kr0;
+            LayerPreArgs p3 = p1;
+            p3.qkv_out = y3.data();
+            p3.qk_tmp = tmp3.data();
+            p3.q = q3.data();
+            p3.k = lat3.data() + static_cast<size_t>(pos * L) * es;
+            p3.v = kr3.data() + static_cast<size_t>(pos * Dr) * es;
+            p3.mla.q_scale = qsv.data();
+            layer_decode_pre(p3, 1);
+            for (int64_t i = 0; i < B * nqf; ++i)
+              ok = ok && load_elem(dt, q3.data(), i) ==
+                             detail::round_to(dt, load_elem(dt, q.data(), i) * load_elem(dt, qsv.data(), i / nqf));
+            ok = ok && lat3 == lat1 && kr3 == kr1;
+          }
           LayerPostArgs a1 = post;
           a1.B = B;
           a1.attn.out = attn.data();

@@ -174,9 +174,8 @@ class NativeLayer:
         # latent attention (hi_na_moe.mla): its decode path called straight, the layer's step in
         # Python (no native calls: layer_decode_pre/post know no latent cache)
         self.mla = isinstance(self.attn, NativeMLA) and self.attn.rope is not None
-        if self.mla and (self.attn.q_scale is not None or self.attn.no_rope or self.attn.output_gate):
-            # (a query scale needs the call's position_ids, which the layer's own forward passes;
-            # a module without rotary embedding takes no position embeddings; an output gate is
+        if self.mla and (self.attn.no_rope or self.attn.output_gate):
+            # (a module without rotary embedding takes no position embeddings; an output gate is
             # not in the native calls)
             return False
         if not (isinstance(self.norm1, NativeNorm) and isinstance(self.norm2, NativeNorm)
@@ -403,18 +402,19 @@ class NativeLayer:
         return self.watch.observed()
 
     # -- the decode path ----------------------------------------------------------------------
-    def _fast(self, x: torch.Tensor, cos, sin: torch.Tensor | None, cache, mask) -> torch.Tensor:
+    def _fast(self, x: torch.Tensor, cos, sin: torch.Tensor | None, cache, mask, qs=None) -> torch.Tensor:
         """The decode step; latent attention (self.mla) takes its position embeddings as `cos`
-        (sin None): a complex tensor or a (cos, sin) pair, as the module gets them."""
+        (sin None): a complex tensor or a (cos, sin) pair, as the module gets them, and with a
+        query scale (Mistral 4) the scale of the call's positions as qs (NativeMLA._fast_args)."""
         B, H = x.shape[0], self.hidden
         if (self.step is not None or self.latent_step is not None) and B <= NORM_MAX_ROWS:
-            out = self._native_fast(x, cos, sin, cache, mask)
+            out = self._native_fast(x, cos, sin, cache, mask, qs)
             if out is not None:
                 return out
         code = _DTYPE_CODES[x.dtype]
         h = self.norm1.forward(self.ln1, x)
         if self.mla:
-            a, _ = self.attn._decode(self.attn_mod, h, cos, cache, mask)
+            a, _ = self.attn._decode(self.attn_mod, h, cos, cache, mask, qs)
         else:
             a, _ = self.attn._decode(self.attn_mod, self.attn.form, h, cos, sin, cache, mask, self.direct)
         w = self.ln2.weight
@@ -455,7 +455,7 @@ class NativeLayer:
             weights.append(w)
         return weights
 
-    def _native_fast(self, x: torch.Tensor, cos, sin: torch.Tensor | None, cache, mask):
+    def _native_fast(self, x: torch.Tensor, cos, sin: torch.Tensor | None, cache, mask, qs=None):
         """The step in two native calls around the cache update: with the router's native
         selection (routers.NATIVE_SELECT) the second one also runs the selection, the experts and
         the last residual add (FUSE_EXPERTS; not with a shared expert, run as modules after it),
@@ -466,7 +466,7 @@ class NativeLayer:
         if weights is None:
             return None
         if self.mla:
-            pre = self._latent_pre(x, cos, cache, mask, weights)
+            pre = self._latent_pre(x, cos, cache, mask, weights, qs)
             if pre is None:
                 return None
         else:
@@ -534,7 +534,7 @@ class NativeLayer:
         attn.update(Hq=Hq, Hkv=Hkv, D=D, scale=m.scaling, isa=at.isa, attn_out=attn_p, o_out=o_p)
         return o, threads, attn, (scratch, qr, keys, values, mask, sinks, heads)
 
-    def _latent_pre(self, x: torch.Tensor, pe, cache, mask, weights) -> tuple | None:
+    def _latent_pre(self, x: torch.Tensor, pe, cache, mask, weights, qs=None) -> tuple | None:
         """_attention_pre for latent attention (hi_na_moe.mla): the first native call makes the
         queries and writes the latent and rope key into the cache's buffers, and the second runs
         the absorbed attention kernel on them; None, with nothing run, when kv_b_proj's weight or
@@ -580,6 +580,9 @@ class NativeLayer:
             k_bs, v_bs = slot.k.stride(0), slot.v.stride(0)
         mla = (form, Dn, Dr, L, lora, q_b.bound if q_b is not None else None,
                weights[2].data_ptr() if lora else 0, qa.eps if lora else 0.0, weights[-1].data_ptr(), kv.eps)
+        if qs is not None:  # a query scale: one value a row
+            qs = qs.reshape(-1).expand(B).contiguous()
+            mla += (qs.data_ptr(),)
         self.native.layer_decode_pre_raw(
             code, B, H, x.data_ptr(), weights[0].data_ptr(), self.norm1.eps, group.bound, heads, 1, Dn + Dr, 0, 0, 0,
             0.0, 0.0, tab.data_ptr(), tab_s.data_ptr(), width if tab.numel() == B * width else 0, h_p, y_p, tmp_p,
@@ -603,7 +606,7 @@ class NativeLayer:
             scratch = (scratch, heads_out)
         attn.update(k=0, ks0=0, ks1=0, ks2=0, v=0, vs0=0, vs1=0, vs2=0, sinks=0, Hq=heads, Hkv=1, D=Dn + Dr,
                     scale=m.scaling, isa=at.isa, attn_out=attn_p, o_out=o_p)
-        return o, threads, attn, (scratch, q, w, tab, tab_s, latent, k_pe, mask)
+        return o, threads, attn, (scratch, q, w, tab, tab_s, latent, k_pe, mask, qs)
 
     def _post(self, x: torch.Tensor, w2: torch.Tensor, o, threads: int, attn: dict, keep: tuple) -> torch.Tensor:
         """The second native call (layer_decode_post) after _attention_pre or _latent_pre: the
@@ -790,9 +793,8 @@ class NativeLayer:
             x = args[0]
             fast = self.attn._fast_args(self.attn_mod, (x,), kwargs)
             if fast is not None and x.is_contiguous() and not x.is_neg():
-                if self.mla:
-                    _, pe, cache, mask = fast
-                    return self._fast(x, pe, None, cache, mask)
+                if self.mla:  # (a query scale's last: NativeMLA._fast_args)
+                    return self._fast(x, fast[1], None, fast[2], fast[3], fast[4] if len(fast) > 4 else None)
                 _, cos, sin, cache, mask = fast
                 return self._fast(x, cos, sin, cache, mask)
         return self.original(*args, **kwargs)
@@ -847,12 +849,17 @@ class NativeLayer:
             c.update(k0.clone(), v0.clone(), idx)
             return c
 
+        extra, qs = {}, None
+        if self.mla and at.q_scale is not None:  # a query scale (Mistral 4): a row past the original context
+            fn, beta, orig = at.q_scale
+            pos = torch.tensor([[3 * orig + 2], [past]])
+            extra, qs = {"position_ids": pos}, fn(pos, beta, orig).to(at.dtype)
         with torch.no_grad():
             own, ours = cache(), cache()
             try:
                 want = self.original(x, attention_mask=None, past_key_values=own, use_cache=True,
-                                     position_embeddings=pe)
-                got = self._fast(x, pe if self.mla else cos, sin, ours, None)
+                                     position_embeddings=pe, **extra)
+                got = self._fast(x, pe if self.mla else cos, sin, ours, None, qs)
             except Exception:
                 return False
         if not isinstance(want, torch.Tensor) or want.dtype != got.dtype or want.shape != got.shape:

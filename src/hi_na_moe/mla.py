@@ -45,7 +45,8 @@ Mistral 4 (QUERY_SCALE) multiplies the query by a factor of the position after t
 embedding (Llama 4's attention temperature: 1 below the original context length, growing past
 it). Its decode calls take the factor from their position_ids through the modeling file's own
 function and multiply as the module does, and its probe puts a row past the original context;
-its prefill calls and its decoder layers keep their own forward (which passes the positions).
+its prefill calls keep their own forward. Its decoder layers pass the factor into their native
+calls (LayerPreArgs::mla.q_scale), and the stack computes it from the step's positions.
 LongCat-Flash (LORA_SCALES) multiplies the query, before the rotary embedding, and the normed
 latent by fixed factors (its module's mla_scale_q_lora and mla_scale_kv_lora); both paths
 multiply as it does. Kimi-Linear's MLA layers (NO_ROPE) rotate nothing: the form "none", the

@@ -342,17 +342,22 @@ class NativeStack:
         cos, sin = (pe, None) if type(pe) is torch.Tensor else pe
         pe = cos if sin is None else (cos, sin)
         at = self.runners[0].attn
-        if (type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg()
-                and at._fast_args(self.runners[0].attn_mod, (h,),
-                                  {"position_embeddings": pe, "attention_mask": mask}) is not None):
-            out = self._one_call(h, cos, sin, cache, mask) if ONE_CALL else None
+        kw = {"position_embeddings": pe, "attention_mask": mask}
+        if getattr(at, "q_scale", None) is not None:  # (Mistral 4's query scale reads the positions)
+            kw["position_ids"] = pos if pos is not None else torch.full((ids.shape[0], 1), past, dtype=torch.long)
+        fast = (at._fast_args(self.runners[0].attn_mod, (h,), kw)
+                if type(h) is torch.Tensor and h.is_contiguous() and not h.is_neg() else None)
+        if fast is not None:
+            # (latent attention's with a query scale: NativeMLA._fast_args' fifth)
+            qs = fast[4] if self.runners[0].mla and len(fast) > 4 else None
+            out = self._one_call(h, cos, sin, cache, mask, qs) if ONE_CALL else None
             if out is not None:
                 h, normed = out
                 if normed is not None:  # the final norm ran in the call
                     return self.out_type(last_hidden_state=normed, past_key_values=cache)
             else:
                 for r in self.runners:  # (latent attention's layers take the position embeddings whole)
-                    h = r._fast(h, pe, None, cache, mask) if r.mla else r._fast(h, cos, sin, cache, mask)
+                    h = r._fast(h, pe, None, cache, mask, qs) if r.mla else r._fast(h, cos, sin, cache, mask)
         else:  # a fallback, for hidden states the short paths do not read (say, another dtype than
             # the layers' after a cast): the layers called as the stack's own loop calls them
             if rope is not None:  # the layers' own code gets copies, not the table's rows
@@ -375,13 +380,14 @@ class NativeStack:
         return None
 
     def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
-                  mask) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                  mask, qs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The layers' decode step in one native call (ONE_CALL): (the last layer's output, the
         final norm's output when it ran in the call (_final_norm) else None); or None with
         nothing run: a layer cannot (NativeLayer.plan_args) or its cache cannot take the new
         position in place.
         mask: None or the bool mask over the keys the attention's decode path takes (padding; a
-        StaticCache's buffers, which it needs)."""
+        StaticCache's buffers, which it needs). qs: latent attention's query scale of this step's
+        positions (Mistral 4: NativeMLA._fast_args), the same for every layer."""
         B, dt = h.shape[0], h.dtype
         args = []
         for r in self.runners:
@@ -431,6 +437,8 @@ class NativeStack:
             width = at.table_width()  # a row of the tables (half: GPT-OSS's)
         cos, sin = cos.contiguous(), sin.contiguous()
         kv = array("q", kv)
+        if qs is not None:  # one value a row
+            qs = qs.reshape(-1).expand(B).contiguous()
         scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
         out = torch.empty_like(h)
         norm = self._final_norm(dt)
@@ -439,7 +447,8 @@ class NativeStack:
                             0 if mask is None else mask.data_ptr(),
                             0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                             kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr(),
-                            *((0, 0.0, 0) if norm is None else (norm[0], norm[1], normed.data_ptr())))
+                            *((0, 0.0, 0) if norm is None else (norm[0], norm[1], normed.data_ptr())),
+                            0 if qs is None else qs.data_ptr())
         for s in slots:
             if static:
                 kv_cache.static_commit(s)

@@ -563,6 +563,9 @@ struct LayerPreArgs {
     float qa_eps = 0.f;
     const void* kv_w = nullptr;
     float kv_eps = 0.f;
+    // optional [B] in dtype: every query value of row b times q_scale[b], rounded to the dtype
+    // (Mistral 4's query scale of the position, after the rotary embedding)
+    const void* q_scale = nullptr;
   } mla;
 };
 void layer_decode_pre(const LayerPreArgs& a, int num_threads);
@@ -651,10 +654,11 @@ struct DecodeKV {
 // layer. scratch: at least decode_layers_scratch(layers, L, B) bytes. names[l]: the experts'
 // kernel layer l ran. norm_w non-null: then also normed [B, H] = rms_norm(out) with that weight
 // and norm_eps (the stack's final norm, as hi_na_moe.dense's NativeNorm runs it).
+// q_scale: as LayerPreArgs::mla's, for every latent attention layer (null: none).
 size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B);
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
                    void* out, const char** names, const void* norm_w = nullptr, float norm_eps = 0.f,
-                   void* normed = nullptr);
+                   void* normed = nullptr, const void* q_scale = nullptr);
 
 }  // namespace hina
