@@ -174,9 +174,7 @@ class NativeLayer:
         # latent attention (hi_na_moe.mla): its decode path called straight, the layer's step in
         # Python (no native calls: layer_decode_pre/post know no latent cache)
         self.mla = isinstance(self.attn, NativeMLA) and self.attn.rope is not None
-        if self.mla and (self.attn.no_rope or self.attn.output_gate):
-            # (a module without rotary embedding takes no position embeddings; an output gate is
-            # not in the native calls)
+        if self.mla and self.attn.no_rope:  # (a module without rotary embedding takes no position embeddings)
             return False
         if not (isinstance(self.norm1, NativeNorm) and isinstance(self.norm2, NativeNorm)
                 and (isinstance(self.attn, NativeAttention) and self.attn.form is not None or self.mla)):
@@ -256,6 +254,8 @@ class NativeLayer:
         from .patching import patched_member, patched_runner
 
         a, at = self.attn_mod, self.attn
+        if at.lora_scales or at.output_gate:  # (forms the native calls do not run: the Python step)
+            return None
         lora = getattr(a, "q_lora_rank", None) is not None
         g = patched_member(a.q_a_proj if lora else a.q_proj)
         kv, o = patched_member(a.kv_a_proj_with_mqa), patched_member(a.o_proj)
