@@ -58,7 +58,8 @@ def main() -> int:
                                           config=cfg).eval()
     stacks = [patched_runner(m) for m in model.modules() if type(patched_runner(m)).__name__ == "NativeStack"]
     layers = [patched_runner(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    if not layers or any(r is None or r.step is None for r in layers):
+    # (latent attention's layers: NativeLayer.latent_step)
+    if not layers or any(r is None or (r.step is None and r.latent_step is None) for r in layers):
         raise SystemExit("not every decoder layer takes the two native calls (hi_na_moe.layers)")
 
     events: list[tuple[str, float]] = []
