@@ -547,14 +547,10 @@ class NativeLayer:
         lora = 0 if q_b is None else qa.n
         nqf = heads * (Dn + Dr)
         es, code = x.element_size(), _DTYPE_CODES[dt]
-        if form == 0:  # DeepSeek-V2's complex table: its float32 (re, im) pairs
-            if pe.is_conj():
-                return None
-            tab = torch.view_as_real(pe).contiguous()
-            tab_s, width = tab, Dr
-        else:
-            tab, tab_s = pe[0].contiguous(), pe[1].contiguous()
-            width = Dr
+        tables = at.native_tables(pe)
+        if tables is None:
+            return None
+        (tab, tab_s), width = tables, Dr
         threads = group.threads or torch.get_num_threads()
         nqa = lora or nqf
         # scratch: h [B, H], the q / kv_a output [B, nqa + L + Dr], q_a normed and q_b's output

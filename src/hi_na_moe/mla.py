@@ -248,6 +248,18 @@ class NativeMLA:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    @staticmethod
+    def native_tables(pe) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The position embeddings pe as the native calls' rope_latent reads them (hi_na_moe.layers,
+        hi_na_moe.stack): the complex form's float32 (re, im) pairs (both tables the same), else
+        the (cos, sin) rows; contiguous. None for a conjugated complex view."""
+        if type(pe) is torch.Tensor:
+            if pe.is_conj():
+                return None
+            tab = torch.view_as_real(pe).contiguous()
+            return tab, tab
+        return pe[0].contiguous(), pe[1].contiguous()
+
     def _queries_and_cache(self, m: nn.Module, h: torch.Tensor, pe, cache, qs: torch.Tensor | None = None) -> tuple:
         """(q_nope [B, H, T, Dn], rotated q_rope [B, H, T, Dr], the cache's latents [B, 1, S, L]
         and rope keys [B, 1, S, Dr]) of h [B, T, hidden], as the module makes them: its

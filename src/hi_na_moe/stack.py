@@ -427,15 +427,14 @@ class NativeStack:
                 step.set_layer(i, **a)
             plan = self._plan = (step, args)
         at = self.runners[0].attn
-        if latent:  # rope_latent's tables: the complex form's float32 (re, im) pairs, else rows of Dr
-            if sin is None:
-                if cos.is_conj():
-                    return None
-                cos = sin = torch.view_as_real(cos)
-            width = at.Dr
+        if latent:  # rope_latent's tables (NativeMLA.native_tables), rows of Dr
+            tables = at.native_tables(cos if sin is None else (cos, sin))
+            if tables is None:
+                return None
+            (cos, sin), width = tables, at.Dr
         else:
             width = at.table_width()  # a row of the tables (half: GPT-OSS's)
-        cos, sin = cos.contiguous(), sin.contiguous()
+            cos, sin = cos.contiguous(), sin.contiguous()
         kv = array("q", kv)
         if qs is not None:  # one value a row
             qs = qs.reshape(-1).expand(B).contiguous()
