@@ -52,6 +52,9 @@ per-module short path (hi_na_moe.layers' NativeLayer.step and latent_step unset)
 experts called directly (hi_na_moe.layers' NativeLayer.moe) and the routers on the native path,
 or each MoE block called as its module with the routers on their own forwards (what ERNIE 4.5's
 steps ran before its router had a native form), likewise;
+--ab-mla-weight: latent attention's kernels reading a quantised kv_b_proj as its codes and scales
+or through a dense copy in the model's dtype (hi_na_moe.mla.QUANT_WEIGHT; both forms made before the
+first timed step, so neither arm pays for making one), likewise;
 --ab-prefetch A,B: the kernels' software prefetch A or B bytes ahead into L2 (needs the
 HINA_PREFETCH_TUNING build of bench_prefetch.py, whose kernels read HINA_PF at every job), likewise.
 
@@ -121,6 +124,9 @@ def main() -> int:
     ap.add_argument("--ab-layer-calls", action="store_true",
                     help="alternate the layers' native calls with the stack / their per-module short path under the "
                          "stack's own forward (scope all; step times only)")
+    ap.add_argument("--ab-mla-weight", action="store_true",
+                    help="alternate latent attention's quantised kv_b_proj read as codes and scales / as a dense "
+                         "copy (scope all, int8/int4; step times only)")
     ap.add_argument("--ab-moe-block", action="store_true",
                     help="alternate the MoE blocks called directly with native routers / as modules with the "
                          "routers' own forwards (scope all; step times only)")
@@ -175,15 +181,15 @@ def main() -> int:
                              ("stacks", args.ab_stacks), ("select", args.ab_select),
                              ("one-call", args.ab_one_call), ("shared", args.ab_shared),
                              ("rope-norm", args.ab_rope_norm), ("layer-calls", args.ab_layer_calls),
-                             ("moe-block", args.ab_moe_block),
+                             ("moe-block", args.ab_moe_block), ("mla-weight", args.ab_mla_weight),
                              ("prefetch", bool(args.ab_prefetch)),
                              ("wrapper", args.ab_wrapper), ("pool", args.ab_pool)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
-                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-layer-calls, --ab-moe-block, --ab-prefetch, --ab-wrapper, "
-                         "--ab-pool: one A/B at a time")
+                         "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-layer-calls, --ab-moe-block, --ab-mla-weight, "
+                         "--ab-prefetch, --ab-wrapper, --ab-pool: one A/B at a time")
     whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "layer-calls", "moe-block",
-                   "prefetch", "wrapper", "pool")
+                   "mla-weight", "prefetch", "wrapper", "pool")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -198,7 +204,8 @@ def main() -> int:
 
     arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else
                                "per-module " if kind == "layer-calls" else "module " if kind == "moe-block" else
-                               "layer-loop " if kind == "one-call" else "modules " if kind in ("shared", "rope-norm")
+                               "layer-loop " if kind == "one-call" else "dense-copy " if kind == "mla-weight"
+                               else "modules " if kind in ("shared", "rope-norm")
                                else "PyTorch ") + kind] if kind else [""]
     use_native = None
     if kind == "wrapper":
@@ -257,6 +264,19 @@ def main() -> int:
                 use_routers(on)
                 for r in layer_runners:
                     r.moe = blocks[id(r)] if on else None
+        elif kind == "mla-weight":
+            from hi_na_moe import mla
+            from hi_na_moe.patching import patched_runner
+
+            latents = [r for m in model.modules() if isinstance(r := patched_runner(m), mla.NativeMLA)]
+            if not any(r.reads_codes() for r in latents):
+                raise SystemExit("--ab-mla-weight: no latent attention module reads kv_b_proj as codes and scales")
+            mla.QUANT_WEIGHT = False
+            for r in latents:  # make the dense copies now, outside the timed steps (each arm keeps its form)
+                r._weight()
+
+            def use_native(on: bool) -> None:
+                mla.QUANT_WEIGHT = on
         elif kind == "layer-calls":
             from hi_na_moe.layers import NativeLayer
             from hi_na_moe.patching import patched_runner

@@ -61,8 +61,8 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   shared expert's `*_shexp` tensors count as dense). Computed from a meta-device model / the
   GGUF header. (hi_na_moe's blocks are the routed experts' modules, so a shared expert is in
   the dense total on the torch side too; under scope="all" with its packed bytes; a latent
-  attention module's packed kv_b_proj with the bytes of the dense copy its decode reads instead,
-  `attention_latent_bytes`.)
+  attention module's packed kv_b_proj with the bytes of the copy its decode reads instead,
+  `attention_latent_bytes`: an int8 / int4 layer's codes and scales, others dense.)
 - GB/s = GB/token / median decode step; "share" = GB/s / the machine's read bandwidth, measured
   once by the driver before the arms (`hi_na_moe._native.measure_read_bandwidth(1 << 30,
   threads, 3)['best_gbs']`, in a short subprocess at the driver's priority, before any
@@ -358,7 +358,7 @@ def run_torch_arm(args) -> dict:
     if fmt and report.dense:  # scope="all": the packed layers replace their bf16 bytes
         dense_bytes += sum(d.packed_bytes - 2 * d.out_features * d.in_features for d in report.dense)
     if fmt and report.attention_latent_bytes:
-        # latent attention's decode reads a dense copy of each packed kv_b_proj (hi_na_moe.mla), not it
+        # latent attention's decode reads a copy of each packed kv_b_proj (hi_na_moe.mla), not it
         kvb = {f"{n}.kv_b_proj" for n in report.attention_latent}
         dense_bytes += report.attention_latent_bytes - sum(d.packed_bytes for d in report.dense if d.name in kvb)
     res["bytes_per_token"] = {"total": dense_bytes + experts_active, "dense": dense_bytes,

@@ -16,9 +16,10 @@ from tiny_models import UNBUILDABLE, build_tiny
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe import attention, dense, kv_cache, mla, stack
+from hi_na_moe import attention, dense, kv_cache, layers, mla, stack
 from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.patching import decode_call_counts, patched_runner
+from hi_na_moe.layers import find_layers
+from hi_na_moe.patching import decode_call_counts, patched_member, patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -131,10 +132,11 @@ def _mla_modules(model):
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "kv_b_proj")]
 
 
-def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e-2, **enable):
+def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e-2, inspect=None, **enable):
     """Enable scope="all" on model and on a copy whose MLA modules keep their own forward (the
     same packed projections under them): the first layer's cache contents bit for bit, and close
-    logits at every teacher-forced step. Returns the enabled model's report and its runners."""
+    logits at every teacher-forced step. Returns the enabled model's report and its runners
+    (inspect(runners), if given, runs before the models are disabled)."""
     twin = copy.deepcopy(model)
     monkeypatch.setattr(mla, "FAMILIES", frozenset())
     rep_twin = hi_na_moe.enable_for_model(twin, scope="all", **enable)
@@ -186,6 +188,8 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
         _compare_with_own_forward.layers = layer_runners
         _compare_with_own_forward.in_layers = [0 if n is None else n.calls for n in in_layers]
         _compare_with_own_forward.one_calls = one_calls.calls
+        if inspect is not None:
+            inspect(runners)
         return rep, runners
     finally:
         hi_na_moe.disable_for_model(model)
@@ -336,16 +340,73 @@ def test_a_static_cache_decodes_on_the_kernel_through_its_mask(min_weights):
         hi_na_moe.disable_for_model(model)
 
 
-def test_quantised_kv_b_proj_is_read_through_a_dense_copy_and_reported(monkeypatch):
+@pytest.mark.parametrize("weights, group", [("int8", 64), ("int4", 32), ("int4", 64)])
+# (float32 on the modules' decode path only: the float32 MoE layer's probe asks its native calls for
+# its Python step's bits, which on this tiny shape depend on the probe's data, with the dense copy
+# too: int4/64 at avx512, int8 at generic)
+@pytest.mark.parametrize("dtype, path", [(torch.bfloat16, "one-call"), (torch.bfloat16, "layer-calls"),
+                                         (torch.bfloat16, "modules"), (torch.float32, "modules")], ids=str)
+def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, path, dtype, monkeypatch):
+    """scope="all" with int8 / int4: the kernels read a packed kv_b_proj as its codes and scales
+    (mla.QuantWeight, exactly the packed values) in the modules' decode path, the layers' native
+    calls and the stack's one call; logits close to the modules' own forward over the same packed
+    layers at every step, and the report counts the codes' bytes, not a dense copy's. (float32
+    with qdot "expand": the integer dot products quantise kv_b_proj's input in the module's own
+    forward, 1e-3 away from the float32 latent the absorbed kernel reads, which float32's probe
+    tolerance does not take.)"""
     dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
     try:
-        model = _tiny("deepseek_v2", torch.bfloat16)
+        model = _tiny("deepseek_v3", dtype, rope_interleave=True, kv_lora_rank=64)
+        seq = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(6))
+        mask = torch.ones(2, 11, dtype=torch.long)
+        mask[0, :2] = 0
+        stack.ONE_CALL = path == "one-call"
+        if path == "modules":  # no decoder layer on the native calls: each module's decode path
+            layers.find_layers = lambda *a, **k: []
+        m = _mla_modules(model)[0][1]
+
+        def inspect(runners):
+            assert all(r.reads_codes() for r in runners)
+            # the codes and scales are the packed layer's values: unpack() gives them rounded to the dtype
+            deq = torch.from_dlpack(patched_member(m.kv_b_proj)[0].packed.unpack()[1])
+            assert torch.equal(runners[0]._weight().float().to(dtype), deq)
+
+        qdot = "expand" if dtype is torch.float32 else "auto"
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6, mask, inspect=inspect, weights=weights,
+                                                 group_size=group, cache=False, qdot=qdot)
+        assert rep.attention_latent_quant == len(runners)
+        rows, L = m.kv_b_proj.out_features, m.kv_b_proj.in_features
+        codes = rows * L if weights == "int8" else rows * L // 2
+        scales = rows * 4 if weights == "int8" else rows * (L // group) * 2
+        assert rep.attention_latent_bytes == (codes + scales) * len(runners)
+        assert "of them the quantised layers' codes and scales" in str(rep)
+        if path == "one-call":
+            assert _compare_with_own_forward.one_calls == 11 - 6
+        elif path == "layer-calls":
+            assert _compare_with_own_forward.in_layers == [11 - 6] * len(runners)
+        else:
+            assert rep.layers == [] and [c for c in _compare_with_own_forward.in_layers if c] == []
+    finally:
+        dense.MIN_WEIGHTS = old
+        stack.ONE_CALL = True
+        layers.find_layers = find_layers
+
+
+@pytest.mark.parametrize("weights, group, rank", [("int4", 64, 96), ("lossless12", 64, 64)])
+def test_other_packed_kv_b_proj_is_read_through_a_dense_copy(weights, group, rank, monkeypatch):
+    """A packed kv_b_proj the codes form does not take (int4 groups that do not divide the rank, a
+    lossless format) is read through a dense copy of what its forward computes, reported so."""
+    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    try:
+        model = _tiny("deepseek_v3", torch.bfloat16, rope_interleave=True, kv_lora_rank=rank)
         seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(3))
-        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6, weights="int4", cache=False)
+        rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6, weights=weights, group_size=group,
+                                                 cache=False)
         m = _mla_modules(model)[0][1]
         copy_bytes = m.kv_b_proj.out_features * m.kv_b_proj.in_features * 2
+        assert rep.attention_latent_quant == 0
         assert rep.attention_latent_bytes == copy_bytes * len(runners)
-        assert "MiB of dense kv_b_proj copies it reads" in str(rep)
+        assert "MiB of kv_b_proj copies it reads" in str(rep) and "codes and scales" not in str(rep)
     finally:
         dense.MIN_WEIGHTS = old
 

@@ -177,15 +177,20 @@ nb::dlpack::dtype nb_dtype(hina::DType dt) {
 
 // A fresh array that owns its memory (freed with the Python object); supports DLPack and the
 // buffer protocol, so torch.from_dlpack / numpy accept it.
-nb::object new_array(hina::DType dt, std::vector<size_t> shape, void** data) {
+// A new array of elements of `elem_bytes` bytes described by `dt` (for DLPack), owning its memory.
+nb::object new_raw_array(nb::dlpack::dtype dt, size_t elem_bytes, std::vector<size_t> shape, void** data) {
   size_t n = 1;
   for (size_t d : shape) n *= d;
-  void* p = std::malloc(n * hina::dtype_size(dt) + 1);
+  void* p = std::malloc(n * elem_bytes + 1);
   if (!p) throw std::bad_alloc();
   nb::capsule owner(p, [](void* q) noexcept { std::free(q); });
   *data = p;
-  OutArray a(p, shape.size(), shape.data(), owner, nullptr, nb_dtype(dt));
+  OutArray a(p, shape.size(), shape.data(), owner, nullptr, dt);
   return nb::cast(a, nb::rv_policy::reference);
+}
+
+nb::object new_array(hina::DType dt, std::vector<size_t> shape, void** data) {
+  return new_raw_array(nb_dtype(dt), hina::dtype_size(dt), std::move(shape), data);
 }
 
 hina::WFormat parse_wformat(const std::string& name) {
@@ -417,6 +422,28 @@ class PyPackedExperts {
     return nb::make_tuple(og, ou, od, obg, obu, obd);
   }
 
+  // (codes, scales): an up-only int8 / int4 block's weight as RowQuant (moe.h)
+  nb::tuple unpack_row_quant() const {
+    const hina::PackedExperts& pe = *pe_;
+    const bool i4 = pe.wformat() == hina::WFormat::kInt4;
+    const size_t I = pe.I(), H = pe.H(), group = pe.header().group;
+    if (!pe.up_only() || (!i4 && pe.wformat() != hina::WFormat::kInt8))
+      bad(std::string("unpack_row_quant reads a linear layer's int8 or int4 block (pack_linear); this one is ") +
+          (pe.up_only() ? "" : "MoE experts in ") + hina::wformat_name(pe.wformat()));
+    if (i4 && H % group != 0)
+      bad("unpack_row_quant: int4 rows of " + std::to_string(H) + " values are not whole groups of " +
+          std::to_string(group));
+    void *c = nullptr, *sc = nullptr;
+    nb::object codes = i4 ? new_raw_array(nb::dtype<uint8_t>(), 1, {I, H / 2}, &c)
+                          : new_raw_array(nb::dtype<int8_t>(), 1, {I, H}, &c);
+    nb::object scales = i4 ? new_raw_array(kBf16, 2, {I, H / group}, &sc) : new_raw_array(nb::dtype<float>(), 4, {I}, &sc);
+    {
+      nb::gil_scoped_release release;
+      pe.unpack_row_quant(c, sc);
+    }
+    return nb::make_tuple(codes, scales);
+  }
+
   const hina::PackedExperts& get() const { return *pe_; }
 
  private:
@@ -544,6 +571,32 @@ static hina::PoolBackend pool_backend_from(const std::string& name) {
   throw nb::value_error(("unknown thread-pool backend '" + name + "'; expected 'auto', 'own' or 'openmp'").c_str());
 }
 
+// Latent attention's kv_b_proj weight (MlaDecodeArgs::w or wq, m->L set) from hi_na_moe.mla's
+// handle: the dense weight's address, or (format 1 int8 / 2 int4, codes, scales, group) of its
+// RowQuant form. Addresses are not checked further: the caller keeps them alive.
+static void mla_weight(const char* where, nb::handle h, hina::MlaDecodeArgs* m) {
+  if (h.is_none()) bad(std::string(where) + ": latent attention needs kv_b_proj's weight");
+  if (!nb::isinstance<nb::tuple>(h)) {
+    m->w = reinterpret_cast<const void*>(nb::cast<uintptr_t>(h));
+    m->wq = {};
+    if (m->w == nullptr) bad(std::string(where) + ": latent attention needs kv_b_proj's weight");
+    return;
+  }
+  const auto t = nb::borrow<nb::tuple>(h);
+  if (t.size() != 4) bad(std::string(where) + ": a quantised latent weight is (format, codes, scales, group)");
+  const int fmt = nb::cast<int>(t[0]);
+  const auto codes = nb::cast<uintptr_t>(t[1]), scales = nb::cast<uintptr_t>(t[2]);
+  const int64_t group = nb::cast<int64_t>(t[3]);
+  if (fmt != 1 && fmt != 2) bad(std::string(where) + ": a latent weight's format is 1 (int8) or 2 (int4)");
+  if (codes == 0 || scales == 0) bad(std::string(where) + ": a quantised latent weight needs codes and scales");
+  if (fmt == 2 && (group < 32 || group > 128 || (group & (group - 1)) != 0 || m->L % group != 0))
+    bad(std::string(where) + ": int4 latent weights need a group of 32, 64 or 128 dividing L = " +
+        std::to_string(m->L) + " (got " + std::to_string(group) + ")");
+  m->w = nullptr;
+  m->wq = {static_cast<hina::WFormat>(fmt), reinterpret_cast<const void*>(codes), reinterpret_cast<const void*>(scales),
+           fmt == 2 ? group : 0};
+}
+
 // Latent attention's settings of layer_decode_pre (LayerPreArgs::mla) from the tuple hi_na_moe.layers
 // hands over: (rope form 0 complex / 1 interleaved / 2 rotate_half, Dn, Dr, L, q_lora, q_b (a
 // BoundForward, or None without q_lora), qa_w, qa_eps, kv_w, kv_eps); q_b is kept in `owners`.
@@ -590,7 +643,7 @@ class StepPlan {
                  int experts_threads, int num_threads, nb::tuple shared, uintptr_t sinks, bool half_table,
                  bool interleaved_f32, int router_dtype, uintptr_t sel_bias, float norm_min, nb::tuple mlp,
                  int64_t sel_groups, int64_t sel_topk_group, float sel_scale, int64_t rot, float sel_eps,
-                 nb::tuple mla, uintptr_t mla_w, int64_t mla_Dv) {
+                 nb::tuple mla, nb::object mla_w, int64_t mla_Dv) {
     if (i < 0 || i >= static_cast<int64_t>(layers_.size())) bad("StepPlan.set_layer: no layer " + std::to_string(i));
     if (shared.size() != 0 && shared.size() != 3 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I[, gate]) of a shared expert");
@@ -610,15 +663,15 @@ class StepPlan {
     std::vector<nb::object> owners = {qkv, o};
     if (mla.size() != 0) {  // latent attention: its pre step and mla_decode (the rest set by decode_layers)
       latent_pre_args("StepPlan.set_layer", mla, &d.pre.mla, &owners);
-      if (mla_w == 0 || mla_Dv <= 0) bad("StepPlan.set_layer: latent attention needs mla_w and mla_Dv > 0");
+      if (mla_Dv <= 0) bad("StepPlan.set_layer: latent attention needs mla_Dv > 0");
       hina::MlaDecodeArgs& m = d.post.mla;
       m.dtype = dt;
-      m.w = reinterpret_cast<const void*>(mla_w);  // kept alive by the caller (plan_args)
       m.H = Hq;
       m.Dn = d.pre.mla.Dn;
       m.Dr = d.pre.mla.Dr;
       m.L = d.pre.mla.L;
       m.Dv = mla_Dv;
+      mla_weight("StepPlan.set_layer", mla_w, &m);  // kept alive by the caller (plan_args)
       m.scale = scale;
     }
     d.post.dtype = dt;
@@ -898,6 +951,12 @@ NB_MODULE(_native, m) {
            "(gate, up, down, gate_bias, up_bias, down_bias): new arrays (None where absent), "
            "bit-identical to the packed inputs for weights='lossless' and 'lossless12', the dequantised weights "
            "(scale * q, in the model's dtype) for int8/int4. DLPack-capable: torch.from_dlpack.")
+      .def("unpack_row_quant", &PyPackedExperts::unpack_row_quant,
+           "(codes, scales) of a linear layer's int8 or int4 block, exactly the values its panels hold, in "
+           "plain row order (moe.h's RowQuant): int8: codes int8 [out, in], scales float32 [out]; int4: codes "
+           "uint8 [out, in / 2], group g of a row at bytes [g * group / 2, (g + 1) * group / 2), byte j holding "
+           "q(g group + j) + 8 in its low nibble and q(g group + group/2 + j) + 8 in its high one, scales bfloat16 "
+           "[out, in / group]. W = scale * q. DLPack-capable.")
       .def_prop_ro("nbytes", [](const PyPackedExperts& p) { return p.get().nbytes(); })
       .def_prop_ro("isa", [](const PyPackedExperts& p) { return std::string(hina::isa_name(p.get().isa())); })
       .def_prop_ro("dtype", [](const PyPackedExperts& p) { return std::string(hina::dtype_name(p.get().dtype())); })
@@ -1160,21 +1219,23 @@ NB_MODULE(_native, m) {
         "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
   m.def("mla_decode_raw",
         [](int dtype, uintptr_t q_nope, int64_t qn0, int64_t qn1, uintptr_t q_rope, int64_t qr0, int64_t qr1,
-           uintptr_t w, uintptr_t latent, int64_t c0, int64_t c1, uintptr_t k_rope, int64_t kr0, int64_t kr1,
+           nb::handle w, uintptr_t latent, int64_t c0, int64_t c1, uintptr_t k_rope, int64_t kr0, int64_t kr1,
            uintptr_t out, int64_t B, int64_t H, int64_t S, int64_t Dn, int64_t Dr, int64_t L, int64_t Dv, float scale,
            uintptr_t mask, int64_t mask_bstride, int num_threads, const std::string& isa) {
           hina::MlaDecodeArgs a{static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(q_nope),
-                                reinterpret_cast<const void*>(q_rope), reinterpret_cast<const void*>(w),
+                                reinterpret_cast<const void*>(q_rope), nullptr,
                                 reinterpret_cast<const void*>(latent), reinterpret_cast<const void*>(k_rope),
                                 reinterpret_cast<void*>(out), B, H, S, Dn, Dr, L, Dv, {qn0, qn1}, {qr0, qr1},
                                 {c0, c1}, {kr0, kr1}, scale, reinterpret_cast<const uint8_t*>(mask), mask_bstride};
+          mla_weight("mla_decode_raw", w, &a);
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
           hina::mla_decode(a, num_threads, tier);
         },
         "Decode attention of multi-head latent attention with kv_b_proj absorbed (hina::mla_decode): q_nope "
         "(b, h, d < Dn) at q_nope + b*qn0 + h*qn1 + d elements, q_rope likewise (rotated), w [H, Dn + Dv, L] "
-        "contiguous (kv_b_proj's weight), latent (b, s, l) at latent + b*c0 + s*c1 + l, k_rope likewise, out "
+        "contiguous (kv_b_proj's weight; its address, or (format 1 int8 / 2 int4, codes, scales, group) of "
+        "its quantised form as unpack_row_quant gives it), latent (b, s, l) at latent + b*c0 + s*c1 + l, k_rope likewise, out "
         "[B, H, Dv] contiguous; dtype 0 float32, 1 bfloat16, 2 float16; mask 0 for none, else bool bytes at "
         "mask + b * mask_bstride. Raw addresses, nothing checked: for hi_na_moe.mla, which checked the tensors "
         "itself. Wrong addresses crash.");
@@ -1262,7 +1323,6 @@ NB_MODULE(_native, m) {
             hina::MlaDecodeArgs& m = a.mla;
             auto at = [&](size_t i) { return nb::cast<int64_t>(mla[i]); };
             m.dtype = dt;
-            m.w = reinterpret_cast<const void*>(static_cast<uintptr_t>(at(0)));
             m.B = B;
             m.H = Hq;
             m.S = S;
@@ -1270,6 +1330,7 @@ NB_MODULE(_native, m) {
             m.Dr = at(2);
             m.L = at(3);
             m.Dv = at(4);
+            mla_weight("layer_decode_post_raw", mla[0], &m);
             const int64_t hd = m.Dn + m.Dr;
             m.q_nope = reinterpret_cast<const void*>(q);
             m.q_rope = reinterpret_cast<const char*>(q) + m.Dn * static_cast<int64_t>(hina::dtype_size(dt));
@@ -1376,7 +1437,8 @@ NB_MODULE(_native, m) {
         "mlp_down (I = mlp_I): a dense layer, sum += its gated MLP on normed (scratch mlp_gu [B, 2 I], mlp_m "
         "[B, I], mlp_out [B, H]); mla (w, Dn, Dr, L, Dv, latent, cs0, cs1, k_rope, krs0, krs1): latent attention, "
         "mla_decode() over the latent and rope-key caches at those element strides (rows, positions) with q the "
-        "queries layer_decode_pre_raw left [B, Hq, Dn + Dr], into attn_out [B, Hq Dv]. For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
+        "queries layer_decode_pre_raw left [B, Hq, Dn + Dr], into attn_out [B, Hq Dv] (w as mla_decode_raw "
+        "takes it: an address or a quantised form's tuple). For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
         "addresses crash.");
   m.def("gated_mlp_raw",
         [](int dtype, int64_t B, int64_t I, uintptr_t x, const BoundForward& gate_up, const BoundForward& down,
@@ -1437,7 +1499,7 @@ NB_MODULE(_native, m) {
            nb::arg("half_table") = false, nb::arg("interleaved_f32") = false, nb::arg("router_dtype") = -1,
            nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.0f, nb::arg("mlp") = nb::tuple(),
            nb::arg("sel_groups") = 1, nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f,
-           nb::arg("rot") = 0, nb::arg("sel_eps") = 1e-20f, nb::arg("mla") = nb::tuple(), nb::arg("mla_w") = 0,
+           nb::arg("rot") = 0, nb::arg("sel_eps") = 1e-20f, nb::arg("mla") = nb::tuple(), nb::arg("mla_w") = nb::none(),
            nb::arg("mla_Dv") = 0)
       .def("scratch_bytes", &StepPlan::scratch_bytes, nb::arg("B"))
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),

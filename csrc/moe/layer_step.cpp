@@ -135,7 +135,7 @@ void mlp_on(const GatedMlpArgs& mlp, const LayerPostArgs& a, int num_threads) {
 }  // namespace
 
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
-  if (a.mla.w != nullptr) {
+  if (a.mla.has_weight()) {
     MlaDecodeArgs m = a.mla;
     m.out = a.attn.out;
     mla_decode(m, num_threads, attn_isa);

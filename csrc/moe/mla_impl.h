@@ -1,7 +1,7 @@
 // Decode attention of multi-head latent attention (hina::mla_decode, csrc/include/hina_moe/moe.h),
 // written once over a vector-ops policy and compiled per tier: the baseline loops
 // (csrc/moe/mla.cpp, attention_impl.h's kLanes accumulators), AVX2 (csrc/kernels/avx2/
-// mla_avx2.cpp) and AVX-512 (csrc/kernels/avx512/mla_avx512.cpp).
+// attention_avx2.cpp) and AVX-512 (csrc/kernels/avx512/attention_avx512.cpp).
 //
 // transformers' MLA modules cache the compressed latent (kv_lora_rank values a position, after
 // kv_a_layernorm) and the rotated rope key (qk_rope_head_dim values), and at every step make
@@ -11,6 +11,10 @@
 // DeepSeek-V2 paper's decode form): the query goes into the latent space once (H Dn L
 // multiply-adds), scores and the weighted sum run over the latent rows (H S (2L + Dr)), and the
 // result comes out through the value rows once (H Dv L).
+//
+// kv_b_proj's weight is read in the model's dtype, or, when the model's kv_b_proj is quantised
+// (scope="all" with int8 / int4), as its codes and scales (RowQuant: a half or a quarter of the
+// bytes, and the packed layer's own values instead of their rounding to the dtype).
 //
 // Each thread takes a group of heads and reads each cached position once for all of them: the
 // position's latent and rope key are made float32 once, then scored against every head of the
@@ -137,6 +141,110 @@ void latent_sums_blocked(const float* p, int64_t G, int64_t L, const T* lat, int
   }
 }
 
+// Row r of a quantised weight (MlaDecodeArgs::wq, RowQuant) of L values: its codes and scales,
+// int8 taken as one group of L values.
+struct QRow {
+  WFormat fmt;
+  const uint8_t* codes;  // int8: L codes; int4: L / 2 bytes, RowQuant's groups
+  const void* scales;    // int8: the row's float32 scale; int4: its L / group bfloat16 scales
+  int64_t group;
+};
+inline QRow qrow(const RowQuant& q, int64_t r, int64_t L) {
+  const auto* c = static_cast<const uint8_t*>(q.codes);
+  if (q.fmt == WFormat::kInt8) return {q.fmt, c + r * L, static_cast<const float*>(q.scales) + r, L};
+  return {q.fmt, c + r * (L / 2), static_cast<const uint16_t*>(q.scales) + r * (L / q.group), q.group};
+}
+inline float qscale(const QRow& w, int64_t g) {
+  return w.fmt == WFormat::kInt8 ? *static_cast<const float*>(w.scales)
+                                 : detail::bf16_to_f32(static_cast<const uint16_t*>(w.scales)[g]);
+}
+inline float qcode(const QRow& w, int64_t k) {
+  if (w.fmt == WFormat::kInt8) return static_cast<float>(static_cast<int8_t>(w.codes[k]));
+  const int64_t half = w.group / 2, j = k % w.group;
+  const uint8_t b = w.codes[k / w.group * half + j % half];
+  return static_cast<float>((j < half ? b & 15 : b >> 4) - 8);
+}
+
+// acc[k] += s * W[k] and the dot product a . W over a quantised row, group by group: the factor
+// s * scale made once a group, the codes exact in float32; the dot product's group sums are
+// multiplied by their scales.
+inline void qaxpy_rows(float s, const QRow& w, float* acc, int64_t L) {
+  for (int64_t g = 0; g * w.group < L; ++g) {
+    const float f = s * qscale(w, g);
+    for (int64_t k = g * w.group; k < std::min(L, (g + 1) * w.group); ++k) acc[k] += f * qcode(w, k);
+  }
+}
+inline float qdot_rows(const float* a, const QRow& w, int64_t L) {
+  float tot = 0.f;
+  for (int64_t g = 0; g * w.group < L; ++g) {
+    float p = 0.f;
+    for (int64_t k = g * w.group; k < std::min(L, (g + 1) * w.group); ++k) p += a[k] * qcode(w, k);
+    tot += qscale(w, g) * p;
+  }
+  return tot;
+}
+
+// The same over a vector type V with load_i8 (V::kWidth int8 codes as float32) and load_nibbles
+// (V::kWidth bytes as the floats of their low and their high nibbles, each minus 8). int4 groups
+// are whole vectors (group / 2 a multiple of V::kWidth: groups of 32 and more, 16 lanes at most).
+template <class V>
+void qaxpy_vec(float s, const QRow& w, float* acc, int64_t L) {
+  constexpr int64_t W = V::kWidth;
+  if (w.fmt == WFormat::kInt8) {
+    const float f = s * qscale(w, 0);
+    const typename V::Reg vf = V::set1(f);
+    int64_t l = 0;
+    for (; l + W <= L; l += W) V::storef(acc + l, V::fma(vf, V::load_i8(w.codes + l), V::loadf(acc + l)));
+    for (; l < L; ++l) acc[l] += f * qcode(w, l);
+    return;
+  }
+  const int64_t half = w.group / 2;
+  for (int64_t g = 0; g * w.group < L; ++g) {
+    const typename V::Reg vf = V::set1(s * qscale(w, g));
+    const uint8_t* c = w.codes + g * half;
+    float* lo = acc + g * w.group;
+    float* hi = lo + half;
+    for (int64_t j = 0; j < half; j += W) {
+      typename V::Reg x0, x1;
+      V::load_nibbles(c + j, x0, x1);
+      V::storef(lo + j, V::fma(vf, x0, V::loadf(lo + j)));
+      V::storef(hi + j, V::fma(vf, x1, V::loadf(hi + j)));
+    }
+  }
+}
+template <class V>
+float qdot_vec(const float* a, const QRow& w, int64_t L) {
+  constexpr int64_t W = V::kWidth;
+  if (w.fmt == WFormat::kInt8) {
+    typename V::Reg s0 = V::zero(), s1 = s0;
+    int64_t l = 0;
+    for (; l + 2 * W <= L; l += 2 * W) {
+      s0 = V::fma(V::loadf(a + l), V::load_i8(w.codes + l), s0);
+      s1 = V::fma(V::loadf(a + l + W), V::load_i8(w.codes + l + W), s1);
+    }
+    for (; l + W <= L; l += W) s0 = V::fma(V::loadf(a + l), V::load_i8(w.codes + l), s0);
+    float p = V::sum(V::add(s0, s1));
+    for (; l < L; ++l) p += a[l] * qcode(w, l);
+    return qscale(w, 0) * p;
+  }
+  const int64_t half = w.group / 2;
+  typename V::Reg tot = V::zero();
+  for (int64_t g = 0; g * w.group < L; ++g) {
+    const uint8_t* c = w.codes + g * half;
+    const float* lo = a + g * w.group;
+    const float* hi = lo + half;
+    typename V::Reg p0 = V::zero(), p1 = p0;
+    for (int64_t j = 0; j < half; j += W) {
+      typename V::Reg x0, x1;
+      V::load_nibbles(c + j, x0, x1);
+      p0 = V::fma(V::loadf(lo + j), x0, p0);
+      p1 = V::fma(V::loadf(hi + j), x1, p1);
+    }
+    tot = V::fma(V::set1(qscale(w, g)), V::add(p0, p1), tot);
+  }
+  return V::sum(tot);
+}
+
 // The baseline policy: attention_impl.h's loops (kLanes independent accumulators, no
 // reassociation needed for the compiler to vectorise them).
 struct BaseOps {
@@ -152,6 +260,8 @@ struct BaseOps {
   static void axpy(float s, const T* x, float* acc, int64_t n) {
     attn_impl::axpy(s, x, acc, n);
   }
+  static void qaxpy(float s, const QRow& w, float* acc, int64_t L) { qaxpy_rows(s, w, acc, L); }
+  static float qdot(const float* a, const QRow& w, int64_t L) { return qdot_rows(a, w, L); }
   // x[i] = e^(x[i] - mx), returning their sum
   static float exp_sum(float* x, int64_t n, float mx) {
     float sum = 0.f;
@@ -208,8 +318,12 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
       float* q = ql + g * L;
       std::fill(q, q + L, 0.f);
       const T* qh = qn + b * a.qn_strides[0] + h * a.qn_strides[1];
-      const T* wh = w + h * rows * L;
-      for (int64_t d = 0; d < a.Dn; ++d) Ops::axpy(Elem<T>::get(qh, d), wh + d * L, q, L);
+      if (w != nullptr) {
+        const T* wh = w + h * rows * L;
+        for (int64_t d = 0; d < a.Dn; ++d) Ops::axpy(Elem<T>::get(qh, d), wh + d * L, q, L);
+      } else {
+        for (int64_t d = 0; d < a.Dn; ++d) Ops::qaxpy(Elem<T>::get(qh, d), qrow(a.wq, h * rows + d, L), q, L);
+      }
       Ops::to_float(qp + b * a.qr_strides[0] + h * a.qr_strides[1], qr + g * R, R);
     }
     // the scores: the latent half, then the rope half, each kept position once for every head
@@ -233,9 +347,14 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
     // out of the latent space through the value rows of W
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = h0 + g;
-      const T* wv = w + (h * rows + a.Dn) * L;
       T* oh = out + (b * a.H + h) * a.Dv;
-      for (int64_t e = 0; e < a.Dv; ++e) Elem<T>::put(oh, e, Ops::dot(ol + g * L, wv + e * L, L));
+      if (w != nullptr) {
+        const T* wv = w + (h * rows + a.Dn) * L;
+        for (int64_t e = 0; e < a.Dv; ++e) Elem<T>::put(oh, e, Ops::dot(ol + g * L, wv + e * L, L));
+      } else {
+        for (int64_t e = 0; e < a.Dv; ++e)
+          Elem<T>::put(oh, e, Ops::qdot(ol + g * L, qrow(a.wq, h * rows + a.Dn + e, L), L));
+      }
     }
   }
 }

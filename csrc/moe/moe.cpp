@@ -999,6 +999,40 @@ void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, vo
   }
 }
 
+void PackedExperts::unpack_row_quant(void* codes, void* scales) const {
+  const PackedHeader& h = hdr_;
+  const WFormat wf = wformat();
+  if (!h.up_only || (wf != WFormat::kInt8 && wf != WFormat::kInt4))
+    throw std::invalid_argument(std::string("unpack_row_quant reads an up-only int8 or int4 block; this one is ") +
+                                (h.up_only ? "" : "MoE experts in ") + wformat_name(wf));
+  const int64_t N = h.I, K = h.H, group = h.group;
+  if (wf == WFormat::kInt4 && K % group != 0)
+    throw std::invalid_argument("unpack_row_quant: int4 rows of " + std::to_string(K) +
+                                " values are not whole groups of " + std::to_string(group));
+  const int64_t pbytes = panel_bytes(dtype(), wf, group, h.Hk, 1);
+  for (int64_t p = 0; p * kPanelN < N; ++p) {
+    const uint8_t* panel = gu_ + p * pbytes;
+    for (int n = 0; n < kPanelN && p * kPanelN + n < N; ++n) {
+      const int64_t row = p * kPanelN + n;
+      if (wf == WFormat::kInt8) {
+        std::memcpy(static_cast<float*>(scales) + row, panel + n * 4, 4);
+        int8_t* q = static_cast<int8_t*>(codes) + row * K;
+        for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(panel[64 + q8_index(k, 1, 0, n)]);
+        continue;
+      }
+      const int64_t blk_bytes = 64 + group / 2 * kPanelN;
+      uint8_t* q = static_cast<uint8_t*>(codes) + row * (K / 2);
+      for (int64_t g = 0; g < K / group; ++g) {
+        const uint8_t* blk = panel + g * blk_bytes;
+        std::memcpy(static_cast<uint16_t*>(scales) + row * (K / group) + g, blk + n * 2, 2);
+        for (int64_t j = 0; j < group / 2; ++j)
+          q[g * group / 2 + j] = static_cast<uint8_t>((int4_q(blk + 64, j, 1, 0, n) + 8) |
+                                                      (int4_q(blk + 64, group / 2 + j, 1, 0, n) + 8) << 4);
+      }
+    }
+  }
+}
+
 const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_idx, int idx_bits,
                                    const void* topk_w, int64_t K, void* out,
                                    const MoeParams& p) const {

@@ -28,6 +28,7 @@
 #include "hina_moe/cpu_features.h"
 #include "hina_moe/moe.h"
 #include "moe/kernel_api.h"
+#include "moe/mla_impl.h"
 
 using namespace hina;
 using hina::detail::load_elem;
@@ -900,6 +901,53 @@ void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
   }
 }
 
+// unpack_row_quant: an up-only int8 / int4 block's codes and scales in RowQuant's row order give
+// back, as dtype(scale * code), exactly what unpack() dequantises, on every tier's layout (rows one
+// past a panel, int4 groups of 32 / 64 / 128); a lossless block, an MoE block and int4 rows of
+// partial groups are refused.
+void test_row_quant(const std::vector<Isa>& tiers) {
+  if (!selected("row_quant")) return;
+  std::mt19937 rng(31);
+  for (DType dt : {DType::kF32, DType::kBF16})
+    for (Isa isa : tiers)
+      for (const int group : {0, 32, 64, 128}) {  // 0: int8
+        const WFormat wf = group ? WFormat::kInt4 : WFormat::kInt8;
+        const int64_t O = 17, In = 256;
+        const auto w = random_array(dt, O * In, 1.0f, rng);
+        auto pe = PackedExperts::pack_linear(dt, O, In, w.data(), nullptr, isa, 1, {wf, group ? group : 64});
+        std::vector<uint8_t> deq(w.size());
+        pe->unpack(nullptr, deq.data(), nullptr, nullptr, nullptr, nullptr);
+        std::vector<uint8_t> codes(static_cast<size_t>(group ? O * In / 2 : O * In));
+        std::vector<uint8_t> scales(static_cast<size_t>(group ? O * (In / group) * 2 : O * 4));
+        pe->unpack_row_quant(codes.data(), scales.data());
+        const RowQuant rq{wf, codes.data(), scales.data(), group};
+        std::vector<uint8_t> got(w.size());
+        for (int64_t o = 0; o < O; ++o) {
+          const mla_impl::QRow r = mla_impl::qrow(rq, o, In);
+          for (int64_t k = 0; k < In; ++k)
+            store_elem(dt, got.data(), o * In + k, mla_impl::qscale(r, group ? k / group : 0) * mla_impl::qcode(r, k));
+        }
+        report(got == deq, std::string("unpack_row_quant ") + wformat_name(wf) + (group ? "/" + std::to_string(group) : "") +
+                               " " + dtype_short(dt) + " " + isa_name(isa) + ": scale * code == unpack()");
+      }
+  const auto w = random_array(DType::kF32, 16 * 96, 1.0f, rng);
+  std::vector<uint8_t> buf(16 * 96 * 4);
+  auto expect_throw = [&](const PackedExperts& pe, const std::string& what) {
+    bool threw = false;
+    try {
+      pe.unpack_row_quant(buf.data(), buf.data());
+    } catch (const std::invalid_argument&) {
+      threw = true;
+    }
+    report(threw, "unpack_row_quant refuses " + what);
+  };
+  expect_throw(*PackedExperts::pack_linear(DType::kF32, 16, 96, w.data(), nullptr, Isa::kGeneric, 1), "a lossless block");
+  const Problem moe = make_problem(DType::kF32, kCases[0], 5);
+  expect_throw(*PackedExperts::pack(weights_of(moe), Isa::kGeneric, 1, {WFormat::kInt8, 64}), "an MoE block");
+  expect_throw(*PackedExperts::pack_linear(DType::kF32, 16, 96, w.data(), nullptr, Isa::kGeneric, 1, {WFormat::kInt4, 64}),
+               "int4 rows of 96 in groups of 64");
+}
+
 // Dense linear layers (pack_linear / linear): every tier vs a double-precision reference on the
 // weights the block holds (lossless: the inputs; int8/int4: unpack()'s dequantised ones), decode
 // (T = 1) and prefill shapes, widths one past a panel and a k block, with and without bias;
@@ -1637,7 +1685,9 @@ void test_latent_layer_step(const std::vector<Isa>& tiers) {
 // mla_decode on every tier against the form transformers computes, in double: every head's keys
 // [W_k latent_s, k_rope_s] and values W_v latent_s made explicitly, then softmax attention. Latent
 // and rope keys read through strides of a longer buffer, queries through per-head strides (the
-// nope and rope parts of one projection), sizes with and without whole vectors, a mask.
+// nope and rope parts of one projection), sizes with and without whole vectors, a mask. The
+// weight in the model's dtype, and as RowQuant: int8 rows and int4 groups of 32 / 64 / 128 (the
+// reference then from their values, scale * code).
 void test_mla_decode(const std::vector<Isa>& tiers) {
   if (!selected("mla")) return;
   std::mt19937 rng(21);
@@ -1651,13 +1701,51 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
       for (int64_t S : d.Ss) {
         const int64_t B = 2, Smax = S + 3, qw = d.Dn + d.Dr, rows = d.Dn + d.Dv;
         const auto q = random_array(dt, B * d.H * qw, 1.0f, rng);  // [B, H, Dn + Dr]: nope then rope
-        const auto w = random_array(dt, d.H * rows * d.L, 0.2f, rng);
+        const auto dense = random_array(dt, d.H * rows * d.L, 0.2f, rng);
         const auto lat = random_array(dt, B * Smax * d.L, 1.0f, rng);
         const auto kr = random_array(dt, B * Smax * d.Dr, 1.0f, rng);
         const float scale = 1.0f / std::sqrt(static_cast<float>(qw));
         std::vector<uint8_t> mask(static_cast<size_t>(B * S), 1);
         for (int64_t j = 1; j < S; j += 2) mask[S + j] = 0;  // row 1: every other position hidden
-        auto W = [&](int64_t h, int64_t r, int64_t l) { return double(load_elem(dt, w.data(), (h * rows + r) * d.L + l)); };
+        for (const int64_t form : {int64_t{0}, int64_t{8}, int64_t{32}, int64_t{64}, int64_t{128}}) {  // 0 dense, 8 int8, else int4's group
+        if (form > 8 && d.L % form != 0) continue;
+        const int64_t N = d.H * rows;
+        std::vector<double> wv(static_cast<size_t>(N * d.L));
+        std::vector<uint8_t> codes;
+        std::vector<float> s8;
+        std::vector<uint16_t> s4;
+        RowQuant wq{};
+        if (form == 0) {
+          for (int64_t i = 0; i < N * d.L; ++i) wv[i] = load_elem(dt, dense.data(), i);
+        } else if (form == 8) {
+          codes.resize(static_cast<size_t>(N * d.L));
+          s8.resize(static_cast<size_t>(N));
+          for (int64_t n = 0; n < N; ++n) {
+            s8[n] = std::uniform_real_distribution<float>(0.05f, 0.2f)(rng) / 127;
+            for (int64_t l = 0; l < d.L; ++l) {
+              const int c = std::uniform_int_distribution<int>(-127, 127)(rng);
+              codes[n * d.L + l] = static_cast<uint8_t>(static_cast<int8_t>(c));
+              wv[n * d.L + l] = double(s8[n]) * c;
+            }
+          }
+          wq = RowQuant{WFormat::kInt8, codes.data(), s8.data(), 0};
+        } else {
+          const int64_t ng = d.L / form, half = form / 2;
+          codes.assign(static_cast<size_t>(N * d.L / 2), 0);
+          s4.resize(static_cast<size_t>(N * ng));
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t g = 0; g < ng; ++g) {
+              s4[n * ng + g] = detail::f32_to_bf16(std::uniform_real_distribution<float>(0.05f, 0.2f)(rng) / 8);
+              for (int64_t k = 0; k < form; ++k) {
+                const int c = std::uniform_int_distribution<int>(-8, 7)(rng);
+                codes[n * d.L / 2 + g * half + k % half] |= static_cast<uint8_t>((c + 8) << (k < half ? 0 : 4));
+                wv[n * d.L + g * form + k] = double(detail::bf16_to_f32(s4[n * ng + g])) * c;
+              }
+            }
+          wq = RowQuant{WFormat::kInt4, codes.data(), s4.data(), form};
+        }
+        const std::string wname = form == 0 ? "" : form == 8 ? " int8" : " int4/" + std::to_string(form);
+        auto W = [&](int64_t h, int64_t r, int64_t l) { return wv[(h * rows + r) * d.L + l]; };
         for (const bool masked : {false, true}) {
           std::vector<double> ref(static_cast<size_t>(B * d.H * d.Dv));
           for (int64_t b = 0; b < B; ++b)
@@ -1699,21 +1787,22 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
           for (Isa isa : all) {
             for (int threads : {1, 2}) {
               std::vector<uint8_t> out(static_cast<size_t>(B * d.H * d.Dv) * es, 0xff);
-              MlaDecodeArgs a{dt, q.data(), q.data() + d.Dn * es, w.data(), lat.data(), kr.data(), out.data(),
+              MlaDecodeArgs a{dt, q.data(), q.data() + d.Dn * es, form ? nullptr : dense.data(), lat.data(), kr.data(), out.data(),
                               B, d.H, S, d.Dn, d.Dr, d.L, d.Dv, {d.H * qw, qw}, {d.H * qw, qw}, {Smax * d.L, d.L},
-                              {Smax * d.Dr, d.Dr}, scale, masked ? mask.data() : nullptr, S};
+                              {Smax * d.Dr, d.Dr}, scale, masked ? mask.data() : nullptr, S, wq};
               mla_decode(a, threads, isa);
               double worst = 0;
               for (size_t i = 0; i < ref.size(); ++i)
                 worst = std::max(worst, std::fabs(double(load_elem(dt, out.data(), int64_t(i))) - ref[i]) / rmax);
               const double lim = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 512;
-              note(std::string("mla_decode ") + dtype_name(dt) + " " + isa_name(isa), worst);
-              report(worst <= lim, std::string("mla_decode ") + dtype_name(dt) + " " + isa_name(isa) +
+              note(std::string("mla_decode ") + dtype_name(dt) + wname + " " + isa_name(isa), worst);
+              report(worst <= lim, std::string("mla_decode ") + dtype_name(dt) + wname + " " + isa_name(isa) +
                                        (masked ? " masked" : "") + " H=" + std::to_string(d.H) + " L=" +
                                        std::to_string(d.L) + " S=" + std::to_string(S) + " threads=" +
                                        std::to_string(threads) + ": err " + std::to_string(worst));
             }
           }
+        }
         }
       }
     }
@@ -2017,6 +2106,7 @@ int main(int argc, char** argv) {
   test_split_deterministic(all);
   test_errors();
   test_linear(all);
+  test_row_quant(all);
   test_qdot_int16_bound(all);
   for (const Case& c : kCases) test_l12_case(c, seed++, all);
   test_l12_rows(all);

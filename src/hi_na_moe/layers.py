@@ -539,6 +539,8 @@ class NativeLayer:
         queries and writes the latent and rope key into the cache's buffers, and the second runs
         the absorbed attention kernel on them; None, with nothing run, when kv_b_proj's weight or
         the rotary tables are not as the kernels read them."""
+        from .mla import native_weight
+
         group, o, q_b, qa, kv, form = self.latent_step
         at, dt = self.attn, x.dtype
         w = at._weight()
@@ -593,7 +595,8 @@ class NativeLayer:
             ls, ks = latent.stride(), k_pe.stride()
             attn = dict(q=q_p, S=latent.shape[2], mask=0 if mask is None else mask.data_ptr(),
                         mask_bstride=0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
-                        mla=(w.data_ptr(), Dn, Dr, L, Dv, latent.data_ptr(), ls[0], ls[2], k_pe.data_ptr(), ks[0], ks[2]))
+                        mla=(native_weight(w), Dn, Dr, L, Dv, latent.data_ptr(), ls[0], ls[2], k_pe.data_ptr(), ks[0],
+                             ks[2]))
         else:  # the kernel's computation in PyTorch ops (NativeMLA._absorbed_torch)
             heads_out = torch.empty(B, 1, heads * Dv, dtype=dt)
             at._absorbed_torch(q_nope, q_pe, w, latent, k_pe, mask, m.scaling, heads_out)
@@ -733,6 +736,8 @@ class NativeLayer:
         ptrs = [w.data_ptr() for w in weights]
         at = self.attn
         if self.mla:
+            from .mla import native_weight
+
             group, o, q_b, qa, kv, form = self.latent_step
             lora = 0 if q_b is None else qa.n
             w = at._weight()  # kept by the attention runner while kv_b_proj's forward stays
@@ -742,7 +747,7 @@ class NativeLayer:
                         num_threads=group.threads or torch.get_num_threads(),
                         mla=(form, at.Dn, at.Dr, at.L, lora, None if q_b is None else q_b.bound,
                              ptrs[2] if lora else 0, qa.eps if lora else 0.0, ptrs[-1], kv.eps),
-                        mla_w=w.data_ptr(), mla_Dv=at.Dv)
+                        mla_w=native_weight(w), mla_Dv=at.Dv)
         else:
             qkv, o, qk, qn, kn = self.step
             sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes

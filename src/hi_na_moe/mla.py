@@ -18,9 +18,11 @@ run over the cached latent rows, the result comes out through kv_b_proj's value 
 math, one rounding), and the module's own o_proj. (A decoder layer whose parts are all on native
 runners runs all of this in its two native calls instead, and the decoder stack every layer's in
 one: hi_na_moe.layers, hi_na_moe.stack.) kv_b_proj's weight is read where the module
-keeps it; when scope="all" packed it (its own weight released), what its packed forward computes
-is made dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values; the report's
-latent attention line gives the bytes). Prefill calls of bfloat16 models (several new tokens; no
+keeps it; when scope="all" packed it alone as int8 / int4 (int4 in groups dividing L), as that
+layer's own codes and scales (QuantWeight: a half / about a quarter of a bfloat16 copy's bytes, the
+packed values exactly); when it packed it otherwise, what its packed forward computes is made
+dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values). The report's latent
+attention line gives the bytes of these copies. Prefill calls of bfloat16 models (several new tokens; no
 mask, or a bool one) where hi_na_moe.attention's prefill kernel runs (AVX512-BF16 on AMD CPUs:
 attention.prefill_kernel) make every head's keys and values once, as the module does, and run the
 attention on that kernel, the values padded with zeros to the keys' width: DeepSeek-V2-Lite's shape
@@ -85,6 +87,10 @@ NO_ROPE = frozenset({"kimi_linear"})
 # o_proj: sigmoid(g_proj(h).float()).to(dtype), one value a head (Bailing-hybrid, Ling 3.0)
 OUTPUT_GATE = frozenset({"bailing_hybrid"})
 ROPES = ("complex", "interleaved", "rotate_half")  # (and "none": NO_ROPE)
+# Whether the kernels read a quantised kv_b_proj (scope="all" with int8 / int4) as its codes and
+# scales (QuantWeight) instead of a dense copy of what its packed forward computes; off only for
+# A/B measurements (bench_decode_breakdown.py --ab-mla-weight)
+QUANT_WEIGHT = True
 _PARTS = frozenset({"q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
                     "kv_b_proj", "o_proj"})
 _SIZES = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim", "layer_idx")
@@ -162,6 +168,39 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class QuantWeight:
+    """kv_b_proj's weight as its packed int8 / int4 layer holds it, in the row order the native
+    kernels read (PackedExperts.unpack_row_quant, moe.h's RowQuant): int8 codes [rows, L] with a
+    float32 scale a row, or int4 codes two to a byte [rows, L / 2] with a bfloat16 scale a group.
+    A half (int8) or about a quarter (int4) of a dense bfloat16 copy's bytes, and exactly the
+    packed layer's values (scale * code), where a dense copy rounds them to the model's dtype."""
+
+    def __init__(self, packed, weights: str, group: int):
+        self.codes, self.scales = (torch.from_dlpack(a) for a in packed.unpack_row_quant())
+        self.format, self.group = weights, group
+        self.native = (1 if weights == "int8" else 2, self.codes.data_ptr(), self.scales.data_ptr(), group)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales))
+
+    def float(self) -> torch.Tensor:
+        """The values [rows, L] in float32 (for the PyTorch fallback)."""
+        if self.format == "int8":
+            return self.codes.float() * self.scales.float()[:, None]
+        lo = (self.codes & 15).to(torch.int8) - 8
+        hi = (self.codes >> 4).to(torch.int8) - 8
+        rows, half = self.codes.shape[0], self.group // 2
+        q = torch.stack((lo.view(rows, -1, half), hi.view(rows, -1, half)), 2).view(rows, -1, self.group)
+        return (q.float() * self.scales.float()[:, :, None]).view(rows, -1)
+
+
+def native_weight(w: "torch.Tensor | QuantWeight"):
+    """kv_b_proj's weight (NativeMLA._weight) as the native calls take it: a dense weight's
+    address, or a QuantWeight's (format, codes, scales, group)."""
+    return w.native if isinstance(w, QuantWeight) else w.data_ptr()
+
+
 class NativeMLA:
     """One latent attention module whose decode calls run on the native absorbed kernel."""
 
@@ -185,6 +224,7 @@ class NativeMLA:
         self.names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
         self.rope: str | None = None  # one of ROPES once the probe matched
         self._w, self._w_key = None, None
+        self._wq = None  # (key, QuantWeight) of a quantised kv_b_proj (_quant_weight)
         self._fused = None  # the packed group of the q and kv_a projections, once looked up (False: none)
         # prefill calls on the native prefill kernel, once the second probe saw them match
         self.prefill = False
@@ -198,14 +238,19 @@ class NativeMLA:
         self.output_gate = _family(m) in OUTPUT_GATE
 
     # -- kv_b_proj's weight -------------------------------------------------------------------
-    def _weight(self) -> torch.Tensor:
+    def _weight(self) -> "torch.Tensor | QuantWeight":
         """kv_b_proj's weight [H (Dn + Dv), L] as the module computes with it: its own parameter
-        while its forward is its own (read at every call, not copied), else what its patched
-        forward computes (scope="all": packed, maybe quantised), made dense once as
-        kv_b_proj(I)^T and kept while that forward stays."""
+        while its forward is its own (read at every call, not copied); when scope="all" packed it
+        alone as int8 / int4, the packed layer's codes and scales (QuantWeight, made once and kept
+        while that forward stays); else what its patched forward computes, made dense once as
+        kv_b_proj(I)^T and kept likewise. native_weight(w) is what the kernels take."""
         p = self.module.kv_b_proj
         fwd = p.__dict__.get("forward")
         rows = self.H * (self.Dn + self.Dv)
+        if fwd is not None and QUANT_WEIGHT:
+            wq = self._quant_weight(p, fwd, rows)
+            if wq is not None:
+                return wq
         if fwd is None:
             w = p.weight
             if (type(w) in (torch.Tensor, nn.Parameter) and w.dtype is self.dtype and w.shape == (rows, self.L)
@@ -222,11 +267,35 @@ class NativeMLA:
             self._w, self._w_key = w.t().contiguous(), key
         return self._w
 
+    def _quant_weight(self, p: nn.Linear, fwd, rows: int) -> "QuantWeight | None":
+        """kv_b_proj's packed int8 / int4 values as the kernels read them, when scope="all"
+        packed it alone (not fused with another linear) in one of those formats, int4 in groups
+        dividing L; else None."""
+        from .patching import patched_member
+
+        member = patched_member(p)
+        runner = None if member is None else member[0]
+        if runner is None or runner.weights not in ("int8", "int4") or len(runner.modules) != 1:
+            return None
+        packed = runner.packed
+        group = packed.layout["group_size"] if runner.weights == "int4" else 0
+        if (packed.I, packed.H) != (rows, self.L) or (group and self.L % group):
+            return None
+        key = (id(fwd), id(packed))
+        if self._wq is None or self._wq[0] != key:
+            self._wq = (key, QuantWeight(packed, runner.weights, group))
+        return self._wq[1]
+
+    def reads_codes(self) -> bool:
+        """Whether the kernels read kv_b_proj's weight as a quantised layer's codes and scales."""
+        return isinstance(self._weight(), QuantWeight)
+
     def extra_bytes(self) -> int:
-        """Bytes of the dense copy of kv_b_proj's weight this runner holds (0 when it reads the
-        module's own)."""
-        return 0 if self._w is None or self.module.kv_b_proj.__dict__.get("forward") is None else (
-            self._w.numel() * self._w.element_size())
+        """Bytes of the copy of kv_b_proj's weight this runner holds for the kernels (its codes
+        and scales, or a dense copy; 0 when it reads the module's own)."""
+        if self.module.kv_b_proj.__dict__.get("forward") is None:
+            return 0
+        return sum(w.nbytes for w in (self._w, None if self._wq is None else self._wq[1]) if w is not None)
 
     # -- the decode path ----------------------------------------------------------------------
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, pe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,7 +363,7 @@ class NativeMLA:
             ps = mask is not None and mask.shape[0] > 1
             self.native.mla_decode_raw(
                 _DTYPE_CODES[self.dtype], q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), q_pe.data_ptr(),
-                q_pe.stride(0), q_pe.stride(1), w.data_ptr(), latent.data_ptr(), latent.stride(0), latent.stride(2),
+                q_pe.stride(0), q_pe.stride(1), native_weight(w), latent.data_ptr(), latent.stride(0), latent.stride(2),
                 k_pe.data_ptr(), k_pe.stride(0), k_pe.stride(2), out.data_ptr(), B, H, latent.shape[2], Dn, Dr, L, Dv,
                 m.scaling, 0 if mask is None else mask.data_ptr(), mask.stride(0) if ps else 0,
                 self.threads or torch.get_num_threads(), self.isa)

@@ -242,10 +242,12 @@ class EnableReport:
     attention_prefill_math: str | None = None
     # scope="all": the multi-head latent attention modules (DeepSeek-V2/V3, ...) whose decode calls
     # run on the native absorbed kernel (hi_na_moe.mla), the candidates whose probe differed, and
-    # the bytes of the dense copies of packed kv_b_proj weights that kernel reads
+    # the bytes of the copies of packed kv_b_proj weights that kernel reads (an int8 / int4 one's
+    # codes and scales, others dense) and how many of them are codes and scales
     attention_latent: list = field(default_factory=list)
     attention_latent_differ: list = field(default_factory=list)
     attention_latent_bytes: int = 0
+    attention_latent_quant: int = 0
     attention_latent_prefill: list = field(default_factory=list)  # of those, prefill on the native kernel
     # scope="all": the gated MLP modules (shared experts, dense MLPs) whose decode calls are one
     # native call (hi_na_moe.mlp), and the candidates whose probe did not match
@@ -300,6 +302,7 @@ class EnableReport:
             "attention_latent": list(self.attention_latent),
             "attention_latent_differ": list(self.attention_latent_differ),
             "attention_latent_bytes": self.attention_latent_bytes,
+            "attention_latent_quant": self.attention_latent_quant,
             "attention_latent_prefill": list(self.attention_latent_prefill),
         }
 
@@ -381,7 +384,9 @@ class EnableReport:
         if not self.dry_run and (self.attention_latent or self.attention_latent_differ):
             left = (f"; {len(self.attention_latent_differ)} left to PyTorch (their probe differed, e.g. "
                     f"{self.attention_latent_differ[0]})" if self.attention_latent_differ else "")
-            copy = (f"; {self.attention_latent_bytes / 2**20:.1f} MiB of dense kv_b_proj copies it reads"
+            quant = (f", {self.attention_latent_quant} of them the quantised layers' codes and scales"
+                     if self.attention_latent_quant else "")
+            copy = (f"; {self.attention_latent_bytes / 2**20:.1f} MiB of kv_b_proj copies it reads{quant}"
                     if self.attention_latent_bytes else "")
             lines.append(f"  latent attention (MLA) modules with decode steps on the native absorbed kernel: "
                          f"{len(self.attention_latent)}{copy}{left}")
@@ -731,6 +736,8 @@ def enable_for_model(
                 report.attention, report.attention_differ = small["attention"]
                 report.attention_latent, report.attention_latent_differ = small["attention_latent"]
                 report.attention_latent_bytes = sum(patched_runner(mods[n]).extra_bytes()
+                                                    for n in report.attention_latent)
+                report.attention_latent_quant = sum(patched_runner(mods[n]).reads_codes()
                                                     for n in report.attention_latent)
                 report.attention_latent_prefill = [n for n in report.attention_latent
                                                    if patched_runner(mods[n]).prefill]

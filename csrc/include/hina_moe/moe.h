@@ -76,6 +76,22 @@ struct QuantSpec {
   int group = 64;  // int4 only: 32, 64 or 128
 };
 
+// A quantised matrix W [N, K] in plain row order, the codes and scales of the packed formats
+// above without the panels (PackedExperts::unpack_row_quant writes one from an up-only block;
+// mla_decode reads kv_b_proj's weight in it):
+//   kInt8: codes int8 [N, K], scales float32 [N]: W[n, k] = scales[n] * codes[n, k].
+//   kInt4: codes uint8 [N, K / 2], scales bfloat16 bits [N, K / group]: group g of row n is the
+//          group / 2 bytes at codes + n * K / 2 + g * group / 2, byte j holding q(g*group + j) + 8
+//          in its low nibble and q(g*group + group/2 + j) + 8 in its high one (the two halves of
+//          the group, so that one vector of bytes gives two vectors of consecutive k);
+//          W[n, k] = scale(n, k / group) * q(k). K is a multiple of group (32, 64 or 128).
+struct RowQuant {
+  WFormat fmt = WFormat::kLossless;  // kInt8 or kInt4 when set
+  const void* codes = nullptr;
+  const void* scales = nullptr;
+  int64_t group = 0;  // kInt4's group size
+};
+
 enum class Act : int { kSilu, kGelu, kGeluTanh, kRelu, kRelu2, kSigmoidAlpha, kIdentity };
 const char* act_name(Act act);  // "silu" | "gelu" | "gelu_tanh" | "relu" | "relu2" | "sigmoid_alpha" | "identity"
 bool act_from_name(const char* name, Act* out);
@@ -243,6 +259,11 @@ class PackedExperts {
   // (s * q, rounded to dtype()). Destinations as in ExpertWeights (nullptr: skip that array).
   void unpack(void* gate, void* up, void* down, void* gate_bias, void* up_bias,
               void* down_bias) const;
+  // An up-only (pack_linear) int8 or int4 block's weight [I, H] as RowQuant (fmt and group this
+  // block's): the codes and scales the panels hold, exactly. codes and scales sized as RowQuant
+  // says. Throws std::invalid_argument for another block, or int4 with H not a multiple of the
+  // group.
+  void unpack_row_quant(void* codes, void* scales) const;
 
   const PackedHeader& header() const { return hdr_; }
   DType dtype() const { return static_cast<DType>(hdr_.dtype); }
@@ -398,7 +419,7 @@ struct MlaDecodeArgs {
   DType dtype;
   const void* q_nope;  // element (b, h, d) at q_nope[b*qn_strides[0] + h*qn_strides[1] + d], d < Dn
   const void* q_rope;  // (b, h, d) at q_rope[b*qr_strides[0] + h*qr_strides[1] + d], d < Dr (rotated)
-  const void* w;       // [H, Dn + Dv, L] contiguous
+  const void* w;       // [H, Dn + Dv, L] contiguous; or null, and wq holds it quantised
   const void* latent;  // (b, s, l) at latent[b*c_strides[0] + s*c_strides[1] + l], l < L
   const void* k_rope;  // (b, s, d) at k_rope[b*kr_strides[0] + s*kr_strides[1] + d], d < Dr (rotated)
   void* out;           // [B, H, Dv] contiguous
@@ -409,6 +430,11 @@ struct MlaDecodeArgs {
   // AttnDecodeArgs::mask); a row attending nothing gives zeros
   const uint8_t* mask = nullptr;
   int64_t mask_bstride = 0;
+  // with w null: the weight [H (Dn + Dv), L] as RowQuant (int8, or int4 with L a multiple of its
+  // group), computed with in float32 as s * q (the query's absorption multiplies each row's
+  // query element by the row's or group's scale once, then by the codes)
+  RowQuant wq{};
+  bool has_weight() const { return w != nullptr || wq.fmt != WFormat::kLossless; }
 };
 // Heads split across num_threads (0: every hardware thread) when the work is large enough; each
 // thread reads the cache once for all of its heads. isa picks the build (kAvx512/kAmx:
@@ -619,8 +645,8 @@ struct LayerPostArgs {
   void* router_in = nullptr;
   // a dense layer: its gated MLP (dtype, B and x set here; gu, m and out: scratch), no router
   GatedMlpArgs mlp{};
-  // latent attention: with mla.w set, mla_decode(mla) runs instead of attention_decode(attn), its
-  // out set here to attn.out ([B, H Dv]; attn's other fields unused)
+  // latent attention: with mla's weight set (mla.has_weight()), mla_decode(mla) runs instead of
+  // attention_decode(attn), its out set here to attn.out ([B, H Dv]; attn's other fields unused)
   MlaDecodeArgs mla{};
 };
 // Returns the name of the experts' kernel that ran (forward()'s), or null when none ran.

@@ -140,6 +140,15 @@ struct Vec {
   static Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
   static float sum(Reg v) { return hsum(v); }
+  static Reg load_i8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_nibbles(const uint8_t* p, Reg& lo, Reg& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i eight = _mm256_set1_epi32(8);
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+  }
 };
 
 // mla_impl.h's vector policy: 8 lanes, four accumulators for the dot products, exp_neg.
@@ -173,6 +182,9 @@ struct MlaOps {
       _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vs, load8(x + i), _mm256_loadu_ps(acc + i)));
     for (; i < n; ++i) acc[i] += s * attn_impl::Elem<T>::get(x, i);
   }
+  // kv_b_proj's weight quantised (MlaDecodeArgs::wq)
+  static void qaxpy(float s, const mla_impl::QRow& w, float* acc, int64_t L) { mla_impl::qaxpy_vec<Vec>(s, w, acc, L); }
+  static float qdot(const float* a, const mla_impl::QRow& w, int64_t L) { return mla_impl::qdot_vec<Vec>(a, w, L); }
   static float exp_sum(float* x, int64_t n, float mx) {
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();

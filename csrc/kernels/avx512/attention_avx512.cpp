@@ -155,6 +155,15 @@ struct Vec {
   static Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
   static float sum(Reg v) { return _mm512_reduce_add_ps(v); }
+  static Reg load_i8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_nibbles(const uint8_t* p, Reg& lo, Reg& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i eight = _mm512_set1_epi32(8);
+    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), eight));
+    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+  }
 };
 
 // mla_impl.h's vector policy: 16 lanes, four accumulators for the dot products, exp_neg.
@@ -188,6 +197,9 @@ struct MlaOps {
       _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vs, load16(x + i), _mm512_loadu_ps(acc + i)));
     for (; i < n; ++i) acc[i] += s * attn_impl::Elem<T>::get(x, i);
   }
+  // kv_b_proj's weight quantised (MlaDecodeArgs::wq)
+  static void qaxpy(float s, const mla_impl::QRow& w, float* acc, int64_t L) { mla_impl::qaxpy_vec<Vec>(s, w, acc, L); }
+  static float qdot(const float* a, const mla_impl::QRow& w, int64_t L) { return mla_impl::qdot_vec<Vec>(a, w, L); }
   static float exp_sum(float* x, int64_t n, float mx) {
     const __m512 vmx = _mm512_set1_ps(mx);
     __m512 vsum = _mm512_setzero_ps();
