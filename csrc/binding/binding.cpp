@@ -589,9 +589,10 @@ static void mla_weight(const char* where, nb::handle h, hina::MlaDecodeArgs* m) 
   const int64_t group = nb::cast<int64_t>(t[3]);
   if (fmt != 1 && fmt != 2) bad(std::string(where) + ": a latent weight's format is 1 (int8) or 2 (int4)");
   if (codes == 0 || scales == 0) bad(std::string(where) + ": a quantised latent weight needs codes and scales");
-  if (fmt == 2 && (group < 32 || group > 128 || (group & (group - 1)) != 0 || m->L % group != 0))
-    bad(std::string(where) + ": int4 latent weights need a group of 32, 64 or 128 dividing L = " +
-        std::to_string(m->L) + " (got " + std::to_string(group) + ")");
+  if (!hina::mla_quant_fits(static_cast<hina::WFormat>(fmt), group, m->L, m->Dn, m->Dv))
+    bad(std::string(where) + ": a quantised latent weight needs Dn and Dv multiples of 4 and int8 with L a multiple "
+        "of 64 or int4 in groups of 32, 64 or 128 dividing L (got L " + std::to_string(m->L) + ", Dn " +
+        std::to_string(m->Dn) + ", Dv " + std::to_string(m->Dv) + ", group " + std::to_string(group) + ")");
   m->w = nullptr;
   m->wq = {static_cast<hina::WFormat>(fmt), reinterpret_cast<const void*>(codes), reinterpret_cast<const void*>(scales),
            fmt == 2 ? group : 0};
@@ -1217,6 +1218,14 @@ NB_MODULE(_native, m) {
         "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride; sinks: 0 for none, "
         "else Hq float32 sink logits), for "
         "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+  m.def("mla_quant_fits",
+        [](const std::string& weights, int64_t group, int64_t L, int64_t Dn, int64_t Dv) {
+          return hina::mla_quant_fits(parse_wformat(weights), group, L, Dn, Dv);
+        },
+        nb::arg("weights"), nb::arg("group"), nb::arg("L"), nb::arg("Dn"), nb::arg("Dv"),
+        "Whether mla_decode reads a kv_b_proj of these sizes quantised as `weights` (int8, or int4 in groups of "
+        "`group`) in its blocked form (MlaDecodeArgs::wq): Dn and Dv multiples of 4, int8 with L a multiple of 64, "
+        "int4 groups of 32, 64 or 128 dividing L.");
   m.def("mla_decode_raw",
         [](int dtype, uintptr_t q_nope, int64_t qn0, int64_t qn1, uintptr_t q_rope, int64_t qr0, int64_t qr1,
            nb::handle w, uintptr_t latent, int64_t c0, int64_t c1, uintptr_t k_rope, int64_t kr0, int64_t kr1,

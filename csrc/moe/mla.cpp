@@ -1,6 +1,7 @@
 // Decode attention of multi-head latent attention (hina::mla_decode): the baseline build of
 // mla_impl.h and the dispatch to its AVX-512 and AVX2 builds.
 #include <algorithm>
+#include <stdexcept>
 
 #include "hina_moe/cpu_features.h"
 #include "hina_moe/moe.h"
@@ -13,7 +14,19 @@ void mla_decode_avx512(const MlaDecodeArgs& a, int64_t h0, int64_t h1);
 void mla_decode_avx2(const MlaDecodeArgs& a, int64_t h0, int64_t h1);
 }  // namespace detail
 
+bool mla_quant_fits(WFormat fmt, int64_t group, int64_t L, int64_t Dn, int64_t Dv) {
+  if (Dn % 4 != 0 || Dv % 4 != 0 || L <= 0) return false;
+  if (fmt == WFormat::kInt8) return L % 64 == 0;
+  return fmt == WFormat::kInt4 && (group == 32 || group == 64 || group == 128) && L % group == 0;
+}
+
 void mla_decode(const MlaDecodeArgs& a, int num_threads, Isa isa) {
+  if (a.w == nullptr) {
+    const RowQuant& q = a.wq;
+    if (!mla_quant_fits(q.fmt, q.group, a.L, a.Dn, a.Dv) || q.codes == nullptr || q.scales == nullptr)
+      throw std::invalid_argument("mla_decode: without w, wq must hold codes and scales, int8 with L a multiple of 64 "
+                                  "or int4 in groups of 32 to 128 dividing L, and Dn and Dv multiples of 4");
+  }
   if (a.B <= 0 || a.H <= 0) return;
   auto part = [&](int64_t h0, int64_t h1) {
 #if defined(HINA_HAVE_X86_KERNELS)

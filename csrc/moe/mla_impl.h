@@ -141,108 +141,162 @@ void latent_sums_blocked(const float* p, int64_t G, int64_t L, const T* lat, int
   }
 }
 
-// Row r of a quantised weight (MlaDecodeArgs::wq, RowQuant) of L values: its codes and scales,
-// int8 taken as one group of L values.
-struct QRow {
+// Block b of a quantised weight (MlaDecodeArgs::wq): rows 4b .. 4b + 3, their codes and scales
+// interleaved (see MlaDecodeArgs) so that the kernel reads them as one sequential stream.
+constexpr int kQRows = 4;
+constexpr int64_t kQ8Chunk = 64;  // int8: values of a row between its block's other rows'
+struct QBlock {
   WFormat fmt;
-  const uint8_t* codes;  // int8: L codes; int4: L / 2 bytes, RowQuant's groups
-  const void* scales;    // int8: the row's float32 scale; int4: its L / group bfloat16 scales
-  int64_t group;
+  const uint8_t* codes;
+  const void* scales;  // int8: the 4 rows' float32 scales; int4: bfloat16, group g of row r at 4 g + r
+  int64_t group;       // int4's group (int8: unused)
 };
-inline QRow qrow(const RowQuant& q, int64_t r, int64_t L) {
+inline QBlock qblock(const RowQuant& q, int64_t b, int64_t L) {
   const auto* c = static_cast<const uint8_t*>(q.codes);
-  if (q.fmt == WFormat::kInt8) return {q.fmt, c + r * L, static_cast<const float*>(q.scales) + r, L};
-  return {q.fmt, c + r * (L / 2), static_cast<const uint16_t*>(q.scales) + r * (L / q.group), q.group};
+  if (q.fmt == WFormat::kInt8) return {q.fmt, c + b * kQRows * L, static_cast<const float*>(q.scales) + b * kQRows, 0};
+  return {q.fmt, c + b * kQRows * (L / 2), static_cast<const uint16_t*>(q.scales) + b * kQRows * (L / q.group),
+          q.group};
 }
-inline float qscale(const QRow& w, int64_t g) {
-  return w.fmt == WFormat::kInt8 ? *static_cast<const float*>(w.scales)
-                                 : detail::bf16_to_f32(static_cast<const uint16_t*>(w.scales)[g]);
+// int8: the codes of row r from value k on (to the end of its chunk); int4: the bytes of row r's
+// group holding value k (k in the group's first half: their low nibbles, else their high ones)
+inline const uint8_t* qbytes(const QBlock& w, int r, int64_t k) {
+  if (w.fmt == WFormat::kInt8) return w.codes + (k / kQ8Chunk * kQRows + r) * kQ8Chunk + k % kQ8Chunk;
+  const int64_t half = w.group / 2;
+  return w.codes + (k / w.group * kQRows + r) * half + k % w.group % half;
 }
-inline float qcode(const QRow& w, int64_t k) {
-  if (w.fmt == WFormat::kInt8) return static_cast<float>(static_cast<int8_t>(w.codes[k]));
-  const int64_t half = w.group / 2, j = k % w.group;
-  const uint8_t b = w.codes[k / w.group * half + j % half];
-  return static_cast<float>((j < half ? b & 15 : b >> 4) - 8);
+inline float qscale(const QBlock& w, int r, int64_t g) {
+  return w.fmt == WFormat::kInt8 ? static_cast<const float*>(w.scales)[r]
+                                 : detail::bf16_to_f32(static_cast<const uint16_t*>(w.scales)[g * kQRows + r]);
 }
 
-// acc[k] += s * W[k] and the dot product a . W over a quantised row, group by group: the factor
-// s * scale made once a group, the codes exact in float32; the dot product's group sums are
-// multiplied by their scales.
-inline void qaxpy_rows(float s, const QRow& w, float* acc, int64_t L) {
-  for (int64_t g = 0; g * w.group < L; ++g) {
-    const float f = s * qscale(w, g);
-    for (int64_t k = g * w.group; k < std::min(L, (g + 1) * w.group); ++k) acc[k] += f * qcode(w, k);
+// A block's four rows: acc[k] += sum_r s[r] W_r[k] (the query's absorption), and out[r] = a . W_r
+// (the value rows), group by group (int8: the row as one group): each row's factor s * scale made
+// once a group, the codes exact in float32, a dot product's group sums multiplied by the scales.
+inline void qabsorb_rows(const float* s, const QBlock& w, float* acc, int64_t L) {
+  if (w.fmt == WFormat::kInt8) {
+    for (int64_t c = 0; c < L; c += kQ8Chunk)
+      for (int r = 0; r < kQRows; ++r) {
+        const float f = s[r] * qscale(w, r, 0);
+        const auto* q = reinterpret_cast<const int8_t*>(qbytes(w, r, c));
+        for (int64_t k = 0; k < kQ8Chunk; ++k) acc[c + k] += f * static_cast<float>(q[k]);
+      }
+    return;
   }
+  const int64_t G = w.group, half = G / 2;
+  for (int64_t g = 0; g * G < L; ++g)
+    for (int r = 0; r < kQRows; ++r) {
+      const float f = s[r] * qscale(w, r, g);
+      const uint8_t* q = qbytes(w, r, g * G);
+      float* lo = acc + g * G;
+      for (int64_t j = 0; j < half; ++j) {
+        lo[j] += f * static_cast<float>((q[j] & 15) - 8);
+        lo[half + j] += f * static_cast<float>((q[j] >> 4) - 8);
+      }
+    }
 }
-inline float qdot_rows(const float* a, const QRow& w, int64_t L) {
-  float tot = 0.f;
-  for (int64_t g = 0; g * w.group < L; ++g) {
-    float p = 0.f;
-    for (int64_t k = g * w.group; k < std::min(L, (g + 1) * w.group); ++k) p += a[k] * qcode(w, k);
-    tot += qscale(w, g) * p;
+inline void qdots_rows(const float* a, const QBlock& w, float* out, int64_t L) {
+  const bool i8 = w.fmt == WFormat::kInt8;
+  const int64_t G = i8 ? kQ8Chunk : w.group, half = G / 2;
+  for (int r = 0; r < kQRows; ++r) {
+    float tot = 0.f;
+    for (int64_t g = 0; g * G < L; ++g) {
+      const uint8_t* q = qbytes(w, r, g * G);
+      const float* x = a + g * G;
+      float p = 0.f;
+      if (i8) {
+        for (int64_t k = 0; k < G; ++k) p += x[k] * static_cast<float>(static_cast<int8_t>(q[k]));
+      } else {
+        for (int64_t j = 0; j < half; ++j)
+          p += x[j] * static_cast<float>((q[j] & 15) - 8) + x[half + j] * static_cast<float>((q[j] >> 4) - 8);
+      }
+      tot += i8 ? p : qscale(w, r, g) * p;
+    }
+    out[r] = i8 ? qscale(w, r, 0) * tot : tot;
   }
-  return tot;
 }
 
 // The same over a vector type V with load_i8 (V::kWidth int8 codes as float32) and load_nibbles
-// (V::kWidth bytes as the floats of their low and their high nibbles, each minus 8). int4 groups
-// are whole vectors (group / 2 a multiple of V::kWidth: groups of 32 and more, 16 lanes at most).
+// (V::kWidth bytes as the floats of their low and their high nibbles, 0..15), the four rows
+// sharing each load of acc / a. An int4 row's codes are its nibbles minus 8, taken out once a
+// group: in the absorption as -8 times the rows' factors added to acc, in a dot product as -8
+// times the scale times the group's sum of a (gsum[g], the same for every row). Vectors never
+// straddle an int8 chunk or half an int4 group (V::kWidth divides 32).
 template <class V>
-void qaxpy_vec(float s, const QRow& w, float* acc, int64_t L) {
+void qabsorb_vec(const float* s, const QBlock& w, float* acc, int64_t L) {
+  using Reg = typename V::Reg;
   constexpr int64_t W = V::kWidth;
+  Reg vf[kQRows];
   if (w.fmt == WFormat::kInt8) {
-    const float f = s * qscale(w, 0);
-    const typename V::Reg vf = V::set1(f);
-    int64_t l = 0;
-    for (; l + W <= L; l += W) V::storef(acc + l, V::fma(vf, V::load_i8(w.codes + l), V::loadf(acc + l)));
-    for (; l < L; ++l) acc[l] += f * qcode(w, l);
+    for (int r = 0; r < kQRows; ++r) vf[r] = V::set1(s[r] * qscale(w, r, 0));
+    for (int64_t l = 0; l < L; l += W) {
+      Reg x = V::loadf(acc + l);
+      for (int r = 0; r < kQRows; ++r) x = V::fma(vf[r], V::load_i8(qbytes(w, r, l)), x);
+      V::storef(acc + l, x);
+    }
     return;
   }
-  const int64_t half = w.group / 2;
-  for (int64_t g = 0; g * w.group < L; ++g) {
-    const typename V::Reg vf = V::set1(s * qscale(w, g));
-    const uint8_t* c = w.codes + g * half;
-    float* lo = acc + g * w.group;
+  const int64_t G = w.group, half = G / 2;
+  for (int64_t g = 0; g * G < L; ++g) {
+    float c = 0.f;
+    for (int r = 0; r < kQRows; ++r) {
+      const float f = s[r] * qscale(w, r, g);
+      vf[r] = V::set1(f);
+      c += f;
+    }
+    const Reg off = V::set1(-8.f * c);
+    const uint8_t* codes = qbytes(w, 0, g * G);  // the four rows' bytes of group g, row after row
+    float* lo = acc + g * G;
     float* hi = lo + half;
     for (int64_t j = 0; j < half; j += W) {
-      typename V::Reg x0, x1;
-      V::load_nibbles(c + j, x0, x1);
-      V::storef(lo + j, V::fma(vf, x0, V::loadf(lo + j)));
-      V::storef(hi + j, V::fma(vf, x1, V::loadf(hi + j)));
+      Reg x0 = V::add(V::loadf(lo + j), off), x1 = V::add(V::loadf(hi + j), off);
+      for (int r = 0; r < kQRows; ++r) {
+        Reg n0, n1;
+        V::load_nibbles(codes + r * half + j, n0, n1);
+        x0 = V::fma(vf[r], n0, x0);
+        x1 = V::fma(vf[r], n1, x1);
+      }
+      V::storef(lo + j, x0);
+      V::storef(hi + j, x1);
     }
   }
 }
 template <class V>
-float qdot_vec(const float* a, const QRow& w, int64_t L) {
+void qdots_vec(const float* a, const float* gsum, const QBlock& w, float* out, int64_t L) {
+  using Reg = typename V::Reg;
   constexpr int64_t W = V::kWidth;
+  Reg acc[kQRows];
+  for (Reg& v : acc) v = V::zero();
   if (w.fmt == WFormat::kInt8) {
-    typename V::Reg s0 = V::zero(), s1 = s0;
-    int64_t l = 0;
-    for (; l + 2 * W <= L; l += 2 * W) {
-      s0 = V::fma(V::loadf(a + l), V::load_i8(w.codes + l), s0);
-      s1 = V::fma(V::loadf(a + l + W), V::load_i8(w.codes + l + W), s1);
+    for (int64_t l = 0; l < L; l += W) {
+      const Reg x = V::loadf(a + l);
+      for (int r = 0; r < kQRows; ++r) acc[r] = V::fma(x, V::load_i8(qbytes(w, r, l)), acc[r]);
     }
-    for (; l + W <= L; l += W) s0 = V::fma(V::loadf(a + l), V::load_i8(w.codes + l), s0);
-    float p = V::sum(V::add(s0, s1));
-    for (; l < L; ++l) p += a[l] * qcode(w, l);
-    return qscale(w, 0) * p;
+    for (int r = 0; r < kQRows; ++r) out[r] = qscale(w, r, 0) * V::sum(acc[r]);
+    return;
   }
-  const int64_t half = w.group / 2;
-  typename V::Reg tot = V::zero();
-  for (int64_t g = 0; g * w.group < L; ++g) {
-    const uint8_t* c = w.codes + g * half;
-    const float* lo = a + g * w.group;
+  const int64_t G = w.group, half = G / 2;
+  float corr[kQRows] = {};
+  for (int64_t g = 0; g * G < L; ++g) {
+    Reg p[kQRows];
+    for (Reg& v : p) v = V::zero();
+    const uint8_t* codes = qbytes(w, 0, g * G);
+    const float* lo = a + g * G;
     const float* hi = lo + half;
-    typename V::Reg p0 = V::zero(), p1 = p0;
     for (int64_t j = 0; j < half; j += W) {
-      typename V::Reg x0, x1;
-      V::load_nibbles(c + j, x0, x1);
-      p0 = V::fma(V::loadf(lo + j), x0, p0);
-      p1 = V::fma(V::loadf(hi + j), x1, p1);
+      const Reg a0 = V::loadf(lo + j), a1 = V::loadf(hi + j);
+      for (int r = 0; r < kQRows; ++r) {
+        Reg n0, n1;
+        V::load_nibbles(codes + r * half + j, n0, n1);
+        p[r] = V::fma(a1, n1, V::fma(a0, n0, p[r]));
+      }
     }
-    tot = V::fma(V::set1(qscale(w, g)), V::add(p0, p1), tot);
+    for (int r = 0; r < kQRows; ++r) {
+      const float sc = qscale(w, r, g);
+      acc[r] = V::fma(V::set1(sc), p[r], acc[r]);
+      corr[r] += sc * gsum[g];
+    }
   }
-  return V::sum(tot);
+  for (int r = 0; r < kQRows; ++r) out[r] = V::sum(acc[r]) - 8.f * corr[r];
 }
 
 // The baseline policy: attention_impl.h's loops (kLanes independent accumulators, no
@@ -260,8 +314,8 @@ struct BaseOps {
   static void axpy(float s, const T* x, float* acc, int64_t n) {
     attn_impl::axpy(s, x, acc, n);
   }
-  static void qaxpy(float s, const QRow& w, float* acc, int64_t L) { qaxpy_rows(s, w, acc, L); }
-  static float qdot(const float* a, const QRow& w, int64_t L) { return qdot_rows(a, w, L); }
+  static void qabsorb(const float* s, const QBlock& w, float* acc, int64_t L) { qabsorb_rows(s, w, acc, L); }
+  static void qdots(const float* a, const float*, const QBlock& w, float* out, int64_t L) { qdots_rows(a, w, out, L); }
   // x[i] = e^(x[i] - mx), returning their sum
   static float exp_sum(float* x, int64_t n, float mx) {
     float sum = 0.f;
@@ -288,13 +342,14 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
   // then one position's latent as float32 (L)
   thread_local std::vector<float> scratch;
   thread_local std::vector<int32_t> kept;
-  scratch.resize(static_cast<size_t>(G * (2 * L + R + S) + L));
+  scratch.resize(static_cast<size_t>(G * (2 * L + R + S) + L + (a.w ? 0 : L / 32 + 1)));
   kept.resize(static_cast<size_t>(S));
   float* ql = scratch.data();
   float* qr = ql + G * L;
   float* sc = qr + G * R;
   float* ol = sc + G * S;
   float* row = ol + G * L;
+  float* gsum = row + L;  // (a quantised weight's: the int4 groups' sums of a latent output, L / 32 at most)
   const T* w = static_cast<const T*>(a.w);
   const T* qn = static_cast<const T*>(a.q_nope);
   const T* qp = static_cast<const T*>(a.q_rope);
@@ -322,7 +377,11 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
         const T* wh = w + h * rows * L;
         for (int64_t d = 0; d < a.Dn; ++d) Ops::axpy(Elem<T>::get(qh, d), wh + d * L, q, L);
       } else {
-        for (int64_t d = 0; d < a.Dn; ++d) Ops::qaxpy(Elem<T>::get(qh, d), qrow(a.wq, h * rows + d, L), q, L);
+        for (int64_t d = 0; d < a.Dn; d += kQRows) {  // (Dn and Dv are multiples of 4: MlaDecodeArgs::wq)
+          float sv[kQRows];
+          for (int r = 0; r < kQRows; ++r) sv[r] = Elem<T>::get(qh, d + r);
+          Ops::qabsorb(sv, qblock(a.wq, (h * rows + d) / kQRows, L), q, L);
+        }
       }
       Ops::to_float(qp + b * a.qr_strides[0] + h * a.qr_strides[1], qr + g * R, R);
     }
@@ -352,8 +411,19 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
         const T* wv = w + (h * rows + a.Dn) * L;
         for (int64_t e = 0; e < a.Dv; ++e) Elem<T>::put(oh, e, Ops::dot(ol + g * L, wv + e * L, L));
       } else {
-        for (int64_t e = 0; e < a.Dv; ++e)
-          Elem<T>::put(oh, e, Ops::qdot(ol + g * L, qrow(a.wq, h * rows + a.Dn + e, L), L));
+        // an int4 group's sum of the latent output (qdots_vec's -8 per code)
+        const float* olg = ol + g * L;
+        const int64_t qg = a.wq.fmt == WFormat::kInt4 ? a.wq.group : L;
+        for (int64_t k = 0; k < L / qg; ++k) {
+          float t = 0.f;
+          for (int64_t l = k * qg; l < (k + 1) * qg; ++l) t += olg[l];
+          gsum[k] = t;
+        }
+        for (int64_t e = 0; e < a.Dv; e += kQRows) {
+          float res[kQRows];
+          Ops::qdots(olg, gsum, qblock(a.wq, (h * rows + a.Dn + e) / kQRows, L), res, L);
+          for (int r = 0; r < kQRows; ++r) Elem<T>::put(oh, e + r, res[r]);
+        }
       }
     }
   }

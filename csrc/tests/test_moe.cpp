@@ -28,7 +28,6 @@
 #include "hina_moe/cpu_features.h"
 #include "hina_moe/moe.h"
 #include "moe/kernel_api.h"
-#include "moe/mla_impl.h"
 
 using namespace hina;
 using hina::detail::load_elem;
@@ -920,13 +919,21 @@ void test_row_quant(const std::vector<Isa>& tiers) {
         std::vector<uint8_t> codes(static_cast<size_t>(group ? O * In / 2 : O * In));
         std::vector<uint8_t> scales(static_cast<size_t>(group ? O * (In / group) * 2 : O * 4));
         pe->unpack_row_quant(codes.data(), scales.data());
-        const RowQuant rq{wf, codes.data(), scales.data(), group};
         std::vector<uint8_t> got(w.size());
-        for (int64_t o = 0; o < O; ++o) {
-          const mla_impl::QRow r = mla_impl::qrow(rq, o, In);
-          for (int64_t k = 0; k < In; ++k)
-            store_elem(dt, got.data(), o * In + k, mla_impl::qscale(r, group ? k / group : 0) * mla_impl::qcode(r, k));
-        }
+        for (int64_t o = 0; o < O; ++o)
+          for (int64_t k = 0; k < In; ++k) {  // RowQuant's plain rows
+            float v;
+            if (group) {
+              const int64_t half = group / 2, j = k % group;
+              const uint8_t b = codes[static_cast<size_t>(o * In / 2 + k / group * half + j % half)];
+              const uint16_t sc = reinterpret_cast<const uint16_t*>(scales.data())[o * (In / group) + k / group];
+              v = detail::bf16_to_f32(sc) * static_cast<float>((j < half ? b & 15 : b >> 4) - 8);
+            } else {
+              v = reinterpret_cast<const float*>(scales.data())[o] *
+                  static_cast<float>(static_cast<int8_t>(codes[static_cast<size_t>(o * In + k)]));
+            }
+            store_elem(dt, got.data(), o * In + k, v);
+          }
         report(got == deq, std::string("unpack_row_quant ") + wformat_name(wf) + (group ? "/" + std::to_string(group) : "") +
                                " " + dtype_short(dt) + " " + isa_name(isa) + ": scale * code == unpack()");
       }
@@ -1682,6 +1689,17 @@ void test_latent_layer_step(const std::vector<Isa>& tiers) {
         }
 }
 
+// Rows [N, row_bytes] of codes in MlaDecodeArgs::wq's blocks of four rows: chunks of `chunk` bytes of
+// the block's rows interleaved (int8: chunks of 64 values; int4: half a group's bytes).
+std::vector<uint8_t> mla_blocks(const std::vector<uint8_t>& plain, int64_t N, int64_t row_bytes, int64_t chunk) {
+  std::vector<uint8_t> out(plain.size());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < row_bytes / chunk; ++c)
+      std::memcpy(&out[static_cast<size_t>(n / 4 * 4 * row_bytes + (c * 4 + n % 4) * chunk)],
+                  &plain[static_cast<size_t>(n * row_bytes + c * chunk)], static_cast<size_t>(chunk));
+  return out;
+}
+
 // mla_decode on every tier against the form transformers computes, in double: every head's keys
 // [W_k latent_s, k_rope_s] and values W_v latent_s made explicitly, then softmax attention. Latent
 // and rope keys read through strides of a longer buffer, queries through per-head strides (the
@@ -1708,7 +1726,7 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
         std::vector<uint8_t> mask(static_cast<size_t>(B * S), 1);
         for (int64_t j = 1; j < S; j += 2) mask[S + j] = 0;  // row 1: every other position hidden
         for (const int64_t form : {int64_t{0}, int64_t{8}, int64_t{32}, int64_t{64}, int64_t{128}}) {  // 0 dense, 8 int8, else int4's group
-        if (form > 8 && d.L % form != 0) continue;
+        if (form && !mla_quant_fits(form == 8 ? WFormat::kInt8 : WFormat::kInt4, form, d.L, d.Dn, d.Dv)) continue;
         const int64_t N = d.H * rows;
         std::vector<double> wv(static_cast<size_t>(N * d.L));
         std::vector<uint8_t> codes;
@@ -1729,6 +1747,7 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
             }
           }
           wq = RowQuant{WFormat::kInt8, codes.data(), s8.data(), 0};
+          codes = mla_blocks(codes, N, d.L, 64);
         } else {
           const int64_t ng = d.L / form, half = form / 2;
           codes.assign(static_cast<size_t>(N * d.L / 2), 0);
@@ -1742,8 +1761,13 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
                 wv[n * d.L + g * form + k] = double(detail::bf16_to_f32(s4[n * ng + g])) * c;
               }
             }
+          codes = mla_blocks(codes, N, d.L / 2, form / 2);
+          std::vector<uint16_t> plain = s4;  // scales: group g of row r of a block at 4 g + r
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t g = 0; g < ng; ++g) s4[(n / 4 * ng + g) * 4 + n % 4] = plain[n * ng + g];
           wq = RowQuant{WFormat::kInt4, codes.data(), s4.data(), form};
         }
+        if (form) wq.codes = codes.data();
         const std::string wname = form == 0 ? "" : form == 8 ? " int8" : " int4/" + std::to_string(form);
         auto W = [&](int64_t h, int64_t r, int64_t l) { return wv[(h * rows + r) * d.L + l]; };
         for (const bool masked : {false, true}) {
@@ -1806,6 +1830,23 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
         }
       }
     }
+  }
+  // a quantised weight the kernel does not take is refused before anything runs
+  std::vector<uint8_t> buf(4096);
+  for (const auto& bad : {std::pair<RowQuant, int64_t>{RowQuant{WFormat::kInt4, buf.data(), buf.data(), 16}, 4},
+                          std::pair<RowQuant, int64_t>{RowQuant{WFormat::kInt4, buf.data(), buf.data(), 32}, 6},
+                          std::pair<RowQuant, int64_t>{RowQuant{WFormat::kInt8, nullptr, buf.data(), 0}, 4},
+                          std::pair<RowQuant, int64_t>{RowQuant{WFormat::kLossless, buf.data(), buf.data(), 0}, 4}}) {
+    MlaDecodeArgs a{DType::kF32, buf.data(), buf.data(), nullptr, buf.data(), buf.data(), buf.data(), 1, 1, 1,
+                    bad.second, 4, 64, 4, {0, 0}, {0, 0}, {0, 0}, {0, 0}, 1.0f, nullptr, 0, bad.first};
+    bool threw = false;
+    try {
+      mla_decode(a, 1, Isa::kGeneric);
+    } catch (const std::invalid_argument&) {
+      threw = true;
+    }
+    report(threw, std::string("mla_decode refuses a quantised weight of ") + wformat_name(bad.first.fmt) + ", group " +
+                      std::to_string(bad.first.group) + ", Dn " + std::to_string(bad.second));
   }
 }
 

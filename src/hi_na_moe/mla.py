@@ -18,11 +18,11 @@ run over the cached latent rows, the result comes out through kv_b_proj's value 
 math, one rounding), and the module's own o_proj. (A decoder layer whose parts are all on native
 runners runs all of this in its two native calls instead, and the decoder stack every layer's in
 one: hi_na_moe.layers, hi_na_moe.stack.) kv_b_proj's weight is read where the module
-keeps it; when scope="all" packed it alone as int8 / int4 (int4 in groups dividing L), as that
+keeps it; when scope="all" packed it alone as int8 / int4, at the AVX2 and AVX-512 tiers, as that
 layer's own codes and scales (QuantWeight: a half / about a quarter of a bfloat16 copy's bytes, the
-packed values exactly); when it packed it otherwise, what its packed forward computes is made
-dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values). The report's latent
-attention line gives the bytes of these copies. Prefill calls of bfloat16 models (several new tokens; no
+packed values exactly; sizes as mla_quant_fits takes them); otherwise what its packed forward
+computes is made dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values). The
+report's latent attention line gives the bytes of these copies. Prefill calls of bfloat16 models (several new tokens; no
 mask, or a bool one) where hi_na_moe.attention's prefill kernel runs (AVX512-BF16 on AMD CPUs:
 attention.prefill_kernel) make every head's keys and values once, as the module does, and run the
 attention on that kernel, the values padded with zeros to the keys' width: DeepSeek-V2-Lite's shape
@@ -169,15 +169,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class QuantWeight:
-    """kv_b_proj's weight as its packed int8 / int4 layer holds it, in the row order the native
-    kernels read (PackedExperts.unpack_row_quant, moe.h's RowQuant): int8 codes [rows, L] with a
-    float32 scale a row, or int4 codes two to a byte [rows, L / 2] with a bfloat16 scale a group.
-    A half (int8) or about a quarter (int4) of a dense bfloat16 copy's bytes, and exactly the
-    packed layer's values (scale * code), where a dense copy rounds them to the model's dtype."""
+    """kv_b_proj's weight as its packed int8 / int4 layer holds it (PackedExperts.unpack_row_quant:
+    int8 codes with a float32 scale a row, or int4 codes two to a byte with a bfloat16 scale a
+    group), its rows in the native kernel's blocks of four (moe.h's MlaDecodeArgs::wq: a block's
+    rows interleaved by 64 values (int8) or half a group (int4), so that the kernel streams a block
+    in one pass). A half (int8) or about a quarter (int4) of a dense bfloat16 copy's bytes, and
+    exactly the packed layer's values (scale * code), where a dense copy rounds them to the
+    model's dtype."""
 
     def __init__(self, packed, weights: str, group: int):
-        self.codes, self.scales = (torch.from_dlpack(a) for a in packed.unpack_row_quant())
-        self.format, self.group = weights, group
+        codes, scales = (torch.from_dlpack(a) for a in packed.unpack_row_quant())
+        rows = codes.shape[0]
+        self.format, self.group, self.rows = weights, group, rows
+        chunk = 64 if weights == "int8" else group // 2  # bytes of a row between its block's others
+        self.codes = codes.view(rows // 4, 4, -1, chunk).transpose(1, 2).contiguous()
+        self.scales = scales if weights == "int8" else scales.view(rows // 4, 4, -1).transpose(1, 2).contiguous()
         self.native = (1 if weights == "int8" else 2, self.codes.data_ptr(), self.scales.data_ptr(), group)
 
     @property
@@ -186,13 +192,15 @@ class QuantWeight:
 
     def float(self) -> torch.Tensor:
         """The values [rows, L] in float32 (for the PyTorch fallback)."""
+        codes = self.codes.transpose(1, 2).reshape(self.rows, -1)  # the plain rows again
         if self.format == "int8":
-            return self.codes.float() * self.scales.float()[:, None]
-        lo = (self.codes & 15).to(torch.int8) - 8
-        hi = (self.codes >> 4).to(torch.int8) - 8
-        rows, half = self.codes.shape[0], self.group // 2
-        q = torch.stack((lo.view(rows, -1, half), hi.view(rows, -1, half)), 2).view(rows, -1, self.group)
-        return (q.float() * self.scales.float()[:, :, None]).view(rows, -1)
+            return codes.view(torch.int8).float() * self.scales.float()[:, None]
+        half = self.group // 2
+        scales = self.scales.transpose(1, 2).reshape(self.rows, -1)
+        lo = (codes & 15).to(torch.int8) - 8
+        hi = (codes >> 4).to(torch.int8) - 8
+        q = torch.stack((lo.view(self.rows, -1, half), hi.view(self.rows, -1, half)), 2).view(self.rows, -1, self.group)
+        return (q.float() * scales.float()[:, :, None]).view(self.rows, -1)
 
 
 def native_weight(w: "torch.Tensor | QuantWeight"):
@@ -269,17 +277,24 @@ class NativeMLA:
 
     def _quant_weight(self, p: nn.Linear, fwd, rows: int) -> "QuantWeight | None":
         """kv_b_proj's packed int8 / int4 values as the kernels read them, when scope="all"
-        packed it alone (not fused with another linear) in one of those formats, int4 in groups
-        dividing L; else None."""
+        packed it alone (not fused with another linear) in one of those formats, the kernel takes
+        its sizes (mla_quant_fits: Dn and Dv multiples of 4, int8 with L a multiple of 64, int4
+        groups dividing L) and runs at a vector tier; else None."""
         from .patching import patched_member
 
+        # the baseline build (no AVX2: the generic tier, other architectures) reads codes 2.5x
+        # slower than a dense bf16 copy (bench_mla_weight.py --isa generic, session 20): it keeps
+        # the copy
+        if self.native.resolve_isa(self.isa) not in ("avx2", "avx512", "amx"):
+            return None
         member = patched_member(p)
         runner = None if member is None else member[0]
         if runner is None or runner.weights not in ("int8", "int4") or len(runner.modules) != 1:
             return None
         packed = runner.packed
         group = packed.layout["group_size"] if runner.weights == "int4" else 0
-        if (packed.I, packed.H) != (rows, self.L) or (group and self.L % group):
+        if ((packed.I, packed.H) != (rows, self.L)
+                or not self.native.mla_quant_fits(runner.weights, group, self.L, self.Dn, self.Dv)):
             return None
         key = (id(fwd), id(packed))
         if self._wq is None or self._wq[0] != key:

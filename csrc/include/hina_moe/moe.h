@@ -430,16 +430,28 @@ struct MlaDecodeArgs {
   // AttnDecodeArgs::mask); a row attending nothing gives zeros
   const uint8_t* mask = nullptr;
   int64_t mask_bstride = 0;
-  // with w null: the weight [H (Dn + Dv), L] as RowQuant (int8, or int4 with L a multiple of its
-  // group), computed with in float32 as s * q (the query's absorption multiplies each row's
-  // query element by the row's or group's scale once, then by the codes)
+  // with w null: the weight [H (Dn + Dv), L] quantised (RowQuant's codes and scales: int8 with L
+  // a multiple of 64, or int4 in groups of 32 to 128 dividing L; Dn and Dv multiples of 4), its
+  // rows in blocks of four (rows 4b .. 4b + 3) interleaved so that the kernel reads a block as one
+  // sequential stream:
+  //   int8: block b's codes at codes + 4 b L, values [64 c, 64 c + 64) of its row r at
+  //         (4 c + r) 64 from there; scales float32 [rows], plain;
+  //   int4: block b's codes at codes + 2 b L, group g of its row r (RowQuant's group / 2 bytes) at
+  //         (4 g + r) group / 2 from there; its scales at scales + 4 b L / group, group g of row r
+  //         at 4 g + r from there.
+  // Computed in float32 as s * q (the query's absorption multiplies each row's query element by
+  // the row's or group's scale once, then by the codes). hi_na_moe.mla's QuantWeight makes it
+  // from PackedExperts::unpack_row_quant's rows.
   RowQuant wq{};
   bool has_weight() const { return w != nullptr || wq.fmt != WFormat::kLossless; }
 };
 // Heads split across num_threads (0: every hardware thread) when the work is large enough; each
-// thread reads the cache once for all of its heads. isa picks the build (kAvx512/kAmx:
-// AVX-512; kAvx2: AVX2; others: the baseline build).
+// thread reads the cache once for all of its heads. Throws std::invalid_argument for a null w
+// without a wq of the form above. isa picks the build (kAvx512/kAmx: AVX-512; kAvx2: AVX2;
+// others: the baseline build).
 void mla_decode(const MlaDecodeArgs& a, int num_threads, Isa isa);
+// Whether mla_decode reads kv_b_proj's weight of these sizes quantised in this format (wq).
+bool mla_quant_fits(WFormat fmt, int64_t group, int64_t L, int64_t Dn, int64_t Dv);
 
 // Attention of T query rows per (batch, head) over S cached keys/values, bfloat16 in and out
 // (see csrc/kernels/avx512/attention_prefill_avx512bf16.cpp): the prefill counterpart of

@@ -145,9 +145,8 @@ struct Vec {
   }
   static void load_nibbles(const uint8_t* p, Reg& lo, Reg& hi) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i eight = _mm256_set1_epi32(8);
-    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), eight));
-    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   }
 };
 
@@ -183,8 +182,12 @@ struct MlaOps {
     for (; i < n; ++i) acc[i] += s * attn_impl::Elem<T>::get(x, i);
   }
   // kv_b_proj's weight quantised (MlaDecodeArgs::wq)
-  static void qaxpy(float s, const mla_impl::QRow& w, float* acc, int64_t L) { mla_impl::qaxpy_vec<Vec>(s, w, acc, L); }
-  static float qdot(const float* a, const mla_impl::QRow& w, int64_t L) { return mla_impl::qdot_vec<Vec>(a, w, L); }
+  static void qabsorb(const float* s, const mla_impl::QBlock& w, float* acc, int64_t L) {
+    mla_impl::qabsorb_vec<Vec>(s, w, acc, L);
+  }
+  static void qdots(const float* a, const float* gsum, const mla_impl::QBlock& w, float* out, int64_t L) {
+    mla_impl::qdots_vec<Vec>(a, gsum, w, out, L);
+  }
   static float exp_sum(float* x, int64_t n, float mx) {
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();

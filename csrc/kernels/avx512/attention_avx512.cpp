@@ -160,9 +160,8 @@ struct Vec {
   }
   static void load_nibbles(const uint8_t* p, Reg& lo, Reg& hi) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i eight = _mm512_set1_epi32(8);
-    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), eight));
-    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), eight));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
 };
 
@@ -198,8 +197,12 @@ struct MlaOps {
     for (; i < n; ++i) acc[i] += s * attn_impl::Elem<T>::get(x, i);
   }
   // kv_b_proj's weight quantised (MlaDecodeArgs::wq)
-  static void qaxpy(float s, const mla_impl::QRow& w, float* acc, int64_t L) { mla_impl::qaxpy_vec<Vec>(s, w, acc, L); }
-  static float qdot(const float* a, const mla_impl::QRow& w, int64_t L) { return mla_impl::qdot_vec<Vec>(a, w, L); }
+  static void qabsorb(const float* s, const mla_impl::QBlock& w, float* acc, int64_t L) {
+    mla_impl::qabsorb_vec<Vec>(s, w, acc, L);
+  }
+  static void qdots(const float* a, const float* gsum, const mla_impl::QBlock& w, float* out, int64_t L) {
+    mla_impl::qdots_vec<Vec>(a, gsum, w, out, L);
+  }
   static float exp_sum(float* x, int64_t n, float mx) {
     const __m512 vmx = _mm512_set1_ps(mx);
     __m512 vsum = _mm512_setzero_ps();
