@@ -341,9 +341,10 @@ def test_a_static_cache_decodes_on_the_kernel_through_its_mask(min_weights):
 
 
 @pytest.mark.parametrize("weights, group", [("int8", 64), ("int4", 32), ("int4", 64)])
-# (float32 on the modules' decode path only: the float32 MoE layer's probe asks its native calls for
-# its Python step's bits, which on this tiny shape depend on the probe's data: int4/64 at avx512
-# misses them with the dense copy too)
+# (float32 on the modules' decode path only: whether a float32 MoE layer takes its native calls
+# depends on the probe's data, since the native router's float32 weights can differ from PyTorch's
+# by an ulp, which float32 outputs keep and the layer's bit-for-bit probe refuses; seen on this
+# tiny shape at int4/64 with the dense copy)
 @pytest.mark.parametrize("dtype, path", [(torch.bfloat16, "one-call"), (torch.bfloat16, "layer-calls"),
                                          (torch.bfloat16, "modules"), (torch.float32, "modules")], ids=str)
 def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, path, dtype, monkeypatch):
