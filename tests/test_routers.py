@@ -35,6 +35,8 @@ EXPECTED = {
     "minimax_m2": "sigmoid-topk, bias argument", "hy_v3": "sigmoid-topk, bias argument, float32 logits, +1e-20, scaled",
     # DeepSeek-V2's softmax over float32 logits, greedy or group-limited
     "deepseek_v2": "softmax-group-topk, float32 logits", "deepseek_ocr2": "softmax-group-topk, float32 logits",
+    # Mistral 4's: the softmax, groups and renormalisation in the logits' dtype
+    "mistral4": "softmax-group-topk in the logits' dtype",
 }
 
 
@@ -313,6 +315,37 @@ def test_router_select_softmax_group_form_against_deepseek_v2s_router(method, E,
     w, idx = _select(x, k, 3, False, torch.float32, None, 0.0, groups, topk_group, 16.0, 0.0)
     assert torch.equal(idx, want_idx)
     assert ((w - want_w).abs() <= routers._SELECT_RTOL[torch.float32] * want_w.abs()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("E,k,groups,topk_group,norm,scale", [(128, 4, 1, 1, True, 1.0), (16, 4, 4, 2, True, 2.5),
+                                                               (64, 6, 8, 3, False, 1.0), (8, 2, 1, 1, True, 1.0)])
+def test_router_select_in_dtype_form_against_mistral4s_router(dtype, E, k, groups, topk_group, norm, scale):
+    """router_select's Mistral 4 form against transformers' Mistral4TopkRouter itself (an identity
+    weight: its logits are the rows): softmax in the logits' dtype, groups by the sum of their two
+    largest, the top k unsorted, renormalised and scaled in that dtype; the same experts in the
+    same order on tie-heavy rows and the same weights bit for bit in bf16 / fp16 (each step rounded
+    to the dtype hides the float32 softmax's last bits), within a few ulps in float32."""
+    from transformers import Mistral4Config
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4TopkRouter
+
+    gen = torch.Generator().manual_seed(E + k + groups)
+    x = torch.randint(-4, 5, (400, E), generator=gen).float() / 4
+    x[::4] = torch.randn(100, E, generator=gen) * 3
+    x = x.to(dtype)
+    cfg = Mistral4Config(hidden_size=E, num_local_experts=E, num_experts_per_tok=k, n_group=groups,
+                         topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=scale)
+    router = Mistral4TopkRouter(cfg).to(dtype)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+        logits, want_w, want_idx = router(x)
+    assert torch.equal(logits, x) and want_w.dtype is dtype
+    w, idx = _select(x, k, 4, norm, dtype, None, 0.0, groups, topk_group, scale, 1e-20)
+    assert torch.equal(idx, want_idx)
+    if dtype is torch.float32:
+        assert ((w - want_w).abs() <= routers._SELECT_RTOL[torch.float32] * want_w.abs()).all()
+    else:
+        assert torch.equal(w, want_w)
 
 
 def test_a_form_router_select_refuses_keeps_pytorchs_selection():

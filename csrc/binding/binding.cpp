@@ -551,9 +551,9 @@ nb::dict kernel_table(const std::string& qdot) {
 // them over: a wrong group count would read past a row.
 static void check_select(const char* where, int form, int64_t E, int64_t k, int64_t groups, int64_t topk_group,
                          uintptr_t sel_bias) {
-  if (form < 0 || form > 3)
-    bad(std::string(where) + ": form must be 0 (softmax-topk), 1 (topk-softmax), 2 (sigmoid-group-topk) or 3 "
-        "(softmax-group-topk)");
+  if (form < 0 || form > 4)
+    bad(std::string(where) + ": form must be 0 (softmax-topk), 1 (topk-softmax), 2 (sigmoid-group-topk), 3 "
+        "(softmax-group-topk) or 4 (softmax-group-topk in the logits' dtype)");
   if (form < 2) return;
   if (groups < 1 || E % groups != 0 || E / groups < 2 || topk_group < 1 || topk_group > groups ||
       k > topk_group * (E / groups) || (form == 2 && sel_bias == 0))
@@ -1539,13 +1539,16 @@ NB_MODULE(_native, m) {
         nb::arg("norm_min") = 0.0f, nb::arg("groups") = 1, nb::arg("topk_group") = 1, nb::arg("scale") = 1.0f,
         nb::arg("eps") = 1e-20f,
         "router_select() (moe.h) with raw addresses, addresses unchecked (dtype codes: 0 float32, 1 bfloat16, "
-        "2 float16; form 0 softmax-topk, 1 topk-softmax, 2 sigmoid-group-topk): logits [B, E] -> w [B, k] of "
+        "2 float16; form 0 softmax-topk, 1 topk-softmax, 2 sigmoid-group-topk, 3 softmax-group-topk, 4 the same "
+        "in the logits' dtype): logits [B, E] -> w [B, k] of "
         "w_dtype, int64 idx [B, k], the top-k's ties moved as torch.topk moves them; sel_bias != 0 (form 0): "
         "float32 [E] added to the probabilities to choose, the weights the probabilities, renorm over max(sum, "
         "norm_min); form 2 (DeepSeek-V3's): sigmoid scores plus sel_bias (required) choose within the topk_group "
         "best of `groups` expert groups, the weights the scores (renorm: over sum + eps) times scale; form 3 "
         "(DeepSeek-V2's): softmax, the experts outside the topk_group groups of largest maximum counted as 0, the "
-        "top k of the probabilities times scale. For "
+        "top k of the probabilities times scale; form 4 (Mistral 4's): softmax in the logits' dtype, groups scored "
+        "by their two largest probabilities, the top k of the kept, renorm over sum + eps and times scale, every "
+        "step rounded to that dtype. For "
         "hi_na_moe.routers. Wrong addresses crash.");
   m.def("measure_read_bandwidth",
         [](size_t bytes, int threads, int passes) {

@@ -1,6 +1,8 @@
-// A MoE router's selection from its logits (hi_na_moe.routers), in the two forms transformers
-// writes: softmax then top-k (optionally choosing on the probabilities plus a correction bias and
-// keeping the probabilities as weights: ERNIE 4.5), or top-k then a softmax over the k.
+// A MoE router's selection from its logits (hi_na_moe.routers), in the forms transformers writes
+// (moe.h): softmax then top-k (optionally choosing on the probabilities plus a correction bias and
+// keeping the probabilities as weights: ERNIE 4.5), top-k then a softmax over the k, and the
+// grouped forms of DeepSeek-V3 (sigmoid), DeepSeek-V2 (softmax) and Mistral 4 (softmax in the
+// logits' dtype).
 //
 // The top-k reproduces torch.topk's CPU kernel, ties included: PyTorch selects with the C++
 // standard library (a partial sort when 64 k <= E, else nth_element and a sort of the first
@@ -14,6 +16,7 @@
 // differ from the module's by a few float32 ulps, as the other scope="all" kernels' results do.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -127,10 +130,53 @@ void softmax_group_row(const RouterSelectArgs& a, float* p, Entry* q, std::vecto
   }
 }
 
+// x rounded to dt and back (PyTorch's result of an op in that dtype computed in float32)
+float round_to(DType dt, float x) {
+  if (dt == DType::kF32) return x;
+  uint32_t h = 0;  // (room for any dtype's element)
+  store_elem(dt, &h, 0, x);
+  return load_elem(dt, &h, 0);
+}
+
+// Mistral 4's selection (kSoftmaxGroupTopkInDtype) of one row of E logits (moe.h), p holding them as
+// float32; every step rounded to the logits' dtype. q: G + E entries of scratch.
+void softmax_group_in_dtype_row(const RouterSelectArgs& a, float* p, Entry* q, std::vector<char>& keep, int64_t* idx,
+                                float* w) {
+  const int64_t E = a.E, G = a.groups, n = E / G;
+  const DType dt = a.dtype;
+  softmax(p, E);
+  for (int64_t j = 0; j < E; ++j) p[j] = round_to(dt, p[j]);
+  Entry* c = q + G;
+  if (G > 1) {  // a group's score: its two largest p (topk(2)), summed in the dtype
+    for (int64_t i = 0; i < G; ++i) {
+      for (int64_t j = 0; j < n; ++j) c[j] = {p[i * n + j], j};
+      top_k(c, n, 2);
+      q[i] = {round_to(dt, c[0].first + c[1].first), i};
+    }
+    keep_groups(q, G, a.topk_group, keep);
+    for (int64_t j = 0; j < E; ++j) c[j] = {keep[static_cast<size_t>(j / n)] ? p[j] : 0.0f, j};
+  } else {  // (one group: the module's mask keeps every expert)
+    for (int64_t j = 0; j < E; ++j) c[j] = {p[j], j};
+  }
+  top_k(c, E, a.k, false);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < a.k; ++j) {
+    idx[j] = c[j].second;
+    w[j] = p[c[j].second];
+    sum += w[j];
+  }
+  if (a.renorm) {
+    const float d = round_to(dt, round_to(dt, sum) + a.eps);
+    for (int64_t j = 0; j < a.k; ++j) w[j] = round_to(dt, w[j] / d);
+  }
+  for (int64_t j = 0; j < a.k; ++j) w[j] = round_to(dt, w[j] * a.scale);
+}
+
 }  // namespace
 
 void router_select(const RouterSelectArgs& a) {
-  if (a.form == RouterForm::kSigmoidGroupTopk || a.form == RouterForm::kSoftmaxGroupTopk) {
+  if (a.form == RouterForm::kSigmoidGroupTopk || a.form == RouterForm::kSoftmaxGroupTopk ||
+      a.form == RouterForm::kSoftmaxGroupTopkInDtype) {
     thread_local std::vector<Entry> q;
     thread_local std::vector<char> keep;
     thread_local std::vector<float> buf;
@@ -145,8 +191,10 @@ void router_select(const RouterSelectArgs& a) {
       for (int64_t j = 0; j < a.E; ++j) v[j] = load_elem(a.dtype, row, j);
       if (a.form == RouterForm::kSigmoidGroupTopk)
         sigmoid_group_row(a, v, q.data(), keep, s, a.idx + b * a.k, w);
-      else
+      else if (a.form == RouterForm::kSoftmaxGroupTopk)
         softmax_group_row(a, v, q.data(), keep, a.idx + b * a.k, w);
+      else
+        softmax_group_in_dtype_row(a, v, q.data(), keep, a.idx + b * a.k, w);
       for (int64_t j = 0; j < a.k; ++j) store_elem(a.w_dtype, a.w, b * a.k + j, w[j]);
     }
     return;

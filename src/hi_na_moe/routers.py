@@ -36,6 +36,11 @@ is used, and the two differ at most in the last bit of the scores.
 - softmax-group-topk (DeepSeek-V2, DeepSeek-OCR 2's decoder): float32 logits as above, a softmax,
   the top k unsorted (greedy), or within the topk_group groups of largest maximum, the others'
   probabilities counted as 0 (group_limited_greedy), times routed_scaling_factor, in float32;
+- softmax-group-topk in the logits' dtype (Mistral 4): the softmax in the logits' dtype (no
+  float32), each expert group scored by the sum of its two largest probabilities, the top k among
+  the topk_group best groups (both unsorted), the chosen probabilities as weights, optionally over
+  (their sum + 1e-20), times routed_scaling_factor, every op in that dtype (router_select rounds
+  each step to it);
 - sigmoid-topk, bias argument (MiniMax-M2, Hunyuan-V3): the router's forward takes the correction
   bias as its second argument (the MoE block's `e_score_correction_bias` buffer); sigmoid scores
   of the logits (in the weight's dtype, or float32), the top k of scores plus the bias (unsorted),
@@ -254,6 +259,30 @@ def _softmax_group_topk(k: int, module: nn.Module) -> Form:
     return run
 
 
+def _softmax_group_topk_in_dtype(k: int, module: nn.Module) -> Form:
+    """Mistral 4's router: the softmax in the logits' dtype, the expert groups scored by the sum of
+    their two largest probabilities, the experts chosen among the topk_group best groups (both
+    top-ks unsorted), the chosen probabilities as weights, optionally over (their sum + 1e-20), times
+    routed_scaling_factor: every op in the logits' dtype, as the module's."""
+    def run(linear, h, bias=None):
+        logits = linear(h)
+        scores = logits.softmax(-1)
+        G, E = module.num_group, logits.shape[-1]
+        group_scores = scores.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=module.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        keep = keep.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        idx = torch.topk(scores.masked_fill(~keep, 0.0), k=k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if module.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, w * module.routed_scaling_factor, idx
+
+    run.native = lambda dt: (4, k, bool(module.norm_topk_prob), None, False,  # type: ignore[attr-defined]
+                             (module.num_group, module.topk_group, float(module.routed_scaling_factor), 1e-20))
+    return run
+
+
 def _grouped(module: nn.Module) -> bool:
     """Whether the module has the grouped sigmoid form's settings (DeepSeek-V3's names)."""
     d = module.__dict__
@@ -284,6 +313,8 @@ def _forms(k: int, module: nn.Module | None = None, bias_arg: bool = False) -> l
     if (d.get("topk_method") in ("greedy", "group_limited_greedy") and type(d.get("num_group")) is int
             and type(d.get("topk_group")) is int and type(d.get("routed_scaling_factor")) in (int, float)):
         out.append(("softmax-group-topk, float32 logits", _softmax_group_topk(k, module)))
+    if module is not None and _grouped(module) and "topk_method" not in d:
+        out.append(("softmax-group-topk in the logits' dtype", _softmax_group_topk_in_dtype(k, module)))
     for renorm in (True, False):
         for cast in (True, False):
             out.append((f"softmax-topk{', renormalised' if renorm else ''}{', cast' if cast else ''}",

@@ -498,13 +498,25 @@ bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa);
 //   kSoftmaxGroupTopk (DeepSeek-V2): p = softmax(float32(logits)); with groups > 1 each group
 //                 scored by its largest p, the topk_group best kept and the others' p taken as 0;
 //                 the k largest as torch.topk(..., sorted=False) leaves them, w = p * scale.
-enum class RouterForm : int { kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidGroupTopk = 2, kSoftmaxGroupTopk = 3 };
+//   kSoftmaxGroupTopkInDtype (Mistral 4): every step in the logits' dtype as PyTorch's ops in it
+//                 round (r(x): x rounded to that dtype; nothing for float32): p = r(softmax(float32
+//                 (logits))); each of the groups scored by r(the sum of its two largest p), the
+//                 topk_group best (torch.topk(sorted=False)) kept and the others' p taken as 0; the
+//                 k largest as torch.topk(..., sorted=False) leaves them, w = their p; with renorm
+//                 w = r(w / r(r(sum of w, in their order) + eps)); then w = r(w * scale).
+enum class RouterForm : int {
+  kSoftmaxTopk = 0,
+  kTopkSoftmax = 1,
+  kSigmoidGroupTopk = 2,
+  kSoftmaxGroupTopk = 3,
+  kSoftmaxGroupTopkInDtype = 4
+};
 struct RouterSelectArgs {
   DType dtype;         // the logits'
   const void* logits;  // [B, E] contiguous
   int64_t B, E, k;     // 1 <= k <= E
   RouterForm form;
-  bool renorm;  // kSoftmaxTopk only
+  bool renorm;  // kSoftmaxTopk, kSigmoidGroupTopk and kSoftmaxGroupTopkInDtype
   DType w_dtype;
   void* w;       // out [B, k]
   int64_t* idx;  // out [B, k]
@@ -513,11 +525,11 @@ struct RouterSelectArgs {
   // then divides by max(sum, norm_min)
   const float* sel_bias = nullptr;
   float norm_min = 0.0f;
-  // kSigmoidGroupTopk and kSoftmaxGroupTopk (groups divides E, E / groups >= 2, 1 <= topk_group <=
-  // groups, and k <= topk_group * E / groups)
+  // kSigmoidGroupTopk, kSoftmaxGroupTopk and kSoftmaxGroupTopkInDtype (groups divides E, E / groups
+  // >= 2, 1 <= topk_group <= groups, and k <= topk_group * E / groups)
   int64_t groups = 1, topk_group = 1;
   float scale = 1.0f;
-  float eps = 1e-20f;  // kSigmoidGroupTopk: the renormalising sum's epsilon (MiniMax-M2: 0)
+  float eps = 1e-20f;  // kSigmoidGroupTopk, kSoftmaxGroupTopkInDtype: the renormalising sum's epsilon
 };
 void router_select(const RouterSelectArgs& a);
 
