@@ -75,6 +75,32 @@ void keep_groups(Entry* groups, int64_t G, int64_t topk_group, std::vector<char>
   for (int64_t i = 0; i < topk_group; ++i) keep[static_cast<size_t>(groups[i].second)] = 1;
 }
 
+// x rounded to dt and back (PyTorch's result of an op in that dtype computed in float32)
+float round_to(DType dt, float x) {
+  if (dt == DType::kF32) return x;
+  uint32_t h = 0;  // (room for any dtype's element)
+  store_elem(dt, &h, 0, x);
+  return load_elem(dt, &h, 0);
+}
+
+// The grouped forms' last steps: the k largest of c[0..E) (torch.topk(sorted=False)), their
+// weights the scores s of the chosen, with renorm over (their sum + eps), times scale; every step
+// rounded to dt (float32: not at all).
+void choose(const RouterSelectArgs& a, DType dt, Entry* c, const float* s, int64_t* idx, float* w) {
+  top_k(c, a.E, a.k, false);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < a.k; ++j) {
+    idx[j] = c[j].second;
+    w[j] = s[c[j].second];
+    sum += w[j];
+  }
+  if (a.renorm) {
+    const float d = round_to(dt, round_to(dt, sum) + a.eps);
+    for (int64_t j = 0; j < a.k; ++j) w[j] = round_to(dt, w[j] / d);
+  }
+  for (int64_t j = 0; j < a.k; ++j) w[j] = round_to(dt, w[j] * a.scale);
+}
+
 // DeepSeek-V3's grouped selection (kSigmoidGroupTopk) of one row of E float32 logits, as the
 // module's ops compute it: sigmoid, the bias added, group scores, the groups' and the experts'
 // top-k (moe.h). q: G + E entries of scratch, s: E floats of scratch.
@@ -91,18 +117,7 @@ void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, Entry* q,
   keep_groups(q, G, a.topk_group, keep);
   // the kept groups' experts; the others' scores are -inf (masked_fill), in index order
   for (int64_t j = 0; j < E; ++j) c[j] = {keep[static_cast<size_t>(j / n)] ? s[j] + a.sel_bias[j] : -INFINITY, j};
-  top_k(c, E, a.k, false);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < a.k; ++j) {
-    idx[j] = c[j].second;
-    w[j] = s[c[j].second];
-    sum += w[j];
-  }
-  if (a.renorm) {
-    const float d = sum + a.eps;
-    for (int64_t j = 0; j < a.k; ++j) w[j] /= d;
-  }
-  for (int64_t j = 0; j < a.k; ++j) w[j] *= a.scale;
+  choose(a, DType::kF32, c, s, idx, w);
 }
 
 // DeepSeek-V2's selection (kSoftmaxGroupTopk) of one row of E float32 logits (moe.h), p holding
@@ -130,14 +145,6 @@ void softmax_group_row(const RouterSelectArgs& a, float* p, Entry* q, std::vecto
   }
 }
 
-// x rounded to dt and back (PyTorch's result of an op in that dtype computed in float32)
-float round_to(DType dt, float x) {
-  if (dt == DType::kF32) return x;
-  uint32_t h = 0;  // (room for any dtype's element)
-  store_elem(dt, &h, 0, x);
-  return load_elem(dt, &h, 0);
-}
-
 // Mistral 4's selection (kSoftmaxGroupTopkInDtype) of one row of E logits (moe.h), p holding them as
 // float32; every step rounded to the logits' dtype. q: G + E entries of scratch.
 void softmax_group_in_dtype_row(const RouterSelectArgs& a, float* p, Entry* q, std::vector<char>& keep, int64_t* idx,
@@ -158,18 +165,7 @@ void softmax_group_in_dtype_row(const RouterSelectArgs& a, float* p, Entry* q, s
   } else {  // (one group: the module's mask keeps every expert)
     for (int64_t j = 0; j < E; ++j) c[j] = {p[j], j};
   }
-  top_k(c, E, a.k, false);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < a.k; ++j) {
-    idx[j] = c[j].second;
-    w[j] = p[c[j].second];
-    sum += w[j];
-  }
-  if (a.renorm) {
-    const float d = round_to(dt, round_to(dt, sum) + a.eps);
-    for (int64_t j = 0; j < a.k; ++j) w[j] = round_to(dt, w[j] / d);
-  }
-  for (int64_t j = 0; j < a.k; ++j) w[j] = round_to(dt, w[j] * a.scale);
+  choose(a, dt, c, p, idx, w);
 }
 
 }  // namespace
