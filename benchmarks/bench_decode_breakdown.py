@@ -55,6 +55,9 @@ steps ran before its router had a native form), likewise;
 --ab-mla-weight: latent attention's kernels reading a quantised kv_b_proj as its codes and scales
 or through a dense copy in the model's dtype (hi_na_moe.mla.QUANT_WEIGHT; both forms made before the
 first timed step, so neither arm pays for making one), likewise;
+--ab-mla-dots: latent attention's kernel reading a bfloat16 latent cache with AVX512-BF16 dot
+products (its default where the CPU has them) or with float32 FMAs (_native.set_mla_bf16_dots),
+likewise;
 --ab-prefetch A,B: the kernels' software prefetch A or B bytes ahead into L2 (needs the
 HINA_PREFETCH_TUNING build of bench_prefetch.py, whose kernels read HINA_PF at every job), likewise.
 
@@ -127,6 +130,9 @@ def main() -> int:
     ap.add_argument("--ab-mla-weight", action="store_true",
                     help="alternate latent attention's quantised kv_b_proj read as codes and scales / as a dense "
                          "copy (scope all, int8/int4; step times only)")
+    ap.add_argument("--ab-mla-dots", action="store_true",
+                    help="alternate latent attention's bf16 cache read on bf16 dot products / on float32 FMAs "
+                         "(step times only)")
     ap.add_argument("--ab-moe-block", action="store_true",
                     help="alternate the MoE blocks called directly with native routers / as modules with the "
                          "routers' own forwards (scope all; step times only)")
@@ -182,14 +188,15 @@ def main() -> int:
                              ("one-call", args.ab_one_call), ("shared", args.ab_shared),
                              ("rope-norm", args.ab_rope_norm), ("layer-calls", args.ab_layer_calls),
                              ("moe-block", args.ab_moe_block), ("mla-weight", args.ab_mla_weight),
+                             ("mla-dots", args.ab_mla_dots),
                              ("prefetch", bool(args.ab_prefetch)),
                              ("wrapper", args.ab_wrapper), ("pool", args.ab_pool)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
                          "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-layer-calls, --ab-moe-block, --ab-mla-weight, "
-                         "--ab-prefetch, --ab-wrapper, --ab-pool: one A/B at a time")
+                         "--ab-mla-dots, --ab-prefetch, --ab-wrapper, --ab-pool: one A/B at a time")
     whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "layer-calls", "moe-block",
-                   "mla-weight", "prefetch", "wrapper", "pool")
+                   "mla-weight", "mla-dots", "prefetch", "wrapper", "pool")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -205,6 +212,7 @@ def main() -> int:
     arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else
                                "per-module " if kind == "layer-calls" else "module " if kind == "moe-block" else
                                "layer-loop " if kind == "one-call" else "dense-copy " if kind == "mla-weight"
+                               else "float32-FMA " if kind == "mla-dots"
                                else "modules " if kind in ("shared", "rope-norm")
                                else "PyTorch ") + kind] if kind else [""]
     use_native = None
@@ -277,6 +285,9 @@ def main() -> int:
 
             def use_native(on: bool) -> None:
                 mla.QUANT_WEIGHT = on
+        elif kind == "mla-dots":
+            def use_native(on: bool) -> None:
+                _native.set_mla_bf16_dots(on)
         elif kind == "layer-calls":
             from hi_na_moe.layers import NativeLayer
             from hi_na_moe.patching import patched_runner

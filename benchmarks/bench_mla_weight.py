@@ -11,6 +11,9 @@ weight bytes a call reads and their rate. The queries, latent cache and rope key
 model's kernels read them.
 
     chrt -f 1 python benchmarks/bench_mla_weight.py [--layers 40] [--context 1] [--threads 2]
+
+--ab-dots: the dense weight twice instead, the bf16 latent cache read with AVX512-BF16 dot products
+(mla_decode's default where the CPU has them) against float32 FMAs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--isa", default="auto")
+    ap.add_argument("--ab-dots", action="store_true",
+                    help="instead of the weight forms: the dense weight with the bf16 latent cache read on bf16 dot "
+                         "products (where the CPU has AVX512-BF16) / on float32 FMAs (_native.set_mla_bf16_dots)")
     args = ap.parse_args()
     nat = native_module()[0]
     if nat is None:
@@ -47,8 +53,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     dense = [(torch.randn(rows, L, generator=gen) * 0.05).to(torch.bfloat16) for _ in range(args.layers)]
     arms = {"bf16 dense": ([w.data_ptr() for w in dense], rows * L * 2)}
+    if args.ab_dots:
+        arms["f32 FMAs"] = arms["bf16 dense"]
     keep = []
-    for fmt in ("int8", "int4"):
+    for fmt in () if args.ab_dots else ("int8", "int4"):
         ws, nbytes = [], 0
         for w in dense:
             packed = nat.PackedExperts.pack_linear(w, None, isa="generic", num_threads=args.threads, weights=fmt,
@@ -72,10 +80,12 @@ def main() -> None:
     times = {a: [] for a in arms}
     for _ in range(args.rounds):
         for a, (ws, _) in arms.items():
+            nat.set_mla_bf16_dots(a != "f32 FMAs")
             t = time.perf_counter()
             for w in ws:
                 call(w)
             times[a].append((time.perf_counter() - t) / len(ws))
+    nat.set_mla_bf16_dots(True)
     print(f"mla_decode at {isa}, {args.threads} threads: H {H}, Dn {Dn}, Dr {Dr}, Dv {Dv}, L {L}, {S} cached "
           f"positions, {args.layers} distinct weights an arm, medians of {args.rounds - 2} rounds")
     base = statistics.median(times["bf16 dense"][2:])

@@ -1218,6 +1218,11 @@ NB_MODULE(_native, m) {
         "1 bfloat16, 2 float16; mask: 0 for none, else bool bytes at mask + b * mask_bstride; sinks: 0 for none, "
         "else Hq float32 sink logits), for "
         "hi_na_moe.attention, which checked the tensors itself. Wrong addresses crash.");
+  m.def("set_mla_bf16_dots", &hina::set_mla_bf16_dots, nb::arg("on"),
+        "Whether mla_decode reads bfloat16 latent caches with AVX512-BF16 dot products where the CPU has them "
+        "(the latent query and the probabilities rounded to bfloat16; on by default; off: float32 FMAs). "
+        "Process-wide; for A/B measurements and tests.");
+  m.def("mla_bf16_dots", &hina::mla_bf16_dots, "set_mla_bf16_dots's setting.");
   m.def("mla_quant_fits",
         [](const std::string& weights, int64_t group, int64_t L, int64_t Dn, int64_t Dv) {
           return hina::mla_quant_fits(parse_wformat(weights), group, L, Dn, Dv);

@@ -1,6 +1,7 @@
 // Decode attention of multi-head latent attention (hina::mla_decode): the baseline build of
 // mla_impl.h and the dispatch to its AVX-512 and AVX2 builds.
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 
 #include "hina_moe/cpu_features.h"
@@ -13,6 +14,12 @@ namespace detail {
 void mla_decode_avx512(const MlaDecodeArgs& a, int64_t h0, int64_t h1);
 void mla_decode_avx2(const MlaDecodeArgs& a, int64_t h0, int64_t h1);
 }  // namespace detail
+
+namespace {
+std::atomic<bool> g_bf16_dots{true};
+}
+bool mla_bf16_dots() { return g_bf16_dots.load(std::memory_order_relaxed); }
+void set_mla_bf16_dots(bool on) { g_bf16_dots.store(on, std::memory_order_relaxed); }
 
 bool mla_quant_fits(WFormat fmt, int64_t group, int64_t L, int64_t Dn, int64_t Dv) {
   if (Dn % 4 != 0 || Dv % 4 != 0 || L <= 0) return false;

@@ -18,7 +18,8 @@
 //
 // Each thread takes a group of heads and reads each cached position once for all of them: the
 // position's latent and rope key are made float32 once, then scored against every head of the
-// group, and once more for the weighted sums.
+// group, and once more for the weighted sums. (The AVX-512 policy reads a bfloat16 cache with
+// AVX512-BF16 dot products where the CPU has them instead: kernels/avx512/mla_scores_avx512bf16.cpp.)
 #pragma once
 
 #include <algorithm>

@@ -1809,7 +1809,12 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
           all.insert(all.begin(), Isa::kGeneric);
           const size_t es = dtype_size(dt);
           for (Isa isa : all) {
-            for (int threads : {1, 2}) {
+            // bfloat16 at the AVX-512 tiers: with the latent cache read on bf16 dot products (where
+            // the CPU has them) and without
+            const bool both = dt == DType::kBF16 && (isa == Isa::kAvx512 || isa == Isa::kAmx);
+            for (int run = 0; run < (both ? 4 : 2); ++run) {
+              const int threads = 1 + run % 2;
+              set_mla_bf16_dots(run < 2);
               std::vector<uint8_t> out(static_cast<size_t>(B * d.H * d.Dv) * es, 0xff);
               MlaDecodeArgs a{dt, q.data(), q.data() + d.Dn * es, form ? nullptr : dense.data(), lat.data(), kr.data(), out.data(),
                               B, d.H, S, d.Dn, d.Dr, d.L, d.Dv, {d.H * qw, qw}, {d.H * qw, qw}, {Smax * d.L, d.L},
@@ -1819,8 +1824,10 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
               for (size_t i = 0; i < ref.size(); ++i)
                 worst = std::max(worst, std::fabs(double(load_elem(dt, out.data(), int64_t(i))) - ref[i]) / rmax);
               const double lim = dt == DType::kF32 ? 1e-5 : dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 512;
-              note(std::string("mla_decode ") + dtype_name(dt) + wname + " " + isa_name(isa), worst);
-              report(worst <= lim, std::string("mla_decode ") + dtype_name(dt) + wname + " " + isa_name(isa) +
+              set_mla_bf16_dots(true);
+              const std::string sname = both ? (run < 2 ? " bf16-dots" : " f32-fmas") : "";
+              note(std::string("mla_decode ") + dtype_name(dt) + wname + " " + isa_name(isa) + sname, worst);
+              report(worst <= lim, std::string("mla_decode ") + dtype_name(dt) + wname + " " + isa_name(isa) + sname +
                                        (masked ? " masked" : "") + " H=" + std::to_string(d.H) + " L=" +
                                        std::to_string(d.L) + " S=" + std::to_string(S) + " threads=" +
                                        std::to_string(threads) + ": err " + std::to_string(worst));

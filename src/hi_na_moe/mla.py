@@ -15,7 +15,9 @@ module's own PyTorch ops (a few small tensors), the cache update (in place for a
 hi_na_moe.kv_cache), one native call for the attention with kv_b_proj absorbed
 (hina::mla_decode: the query goes into the latent space once, the scores and the weighted sum
 run over the cached latent rows, the result comes out through kv_b_proj's value rows; float32
-math, one rounding), and the module's own o_proj. (A decoder layer whose parts are all on native
+math, one rounding; a bfloat16 cache on CPUs with AVX512-BF16 read with bf16 dot products, the
+latent query and the probabilities rounded to bfloat16 for them: moe.h's mla_bf16_dots), and the
+module's own o_proj. (A decoder layer whose parts are all on native
 runners runs all of this in its two native calls instead, and the decoder stack every layer's in
 one: hi_na_moe.layers, hi_na_moe.stack.) kv_b_proj's weight is read where the module
 keeps it; when scope="all" packed it alone as int8 / int4, at the AVX2 and AVX-512 tiers, as that

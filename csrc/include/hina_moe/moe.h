@@ -452,6 +452,14 @@ struct MlaDecodeArgs {
 void mla_decode(const MlaDecodeArgs& a, int num_threads, Isa isa);
 // Whether mla_decode reads kv_b_proj's weight of these sizes quantised in this format (wq).
 bool mla_quant_fits(WFormat fmt, int64_t group, int64_t L, int64_t Dn, int64_t Dv);
+// Whether mla_decode reads a bfloat16 latent cache (L a multiple of 32) with AVX512-BF16 dot
+// products where the CPU has them (tiers avx512 / amx; vdpbf16ps: pairs of products summed in
+// float32): the scores' latent half with each head's latent query rounded to bfloat16 once, the
+// latent outputs with the probabilities rounded to bfloat16 (as PyTorch's bf16 attention rounds
+// them for the product with the values). On by default; off: float32 FMAs, as every other build
+// (for A/B measurements and tests; process-wide).
+bool mla_bf16_dots();
+void set_mla_bf16_dots(bool on);
 
 // Attention of T query rows per (batch, head) over S cached keys/values, bfloat16 in and out
 // (see csrc/kernels/avx512/attention_prefill_avx512bf16.cpp): the prefill counterpart of

@@ -5,13 +5,29 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
+#include "hina_moe/cpu_features.h"
+#include "hina_moe/moe.h"
 #include "moe/attention_impl.h"
 #include "moe/mla_impl.h"
 #include "vec_avx512.h"
 
 namespace hina::detail {
+
+// mla_scores_avx512bf16.cpp (its own flags): the passes over a bf16 latent cache on bf16 dot products
+void mla_latent_scores_bf16dot(const float* ql, int64_t G, int64_t L, const uint16_t* lat, int64_t cs,
+                               const int32_t* kept, int64_t n, float* sc, int64_t S);
+void mla_latent_sums_bf16dot(const float* p, int64_t G, int64_t L, const uint16_t* lat, int64_t cs,
+                             const int32_t* kept, int64_t n, int64_t S, float* ol);
+
 namespace {
+
+// Whether bfloat16 latent caches are read with bf16 dot products (mla_scores_avx512bf16.cpp)
+bool bf16_dots() {
+  static const bool cpu = cpu_features().avx512bf16;
+  return cpu && mla_bf16_dots();
+}
 
 // 16 values of a row as float32 (bf16: shift into the high half; f16: the F16C conversion).
 template <class T>
@@ -221,12 +237,18 @@ struct MlaOps {
   template <class T>
   static void latent_scores(const float* ql, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
                             int64_t n, float* sc, int64_t S, float* row) {
+    if constexpr (std::is_same_v<T, uint16_t>) {  // bfloat16
+      if (L % 32 == 0 && bf16_dots()) return mla_latent_scores_bf16dot(ql, G, L, lat, cs, kept, n, sc, S);
+    }
     if (L % 16) return mla_impl::latent_scores_rows<MlaOps>(ql, G, L, lat, cs, kept, n, sc, S, row);
     mla_impl::latent_scores_blocked<Vec, 4, 4>(ql, G, L, lat, cs, kept, n, sc, S);
   }
   template <class T>
   static void latent_sums(const float* p, int64_t G, int64_t L, const T* lat, int64_t cs, const int32_t* kept,
                           int64_t n, int64_t S, float* ol, float* row) {
+    if constexpr (std::is_same_v<T, uint16_t>) {  // bfloat16
+      if (L % 32 == 0 && bf16_dots()) return mla_latent_sums_bf16dot(p, G, L, lat, cs, kept, n, S, ol);
+    }
     if (L % 32) return mla_impl::latent_sums_rows<MlaOps>(p, G, L, lat, cs, kept, n, S, ol, row);
     mla_impl::latent_sums_blocked<Vec, 8, 2>(p, G, L, lat, cs, kept, n, S, ol);
   }
