@@ -412,14 +412,14 @@ void heads(const MlaDecodeArgs& a, int64_t h0, int64_t h1) {
         const T* wv = w + (h * rows + a.Dn) * L;
         for (int64_t e = 0; e < a.Dv; ++e) Elem<T>::put(oh, e, Ops::dot(ol + g * L, wv + e * L, L));
       } else {
-        // an int4 group's sum of the latent output (qdots_vec's -8 per code)
+        // int4: each group's sum of the latent output (qdots_vec's -8 per code)
         const float* olg = ol + g * L;
-        const int64_t qg = a.wq.fmt == WFormat::kInt4 ? a.wq.group : L;
-        for (int64_t k = 0; k < L / qg; ++k) {
-          float t = 0.f;
-          for (int64_t l = k * qg; l < (k + 1) * qg; ++l) t += olg[l];
-          gsum[k] = t;
-        }
+        if (a.wq.fmt == WFormat::kInt4)
+          for (int64_t k = 0; k < L / a.wq.group; ++k) {
+            float t = 0.f;
+            for (int64_t l = k * a.wq.group; l < (k + 1) * a.wq.group; ++l) t += olg[l];
+            gsum[k] = t;
+          }
         for (int64_t e = 0; e < a.Dv; e += kQRows) {
           float res[kQRows];
           Ops::qdots(olg, gsum, qblock(a.wq, (h * rows + a.Dn + e) / kQRows, L), res, L);

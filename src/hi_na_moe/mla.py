@@ -17,14 +17,14 @@ hi_na_moe.kv_cache), one native call for the attention with kv_b_proj absorbed
 run over the cached latent rows, the result comes out through kv_b_proj's value rows; float32
 math, one rounding; a bfloat16 cache on CPUs with AVX512-BF16 read with bf16 dot products, the
 latent query and the probabilities rounded to bfloat16 for them: moe.h's mla_bf16_dots), and the
-module's own o_proj. (A decoder layer whose parts are all on native
-runners runs all of this in its two native calls instead, and the decoder stack every layer's in
-one: hi_na_moe.layers, hi_na_moe.stack.) kv_b_proj's weight is read where the module
-keeps it; when scope="all" packed it alone as int8 / int4, at the AVX2 and AVX-512 tiers, as that
-layer's own codes and scales (QuantWeight: a half / about a quarter of a bfloat16 copy's bytes, the
-packed values exactly; sizes as mla_quant_fits takes them); otherwise what its packed forward
-computes is made dense once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values). The
-report's latent attention line gives the bytes of these copies. Prefill calls of bfloat16 models (several new tokens; no
+module's own o_proj. (A decoder layer whose parts are all on native runners runs all of this in
+its two native calls instead, and the decoder stack every layer's in one: hi_na_moe.layers,
+hi_na_moe.stack.) kv_b_proj's weight is read where the module keeps it; when scope="all" packed it
+alone as int8 / int4, at the AVX2 and AVX-512 tiers, as that layer's own codes and scales
+(QuantWeight: a half / about a quarter of a bfloat16 copy's bytes, the packed values exactly;
+sizes as mla_quant_fits takes them); otherwise what its packed forward computes is made dense
+once, kv_b_proj(I)^T in the model's dtype (H (Dn + Dv) L values). The report's latent attention
+line gives the bytes of these copies. Prefill calls of bfloat16 models (several new tokens; no
 mask, or a bool one) where hi_na_moe.attention's prefill kernel runs (AVX512-BF16 on AMD CPUs:
 attention.prefill_kernel) make every head's keys and values once, as the module does, and run the
 attention on that kernel, the values padded with zeros to the keys' width: DeepSeek-V2-Lite's shape
@@ -234,7 +234,7 @@ class NativeMLA:
         self.names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
         self.rope: str | None = None  # one of ROPES once the probe matched
         self._w, self._w_key = None, None
-        self._wq = None  # (key, QuantWeight) of a quantised kv_b_proj (_quant_weight)
+        self._wq = None  # (kv_b_proj's forward, its QuantWeight or None) (_quant_weight)
         self._fused = None  # the packed group of the q and kv_a projections, once looked up (False: none)
         # prefill calls on the native prefill kernel, once the second probe saw them match
         self.prefill = False
@@ -282,8 +282,11 @@ class NativeMLA:
         packed it alone (not fused with another linear) in one of those formats, the kernel takes
         its sizes (mla_quant_fits: Dn and Dv multiples of 4, int8 with L a multiple of 64, int4
         groups dividing L) and runs at a vector tier; else None."""
+        if self._wq is not None and self._wq[0] is fwd:  # decided for this forward (a decode step's path)
+            return self._wq[1]
         from .patching import patched_member
 
+        self._wq = (fwd, None)
         # the baseline build (no AVX2: the generic tier, other architectures) reads codes 2.5x
         # slower than a dense bf16 copy (bench_mla_weight.py --isa generic, session 20): it keeps
         # the copy
@@ -298,9 +301,7 @@ class NativeMLA:
         if ((packed.I, packed.H) != (rows, self.L)
                 or not self.native.mla_quant_fits(runner.weights, group, self.L, self.Dn, self.Dv)):
             return None
-        key = (id(fwd), id(packed))
-        if self._wq is None or self._wq[0] != key:
-            self._wq = (key, QuantWeight(packed, runner.weights, group))
+        self._wq = (fwd, QuantWeight(packed, runner.weights, group))
         return self._wq[1]
 
     def reads_codes(self) -> bool:
