@@ -63,7 +63,7 @@ def main() -> None:
                                                    group_size=args.group)
             qw = QuantWeight(packed, fmt, args.group if fmt == "int4" else 0)
             keep.append(qw)
-            ws.append(qw.native)
+            ws.append(qw.handle)
             nbytes = qw.nbytes
         arms[f"{fmt} codes"] = (ws, nbytes)
     q = torch.randn(1, H, Dn + Dr, generator=gen).to(torch.bfloat16)

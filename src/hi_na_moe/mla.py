@@ -186,7 +186,8 @@ class QuantWeight:
         chunk = 64 if weights == "int8" else group // 2  # bytes of a row between its block's others
         self.codes = codes.view(rows // 4, 4, -1, chunk).transpose(1, 2).contiguous()
         self.scales = scales if weights == "int8" else scales.view(rows // 4, 4, -1).transpose(1, 2).contiguous()
-        self.native = (1 if weights == "int8" else 2, self.codes.data_ptr(), self.scales.data_ptr(), group)
+        # what the native calls take (native_weight)
+        self.handle = (1 if weights == "int8" else 2, self.codes.data_ptr(), self.scales.data_ptr(), group)
 
     @property
     def nbytes(self) -> int:
@@ -208,7 +209,7 @@ class QuantWeight:
 def native_weight(w: "torch.Tensor | QuantWeight"):
     """kv_b_proj's weight (NativeMLA._weight) as the native calls take it: a dense weight's
     address, or a QuantWeight's (format, codes, scales, group)."""
-    return w.native if isinstance(w, QuantWeight) else w.data_ptr()
+    return w.handle if isinstance(w, QuantWeight) else w.data_ptr()
 
 
 class NativeMLA:
