@@ -512,6 +512,7 @@ def test_static_cache_and_padded_batches_decode_on_the_kernels():
         hi_na_moe.disable_for_model(model)
 
 
+@pytest.mark.vendor_tables
 @pytest.mark.parametrize("table", ["this CPU's", "Intel's"])
 def test_below_the_kernels_tiers_sdpa_does_the_math_and_the_report_says_so(table, monkeypatch):
     # Intel's table sends the generic tier to SDPA on any CPU: the fallback is tested everywhere
