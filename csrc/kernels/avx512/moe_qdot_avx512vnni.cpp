@@ -82,6 +82,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
     }
   } else {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i m4h = _mm512_set1_epi8(static_cast<char>(0xf0));
     const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     __m512 y[NT][G];
     for (int r = 0; r < NT; ++r)
@@ -95,10 +96,16 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       const uint8_t* w = blk + 64;
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
-        __m512i ai[NT][G];
+        // Two chains per row and matrix: ai the low nibbles (with the block's offset correction),
+        // ah the high nibbles kept in place (16 * (q + 8), no shift per vector), which the block's
+        // end shifts back; int32 sums, so the result is the same integer as one chain's.
+        __m512i ai[NT][G], ah[NT][G];
         for (int r = 0; r < NT; ++r) {
           const __m512i c = _mm512_set1_epi32(-8 * x.sum[r][b]);
-          for (int gi = 0; gi < G; ++gi) ai[r][gi] = c;
+          for (int gi = 0; gi < G; ++gi) {
+            ai[r][gi] = c;
+            ah[r][gi] = _mm512_setzero_si512();
+          }
         }
         for (int o = 0; o < kActBlock / 8; ++o, w += 64 * G) {
           __m512i xl[NT], xh[NT];
@@ -109,16 +116,19 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
           for (int gi = 0; gi < G; ++gi) {
             const __m512i v = _mm512_load_si512(w + gi * 64);
             const __m512i lo = _mm512_and_si512(v, m4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            const __m512i hi16 = _mm512_and_si512(v, m4h);
             for (int r = 0; r < NT; ++r) {
               ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]);
-              ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], hi, xh[r]);
+              ah[r][gi] = _mm512_dpbusd_epi32(ah[r][gi], hi16, xh[r]);
             }
           }
         }
         for (int r = 0; r < NT; ++r) {
           const __m512 sb = _mm512_set1_ps(x.s[r][b]);
-          for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][gi]), sb, bg[r][gi]);
+          for (int gi = 0; gi < G; ++gi) {
+            const __m512i sum = _mm512_add_epi32(ai[r][gi], _mm512_srai_epi32(ah[r][gi], 4));
+            bg[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sb, bg[r][gi]);
+          }
         }
       }
       for (int gi = 0; gi < G; ++gi) {
