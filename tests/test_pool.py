@@ -96,6 +96,27 @@ def test_enable_applies_the_pool_and_reports_it(monkeypatch):
         hi_na_moe.disable_for_model(model)
 
 
+@pytest.mark.parametrize("scope", ["experts", "all"])
+def test_auto_pool_is_the_own_workers_under_scope_all(scope):
+    """scope="all" runs a decode step in one native call, with no torch op whose OpenMP team
+    would still be spinning: auto takes the own workers there, OpenMP's team otherwise."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, num_experts=4, num_experts_per_tok=2)
+    model = OlmoeForCausalLM(cfg).eval()
+    want = "own" if scope == "all" else pool_description("auto")
+    assert hi_na_moe.load_config(scope=scope).kernel_pool() == ("own" if scope == "all" else "auto")
+    rep = hi_na_moe.enable_for_model(model, scope=scope)
+    try:
+        assert rep.config["pool"] == "auto"
+        assert rep.pool == want == _native.pool_backend()
+    finally:
+        hi_na_moe.disable_for_model(model)
+        _native.set_pool_backend("auto")
+    assert hi_na_moe.load_config(scope=scope, pool="openmp").kernel_pool() == "openmp"
+
+
 @pytest.mark.parametrize("backend", ["own", "openmp"])
 def test_python_threads_at_once_match_serial(backend):
     _native.set_pool_backend(backend)

@@ -56,7 +56,10 @@ double read_pass(const uint64_t* buf, size_t n, int threads) {
   (void)use_avx512;
   std::vector<uint64_t> sink(threads, 0);
   const auto t0 = std::chrono::steady_clock::now();
-  ThreadPool::global().run(threads, [&](int tid, int nt) {
+  // On OpenMP's team when a libgomp is loaded, whatever backend the kernels use: the probe is the
+  // machine's bandwidth, and right after torch's ops (whose team keeps spinning) the own workers
+  // may not get the second core (ThreadPool::run_on).
+  ThreadPool::global().run_on(PoolBackend::kOpenMP, threads, [&](int tid, int nt) {
     // Each thread reads its slice as kStreams interleaved sequential streams: one stream per
     // core leaves the memory system idle between prefetches (measured: ~half the bandwidth).
     constexpr int kStreams = 16;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hina_moe/moe.h"
@@ -131,6 +132,24 @@ int main() {
     int status = 0;
     waitpid(pid, &status, 0);
     report(WIFEXITED(status) && WEXITSTATUS(status) == 0, tag + ": forked child runs regions inline");
+  }
+
+  // A busy thread competing for the cores: some workers start late or not at all before the
+  // caller has run their shares (the own backend's claims); every tid still runs exactly once.
+  {
+    std::atomic<bool> stop{false};
+    std::thread busy([&] {
+      volatile uint64_t x = 0;
+      while (!stop.load(std::memory_order_relaxed)) x = x + 1;
+    });
+    for (PoolBackend b : {PoolBackend::kOwn, PoolBackend::kOpenMP}) {
+      pool.set_backend(b);
+      bool all = true;
+      for (int i = 0; i < 3000 && all; ++i) all = covers(2 + i % 3);
+      report(all, "backend " + std::to_string(static_cast<int>(b)) + ": every tid once, 3000 regions beside a busy thread");
+    }
+    stop = true;
+    busy.join();
   }
 
   // The op on both backends: bit-identical (the split never changes the summation order).

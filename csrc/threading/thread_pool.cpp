@@ -14,6 +14,7 @@
 #endif
 
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #if defined(__linux__)
@@ -86,11 +87,15 @@ void ThreadPool::grow(int workers) {
   // Called with call_mu_ held and no region running, so gen_ is stable.
   while (static_cast<int>(workers_.size()) < workers) {
     const int id = static_cast<int>(workers_.size());
-    workers_.emplace_back([this, id, g = gen_.load()] { worker_loop(id, g); });
+    slots_.push_back(std::make_unique<Slot>());
+    slots_.back()->claimed.store(region_, std::memory_order_relaxed);
+    slots_.back()->done.store(region_, std::memory_order_relaxed);
+    Slot* slot = slots_.back().get();  // (not slots_[id] in the thread: the vector may grow meanwhile)
+    workers_.emplace_back([this, id, slot, g = gen_.load()] { worker_loop(id, g, *slot); });
   }
 }
 
-void ThreadPool::worker_loop(int id, uint64_t seen) {
+void ThreadPool::worker_loop(int id, uint64_t seen, Slot& slot) {
   tls_in_region = true;  // a worker never opens a nested region of its own
   for (;;) {
     uint64_t g = gen_.load(std::memory_order_acquire);
@@ -107,11 +112,17 @@ void ThreadPool::worker_loop(int id, uint64_t seen) {
       }
     }
     seen = g;
-    if (id + 1 < n_) call_(ctx_, id + 1, n_);
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lk(mu_);
-      cv_done_.notify_one();
-    }
+    const uint64_t region = g >> kTidBits;
+    const int n = static_cast<int>(g & ((uint64_t{1} << kTidBits) - 1));
+    if (id + 1 >= n) continue;  // no share in this region
+    // Take the share unless the caller already has (then the region may be long over, and
+    // call_ and ctx_ are not read). A won claim keeps the caller in the region until done is set.
+    uint64_t c = slot.claimed.load(std::memory_order_relaxed);
+    if (c >= region || !slot.claimed.compare_exchange_strong(c, region, std::memory_order_acq_rel)) continue;
+    call_(ctx_, id + 1, n);
+    slot.done.store(region, std::memory_order_release);
+    { std::lock_guard<std::mutex> lk(mu_); }  // the caller has either seen done or is asleep
+    cv_done_.notify_all();
   }
 }
 
@@ -207,12 +218,12 @@ std::string ThreadPool::backend_name(PoolBackend b) {
   return b == PoolBackend::kOpenMP ? "own (openmp requested, no libgomp loaded in this process)" : "own";
 }
 
-void ThreadPool::run_impl(int n, Call call, void* ctx) {
+void ThreadPool::run_impl(PoolBackend b, int n, Call call, void* ctx) {
   if (n <= 1 || tls_in_region || current_pid() != owner_pid_) {
     for (int i = 0; i < (n < 1 ? 1 : n); ++i) call(ctx, i, n < 1 ? 1 : n);
     return;
   }
-  if (backend() != PoolBackend::kOwn) {
+  if (b != PoolBackend::kOwn) {
     if (const Gomp* g = loaded_gomp(); g && !g->in_parallel()) {
       GompRegion r{call, ctx, n, g, 0, 0};
       HINA_TSAN_RELEASE(&r.fork);
@@ -222,30 +233,41 @@ void ThreadPool::run_impl(int n, Call call, void* ctx) {
     }
   }
   std::lock_guard<std::mutex> call_lk(call_mu_);
+  if (n >= (1 << kTidBits)) throw std::invalid_argument("ThreadPool::run: too many threads");
   grow(n - 1);
+  const uint64_t region = ++region_;
   call_ = call;
   ctx_ = ctx;
-  n_ = n;
-  // Every worker acknowledges every generation (also those with no share), so a worker can
-  // never miss a generation or read the fields of the next one.
-  pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    gen_.fetch_add(1, std::memory_order_release);
+    gen_.store(region << kTidBits | static_cast<uint64_t>(n), std::memory_order_release);
   }
   cv_work_.notify_all();
 
   tls_in_region = true;
   call(ctx, 0, n);
+  // The shares no worker has started yet run here (a worker the scheduler has not run, say
+  // because another process holds its core); those the workers took are waited for.
+  for (int w = 0; w + 1 < n; ++w) {
+    Slot& s = *slots_[static_cast<size_t>(w)];
+    uint64_t c = s.claimed.load(std::memory_order_relaxed);
+    if (c < region && s.claimed.compare_exchange_strong(c, region, std::memory_order_acq_rel)) {
+      call(ctx, w + 1, n);
+      s.done.store(region, std::memory_order_relaxed);
+    }
+  }
   tls_in_region = false;
 
-  const int64_t t0 = now_us();
-  for (int spins = 1; pending_.load(std::memory_order_acquire) != 0; ++spins) {
-    HINA_PAUSE();
-    if ((spins & 63) == 0 && now_us() - t0 > kSpinMicros) {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_done_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
-      break;
+  for (int w = 0; w + 1 < n; ++w) {
+    Slot& s = *slots_[static_cast<size_t>(w)];
+    const int64_t t0 = now_us();
+    for (int spins = 1; s.done.load(std::memory_order_acquire) < region; ++spins) {
+      HINA_PAUSE();
+      if ((spins & 63) == 0 && now_us() - t0 > kSpinMicros) {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_done_.wait(lk, [&] { return s.done.load(std::memory_order_acquire) >= region; });
+        break;
+      }
     }
   }
 }

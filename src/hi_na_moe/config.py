@@ -79,8 +79,10 @@ class HinaConfig:
         pool: which threads run the native kernels' parallel regions: "openmp" runs them on the
             team of the GNU OpenMP runtime PyTorch already loaded (the threads that just ran
             torch's ops, so the two never compete for cores), "own" on hi_na_moe's own workers
-            (spin briefly, then sleep), "auto" (default) picks openmp when a libgomp is loaded
-            in the process and own otherwise. Process-wide: the last enable's value applies.
+            (spin briefly, then sleep; a worker the scheduler has not run yet leaves its share to
+            the caller), "auto" (default) picks own under scope="all" and otherwise openmp when a
+            libgomp is loaded in the process (HinaConfig.kernel_pool). Process-wide: the last
+            enable's value applies.
         scope: "experts" (default) accelerates the MoE experts only; "all" also runs the model's
             dense linear layers (attention projections, shared experts, dense MLPs, lm_head) on
             the native kernels, in the `weights` format (see hi_na_moe.dense).
@@ -148,6 +150,15 @@ class HinaConfig:
                 )
         if self.isa not in ("auto", "generic"):
             _check_isa_available(self.isa, src("isa"))
+
+    def kernel_pool(self) -> str:
+        """The thread pool backend `pool` asks for (native set_pool_backend): "auto" is "own" under
+        scope="all", whose decode step is one native call with no torch op in between (on OpenMP's
+        team, whose threads spin at its barriers, a decode step under one competing process took
+        2.4-2.7x as long as on the own workers; benchmarks/RESULTS.md, session 21), and otherwise the
+        native "auto" (OpenMP's team when a libgomp is loaded: between torch's ops, whose team
+        keeps spinning for a while, the own workers measured 18-22 % slower)."""
+        return "own" if self.pool == "auto" and self.scope == "all" else self.pool
 
     def store_root(self) -> Path:
         """The packed-expert store's directory under this config."""

@@ -52,7 +52,7 @@ def capabilities(config: Any = None) -> dict[str, Any]:
     from .ops import kernel_plan
 
     info["kernels"] = kernel_plan(cfg)
-    info["pool"] = pool_description(cfg.pool)
+    info["pool"] = pool_description(cfg.kernel_pool())
     info["prefetch"] = prefetch_description()
     from .attention import math_kernel, prefill_math
 

@@ -505,7 +505,8 @@ class NativeExperts:
 def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: str = "experts") -> Choice:
     """What runs `spec` under `config`. Raises ValueError when config.backend == "native" and no
     native kernel can run it. Nothing is packed here (NativeExperts.pack does that); choosing a
-    native runner (not in a dry run) applies `config.pool` to the process-wide thread pool."""
+    native runner (not in a dry run) applies `config.pool` to the process-wide thread pool
+    (HinaConfig.kernel_pool)."""
     if config.backend == "reference":
         return Choice(reference.experts_forward, "reference", "backend='reference' requested")
     why_not = native_unsupported_reason(spec, dry_run)
@@ -525,7 +526,7 @@ def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: s
                                qdot=config.qdot)
         runner.format_note = note
         if not dry_run:
-            native_module()[0].set_pool_backend(config.pool)
+            native_module()[0].set_pool_backend(config.kernel_pool())
         return Choice(runner, kernel_label(isa, spec.weight_dtype, weights, config.qdot))
     if config.backend == "native":
         raise ValueError(f"backend='native' but this block cannot run natively: {why_not}")

@@ -2,7 +2,12 @@
 // backends (set_backend):
 // - own: the library's persistent workers. Idle workers spin briefly (kSpinMicros of `pause`)
 //   and then sleep on a condition variable: never spin forever, because on a shared machine a
-//   spin-barrier pool collapses as soon as another process is runnable.
+//   spin-barrier pool collapses as soon as another process is runnable. Nor does the caller
+//   wait for a worker that has not started: each worker's share (tid) is claimed, by the worker
+//   when it wakes or by the caller once its own share is done, whichever comes first, so a
+//   worker descheduled by another process costs its share's time on the caller, not the wait
+//   until the scheduler runs it again (a decode step under a competing process: 2.4-2.7x
+//   the speed it has on OpenMP's team; benchmarks/RESULTS.md, session 21).
 // - openmp: the team of the GNU OpenMP runtime (libgomp) already loaded in the process, e.g.
 //   by PyTorch, entered through its stable ABI entry point GOMP_parallel (found with dlopen
 //   RTLD_NOLOAD on the loaded library; nothing is linked). When PyTorch's OpenMP workers have
@@ -17,10 +22,12 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace hina {
@@ -48,8 +55,14 @@ class ThreadPool {
   // threads) runs every tid inline on the caller. Regions are serialised.
   template <typename F>
   void run(int n, F&& fn) {
+    run_on(backend(), n, std::forward<F>(fn));
+  }
+  // The same on backend b rather than the process-wide choice (the read-bandwidth probe's passes
+  // run on OpenMP's team, the fastest readers right after torch's ops, whatever the kernels use).
+  template <typename F>
+  void run_on(PoolBackend b, int n, F&& fn) {
     using Fn = std::remove_reference_t<F>;
-    run_impl(n, [](void* ctx, int tid, int nt) { (*static_cast<Fn*>(ctx))(tid, nt); },
+    run_impl(b, n, [](void* ctx, int tid, int nt) { (*static_cast<Fn*>(ctx))(tid, nt); },
              static_cast<void*>(&fn));
   }
 
@@ -58,20 +71,30 @@ class ThreadPool {
  private:
   using Call = void (*)(void*, int, int);
   ThreadPool();
-  void run_impl(int n, Call call, void* ctx);
-  void worker_loop(int id, uint64_t seen);
+  void run_impl(PoolBackend b, int n, Call call, void* ctx);
   void grow(int workers);
+
+  // Worker w's share of a region is tid w + 1. claimed: the last region (generation) whose share
+  // someone took, the worker or the caller (compare-exchange: one of them); done: the last
+  // region whose share the worker finished.
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> claimed{0};
+    std::atomic<uint64_t> done{0};
+  };
+  static constexpr int kTidBits = 16;  // gen_ = region << kTidBits | n
+
+  void worker_loop(int id, uint64_t seen, Slot& slot);
 
   std::atomic<PoolBackend> backend_{PoolBackend::kAuto};
   std::mutex call_mu_;  // one region at a time (own backend)
   std::mutex mu_;       // guards sleeping / waking
   std::condition_variable cv_work_, cv_done_;
   std::vector<std::thread> workers_;
+  std::vector<std::unique_ptr<Slot>> slots_;  // one per worker (grown with them, never shrunk)
   std::atomic<uint64_t> gen_{0};
-  std::atomic<int> pending_{0};
-  Call call_ = nullptr;
+  uint64_t region_ = 0;  // the last region published (under call_mu_)
+  Call call_ = nullptr;  // the current region's; read by a worker only after it claimed its share
   void* ctx_ = nullptr;
-  int n_ = 0;
   long owner_pid_ = 0;  // process that owns the workers
 };
 
