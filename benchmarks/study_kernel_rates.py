@@ -24,7 +24,7 @@ import time
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "int8", "int4"))
+    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
     ap.add_argument("--cache-dir", required=True, help="the store of --weights")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--experts-k", default="8", help="comma-separated numbers of routed experts per call")
