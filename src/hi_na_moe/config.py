@@ -157,7 +157,7 @@ class HinaConfig:
         team, whose threads spin at its barriers, a decode step under one competing process took
         2.4-2.7x as long as on the own workers; benchmarks/RESULTS.md, session 21), and otherwise the
         native "auto" (OpenMP's team when a libgomp is loaded: between torch's ops, whose team
-        keeps spinning for a while, the own workers measured 18-22 % slower)."""
+        keeps spinning for a while, the own workers measured 22 % slower)."""
         return "own" if self.pool == "auto" and self.scope == "all" else self.pool
 
     def store_root(self) -> Path:
