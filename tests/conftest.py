@@ -30,4 +30,3 @@ def _attention_kernel_at_every_tier(request, monkeypatch):
     from hi_na_moe import attention
 
     monkeypatch.setattr(attention, "kernel_tiers", lambda: attention.AMD_TIERS)
-

@@ -76,7 +76,7 @@ class ThreadPool {
 
   // Worker w's share of a region is tid w + 1. claimed: the last region (generation) whose share
   // someone took, the worker or the caller (compare-exchange: one of them); done: the last
-  // region whose share the worker finished.
+  // region whose share is finished (stored by whichever ran it).
   struct alignas(64) Slot {
     std::atomic<uint64_t> claimed{0};
     std::atomic<uint64_t> done{0};

@@ -14,14 +14,16 @@
 // unsigned operand: int8 q ^ 0x80 = q + 128 (one vpxord per 64 bytes), int4 the stored q + 8.
 // The offset is removed exactly by starting each block's int32 accumulator at -128 * sum(qx_b)
 // (int8) or -8 * sum(qx_b) (int4): the correction depends only on the activations, so no
-// per-row weight sums are stored. Per 32-k block: 8 vpdpbusd per row and matrix into that
-// accumulator (int8: 8 quads; int4: 4 loads x low/high nibbles), then vcvtdq2ps and one FMA
-// with the block's activation scale; int8 multiplies the row scale once at the end, int4
-// applies each group's bf16 scale with one FMA per group (moe.h fixes this order; the generic
-// emulation follows it, so only the activation epilogue differs from it).
-// NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G int32
-// and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
-// Software prefetch of the weight stream (moe/prefetch.h: 2 KiB ahead, into L2), one line per 64 bytes consumed.
+// per-row weight sums are stored. Per 32-k block: 8 vpdpbusd per row and matrix (int8: 8 quads
+// into that accumulator; int4: 4 loads, the low nibbles into it, the high ones masked in place,
+// 16 (q + 8), into a second chain that the block's end shifts back: the same integer), then
+// vcvtdq2ps and one FMA with the block's activation scale; int8 multiplies the row scale once
+// at the end, int4 applies each group's bf16 scale with one FMA per group (moe.h fixes this
+// order; the generic emulation follows it, so only the activation epilogue differs from it).
+// NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4:
+// 2 NT * G) int32 and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
+// Software prefetch of the weight stream (moe/prefetch.h: 2 or 4 KiB ahead by CPU vendor, into
+// L2), one line per 64 bytes consumed.
 // Known limits: the block sums are exact int32 (|sum| <= 32 * 255 * 127); a block is 32 k, so
 // a k padding of up to 31 zero columns is multiplied too (Kp is a multiple of 32 anyway).
 #include <immintrin.h>
