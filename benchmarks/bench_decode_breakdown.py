@@ -60,6 +60,8 @@ products (its default where the CPU has them) or with float32 FMAs (_native.set_
 likewise;
 --ab-prefetch A,B: the kernels' software prefetch A or B bytes ahead into L2 (needs the
 HINA_PREFETCH_TUNING build of bench_prefetch.py, whose kernels read HINA_PF at every job), likewise.
+--ab-env VAR=A,B: any variable such a build's kernels read at every job (HINA_PF, HINA_PFH:
+moe/prefetch.h), likewise.
 
 The hooks add a few microseconds per module call, counted in "rest" (compare the step median
 with bench_full_model.py's). Bytes a step reads (as bench_full_model.py defines them) over the
@@ -138,6 +140,9 @@ def main() -> int:
                          "routers' own forwards (scope all; step times only)")
     ap.add_argument("--ab-prefetch", default=None, metavar="A,B",
                     help="alternate the kernels' prefetch distance, bytes ahead into L2 (tuning build; step times only)")
+    ap.add_argument("--ab-env", default=None, metavar="VAR=A,B",
+                    help="alternate an environment variable the kernels read at every job (a tuning build's "
+                         "HINA_PF, HINA_PFH; step times only)")
     ap.add_argument("--ab-pool", action="store_true",
                     help="alternate the parallel regions' pool backends: own workers / torch's OpenMP team")
     ap.add_argument("--ab-wrapper", action="store_true",
@@ -189,14 +194,14 @@ def main() -> int:
                              ("rope-norm", args.ab_rope_norm), ("layer-calls", args.ab_layer_calls),
                              ("moe-block", args.ab_moe_block), ("mla-weight", args.ab_mla_weight),
                              ("mla-dots", args.ab_mla_dots),
-                             ("prefetch", bool(args.ab_prefetch)),
+                             ("prefetch", bool(args.ab_prefetch)), ("env", bool(args.ab_env)),
                              ("wrapper", args.ab_wrapper), ("pool", args.ab_pool)) if on]
     if len(kinds) > 1:
         raise SystemExit("--ab-norms, --ab-routers, --ab-attention, --ab-layers, --ab-stacks, --ab-select, "
                          "--ab-one-call, --ab-shared, --ab-rope-norm, --ab-layer-calls, --ab-moe-block, --ab-mla-weight, "
-                         "--ab-mla-dots, --ab-prefetch, --ab-wrapper, --ab-pool: one A/B at a time")
+                         "--ab-mla-dots, --ab-prefetch, --ab-env, --ab-wrapper, --ab-pool: one A/B at a time")
     whole_steps = ("layers", "stacks", "select", "one-call", "shared", "rope-norm", "layer-calls", "moe-block",
-                   "mla-weight", "mla-dots", "prefetch", "wrapper", "pool")
+                   "mla-weight", "mla-dots", "prefetch", "env", "wrapper", "pool")
     kind = kinds[0] if kinds else None
 
     counted = {p: 0 for p in PARTS}
@@ -233,6 +238,17 @@ def main() -> int:
 
         def use_arm(arm: str) -> None:
             os.environ["HINA_PF"], os.environ["HINA_PFH"] = arm.split()[1], "1"
+    elif kind == "env":
+        var, _, values = args.ab_env.partition("=")
+        if not var or "," not in values:
+            raise SystemExit(f"--ab-env takes VAR=A,B, not {args.ab_env!r}")
+        if not _native.step_trace_compiled():
+            print(f"--ab-env: a release build reads none of the tuning variables ({var} then changes nothing)")
+        arms = [f"{var}={v}" for v in values.split(",")]
+
+        def use_arm(arm: str) -> None:
+            k, _, v = arm.partition("=")
+            os.environ[k] = v
     elif kind:
         if args.scope != "all":
             raise SystemExit(f"--ab-{kind} needs --scope all")

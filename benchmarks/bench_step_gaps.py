@@ -14,6 +14,12 @@ next layer's pre call, i.e. the Python in between). After every step, untimed, a
 --tiny: instead of a checkpoint, a 16-layer OLMoE with hidden 512 and random weights (int4, a
 store under --cache-dir), whose weights stay in cache: the step is then nearly all Python and
 call overhead, with and without the eviction.
+
+--ops (a tuning build, -Ccmake.define.HINA_PREFETCH_TUNING=ON: _native.take_step_trace): inside
+the one call, per kind of op (summed over the layers), ms per step and, for the ops that stream
+weights, the bytes they read (the report's packed bytes; the experts' as top_k / E of the block's,
+two thirds of them in the gate/up region)
+and the rate, next to a paired read probe on OpenMP's team (the median of three 256 MB reads after each step).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--no-flush", action="store_true")
     ap.add_argument("--context", type=int, default=16, help="prompt tokens before the timed steps")
+    ap.add_argument("--ops", action="store_true", help="the one call's ops (a tuning build's step trace)")
     args = ap.parse_args()
     if bool(args.ckpt) == args.tiny:
         raise SystemExit("give --ckpt or --tiny")
@@ -113,6 +120,11 @@ def main() -> int:
             if st._plan is not None and not isinstance(st._plan[0], TimedPlan):
                 st._plan = (TimedPlan(st._plan[0]), st._plan[1])
     probe = _native.BandwidthProbe(1 << 30, 2)
+    if args.ops and not _native.step_trace_compiled():
+        raise SystemExit("--ops needs a tuning build: pip install --no-deps --no-build-isolation -e . "
+                         "-Ccmake.define.HINA_PREFETCH_TUNING=ON")
+    op_ms: dict[str, list[float]] = collections.defaultdict(list)
+    probe_gbs: list[float] = []
     ids = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     spans: dict[str, list[float]] = collections.defaultdict(list)
     steps = []
@@ -126,6 +138,14 @@ def main() -> int:
             events.append(("/step", now()))
             nxt = out.logits[:, -1:].argmax(-1)
             time_plans()
+            trace = _native.take_step_trace()
+            if args.ops and i >= 4:
+                per_op: dict[str, float] = collections.defaultdict(float)
+                for _, op, t0, t1 in trace:
+                    per_op[op] += (t1 - t0) * 1e-9
+                for k, v in per_op.items():
+                    op_ms[k].append(v)
+                probe_gbs.append(statistics.median(probe.read(256 << 20) for _ in range(3)))
             if not args.no_flush:
                 probe.read(256 << 20)
             if i < 4:
@@ -144,7 +164,46 @@ def main() -> int:
     print("|---|---|")
     for k, v in sorted(spans.items(), key=lambda kv: -statistics.median(kv[1])):
         print(f"| {k} | {1e3 * statistics.median(v):.2f} |")
+    if args.ops:
+        print_ops(model, op_ms, statistics.median(probe_gbs))
     return 0
+
+
+def op_bytes(model) -> dict[str, float]:
+    """Bytes a decode step's ops read from weights, by the step trace's op names: the packed
+    dense layers by their module names (report_for), the experts top_k / E of each block's."""
+    import hi_na_moe
+
+    report = hi_na_moe.report_for(model)
+    out: dict[str, float] = collections.defaultdict(float)
+    kinds = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv", "o_proj": "o_proj",
+             "gate": "router", "lm_head": "lm_head", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    for d in report.dense:
+        leaf = d.name.rsplit(".", 1)[-1]
+        kind = "shared" if ".shared_expert" in d.name else kinds.get(leaf, leaf)
+        out[kind] += d.packed_bytes
+    k = model.config.num_experts_per_tok
+    for b in report.blocks:  # (gated experts: gate and up are two thirds of an expert's bytes)
+        if b.experts and b.packed_bytes:
+            out["experts_gate_up"] += b.packed_bytes / b.experts * k * 2 / 3
+            out["experts_down"] += b.packed_bytes / b.experts * k / 3
+    return out
+
+
+def print_ops(model, op_ms: dict[str, list[float]], probe: float) -> None:
+    nbytes = op_bytes(model)
+    total = sum(statistics.median(v) for v in op_ms.values())
+    print(f"\nthe one call's ops, summed over the layers (median per step; paired probe {probe:.1f} GB/s):")
+    print("| op | ms per step | share of the call | MB read | GB/s | share of the probe |")
+    print("|---|---|---|---|---|---|")
+    for k, v in sorted(op_ms.items(), key=lambda kv: -statistics.median(kv[1])):
+        ms = statistics.median(v)
+        b = nbytes.get(k, 0.0)
+        rate = f"{b / ms / 1e9:.1f} | {100 * b / ms / 1e9 / probe:.0f} %" if b else "- | -"
+        print(f"| {k} | {1e3 * ms:.3f} | {100 * ms / total:.1f} % | {b / 1e6:.1f} | {rate} |")
+    b = sum(v for kk, v in nbytes.items() if kk in op_ms)
+    print(f"| all | {1e3 * total:.3f} | 100 % | {b / 1e6:.1f} | {b / total / 1e9:.1f} | "
+          f"{100 * b / total / 1e9 / probe:.0f} % |")
 
 
 if __name__ == "__main__":

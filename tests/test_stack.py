@@ -535,3 +535,32 @@ def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, mon
         assert count.loops == 2 and count.one_calls == 0
     finally:
         hi_na_moe.disable_for_model(model)
+
+
+def test_the_step_trace_covers_the_one_call_op_by_op_or_is_empty_in_a_release_build(monkeypatch):
+    """_native.take_step_trace: a tuning build's timeline of decode_layers (bench_step_gaps.py
+    --ops reads it); a release build records nothing."""
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    native = native_module()[0]
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    hi_na_moe.enable_for_model(model, weights="int4", scope="all")
+    try:
+        count = _Count(model)
+        native.take_step_trace()  # whatever came before
+        greedy_decode(model, torch.tensor([[3, 4, 5, 6]]), 3)
+        events = native.take_step_trace()
+        assert count.one_calls == 3
+        if not native.step_trace_compiled():
+            assert events == []
+            return
+        per_layer = ["norm", "qkv", "rope_kv", "attention", "o_proj", "add_norm", "router", "select",
+                     "experts_prep", "experts_gate_up", "experts_quant_h", "experts_down", "experts", "add"]
+        step = [(layer, op) for layer in range(2) for op in per_layer] + [(-1, "final_norm")]
+        assert [(layer, op) for layer, op, _, _ in events] == step * 3
+        assert all(t0 <= t1 for _, _, t0, t1 in events)
+        for i in range(3):  # within a call the ops follow each other without a gap
+            call = events[i * len(step):(i + 1) * len(step)]
+            assert all(a[3] == b[2] for a, b in zip(call, call[1:]))
+        assert native.take_step_trace() == []
+    finally:
+        hi_na_moe.disable_for_model(model)

@@ -800,6 +800,16 @@ NB_MODULE(_native, m) {
         "Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed when the "
         "library loaded: HINA_MOE_PREFETCH_BYTES if it held a multiple of 64 in [0, 65536], else 2048 on AMD "
         "CPUs and 4096 on others.");
+  m.def("step_trace_compiled", &hina::step_trace_compiled,
+        "Whether this build records decode_layers' timeline (a tuning build, HINA_PREFETCH_TUNING).");
+  m.def("take_step_trace", [] {
+          nb::list out;
+          for (const auto& e : hina::take_step_trace())
+            out.append(nb::make_tuple(e.layer, hina::step_op_name(e.op), e.t0, e.t1));
+          return out;
+        },
+        "The ops decode_layers ran since the last call, as (layer, op, t0_ns, t1_ns) one after the other "
+        "(layer -1: the final norm); empty unless step_trace_compiled().");
   m.def("set_pool_backend", [](const std::string& name) { hina::ThreadPool::global().set_backend(pool_backend_from(name)); },
         nb::arg("name"),
         "Process-wide: which threads run the kernels' parallel regions ('auto': the loaded "

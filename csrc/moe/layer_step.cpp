@@ -4,12 +4,81 @@
 // library's own kernels, composed in the order and with the roundings hi_na_moe's per-module
 // path runs them, so both give the same bits (tests/test_layers.py compares them).
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "hina_moe/moe.h"
 #include "kernel_api.h"
+#include "step_trace.h"
 
 namespace hina {
+
+namespace {
+
+// decode_layers' timeline (StepTraceEvent): lap(op) closes the span since the previous lap as
+// op's, while a decode_layers call is running; nothing in a release build (moe/step_trace.h).
+#ifdef HINA_PREFETCH_TUNING
+struct Trace {
+  std::vector<StepTraceEvent> events;
+  int64_t last = 0;
+  int32_t layer = 0;
+  bool active = false;
+} g_trace;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+void trace_start() {
+  g_trace.active = true;
+  g_trace.last = now_ns();
+}
+void trace_stop() { g_trace.active = false; }
+void trace_layer(int32_t l) { g_trace.layer = l; }
+#else
+inline void trace_start() {}
+inline void trace_stop() {}
+inline void trace_layer(int32_t) {}
+#endif
+
+}  // namespace
+
+#ifdef HINA_PREFETCH_TUNING
+void detail::lap(StepOp op) {
+  if (!g_trace.active) return;
+  const int64_t t = now_ns();
+  if (g_trace.events.size() < (size_t{1} << 20)) g_trace.events.push_back({g_trace.layer, op, g_trace.last, t});
+  g_trace.last = t;
+}
+#endif
+
+const char* step_op_name(StepOp op) {
+  static const char* const names[] = {"norm",    "qkv",          "rope_kv",         "attention",       "o_proj",
+                                      "add_norm", "mlp",         "router",          "select",          "experts_prep",
+                                      "experts_gate_up", "experts_quant_h", "experts_down", "experts", "shared",
+                                      "add",     "final_norm"};
+  static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(StepOp::kCount));
+  const auto i = static_cast<size_t>(op);
+  return i < sizeof(names) / sizeof(names[0]) ? names[i] : "?";
+}
+
+bool step_trace_compiled() {
+#ifdef HINA_PREFETCH_TUNING
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<StepTraceEvent> take_step_trace() {
+#ifdef HINA_PREFETCH_TUNING
+  std::vector<StepTraceEvent> out;
+  out.swap(g_trace.events);
+  return out;
+#else
+  return {};
+#endif
+}
 
 namespace {
 
@@ -22,9 +91,11 @@ void latent_pre(const LayerPreArgs& a, int num_threads) {
   auto* y = static_cast<char*>(a.qkv_out);
   auto* tmp = static_cast<char*>(a.qk_tmp);  // [B, q_lora] normed q_a, then [B, nqf] q_b's output
   rms_norm(a.dtype, a.x, a.B, a.H, a.ln1_w, a.ln1_eps, a.h);
+  detail::lap(StepOp::kNorm);
   MoeParams p = a.qkv_params;
   p.num_threads = num_threads;
   a.qkv->linear(a.h, a.B, y, p);
+  detail::lap(StepOp::kQkv);
   char* qf = y;  // row b's q at qf + b * qf_bstride elements
   int64_t qf_bstride = n;
   if (m.q_lora > 0) {
@@ -58,6 +129,7 @@ void latent_pre(const LayerPreArgs& a, int num_threads) {
     rope_latent(a.dtype, m.rope, yr + (nqa + m.L) * es, 1, m.Dr, m.Dr, cb, sb,
                 static_cast<char*>(a.v) + b * m.v_bstride * es, m.Dr);
   }
+  detail::lap(StepOp::kRopeKv);  // (with q_b's projection)
 }
 
 }  // namespace
@@ -69,9 +141,11 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
   auto* qkv = static_cast<char*>(a.qkv_out);
   auto* tmp = static_cast<char*>(a.qk_tmp);  // [B, nq + nkv]: q and k after their norms
   rms_norm(a.dtype, a.x, a.B, a.H, a.ln1_w, a.ln1_eps, a.h);
+  detail::lap(StepOp::kNorm);
   MoeParams p = a.qkv_params;
   p.num_threads = num_threads;
   a.qkv->linear(a.h, a.B, a.qkv_out, p);
+  detail::lap(StepOp::kQkv);
   const auto* cos = static_cast<const char*>(a.cos);
   const auto* sin = static_cast<const char*>(a.sin);
   for (int64_t b = 0; b < a.B; ++b) {
@@ -114,6 +188,7 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
       }
     }
   }
+  detail::lap(StepOp::kRopeKv);
 }
 
 namespace {
@@ -142,13 +217,18 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
   } else if (a.attn.q != nullptr) {
     attention_decode(a.attn, num_threads, attn_isa);
   }
+  detail::lap(StepOp::kAttn);
   MoeParams p = a.o_params;
   p.num_threads = num_threads;
   a.o->linear(a.attn.out, a.B, a.o_out, p);
+  detail::lap(StepOp::kO);
   add_rms_norm(a.dtype, a.x, a.o_out, a.B, a.H, a.ln2_w, a.ln2_eps, a.sum, a.normed);
+  detail::lap(StepOp::kAddNorm);
   if (a.router == nullptr && a.mlp.gate_up != nullptr) {  // a dense layer
     mlp_on(a.mlp, a, num_threads);
+    detail::lap(StepOp::kMlp);
     add(a.dtype, a.sum, a.mlp.out, a.B * a.H, a.sum);
+    detail::lap(StepOp::kAdd);
     return nullptr;
   }
   if (a.router != nullptr) {
@@ -157,17 +237,20 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
     const DType ldt = a.router_cast ? a.router_dtype : a.dtype;  // the logits'
     if (a.router_cast) convert(a.dtype, a.normed, ldt, a.router_in, a.B * a.H);
     a.router->linear(a.router_cast ? a.router_in : a.normed, a.B, a.logits, r);
+    detail::lap(StepOp::kRouter);
     if (a.select.w != nullptr) {
       RouterSelectArgs s = a.select;
       s.dtype = ldt;
       s.logits = a.logits;
       s.B = a.B;
       router_select(s);
+      detail::lap(StepOp::kSelect);
       if (a.experts != nullptr) {
         MoeParams e = a.experts_params;
         e.num_threads = a.experts_threads;
         e.topk_w_dtype = s.w_dtype;
         const char* name = a.experts->forward(a.normed, a.B, s.idx, 64, s.w, s.k, a.experts_out, e);
+        detail::lap(StepOp::kExperts);
         if (a.shared_mlp.gate_up != nullptr) {
           mlp_on(a.shared_mlp, a, num_threads);
           if (a.shared_gate == nullptr) {  // added as it is
@@ -178,8 +261,10 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
             a.shared_gate->linear(a.normed, a.B, a.shared_logit, g);
             shared_combine(a.dtype, a.experts_out, a.shared_mlp.out, a.shared_logit, a.B, a.H, a.experts_out);
           }
+          detail::lap(StepOp::kShared);
         }
         add(a.dtype, a.sum, a.experts_out, a.B * a.H, a.sum);
+        detail::lap(StepOp::kAdd);
         return name;
       }
     }
@@ -268,10 +353,12 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
                    void* out, const char** names, const void* norm_w, float norm_eps, void* normed,
                    const void* q_scale) {
+  trace_start();
   const StepScratch s = step_scratch(layers, L, B);
   char* base = static_cast<char*>(scratch);
   const void* cur = x;
   for (int64_t l = 0; l < L; ++l) {
+    trace_layer(static_cast<int32_t>(l));
     const DecodeLayer& d = layers[l];
     const size_t es = dtype_size(d.pre.dtype);
     const DecodeKV& c = kv[l];
@@ -350,7 +437,12 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     names[l] = layer_decode_post(a, d.num_threads, d.attn_isa);
     cur = a.sum;
   }
-  if (norm_w != nullptr && L > 0) rms_norm(layers[L - 1].pre.dtype, out, B, layers[L - 1].pre.H, norm_w, norm_eps, normed);
+  if (norm_w != nullptr && L > 0) {
+    trace_layer(-1);
+    rms_norm(layers[L - 1].pre.dtype, out, B, layers[L - 1].pre.H, norm_w, norm_eps, normed);
+    detail::lap(StepOp::kFinalNorm);
+  }
+  trace_stop();
 }
 
 }  // namespace hina

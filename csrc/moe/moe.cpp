@@ -32,6 +32,7 @@
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
 #include "moe/quant_panel.h"
+#include "moe/step_trace.h"
 
 namespace hina {
 
@@ -1214,6 +1215,11 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     s.row_wt[r] = woi ? 1.0f : s.row_w[r];
   }
 
+  // the step trace's parts of an experts' call (moe/step_trace.h; not of linear()'s up-only blocks)
+  auto mark = [&](StepOp op) {
+    if (!hd.up_only) lap(op);
+  };
+  mark(StepOp::kExpertsPrep);
   // Dynamic split (see the header comment); items of <= 8 panels.
   const bool dyn = !p.static_split && nthreads > 1;
   auto chunk_of = [](int64_t np) { return std::max<int64_t>(1, std::min<int64_t>(8, (np + 3) / 4)); };
@@ -1270,6 +1276,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     });
   }
 
+  mark(StepOp::kExpertsGateUp);
   // ---- up-only blocks (linear layers, via linear()): h rows are the output ----
   // E = 1 and K = 1, so routed row r is token r; h already holds x W^T + b (identity act).
   if (hd.up_only) {
@@ -1297,6 +1304,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     };
     for_rows(pool, nthreads, S, Ik, quant_h);
   }
+  mark(StepOp::kExpertsQuantH);
 
   // ---- region 2: down + weight + scatter-add + conversion to x's dtype ----
   // H panels [p0, p1) of every token's output, all experts in ascending order.
@@ -1346,6 +1354,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
       if (p0 != p1) down_panels(p0, p1);
     });
   }
+  mark(StepOp::kExpertsDown);
   return name;
 }
 

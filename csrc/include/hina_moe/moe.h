@@ -55,6 +55,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "hina_moe/cpu_features.h"
 
@@ -718,5 +719,25 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
                    void* out, const char** names, const void* norm_w = nullptr, float norm_eps = 0.f,
                    void* normed = nullptr, const void* q_scale = nullptr);
+
+// The timeline of decode_layers, op by op, in a tuning build (HINA_PREFETCH_TUNING; a release
+// build records nothing and step_trace_compiled() is false). Each event is one op of one layer:
+// its span [t0, t1) in nanoseconds of steady_clock on the calling thread, the ops following each
+// other without gaps from the call's start (the final norm's layer is -1); the experts' call in its
+// parts (the routing metadata and input rows, the gate/up region, the h rows' quantisation, the
+// down region; kExperts what follows it). One stepping thread at a
+// time; take_step_trace() returns the events since its last call (at most 1 << 20) and clears them.
+enum class StepOp : int32_t {
+  kNorm, kQkv, kRopeKv, kAttn, kO, kAddNorm, kMlp, kRouter, kSelect, kExpertsPrep, kExpertsGateUp, kExpertsQuantH,
+  kExpertsDown, kExperts, kShared, kAdd, kFinalNorm, kCount
+};
+const char* step_op_name(StepOp op);
+struct StepTraceEvent {
+  int32_t layer;
+  StepOp op;
+  int64_t t0, t1;
+};
+bool step_trace_compiled();
+std::vector<StepTraceEvent> take_step_trace();
 
 }  // namespace hina
