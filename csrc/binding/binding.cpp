@@ -274,6 +274,17 @@ class PyPackedExperts {
     auto pe = hina::PackedExperts::create(h, buffer ? buffer->data() : nullptr);
     return PyPackedExperts(std::move(pe), buffer ? nb::find(*buffer) : nb::none());
   }
+  static PyPackedExperts copy_of(const nb::bytes& header, RoByteArray buffer) {
+    const hina::PackedHeader h = header_from_bytes(header);
+    std::unique_ptr<hina::PackedExperts> pe;
+    {
+      nb::gil_scoped_release release;
+      pe = hina::PackedExperts::copy_of(h, buffer.data(), buffer.shape(0));
+    }
+    PyPackedExperts r(std::move(pe), nb::none());
+    r.readonly_ = true;
+    return r;
+  }
   static PyPackedExperts view(const nb::bytes& header, RoByteArray buffer) {
     const hina::PackedHeader h = header_from_bytes(header);
     auto pe = hina::PackedExperts::view(h, buffer.data(), buffer.shape(0));
@@ -286,7 +297,7 @@ class PyPackedExperts {
                     std::optional<InArray> gate_bias, std::optional<InArray> up_bias,
                     std::optional<InArray> down_bias, int num_threads) {
     const hina::ExpertWeights w = expert_weights(gate, up, down, gate_bias, up_bias, down_bias);
-    if (readonly_) bad("this block is a read-only view (PackedExperts.view); it cannot be packed into");
+    if (readonly_) bad("this block was loaded from one written earlier (PackedExperts.view or copy); it cannot be packed into");
     nb::gil_scoped_release release;
     pe_->pack_experts(e0, w, num_threads);  // invalid_argument -> ValueError
   }
@@ -899,6 +910,10 @@ NB_MODULE(_native, m) {
            "A read-only PackedExperts over a block written earlier (buffer: uint8 array of "
            "nbytes, 64-byte aligned, kept alive by the result). Validates the header; raises "
            "ValueError naming what does not match.")
+      .def_static("copy", &PyPackedExperts::copy_of, nb::arg("header"), nb::arg("buffer"),
+           "Like view(), validated the same way, but the result owns a copy of the block in memory of its "
+           "own (2 MiB-aligned with transparent huge pages requested when it is 4 MiB or more): buffer is "
+           "read once and not kept. The kernels stream such a copy faster than a file mapping. GIL released.")
       .def("pack_experts", &PyPackedExperts::pack_experts, nb::arg("e0"),
            nb::arg("gate").noconvert().none(), nb::arg("up").noconvert(), nb::arg("down").noconvert(),
            nb::arg("gate_bias").noconvert().none() = nb::none(),

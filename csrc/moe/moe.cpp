@@ -806,6 +806,26 @@ std::unique_ptr<PackedExperts> PackedExperts::view(const PackedHeader& h, const 
   return pe;
 }
 
+std::unique_ptr<PackedExperts> PackedExperts::copy_of(const PackedHeader& h, const void* mem, size_t mem_bytes) {
+  view(h, mem, mem_bytes);  // validates; the view itself is dropped
+  std::unique_ptr<PackedExperts> pe(new PackedExperts());
+  pe->hdr_ = h;
+  void* own = alloc_weights(h.nbytes);
+  // in 2 MiB pieces over the pool: faulting in huge pages (the OS may compact memory for each) is
+  // most of a copy's time, and it runs on the thread that faults
+  constexpr size_t kPiece = size_t(2) << 20;
+  const size_t pieces = (h.nbytes + kPiece - 1) / kPiece;
+  ThreadPool::global().run(default_num_threads(), [&](int tid, int n) {
+    int64_t p0, p1;
+    split_range(static_cast<int64_t>(pieces), tid, n, &p0, &p1);
+    const size_t b0 = static_cast<size_t>(p0) * kPiece, b1 = std::min(h.nbytes, static_cast<size_t>(p1) * kPiece);
+    if (b1 > b0) std::memcpy(static_cast<char*>(own) + b0, static_cast<const char*>(mem) + b0, b1 - b0);
+  });
+  pe->owns_ = true;
+  pe->bind(own);
+  return pe;
+}
+
 std::unique_ptr<PackedExperts> PackedExperts::pack_linear(DType dt, int64_t out_features, int64_t in_features,
                                                           const void* weight, const void* bias, Isa isa,
                                                           int num_threads, QuantSpec q) {

@@ -29,6 +29,7 @@ LOSSLESS_FORMATS = frozenset(("lossless", "lossless12"))
 QDOT_MODES = ("auto", "int", "expand")
 GROUP_SIZES = (32, 64, 128)
 POOLS = ("auto", "own", "openmp")
+MEMORY_MODES = ("auto", "copy", "map")
 SCOPES = ("experts", "all")
 
 
@@ -76,6 +77,13 @@ class HinaConfig:
             happens on every enable and the originals stay in memory.
         cache_dir: the store's directory; "" means the default (`$XDG_CACHE_HOME/hi_na_moe`, else
             `~/.cache/hi_na_moe`).
+        memory: where the packed blocks loaded from the store live. "copy": each is copied into
+            memory of its own at load (transparent huge pages requested), which the kernels
+            stream faster than a file mapping (benchmarks/RESULTS.md, session 22). "map": the
+            kernels read the store's read-only file mapping; the OS may drop its pages under
+            memory pressure and read them again from disk, so a model larger than RAM still runs
+            (slowly). "auto" (default): copy while a copy leaves headroom in the memory this
+            process may use (hi_na_moe.memory), map the rest. The enable report says which.
         pool: which threads run the native kernels' parallel regions: "openmp" runs them on the
             team of the GNU OpenMP runtime PyTorch already loaded (the threads that just ran
             torch's ops, so the two never compete for cores), "own" on hi_na_moe's own workers
@@ -106,6 +114,7 @@ class HinaConfig:
     qdot: str = "auto"
     cache: bool = True
     cache_dir: str = ""
+    memory: str = "auto"
     pool: str = "auto"
     scope: str = "experts"
     dense_lossless: str = "lm_head"
@@ -126,6 +135,7 @@ class HinaConfig:
             )
         _check_choice("weights", self.weights, WEIGHT_FORMATS, src("weights"))
         _check_choice("pool", self.pool, POOLS, src("pool"))
+        _check_choice("memory", self.memory, MEMORY_MODES, src("memory"))
         if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
             raise ConfigError(
                 f"config key 'group_size' ({src('group_size')}) has bad value {self.group_size!r}: "
@@ -173,7 +183,7 @@ class HinaConfig:
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
 _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
-          "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool}
+          "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .memory import load_block
 from .config import LOSSLESS_FORMATS
 
 MIN_WEIGHTS = 1 << 16
@@ -62,6 +63,7 @@ class DenseReport:
     cache: str | None = None  # quantised with the store: "built", "reused" or "rebuilt (why)"
     group: str | None = None  # run in one call with its siblings (q/k/v, gate/up): the group's name
     note: str | None = None  # why it runs in another format than the config's (lossless12 that did not fit)
+    memory: str | None = None  # from the store: "copied" into memory or "mapped" (config key memory)
 
 
 def _matches(name: str, patterns: str) -> bool:
@@ -178,7 +180,7 @@ class NativeLinear:
     is its own dot product over the input, accumulated in the same order."""
 
     def __init__(self, members: list[tuple[str, nn.Linear]], weights: str, group_size: int, isa: str,
-                 threads: int, qdot: str, store=None):
+                 threads: int, qdot: str, store=None, memory: str = "map"):
         self.members = members
         self.modules = [m for _, m in members]
         self.name = group_name([n for n, _ in members])
@@ -194,7 +196,9 @@ class NativeLinear:
         self.store = store if weights not in LOSSLESS_FORMATS else None
         self.format_note: str | None = None  # why stored as lossless when lossless12 was asked for
         self.cache_event: str | None = None
-        self._entry = None  # the store entry the packed layer is mapped from
+        self.memory = memory  # HinaConfig.memory: how a layer from the store is held (hi_na_moe.memory)
+        self.held: str | None = None  # from the store: "copied" or "mapped"
+        self._entry = None  # the store entry the packed layer is mapped from (None once copied)
         self._backup = None  # (key, entry name) of the exact originals in the store
         if self.store is None:
             self.packed = self._pack_now(w, b, weights)
@@ -203,6 +207,7 @@ class NativeLinear:
 
             self._identity = tensor_identity([t for t in (w, b) if t is not None])
             self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, self.name)
+            self.held = "mapped" if self._entry is not None else "copied"
         if self.packed.weights != weights:  # lossless12 that did not fit these weights
             self.format_note = self.format_note or f"stored as {self.packed.weights}: {weights} did not fit"
             self.weights = self.packed.weights
@@ -255,9 +260,10 @@ class NativeLinear:
 
         return entry_key(self._identity, kind="linear", **self._expect(weights))
 
-    def _from_store(self, w, b, weights: str, name: str):
+    def _from_store(self, w, b, weights: str, name: str, memory: str | None = None):
         """The packed layer in `weights` from the store, built and written there if absent,
-        stale or corrupt. Returns (PackedExperts view, entry, event)."""
+        stale or corrupt, held as `memory` (default self.memory) says (hi_na_moe.memory.load_block).
+        Returns (PackedExperts, the entry it is mapped from or None when copied, event)."""
         from .hardware import native_module
 
         native, _ = native_module()
@@ -269,10 +275,17 @@ class NativeLinear:
             return meta, {"block": pe.data}
 
         entry, built, reason = self.store.get_or_build(self._key(weights), name, self._expect(weights), build)
-        view = native.PackedExperts.view(bytes.fromhex(entry.meta["header"]), entry.array("block", "uint8"))
+        try:
+            view, held = load_block(native, entry, memory or self.memory)
+        except BaseException:
+            entry.close()
+            raise
         if not view.up_only:
             entry.close()
             raise RuntimeError(f"hi_na_moe: the store entry for {self.name!r} ({entry.path}) is not a linear layer")
+        if held == "copied":
+            entry.close()
+            entry = None
         event = "reused" if not built else (f"rebuilt ({reason})" if reason else "built")
         return view, entry, event
 
@@ -371,7 +384,7 @@ class NativeLinear:
                 return freed
             w, b = self._stacked()
             backup = self.name + ".original"
-            _, entry, _ = self._from_store(w, b, "lossless", backup)
+            _, entry, _ = self._from_store(w, b, "lossless", backup, memory="map")  # (validated, not held)
             entry.close()
             self._backup = (self._key("lossless"), backup)
         for i in todo:
@@ -536,7 +549,7 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
         for members in tqdm(groups, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
                             leave=False, disable=None if len(groups) > 8 else True):
             fmt = _format_of(members[0][0], cfg, routing, members[0][1].weight.dtype)
-            runner = NativeLinear(members, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store)
+            runner = NativeLinear(members, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store, cfg.memory)
             for i, (_, m) in enumerate(members):
                 old = m.__dict__.get("forward", _MISSING)
                 m.forward = types.MethodType(gated(gate, runner.forward_of(i)), m)
@@ -551,7 +564,8 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
                 if readers[i] and not cfg.keep_weights:
                     note = "; ".join(filter(None, (note, f"weight kept: {readers[i]} reads it itself")))
                 reports.append(DenseReport(name, m.out_features, m.in_features, runner.weights, runner.kernel,
-                                           runner.member_bytes(i), freed[i], runner.cache_event, group, note))
+                                           runner.member_bytes(i), freed[i], runner.cache_event, group, note,
+                                           runner.held))
         from .attention import NativeAttention, find_attention
         from .mla import NativeMLA, find_mla
         from .mlp import NativeMLP, find_mlps

@@ -272,7 +272,7 @@ def _runner_for(block: _Block, spec, cfg, origin: CheckpointOrigin, store):
 
     native_isa = ops._isa_name(cfg)
     r = ops.NativeExperts(spec, native_isa, cfg.threads, cfg.weights, cfg.group_size, store, block.name,
-                          qdot=cfg.qdot)
+                          qdot=cfg.qdot, memory=cfg.memory)
     r.origin = origin
     return r
 

@@ -14,6 +14,7 @@ import torch
 from . import reference, torch_ops
 from .config import LOSSLESS_FORMATS, HinaConfig
 from .hardware import native_kernels_available, native_module
+from .memory import load_block
 from .spec import ExpertsSpec, Runner, check_routing, index_range_error
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,7 +109,7 @@ class NativeExperts:
     """
 
     def __init__(self, spec: ExpertsSpec, isa: str, threads: int, weights: str = "lossless",
-                 group_size: int = 64, store=None, name: str = "experts", qdot: str = "auto"):
+                 group_size: int = 64, store=None, name: str = "experts", qdot: str = "auto", memory: str = "map"):
         self.isa = isa
         self.packed = None  # packed by pack(), at patch time, one block at a time
         self.threads = threads
@@ -130,8 +131,10 @@ class NativeExperts:
         self.expert_bytes = 0
         self.sqnr_db: float | None = None  # quantised: measured on a probe batch at pack time
         self.cache_event: str | None = None  # "built", "reused", "rebuilt (why)", or None
+        self.memory = memory  # HinaConfig.memory: how a block from the store is held (hi_na_moe.memory)
+        self.held: str | None = None  # from the store: "copied" or "mapped" (hi_na_moe.memory.load_block)
         self._identity: str | None = None
-        self._entry = None  # the store entry the packed block is mapped from
+        self._entry = None  # the store entry the packed block is mapped from (None once copied)
         self._backup = None  # (key, name) of the exact originals in the store, for restore
         self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
         self._hook = self._load_hook = None  # state_dict / load_state_dict hooks while released
@@ -195,9 +198,10 @@ class NativeExperts:
         return {"layout_version": int(native.PACKED_LAYOUT_VERSION), "weights": weights, "isa": self.isa,
                 "group_size": self.group_size if weights == "int4" else 0}
 
-    def _from_store(self, weights: str, name: str):
+    def _from_store(self, weights: str, name: str, memory: str | None = None):
         """The packed block for `weights`, from the store (built and written there if absent,
-        stale or corrupt). Returns (PackedExperts view, entry, event)."""
+        stale or corrupt), held as `memory` (default self.memory) says (hi_na_moe.memory.load_block).
+        Returns (PackedExperts, the entry it is mapped from or None when copied, event)."""
         native, _ = native_module()
         tensors = self._tensors() if self.allow_build else None
 
@@ -213,13 +217,21 @@ class NativeExperts:
             return meta, {"block": pe.data}
 
         entry, built, reason = self.store.get_or_build(self._key(weights), name, self._expect(weights), build)
-        view = native.PackedExperts.view(bytes.fromhex(entry.meta["header"]), entry.array("block", "uint8"))
+        try:
+            view, held = load_block(native, entry, memory or self.memory)
+        except BaseException:
+            entry.close()
+            raise
+        if held == "copied":
+            entry.close()
+            entry = None
         event = "reused" if not built else (f"rebuilt ({reason})" if reason else "built")
         return view, entry, event
 
     def pack(self) -> None:
         if self.origin is not None and not self.allow_build:
             self.packed, self._entry, event = self._from_store(self.weights, self.name)
+            self.held = "mapped" if self._entry is not None else "copied"
             self.cache_event = self.preset_event or event
             self.sqnr_db = self.preset_sqnr
             self._settle_format()
@@ -230,6 +242,7 @@ class NativeExperts:
             self.packed = self._pack_now(self._tensors(), self.weights)
         else:
             self.packed, self._entry, self.cache_event = self._from_store(self.weights, self.name)
+            self.held = "mapped" if self._entry is not None else "copied"
         self._settle_format()
         self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
         # the custom op (torch.ops.hi_na_moe.experts) takes a handle, not the C++ object
@@ -307,7 +320,7 @@ class NativeExperts:
             if self.store is None:
                 return 0
             name = self.name + ".original"
-            _, entry, _ = self._from_store("lossless", name)
+            _, entry, _ = self._from_store("lossless", name, memory="map")  # (validated, not held)
             entry.close()
             self._backup = (self._key("lossless"), name)
         freed = 0
@@ -523,7 +536,7 @@ def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: s
 
             store = PackedStore(config.store_root())
         runner = NativeExperts(spec, isa, config.threads, weights, config.group_size, store, name,
-                               qdot=config.qdot)
+                               qdot=config.qdot, memory=config.memory)
         runner.format_note = note
         if not dry_run:
             native_module()[0].set_pool_backend(config.kernel_pool())

@@ -205,6 +205,7 @@ class BlockReport:
     packed_bytes: int | None = None  # the native kernels' packed copy
     released_bytes: int | None = None  # the model's own copy freed while enabled
     cache: str | None = None  # quantised: "built", "reused" or "rebuilt (why)" in the packed-expert store
+    memory: str | None = None  # from the store: "copied" into memory or "mapped" (config key memory)
 
 
 @dataclass
@@ -349,6 +350,12 @@ class EnableReport:
                          if events else "")
                 lines.append(f"  dense linear layers on native kernels (scope='all'): {len(self.dense)} ({fmts}); "
                              f"{freed / 2**20:.0f} MiB of their own weights released{store}")
+        held = [(r.memory, r.packed_bytes or 0) for r in [*self.blocks, *self.dense] if r.memory]
+        if held:
+            by = {k: (sum(1 for m, _ in held if m == k), sum(n for m, n in held if m == k)) for k in ("copied", "mapped")}
+            lines.append(f"  expert blocks and dense layers from the packed-expert store (memory={self.config.get('memory')!r}): "
+                         f"{by['copied'][0]} copied into memory ({by['copied'][1] / 2**20:.0f} MiB), "
+                         f"{by['mapped'][0]} read through its file mapping ({by['mapped'][1] / 2**20:.0f} MiB)")
         if self.dry_run and (self.norms or self.routers or self.attention or self.attention_latent
                              or self.routers_differ or self.mlps or self.layers):
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
@@ -568,6 +575,7 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
         block.packed_bytes = choice.runner.packed.nbytes
         block.sqnr_db = choice.runner.sqnr_db
         block.cache = choice.runner.cache_event
+        block.memory = choice.runner.held
         runner = choice.runner
         if runner.format_note:  # stored in another format than the config's (lossless12 -> lossless)
             block.weights = ops.weights_label(runner.weights, runner.group_size, match.spec.weight_dtype)

@@ -1,0 +1,98 @@
+"""Where a packed block loaded from the store lives (HinaConfig.memory).
+
+The store's blocks are written once and read through a read-only file mapping (hi_na_moe.store).
+The kernels can stream them from there, but they stream a copy in memory of the process's own
+faster: on the Xeon of session 22 (benchmarks/RESULTS.md), the experts' gate/up region of an int4
+OLMoE-1B-7B decode step read at 68-70 % of the paired read probe from the mapping, 77-78 % from a
+copy in shared anonymous 4 KiB pages, and 83-84 % from a copy on transparent huge pages (the
+copy's form: private memory, huge pages requested).
+A mapping's pages, on the other hand, are the OS's to drop and read again, so a model larger than
+memory still runs from it.
+
+- "copy": every block from the store is copied (PackedExperts.copy; the mapping is closed).
+- "map": every block is read through the mapping (PackedExperts.view).
+- "auto": a block is copied when the memory this process may still take, less the copy, keeps a
+  headroom of HEADROOM_FRACTION of the total (at least HEADROOM_MIN); else mapped, as is every
+  block when that memory cannot be read. What the process may take (available_bytes): the
+  kernel's MemAvailable (which counts the page cache it can drop, the store's pages included),
+  and under a cgroup v2 memory limit that limit less the group's usage plus its inactive file
+  pages, whichever is less. Blocks are loaded one after another, so the copies made so far are
+  part of the usage the next decision reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HEADROOM_FRACTION = 0.10
+HEADROOM_MIN = 1 << 30
+
+
+def _meminfo() -> tuple[int, int] | None:
+    """(MemAvailable, MemTotal) in bytes, or None."""
+    try:
+        fields = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemAvailable", "MemTotal"):
+                fields[key] = int(rest.split()[0]) * 1024
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")
+                 ) -> tuple[int, int] | None:
+    """(room, limit) under this process's cgroup v2 memory limit: the limit less the usage plus
+    the inactive file pages; None when there is no limit or it cannot be read."""
+    try:
+        line = next((x for x in self_cgroup.read_text().splitlines() if x.startswith("0::")), None)
+        if line is None:
+            return None
+        d = root / line[3:].lstrip("/")
+        limit = (d / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        limit_b = int(limit)
+        used = int((d / "memory.current").read_text())
+        inactive = 0
+        for s in (d / "memory.stat").read_text().splitlines():
+            key, _, value = s.partition(" ")
+            if key == "inactive_file":
+                inactive = int(value)
+        return max(0, limit_b - used + inactive), limit_b
+    except (OSError, ValueError):
+        return None
+
+
+def available_bytes() -> tuple[int, int] | None:
+    """(bytes this process may still take, the total they are part of), or None if unknown."""
+    mem, cg = _meminfo(), _cgroup_room()
+    if mem is None:
+        return cg
+    if cg is None or cg[0] >= mem[0]:
+        return mem
+    return cg
+
+
+def copies(mode: str, nbytes: int) -> bool:
+    """Whether a block of nbytes loaded under HinaConfig.memory `mode` is copied."""
+    if mode == "copy":
+        return True
+    if mode != "auto":
+        return False
+    room = available_bytes()
+    if room is None:
+        return False
+    avail, total = room
+    return avail - nbytes >= max(HEADROOM_MIN, int(HEADROOM_FRACTION * total))
+
+
+def load_block(native, entry, mode: str):
+    """(PackedExperts, "copied" or "mapped") for the block of an open store entry under `mode`.
+    A copied block keeps no reference to the mapping: the caller may close the entry."""
+    header = bytes.fromhex(entry.meta["header"])
+    block = entry.array("block", "uint8")
+    if copies(mode, block.nbytes):
+        return native.PackedExperts.copy(header, block), "copied"
+    return native.PackedExperts.view(header, block), "mapped"

@@ -1,0 +1,143 @@
+"""Where blocks loaded from the packed-expert store live (config key memory, hi_na_moe.memory):
+a copy of its own or the store's file mapping. A copy is the same block: the same outputs bit for
+bit, validated as a view is, independent of the buffer it was copied from; "auto" copies only with
+headroom left; the report says which blocks are where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_tiny, greedy_decode
+
+import hi_na_moe
+from hi_na_moe import dense, memory
+from hi_na_moe.hardware import native_kernels_available, native_module
+
+pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="blocks from the store need the native library")
+
+
+def _packed(weights="int4"):
+    native = native_module()[0]
+    g = torch.Generator().manual_seed(3)
+    E, H, I = 4, 128, 64
+    gate, up = (torch.randn(E, I, H, generator=g).bfloat16() for _ in range(2))
+    down = torch.randn(E, H, I, generator=g).bfloat16()
+    return native.PackedExperts(gate, up, down, weights=weights)
+
+
+def _written(src):
+    """The block's bytes in a 64-byte aligned buffer of their own, as the store's mapping holds them."""
+    import numpy as np
+
+    data = torch.from_dlpack(src.data).numpy()
+    raw = np.empty(data.nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    buf = raw[off:off + data.nbytes]
+    buf[:] = data
+    return buf
+
+
+def _run(pe, x, idx, w):
+    out = torch.empty_like(x)
+    pe.forward(x, idx, w, out)
+    return out
+
+
+@pytest.mark.parametrize("weights", ["lossless", "int8", "int4"])
+def test_a_copy_is_the_block_bit_for_bit_and_owns_its_bytes(weights):
+    native = native_module()[0]
+    src = _packed(weights)
+    buf = _written(src)
+    view = native.PackedExperts.view(src.header, buf)
+    copy = native.PackedExperts.copy(src.header, buf)
+    assert copy.nbytes == view.nbytes == src.nbytes and copy.header == src.header
+    g = torch.Generator().manual_seed(4)
+    for T in (1, 5):
+        x = torch.randn(T, 128, generator=g).bfloat16()
+        idx = torch.randint(4, (T, 2), generator=g)
+        w = torch.rand(T, 2, generator=g)
+        assert torch.equal(_run(copy, x, idx, w), _run(view, x, idx, w))
+    want = _run(copy, x, idx, w)
+    buf[:] = 0  # the source changes: the copy does not (the view would)
+    assert torch.equal(_run(copy, x, idx, w), want)
+    with pytest.raises(ValueError, match="cannot be packed into"):
+        copy.pack_experts(0, None, torch.zeros(4, 64, 128).bfloat16(), torch.zeros(4, 128, 64).bfloat16())
+
+
+def test_a_copy_is_validated_as_a_view_is():
+    native = native_module()[0]
+    src = _packed()
+    buf = _written(src)
+    for make in (native.PackedExperts.view, native.PackedExperts.copy):
+        with pytest.raises(ValueError, match="bytes; its header says"):
+            make(src.header, buf[:-64])
+        bad = bytearray(src.header)
+        bad[0] ^= 0xFF
+        with pytest.raises(ValueError, match="magic"):
+            make(bytes(bad), buf)
+
+
+def test_auto_copies_only_while_headroom_is_left(monkeypatch):
+    gib = 1 << 30
+    assert memory.copies("copy", 100 * gib) and not memory.copies("map", 1)
+    monkeypatch.setattr(memory, "available_bytes", lambda: (8 * gib, 16 * gib))
+    assert memory.copies("auto", 6 * gib)  # 2 GiB left >= max(1 GiB, 10 % of 16)
+    assert not memory.copies("auto", 7 * gib)  # 1 GiB left < 1.6 GiB
+    monkeypatch.setattr(memory, "available_bytes", lambda: (300 * gib, 400 * gib))
+    assert not memory.copies("auto", 270 * gib)  # 30 GiB left < 40 GiB (10 % of the total)
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)  # unknown: the mapping
+    assert not memory.copies("auto", 1)
+
+
+def test_the_memory_this_process_may_take_reads_meminfo_and_a_cgroup_limit(tmp_path):
+    mem = memory._meminfo()
+    assert mem is not None and 0 < mem[0] <= mem[1]
+    group = tmp_path / "fs" / "app.slice" / "job"
+    group.mkdir(parents=True)
+    self_cgroup = tmp_path / "cgroup"
+    self_cgroup.write_text("0::/app.slice/job\n")
+    (group / "memory.max").write_text("4294967296\n")
+    (group / "memory.current").write_text("3221225472\n")
+    (group / "memory.stat").write_text("anon 2147483648\nfile 1073741824\ninactive_file 536870912\n")
+    # 4 GiB limit - 3 GiB used + 0.5 GiB of inactive file pages
+    assert memory._cgroup_room(tmp_path / "fs", self_cgroup) == (int(1.5 * (1 << 30)), 4 << 30)
+    (group / "memory.max").write_text("max\n")
+    assert memory._cgroup_room(tmp_path / "fs", self_cgroup) is None
+    self_cgroup.write_text("1:memory:/old\n")  # cgroup v1 only: not read
+    assert memory._cgroup_room(tmp_path / "fs", self_cgroup) is None
+
+
+def test_a_model_from_the_store_decodes_the_same_copied_or_mapped(tmp_path, monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    runs = {}
+    for mode in ("map", "copy", "map", "auto"):  # the first map builds the store, the rest reuse it
+        model = build_tiny("olmoe", torch.bfloat16).model.eval()
+        rep = hi_na_moe.enable_for_model(model, weights="int4", scope="all", dense_lossless="",
+                                         cache_dir=str(tmp_path), memory=mode)
+        try:
+            held = {b.memory for b in rep.blocks} | {d.memory for d in rep.dense}
+            want = {"map": {"mapped"}, "copy": {"copied"}}.get(mode)
+            if want is not None:
+                assert held == want, (mode, held)
+            else:
+                assert held <= {"copied", "mapped"} and held
+            n = len(rep.blocks) + len(rep.dense)
+            copied = sum(r.memory == "copied" for r in [*rep.blocks, *rep.dense])
+            assert (f"from the packed-expert store (memory={mode!r}): {copied} copied into memory" in str(rep)
+                    and f"{n - copied} read through its file mapping" in str(rep))
+            logits, cache = greedy_decode(model, ids, 4)
+            runs.setdefault(mode, []).append((logits, cache))
+        finally:
+            hi_na_moe.disable_for_model(model)
+    base_logits, base_cache = runs["map"][0]
+    for mode, got in runs.items():
+        for logits, cache in got:
+            assert all(torch.equal(a, b) for a, b in zip(logits, base_logits)), mode
+            for a, b in zip(cache.layers, base_cache.layers):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), mode
+
+
+def test_the_memory_key_names_its_choices():
+    with pytest.raises(hi_na_moe.ConfigError, match=r"config key 'memory'.*'auto', 'copy', 'map'"):
+        hi_na_moe.load_config(memory="resident")
