@@ -79,11 +79,13 @@ class HinaConfig:
             `~/.cache/hi_na_moe`).
         memory: where the packed blocks loaded from the store live. "copy": each is copied into
             memory of its own at load (transparent huge pages requested), which the kernels
-            stream faster than a file mapping (benchmarks/RESULTS.md, session 22). "map": the
-            kernels read the store's read-only file mapping; the OS may drop its pages under
-            memory pressure and read them again from disk, so a model larger than RAM still runs
-            (slowly). "auto" (default): copy while a copy leaves headroom in the memory this
-            process may use (hi_na_moe.memory), map the rest. The enable report says which.
+            stream at one speed, while a file mapping's speed depends on the page cache's state
+            (13-17 % slower decode measured in one, as fast in another: hi_na_moe.memory). "map":
+            the kernels read the store's read-only file mapping: quicker loads, and the OS may
+            drop its pages under memory pressure and read them again from disk, so a model
+            larger than RAM still runs (slowly). "auto" (default): copy while a copy leaves
+            headroom in the memory this process may use, map the rest. The enable report says
+            which.
         pool: which threads run the native kernels' parallel regions: "openmp" runs them on the
             team of the GNU OpenMP runtime PyTorch already loaded (the threads that just ran
             torch's ops, so the two never compete for cores), "own" on hi_na_moe's own workers

@@ -1,13 +1,16 @@
 """Where a packed block loaded from the store lives (HinaConfig.memory).
 
 The store's blocks are written once and read through a read-only file mapping (hi_na_moe.store).
-The kernels can stream them from there, but they stream a copy in memory of the process's own
-faster: on the Xeon of session 22 (benchmarks/RESULTS.md), the experts' gate/up region of an int4
-OLMoE-1B-7B decode step read at 68-70 % of the paired read probe from the mapping, 77-78 % from a
-copy in shared anonymous 4 KiB pages, and 83-84 % from a copy on transparent huge pages (the
-copy's form: private memory, huge pages requested).
-A mapping's pages, on the other hand, are the OS's to drop and read again, so a model larger than
-memory still runs from it.
+How fast the kernels stream a mapping depends on the state of the page cache behind it, which the
+process does not control; a copy in memory of the process's own (huge pages requested) streams at
+one speed. Measured on the Xeon of session 22 (benchmarks/RESULTS.md): with the store's pages as
+an earlier session had left them cached, the int4 OLMoE-1B-7B experts' gate/up region read at
+68-70 % of the paired probe from the mapping against 83-84 % from copies on huge pages, and whole
+decode steps were 13-17 % faster from the copies; after those pages had been evicted and read
+again (larger folios), the mapping was as fast as the copies (whole-model pairs within noise,
+one block at a time 0-10 % slower). A mapping's pages, on the other hand, are the OS's to drop
+and read again, so a model larger than memory still runs from it, and it loads faster: a copy
+costs fresh memory, which the OS zeroes (about 0.6 GB/s on that VM).
 
 - "copy": every block from the store is copied (PackedExperts.copy; the mapping is closed).
 - "map": every block is read through the mapping (PackedExperts.view).
