@@ -87,6 +87,12 @@ def test_auto_copies_only_while_headroom_is_left(monkeypatch):
     assert not memory.copies("auto", 270 * gib)  # 30 GiB left < 40 GiB (10 % of the total)
     monkeypatch.setattr(memory, "available_bytes", lambda: None)  # unknown: the mapping
     assert not memory.copies("auto", 1)
+    assert "cannot be read" in memory.describe("auto")
+    monkeypatch.setattr(memory, "available_bytes", lambda: (8 * gib, 16 * gib))
+    assert memory.describe("auto") == ("memory='auto': copied while 1.60 GiB stay free, now up to 6.40 GiB of "
+                                       "blocks; the rest read through the store's file mapping")
+    assert "every block copied" in memory.describe("copy") and "mapping" in memory.describe("map")
+    assert hi_na_moe.capabilities(hi_na_moe.load_config(memory="map"))["store_blocks"] == memory.describe("map")
 
 
 def test_the_memory_this_process_may_take_reads_meminfo_and_a_cgroup_limit(tmp_path):

@@ -134,6 +134,8 @@ def cmd_check(args) -> int:
         print(f"  kernel threads: {cap['pool']}")
     if cap.get("prefetch"):
         print(f"  weight-stream prefetch: {cap['prefetch']}")
+    if cap.get("store_blocks"):
+        print(f"  blocks from the packed-expert store: {cap['store_blocks']}")
     if cap.get("attention"):
         print(f"  attention of decode steps (scope=\"all\"): {cap['attention']}")
     if cap.get("attention_prefill"):

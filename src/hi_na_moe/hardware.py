@@ -54,6 +54,9 @@ def capabilities(config: Any = None) -> dict[str, Any]:
     info["kernels"] = kernel_plan(cfg)
     info["pool"] = pool_description(cfg.kernel_pool())
     info["prefetch"] = prefetch_description()
+    from .memory import describe
+
+    info["store_blocks"] = describe(cfg.memory)
     from .attention import math_kernel, prefill_math
 
     info["attention"] = math_kernel(info["selected_isa"])

@@ -78,6 +78,11 @@ def available_bytes() -> tuple[int, int] | None:
     return cg
 
 
+def headroom(total: int) -> int:
+    """What "auto" leaves free of a total of `total` bytes."""
+    return max(HEADROOM_MIN, int(HEADROOM_FRACTION * total))
+
+
 def copies(mode: str, nbytes: int) -> bool:
     """Whether a block of nbytes loaded under HinaConfig.memory `mode` is copied."""
     if mode == "copy":
@@ -88,7 +93,22 @@ def copies(mode: str, nbytes: int) -> bool:
     if room is None:
         return False
     avail, total = room
-    return avail - nbytes >= max(HEADROOM_MIN, int(HEADROOM_FRACTION * total))
+    return avail - nbytes >= headroom(total)
+
+
+def describe(mode: str) -> str:
+    """What `mode` does with blocks from the store on this machine now (`hi-na-moe check`)."""
+    if mode == "copy":
+        return "memory='copy': every block copied into memory of its own"
+    if mode == "map":
+        return "memory='map': every block read through the store's file mapping"
+    room = available_bytes()
+    if room is None:
+        return "memory='auto': the available memory cannot be read, so every block is read through the mapping"
+    avail, total = room
+    keep = headroom(total)
+    return (f"memory='auto': copied while {keep / 2**30:.2f} GiB stay free, now up to "
+            f"{max(0, avail - keep) / 2**30:.2f} GiB of blocks; the rest read through the store's file mapping")
 
 
 def load_block(native, entry, mode: str):
