@@ -72,7 +72,12 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   decode pairing); the share is the median over steps of (GB/token / step time) / that step's
   probe. The machine's bandwidth swings within minutes, so the driver's one probe before the
   arms cannot judge a run taken later; the paired one can. The probe buffer adds 1 GiB to RSS
-  and the probe evicts the caches between steps (conservative for every arm).
+  and the probe evicts the caches between steps (conservative for every arm). The probe reads
+  on the OpenMP team torch loaded, whose threads then spin for several ms (libgomp's default
+  wait policy); the script sleeps PROBE_SETTLE_S after each probe read so that the next timed
+  step does not share a core with them, which the probe, not the model, would have caused
+  (session 22: without the sleep, the first layer's ops of an own-pool scope-all step took
+  ~1 ms longer).
 - same tokens: how many of the first round's greedy tokens equal the transformers arm's before
   the first that differs (torch arms; llama.cpp's JSON does not list its tokens). Each arm
   decodes from its own tokens, so after a difference the two sequences are no longer comparable;
@@ -109,6 +114,8 @@ ARMS = (("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"h
         + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES))
 OWNER_MARK = ".bench_full_model-owned"
 GIB = 1 << 30
+# after each paired probe read: longer than libgomp's threads spin after a region (see the docstring)
+PROBE_SETTLE_S = 0.03
 WARMUP_DECODE_STEPS = 4  # as bench_llamacpp.py
 
 
@@ -398,6 +405,7 @@ def run_torch_arm(args) -> dict:
             tok = int(last_logits(out).argmax())
             if paired:
                 probe_gbs.append(probe.read(256 << 20))
+                time.sleep(PROBE_SETTLE_S)
         return prompt_s, steps, toks
 
     def prefill(ids: list[int]) -> float:

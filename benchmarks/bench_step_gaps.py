@@ -148,6 +148,8 @@ def main() -> int:
                 probe_gbs.append(statistics.median(probe.read(256 << 20) for _ in range(3)))
             if not args.no_flush:
                 probe.read(256 << 20)
+            if args.ops or not args.no_flush:  # the probe's OpenMP threads spin for ms: let them sleep
+                time.sleep(0.03)  # (bench_full_model.py, PROBE_SETTLE_S)
             if i < 4:
                 continue
             steps.append(events[-1][1] - events[0][1])
