@@ -913,7 +913,8 @@ NB_MODULE(_native, m) {
       .def_static("copy", &PyPackedExperts::copy_of, nb::arg("header"), nb::arg("buffer"),
            "Like view(), validated the same way, but the result owns a copy of the block in memory of its "
            "own (2 MiB-aligned with transparent huge pages requested when it is 4 MiB or more): buffer is "
-           "read once and not kept. The kernels stream such a copy faster than a file mapping. GIL released.")
+           "read once and not kept. The kernels stream such a copy at one speed, where a file mapping's depends on "
+           "the page cache's state (hi_na_moe.memory). GIL released.")
       .def("pack_experts", &PyPackedExperts::pack_experts, nb::arg("e0"),
            nb::arg("gate").noconvert().none(), nb::arg("up").noconvert(), nb::arg("down").noconvert(),
            nb::arg("gate_bias").noconvert().none() = nb::none(),

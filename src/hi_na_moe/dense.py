@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .memory import load_block
 from .config import LOSSLESS_FORMATS
+from .memory import load_block
 
 MIN_WEIGHTS = 1 << 16
 SHARED_GATE = "shared_expert_gate"  # a shared expert's gate: run natively whatever its size
@@ -207,7 +207,6 @@ class NativeLinear:
 
             self._identity = tensor_identity([t for t in (w, b) if t is not None])
             self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, self.name)
-            self.held = "mapped" if self._entry is not None else "copied"
         if self.packed.weights != weights:  # lossless12 that did not fit these weights
             self.format_note = self.format_note or f"stored as {self.packed.weights}: {weights} did not fit"
             self.weights = self.packed.weights
@@ -260,10 +259,12 @@ class NativeLinear:
 
         return entry_key(self._identity, kind="linear", **self._expect(weights))
 
-    def _from_store(self, w, b, weights: str, name: str, memory: str | None = None):
+    def _from_store(self, w, b, weights: str, name: str, hold: bool = True):
         """The packed layer in `weights` from the store, built and written there if absent,
-        stale or corrupt, held as `memory` (default self.memory) says (hi_na_moe.memory.load_block).
-        Returns (PackedExperts, the entry it is mapped from or None when copied, event)."""
+        stale or corrupt. hold: the layer this runner runs, held as self.memory says
+        (hi_na_moe.memory.load_block; self.held says how); else (an exact backup) only validated
+        through the mapping. Returns (PackedExperts, the entry it is mapped from or None when
+        copied, event)."""
         from .hardware import native_module
 
         native, _ = native_module()
@@ -275,17 +276,14 @@ class NativeLinear:
             return meta, {"block": pe.data}
 
         entry, built, reason = self.store.get_or_build(self._key(weights), name, self._expect(weights), build)
-        try:
-            view, held = load_block(native, entry, memory or self.memory)
-        except BaseException:
-            entry.close()
-            raise
+        path = entry.path
+        view, entry, held = load_block(native, entry, self.memory if hold else "map")
         if not view.up_only:
-            entry.close()
-            raise RuntimeError(f"hi_na_moe: the store entry for {self.name!r} ({entry.path}) is not a linear layer")
-        if held == "copied":
-            entry.close()
-            entry = None
+            if entry is not None:
+                entry.close()
+            raise RuntimeError(f"hi_na_moe: the store entry for {self.name!r} ({path}) is not a linear layer")
+        if hold:
+            self.held = held
         event = "reused" if not built else (f"rebuilt ({reason})" if reason else "built")
         return view, entry, event
 
@@ -384,7 +382,7 @@ class NativeLinear:
                 return freed
             w, b = self._stacked()
             backup = self.name + ".original"
-            _, entry, _ = self._from_store(w, b, "lossless", backup, memory="map")  # (validated, not held)
+            _, entry, _ = self._from_store(w, b, "lossless", backup, hold=False)
             entry.close()
             self._backup = (self._key("lossless"), backup)
         for i in todo:

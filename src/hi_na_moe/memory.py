@@ -112,10 +112,18 @@ def describe(mode: str) -> str:
 
 
 def load_block(native, entry, mode: str):
-    """(PackedExperts, "copied" or "mapped") for the block of an open store entry under `mode`.
-    A copied block keeps no reference to the mapping: the caller may close the entry."""
-    header = bytes.fromhex(entry.meta["header"])
-    block = entry.array("block", "uint8")
-    if copies(mode, block.nbytes):
-        return native.PackedExperts.copy(header, block), "copied"
-    return native.PackedExperts.view(header, block), "mapped"
+    """The block of an open store entry under `mode`: (PackedExperts, the entry when the block is
+    a view of its mapping, else None, "copied" or "mapped"). A copied block keeps nothing of the
+    mapping, so the entry is closed then, as it is on an error."""
+    try:
+        header = bytes.fromhex(entry.meta["header"])
+        block = entry.array("block", "uint8")
+        if not copies(mode, block.nbytes):
+            return native.PackedExperts.view(header, block), entry, "mapped"
+        pe = native.PackedExperts.copy(header, block)
+        del block  # (the array holds an export of the mapping, which close() releases)
+    except BaseException:
+        entry.close()
+        raise
+    entry.close()
+    return pe, None, "copied"

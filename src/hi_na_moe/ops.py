@@ -198,10 +198,12 @@ class NativeExperts:
         return {"layout_version": int(native.PACKED_LAYOUT_VERSION), "weights": weights, "isa": self.isa,
                 "group_size": self.group_size if weights == "int4" else 0}
 
-    def _from_store(self, weights: str, name: str, memory: str | None = None):
+    def _from_store(self, weights: str, name: str, hold: bool = True):
         """The packed block for `weights`, from the store (built and written there if absent,
-        stale or corrupt), held as `memory` (default self.memory) says (hi_na_moe.memory.load_block).
-        Returns (PackedExperts, the entry it is mapped from or None when copied, event)."""
+        stale or corrupt). hold: the block this runner runs, held as self.memory says
+        (hi_na_moe.memory.load_block; self.held says how); else (an exact backup) only validated
+        through the mapping. Returns (PackedExperts, the entry it is mapped from or None when
+        copied, event)."""
         native, _ = native_module()
         tensors = self._tensors() if self.allow_build else None
 
@@ -217,21 +219,15 @@ class NativeExperts:
             return meta, {"block": pe.data}
 
         entry, built, reason = self.store.get_or_build(self._key(weights), name, self._expect(weights), build)
-        try:
-            view, held = load_block(native, entry, memory or self.memory)
-        except BaseException:
-            entry.close()
-            raise
-        if held == "copied":
-            entry.close()
-            entry = None
+        view, entry, held = load_block(native, entry, self.memory if hold else "map")
+        if hold:
+            self.held = held
         event = "reused" if not built else (f"rebuilt ({reason})" if reason else "built")
         return view, entry, event
 
     def pack(self) -> None:
         if self.origin is not None and not self.allow_build:
             self.packed, self._entry, event = self._from_store(self.weights, self.name)
-            self.held = "mapped" if self._entry is not None else "copied"
             self.cache_event = self.preset_event or event
             self.sqnr_db = self.preset_sqnr
             self._settle_format()
@@ -242,7 +238,6 @@ class NativeExperts:
             self.packed = self._pack_now(self._tensors(), self.weights)
         else:
             self.packed, self._entry, self.cache_event = self._from_store(self.weights, self.name)
-            self.held = "mapped" if self._entry is not None else "copied"
         self._settle_format()
         self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
         # the custom op (torch.ops.hi_na_moe.experts) takes a handle, not the C++ object
@@ -320,7 +315,7 @@ class NativeExperts:
             if self.store is None:
                 return 0
             name = self.name + ".original"
-            _, entry, _ = self._from_store("lossless", name, memory="map")  # (validated, not held)
+            _, entry, _ = self._from_store("lossless", name, hold=False)
             entry.close()
             self._backup = (self._key("lossless"), name)
         freed = 0

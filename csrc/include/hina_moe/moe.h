@@ -239,8 +239,9 @@ class PackedExperts {
                                              size_t mem_bytes);
   // A block of its own holding a copy of one written earlier (validated as view() validates it),
   // in memory allocated as create() allocates it (blocks of 4 MiB or more 2 MiB-aligned with
-  // transparent huge pages requested): the kernels stream it faster than a file mapping of the
-  // same bytes (docs/design.md, "Where packed blocks live"). `mem` is read once, here.
+  // transparent huge pages requested): the kernels stream it at one speed, where a file mapping's
+  // depends on the page cache's state (docs/design.md, "Where packed blocks live"). `mem` is read
+  // once, here.
   static std::unique_ptr<PackedExperts> copy_of(const PackedHeader& h, const void* mem, size_t mem_bytes);
   // Packs experts [e0, e0 + w.E) from w (w.E experts, shapes as in the header). Biases in w
   // must be given exactly when the header has them. lossless12: throws std::invalid_argument
