@@ -72,7 +72,8 @@ class HinaConfig:
             (default: "int" where the tier has an integer-dot kernel, except the AMX prefill
             path of bf16 models, which keeps its bf16 tiles). Ignored for lossless weights.
         cache: if true (default), quantised experts are written to the packed-expert store on
-            first enable and memory-mapped from it afterwards (no re-quantising), and the exact
+            first enable and loaded from it afterwards (no re-quantising; copied or mapped: see
+            memory), and the exact
             originals are backed up there so disable can restore them. If false, quantising
             happens on every enable and the originals stay in memory.
         cache_dir: the store's directory; "" means the default (`$XDG_CACHE_HOME/hi_na_moe`, else

@@ -25,7 +25,8 @@ Memory and the store: a lossless layer is packed in memory, its own weight relea
 zero-byte placeholder) and rebuilt bit-exactly from the packed copy by disable and by
 state_dict(). A quantised layer, with the config's cache on (the default), lives in the
 packed-expert store like the experts: it is quantised and written there on the first enable
-and memory-mapped afterwards (keyed by a hash of its weight and bias, the format and the tier),
+and loaded from there afterwards, copied or mapped as the config's memory says (keyed by a
+hash of its weight and bias, the format and the tier),
 next to an exact lossless backup of its originals; its own weight is then released and rebuilt
 from that backup by disable and by state_dict(). With cache=False a quantised layer is
 quantised at every enable and keeps its own weight (no backup to restore it from).

@@ -105,7 +105,8 @@ class NativeExperts:
     `restore` rebuilds them bit-exactly: from the packed copy when it is lossless, else from an
     exact backup in the packed-expert store. While released, `state_dict()` of the block still
     returns the real weights (a state-dict hook rebuilds them), so saving a model is never
-    corrupted. Quantised blocks live in the store (memory-mapped) when the config's cache is on.
+    corrupted. Quantised blocks are loaded from the store when the config's cache is on (copied
+    or mapped: hi_na_moe.memory).
     """
 
     def __init__(self, spec: ExpertsSpec, isa: str, threads: int, weights: str = "lossless",
