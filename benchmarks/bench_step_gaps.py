@@ -18,8 +18,8 @@ call overhead, with and without the eviction.
 --ops (a tuning build, -Ccmake.define.HINA_PREFETCH_TUNING=ON: _native.take_step_trace): inside
 the one call, per kind of op (summed over the layers), ms per step and, for the ops that stream
 weights, the bytes they read (the report's packed bytes; the experts' as top_k / E of the block's,
-two thirds of them in the gate/up region)
-and the rate, next to a paired read probe on OpenMP's team (the median of three 256 MB reads after each step).
+two thirds of them in the gate/up region) and the rate, next to a paired read probe on OpenMP's
+team (the median of three 256 MB reads after each step, which also evict the caches).
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def main() -> int:
                 for k, v in per_op.items():
                     op_ms[k].append(v)
                 probe_gbs.append(statistics.median(probe.read(256 << 20) for _ in range(3)))
-            if not args.no_flush:
+            if not args.no_flush and not args.ops:  # (--ops: its paired reads evicted them)
                 probe.read(256 << 20)
             if args.ops or not args.no_flush:  # the probe's OpenMP threads spin for ms: let them sleep
                 time.sleep(0.03)  # (bench_full_model.py, PROBE_SETTLE_S)

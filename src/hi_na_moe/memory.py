@@ -32,16 +32,13 @@ HEADROOM_MIN = 1 << 30
 
 
 def _meminfo() -> tuple[int, int] | None:
-    """(MemAvailable, MemTotal) in bytes, or None."""
-    try:
-        fields = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("MemAvailable", "MemTotal"):
-                fields[key] = int(rest.split()[0]) * 1024
-        return fields["MemAvailable"], fields["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
+    """(MemAvailable, MemTotal) in bytes (hi_na_moe.system.meminfo), or None."""
+    from .system import meminfo
+
+    m = meminfo()
+    if "MemAvailable" not in m or "MemTotal" not in m:
         return None
+    return m["MemAvailable"], m["MemTotal"]
 
 
 def _cgroup_room(root: Path = Path("/sys/fs/cgroup"), self_cgroup: Path = Path("/proc/self/cgroup")
