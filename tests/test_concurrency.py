@@ -299,7 +299,7 @@ def test_enable_keeping_weights_leaves_a_native_forward_in_flight_alone():
 
 def test_enable_and_disable_never_read_other_threads_frames(monkeypatch):
     # Walking the other threads' frames (sys._current_frames, f_back, f_locals) while they run
-    # forwards met objects that were not frames and crashed CPython 3.11 within seconds of this
+    # forwards met objects that were not frames and crashed CPython 3.11 within a minute of this
     # race (a CI run failed with an ImportError raised inside torch.jit.is_scripting); enable
     # once did so to find native forwards in flight. It must not come back.
     def refuse():

@@ -556,7 +556,7 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
         # began before the patch runs the block's own code and is not waited for. Finding such
         # forwards meant walking the other threads' frames (sys._current_frames(), f_back,
         # f_locals), which on CPython 3.11 with torch returned objects that are not frames,
-        # corrupted the running threads and crashed the interpreter within seconds of racing
+        # corrupted the running threads and crashed the interpreter within a minute of racing
         # enable/disable against forwards (a CI run failed so); so enable does not look.
         block.released_bytes = choice.runner.release(m, match.rebuild)
         if choice.runner.origin is not None:
