@@ -65,7 +65,7 @@ class _Gate:
         self._readers = 0
         self._writer: int | None = None  # thread id of the enable/disable at work
         self._writers_waiting = 0
-        self.parked: set[int] = set()  # threads waiting here (inside a block, but not reading it)
+        self.parked: set[int] = set()  # threads waiting here (tests see a forward held at the gate)
         self.active = True  # False once the blocks are restored (disable, or a failed enable)
         # per thread (ident): how many forwards it has inside the gate, absent at zero. Not a
         # threading.local: CPython 3.11 can deadlock when the GC frees one while another thread
