@@ -1307,7 +1307,8 @@ NB_MODULE(_native, m) {
            int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
            uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
            uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads,
-           bool half_table, bool interleaved_f32, int64_t rot, nb::tuple mla, int64_t mla_v_bstride) {
+           bool half_table, bool interleaved_f32, int64_t rot, nb::tuple mla, int64_t mla_v_bstride,
+           const std::string& isa) {
           hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
                                reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
                                qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
@@ -1320,15 +1321,17 @@ NB_MODULE(_native, m) {
             latent_pre_args("layer_decode_pre_raw", mla, &a.mla, &owners);
             a.mla.v_bstride = mla_v_bstride;
           }
+          const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
-          hina::layer_decode_pre(a, num_threads);
+          hina::layer_decode_pre(a, num_threads, tier);
         },
         "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
         "qkv: the BoundForward of an up-only block; kv_bstride/kv_hstride: the elements between k's and v's batch rows "
         "and heads; half_table: cos/sin rows of D/2 values; interleaved_f32: ERNIE's rotation on float32 cos/sin; rot: "
         "rope_rotate_half's partial rotary dims, 0: D; mla: latent attention's (rope, Dn, Dr, L, q_lora, q_b, qa_w, "
         "qa_eps, kv_w, kv_eps), k then the latent cache's slot and v the rope key's, mla_v_bstride v's elements between "
-        "rows, qk_tmp [B, q_lora + Hq (Dn + Dr)], q [B, Hq, Dn + Dr]), for hi_na_moe.layers, which checked the tensors. "
+        "rows, qk_tmp [B, q_lora + Hq (Dn + Dr)], q [B, Hq, Dn + Dr]); isa: the rotary kernel's tier (the same bits at "
+        "every tier). For hi_na_moe.layers, which checked the tensors. "
         "Wrong addresses crash.");
   m.def("layer_decode_post_raw",
         [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,

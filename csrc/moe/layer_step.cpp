@@ -134,7 +134,7 @@ void latent_pre(const LayerPreArgs& a, int num_threads) {
 
 }  // namespace
 
-void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
+void layer_decode_pre(const LayerPreArgs& a, int num_threads, Isa isa) {
   if (a.mla.rope != LatentRope::kNone) return latent_pre(a, num_threads);
   const size_t es = dtype_size(a.dtype);
   const int64_t nq = a.Hq * a.D, nkv = a.Hkv * a.D, n = nq + 2 * nkv;
@@ -173,7 +173,7 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads) {
         rope_interleaved_f32(a.dtype, x, 1, heads, a.D, reinterpret_cast<const float*>(cb),
                              reinterpret_cast<const float*>(sb), 0, out, 1);
       else
-        rope_rotate_half(a.dtype, x, 1, heads, a.D, cb, sb, out, a.half_table, a.rot);
+        rope_rotate_half(a.dtype, x, 1, heads, a.D, cb, sb, out, isa, 1, a.half_table, a.rot);
     };
     rotate(qr, a.Hq, static_cast<char*>(a.q) + b * nq * es);
     char* kb = static_cast<char*>(a.k) + b * a.kv_bstride * es;
@@ -381,7 +381,7 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     p.kv_hstride = c.hstride;
     p.mla.v_bstride = c.v_bstride;
     if (latent) p.mla.q_scale = q_scale;
-    layer_decode_pre(p, d.num_threads);
+    layer_decode_pre(p, d.num_threads, d.attn_isa);
 
     LayerPostArgs a = d.post;
     a.B = B;

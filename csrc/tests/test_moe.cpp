@@ -1583,7 +1583,7 @@ void test_latent_layer_step(const std::vector<Isa>& tiers) {
           p1.v = kr1.data() + static_cast<size_t>(pos * Dr) * es;
           p1.kv_bstride = cap * L;
           p1.mla.v_bstride = cap * Dr;
-          layer_decode_pre(p1, 1);
+          layer_decode_pre(p1, 1, isa);
           // the parts: the group's rows, q_b_proj on the normed q_a, the latent's norm
           std::vector<uint8_t> h_ref(h.size()), y_ref(y.size()), qf(static_cast<size_t>(B * nqf) * es);
           MoeParams lp;
@@ -1645,7 +1645,7 @@ void test_latent_layer_step(const std::vector<Isa>& tiers) {
             p3.k = lat3.data() + static_cast<size_t>(pos * L) * es;
             p3.v = kr3.data() + static_cast<size_t>(pos * Dr) * es;
             p3.mla.q_scale = qsv.data();
-            layer_decode_pre(p3, 1);
+            layer_decode_pre(p3, 1, isa);
             for (int64_t i = 0; i < B * nqf; ++i)
               ok = ok && load_elem(dt, q3.data(), i) ==
                              detail::round_to(dt, load_elem(dt, q.data(), i) * load_elem(dt, qsv.data(), i / nqf));

@@ -511,7 +511,7 @@ class NativeLayer:
             0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
             0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
             width if cos.numel() == B * width else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs,
-            threads, half, interleaved, at.rot, (), 0)
+            threads, half, interleaved, at.rot, (), 0, at.isa)
         if slot is not None:
             keys, values = kv_cache.commit(slot)
         else:
@@ -584,7 +584,7 @@ class NativeLayer:
         self.native.layer_decode_pre_raw(
             code, B, H, x.data_ptr(), weights[0].data_ptr(), self.norm1.eps, group.bound, heads, 1, Dn + Dr, 0, 0, 0,
             0.0, 0.0, tab.data_ptr(), tab_s.data_ptr(), width if tab.numel() == B * width else 0, h_p, y_p, tmp_p,
-            q_p, k_p, v_p, k_bs, 0, threads, False, False, 0, mla, v_bs)
+            q_p, k_p, v_p, k_bs, 0, threads, False, False, 0, mla, v_bs, at.isa)
         if slot is not None:
             latent, k_pe = kv_cache.commit(slot)
         else:

@@ -633,7 +633,8 @@ struct LayerPreArgs {
     const void* q_scale = nullptr;
   } mla;
 };
-void layer_decode_pre(const LayerPreArgs& a, int num_threads);
+// isa: the tier of the rotary embedding's kernel (rope_rotate_half's; the same bits at every tier).
+void layer_decode_pre(const LayerPreArgs& a, int num_threads, Isa isa);
 
 // The step after the cache update: the attention (attn, with its sinks when set; skipped when
 // attn.q is null, its out then already holding the heads' outputs), o = o_proj.linear(attn.out), sum = x + o and
