@@ -633,7 +633,8 @@ struct LayerPreArgs {
     const void* q_scale = nullptr;
   } mla;
 };
-// isa: the tier of the rotary embedding's kernel (rope_rotate_half's; the same bits at every tier).
+// isa: the tier of rope_rotate_half in the step (the same bits at every tier; latent attention's
+// rope_latent has one build and ignores it).
 void layer_decode_pre(const LayerPreArgs& a, int num_threads, Isa isa);
 
 // The step after the cache update: the attention (attn, with its sinks when set; skipped when
