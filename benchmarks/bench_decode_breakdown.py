@@ -101,7 +101,7 @@ def classify(name: str, module) -> str | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("native", "lossless", "int8", "int4"))
+    ap.add_argument("--weights", default="int4", choices=("native", "lossless", "lossless12", "int8", "int4"))
     ap.add_argument("--scope", default="experts", choices=("experts", "all"))
     ap.add_argument("--dense-lossless", default="lm_head")
     ap.add_argument("--no-dense-fuse", action="store_true", help="config dense_fuse=False (one call per layer)")
@@ -326,7 +326,7 @@ def main() -> int:
 
             use_native = small_module_switch(model, kind)
 
-    if kind not in ("prefetch", "pool"):
+    if kind not in ("prefetch", "pool", "env"):  # (those three set use_arm above)
         def use_arm(arm: str) -> None:
             if use_native:
                 use_native(arm.startswith("native"))
