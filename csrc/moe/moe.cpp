@@ -8,12 +8,20 @@
 //      panels of the fp32 accumulator, so no two threads ever add into the same element and the
 //      sum over experts runs in ascending expert order (deterministic for any thread count).
 // By default (MoeParams::static_split false) both regions are split dynamically instead:
-// threads claim work items from a shared counter (region 1: (active expert, chunk of <= 8 I
-// panels), expert-major; region 2: chunks of <= 8 H panels, each run over all experts in
-// ascending order), so a thread that runs slower (memory contention, a vCPU taken by another
-// process, torch's OpenMP workers still spinning on its core) ends up with less of the work
-// instead of holding everyone up. Every output element is still produced by one item in one
-// fixed order: results do not depend on the split (tested bit-identical).
+// threads claim work items from a shared counter (region 1: (active expert, chunk of I
+// panels), expert-major; region 2: chunks of H panels, each run over all experts in ascending
+// order), so a thread that runs slower (memory contention, a vCPU taken by another process,
+// torch's OpenMP workers still spinning on its core) ends up with less of the work instead of
+// holding everyone up. Every output element is still produced by one item in one fixed order:
+// results do not depend on the split (tested bit-identical).
+// An item's chunk is sized in bytes, not panels: each expert's piece of it is about
+// kItemBytes of contiguous panels (at most a quarter of the region's panels, so there are
+// always items to share). A thread streams its item's pieces one after the other, and the
+// hardware prefetchers ramp up again at each piece. The old cap of 8 panels made int4's down
+// pieces 64 KiB (8 KiB panels) and its q/k/v and o_proj pieces 128 KiB: on an AMD Zen 5 whole
+// OLMoE int4 decode steps took 4-7 % less time with 1 MiB pieces (int8 2-4 %, lossless12 1-2 %),
+// under a competing process too, and 35 % more with 32 KiB ones (benchmarks/RESULTS.md,
+// session 25).
 #include <cmath>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -56,6 +64,19 @@ bool load_l12_prefetch() {
 }  // namespace detail::pf
 
 bool l12_prefetch() { return detail::pf::l12_prefetch(); }
+
+namespace {
+// The dynamic split's piece of one expert (header comment); a build with HINA_PREFETCH_TUNING
+// reads HINA_ITEM_BYTES at every forward instead, for benchmarks to compare sizes (0: pieces of
+// 8 panels whatever their bytes, the rule before, for A/B in one process).
+constexpr int64_t kItemBytes = 1 << 20;
+int64_t dynamic_item_bytes() {
+#ifdef HINA_PREFETCH_TUNING
+  if (const char* b = std::getenv("HINA_ITEM_BYTES")) return std::max<int64_t>(0, std::atoll(b));
+#endif
+  return kItemBytes;
+}
+}  // namespace
 
 int prefetch_distance() { return detail::pf::bytes(); }
 
@@ -1240,9 +1261,13 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     if (!hd.up_only) lap(op);
   };
   mark(StepOp::kExpertsPrep);
-  // Dynamic split (see the header comment); items of <= 8 panels.
+  // Dynamic split (see the header comment): pieces of about kItemBytes, at most np / 4 panels.
   const bool dyn = !p.static_split && nthreads > 1;
-  auto chunk_of = [](int64_t np) { return std::max<int64_t>(1, std::min<int64_t>(8, (np + 3) / 4)); };
+  const int64_t item_bytes = dynamic_item_bytes();
+  auto chunk_of = [item_bytes](int64_t np, int64_t panel_bytes) {
+    const int64_t want = item_bytes > 0 ? item_bytes / panel_bytes : 8;
+    return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, (np + 3) / 4));
+  };
 
   // ---- region 1: gate/up + activation ----
   // Every job carries the first panel of the job its thread runs next (w_next); kernels that
@@ -1270,7 +1295,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     kern.gateup(j);
   };
   if (S > 0 && dyn) {
-    const int64_t np = In / kPanelN, chunk = chunk_of(np), nchunks = (np + chunk - 1) / chunk;
+    const int64_t np = In / kPanelN, chunk = chunk_of(np, gu_pb), nchunks = (np + chunk - 1) / chunk;
     const int64_t items = nchunks * static_cast<int64_t>(s.active.size());
     auto item_expert = [&](int64_t it) { return s.active[static_cast<size_t>(it / nchunks)]; };
     std::atomic<int64_t> next{0};
@@ -1361,7 +1386,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     }
   };
   if (dyn) {
-    const int64_t np = Hn / kPanelN, chunk = chunk_of(np), items = (np + chunk - 1) / chunk;
+    const int64_t np = Hn / kPanelN, chunk = chunk_of(np, dn_pb), items = (np + chunk - 1) / chunk;
     std::atomic<int64_t> next{0};
     pool.run(nthreads, [&](int, int) {
       for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;)
