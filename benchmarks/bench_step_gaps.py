@@ -33,7 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt")
     ap.add_argument("--tiny", action="store_true", help="a 16-layer tiny OLMoE instead of --ckpt")
-    ap.add_argument("--weights", default="int4", choices=("lossless", "int8", "int4"))
+    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
     ap.add_argument("--cache-dir", required=True, help="the store of --weights")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--no-flush", action="store_true")
