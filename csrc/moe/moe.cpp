@@ -15,8 +15,9 @@
 // holding everyone up. Every output element is still produced by one item in one fixed order:
 // results do not depend on the split (tested bit-identical).
 // An item's chunk is sized in bytes, not panels: each expert's piece of it is about
-// kItemBytes of contiguous panels (at most a quarter of the region's panels, so there are
-// always items to share). A thread streams its item's pieces one after the other, and the
+// kItemBytes of contiguous panels (at most 1 / (2 x threads) of the region's panels, so every
+// thread has items to take and to share: a quarter at 2 threads, as the 8-panel cap gave the
+// down region of OLMoE's shape, an eighth at 4). A thread streams its item's pieces one after the other, and the
 // hardware prefetchers ramp up again at each piece. The old cap of 8 panels made int4's down
 // pieces 64 KiB (8 KiB panels) and its q/k/v and o_proj pieces 128 KiB: on an AMD Zen 5 whole
 // OLMoE int4 decode steps took 4-7 % less time with 1 MiB pieces (int8 2-4 %, lossless12 1-2 %),
@@ -1261,12 +1262,14 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     if (!hd.up_only) lap(op);
   };
   mark(StepOp::kExpertsPrep);
-  // Dynamic split (see the header comment): pieces of about kItemBytes, at most np / 4 panels.
+  // Dynamic split (see the header comment): pieces of about kItemBytes, at most np / (2 x
+  // threads) panels.
   const bool dyn = !p.static_split && nthreads > 1;
   const int64_t item_bytes = dynamic_item_bytes();
-  auto chunk_of = [item_bytes](int64_t np, int64_t panel_bytes) {
+  auto chunk_of = [item_bytes, nthreads](int64_t np, int64_t panel_bytes) {
     const int64_t want = item_bytes > 0 ? item_bytes / panel_bytes : 8;
-    return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, (np + 3) / 4));
+    const int64_t parts = 2 * static_cast<int64_t>(nthreads);
+    return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, (np + parts - 1) / parts));
   };
 
   // ---- region 1: gate/up + activation ----
