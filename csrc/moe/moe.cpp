@@ -15,14 +15,13 @@
 // holding everyone up. Every output element is still produced by one item in one fixed order:
 // results do not depend on the split (tested bit-identical).
 // An item's chunk is sized in bytes, not panels: each expert's piece of it is about
-// kItemBytes of contiguous panels (at most 1 / (2 x threads) of the region's panels, so every
-// thread has items to take and to share: a quarter at 2 threads, as the 8-panel cap gave the
-// down region of OLMoE's shape, an eighth at 4). A thread streams its item's pieces one after the other, and the
-// hardware prefetchers ramp up again at each piece. The old cap of 8 panels made int4's down
-// pieces 64 KiB (8 KiB panels) and its q/k/v and o_proj pieces 128 KiB: on an AMD Zen 5 whole
-// OLMoE int4 decode steps took 4-7 % less time with 1 MiB pieces (int8 2-4 %, lossless12 1-2 %),
-// under a competing process too, and 35 % more with 32 KiB ones (benchmarks/RESULTS.md,
-// session 25).
+// kItemBytes of contiguous panels, at most 1 / (2 x threads) of the region's panels (a quarter
+// at 2 threads, an eighth at 4), so that every thread has items to take and to share. A thread
+// streams its item's pieces one after the other, and the hardware prefetchers ramp up again at
+// each piece. The old cap of 8 panels made int4's down pieces 64 KiB (8 KiB panels) and its
+// q/k/v and o_proj pieces 128 KiB: on an AMD Zen 5 whole OLMoE int4 decode steps took 4-7 %
+// less time with 1 MiB pieces (int8 2-4 %, lossless12 1-2 %), under a competing process too,
+// and 35 % more with 32 KiB ones (benchmarks/RESULTS.md, session 25).
 #include <cmath>
 #if defined(__linux__)
 #include <sys/mman.h>
