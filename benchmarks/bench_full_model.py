@@ -83,6 +83,11 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   decodes from its own tokens, so after a difference the two sequences are no longer comparable;
   on a random-weight model whose top two tokens nearly tie, a rounding difference shows early.
 
+--series N runs the arm list N times in turn (the cold phases only the first time) and prints, per
+series, each warm hina arm's decode tok/s over its width's llama.cpp arm's (int4: Q4_0, int8:
+Q8_0, lossless and lossless12: BF16) and over transformers', with the median over the series: on a
+host whose bandwidth moves from minute to minute, one series' ratio moves with it.
+
 --compete starts `python -c 'while True: pass'` (no affinity) for the whole series of arms, as
 in MEASURED.md's contention figures; the arms then run without chrt (a SCHED_FIFO arm would
 simply preempt the competitor). OMP_WAIT_POLICY and the other environment variables are passed
@@ -542,8 +547,9 @@ def table(results: list[dict], bw: float, args) -> str:
         f"| same tokens as transformers (to the first difference) | store |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    several = any(r.get("series", 0) for r in results)
     for r in results:
-        label = r["arm"]
+        label = r["arm"] + (f" #{r.get('series', 0) + 1}" if several else "")
         if "error" in r:
             lines.append(f"| {label} | {r.get('phase') or '-'} | failed: {r['error']} |" + " |" * 12)
             continue
@@ -576,6 +582,34 @@ def table(results: list[dict], bw: float, args) -> str:
     return "\n".join(lines)
 
 
+# the llama.cpp arm of a hina format's width
+LLAMACPP_WIDTH = {"int4": "llamacpp-q4_0", "int8": "llamacpp-q8_0", "lossless": "llamacpp-bf16",
+                  "lossless12": "llamacpp-bf16"}
+
+
+def ratio_table(results: list[dict]) -> str:
+    """Per series (--series), each warm hina arm's decode tok/s over its width's llama.cpp arm's and
+    over transformers' in the same series, then the median over the series: arms of one series run
+    minutes apart, so a single series' ratio moves with the host's bandwidth."""
+    by = {}
+    for r in results:
+        if "decode" in r and r.get("phase") in (None, "warm"):
+            by[(r.get("series", 0), r["arm"])] = r["decode"]["tokens_per_s"]
+    series = sorted({s for s, _ in by})
+    hina = [a for a in dict.fromkeys(a for _, a in by) if a.startswith("hina-")]
+    rows = []
+    for a in hina:
+        fmt = a[len("hina-"):].removesuffix("-all")
+        for other in (LLAMACPP_WIDTH.get(fmt), "transformers"):
+            got = [by[(s, a)] / by[(s, other)] for s in series if (s, a) in by and (s, other) in by]
+            if got:
+                rows.append(f"| {a} / {other} | {' / '.join(f'{x:.2f}x' for x in got)} | "
+                            f"{statistics.median(got):.2f}x |")
+    if not rows:
+        return ""
+    return "\n".join(["| decode tok/s ratio | per series | median |", "|---|---|---|"] + rows)
+
+
 def brief(r: dict) -> dict:
     """A result without its per-step samples (for printing)."""
     out = dict(r)
@@ -585,6 +619,8 @@ def brief(r: dict) -> dict:
 
 
 def driver_main(args) -> int:
+    if args.series < 1:
+        raise SystemExit(f"--series {args.series}: give 1 or more")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
     if bad:
@@ -609,6 +645,8 @@ def driver_main(args) -> int:
         if a.endswith("-all"):
             phases = ["warm"]  # shares its format's store with hina-<format>: never clears it
         runs += [(a, ph) for ph in phases] if a.startswith("hina-") else [(a, None)]
+    # --series: the arm list again, in the same order, its cold phases only the first time
+    runs = [(s, a, ph) for s in range(args.series) for a, ph in runs if s == 0 or ph != "cold"]
 
     # in a short subprocess: the driver itself stays free of torch (~0.25 GB) while the arms run
     probe = ("from hi_na_moe import _native; "
@@ -645,8 +683,8 @@ def driver_main(args) -> int:
         if args.compete:
             competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             print(f"# a competing busy process (pid {competitor.pid}, no affinity) runs during the arms")
-        for arm, phase in runs:
-            name = arm + (f"-{phase}" if phase else "")
+        for series, arm, phase in runs:
+            name = arm + (f"-{phase}" if phase else "") + (f"-s{series}" if args.series > 1 else "")
             out, log = tmp / f"{name}.json", tmp / f"{name}.log"
             cmd = (["chrt", "-f", "1"] if use_chrt else []) + [sys.executable, str(Path(__file__).resolve()),
                                                                "--child", "--arm", arm, "--result", str(out)] + common
@@ -661,10 +699,11 @@ def driver_main(args) -> int:
             if rc != 0 or not out.is_file():
                 tail = "\n".join(text.strip().splitlines()[-40:])
                 print(f"# {name} FAILED (exit {rc}); last lines of its output:\n{tail}", flush=True)
-                results.append({"arm": arm, "phase": phase, "error": f"exit {rc}", "log_tail": tail})
+                results.append({"arm": arm, "phase": phase, "series": series, "error": f"exit {rc}",
+                                "log_tail": tail})
                 continue
             r = json.loads(out.read_text())
-            r["wall_s"] = wall
+            r["wall_s"], r["series"] = wall, series
             results.append(r)
             summary = [ln for ln in text.splitlines() if ln.startswith(f"# {arm}")]
             print(summary[-1] if summary else f"# {name} done", f"(process wall {wall:.0f} s)", flush=True)
@@ -678,6 +717,10 @@ def driver_main(args) -> int:
     print()
     print(table(results, bw, args))
     print()
+    ratios = ratio_table(results)
+    if ratios:
+        print(ratios)
+        print()
     print(json.dumps({"setup": head, "results": [brief(r) for r in results]}, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -698,6 +741,10 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="transformers,hina-lossless,hina-int8,hina-int4,llamacpp-q8_0,llamacpp-q4_0",
                     help=f"comma list of: {', '.join(ARMS)}")
     ap.add_argument("--new-tokens", type=int, default=128, help="decode steps per round")
+    ap.add_argument("--series", type=int, default=1,
+                    help="run the arm list this many times in turn (cold phases the first time only) and print "
+                         "each hina arm's decode ratio to llama.cpp at its width and to transformers per series, "
+                         "with their median")
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens before decode")
     ap.add_argument("--prefill", type=int, default=512, help="tokens in the timed prefill forward")
     ap.add_argument("--repeats", type=int, default=1, help="decode rounds per arm")
