@@ -1,0 +1,120 @@
+"""Where the Python of a scope="all" decode step goes, around the stack's one native call.
+
+Loads the model with hi_na_moe.from_pretrained (scope="all", the store must hold --weights),
+decodes a few tokens, then times --steps decode steps, each after an untimed 256 MB read of a
+1 GiB buffer (the paired probe of bench_full_model.py, which also evicts the caches: a real
+step's Python runs on caches the weight stream has just flushed). Wall-clock timers wrap, for
+the time of the study only, the pieces of a step: the whole forward; the stack's forward's
+checks (`_observed`, `_args`), its decode path (`_run`), the one call (`_one_call`), the layers'
+`plan_args` inside it, the native `StepPlan.run`; and the model's lm_head. Means per step; what
+no timer holds is transformers' own code around the stack and lm_head. (A timer costs about a
+microsecond per call: 16 layers' plan_args, about 20 us a step, is the largest such overhead.)
+
+    chrt -f 1 python benchmarks/study_step_python.py --ckpt /work/ckpt/olmoe-1b-7b \\
+        --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
+    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    import torch
+    from transformers import DynamicCache
+
+    import hi_na_moe
+    from hi_na_moe import _native
+    from hi_na_moe.layers import NativeLayer
+    from hi_na_moe.patching import patched_runner
+    from hi_na_moe.stack import NativeStack
+
+    torch.set_num_threads(args.threads)
+    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
+    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
+                                      config=cfg).eval()
+    stacks = [r for m in model.modules() if isinstance(r := patched_runner(m), NativeStack)]
+    if len(stacks) != 1:
+        raise SystemExit(f"expected one decoder stack on hi_na_moe.stack, found {len(stacks)}")
+    st = stacks[0]
+    spent: dict[str, float] = collections.defaultdict(float)
+    now = time.perf_counter
+
+    def timed(obj, name: str, key: str) -> None:
+        f = getattr(obj, name)
+
+        def g(*a, **k):
+            t = now()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[key] += now() - t
+
+        setattr(obj, name, g)
+
+    timed(NativeLayer, "plan_args", "layers' plan_args")
+    for name in ("_observed", "_args", "_run", "_one_call"):
+        timed(st, name, f"stack {name}")
+    timed(model.lm_head, "forward", "lm_head")
+
+    class TimedPlan:  # the stack's StepPlan, its run timed
+        def __init__(self, plan):
+            self.plan = plan
+
+        def run(self, *a):
+            t = now()
+            try:
+                return self.plan.run(*a)
+            finally:
+                spent["native StepPlan.run"] += now() - t
+
+        def scratch_bytes(self, B):
+            return self.plan.scratch_bytes(B)
+
+    probe = _native.BandwidthProbe(1 << 30, args.threads)
+    ids = torch.randint(300, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1:].argmax(-1)
+        if st._plan is None:
+            raise SystemExit("the stack's decode steps did not take the one native call (report_for says why)")
+        st._plan = (TimedPlan(st._plan[0]), st._plan[1])
+        spent.clear()
+        for _ in range(args.steps):
+            probe.read(256 << 20)
+            t = now()
+            out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            spent["step"] += now() - t
+            nxt = out.logits[:, -1:].argmax(-1)
+    ms = {k: v / args.steps * 1e3 for k, v in spent.items()}
+    native, lm = ms["native StepPlan.run"], ms["lm_head"]
+    print(f"{args.ckpt}, {args.weights}, scope all, {args.threads} threads, mean of {args.steps} steps, "
+          f"256 MB read before each")
+    print("| piece | ms per step |")
+    print("|---|---|")
+    for k in ("step", "stack _run", "stack _one_call", "native StepPlan.run", "lm_head", "layers' plan_args",
+              "stack _observed", "stack _args"):
+        print(f"| {k} | {ms.get(k, 0.0):.3f} |")
+    print(f"| Python: the step less the native call and lm_head | {ms['step'] - native - lm:.3f} |")
+    print(f"| of it in _one_call, outside the native call and plan_args | "
+          f"{ms['stack _one_call'] - native - ms['layers' + chr(39) + ' plan_args']:.3f} |")
+    print(f"| of it in _run, outside _one_call | {ms['stack _run'] - ms['stack _one_call']:.3f} |")
+    print(f"| of it outside the stack's forward (transformers' model, the lm_head's Python included) | "
+          f"{ms['step'] - ms['stack _run'] - ms['stack _observed'] - ms['stack _args'] - lm:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
