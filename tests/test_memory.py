@@ -147,3 +147,69 @@ def test_a_model_from_the_store_decodes_the_same_copied_or_mapped(tmp_path, monk
 def test_the_memory_key_names_its_choices():
     with pytest.raises(hi_na_moe.ConfigError, match=r"config key 'memory'.*'auto', 'copy', 'map'"):
         hi_na_moe.load_config(memory="resident")
+
+
+def _pages_present(t: torch.Tensor) -> tuple[int, int]:
+    """(present, all) of the 4 KiB pages under `t`'s bytes, from /proc/self/pagemap (bit 63: page
+    present; readable without privileges)."""
+    import struct
+
+    a, n = t.data_ptr() // 4096, (t.data_ptr() + t.nbytes - 1) // 4096 + 1
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(a * 8)
+        raw = f.read((n - a) * 8)
+    return sum(e >> 63 for e in struct.unpack(f"{n - a}Q", raw)), n - a
+
+
+def _file_backed(t: torch.Tensor) -> bool:
+    p = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= p < hi:
+            return len(parts) > 5 and parts[5].startswith("/")
+    return False
+
+
+def test_enable_reads_in_an_embedding_left_in_the_checkpoint_mapping(tmp_path, monkeypatch):
+    """A table transformers left in the checkpoint's file mapping, whose pages a decode step
+    would otherwise read from disk a new token at a time, is read in at enable: every page of it
+    mapped afterwards, and the report says so; the outputs are not touched."""
+    import os
+
+    from transformers import OlmoeForCausalLM
+
+    from tiny_models import olmoe
+
+    if not os.path.exists("/proc/self/pagemap"):
+        pytest.skip("needs /proc/self/pagemap")
+    src = olmoe(layers=1)
+    src.resize_token_embeddings(8192, mean_resizing=False)  # 8192 x 256 bf16: 4 MiB, 1024 pages
+    src.save_pretrained(tmp_path)
+    model = OlmoeForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    w = model.model.embed_tokens.weight
+    if not _file_backed(w):
+        pytest.skip("this transformers copies loaded tensors: no file mapping to read in")
+    before, pages = _pages_present(w)
+    if before == pages:
+        pytest.skip("loading already mapped every page of the table")
+    ids = torch.randint(3, 8192, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = model(ids).logits
+    rep = hi_na_moe.enable_for_model(model, cache=False)
+    assert rep.embeddings_read == ["model.embed_tokens"] and rep.embeddings_read_bytes == w.nbytes
+    assert _pages_present(w) == (pages, pages)
+    assert "embedding tables read in at enable" in str(rep) and ": 1 (4 MiB, " in str(rep)
+    assert rep.to_dict()["embeddings_read"] == ["model.embed_tokens"]
+    hi_na_moe.disable_for_model(model)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, ref)
+
+
+def test_read_in_leaves_small_and_non_cpu_tables(monkeypatch):
+    small = torch.nn.Embedding(16, 8)
+    meta = torch.nn.Embedding(100000, 64, device="meta")
+    model = torch.nn.ModuleDict({"small": small, "meta": meta})
+    assert memory.read_in_embeddings(model)[:2] == ([], 0)
+    monkeypatch.setattr(memory, "READ_IN_MIN", 0)
+    assert memory.read_in_embeddings(model)[:2] == (["small"], small.weight.nbytes)

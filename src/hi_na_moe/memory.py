@@ -25,10 +25,13 @@ costs fresh memory, which the OS zeroes (about 0.6 GB/s on that VM).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 HEADROOM_FRACTION = 0.10
 HEADROOM_MIN = 1 << 30
+# embedding tables below this size are not read in (read_in_embeddings)
+READ_IN_MIN = 1 << 20
 
 
 def _meminfo() -> tuple[int, int] | None:
@@ -124,3 +127,37 @@ def load_block(native, entry, mode: str):
         raise
     entry.close()
     return pe, None, "copied"
+
+
+def read_in_embeddings(model) -> tuple[list[str], int, float]:
+    """Read every page of the model's embedding tables once (names, bytes, seconds).
+
+    transformers leaves a tensor it loads without a cast in the checkpoint's file mapping, and an
+    embedding table is then read a row per token: a token whose page the page cache does not hold
+    (never read since the checkpoint was written, or dropped since) is a read from disk inside
+    that decode step. With the weights from the packed-expert store, nothing else reads the
+    checkpoint's pages: on a page cache dropped before the load, the stack's Python outside its
+    one native call took 1.4-2.4 ms of a Qwen1.5-MoE 4-layer int4 step (151936 x 2048 table),
+    0.3 ms with the table read in (benchmarks/RESULTS.md, session 26).
+    One element per 4 KiB is read here, so the pages are in the page cache and mapped; they stay
+    the OS's to drop under memory pressure (clean file pages), as llama.cpp's WILLNEED hint on
+    its mapped files leaves them. Tables held in the process's own memory cost a strided read.
+    Tables not on the CPU, not contiguous or below READ_IN_MIN bytes are left alone."""
+    import torch
+    from torch import nn
+
+    names, nbytes, t0 = [], 0, time.perf_counter()
+    seen: set[int] = set()
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding):
+            continue
+        w = m._parameters.get("weight")
+        if (not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.layout is not torch.strided
+                or not w.is_contiguous() or w.nbytes < READ_IN_MIN or w.data_ptr() in seen):
+            continue
+        seen.add(w.data_ptr())
+        with torch.no_grad():
+            w.detach().view(-1)[:: max(1, 4096 // w.element_size())].sum()
+        names.append(name)
+        nbytes += w.nbytes
+    return names, nbytes, time.perf_counter() - t0

@@ -228,6 +228,11 @@ class EnableReport:
     # of those stacks, why a stack's decode steps call its rotary module instead of reading its table
     # (hi_na_moe.rope_table): stack name -> reason (stacks absent here read it)
     stacks_rotary_module: dict = field(default_factory=dict)
+    # the embedding tables whose pages enable read once (hi_na_moe.memory.read_in_embeddings), their
+    # bytes and the seconds it took
+    embeddings_read: list = field(default_factory=list)
+    embeddings_read_bytes: int = 0
+    embeddings_read_s: float = 0.0
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -265,6 +270,8 @@ class EnableReport:
             "attention_latent_bytes": self.attention_latent_bytes,
             "attention_latent_quant": self.attention_latent_quant,
             "attention_latent_prefill": list(self.attention_latent_prefill),
+            "embeddings_read": list(self.embeddings_read), "embeddings_read_bytes": self.embeddings_read_bytes,
+            "embeddings_read_s": self.embeddings_read_s,
         }
 
     def to_json(self) -> str:
@@ -386,6 +393,10 @@ class EnableReport:
                 lines.append(f"  {name!r} keeps the loop, not one native call: {why}")
             for name, why in self.stacks_rotary_module.items():
                 lines.append(f"  {name!r} calls its rotary module at every step (no table of its outputs): {why}")
+        if self.embeddings_read:
+            lines.append(f"  embedding tables read in at enable (a new token's row is then not a disk read in its decode "
+                         f"step): {len(self.embeddings_read)} ({self.embeddings_read_bytes / 2**20:.0f} MiB, "
+                         f"{self.embeddings_read_s:.2f} s)")
         return "\n".join(lines)
 
 
@@ -748,6 +759,10 @@ def enable_for_model(
         report.blocks.sort(key=lambda b: order[b.name])
         if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
             report.pool = native_module()[0].pool_backend()
+        if report.accelerated or report.dense:
+            from .memory import read_in_embeddings
+
+            report.embeddings_read, report.embeddings_read_bytes, report.embeddings_read_s = read_in_embeddings(model)
         _ROOTS[model] = (patched, report)
         _GATES[model] = gate
         _DENSE[model] = dense_done
