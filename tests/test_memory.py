@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny, greedy_decode
+from tiny_models import build_tiny, greedy_decode, olmoe
 
 import hi_na_moe
 from hi_na_moe import dense, memory
@@ -171,15 +171,13 @@ def _file_backed(t: torch.Tensor) -> bool:
     return False
 
 
-def test_enable_reads_in_an_embedding_left_in_the_checkpoint_mapping(tmp_path, monkeypatch):
+def test_enable_reads_in_an_embedding_left_in_the_checkpoint_mapping(tmp_path):
     """A table transformers left in the checkpoint's file mapping, whose pages a decode step
     would otherwise read from disk a new token at a time, is read in at enable: every page of it
     mapped afterwards, and the report says so; the outputs are not touched."""
     import os
 
     from transformers import OlmoeForCausalLM
-
-    from tiny_models import olmoe
 
     if not os.path.exists("/proc/self/pagemap"):
         pytest.skip("needs /proc/self/pagemap")
