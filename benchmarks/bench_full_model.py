@@ -45,6 +45,8 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   time is the wall time of that forward call; the argmax and a finite-logits check happen
   outside it (as bench_llamacpp.py times one llama_decode per step). tok/s = steps / sum of
   step times over --repeats rounds; median and p90 ms/step over all those steps.
+- disk reads in decode: the arm process's major page faults (getrusage) during those steps: a
+  step that waits on the disk (a mapped weight's page the page cache had dropped) counts here.
 - prefill-N: one forward of --prefill (512) tokens on a fresh KV cache (logits of the last
   position only, like llama.cpp's), median over --prefill-reps (3) rounds. The llama.cpp arm
   runs max(--repeats, --prefill-reps) rounds of bench_llamacpp.py (each round decodes and
@@ -103,6 +105,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -402,6 +405,7 @@ def run_torch_arm(args) -> dict:
         prompt_s = time.perf_counter() - t
         tok = int(last_logits(out).argmax())
         steps, toks = [], []
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         for _ in range(n):
             t = time.perf_counter()
             out = fwd([tok], cache)
@@ -411,6 +415,7 @@ def run_torch_arm(args) -> dict:
             if paired:
                 probe_gbs.append(probe.read(256 << 20))
                 time.sleep(PROBE_SETTLE_S)
+        decode_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0)
         return prompt_s, steps, toks
 
     def prefill(ids: list[int]) -> float:
@@ -423,6 +428,7 @@ def run_torch_arm(args) -> dict:
 
     rounds = max(args.repeats, args.prefill_reps)
     dec_rounds, prompt_ms, pre_ms, tokens = [], [], [], None
+    decode_faults: list[int] = []  # major page faults (reads from disk) during each decode's steps
     with torch.inference_mode():
         prefill(stream.ids(args.prefill))  # warm-up, as bench_llamacpp.py
         decode(stream.ids(args.prompt_len), WARMUP_DECODE_STEPS)
@@ -437,7 +443,8 @@ def run_torch_arm(args) -> dict:
             if r < args.prefill_reps:
                 pre_ms.append(prefill(batch) * 1e3)
     res["decode"] = decode_summary(dec_rounds, prompt_ms)
-    res["decode"].update(new_tokens=args.new_tokens, prompt_len=args.prompt_len, tokens=tokens)
+    res["decode"].update(new_tokens=args.new_tokens, prompt_len=args.prompt_len, tokens=tokens,
+                         major_faults=sum(decode_faults[1:1 + args.repeats]))  # (the warm-up decode is [0])
     res["prefill"] = prefill_summary(pre_ms, args.prefill)
     if probe is not None:
         steps_s = [x / 1e3 for r in dec_rounds for x in r]
@@ -476,7 +483,8 @@ def run_llamacpp_arm(args) -> dict:
     runs = tg["runs"][: args.repeats]
     res["decode"] = decode_summary([r["step_ms"] for r in runs], [r["prompt_ms"] for r in runs])
     res["decode"].update(new_tokens=args.new_tokens, prompt_len=args.prompt_len, tokens=None,
-                         distinct_tokens=[r["distinct_tokens"] for r in runs])
+                         distinct_tokens=[r["distinct_tokens"] for r in runs],
+                         major_faults=sum(r["major_faults"] for r in runs))
     res["prefill"] = prefill_summary([r["ms"] for r in pp["runs"][: args.prefill_reps]], args.prefill)
     mem = j["memory"]
     res["load_s"] = j["load_s"]
@@ -543,15 +551,15 @@ def table(results: list[dict], bw: float, args) -> str:
     base = next((r for r in results if r.get("arm") == "transformers" and "decode" in r), None)
     lines = [
         f"| arm | load | load s | RSS after load GiB | peak RSS GiB | decode tok/s | median ms/step | p90 ms "
-        f"| GB/token | GB/s | share of {bw:.1f} GB/s | decode vs transformers | prefill-{args.prefill} s "
+        f"| disk reads in decode | GB/token | GB/s | share of {bw:.1f} GB/s | decode vs transformers | prefill-{args.prefill} s "
         f"| same tokens as transformers (to the first difference) | store |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     several = any(r.get("series", 0) for r in results)
     for r in results:
         label = r["arm"] + (f" #{r.get('series', 0) + 1}" if several else "")
         if "error" in r:
-            lines.append(f"| {label} | {r.get('phase') or '-'} | failed: {r['error']} |" + " |" * 12)
+            lines.append(f"| {label} | {r.get('phase') or '-'} | failed: {r['error']} |" + " |" * 13)
             continue
         d, m, b = r["decode"], r["memory"], r["bytes_per_token"]["total"]
         gbs = b / (d["median_ms"] / 1e3) / 1e9
@@ -577,7 +585,7 @@ def table(results: list[dict], bw: float, args) -> str:
         lines.append(
             f"| {label} | {r.get('phase') or '-'} | {r['load_s']:.1f} | {fmt_gib(m['rss_after_load_bytes'])} "
             f"| {fmt_gib(m['peak_rss_bytes'])} | {d['tokens_per_s']:.2f} | {d['median_ms']:.1f} | {d['p90_ms']:.1f} "
-            f"| {b / 1e9:.3f} | {gbs:.1f} | {100 * gbs / bw:.0f} %{paired} | {vs} | {r['prefill']['ms'] / 1e3:.2f} "
+            f"| {d.get('major_faults', '-')} | {b / 1e9:.3f} | {gbs:.1f} | {100 * gbs / bw:.0f} %{paired} | {vs} | {r['prefill']['ms'] / 1e3:.2f} "
             f"| {same} | {store} |")
     return "\n".join(lines)
 

@@ -92,16 +92,18 @@ class Runner:
             raise RuntimeError("non-finite logits")
         return logits
 
-    def decode(self, prompt: list[int], n_gen: int) -> tuple[float, list[float], list[int]]:
+    def decode(self, prompt: list[int], n_gen: int) -> tuple[float, list[float], list[int], int]:
+        """(prompt seconds, step seconds, tokens, major page faults (reads from disk) during the steps)."""
         self.clear()
         prompt_s = self.eval(prompt)
         tok = int(np.argmax(self.last_logits()))
         steps, out = [], []
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         for _ in range(n_gen):
             steps.append(self.eval([tok]))
             out.append(tok)
             tok = int(np.argmax(self.last_logits()))
-        return prompt_s, steps, out
+        return prompt_s, steps, out, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
 
     def prefill(self, tokens: list[int]) -> float:
         self.clear()
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
 
     tg, pp = [], []
     for _ in range(args.repeats):
-        prompt_s, steps, out = run.decode(ids(args.prompt_len), args.gen)
+        prompt_s, steps, out, faults = run.decode(ids(args.prompt_len), args.gen)
         ms = [s * 1e3 for s in steps]
         tg.append({
             "tokens_per_s": len(steps) / sum(steps),
@@ -166,6 +168,7 @@ def main(argv=None) -> int:
             "p90_ms": percentile(ms, 90),
             "prompt_ms": prompt_s * 1e3,
             "distinct_tokens": len(set(out)),
+            "major_faults": faults,
             "step_ms": [round(x, 3) for x in ms],
         })
         pp_s = run.prefill(ids(args.prefill))
