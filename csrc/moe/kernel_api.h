@@ -77,12 +77,53 @@ static inline L12Geometry l12_geometry(int64_t plain_bytes) {
   return g;
 }
 
+// int4 panels (layout v4): the Kp / group groups are stored in blocks, each 64 bytes of bf16
+// scales followed by the codes of the groups those scales belong to. A group has [G][16] scales
+// (32 G bytes) and group / 2 * G * 16 bytes of codes (q4_index), so a block holds 2 / G groups:
+// one group of a gate/up pair, or two groups of a single matrix (scales of group 2b then 2b + 1,
+// their codes in the same order), so a single matrix pays no padding after its 32 scale bytes.
+// Every block is 64 + 16 group bytes, except that a single matrix with an odd number of groups
+// ends with a block of one group (64 + 8 group bytes, scale bytes 32..63 zero).
+static constexpr int q4_per_block(int G) { return 2 / G; }
+static inline int64_t q4_code_bytes(int group, int G) { return static_cast<int64_t>(group) / 2 * G * kPanelN; }
+static inline int64_t q4_block_bytes(int group) { return 64 + static_cast<int64_t>(group) * kPanelN; }
+// Offsets inside a panel of group g's scales (matrix gi's 16 at + 32 gi) and of its codes.
+static inline int64_t q4_scales_at(int64_t g, int G, int group) {
+  return g / q4_per_block(G) * q4_block_bytes(group) + g % q4_per_block(G) * 32;
+}
+static inline int64_t q4_codes_at(int64_t g, int G, int group) {
+  return g / q4_per_block(G) * q4_block_bytes(group) + 64 + g % q4_per_block(G) * q4_code_bytes(group, G);
+}
+// The groups of one panel in order, for the streaming kernels: scales() and codes() of the
+// current group; block_start() is true where a block begins (the kernels prefetch a whole
+// block, q4_block_bytes, from there).
+template <int G>
+struct Q4Walk {
+  const uint8_t* blk;
+  int64_t code_bytes, block_bytes;
+  int s = 0;  // the current group's place in its block
+  Q4Walk(const uint8_t* panel, int group)
+      : blk(panel), code_bytes(q4_code_bytes(group, G)), block_bytes(q4_block_bytes(group)) {}
+  const uint8_t* scales() const { return blk + s * 32; }
+  const uint8_t* codes() const { return blk + 64 + s * code_bytes; }
+  bool block_start() const { return s == 0; }
+  void next() {
+    if (++s == q4_per_block(G)) {
+      s = 0;
+      blk += block_bytes;
+    }
+  }
+};
+
 // Bytes of one packed panel (16 output rows, reduction length Kp, G matrices interleaved).
 static inline int64_t panel_bytes(DType dt, WFormat wf, int group, int64_t Kp, int G) {
   switch (wf) {
     case WFormat::kLossless: return Kp * kPanelN * G * (dt == DType::kF32 ? 4 : 2);
     case WFormat::kInt8: return 64 * G + Kp * G * kPanelN;
-    case WFormat::kInt4: return (Kp / group) * (64 + group / 2 * G * kPanelN);
+    case WFormat::kInt4: {
+      const int64_t ng = Kp / group;
+      return ng * q4_code_bytes(group, G) + (ng + q4_per_block(G) - 1) / q4_per_block(G) * 64;
+    }
     case WFormat::kLossless12: return l12_geometry(Kp * kPanelN * G * 2).bytes;
   }
   return 0;
@@ -204,7 +245,7 @@ bool get_l12_kernels_avx512(KernelImpl* k);
 bool get_l12_kernels_avx512vbmi(KernelImpl* k);  // the same bytes; needs AVX512-VBMI at run time
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
-// matrix gi of `panel` (layout v3). x86 builds have AVX-512 and AVX2 copies of the portable
+// matrix gi of `panel` (layout v4). x86 builds have AVX-512 and AVX2 copies of the portable
 // code (moe/quant_panel.h); all write identical bytes.
 void quant_panel_avx512(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
 void quant_panel_avx2(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
@@ -338,13 +379,13 @@ static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
   return a * (u + p.up_offset);
 }
 
-// Layout v3 quantised panels: 4 consecutive k of one output row share a 32-bit lane (the
+// Layout v3/v4 quantised panels: 4 consecutive k of one output row share a 32-bit lane (the
 // operand shape of vpdpbusd / vpmaddubsw+vpmaddwd / sdot), 16 lanes (64 bytes) per k step.
 // int8: byte of (k, gi, n) after the [G][16] fp32 scales: quad k/4, matrix gi, lane n, byte k%4.
 static inline int64_t q8_index(int64_t k, int G, int gi, int n) {
   return ((k >> 2) * G + gi) * (kPanelN * 4) + n * 4 + (k & 3);
 }
-// int4: byte of (k, gi, n) after a block's 64 scale bytes, k relative to the block: 8 k per
+// int4: byte of (k, gi, n) in a group's codes (q4_codes_at), k relative to the group: 8 k per
 // lane, byte k%4, low nibble for k%8 < 4, high nibble for k%8 >= 4; the nibble is q + 8.
 static inline int64_t q4_index(int64_t k, int G, int gi, int n) {
   return ((k >> 3) * G + gi) * (kPanelN * 4) + n * 4 + (k & 3);

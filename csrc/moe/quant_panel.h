@@ -82,9 +82,7 @@ struct Lanes {
       return;
     }
     constexpr int kCand = 8;
-    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     for (int64_t b = 0; b < Kp / group; ++b) {
-      uint8_t* blk = panel + b * blk_bytes;
       const float* w = wt + b * group * kPanelN + c0;
       F m = splat(0.0f);
       for (int k = 0; k < group; ++k) {
@@ -117,7 +115,7 @@ struct Lanes {
       }
       alignas(64) float el[kCand][W], ibest[W];
       for (int i = 0; i < kCand; ++i) std::memcpy(el[i], &err[i], sizeof(err[i]));
-      uint16_t* scales = reinterpret_cast<uint16_t*>(blk + gi * 32) + c0;
+      uint16_t* scales = reinterpret_cast<uint16_t*>(panel + q4_scales_at(b, G, group) + gi * 32) + c0;
       for (int n = 0; n < W; ++n) {
         int best = 0;
         for (int i = 1; i < kCand; ++i)
@@ -126,8 +124,8 @@ struct Lanes {
         ibest[n] = il[best][n];
       }
       const F inv = load(ibest);
-      uint8_t* bytes = blk + 64;
-      // layout v3: per 8 k, byte j of lane n holds k = j (low nibble) and k = j + 4 (high)
+      uint8_t* bytes = panel + q4_codes_at(b, G, group);
+      // layout v3/v4: per 8 k, byte j of lane n holds k = j (low nibble) and k = j + 4 (high)
       for (int k8 = 0; k8 < group; k8 += 8)
         for (int jb = 0; jb < 4; ++jb) {
           const F lo = int4_q(load(w + (k8 + jb) * kPanelN), inv) + 8.0f;

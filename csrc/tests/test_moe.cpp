@@ -765,6 +765,63 @@ void test_quant_packing(const std::vector<Isa>& tiers) {
   }
 }
 
+// int4 layout v4, written out again from moe.h: a gate/up pair's panel stores each group in a
+// block of 64 scale bytes + 16 group code bytes; a single matrix (down, dense linear layers)
+// pairs groups, two groups' scales in one 64-byte block (an odd count ends with a block of one,
+// its scale bytes 32..63 zero). Checked on the planned sizes and, for a dense linear block, on
+// where each row's scales and codes sit in its bytes (against unpack_row_quant's plain rows).
+void test_int4_layout(const std::vector<Isa>& tiers) {
+  if (!selected("int4 layout")) return;
+  std::mt19937 rng(47);
+  for (const int group : {32, 64, 128})
+    for (const int ng : {1, 2, 3, 4}) {
+      const int64_t K = int64_t(group) * ng, N = 17, panels = 2;
+      const int64_t pair_panel = ng * (64 + 16 * int64_t(group));
+      const int64_t single_panel = ng * 8 * int64_t(group) + (ng + 1) / 2 * 64;
+      // gated experts: gate/up reduce over H = K, down over I = K (E 3, both 17 wide)
+      const PackedHeader h = plan_packed(DType::kBF16, 3, N, K, true, false, false, false, Isa::kGeneric,
+                                         {WFormat::kInt4, group});
+      const PackedHeader hd = plan_packed(DType::kBF16, 3, K, N, true, false, false, false, Isa::kGeneric,
+                                          {WFormat::kInt4, group});
+      const auto a64 = [](int64_t b) { return (b + 63) / 64 * 64; };
+      report(static_cast<int64_t>(hd.gu_expert_bytes) == a64(panels * pair_panel) &&
+                 static_cast<int64_t>(h.down_expert_bytes) == a64(panels * single_panel),
+             "int4 layout g" + std::to_string(group) + " x" + std::to_string(ng) +
+                 " groups: gate/up and down panel sizes");
+      const auto w = random_array(DType::kF32, N * K, 1.0f, rng);
+      for (Isa isa : tiers) {
+        auto pe = PackedExperts::pack_linear(DType::kF32, N, K, w.data(), nullptr, isa, 1, {WFormat::kInt4, group});
+        std::vector<uint8_t> codes(static_cast<size_t>(N * K / 2));
+        std::vector<uint16_t> scales(static_cast<size_t>(N * ng));
+        pe->unpack_row_quant(codes.data(), scales.data());
+        const uint8_t* blk = static_cast<const uint8_t*>(pe->data());
+        bool ok = static_cast<int64_t>(pe->header().gu_expert_bytes) == a64(panels * single_panel);
+        for (int64_t row = 0; row < N; ++row) {
+          const uint8_t* panel = blk + row / 16 * single_panel;
+          const int64_t n = row % 16;
+          for (int64_t g = 0; g < ng; ++g) {
+            const uint8_t* b = panel + g / 2 * (64 + 16 * int64_t(group));
+            uint16_t sc;
+            std::memcpy(&sc, b + g % 2 * 32 + n * 2, 2);
+            ok = ok && sc == scales[static_cast<size_t>(row * ng + g)];
+            const uint8_t* c = b + 64 + g % 2 * 8 * int64_t(group);
+            for (int64_t k = 0; k < group; ++k) {
+              const uint8_t byte = c[(k / 8 * 16 + n) * 4 + k % 4];
+              const int q = k % 8 < 4 ? byte & 15 : byte >> 4;
+              const int64_t half = group / 2;
+              const uint8_t rb = codes[static_cast<size_t>(row * K / 2 + g * half + k % half)];
+              ok = ok && q == (k < half ? rb & 15 : rb >> 4);
+            }
+          }
+          if (ng % 2 == 1)  // the last block's second half of scales is padding
+            for (int i = 32; i < 64; ++i) ok = ok && panel[(ng / 2) * (64 + 16 * int64_t(group)) + i] == 0;
+        }
+        report(ok, "int4 layout g" + std::to_string(group) + " x" + std::to_string(ng) + " groups " + isa_name(isa) +
+                       ": a dense block's scales and codes where moe.h says");
+      }
+    }
+}
+
 // The block can be built expert by expert into caller memory, and viewed read-only again.
 void test_create_view() {
   if (!selected("create/view")) return;
@@ -2149,6 +2206,7 @@ int main(int argc, char** argv) {
   test_quant_act_row();
   test_qdot_selection(tiers);
   test_quant_packing(all);
+  test_int4_layout(all);
   test_create_view();
   test_threads_deterministic(all);
   test_split_deterministic(all);

@@ -149,7 +149,7 @@ struct MoeParams {
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
 // for. It is a plain struct (no pointers) so it can be stored beside the data on disk.
-// Layout v3 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
+// Layout v4 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
 // dimension is cut into panels of 16 rows (zero-padded); the reduction dimension is zero-padded
 // to k_align (32, or the int4 group size when larger). G = 2 interleaves gate and up so one pass
 // streams both; G = 1 for down (and for up without a gate). One panel:
@@ -157,9 +157,13 @@ struct MoeParams {
 //   int8: [G][16] fp32 row scales (64*G bytes), then [Kp/4][G][16][4] int8 (q, signed): 4
 //         consecutive k of one output row in one 32-bit lane, the operand shape of integer dot
 //         products (vpdpbusd, vpmaddubsw + vpmaddwd, sdot)
-//   int4: Kp/group blocks, each [G][16] bf16 scales padded to 64 bytes, then [group/8][G][16][4]
+//   int4: per group of `group` k, [G][16] bf16 scales (32 G bytes) and [group/8][G][16][4] code
 //         bytes; byte j of a lane holds k = j (low nibble) and k = j + 4 (high nibble) of its
-//         8 k, as q + 8 in 0..15 (so v & 0x0f and (v >> 4) & 0x0f are two u8 quads).
+//         8 k, as q + 8 in 0..15 (so v & 0x0f and (v >> 4) & 0x0f are two u8 quads). Groups are
+//         stored in blocks of 64 scale bytes followed by the codes of the groups they scale:
+//         G = 2: one group a block; G = 1: two (scales of group 2b, then 2b + 1, then the codes
+//         of 2b, then of 2b + 1), the last block of an odd count holding one (its scale bytes
+//         32..63 zero). So int4 costs 4 + 16 / group bits a weight in every panel.
 //   lossless12 (bf16 only): the lossless bf16 panel above (P = Kp*G*32 bytes: nvec = P/64
 //         vectors of 32 words, in order), compressed in blocks of two consecutive vectors
 //         (nb = P/128 blocks of 64 weights). A bf16 word's high byte (sign and the exponent's
@@ -180,13 +184,15 @@ struct MoeParams {
 //        slot s). A panel with more than cap spilled blocks cannot be stored: pack throws, and
 //        such weights are stored as lossless.
 //   Padding (rows >= N, k >= K) is zero words, compressed like any other.
-// (v2, before: int8 [Kp][G][16], int4 bytes holding k even / k odd; v1: no quantised formats.)
+// (v3, before: a G = 1 int4 block held one group, its 32 scale bytes padded to 64 (4.5 bits a
+// weight at group 64); v2: int8 [Kp][G][16], int4 bytes holding k even / k odd; v1: no
+// quantised formats.)
 // The block: all experts' gate/up panels, all experts' down panels, then fp32 biases ([E][In]
 // gate, [E][In] up, [E][Hn] down, each present only when the model has it); every part 64-byte
 // aligned; nbytes is the whole block.
 struct PackedHeader {
   uint32_t magic = 0x454D4E48;  // "HNME"
-  uint16_t version = 3;
+  uint16_t version = 4;
   uint8_t dtype = 0;            // DType of the model (x, out, and lossless weights)
   uint8_t isa = 0;              // Isa the kernels were chosen for
   uint8_t panel_n = 16;         // output rows per panel

@@ -1,7 +1,7 @@
 // [NOTE] moe_decode_<q>_avx2 / moe_prefill_<q>_avx2 (q: int8, int4)
 // Flags: -mavx2 -mfma -mf16c (tier `avx2`).
 //
-// Data layout: layout v3 quantised panels (PackedHeader; moe_generic.cpp has the table); one
+// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table); one
 // 16-column panel is two ymm halves (lanes 0-7, 8-15), 32 bytes each per 4 k (int8) / 8 k (int4).
 // Register plan: weights expanded to fp32 in registers, FMA'd with broadcast fp32 x / h:
 //   int8: byte j of each lane by vpslld + vpsrad + vcvtdq2ps; row scale applied once at the end.
@@ -71,14 +71,14 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
         for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_mul_ps(out[r][gi][half], sc);
       }
   } else {
-    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
-    const uint8_t* blk = panel;
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
+    Q4Walk<G> q(panel, group);
+    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+      if (q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
       __m256 a[NT][G][2];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a[r][gi][0] = a[r][gi][1] = _mm256_setzero_ps();
-      const uint8_t* w = blk + 64;
+      const uint8_t* w = q.codes();
       for (int kk = 0; kk < group; kk += 8, w += G * 4 * kPanelN) {
         for (int gi = 0; gi < G; ++gi)
           for (int half = 0; half < 2; ++half) {
@@ -101,7 +101,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 sc = qloops256::bf16x8_to_ps(blk + gi * 32 + half * 16);
+          const __m256 sc = qloops256::bf16x8_to_ps(q.scales() + gi * 32 + half * 16);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(a[r][gi][half], sc, out[r][gi][half]);
         }
     }

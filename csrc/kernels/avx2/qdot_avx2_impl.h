@@ -5,7 +5,7 @@
 //   moe_qdot_avxvnni.cpp the same + -mavxvnni            Vnni = true  (vpdpbusd ymm), chosen
 //                                                        when the CPU reports AVX-VNNI
 //
-// Data layout: layout v3 quantised panels (PackedHeader; moe_generic.cpp has the table) and
+// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table) and
 // quantised activation rows (kernel_api.h); one 16-lane panel row of 64 bytes is two ymm halves
 // (lanes 0-7, 8-15).
 // Register plan (Vnni): as moe_qdot_avx512vnni.cpp on ymm halves: vpdpbusd with the weights as
@@ -113,16 +113,16 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       }
   } else {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
-    const uint8_t* blk = panel;
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
+    Q4Walk<G> q(panel, group);
+    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+      if (q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
       __m256 bg[NT][G][2];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) bg[r][gi][0] = bg[r][gi][1] = _mm256_setzero_ps();
-      const uint8_t* w = blk + 64;
+      const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
         __m256i ai[NT][G][2];
@@ -160,7 +160,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 d = qloops256::bf16x8_to_ps(blk + gi * 32 + half * 16);
+          const __m256 d = qloops256::bf16x8_to_ps(q.scales() + gi * 32 + half * 16);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(bg[r][gi][half], d, out[r][gi][half]);
         }
     }

@@ -1,7 +1,7 @@
 // [NOTE] moe_decode_<q>_avx512 / moe_prefill_<q>_avx512 (q: int8, int4)
 // Flags: -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c (tier `avx512`; no VNNI).
 //
-// Data layout: layout v3 quantised panels (PackedHeader; moe_generic.cpp has the table).
+// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table).
 //   int8: 64*G bytes of fp32 row scales, then per 4 k: G x 64 bytes (16 lanes x 4 k, int8).
 //   int4: blocks of `group` k: 64 bytes of bf16 scales, then per 8 k: G x 64 bytes (16 lanes
 //         x 4 bytes; byte j: k = j in the low nibble, k = j + 4 in the high one, q + 8).
@@ -68,14 +68,14 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       for (int r = 0; r < NT; ++r) out[r][gi] = _mm512_mul_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc);
     }
   } else {
-    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
-    const uint8_t* blk = panel;
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
+    Q4Walk<G> q(panel, group);
+    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+      if (q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
       __m512 a0[NT][G], a1[NT][G];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
-      const uint8_t* w = blk + 64;
+      const uint8_t* w = q.codes();
       for (int kk = 0; kk < group; kk += 8, w += G * 4 * kPanelN) {
         for (int gi = 0; gi < G; ++gi) {
           const __m512i v = _mm512_load_si512(w + gi * 4 * kPanelN);
@@ -100,7 +100,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 sc = v512::bf16x16_to_ps(blk + gi * 32);
+        const __m512 sc = v512::bf16x16_to_ps(q.scales() + gi * 32);
         for (int r = 0; r < NT; ++r)
           out[r][gi] = _mm512_fmadd_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc, out[r][gi]);
       }

@@ -3,7 +3,7 @@
 // Flags: the avx512 TU's flags + -mavx512vnni; selected for tiers avx512 and amx only when the
 // CPU reports AVX512-VNNI (the tier itself guarantees F/BW/VL only).
 //
-// Data layout: layout v3 quantised panels (PackedHeader; moe_generic.cpp has the table) and
+// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table) and
 // quantised activation rows (kernel_api.h: [Kp] int8, [Kp/32] fp32 scales, [Kp/32] int32 sums).
 //   | operand        | register view                                                       |
 //   |----------------|---------------------------------------------------------------------|
@@ -85,17 +85,17 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
   } else {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i m4h = _mm512_set1_epi8(static_cast<char>(0xf0));
-    const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
     __m512 y[NT][G];
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
-    const uint8_t* blk = panel;
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, blk += blk_bytes) {
-      for (int64_t o = 0; o < blk_bytes; o += 64) prefetch(blk + pf::bytes() + o);
+    Q4Walk<G> q(panel, group);
+    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+      if (q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
       __m512 bg[NT][G];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_setzero_ps();
-      const uint8_t* w = blk + 64;
+      const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
         // Two chains per row and matrix: ai the low nibbles (with the block's offset correction),
@@ -134,7 +134,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 d = v512::bf16x16_to_ps(blk + gi * 32);
+        const __m512 d = v512::bf16x16_to_ps(q.scales() + gi * 32);
         for (int r = 0; r < NT; ++r) y[r][gi] = _mm512_fmadd_ps(bg[r][gi], d, y[r][gi]);
       }
     }

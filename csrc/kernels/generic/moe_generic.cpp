@@ -1,7 +1,7 @@
 // [NOTE] moe_*_generic: the scalar oracle every SIMD MoE kernel is tested against, for every
 // weight format (lossless f32/bf16/f16, int8, int4).
 //
-// Data layout: layout v3 quantised panels (see PackedHeader in hina_moe/moe.h):
+// Data layout: layout v4 quantised panels (see PackedHeader in hina_moe/moe.h):
 //   | format | one panel (16 output rows, reduction length Kp, G matrices)                       |
 //   |--------|-----------------------------------------------------------------------------------|
 //   | int8   | [G][16] fp32 row scales (64*G B), then [Kp/4][G][16][4] int8 (4 k per 32-bit lane) |
@@ -30,13 +30,12 @@ void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G,
     return;
   }
   const int group = L.group;
-  const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
   for (int64_t b = 0; b < Kp / group; ++b) {
-    const uint8_t* blk = panel + b * blk_bytes;
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(blk + gi * 32);
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(panel + q4_scales_at(b, G, group) + gi * 32);
+    const uint8_t* codes = panel + q4_codes_at(b, G, group);
     for (int k = 0; k < group; ++k)
       for (int n = 0; n < kPanelN; ++n)
-        w[(b * group + k) * kPanelN + n] = bf16_to_f32(sc[n]) * int4_value(blk + 64, k, G, gi, n);
+        w[(b * group + k) * kPanelN + n] = bf16_to_f32(sc[n]) * int4_value(codes, k, G, gi, n);
   }
 }
 
@@ -134,17 +133,16 @@ float qdot_col(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi,
     return reinterpret_cast<const float*>(panel + gi * 64)[n] * a;
   }
   const int group = L.group;
-  const int64_t blk_bytes = 64 + group / 2 * G * kPanelN;
   float y = 0.0f;
   for (int64_t g = 0; g < Kp / group; ++g) {
-    const uint8_t* blk = panel + g * blk_bytes;
+    const uint8_t* codes = panel + q4_codes_at(g, G, group);
     float bg = 0.0f;
     for (int b = 0; b < group / kActBlock; ++b) {
       int32_t isum = 0;
-      for (int k = b * kActBlock; k < (b + 1) * kActBlock; ++k) isum += int4_q(blk + 64, k, G, gi, n) * qx[g * group + k];
+      for (int k = b * kActBlock; k < (b + 1) * kActBlock; ++k) isum += int4_q(codes, k, G, gi, n) * qx[g * group + k];
       bg = std::fma(static_cast<float>(isum), sx[g * group / kActBlock + b], bg);
     }
-    y = std::fma(bg, bf16_to_f32(reinterpret_cast<const uint16_t*>(blk + gi * 32)[n]), y);
+    y = std::fma(bg, bf16_to_f32(reinterpret_cast<const uint16_t*>(panel + q4_scales_at(g, G, group) + gi * 32)[n]), y);
   }
   return y;
 }
