@@ -284,6 +284,28 @@ def test_clear_tier_and_json_output(store, capsys):
         [encode_name(L1) + ".hnm", encode_name(L2) + ".hnm"])
 
 
+def test_clear_old_layout_removes_entries_of_another_layout_version_only(store, capsys):
+    from hi_na_moe.hardware import native_module
+
+    native, why = native_module()
+    if native is None:
+        pytest.skip(f"the layout version comes from the native extension: {why}")
+    now = int(native.PACKED_LAYOUT_VERSION)
+    # entries of this build's layout in a key of their own; the fixture's entries record version 3
+    assert now != 3
+    k_now = entry_key("checkpoint:c0ffee:" + L0, weights="int4", group_size=64, isa="avx512", layout_version=now)
+    store.write(k_now, L0, {**experts_meta("int4", "avx512", L0, 64), "layout_version": now}, {"block": bytes(700)})
+    d8 = store.root / K_INT8
+    want = sum(size(entry(store, k, n)) for k, n in ((K_INT4_0, L0), (K_INT4_1, L1), (K_INT8, L0), (K_BACKUP, L0 + ".original"),
+                                                     (K_LINEAR, Q)))
+    rc, out, _ = run(["cache", "clear", "--cache-dir", str(store.root), "--old-layout", "--yes"], capsys)
+    assert rc == 0 and f"removed 5 files, freed {want / 1024:.2f} KiB ({want} bytes)" in out
+    assert entry(store, k_now, L0).exists()
+    # unreadable entries record no layout (--stale is for them); the temp file and foreign files stay
+    assert sorted(p.name for p in d8.iterdir()) == sorted([encode_name(L1) + ".hnm", encode_name(L2) + ".hnm"])
+    assert (store.root / K_INT4_0 / TMP).exists() and (store.root / K_INT4_0 / "notes.txt").exists()
+
+
 def test_clear_stale_removes_unreadable_entries_and_leftovers_only(store, capsys):
     d8 = store.root / K_INT8
     want = size(d8 / (encode_name(L1) + ".hnm")) + size(d8 / (encode_name(L2) + ".hnm")) + 4096
@@ -405,7 +427,7 @@ def test_delete_skips_a_file_rewritten_since_the_summary_and_refuses_foreign_fil
 
 @pytest.mark.parametrize("argv,message", [
     (["cache", "clear"], "cache clear needs a filter saying what to remove: --key KEY, --source S, --format F, "
-                         "--tier T, --stale, or --all"),
+                         "--tier T, --old-layout, --stale, or --all"),
     (["cache", "clear", "--all", "--format", "int4"], "--all removes every store file; it cannot be combined"),
     (["cache", "clear", "--key", "0123456789abcdef0"], "--key '0123456789abcdef0' matches no key directory in the "
                                                        "store (7 keys there)"),

@@ -782,7 +782,7 @@ def cmd_cache_list(args) -> int:
     return 0
 
 
-CLEAR_FILTERS = "--key KEY, --source S, --format F, --tier T, --stale, or --all"
+CLEAR_FILTERS = "--key KEY, --source S, --format F, --tier T, --old-layout, --stale, or --all"
 
 
 def resolve_key(summaries, prefix: str) -> str:
@@ -811,20 +811,23 @@ def _same_source(recorded, wanted: str) -> bool:
 
 
 def select_for_clear(summaries, key: str | None = None, format: str | None = None, tier: str | None = None,
-                     stale: bool = False, all: bool = False, source: str | None = None) -> list:
+                     stale: bool = False, all: bool = False, source: str | None = None,
+                     old_layout: int | None = None) -> list:
     """The store files `cache clear` with these filters removes (store.StoreFile, from
     `PackedStore.summary`). Filters combine (and). `all`: every store file. A key alone: all of
     its files. `stale`: entries that are not readable (corrupt, another store format version,
     unsafe), temp files and lock files without an entry. format / tier: the readable entries
-    that record them. An entry is chosen alone; `PackedStore.delete` takes its lock file along.
-    Files that are not the store's are never chosen."""
+    that record them. old_layout (this build's packed layout version): the readable entries
+    recording another one, which this build never reads (their keys differ). An entry is chosen
+    alone; `PackedStore.delete` takes its lock file along. Files that are not the store's are
+    never chosen."""
     if all:
         return [f for s in summaries for f in s.files if f.kind != "other"]
     chosen = []
     for s in summaries:
         if key is not None and s.key != key:
             continue
-        if not (format or tier or stale or source):  # a key alone: the whole key directory
+        if not (format or tier or stale or source or old_layout is not None):  # a key alone: the whole key directory
             chosen += [f for f in s.files if f.kind != "other"]
             continue
         for f in s.entries:
@@ -836,8 +839,12 @@ def select_for_clear(summaries, key: str | None = None, format: str | None = Non
                 continue
             if source and not _same_source(f.meta_value("source"), source):
                 continue
+            if old_layout is not None:
+                v = f.meta_value("layout_version")
+                if not isinstance(v, int) or v == old_layout:
+                    continue
             chosen.append(f)
-        if stale and not (format or tier or source):
+        if stale and not (format or tier or source or old_layout is not None):
             have = {f.file for f in s.entries}
             chosen += [f for f in s.files if f.kind == "tmp"
                        or (f.kind == "lock" and f.file[: -len(".lock")] not in have)]
@@ -847,7 +854,8 @@ def select_for_clear(summaries, key: str | None = None, format: str | None = Non
 def _filters_text(args) -> str:
     parts = [f"--key {args.key}" if args.key else "", f"--source {args.source}" if args.source else "",
              f"--format {args.format}" if args.format else "",
-             f"--tier {args.tier}" if args.tier else "", "--stale" if args.stale else "", "--all" if args.all else ""]
+             f"--tier {args.tier}" if args.tier else "", "--old-layout" if args.old_layout else "",
+             "--stale" if args.stale else "", "--all" if args.all else ""]
     return " ".join(p for p in parts if p)
 
 
@@ -857,15 +865,27 @@ def _confirm(prompt: str) -> bool:
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
+def _layout_version() -> int:
+    """This build's packed layout version (the native extension's), for --old-layout."""
+    from .hardware import native_module
+
+    native, why = native_module()
+    if native is None:
+        raise UserError(f"--old-layout compares entries with this build's packed layout version, which the "
+                        f"native extension holds, and it could not be loaded ({why})",
+                        "`hi-na-moe check` says more; or select the old entries with --key or --format")
+    return int(native.PACKED_LAYOUT_VERSION)
+
+
 def cmd_cache_clear(args) -> int:
     from .store import _human
 
-    if not (args.key or args.source or args.format or args.tier or args.stale or args.all):
+    if not (args.key or args.source or args.format or args.tier or args.old_layout or args.stale or args.all):
         raise UserError(f"cache clear needs a filter saying what to remove: {CLEAR_FILTERS}",
                         "`hi-na-moe cache list` shows what is there; add --dry-run to see what would go")
-    if args.all and (args.key or args.source or args.format or args.tier or args.stale):
+    if args.all and (args.key or args.source or args.format or args.tier or args.old_layout or args.stale):
         raise UserError("--all removes every store file; it cannot be combined with --key, --source, --format, "
-                        "--tier or --stale",
+                        "--tier, --old-layout or --stale",
                         "drop --all to remove only what the other filters select")
     store = _cache_store(args.cache_dir)
     if store is None:
@@ -875,7 +895,8 @@ def cmd_cache_clear(args) -> int:
         return 0
     summaries = store.summary("full" if args.verify else "header")
     key = resolve_key(summaries, args.key) if args.key else None
-    chosen = select_for_clear(summaries, key, args.format, args.tier, args.stale, args.all, args.source)
+    chosen = select_for_clear(summaries, key, args.format, args.tier, args.stale, args.all, args.source,
+                              _layout_version() if args.old_layout else None)
     dry = store.delete(chosen, dry_run=True)  # the same checks as the real run: what is in use
     data = {"root": str(store.root), "filters": _filters_text(args), "dry_run": bool(args.dry_run),
             "files": len(dry.removed), "bytes": dry.freed}
@@ -1036,6 +1057,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "shows it under 'by source')")
     c.add_argument("--format", choices=WEIGHT_FORMATS, help="entries of this weight format")
     c.add_argument("--tier", choices=ISA_TIERS[1:], help="entries packed for this kernel tier")
+    c.add_argument("--old-layout", action="store_true",
+                   help="entries packed in another layout version than this build's (left behind when an upgrade "
+                        "changed the packed layout; never read again)")
     c.add_argument("--stale", action="store_true", help="unreadable entries (corrupt, another store format version, "
                    "unsafe), temp files of interrupted writes, lock files without an entry")
     c.add_argument("--all", action="store_true", help="every store file (files that are not the store's stay)")
