@@ -3,9 +3,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
-#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -813,11 +811,6 @@ NB_MODULE(_native, m) {
         "Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed when the "
         "library loaded: HINA_MOE_PREFETCH_BYTES if it held a multiple of 64 in [0, 65536], else 2048 on AMD "
         "CPUs and 4096 on others.");
-  m.def("gap_prefetch",
-        [](const std::vector<std::pair<uintptr_t, size_t>>& ranges) { hina::gap_prefetch(ranges); },
-        nb::arg("ranges"), "Experiment: prefetch these (address, bytes) ranges in the background until the next region.");
-  m.def("gap_prefetch_stop", &hina::gap_prefetch_stop);
-  m.def("gap_prefetch_lines", &hina::gap_prefetch_lines);
   m.def("step_trace_compiled", &hina::step_trace_compiled,
         "Whether this build records decode_layers' timeline (a tuning build, HINA_PREFETCH_TUNING).");
   m.def("take_step_trace", [] {
@@ -988,8 +981,6 @@ NB_MODULE(_native, m) {
            "q(g group + j) + 8 in its low nibble and q(g group + group/2 + j) + 8 in its high one, scales bfloat16 "
            "[out, in / group]. W = scale * q. DLPack-capable.")
       .def_prop_ro("nbytes", [](const PyPackedExperts& p) { return p.get().nbytes(); })
-      .def_prop_ro("address", [](const PyPackedExperts& p) { return reinterpret_cast<uintptr_t>(p.get().data()); },
-                   "The block's first byte's address (the block is nbytes long).")
       .def_prop_ro("isa", [](const PyPackedExperts& p) { return std::string(hina::isa_name(p.get().isa())); })
       .def_prop_ro("dtype", [](const PyPackedExperts& p) { return std::string(hina::dtype_name(p.get().dtype())); })
       .def_prop_ro("E", [](const PyPackedExperts& p) { return p.get().E(); })

@@ -219,7 +219,6 @@ std::string ThreadPool::backend_name(PoolBackend b) {
 }
 
 void ThreadPool::run_impl(PoolBackend b, int n, Call call, void* ctx) {
-  gap_prefetch_stop();
   if (n <= 1 || tls_in_region || current_pid() != owner_pid_) {
     for (int i = 0; i < (n < 1 ? 1 : n); ++i) call(ctx, i, n < 1 ? 1 : n);
     return;

@@ -98,12 +98,6 @@ class ThreadPool {
   long owner_pid_ = 0;  // process that owns the workers
 };
 
-// Gap prefetch (experiment): a background thread prefetches these byte ranges (address, bytes)
-// until done or until the next parallel region starts; replaces any earlier list.
-void gap_prefetch(const std::vector<std::pair<uintptr_t, size_t>>& ranges);
-void gap_prefetch_stop();
-uint64_t gap_prefetch_lines();  // lines prefetched so far (for studies)
-
 // Path of the GNU OpenMP runtime loaded in this process ("" when there is none).
 std::string loaded_openmp_runtime();
 
