@@ -298,6 +298,14 @@ def test_clear_old_layout_removes_entries_of_another_layout_version_only(store, 
     d8 = store.root / K_INT8
     want = sum(size(entry(store, k, n)) for k, n in ((K_INT4_0, L0), (K_INT4_1, L1), (K_INT8, L0), (K_BACKUP, L0 + ".original"),
                                                      (K_LINEAR, Q)))
+    # cache list points at them (the key of this build's layout is not counted)
+    rc, out, _ = run(["cache", "list", "--cache-dir", str(store.root), "--output", "json"], capsys)
+    rep = json.loads(out)
+    old_bytes = sum(k["size_bytes"] for k in rep["keys"] if k["key"] in (K_INT4_0, K_INT4_1, K_INT8, K_BACKUP, K_LINEAR))
+    assert rep["total"]["layout_version"] == now and rep["total"]["old_layout"] == {"keys": 5, "size_bytes": old_bytes}
+    rc, out, _ = run(["cache", "list", "--cache-dir", str(store.root)], capsys)
+    assert rc == 0 and (f"5 keys ({old_bytes / 1024:.2f} KiB) hold entries of another packed layout than this "
+                        f"build's ({now}), never read again: `hi-na-moe cache clear --old-layout` removes them") in out
     rc, out, _ = run(["cache", "clear", "--cache-dir", str(store.root), "--old-layout", "--yes"], capsys)
     assert rc == 0 and f"removed 5 files, freed {want / 1024:.2f} KiB ({want} bytes)" in out
     assert entry(store, k_now, L0).exists()

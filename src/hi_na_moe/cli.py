@@ -668,6 +668,8 @@ def cache_report(store, verify: str = "header") -> dict:
         slot["keys"] += 1
         slot["size_bytes"] += k["size_bytes"]
     foreign = sorted(n for n in os.listdir(store.root) if not _KEY_RE.match(n))
+    layout = _current_layout()
+    old = [k for k in keys if layout is not None and any(isinstance(v, int) and v != layout for v in k["layout_version"])]
     files = [f for k in keys for f in k["files"]]
     tmp = [f for f in files if f["kind"] == "tmp"]
     total = sum(k["size_bytes"] for k in keys)
@@ -679,6 +681,9 @@ def cache_report(store, verify: str = "header") -> dict:
                   "tmp_in_use": sum(f["status"] == "in use" for f in tmp),
                   "other_files": sum(f["kind"] == "other" for f in files), "other_in_root": foreign,
                   "by_format": dict(sorted(by_format.items())),
+                  # entries of another packed layout version than this build's (None: unknown here)
+                  "layout_version": layout, "old_layout": {"keys": len(old),
+                                                           "size_bytes": sum(k["size_bytes"] for k in old)},
                   "by_source": {src: {**v, "formats": sorted(v["formats"]), "tiers": sorted(v["tiers"]),
                                       "size": _human(v["size_bytes"])} for src, v in sorted(by_source.items())}},
     }
@@ -753,6 +758,10 @@ def _print_cache_report(rep: dict) -> None:
                                           for fmt, v in t["by_format"].items()))
     if t["unreadable"] or t["tmp_files"] - t["tmp_in_use"]:
         print("  `hi-na-moe cache clear --stale` removes the unreadable entries and leftover temp files")
+    if t["old_layout"]["keys"]:
+        print(f"  {_n(t['old_layout']['keys'], 'key')} ({_human(t['old_layout']['size_bytes'])}) hold entries of another "
+              f"packed layout than this build's ({t['layout_version']}), never read again: "
+              "`hi-na-moe cache clear --old-layout` removes them")
     other = ([_n(t["other_files"], "file") + " in key directories"] if t["other_files"] else []) + \
         ([f"{_n(len(t['other_in_root']), 'name')} beside them ({_names(t['other_in_root'])})"]
          if t["other_in_root"] else [])
@@ -863,6 +872,14 @@ def _confirm(prompt: str) -> bool:
     sys.stderr.write(prompt)  # stderr: stdout stays clean for --output json
     sys.stderr.flush()
     return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+def _current_layout() -> int | None:
+    """This build's packed layout version, or None without the native extension."""
+    from .hardware import native_module
+
+    native, _ = native_module()
+    return None if native is None else int(native.PACKED_LAYOUT_VERSION)
 
 
 def _layout_version() -> int:
