@@ -5,7 +5,6 @@
 // path runs them, so both give the same bits (tests/test_layers.py compares them).
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 
 #include "hina_moe/moe.h"
@@ -135,27 +134,8 @@ void latent_pre(const LayerPreArgs& a, int num_threads) {
 
 }  // namespace
 
-// Experiment (session 27): before a serial stretch, the main thread prefetches the first
-// HINA_XOP_KB KiB of the weights the next parallel op reads.
-namespace {
-inline int64_t xop_bytes() {
-  const char* e = std::getenv("HINA_XOP_KB");
-  return e ? std::atoll(e) * 1024 : 0;
-}
-inline void xop_prefetch(const void* p, int64_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(c + o, 0, 2);
-}
-inline void xop_block(const PackedExperts* pe, int64_t e, int64_t want) {
-  if (pe == nullptr || want <= 0 || e < 0 || e >= pe->E()) return;
-  const int64_t n = static_cast<int64_t>(pe->header().gu_expert_bytes);
-  xop_prefetch(pe->gate_up_expert(e), want < n ? want : n);
-}
-}  // namespace
-
 void layer_decode_pre(const LayerPreArgs& a, int num_threads, Isa isa) {
   if (a.mla.rope != LatentRope::kNone) return latent_pre(a, num_threads);
-  xop_block(a.qkv, 0, xop_bytes());
   const size_t es = dtype_size(a.dtype);
   const int64_t nq = a.Hq * a.D, nkv = a.Hkv * a.D, n = nq + 2 * nkv;
   auto* qkv = static_cast<char*>(a.qkv_out);
@@ -230,8 +210,6 @@ void mlp_on(const GatedMlpArgs& mlp, const LayerPostArgs& a, int num_threads) {
 }  // namespace
 
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa) {
-  const int64_t xop = xop_bytes();
-  xop_block(a.o, 0, xop);
   if (a.mla.has_weight()) {
     MlaDecodeArgs m = a.mla;
     m.out = a.attn.out;
@@ -244,7 +222,6 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
   p.num_threads = num_threads;
   a.o->linear(a.attn.out, a.B, a.o_out, p);
   detail::lap(StepOp::kO);
-  xop_block(a.router, 0, xop);
   add_rms_norm(a.dtype, a.x, a.o_out, a.B, a.H, a.ln2_w, a.ln2_eps, a.sum, a.normed);
   detail::lap(StepOp::kAddNorm);
   if (a.router == nullptr && a.mlp.gate_up != nullptr) {  // a dense layer
@@ -268,8 +245,6 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
       s.B = a.B;
       router_select(s);
       detail::lap(StepOp::kSelect);
-      if (a.experts != nullptr && xop > 0)
-        for (int64_t i = 0; i < a.B * s.k; ++i) xop_block(a.experts, s.idx[i], xop / (a.B * s.k));
       if (a.experts != nullptr) {
         MoeParams e = a.experts_params;
         e.num_threads = a.experts_threads;
