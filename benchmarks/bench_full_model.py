@@ -53,7 +53,7 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   prefills); decode figures use its first --repeats rounds.
 - RSS after load: VmRSS right after the load call (the JSON splits anonymous / file-backed);
   peak RSS: VmHWM at the end of the arm's process (llama.cpp: getrusage ru_maxrss, the same
-  high-water mark). Mapped files count when touched (transformers keeps the safetensors mapped;
+  high-water mark), less the paired probe's buffer (below). Mapped files count when touched (transformers keeps the safetensors mapped;
   hi_na_moe maps its store; llama.cpp maps the GGUF).
 - GB/token: bytes one decode token reads. Dense (non-expert) parameters in full (attention and
   its biases, norms, routers, shared experts and their gates, lm_head; the input embedding as
@@ -73,8 +73,9 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   read of a 1 GiB probe buffer (`_native.BandwidthProbe`, round robin, as bench_moe_layer.py's
   decode pairing); the share is the median over steps of (GB/token / step time) / that step's
   probe. The machine's bandwidth swings within minutes, so the driver's one probe before the
-  arms cannot judge a run taken later; the paired one can. The probe buffer adds 1 GiB to RSS
-  and the probe evicts the caches between steps (conservative for every arm). The probe reads
+  arms cannot judge a run taken later; the paired one can. The probe buffer adds 1 GiB to RSS,
+  which the peak RSS column leaves out (the JSON's peak_rss_with_probe_bytes keeps it; before
+  session 27 the column included it), and the probe evicts the caches between steps (conservative for every arm). The probe reads
   on the OpenMP team torch loaded, whose threads then spin for several ms (libgomp's default
   wait policy); the script sleeps PROBE_SETTLE_S after each probe read so that the next timed
   step does not share a core with them, which the probe, not the model, would have caused
@@ -122,6 +123,7 @@ ARMS = (("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"h
         + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES))
 OWNER_MARK = ".bench_full_model-owned"
 GIB = 1 << 30
+PROBE_BYTES = 1 << 30  # the paired probe's buffer
 # after each paired probe read: longer than libgomp's threads spin after a region (see the docstring)
 PROBE_SETTLE_S = 0.03
 WARMUP_DECODE_STEPS = 4  # as bench_llamacpp.py
@@ -393,10 +395,12 @@ def run_torch_arm(args) -> dict:
         return logits
 
     probe, probe_gbs = None, []
+    hwm_before_probe = None
     if args.paired_probe:
         from hi_na_moe import _native
 
-        probe = _native.BandwidthProbe(1 << 30, args.threads)  # 256 MB per step, round robin
+        hwm_before_probe = proc_status()["VmHWM"]
+        probe = _native.BandwidthProbe(PROBE_BYTES, args.threads)  # 256 MB per step, round robin
 
     def decode(prompt: list[int], n: int, paired: bool = False):
         cache = DynamicCache(config=cfg)
@@ -454,7 +458,12 @@ def run_torch_arm(args) -> dict:
             "median_gbs": statistics.median(probe_gbs),
             "share": statistics.median(total / s / 1e9 / g for s, g in zip(steps_s, probe_gbs)),
         }
-    res["memory"]["peak_rss_bytes"] = proc_status()["VmHWM"]
+    hwm = proc_status()["VmHWM"]
+    if hwm_before_probe is None:
+        res["memory"]["peak_rss_bytes"] = hwm
+    else:  # the probe's buffer (touched when made, resident to the end) is not the model's
+        res["memory"]["peak_rss_bytes"] = max(hwm_before_probe, hwm - PROBE_BYTES)
+        res["memory"]["peak_rss_with_probe_bytes"] = hwm
     res["host_end"] = host_facts()
     return res
 
