@@ -163,14 +163,14 @@ def _prefetch_in_subprocess(value: str | None) -> tuple[int, str, str]:
 def test_the_prefetch_distance_comes_from_the_environment_or_the_cpu_vendor():
     n, line, vendor = _prefetch_in_subprocess(None)
     amd = vendor == "AuthenticAMD"
-    assert n == (2048 if amd else 4096)
+    assert n == (1024 if amd else 4096)
     l12 = "; lossless12's decode kernel: none, the hardware prefetchers alone" if amd else ""
     assert line == f"{n} bytes ahead into L2 (the default for {vendor} CPUs){l12}"
-    n, line, _ = _prefetch_in_subprocess("1024")
-    assert n == 1024 and line == "1024 bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES; lossless12's decode kernel too)"
+    n, line, _ = _prefetch_in_subprocess("2048")  # neither vendor's default
+    assert n == 2048 and line == "2048 bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES; lossless12's decode kernel too)"
     for bad in ("100", "70000"):  # not a multiple of 64 in [0, 65536]: the default, and why
         n, line, _ = _prefetch_in_subprocess(bad)
-        assert n == (2048 if vendor == "AuthenticAMD" else 4096)
+        assert n == (1024 if vendor == "AuthenticAMD" else 4096)
         assert f"HINA_MOE_PREFETCH_BYTES={bad!r} is not used: it must be a multiple of 64 in [0, 65536]" in line
 
 

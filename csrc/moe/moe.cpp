@@ -54,7 +54,7 @@ int load_prefetch_distance() {
       const long v = std::strtol(env, &end, 10);
       if (end != env && *end == '\0' && v >= 0 && v <= 65536 && v % 64 == 0) return static_cast<int>(v);
     }
-    return std::strcmp(cpu_features().vendor, "AuthenticAMD") == 0 ? 2048 : 4096;
+    return std::strcmp(cpu_features().vendor, "AuthenticAMD") == 0 ? 1024 : 4096;
   }();
   return bytes;
 }

@@ -7,9 +7,11 @@
 // - Intel (the Xeon with AMX of sessions 5-11): 4 KiB. Against the first guess (1 KiB
 //   into L1) it took an OLMoE-shaped decode op from 19.0 to 22.6 GB/s; 2 KiB was 6 % slower at
 //   int4 in session 11. The L2 streamer stops at every 4 KiB page; a page ahead keeps it going.
-// - AMD (an EPYC with AVX-512, session 12): 2 KiB. 4 KiB was the worst of 0-4 KiB at every
-//   width: whole OLMoE steps 2 KiB against 4 KiB -10 % (int4), -16 % (lossless), -2 % (int8),
-//   Qwen int4 -8 %; at op level 2 KiB within 1 % of the best of 0-8 KiB for int4, int8, bf16.
+// - AMD (EPYC Zen 4 with AVX-512): 1 KiB. Session 12: 4 KiB was the worst of 0-4 KiB at every
+//   width (whole OLMoE steps 2 KiB against 4 KiB -10 % int4, -16 % lossless, -2 % int8, Qwen
+//   int4 -8 %). Session 27, the kernels of layout 4 (in-process A/B, tuning build): int4 whole
+//   steps 2.4-4 % shorter at 1 KiB than at 2 KiB (OLMoE and Qwen 4L, both host phases; 512 bytes
+//   and none alike), int8 steps equal; at op level int4 +3 %, int8 -0.5 %, bf16 equal.
 // - Anything else: 4 KiB (untested).
 // The lossless12 decode kernel (moe_l12_avx512.cpp) decodes each block before its FMAs; on the AMD
 // EPYC its software prefetch cost 40 % of a single thread's speed (19.6-20.1 against 14.2-14.4 GB/s
