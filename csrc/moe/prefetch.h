@@ -11,7 +11,9 @@
 //   width (whole OLMoE steps 2 KiB against 4 KiB -10 % int4, -16 % lossless, -2 % int8, Qwen
 //   int4 -8 %). Session 27, the kernels of layout 4 (in-process A/B, tuning build): int4 whole
 //   steps 2.4-4 % shorter at 1 KiB than at 2 KiB (OLMoE and Qwen 4L, both host phases; 512 bytes
-//   and none alike), int8 steps equal; at op level int4 +3 %, int8 -0.5 %, bf16 equal.
+//   and none alike), int8 steps equal (Qwen 4L) or 6 % shorter (OLMoE), lossless12 equal; at
+//   op level int4 +3 %, int8 -0.5 %, bf16 equal; the AVX2 kernels on that core int8 +47 %,
+//   int4 +18 %.
 // - Anything else: 4 KiB (untested).
 // The lossless12 decode kernel (moe_l12_avx512.cpp) decodes each block before its FMAs; on the AMD
 // EPYC its software prefetch cost 40 % of a single thread's speed (19.6-20.1 against 14.2-14.4 GB/s
