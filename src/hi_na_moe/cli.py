@@ -883,15 +883,15 @@ def _current_layout() -> int | None:
 
 
 def _layout_version() -> int:
-    """This build's packed layout version (the native extension's), for --old-layout."""
-    from .hardware import native_module
+    """This build's packed layout version, for --old-layout; UserError without the native extension."""
+    layout = _current_layout()
+    if layout is None:
+        from .hardware import native_module
 
-    native, why = native_module()
-    if native is None:
         raise UserError(f"--old-layout compares entries with this build's packed layout version, which the "
-                        f"native extension holds, and it could not be loaded ({why})",
+                        f"native extension holds, and it could not be loaded ({native_module()[1]})",
                         "`hi-na-moe check` says more; or select the old entries with --key or --format")
-    return int(native.PACKED_LAYOUT_VERSION)
+    return layout
 
 
 def cmd_cache_clear(args) -> int:
