@@ -2,8 +2,10 @@
 // those it reports as lacking every extension.
 #include "hina_moe/cpu_features.h"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #define HINA_X86 1
@@ -161,6 +163,26 @@ const CpuFeatures& cpu_features() {
   return features;
 }
 
+namespace {
+std::atomic<bool> g_amx_software{false};
+}  // namespace
+
+bool amx_software_tiles_built() {
+#ifdef HINA_AMX_SOFTWARE_TILES_BUILT
+  return true;
+#else
+  return false;
+#endif
+}
+
+void use_amx_software_tiles(bool on) {
+  if (on && !amx_software_tiles_built())
+    throw std::logic_error("this build has no software-tile AMX kernels (only the C++ tests' build does)");
+  g_amx_software.store(on);
+}
+
+bool amx_software_tiles() { return g_amx_software.load(std::memory_order_relaxed); }
+
 bool isa_supported(const CpuFeatures& f, Isa isa) {
   const bool avx2 = f.avx2 && f.fma && f.f16c && f.os_avx;
   const bool avx512 = avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.os_avx512;
@@ -168,7 +190,8 @@ bool isa_supported(const CpuFeatures& f, Isa isa) {
     case Isa::kGeneric: return true;
     case Isa::kAvx2: return avx2;
     case Isa::kAvx512: return avx512;
-    case Isa::kAmx: return avx512 && f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permission;
+    case Isa::kAmx:
+      return avx512 && ((f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permission) || amx_software_tiles());
     case Isa::kNeon: return f.neon;
   }
   return false;

@@ -224,6 +224,10 @@ bool get_qkernels_generic(WFormat wf, bool amx_twin, KernelImpl* k);  // any for
 bool get_qkernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qkernels_avx512(WFormat wf, KernelImpl* k);
 bool get_qkernels_amx(WFormat wf, KernelImpl* k);
+// The same AMX kernels on software tiles (moe_amx_sw.cpp; C++ tests' builds only, where
+// HINA_AMX_SOFTWARE_TILES_BUILT is defined), run by the amx tier while use_amx_software_tiles(true).
+bool get_kernels_amx_sw(DType dt, KernelImpl* k);
+bool get_qkernels_amx_sw(WFormat wf, KernelImpl* k);
 // Integer-dot kernels (int8 / int4 only; KernelImpl::qdot). The generic one is the exact
 // emulation of the contract; the avx512vnni TU needs AVX512-VNNI at run time.
 bool get_qdot_kernels_generic(WFormat wf, KernelImpl* k);

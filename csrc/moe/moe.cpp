@@ -330,13 +330,28 @@ bool select_qdot(Isa tier, WFormat wf, Selected* s) {
 // outputs are its bits.
 enum class Plain : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
+// The amx tier's kernels: the hardware build, or in the C++ tests' build while
+// use_amx_software_tiles(true) the same code on software tiles (moe_amx_sw.cpp).
+bool amx_kernels(DType dt, KernelImpl* k) {
+#ifdef HINA_AMX_SOFTWARE_TILES_BUILT
+  if (amx_software_tiles()) return get_kernels_amx_sw(dt, k);
+#endif
+  return get_kernels_amx(dt, k);
+}
+bool amx_qkernels(WFormat wf, KernelImpl* k) {
+#ifdef HINA_AMX_SOFTWARE_TILES_BUILT
+  if (amx_software_tiles()) return get_qkernels_amx_sw(wf, k);
+#endif
+  return get_qkernels_amx(wf, k);
+}
+
 bool get_plain_bf16(Plain pl, KernelImpl* k) {
   switch (pl) {
     case Plain::kGeneric: return get_kernels_generic(DType::kBF16, false, k);
     case Plain::kAvx2: return get_kernels_avx2(DType::kBF16, k);
     case Plain::kAvx512: return get_kernels_avx512(DType::kBF16, k);
     case Plain::kAvx512Bf16: return get_kernels_avx512bf16(DType::kBF16, k);
-    case Plain::kAmx: return get_kernels_amx(DType::kBF16, k);
+    case Plain::kAmx: return amx_kernels(DType::kBF16, k);
   }
   return false;
 }
@@ -470,7 +485,7 @@ Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
   // The AMX kernels take bf16 x rows; models in other dtypes stay on the FMA tiers, which keep
   // x in fp32 (rounding an fp32/fp16 model's activations to bf16 would lose precision).
   if (amx_prefill) {
-    ok = q ? get_qkernels_amx(wf, &s.k) : get_kernels_amx(dt, &s.k);
+    ok = q ? amx_qkernels(wf, &s.k) : amx_kernels(dt, &s.k);
     s.kind = static_cast<int>(Isa::kAmx);
   }
   if (!ok && !q && bf16dot_prefill(tier, path)) {

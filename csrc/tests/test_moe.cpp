@@ -4,6 +4,7 @@
 // Build and run (from the repository root):
 //   cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release && cmake --build build/cpp
 //   ./build/cpp/hina_tests            # optional filter: ./build/cpp/hina_tests bf16
+//   ./build/cpp/hina_tests --hardware-only  # no amx tier on software tiles where the CPU lacks AMX
 //   ./build/cpp/hina_tests --every 3  # every 3rd (case, dtype, format) run only, rotating so each
 //                                     # case still runs in some dtype/format (sanitizer runs in CI)
 // Exits non-zero on any mismatch; the last line is "N passed, N failed".
@@ -38,6 +39,7 @@ namespace {
 int g_passed = 0, g_failed = 0;
 const char* g_filter = nullptr;
 int g_every = 1;      // --every N: run one in N of the per-case runs
+bool g_hardware_only = false;  // --hardware-only: no amx tier on software tiles
 long g_case_runs = 0;  // per-case runs seen (selected or not), for --every
 // Whether this per-case run is one of the every-N-th (the other tests always run).
 bool sampled();
@@ -2171,14 +2173,21 @@ int main(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--every") == 0 && a + 1 < argc) {
       g_every = std::max(1, std::atoi(argv[++a]));
+    } else if (std::strcmp(argv[a], "--hardware-only") == 0) {
+      g_hardware_only = true;
     } else if (argv[a][0] == '-') {
-      std::fprintf(stderr, "usage: %s [--every N] [filter]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--every N] [--hardware-only] [filter]\n", argv[0]);
       return 2;
     } else {
       g_filter = argv[a];
     }
   }
   const CpuFeatures& f = cpu_features();
+  // No AMX here but AVX-512: the amx tier's kernels run on software tiles (kernels/amx/tiles.h)
+  // unless --hardware-only, so their code is checked on this machine too.
+  const bool amx_sw = !isa_supported(f, Isa::kAmx) && isa_supported(f, Isa::kAvx512) &&
+                      amx_software_tiles_built() && !g_hardware_only;
+  if (amx_sw) use_amx_software_tiles(true);
   std::vector<Isa> tiers;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAmx}) {
     if (isa_supported(f, isa)) tiers.push_back(isa);
@@ -2186,7 +2195,7 @@ int main(int argc, char** argv) {
   }
   std::printf("cpu: %s; tiers:", f.brand);
   for (Isa isa : tiers) std::printf(" %s", isa_name(isa));
-  std::printf("\n");
+  std::printf(amx_sw ? " (amx on software tiles: this CPU has no AMX)\n" : "\n");
   uint32_t seed = 1;
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (const Case& c : kCases) test_case(dt, c, seed++, tiers);

@@ -36,31 +36,34 @@
 // the first row block's B loads stalled on memory and the tiles and the stream took turns:
 // benchmarks/bench_prefetch.py --prefill 512 measured bf16 1.13x, int8 1.25x, int4 even.
 // (Prefetching a few k-tiles ahead inside the same panel gave nothing: too little lead.)
+// Tested without AMX: the C++ tests' build also compiles this file on software tiles
+// (moe_amx_sw.cpp, kernels/amx/tiles.h) and runs the amx tier on them where the CPU has none.
 #include <immintrin.h>
 
+#include "kernels/amx/tiles.h"
 #include "kernels/avx512/vec_avx512.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
 
+// moe_amx_sw.cpp compiles this file a second time on software tiles (kernels/amx/tiles.h), its
+// entry points renamed so both builds link into the C++ tests.
+#ifdef HINA_AMX_SOFTWARE_TILES
+#define HINA_AMX_ENTRY(name) name##_sw
+#else
+#define HINA_AMX_ENTRY(name) name
+#endif
+
 namespace hina::detail {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 void configure_tiles() {
-  TileConfig cfg{};
+  tiles::Config cfg{};
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  tiles::configure(cfg);
 }
 
 // ---- quantised panels expanded to bf16 VNNI pairs ----
@@ -161,35 +164,35 @@ void gateup_amx(const GateUpJob& j) {
     const __m512 bu = j.bias_u ? _mm512_load_ps(j.bias_u + col0) : _mm512_setzero_ps();
     for (int64_t m0 = 0; m0 < j.nt; m0 += 32) {
       const bool two = j.nt - m0 > 16;
-      _tile_zero(1);
-      if (Gated) _tile_zero(0);
+      HINA_TILE_ZERO(1);
+      if (Gated) HINA_TILE_ZERO(0);
       if (two) {
-        _tile_zero(3);
-        if (Gated) _tile_zero(2);
+        HINA_TILE_ZERO(3);
+        if (Gated) HINA_TILE_ZERO(2);
       }
       const uint16_t* a0 = x0 + m0 * xs;
       const uint16_t* a1 = a0 + 16 * xs;
       for (int64_t kt = 0; kt < Hk / 32; ++kt) {
         ahead.step();
         const uint16_t* b = panel + kt * 16 * G * 32;
-        _tile_loadd(4, a0 + kt * 32, static_cast<int>(xs * 2));
-        _tile_loadd(7, b + (G - 1) * 32, G * 64);
-        _tile_dpbf16ps(1, 4, 7);
+        HINA_TILE_LOAD(4, a0 + kt * 32, static_cast<int>(xs * 2));
+        HINA_TILE_LOAD(7, b + (G - 1) * 32, G * 64);
+        HINA_TILE_DPBF16PS(1, 4, 7);
         if (Gated) {
-          _tile_loadd(6, b, G * 64);
-          _tile_dpbf16ps(0, 4, 6);
+          HINA_TILE_LOAD(6, b, G * 64);
+          HINA_TILE_DPBF16PS(0, 4, 6);
         }
         if (two) {
-          _tile_loadd(5, a1 + kt * 32, static_cast<int>(xs * 2));
-          _tile_dpbf16ps(3, 5, 7);
-          if (Gated) _tile_dpbf16ps(2, 5, 6);
+          HINA_TILE_LOAD(5, a1 + kt * 32, static_cast<int>(xs * 2));
+          HINA_TILE_DPBF16PS(3, 5, 7);
+          if (Gated) HINA_TILE_DPBF16PS(2, 5, 6);
         }
       }
-      _tile_stored(1, cu[0], 64);
-      if (Gated) _tile_stored(0, cg[0], 64);
+      HINA_TILE_STORE(1, cu[0], 64);
+      if (Gated) HINA_TILE_STORE(0, cg[0], 64);
       if (two) {
-        _tile_stored(3, cu[1], 64);
-        if (Gated) _tile_stored(2, cg[1], 64);
+        HINA_TILE_STORE(3, cu[1], 64);
+        if (Gated) HINA_TILE_STORE(2, cg[1], 64);
       }
       const int64_t rows = j.nt - m0 < 32 ? j.nt - m0 : 32;
       for (int64_t rr = 0; rr < rows; ++rr) {
@@ -202,7 +205,7 @@ void gateup_amx(const GateUpJob& j) {
       }
     }
   }
-  _tile_release();
+  tiles::release();
 }
 
 template <WFormat F>
@@ -244,34 +247,34 @@ void down_amx(const DownJob& j) {
     const __m512 b1 = j.bias && pp ? _mm512_load_ps(j.bias + col0 + kPanelN) : _mm512_setzero_ps();
     for (int64_t m0 = 0; m0 < j.nt; m0 += 32) {
       const bool two = j.nt - m0 > 16;
-      _tile_zero(0);
-      if (pp) _tile_zero(1);
+      HINA_TILE_ZERO(0);
+      if (pp) HINA_TILE_ZERO(1);
       if (two) {
-        _tile_zero(2);
-        if (pp) _tile_zero(3);
+        HINA_TILE_ZERO(2);
+        if (pp) HINA_TILE_ZERO(3);
       }
       const uint16_t* a0 = h0 + m0 * hs;
       const uint16_t* a1 = a0 + 16 * hs;
       for (int64_t kt = 0; kt < Ik / 32; ++kt) {
         ahead.step();
-        _tile_loadd(4, a0 + kt * 32, static_cast<int>(hs * 2));
-        _tile_loadd(6, panel + kt * 16 * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
+        HINA_TILE_LOAD(4, a0 + kt * 32, static_cast<int>(hs * 2));
+        HINA_TILE_LOAD(6, panel + kt * 16 * 32, 64);
+        HINA_TILE_DPBF16PS(0, 4, 6);
         if (pp) {
-          _tile_loadd(7, panel1 + kt * 16 * 32, 64);
-          _tile_dpbf16ps(1, 4, 7);
+          HINA_TILE_LOAD(7, panel1 + kt * 16 * 32, 64);
+          HINA_TILE_DPBF16PS(1, 4, 7);
         }
         if (two) {
-          _tile_loadd(5, a1 + kt * 32, static_cast<int>(hs * 2));
-          _tile_dpbf16ps(2, 5, 6);
-          if (pp) _tile_dpbf16ps(3, 5, 7);
+          HINA_TILE_LOAD(5, a1 + kt * 32, static_cast<int>(hs * 2));
+          HINA_TILE_DPBF16PS(2, 5, 6);
+          if (pp) HINA_TILE_DPBF16PS(3, 5, 7);
         }
       }
-      _tile_stored(0, c[0][0], 64);
-      if (pp) _tile_stored(1, c[1][0], 64);
+      HINA_TILE_STORE(0, c[0][0], 64);
+      if (pp) HINA_TILE_STORE(1, c[1][0], 64);
       if (two) {
-        _tile_stored(2, c[0][1], 64);
-        if (pp) _tile_stored(3, c[1][1], 64);
+        HINA_TILE_STORE(2, c[0][1], 64);
+        if (pp) HINA_TILE_STORE(3, c[1][1], 64);
       }
       const int64_t rows = j.nt - m0 < 32 ? j.nt - m0 : 32;
       for (int64_t rr = 0; rr < rows; ++rr) {
@@ -287,7 +290,7 @@ void down_amx(const DownJob& j) {
       }
     }
   }
-  _tile_release();
+  tiles::release();
 }
 
 template <WFormat F>
@@ -298,7 +301,7 @@ void gateup_dispatch(const GateUpJob& j) {
 
 }  // namespace
 
-bool get_kernels_amx(DType dt, KernelImpl* k) {
+bool HINA_AMX_ENTRY(get_kernels_amx)(DType dt, KernelImpl* k) {
   if (dt != DType::kBF16) return false;
   k->gateup = &gateup_dispatch<WFormat::kLossless>;
   k->down = &down_amx<WFormat::kLossless>;
@@ -308,7 +311,7 @@ bool get_kernels_amx(DType dt, KernelImpl* k) {
   return true;
 }
 
-bool get_qkernels_amx(WFormat wf, KernelImpl* k) {
+bool HINA_AMX_ENTRY(get_qkernels_amx)(WFormat wf, KernelImpl* k) {
   switch (wf) {
     case WFormat::kInt8: k->gateup = &gateup_dispatch<WFormat::kInt8>; k->down = &down_amx<WFormat::kInt8>; break;
     case WFormat::kInt4: k->gateup = &gateup_dispatch<WFormat::kInt4>; k->down = &down_amx<WFormat::kInt4>; break;
