@@ -12,7 +12,9 @@ Arms (each is `--arm X --child` of this script; the driver runs it):
 - `transformers`: `AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)`, default
   experts implementation (grouped_mm on CPU in 5.23), eval mode.
 - `hina-lossless`, `hina-lossless12`, `hina-int8`, `hina-int4`: `hi_na_moe.from_pretrained(ckpt, weights=...,
-  dtype=torch.bfloat16, config=hi_na_moe.load_config(cache_dir=<cache-dir>/<format>))`: the
+  dtype=torch.bfloat16, config=hi_na_moe.load_config(cache_dir=<cache-dir>/<format>))`; and
+  `hina-int4g32`, int4 at group_size 32 (4.5 bits a weight like Q4_0, which it beats in weight
+  SQNR where the default group 64 does not: benchmarks/weight_fidelity.py): the
   expert tensors are streamed into hi_na_moe's packed-expert store and mapped from it (lossless
   too goes through the store). Each runs twice, as two processes: "cold" (that format's store
   emptied first with `PackedStore.clear()`; the load packs/quantises every block and writes the
@@ -117,7 +119,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-HINA_FORMATS = ("lossless", "lossless12", "int8", "int4")
+HINA_FORMATS = ("lossless", "lossless12", "int8", "int4", "int4g32")
+# arm format -> (the weights config key, its group_size): int4g32 is int4 at group 32, as many
+# bits a weight as Q4_0 (4.5) and a weight SQNR above it (benchmarks/weight_fidelity.py)
+FORMAT_CONFIG = {"int4g32": ("int4", 32)}
 LLAMA_TYPES = ("bf16", "q8_0", "q4_0")
 ARMS = (("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"hina-{f}-all" for f in HINA_FORMATS)
         + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES))
@@ -331,9 +336,12 @@ def run_torch_arm(args) -> dict:
 
     t0 = time.perf_counter()
     if fmt:
-        model = hi_na_moe.from_pretrained(ckpt, weights=fmt, dtype=torch.bfloat16, progress=False,
+        weights, group = FORMAT_CONFIG.get(fmt, (fmt, None))
+        group_key = {} if group is None else {"group_size": group}
+        model = hi_na_moe.from_pretrained(ckpt, weights=weights, dtype=torch.bfloat16, progress=False,
                                           config=hi_na_moe.load_config(cache_dir=str(root), scope=scope,
-                                                                       dense_lossless=args.dense_lossless))
+                                                                       dense_lossless=args.dense_lossless,
+                                                                       **group_key))
     else:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     model.eval()
@@ -600,8 +608,8 @@ def table(results: list[dict], bw: float, args) -> str:
 
 
 # the llama.cpp arm of a hina format's width
-LLAMACPP_WIDTH = {"int4": "llamacpp-q4_0", "int8": "llamacpp-q8_0", "lossless": "llamacpp-bf16",
-                  "lossless12": "llamacpp-bf16"}
+LLAMACPP_WIDTH = {"int4": "llamacpp-q4_0", "int4g32": "llamacpp-q4_0", "int8": "llamacpp-q8_0",
+                  "lossless": "llamacpp-bf16", "lossless12": "llamacpp-bf16"}
 
 
 def ratio_table(results: list[dict]) -> str:
