@@ -30,7 +30,8 @@ Arms (each is `--arm X --child` of this script; the driver runs it):
   /work/ckpt/gguf/<checkpoint directory name>-<type>.gguf, e.g. olmoe-1b-7b-q4_0.gguf or
   qwen1.5-moe-a2.7b-4l-q4_0.gguf: the names benchmarks/LLAMACPP.md gives the files that
   benchmarks/make_gguf.py writes from the same checkpoint). Its JSON is read back and its raw samples
-  go through the same formulas as the other arms.
+  go through the same formulas as the other arms. Flash attention off (llama-cpp-python's
+  default) unless --llamacpp-flash-attn.
 
 Definitions (the same for every arm; --threads 2 by default: torch.set_num_threads and the
 hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
@@ -66,7 +67,11 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   GGUF header. (hi_na_moe's blocks are the routed experts' modules, so a shared expert is in
   the dense total on the torch side too; under scope="all" with its packed bytes; a latent
   attention module's packed kv_b_proj with the bytes of the copy its decode reads instead,
-  `attention_latent_bytes`: an int8 / int4 layer's codes and scales, others dense.)
+  `attention_latent_bytes`: an int8 / int4 layer's codes and scales, others dense.) Plus the KV
+  cache a step reads, averaged over the decode's steps (`kv_cache` in the JSON: every layer's
+  keys and values at 2 bytes an element for each position attended; the same for every arm;
+  not counted for latent attention): about 10 MB on OLMoE-1B-7B after the 16-token prompt,
+  277 MB after 2048 tokens. (Before session 28 the KV cache was not counted.)
 - GB/s = GB/token / median decode step; "share" = GB/s / the machine's read bandwidth, measured
   once by the driver before the arms (`hi_na_moe._native.measure_read_bandwidth(1 << 30,
   threads, 3)['best_gbs']`, in a short subprocess at the driver's priority, before any
@@ -274,6 +279,28 @@ def dense_and_expert_bytes(ckpt: Path) -> dict:
     return {"dense_bytes": dense, "top_k": _top_k(config), "blocks": blocks, "vocab": int(config.vocab_size)}
 
 
+def kv_bytes_per_token(ckpt: Path, prompt_len: int, new_tokens: int) -> int | None:
+    """The KV cache one decode step reads, averaged over the decode's steps: every attention
+    layer's keys and values at 2 bytes an element (bf16 in the torch arms, f16 in llama.cpp's) for
+    each position the step attends to (step i of n after a prompt of p: p + i + 1, at most a
+    sliding layer's window). None for latent attention, whose caches differ between engines."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("kv_lora_rank"):
+        return None
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") or 0
+    total = 0
+    for kind in types:
+        for i in range(new_tokens):
+            n = prompt_len + i + 1
+            total += 2 * kv_heads * head_dim * 2 * (min(n, window) if kind == "sliding_attention" and window else n)
+    return round(total / new_tokens)
+
+
 def gguf_bytes_per_token(python: str, gguf_path: Path) -> dict:
     """Bytes one decode token reads from a GGUF file, from its header (in the llama.cpp venv)."""
     code = r"""
@@ -386,8 +413,9 @@ def run_torch_arm(args) -> dict:
         # latent attention's decode reads a copy of each packed kv_b_proj (hi_na_moe.mla), not it
         kvb = {f"{n}.kv_b_proj" for n in report.attention_latent}
         dense_bytes += report.attention_latent_bytes - sum(d.packed_bytes for d in report.dense if d.name in kvb)
-    res["bytes_per_token"] = {"total": dense_bytes + experts_active, "dense": dense_bytes,
-                              "experts_active": experts_active, "top_k": k}
+    kv = kv_bytes_per_token(ckpt, args.prompt_len, args.new_tokens)
+    res["bytes_per_token"] = {"total": dense_bytes + experts_active + (kv or 0), "dense": dense_bytes,
+                              "experts_active": experts_active, "kv_cache": kv, "top_k": k}
 
     # timings
     cfg = model.config
@@ -486,11 +514,13 @@ def run_llamacpp_arm(args) -> dict:
     cmd = [args.llamacpp_python, str(HERE / "bench_llamacpp.py"), str(gguf), "--json",
            "--threads", str(args.threads), "--n-ctx", str(n_ctx), "--prompt-len", str(args.prompt_len),
            "--gen", str(args.new_tokens), "--prefill", str(args.prefill), "--prompt-warmup", str(args.prefill),
-           "--repeats", str(rounds), "--seed", str(args.seed)]
+           "--repeats", str(rounds), "--seed", str(args.seed)] + (["--flash-attn"] if args.llamacpp_flash_attn else [])
     res: dict = {"arm": args.arm, "phase": args.phase, "engine": "llama.cpp", "gguf": str(gguf),
                  "command": " ".join(cmd), "host_start": host_facts()}
     res["bytes_per_token"] = gguf_bytes_per_token(args.llamacpp_python, gguf)
-    res["bytes_per_token"]["total"] = res["bytes_per_token"].pop("bytes_per_token")
+    kv = kv_bytes_per_token(Path(args.ckpt), args.prompt_len, args.new_tokens)
+    res["bytes_per_token"]["kv_cache"] = kv
+    res["bytes_per_token"]["total"] = res["bytes_per_token"].pop("bytes_per_token") + (kv or 0)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
@@ -689,6 +719,7 @@ def driver_main(args) -> int:
         "prefill": args.prefill, "repeats": args.repeats, "prefill_reps": args.prefill_reps, "seed": args.seed,
         "read_bandwidth_gbs": bw, "chrt": use_chrt, "chrt_note": None if use_chrt else chrt_note,
         "compete": args.compete, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "llamacpp_flash_attn": args.llamacpp_flash_attn,
         "cache_dir": str(cache_dir), "loadavg_1m_start": os.getloadavg()[0],
     }
     print(f"# {ckpt} | commit {head['commit']} | {args.threads} threads | read bandwidth {bw:.1f} GB/s "
@@ -700,7 +731,8 @@ def driver_main(args) -> int:
               "--prompt-len", str(args.prompt_len), "--prefill", str(args.prefill), "--repeats", str(args.repeats),
               "--prefill-reps", str(args.prefill_reps), "--seed", str(args.seed), "--cache-dir", str(cache_dir),
               "--gguf-pattern", args.gguf_pattern, "--llamacpp-python", args.llamacpp_python,
-              "--dense-lossless", args.dense_lossless] + (["--paired-probe"] if args.paired_probe else [])
+              "--dense-lossless", args.dense_lossless] + (["--paired-probe"] if args.paired_probe else []) \
+        + (["--llamacpp-flash-attn"] if args.llamacpp_flash_attn else [])
     results = []
     competitor = None
     tmp = Path(tempfile.mkdtemp(prefix="bench_full_model-"))
@@ -783,6 +815,8 @@ def main(argv=None) -> int:
                     help="GGUF file of the llamacpp-<type> arms; {type} is bf16, q8_0 or q4_0 "
                          "(default /work/ckpt/gguf/<checkpoint name>-{type}.gguf)")
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
+    ap.add_argument("--llamacpp-flash-attn", action="store_true",
+                    help="llama.cpp arms with flash_attn=True (llama-cpp-python's default is False)")
     ap.add_argument("--compete", action="store_true",
                     help="run a busy-looping process (no affinity) during the arms; the arms then run without chrt")
     ap.add_argument("--no-chrt", action="store_true", help="do not run the arms under chrt -f 1")

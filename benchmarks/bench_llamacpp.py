@@ -7,8 +7,9 @@ Runs in the llama.cpp venv (benchmarks/requirements-llamacpp.txt).
     python benchmarks/bench_llamacpp.py /work/ckpt/gguf/olmoe-1b-7b-q4_0.gguf --repeats 3 --json
 
 What is measured (all on one llama_context: n_threads = n_threads_batch = --threads,
-n_ctx 1024, n_batch = n_ubatch = 512, weights memory-mapped unless --no-mmap, llama.cpp's
-CPU weight repacking as built, i.e. on):
+n_ctx 1024, n_batch = n_ubatch = 512, weights memory-mapped unless --no-mmap, flash attention
+off unless --flash-attn (llama-cpp-python's default), llama.cpp's CPU weight repacking as built,
+i.e. on):
 - load: wall time of `Llama(...)` (file mapping, repacking, context creation).
 - warm-up (not timed): one prefill of --prompt-warmup tokens and 4 decode steps, so that the
   weights' pages are resident and the thread pool is up before anything is timed.
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-mmap", action="store_true", help="read the weights into anonymous memory at load")
+    ap.add_argument("--flash-attn", action="store_true", help="flash_attn=True (llama-cpp-python's default: False)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--verbose", action="store_true", help="let llama.cpp log")
     args = ap.parse_args(argv)
@@ -141,6 +143,7 @@ def main(argv=None) -> int:
         n_batch=512,
         n_ubatch=512,
         use_mmap=not args.no_mmap,
+        flash_attn=args.flash_attn,
         logits_all=False,
         verbose=args.verbose,
     )
@@ -188,6 +191,7 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "n_ctx": args.n_ctx,
         "mmap": not args.no_mmap,
+        "flash_attn": args.flash_attn,
         "repeats": args.repeats,
         "load_s": load_s,
         f"tg{args.gen}": {
