@@ -76,7 +76,9 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   once by the driver before the arms (`hi_na_moe._native.measure_read_bandwidth(1 << 30,
   threads, 3)['best_gbs']`, in a short subprocess at the driver's priority, before any
   competitor starts).
-- paired share (--paired-probe, torch arms): after every timed decode step, untimed, a 256 MB
+- paired share (--paired-probe, every arm; llama.cpp's from session 28: bench_llamacpp.py loads
+  hi_na_moe's extension by its file in llama.cpp's venv and reads on llama.cpp's OpenMP team,
+  libgomp being loaded there too): after every timed decode step, untimed, a 256 MB
   read of a 1 GiB probe buffer (`_native.BandwidthProbe`, round robin, as bench_moe_layer.py's
   decode pairing); the share is the median over steps of (GB/token / step time) / that step's
   probe. The machine's bandwidth swings within minutes, so the driver's one probe before the
@@ -515,6 +517,10 @@ def run_llamacpp_arm(args) -> dict:
            "--threads", str(args.threads), "--n-ctx", str(n_ctx), "--prompt-len", str(args.prompt_len),
            "--gen", str(args.new_tokens), "--prefill", str(args.prefill), "--prompt-warmup", str(args.prefill),
            "--repeats", str(rounds), "--seed", str(args.seed)] + (["--flash-attn"] if args.llamacpp_flash_attn else [])
+    if args.paired_probe:  # the torch arms' probe, hi_na_moe's extension loaded by file in llama.cpp's venv
+        import importlib.util
+
+        cmd += ["--paired-probe-native", importlib.util.find_spec("hi_na_moe._native").origin]
     res: dict = {"arm": args.arm, "phase": args.phase, "engine": "llama.cpp", "gguf": str(gguf),
                  "command": " ".join(cmd), "host_start": host_facts()}
     res["bytes_per_token"] = gguf_bytes_per_token(args.llamacpp_python, gguf)
@@ -539,6 +545,15 @@ def run_llamacpp_arm(args) -> dict:
                      "rss_anon_after_load_bytes": mem["after_load"]["rss_anon_bytes"],
                      "rss_file_after_load_bytes": mem["after_load"]["rss_file_bytes"],
                      "peak_rss_bytes": mem["peak_rss_bytes"]}
+    if j.get("paired_probe"):
+        probe_gbs = [g for r in runs for g in r["probe_gbs"]]
+        steps_s = [x / 1e3 for r in runs for x in r["step_ms"]]
+        total = res["bytes_per_token"]["total"]
+        res["paired_probe"] = {
+            "gbs": probe_gbs, "median_gbs": statistics.median(probe_gbs), "pool_backend": j["paired_probe"]["pool_backend"],
+            "share": statistics.median(total / s / 1e9 / g for s, g in zip(steps_s, probe_gbs)),
+        }
+        res["memory"]["peak_rss_with_probe_bytes"] = mem["peak_rss_with_probe_bytes"]
     res["threads"] = j["threads"]
     res["llama_cpp_python"] = j["llama_cpp_python"]
     res["system_info"] = j["system_info"]
@@ -824,7 +839,7 @@ def main(argv=None) -> int:
                     help="hina-<format>-all arms: the config key dense_lossless (default lm_head; '' quantises "
                          "every dense layer, as llama.cpp's pure q8_0/q4_0 files made by make_gguf.py)")
     ap.add_argument("--paired-probe", action="store_true",
-                    help="torch arms: a 256 MB read-bandwidth probe after every decode step (untimed); "
+                    help="every arm: a 256 MB read-bandwidth probe after every decode step (untimed); "
                          "the share is then also given against those paired probes")
     ap.add_argument("--phases", default="cold,warm",
                     help="hina arms: cold,warm (default) or warm alone (the store entries must exist)")

@@ -93,8 +93,9 @@ class Runner:
             raise RuntimeError("non-finite logits")
         return logits
 
-    def decode(self, prompt: list[int], n_gen: int) -> tuple[float, list[float], list[int], int]:
-        """(prompt seconds, step seconds, tokens, major page faults (reads from disk) during the steps)."""
+    def decode(self, prompt: list[int], n_gen: int, after_step=None) -> tuple[float, list[float], list[int], int]:
+        """(prompt seconds, step seconds, tokens, major page faults (reads from disk) during the steps).
+        after_step: called after each step, untimed (the paired probe)."""
         self.clear()
         prompt_s = self.eval(prompt)
         tok = int(np.argmax(self.last_logits()))
@@ -104,6 +105,8 @@ class Runner:
             steps.append(self.eval([tok]))
             out.append(tok)
             tok = int(np.argmax(self.last_logits()))
+            if after_step is not None:
+                after_step()
         return prompt_s, steps, out, resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
 
     def prefill(self, tokens: list[int]) -> float:
@@ -111,6 +114,24 @@ class Runner:
         t = self.eval(tokens)
         self.last_logits()
         return t
+
+
+PROBE_BYTES = 1 << 30  # the paired probe's buffer, as bench_full_model.py's
+PROBE_READ = 256 << 20
+PROBE_SETTLE_S = 0.03
+
+
+def load_native(path: str):
+    """hi_na_moe's compiled extension from its file, without the package (and torch) around it:
+    its BandwidthProbe is the torch arms' paired probe."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hi_na_moe._native", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--paired-probe-native {path}: not a loadable extension module")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main(argv=None) -> int:
@@ -126,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-mmap", action="store_true", help="read the weights into anonymous memory at load")
     ap.add_argument("--flash-attn", action="store_true", help="flash_attn=True (llama-cpp-python's default: False)")
+    ap.add_argument("--paired-probe-native", metavar="PATH",
+                    help="hi_na_moe's _native extension file: after every timed decode step, untimed, a 256 MB "
+                         "read of a 1 GiB buffer with its BandwidthProbe (bench_full_model.py's paired probe)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--verbose", action="store_true", help="let llama.cpp log")
     args = ap.parse_args(argv)
@@ -161,9 +185,22 @@ def main(argv=None) -> int:
         run.prefill(ids(args.prompt_warmup))
         run.decode(ids(args.prompt_len), 4)
 
+    probe, probe_gbs, peak_before_probe, pool = None, [], None, None
+    if args.paired_probe_native:
+        native = load_native(args.paired_probe_native)
+        peak_before_probe = peak_rss_bytes()
+        probe = native.BandwidthProbe(PROBE_BYTES, args.threads)
+        pool = native.pool_backend(None)  # llama.cpp's libgomp is loaded: the probe runs on its team
+
+    def after_step() -> None:
+        probe_gbs.append(probe.read(PROBE_READ))
+        time.sleep(PROBE_SETTLE_S)
+
     tg, pp = [], []
     for _ in range(args.repeats):
-        prompt_s, steps, out, faults = run.decode(ids(args.prompt_len), args.gen)
+        n0 = len(probe_gbs)
+        prompt_s, steps, out, faults = run.decode(ids(args.prompt_len), args.gen,
+                                                  after_step if probe is not None else None)
         ms = [s * 1e3 for s in steps]
         tg.append({
             "tokens_per_s": len(steps) / sum(steps),
@@ -174,6 +211,8 @@ def main(argv=None) -> int:
             "major_faults": faults,
             "step_ms": [round(x, 3) for x in ms],
         })
+        if probe is not None:
+            tg[-1]["probe_gbs"] = [round(g, 2) for g in probe_gbs[n0:]]
         pp_s = run.prefill(ids(args.prefill))
         pp.append({"ms": pp_s * 1e3, "tokens_per_s": args.prefill / pp_s})
 
@@ -207,8 +246,13 @@ def main(argv=None) -> int:
             "runs": pp,
         },
         "memory": {"after_load": mem_after_load, "peak_rss_bytes": peak_rss_bytes()},
+        "paired_probe": None if probe is None else {"pool_backend": pool, "median_gbs": statistics.median(probe_gbs)},
         "host": {"cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]},
     }
+    if peak_before_probe is not None:  # the probe's buffer left out, as bench_full_model.py does
+        hwm = result["memory"]["peak_rss_bytes"]
+        result["memory"]["peak_rss_with_probe_bytes"] = hwm
+        result["memory"]["peak_rss_bytes"] = max(peak_before_probe, hwm - PROBE_BYTES)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
