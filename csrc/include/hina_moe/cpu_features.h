@@ -48,7 +48,8 @@ bool isa_supported(const CpuFeatures& f, Isa isa);
 // Tests only. In builds with the software-tile AMX kernels (the C++ tests' build:
 // amx_software_tiles_built()), use_amx_software_tiles(true) makes the amx tier available on an
 // AVX-512 CPU without AMX and runs its kernels on software tiles (kernels/amx/tiles.h): slow,
-// for checking the kernels' code, never for speed. Elsewhere it throws std::logic_error.
+// for checking the kernels' code, never for speed. Elsewhere it throws std::logic_error. Set it
+// before anything selects an amx kernel: the lossless12 path keeps its first selection.
 bool amx_software_tiles_built();
 void use_amx_software_tiles(bool on);
 bool amx_software_tiles();
