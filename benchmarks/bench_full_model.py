@@ -489,13 +489,7 @@ def run_torch_arm(args) -> dict:
                          major_faults=sum(decode_faults[1:1 + args.repeats]))  # (the warm-up decode is [0])
     res["prefill"] = prefill_summary(pre_ms, args.prefill)
     if probe is not None:
-        steps_s = [x / 1e3 for r in dec_rounds for x in r]
-        total = res["bytes_per_token"]["total"]
-        res["paired_probe"] = {
-            "gbs": [round(g, 2) for g in probe_gbs],
-            "median_gbs": statistics.median(probe_gbs),
-            "share": statistics.median(total / s / 1e9 / g for s, g in zip(steps_s, probe_gbs)),
-        }
+        res["paired_probe"] = paired_summary(res["bytes_per_token"]["total"], dec_rounds, probe_gbs)
     hwm = proc_status()["VmHWM"]
     if hwm_before_probe is None:
         res["memory"]["peak_rss_bytes"] = hwm
@@ -504,6 +498,14 @@ def run_torch_arm(args) -> dict:
         res["memory"]["peak_rss_with_probe_bytes"] = hwm
     res["host_end"] = host_facts()
     return res
+
+
+def paired_summary(bytes_per_token: float, step_ms_rounds: list[list[float]], probe_gbs: list[float]) -> dict:
+    """The paired probe's figures: its reads (GB/s, one after each decode step, in step order) and
+    the median over steps of the step's GB/s over its probe's."""
+    steps_s = [x / 1e3 for r in step_ms_rounds for x in r]
+    return {"gbs": [round(g, 2) for g in probe_gbs], "median_gbs": statistics.median(probe_gbs),
+            "share": statistics.median(bytes_per_token / s / 1e9 / g for s, g in zip(steps_s, probe_gbs))}
 
 
 def run_llamacpp_arm(args) -> dict:
@@ -546,13 +548,9 @@ def run_llamacpp_arm(args) -> dict:
                      "rss_file_after_load_bytes": mem["after_load"]["rss_file_bytes"],
                      "peak_rss_bytes": mem["peak_rss_bytes"]}
     if j.get("paired_probe"):
-        probe_gbs = [g for r in runs for g in r["probe_gbs"]]
-        steps_s = [x / 1e3 for r in runs for x in r["step_ms"]]
-        total = res["bytes_per_token"]["total"]
-        res["paired_probe"] = {
-            "gbs": probe_gbs, "median_gbs": statistics.median(probe_gbs), "pool_backend": j["paired_probe"]["pool_backend"],
-            "share": statistics.median(total / s / 1e9 / g for s, g in zip(steps_s, probe_gbs)),
-        }
+        res["paired_probe"] = paired_summary(res["bytes_per_token"]["total"], [r["step_ms"] for r in runs],
+                                             [g for r in runs for g in r["probe_gbs"]])
+        res["paired_probe"]["pool_backend"] = j["paired_probe"]["pool_backend"]
         res["memory"]["peak_rss_with_probe_bytes"] = mem["peak_rss_with_probe_bytes"]
     res["threads"] = j["threads"]
     res["llama_cpp_python"] = j["llama_cpp_python"]
