@@ -179,10 +179,15 @@ def op_bytes(model) -> dict[str, float]:
     report = hi_na_moe.report_for(model)
     out: dict[str, float] = collections.defaultdict(float)
     kinds = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv", "o_proj": "o_proj",
-             "gate": "router", "lm_head": "lm_head", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+             "gate": "router", "lm_head": "lm_head", "gate_proj": "mlp_gate_up", "up_proj": "mlp_gate_up",
+             "down_proj": "mlp_down"}
     for d in report.dense:
         leaf = d.name.rsplit(".", 1)[-1]
-        kind = "shared" if ".shared_expert" in d.name else kinds.get(leaf, leaf)
+        kind = kinds.get(leaf, leaf)
+        if ".shared_expert_gate" in d.name:  # (Qwen2-MoE's sigmoid gate)
+            kind = "shared_gate"
+        elif ".shared_expert" in d.name:  # a shared expert's MLP: the trace's shared_gate_up / shared_down
+            kind = kind.replace("mlp_", "shared_")
         out[kind] += d.packed_bytes
     k = model.config.num_experts_per_tok
     for b in report.blocks:  # (gated experts: gate and up are two thirds of an expert's bytes)

@@ -564,3 +564,29 @@ def test_the_step_trace_covers_the_one_call_op_by_op_or_is_empty_in_a_release_bu
         assert native.take_step_trace() == []
     finally:
         hi_na_moe.disable_for_model(model)
+
+
+def test_the_step_trace_splits_a_dense_mlp_and_a_shared_expert_into_their_linears(monkeypatch):
+    """Qwen2-MoE with a dense first layer: the trace names a gated MLP's two linears (the dense
+    layer's mlp_*, the shared expert's shared_*) and the shared expert's sigmoid gate apart,
+    which is how bench_step_gaps.py --ops gives each its bytes and rate."""
+    native = native_module()[0]
+    if not native.step_trace_compiled():
+        pytest.skip("a release build records no step trace (the test above checks that)")
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = build_tiny("qwen2_moe", dtype=torch.bfloat16, mlp_only_layers=[0]).model.eval()
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        native.take_step_trace()
+        greedy_decode(model, torch.tensor([[3, 9, 4, 7]]), 2)
+        events = native.take_step_trace()
+        attn = ["norm", "qkv", "rope_kv", "attention", "o_proj", "add_norm"]
+        dense_layer = attn + ["mlp_gate_up", "mlp_down", "add"]
+        moe_layer = attn + ["router", "select", "experts_prep", "experts_gate_up", "experts_quant_h", "experts_down",
+                            "experts", "shared_gate_up", "shared_down", "shared_gate", "add"]
+        n = model.config.num_hidden_layers
+        step = ([(0, op) for op in dense_layer] + [(i, op) for i in range(1, n) for op in moe_layer]
+                + [(-1, "final_norm")])
+        assert [(layer, op) for layer, op, _, _ in events] == step * 2
+    finally:
+        hi_na_moe.disable_for_model(model)

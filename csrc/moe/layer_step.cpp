@@ -53,10 +53,11 @@ void detail::lap(StepOp op) {
 #endif
 
 const char* step_op_name(StepOp op) {
-  static const char* const names[] = {"norm",    "qkv",          "rope_kv",         "attention",       "o_proj",
-                                      "add_norm", "mlp",         "router",          "select",          "experts_prep",
-                                      "experts_gate_up", "experts_quant_h", "experts_down", "experts", "shared",
-                                      "add",     "final_norm"};
+  static const char* const names[] = {
+      "norm",         "qkv",          "rope_kv",      "attention",       "o_proj",       "add_norm",
+      "mlp_gate_up",  "mlp_down",     "router",       "select",          "experts_prep", "experts_gate_up",
+      "experts_quant_h", "experts_down", "experts",   "shared_gate_up",  "shared_down",  "shared_gate",
+      "add",          "final_norm"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(StepOp::kCount));
   const auto i = static_cast<size_t>(op);
   return i < sizeof(names) / sizeof(names[0]) ? names[i] : "?";
@@ -198,13 +199,17 @@ void convert(DType from, const void* src, DType to, void* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) detail::store_elem(to, dst, i, detail::load_elem(from, src, i));
 }
 
-// a gated MLP on normed (a dense layer's, or a shared expert's) into m.out
-void mlp_on(const GatedMlpArgs& mlp, const LayerPostArgs& a, int num_threads) {
+// a gated MLP on normed (a dense layer's, or a shared expert's) into m.out; the step trace's
+// laps: gu after the gate/up linear and the activation, down after the down linear
+void mlp_on(const GatedMlpArgs& mlp, const LayerPostArgs& a, int num_threads, StepOp gu, StepOp down) {
   GatedMlpArgs m = mlp;
   m.dtype = a.dtype;
   m.B = a.B;
   m.x = a.normed;
-  gated_mlp_decode(m, num_threads);
+  gated_mlp_gate_up(m, num_threads);
+  detail::lap(gu);
+  gated_mlp_down(m, num_threads);
+  detail::lap(down);
 }
 
 }  // namespace
@@ -225,8 +230,7 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
   add_rms_norm(a.dtype, a.x, a.o_out, a.B, a.H, a.ln2_w, a.ln2_eps, a.sum, a.normed);
   detail::lap(StepOp::kAddNorm);
   if (a.router == nullptr && a.mlp.gate_up != nullptr) {  // a dense layer
-    mlp_on(a.mlp, a, num_threads);
-    detail::lap(StepOp::kMlp);
+    mlp_on(a.mlp, a, num_threads, StepOp::kMlpGateUp, StepOp::kMlpDown);
     add(a.dtype, a.sum, a.mlp.out, a.B * a.H, a.sum);
     detail::lap(StepOp::kAdd);
     return nullptr;
@@ -252,7 +256,7 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
         const char* name = a.experts->forward(a.normed, a.B, s.idx, 64, s.w, s.k, a.experts_out, e);
         detail::lap(StepOp::kExperts);
         if (a.shared_mlp.gate_up != nullptr) {
-          mlp_on(a.shared_mlp, a, num_threads);
+          mlp_on(a.shared_mlp, a, num_threads, StepOp::kSharedGateUp, StepOp::kSharedDown);
           if (a.shared_gate == nullptr) {  // added as it is
             add(a.dtype, a.experts_out, a.shared_mlp.out, a.B * a.H, a.experts_out);
           } else {

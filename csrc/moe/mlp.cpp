@@ -50,7 +50,7 @@ void silu_mul(DType dt, Isa isa, const void* g, const void* u, int64_t n, void* 
   }
 }
 
-void gated_mlp_decode(const GatedMlpArgs& a, int num_threads) {
+void gated_mlp_gate_up(const GatedMlpArgs& a, int num_threads) {
   const size_t es = dtype_size(a.dtype);
   const int64_t I = a.I;
   MoeParams p = a.gate_up_params;
@@ -61,9 +61,17 @@ void gated_mlp_decode(const GatedMlpArgs& a, int num_threads) {
     silu_mul(a.dtype, a.gate_up->isa(), row, row + static_cast<size_t>(I) * es, I,
              static_cast<char*>(a.m) + static_cast<size_t>(b * I) * es);
   }
+}
+
+void gated_mlp_down(const GatedMlpArgs& a, int num_threads) {
   MoeParams d = a.down_params;
   d.num_threads = num_threads;
   a.down->linear(a.m, a.B, a.out, d);
+}
+
+void gated_mlp_decode(const GatedMlpArgs& a, int num_threads) {
+  gated_mlp_gate_up(a, num_threads);
+  gated_mlp_down(a, num_threads);
 }
 
 void shared_combine(DType dt, const void* routed, const void* shared, const void* logit, int64_t B, int64_t H,

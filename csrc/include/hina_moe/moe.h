@@ -571,6 +571,9 @@ struct GatedMlpArgs {
   void* out;      // out [B, H]
 };
 void gated_mlp_decode(const GatedMlpArgs& a, int num_threads);
+// Its two halves: [g | u] = gate_up.linear(x) and m (gated_mlp_gate_up), then out = down.linear(m).
+void gated_mlp_gate_up(const GatedMlpArgs& a, int num_threads);
+void gated_mlp_down(const GatedMlpArgs& a, int num_threads);
 // out[i] = round(round(silu(g[i])) * u[i]) over n values (gated_mlp_decode's middle step).
 void silu_mul(DType dt, Isa isa, const void* g, const void* u, int64_t n, void* out);
 // A shared expert's sigmoid gate (Qwen2-MoE): out = round(routed + round(round(sigmoid(logit_b))
@@ -739,11 +742,13 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
 // its span [t0, t1) in nanoseconds of steady_clock on the calling thread, the ops following each
 // other without gaps from the call's start (the final norm's layer is -1); the experts' call in its
 // parts (the routing metadata and input rows, the gate/up region, the h rows' quantisation, the
-// down region; kExperts what follows it). One stepping thread at a
+// down region; kExperts what follows it); a gated MLP (a dense layer's kMlp*, a shared expert's
+// kShared*) in its gate/up linear with the activation, and its down linear, kShared then being
+// the shared expert's sigmoid gate and the sum. One stepping thread at a
 // time; take_step_trace() returns the events since its last call (at most 1 << 20) and clears them.
 enum class StepOp : int32_t {
-  kNorm, kQkv, kRopeKv, kAttn, kO, kAddNorm, kMlp, kRouter, kSelect, kExpertsPrep, kExpertsGateUp, kExpertsQuantH,
-  kExpertsDown, kExperts, kShared, kAdd, kFinalNorm, kCount
+  kNorm, kQkv, kRopeKv, kAttn, kO, kAddNorm, kMlpGateUp, kMlpDown, kRouter, kSelect, kExpertsPrep, kExpertsGateUp,
+  kExpertsQuantH, kExpertsDown, kExperts, kSharedGateUp, kSharedDown, kShared, kAdd, kFinalNorm, kCount
 };
 const char* step_op_name(StepOp op);
 struct StepTraceEvent {
