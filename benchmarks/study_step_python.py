@@ -6,7 +6,9 @@ decodes a few tokens, then times --steps decode steps, each after an untimed 256
 step's Python runs on caches the weight stream has just flushed). Wall-clock timers wrap, for
 the time of the study only, the pieces of a step: the whole forward; the stack's forward's
 checks (`_observed`, `_args`), its decode path (`_run`), the one call (`_one_call`), the layers'
-`plan_args` inside it, the native `StepPlan.run`; and the model's lm_head. Means per step; what
+`plan_args` inside it, the native `StepPlan.run`, and inside those the embedding's forward, the
+rotary table's lookup, the KV cache's slots and commits and the model output object; and the
+model's lm_head. Means per step; what
 no timer holds is transformers' own code around the stack and lm_head. (A timer costs about a
 microsecond per call: 16 layers' plan_args, about 20 us a step, is the largest such overhead.)
 
@@ -32,7 +34,7 @@ def main() -> int:
     from transformers import DynamicCache
 
     import hi_na_moe
-    from hi_na_moe import _native
+    from hi_na_moe import _native, kv_cache
     from hi_na_moe.layers import NativeLayer
     from hi_na_moe.patching import patched_runner
     from hi_na_moe.stack import NativeStack
@@ -64,6 +66,13 @@ def main() -> int:
     for name in ("_observed", "_args", "_run", "_one_call"):
         timed(st, name, f"stack {name}")
     timed(model.lm_head, "forward", "lm_head")
+    # finer: the pieces of _run and _one_call outside the native call (instance and module
+    # attributes, for the study's lifetime)
+    timed(st.module.embed_tokens, "forward", "embed_tokens")
+    timed(type(st.rope), "lookup", "rotary table lookup")  # (a class with __slots__)
+    timed(st, "out_type", "model output object")
+    timed(kv_cache, "slot", "KV slots")
+    timed(kv_cache, "commit", "KV commits")
 
     class TimedPlan:  # the stack's StepPlan, its run timed
         def __init__(self, plan):
@@ -108,9 +117,18 @@ def main() -> int:
               "stack _observed", "stack _args"):
         print(f"| {k} | {ms.get(k, 0.0):.3f} |")
     print(f"| Python: the step less the native call and lm_head | {ms['step'] - native - lm:.3f} |")
-    print(f"| of it in _one_call, outside the native call and plan_args | "
-          f"{ms['stack _one_call'] - native - ms['layers' + chr(39) + ' plan_args']:.3f} |")
-    print(f"| of it in _run, outside _one_call | {ms['stack _run'] - ms['stack _one_call']:.3f} |")
+    one_rest = ms["stack _one_call"] - native - ms["layers' plan_args"]
+    print(f"| of it in _one_call, outside the native call and plan_args | {one_rest:.3f} |")
+    for k in ("KV slots", "KV commits"):
+        print(f"| - {k} | {ms.get(k, 0.0):.3f} |")
+    print(f"| - the rest of _one_call (plan check, tables, scratch, final norm, kernel names) | "
+          f"{one_rest - ms.get('KV slots', 0.0) - ms.get('KV commits', 0.0):.3f} |")
+    run_rest = ms["stack _run"] - ms["stack _one_call"]
+    print(f"| of it in _run, outside _one_call | {run_rest:.3f} |")
+    for k in ("embed_tokens", "rotary table lookup", "model output object"):
+        print(f"| - {k} | {ms.get(k, 0.0):.3f} |")
+    print(f"| - the rest of _run (the attention's argument checks, ...) | "
+          f"{run_rest - sum(ms.get(k, 0.0) for k in ('embed_tokens', 'rotary table lookup', 'model output object')):.3f} |")
     print(f"| of it outside the stack's forward (transformers' model, the lm_head's Python included) | "
           f"{ms['step'] - ms['stack _run'] - ms['stack _observed'] - ms['stack _args'] - lm:.3f} |")
     return 0
