@@ -224,6 +224,59 @@ def test_the_final_norm_runs_in_the_call_unless_something_would_see_it_skipped(m
         hi_na_moe.disable_for_model(model)
 
 
+def test_a_steps_input_is_gathered_natively_unless_the_embedding_would_be_seen(monkeypatch):
+    """The step's embedding rows are copied natively into a buffer of the thread's (NativeStack._embed):
+    the same bits; a hook on the embedding, or an id outside its table (IndexError, as natively),
+    takes the module's call; and no tensor a step returns is one of the buffers the next step
+    overwrites."""
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2)
+    ids = torch.tensor([[3, 9, 4, 7]])
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        runner = patched_runner(model.model)
+        gathered = []
+        embed = runner._embed
+        monkeypatch.setattr(runner, "_embed", lambda i: gathered.append(embed(i)) or gathered[-1])
+        assert _same(model, ids, 3).normed == 3
+        assert len(gathered) == 3 and all(g is gathered[0] for g in gathered)  # one buffer, every step
+        emb = model.model.embed_tokens
+        seen = []
+        handle = emb.register_forward_hook(lambda m, i, o: seen.append(o))
+        try:
+            count = _same(model, ids, 3)
+        finally:
+            handle.remove()
+        assert count.one_calls == 3 and len(seen) == 2 * (1 + 3)  # the module's call: fresh outputs
+        assert len({id(t) for t in seen}) == len(seen)
+        # an id beyond the table: the embedding's own error
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(ids, past_key_values=cache, use_cache=True)
+            with pytest.raises(IndexError):
+                model(torch.tensor([[model.config.vocab_size]]), past_key_values=cache, use_cache=True)
+        # what a step returns, or hands a hook, outlives the next step: the base model's last
+        # hidden states with the final norm in the call, and with it a module whose hook keeps
+        # its input (the last layer's output)
+        for hooked in (False, True):
+            inputs = []
+            handle = (model.model.norm.register_forward_hook(lambda m, i, o: inputs.append(i[0])) if hooked
+                      else None)
+            try:
+                cache = DynamicCache(config=model.config)
+                with torch.inference_mode():
+                    model.model(ids, past_key_values=cache, use_cache=True)
+                    first = model.model(torch.tensor([[5]]), past_key_values=cache, use_cache=True).last_hidden_state
+                    kept = [t.clone() for t in [first, *inputs]]
+                    model.model(torch.tensor([[6]]), past_key_values=cache, use_cache=True)
+                assert all(torch.equal(a, b) for a, b in zip([first, *inputs], kept)) and len(kept) == 1 + 2 * hooked
+            finally:
+                if handle is not None:
+                    handle.remove()
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 class _Spy(torch.nn.Module):
     def __init__(self, inner, calls):
         super().__init__()

@@ -1094,6 +1094,20 @@ NB_MODULE(_native, m) {
         "sum = a + b over count values, each rounded once to the dtype as PyTorch adds two CPU tensors "
         "(dtype: 0 float32, 1 bfloat16, 2 float16). Raw addresses, nothing checked (hi_na_moe.layers). "
         "Wrong addresses crash.");
+  m.def("gather_rows_raw",
+        [](uintptr_t table, int64_t rows, int64_t row_bytes, uintptr_t ids, int64_t n, uintptr_t dst) {
+          const auto* id = reinterpret_cast<const int64_t*>(ids);
+          for (int64_t i = 0; i < n; ++i)
+            if (id[i] < 0 || id[i] >= rows) return false;
+          for (int64_t i = 0; i < n; ++i)
+            std::memcpy(reinterpret_cast<uint8_t*>(dst) + i * row_bytes,
+                        reinterpret_cast<const uint8_t*>(table) + id[i] * row_bytes, static_cast<size_t>(row_bytes));
+          return true;
+        },
+        nb::arg("table"), nb::arg("rows"), nb::arg("row_bytes"), nb::arg("ids"), nb::arg("n"), nb::arg("dst"),
+        "dst row i = table row ids[i] for n int64 ids, rows of row_bytes (an embedding lookup); False, with "
+        "nothing written, when an id is outside [0, rows). Raw addresses, nothing else checked "
+        "(hi_na_moe.stack). Wrong addresses crash.");
   m.def("add_rms_norm_raw",
         [](uintptr_t a, uintptr_t b, int64_t rows, int64_t n, uintptr_t w, float eps, uintptr_t sum, uintptr_t out,
            int dtype) {

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 from array import array
 
 import torch
@@ -111,9 +112,13 @@ class NativeStack:
     weights = "lossless"
 
     def __init__(self, name: str, module: nn.Module, original_forward):
+        from .hardware import native_module
+
         self.name, self.module = name, module
         self.original = original_forward
+        self.native = native_module()[0]
         self.ready = False
+        self._local = threading.local()  # (_buffer) each thread's buffers for its steps
         # (StepPlan, the layers' plan_args it was set with): replaced, never changed, when an
         # argument changes, so a step running on another thread keeps a consistent one
         self._plan: tuple | None = None
@@ -324,9 +329,41 @@ class NativeStack:
                 return True
         return False
 
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's buffer `name` for a step's tensor that nothing keeps past the step (the
+        embedded input, the one call's scratch; concurrent steps on other threads have their own):
+        a decode step allocates no tensor it does not return. Made outside inference mode, so a
+        step outside it can read and write it too."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        t = bufs.get(name)
+        if t is None or t.shape != shape or t.dtype is not dtype:
+            with torch.inference_mode(False):
+                t = bufs[name] = torch.empty(shape, dtype=dtype)
+        return t
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """embed_tokens(ids) [B, 1, H]: a plain nn.Embedding that nothing would see skipped (no
+        hook, its own forward, no max_norm) has its rows copied natively into this thread's buffer
+        (_buffer; the layers read it, nothing keeps it); anything else, or an id outside the table
+        (the module's call raises it), is the module's call."""
+        e = self.module._modules.get("embed_tokens")
+        w = e._parameters.get("weight") if type(e) is nn.Embedding else None
+        if (w is None or e.max_norm is not None or e._forward_hooks or e._forward_pre_hooks or "forward" in e.__dict__
+                or type(w) not in (nn.Parameter, torch.Tensor) or w.dim() != 2 or not w.is_contiguous()
+                or not w.is_cpu or not ids.is_contiguous()):
+            return e(ids)
+        B, H = ids.shape[0], w.shape[1]
+        h = self._buffer("h", (B, 1, H), w.dtype)
+        row = H * w.element_size()
+        if not self.native.gather_rows_raw(w.data_ptr(), w.shape[0], row, ids.data_ptr(), B, h.data_ptr()):
+            return e(ids)
+        return h
+
     def _run(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool, past: int):
         m = self.module
-        h = m.embed_tokens(ids)
+        h = self._embed(ids)
         rotary = m.rotary_emb
         # the rotary module's output from its table (hi_na_moe.rope_table) when the positions are
         # the stack's own, past for every row
@@ -438,9 +475,11 @@ class NativeStack:
         kv = array("q", kv)
         if qs is not None:  # one value a row
             qs = qs.reshape(-1).expand(B).contiguous()
-        scratch = torch.empty(plan[0].scratch_bytes(B), dtype=torch.uint8)
-        out = torch.empty_like(h)
+        scratch = self._buffer("scratch", (plan[0].scratch_bytes(B),), torch.uint8)
         norm = self._final_norm(dt)
+        # the last layer's output: the step's only when the final norm runs in the call (else the
+        # norm module gets it, and a hook on it could keep it)
+        out = torch.empty_like(h) if norm is None else self._buffer("out", tuple(h.shape), dt)
         normed = None if norm is None else torch.empty_like(h)
         names = plan[0].run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), width if cos.numel() == B * width else 0,
                             0 if mask is None else mask.data_ptr(),
