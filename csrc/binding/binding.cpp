@@ -362,7 +362,7 @@ class PyPackedExperts {
     const int64_t T = x.shape(0);
     check_array("x", x, {T, pe.H()});
     check_dtype("x", x, wdt, " (the layer's dtype); convert x first");
-    check_array("out", out, {T, pe.I()});
+    check_array("out", out, {T, pe.out_features()});
     check_dtype("out", out, wdt, " (the layer's dtype)");
     hina::MoeParams p;
     if (!hina::qdot_from_name(qdot.c_str(), &p.qdot)) bad("qdot '" + qdot + "' is unknown; expected auto, int or expand");
@@ -412,12 +412,19 @@ class PyPackedExperts {
     const hina::DType dt = pe.dtype();
     const size_t E = pe.E(), H = pe.H(), I = pe.I();
     void *g = nullptr, *u = nullptr, *d = nullptr, *bg = nullptr, *bu = nullptr, *bd = nullptr;
-    if (pe.up_only()) {  // a linear layer: (None, weight [I, H], None, None, bias [I] or None, None)
-      nb::object ou = new_array(dt, {I, H}, &u);
-      nb::object obu = pe.has_up_bias() ? new_array(dt, {I}, &bu) : nb::none();
+    if (pe.up_only()) {  // a linear layer: (None, weight [N, H], None, None, bias [N] or None, None)
+      const size_t N = static_cast<size_t>(pe.out_features());
+      nb::object ou = new_array(dt, {N, H}, &u);
+      nb::object obu = pe.has_up_bias() ? new_array(dt, {N}, &bu) : nb::none();
       {
         nb::gil_scoped_release release;
-        pe.unpack(nullptr, u, nullptr, nullptr, bu, nullptr);
+        if (pe.paired()) {  // rows [0, I) the gate matrix, [I, 2 I) the up one
+          const size_t es = hina::dtype_size(dt);
+          pe.unpack(u, static_cast<uint8_t*>(u) + I * H * es, nullptr, bu,
+                    bu ? static_cast<uint8_t*>(bu) + I * es : nullptr, nullptr);
+        } else {
+          pe.unpack(nullptr, u, nullptr, nullptr, bu, nullptr);
+        }
       }
       return nb::make_tuple(nb::none(), ou, nb::none(), nb::none(), obu, nb::none());
     }
@@ -439,7 +446,8 @@ class PyPackedExperts {
   nb::tuple unpack_row_quant() const {
     const hina::PackedExperts& pe = *pe_;
     const bool i4 = pe.wformat() == hina::WFormat::kInt4;
-    const size_t I = pe.I(), H = pe.H(), group = std::max<size_t>(pe.header().group, 1);
+    const size_t I = static_cast<size_t>(pe.out_features()), H = pe.H(),
+                 group = std::max<size_t>(pe.header().group, 1);
     void *c = nullptr, *sc = nullptr;
     nb::object codes = i4 ? new_raw_array(nb::dtype<uint8_t>(), 1, {I, H / 2}, &c)
                           : new_raw_array(nb::dtype<int8_t>(), 1, {I, H}, &c);
@@ -873,7 +881,7 @@ NB_MODULE(_native, m) {
            "up_only: a dense linear layer (E=1, no gate, I outputs, H inputs; see pack_linear).")
       .def_static("pack_linear",
            [](InArray weight, std::optional<InArray> bias, const std::string& isa, int num_threads,
-              const std::string& weights, int group_size) {
+              const std::string& weights, int group_size, bool paired) {
              if (weight.ndim() != 2) bad("weight must have shape [out_features, in_features], got " + shape_str(shape_of(weight)));
              const auto dt = to_dtype(weight.dtype());
              if (!dt) bad("weight has dtype " + dtype_str(weight.dtype()) + "; supported: float32, bfloat16, float16");
@@ -884,23 +892,27 @@ NB_MODULE(_native, m) {
                check_dtype("bias", *bias, weight.dtype());
              }
              if (num_threads < 0) bad("num_threads must be >= 0");
+             if (paired && O % 2 != 0)
+               bad("paired needs an even number of output features, got " + std::to_string(O));
              const hina::Isa tier = hina::resolve_isa(isa.c_str());
              const hina::QuantSpec q{parse_wformat(weights), group_size};
              std::unique_ptr<hina::PackedExperts> pe;
              {
                nb::gil_scoped_release release;
                pe = hina::PackedExperts::pack_linear(*dt, O, In, weight.data(), bias ? bias->data() : nullptr,
-                                                     tier, num_threads, q);
+                                                     tier, num_threads, q, paired);
              }
              return PyPackedExperts(std::move(pe), nb::none());
            },
            nb::arg("weight").noconvert(), nb::arg("bias").noconvert().none() = nb::none(),
            nb::arg("isa") = "auto", nb::arg("num_threads") = 0, nb::arg("weights") = "lossless",
-           nb::arg("group_size") = 64,
+           nb::arg("group_size") = 64, nb::arg("paired") = false,
            "A dense linear layer y = x weight^T (+ bias) packed for the same kernels (an up-only "
            "block: E=1, I = out_features, H = in_features); run it with linear(). weight "
            "[out_features, in_features], bias [out_features]: C-contiguous CPU arrays of one dtype. "
-           "unpack() gives (None, weight, None, None, bias, None).")
+           "paired (even out_features): the two halves of the rows as the gate and up matrices of "
+           "one gated expert (I = out_features / 2), the same outputs bit for bit, streamed with "
+           "two rows per broadcast input. unpack() gives (None, weight, None, None, bias, None).")
       .def_static("create", &PyPackedExperts::create, nb::arg("header"),
            nb::arg("buffer").none() = nb::none(),
            "An empty block for `header`, living in `buffer` (a writable, 64-byte aligned uint8 "
@@ -986,6 +998,10 @@ NB_MODULE(_native, m) {
       .def_prop_ro("E", [](const PyPackedExperts& p) { return p.get().E(); })
       .def_prop_ro("H", [](const PyPackedExperts& p) { return p.get().H(); })
       .def_prop_ro("I", [](const PyPackedExperts& p) { return p.get().I(); })
+      .def_prop_ro("paired", [](const PyPackedExperts& p) { return p.get().paired(); },
+                   "A dense linear layer packed paired (pack_linear's paired): I is half its outputs.")
+      .def_prop_ro("out_features", [](const PyPackedExperts& p) { return p.get().out_features(); },
+                   "A dense linear layer's outputs (2 I when paired); I for experts.")
       .def_prop_ro("has_gate", [](const PyPackedExperts& p) { return p.get().has_gate(); })
       .def_prop_ro("has_bias", [](const PyPackedExperts& p) {
         const auto& q = p.get();

@@ -151,6 +151,10 @@ struct GateUpJob {
   const Layout* L;
   const ActParams* act;
   const void* w_next = nullptr;  // panel p0 of the job this thread runs next (prefetch hint)
+  // a paired up-only block (moe.h: plan_packed): h elements from a row's gate half to its up
+  // half; the kernel stores g + bias_g at column c and u + bias_u at pair + c, no activation
+  // (0: not paired). Columns >= I of each half are written as 0 like any h column.
+  int64_t pair = 0;
 };
 
 // down for one expert: acc[r][c] += wt[r] * (W_down h_r + b)[c] for columns c of panels [p0, p1).

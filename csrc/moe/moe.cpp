@@ -717,8 +717,12 @@ PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gat
     throw std::invalid_argument("int4 group size must be 32, 64 or 128 (got " +
                                 std::to_string(q.group) + ")");
   }
-  if (up_only && (E != 1 || has_gate || gate_bias || down_bias)) {
-    throw std::invalid_argument("an up-only (linear) block has E = 1, no gate, no gate or down bias");
+  if (up_only && (E != 1 || down_bias || (gate_bias && !has_gate) || (has_gate && gate_bias != up_bias))) {
+    throw std::invalid_argument("an up-only (linear) block has E = 1, no down bias, and a gate (paired) only with "
+                                "biases on both halves or neither");
+  }
+  if (up_only && has_gate && q.fmt != WFormat::kInt8 && q.fmt != WFormat::kInt4) {
+    throw std::invalid_argument(std::string("a paired linear layer is int8 or int4 (got ") + wformat_name(q.fmt) + ")");
   }
   PackedHeader h;
   h.up_only = up_only;
@@ -864,18 +868,30 @@ std::unique_ptr<PackedExperts> PackedExperts::copy_of(const PackedHeader& h, con
 
 std::unique_ptr<PackedExperts> PackedExperts::pack_linear(DType dt, int64_t out_features, int64_t in_features,
                                                           const void* weight, const void* bias, Isa isa,
-                                                          int num_threads, QuantSpec q) {
+                                                          int num_threads, QuantSpec q, bool paired) {
   if (!weight) throw std::invalid_argument("the weight is required");
+  if (paired && (out_features < 2 || out_features % 2 != 0))
+    throw std::invalid_argument("a paired linear layer needs an even number of outputs (got " +
+                                std::to_string(out_features) + ")");
   check_tier(isa);
-  const PackedHeader h = plan_packed(dt, 1, in_features, out_features, false, false, bias != nullptr, false,
-                                     isa, q, true);
+  const int64_t I = paired ? out_features / 2 : out_features;
+  const PackedHeader h = plan_packed(dt, 1, in_features, I, paired, paired && bias != nullptr, bias != nullptr,
+                                     false, isa, q, true);
   ExpertWeights w;
   w.dtype = dt;
   w.E = 1;
   w.H = in_features;
-  w.I = out_features;
-  w.up = weight;
-  w.up_bias = bias;
+  w.I = I;
+  const size_t esz = dtype_size(dt);
+  if (paired) {  // rows [0, I) the gate matrix, [I, 2 I) the up matrix
+    w.gate = weight;
+    w.up = static_cast<const uint8_t*>(weight) + static_cast<size_t>(I * in_features) * esz;
+    w.gate_bias = bias;
+    w.up_bias = bias ? static_cast<const uint8_t*>(bias) + static_cast<size_t>(I) * esz : nullptr;
+  } else {
+    w.up = weight;
+    w.up_bias = bias;
+  }
   auto pe = create(h);
   pe->pack_experts(0, w, num_threads);
   return pe;
@@ -1066,25 +1082,28 @@ void PackedExperts::unpack_row_quant(void* codes, void* scales) const {
   if (wf == WFormat::kInt4 && K % group != 0)
     throw std::invalid_argument("unpack_row_quant: int4 rows of " + std::to_string(K) +
                                 " values are not whole groups of " + std::to_string(group));
-  const int64_t pbytes = panel_bytes(dtype(), wf, group, h.Hk, 1);
-  for (int64_t p = 0; p * kPanelN < N; ++p) {
-    const uint8_t* panel = gu_ + p * pbytes;
-    for (int n = 0; n < kPanelN && p * kPanelN + n < N; ++n) {
-      const int64_t row = p * kPanelN + n;
-      if (wf == WFormat::kInt8) {
-        std::memcpy(static_cast<float*>(scales) + row, panel + n * 4, 4);
-        int8_t* q = static_cast<int8_t*>(codes) + row * K;
-        for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(panel[64 + q8_index(k, 1, 0, n)]);
-        continue;
-      }
-      uint8_t* q = static_cast<uint8_t*>(codes) + row * (K / 2);
-      for (int64_t g = 0; g < K / group; ++g) {
-        const uint8_t* c = panel + q4_codes_at(g, 1, static_cast<int>(group));
-        std::memcpy(static_cast<uint16_t*>(scales) + row * (K / group) + g,
-                    panel + q4_scales_at(g, 1, static_cast<int>(group)) + n * 2, 2);
-        for (int64_t j = 0; j < group / 2; ++j)
-          q[g * group / 2 + j] = static_cast<uint8_t>((int4_q(c, j, 1, 0, n) + 8) |
-                                                      (int4_q(c, group / 2 + j, 1, 0, n) + 8) << 4);
+  const int G = h.has_gate ? 2 : 1;  // a paired block: output rows [0, I) matrix 0, [I, 2 I) matrix 1
+  const int64_t pbytes = panel_bytes(dtype(), wf, group, h.Hk, G);
+  for (int gi = 0; gi < G; ++gi) {
+    for (int64_t p = 0; p * kPanelN < N; ++p) {
+      const uint8_t* panel = gu_ + p * pbytes;
+      for (int n = 0; n < kPanelN && p * kPanelN + n < N; ++n) {
+        const int64_t row = gi * N + p * kPanelN + n;
+        if (wf == WFormat::kInt8) {
+          std::memcpy(static_cast<float*>(scales) + row, panel + gi * 64 + n * 4, 4);
+          int8_t* q = static_cast<int8_t*>(codes) + row * K;
+          for (int64_t k = 0; k < K; ++k) q[k] = static_cast<int8_t>(panel[64 * G + q8_index(k, G, gi, n)]);
+          continue;
+        }
+        uint8_t* q = static_cast<uint8_t*>(codes) + row * (K / 2);
+        for (int64_t g = 0; g < K / group; ++g) {
+          const uint8_t* c = panel + q4_codes_at(g, G, static_cast<int>(group));
+          std::memcpy(static_cast<uint16_t*>(scales) + row * (K / group) + g,
+                      panel + q4_scales_at(g, G, static_cast<int>(group)) + gi * 32 + n * 2, 2);
+          for (int64_t j = 0; j < group / 2; ++j)
+            q[g * group / 2 + j] = static_cast<uint8_t>((int4_q(c, j, G, gi, n) + 8) |
+                                                        (int4_q(c, group / 2 + j, G, gi, n) + 8) << 4);
+        }
       }
     }
   }
@@ -1253,8 +1272,11 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     s.xrows[r] = xbuf + xrow_bytes * static_cast<size_t>(per_row ? r : s.row_token[r]);
 
   // ---- h rows [S][Ik]: kernels write [0, In); the k-padding [In, Ik) must read as zero ----
+  // (a paired up-only block: rows of 2 In, its up half from In)
   const size_t hesz = kern.h_bf16 ? 2 : 4;
-  const int64_t hs = kern.h_bf16 ? padded(Ik, 2) : Ik;  // h row stride
+  const bool paired = hd.up_only && hd.has_gate;
+  const int64_t hw = paired ? 2 * In : Ik;
+  const int64_t hs = kern.h_bf16 ? padded(hw, 2) : hw;  // h row stride
   uint8_t* hbuf = static_cast<uint8_t*>(
       s.hbuf.get(hesz * static_cast<size_t>(hs) * static_cast<size_t>(S + kern.row_slack)));
   if (hs > In)
@@ -1309,6 +1331,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
     j.L = &L;
     j.act = &ap;
     j.w_next = w_next;
+    j.pair = paired ? In : 0;
     kern.gateup(j);
   };
   if (S > 0 && dyn) {
@@ -1342,17 +1365,18 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   // ---- up-only blocks (linear layers, via linear()): h rows are the output ----
   // E = 1 and K = 1, so routed row r is token r; h already holds x W^T + b (identity act).
   if (hd.up_only) {
-    const int64_t I = hd.I;
+    const int64_t I = hd.I, halves = paired ? 2 : 1, N = halves * I;  // a paired block: [gate | up] rows
     if (kern.h_bf16 && dt != DType::kBF16) throw std::logic_error("bf16 h rows for a non-bf16 block");
     auto emit = [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        uint8_t* dst = static_cast<uint8_t*>(out) + static_cast<size_t>(r * I) * esz;
-        const uint8_t* src = hbuf + hesz * static_cast<size_t>(r * hs);
-        if (kern.h_bf16) std::memcpy(dst, src, static_cast<size_t>(I) * 2);  // rounded once, by the kernel
-        else store_row(dt, dst, reinterpret_cast<const float*>(src), I);
-      }
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t half = 0; half < halves; ++half) {
+          uint8_t* dst = static_cast<uint8_t*>(out) + static_cast<size_t>(r * N + half * I) * esz;
+          const uint8_t* src = hbuf + hesz * static_cast<size_t>(r * hs + half * In);
+          if (kern.h_bf16) std::memcpy(dst, src, static_cast<size_t>(I) * 2);  // rounded once, by the kernel
+          else store_row(dt, dst, reinterpret_cast<const float*>(src), I);
+        }
     };
-    for_rows(pool, nthreads, S, I, emit);
+    for_rows(pool, nthreads, S, N, emit);
     return name;
   }
 

@@ -959,6 +959,71 @@ void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
   }
 }
 
+// A paired linear layer (pack_linear's paired: the rows' two halves as one gated expert's gate and
+// up matrices) gives the outputs of the plain up-only packing bit for bit, on every tier, decode
+// and prefill paths, both quantised-kernel families, with and without a bias, with halves that
+// end inside a panel; unpack() and unpack_row_quant() give the same weights; odd out_features
+// and lossless formats are refused.
+void test_paired_linear(const std::vector<Isa>& tiers) {
+  if (!selected("paired_linear")) return;
+  std::mt19937 rng(37);
+  for (DType dt : {DType::kF32, DType::kBF16})
+    for (const int group : {0, 32, 64})  // 0: int8
+      for (const int64_t O : {int64_t{34}, int64_t{96}})
+        for (const bool biased : {false, true}) {
+          const WFormat wf = group ? WFormat::kInt4 : WFormat::kInt8;
+          const QuantSpec q{wf, group ? group : 64};
+          const int64_t In = 256, T = 5;
+          const auto w = random_array(dt, O * In, 1.0f, rng);
+          const auto b = random_array(dt, O, 1.0f, rng);
+          const auto x = random_array(dt, T * In, 1.0f, rng);
+          const std::string tag = std::string("paired linear ") + wformat_name(wf) +
+                                  (group ? "/" + std::to_string(group) : "") + " " + dtype_short(dt) + " O=" +
+                                  std::to_string(O) + (biased ? " biased " : " ");
+          for (Isa isa : tiers) {
+            auto plain = PackedExperts::pack_linear(dt, O, In, w.data(), biased ? b.data() : nullptr, isa, 1, q);
+            auto pair = PackedExperts::pack_linear(dt, O, In, w.data(), biased ? b.data() : nullptr, isa, 1, q, true);
+            bool ok = pair->paired() && pair->out_features() == O && pair->I() == O / 2 && !plain->paired();
+            std::vector<uint8_t> wp(w.size()), wq(w.size()), bp(b.size()), bq(b.size());
+            plain->unpack(nullptr, wp.data(), nullptr, nullptr, biased ? bp.data() : nullptr, nullptr);
+            const size_t half = static_cast<size_t>(O / 2 * In) * dtype_size(dt);
+            pair->unpack(wq.data(), wq.data() + half, nullptr, biased ? bq.data() : nullptr,
+                         biased ? bq.data() + static_cast<size_t>(O / 2) * dtype_size(dt) : nullptr, nullptr);
+            ok = ok && wp == wq && bp == bq;
+            const size_t nc = static_cast<size_t>(group ? O * In / 2 : O * In);
+            const size_t ns = static_cast<size_t>(group ? O * (In / group) * 2 : O * 4);
+            std::vector<uint8_t> cp(nc), cq(nc), sp(ns), sq(ns);
+            plain->unpack_row_quant(cp.data(), sp.data());
+            pair->unpack_row_quant(cq.data(), sq.data());
+            report(ok && cp == cq && sp == sq, tag + isa_name(isa) + ": the same weights (unpack, unpack_row_quant)");
+            for (MoePath path : {MoePath::kDecode, MoePath::kPrefill})
+              for (QDot qd : {QDot::kInt, QDot::kExpand})
+                for (const int64_t rows : {int64_t{1}, T}) {
+                  MoeParams p;
+                  p.num_threads = 2;
+                  p.path = path;
+                  p.qdot = qd;
+                  std::vector<uint8_t> a(static_cast<size_t>(rows * O) * dtype_size(dt), 0xaa), c(a.size(), 0x55);
+                  const std::string name = plain->linear(x.data(), rows, a.data(), p);
+                  pair->linear(x.data(), rows, c.data(), p);
+                  report(a == c, tag + name + " T=" + std::to_string(rows) + ": paired == plain, bit for bit");
+                }
+          }
+        }
+  const auto w = random_array(DType::kF32, 15 * 64, 1.0f, rng);
+  auto refused = [&](int64_t O, WFormat wf, const std::string& what) {
+    bool threw = false;
+    try {
+      PackedExperts::pack_linear(DType::kF32, O, 64, w.data(), nullptr, Isa::kGeneric, 1, {wf, 64}, true);
+    } catch (const std::invalid_argument&) {
+      threw = true;
+    }
+    report(threw, "paired linear refuses " + what);
+  };
+  refused(15, WFormat::kInt8, "an odd number of outputs");
+  refused(14, WFormat::kLossless, "lossless weights");
+}
+
 // unpack_row_quant: an up-only int8 / int4 block's codes and scales in RowQuant's row order give
 // back, as dtype(scale * code), exactly what unpack() dequantises, on every tier's layout (rows one
 // past a panel, int4 groups of 32 / 64 / 128); a lossless block, an MoE block and int4 rows of
@@ -2222,6 +2287,7 @@ int main(int argc, char** argv) {
   test_errors();
   test_linear(all);
   test_row_quant(all);
+  test_paired_linear(all);
   test_qdot_int16_bound(all);
   for (const Case& c : kCases) test_l12_case(c, seed++, all);
   test_l12_rows(all);

@@ -200,7 +200,8 @@ struct PackedHeader {
   uint8_t wfmt = 0;             // WFormat
   uint8_t has_gate = 0;
   uint8_t has_gate_bias = 0, has_up_bias = 0, has_down_bias = 0;
-  uint8_t up_only = 0;          // 1: a dense linear layer (E = 1, no gate, no down): linear() runs it
+  uint8_t up_only = 0;          // 1: a dense linear layer (E = 1, no down): linear() runs it; with
+                                // has_gate a paired one (plan_packed)
   uint16_t group = 0;           // int4 group size (0 otherwise)
   uint16_t k_align = 32;        // reduction dimension padding
   uint32_t reserved1 = 0;
@@ -218,7 +219,12 @@ static_assert(sizeof(PackedHeader) == 104, "PackedHeader is stored on disk: keep
 // Throws std::invalid_argument on bad shapes, dtype, format or group size (lossless12 needs
 // bf16). up_only: a dense
 // linear layer y = x W^T (+ b) packed as the up projection of one expert (W [I, H]: I outputs,
-// H inputs; E = 1, no gate, no down, no gate/down bias); its block holds no down panels.
+// H inputs; E = 1, no gate, no down, no gate/down bias); its block holds no down panels. With
+// has_gate too, a paired linear layer of 2 I outputs: rows [0, I) of W as the gate matrix and
+// rows [I, 2 I) as the up matrix of one gated expert, interleaved in its panels (a bias split
+// the same way into gate and up biases); the gate/up kernels then store both halves, with no
+// activation, one pass of the weight stream feeding two output rows per broadcast input
+// (PackedExperts::pack_linear's paired).
 PackedHeader plan_packed(DType dt, int64_t E, int64_t H, int64_t I, bool has_gate,
                          bool gate_bias, bool up_bias, bool down_bias, Isa isa, QuantSpec q,
                          bool up_only = false);
@@ -230,10 +236,12 @@ class PackedExperts {
   static std::unique_ptr<PackedExperts> pack(const ExpertWeights& w, Isa isa, int num_threads = 0,
                                              QuantSpec q = {});
   // A dense linear layer: weight [out_features, in_features], bias [out_features] or nullptr,
-  // in dt; packed as an up-only block (plan_packed's up_only), run with linear().
+  // in dt; packed as an up-only block (plan_packed's up_only), run with linear(). paired: as a
+  // paired up-only block (plan_packed; out_features must be even), the same outputs bit for
+  // bit; the decode kernels stream it faster than the one-matrix form (benchmarks/RESULTS.md).
   static std::unique_ptr<PackedExperts> pack_linear(DType dt, int64_t out_features, int64_t in_features,
                                                     const void* weight, const void* bias, Isa isa,
-                                                    int num_threads = 0, QuantSpec q = {});
+                                                    int num_threads = 0, QuantSpec q = {}, bool paired = false);
   // An empty block for `h` (from plan_packed), to be filled with pack_experts(). With `mem`
   // (h.nbytes bytes, 64-byte aligned, caller-owned and outliving the object) the block lives
   // there, e.g. in a memory-mapped file; otherwise it is allocated.
@@ -288,6 +296,9 @@ class PackedExperts {
   int64_t I() const { return hdr_.I; }
   bool has_gate() const { return hdr_.has_gate != 0; }
   bool up_only() const { return hdr_.up_only != 0; }
+  // A paired up-only block (pack_linear's paired): out_features() = 2 I.
+  bool paired() const { return hdr_.up_only != 0 && hdr_.has_gate != 0; }
+  int64_t out_features() const { return paired() ? 2 * hdr_.I : hdr_.I; }
   bool has_gate_bias() const { return bias_g_ != nullptr; }
   bool has_up_bias() const { return bias_u_ != nullptr; }
   bool has_down_bias() const { return bias_d_ != nullptr; }

@@ -199,9 +199,13 @@ void gateup_amx(const GateUpJob& j) {
         const int blk = static_cast<int>(rr >> 4), row = static_cast<int>(rr & 15);
         const __m512 u = _mm512_add_ps(_mm512_load_ps(cu[blk][row]), bu);
         const __m512 g = Gated ? _mm512_add_ps(_mm512_load_ps(cg[blk][row]), bg) : _mm512_setzero_ps();
-        const __m512 hv = v512::h_vec(*j.act, Gated, g, u, valid);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + (m0 + rr) * j.h_stride + col0),
-                            v512::cvt_bf16(hv));
+        uint16_t* hr = h + (m0 + rr) * j.h_stride + col0;
+        if (Gated && j.pair) {  // a paired linear layer: both halves as they are
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(hr), v512::cvt_bf16(_mm512_maskz_mov_ps(valid, g)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(hr + j.pair), v512::cvt_bf16(_mm512_maskz_mov_ps(valid, u)));
+          continue;
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(hr), v512::cvt_bf16(v512::h_vec(*j.act, Gated, g, u, valid)));
       }
     }
   }

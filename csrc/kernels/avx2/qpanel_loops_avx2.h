@@ -61,8 +61,14 @@ void gateup(const GateUpJob& j) {
         const __m256 bu = j.bias_u ? _mm256_loadu_ps(j.bias_u + c) : _mm256_setzero_ps();
         for (int r = 0; r < NT; ++r) {
           const __m256 g = Gated ? _mm256_add_ps(acc[r][0][half], bg) : _mm256_setzero_ps();
-          _mm256_storeu_ps(static_cast<float*>(j.h) + (r0 + r) * j.h_stride + c,
-                           v256::h_vec(*j.act, Gated, g, _mm256_add_ps(acc[r][G - 1][half], bu), valid));
+          const __m256 u = _mm256_add_ps(acc[r][G - 1][half], bu);
+          float* hr = static_cast<float*>(j.h) + (r0 + r) * j.h_stride + c;
+          if (Gated && j.pair) {  // a paired linear layer: both halves as they are
+            _mm256_storeu_ps(hr, _mm256_and_ps(g, valid));
+            _mm256_storeu_ps(hr + j.pair, _mm256_and_ps(u, valid));
+            continue;
+          }
+          _mm256_storeu_ps(hr, v256::h_vec(*j.act, Gated, g, u, valid));
         }
       }
     });

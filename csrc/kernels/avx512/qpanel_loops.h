@@ -55,8 +55,14 @@ void gateup(const GateUpJob& j) {
       Fam::template gateup_dot<F, G, NT>(j, panel, r0, acc);
       for (int r = 0; r < NT; ++r) {
         const __m512 g = Gated ? _mm512_add_ps(acc[r][0], bg) : _mm512_setzero_ps();
-        const __m512 hv = v512::h_vec(*j.act, Gated, g, _mm512_add_ps(acc[r][G - 1], bu), valid);
-        _mm512_store_ps(h + (r0 + r) * j.h_stride + col0, hv);
+        const __m512 u = _mm512_add_ps(acc[r][G - 1], bu);
+        float* hr = h + (r0 + r) * j.h_stride + col0;
+        if (Gated && j.pair) {  // a paired linear layer: both halves as they are
+          _mm512_store_ps(hr, _mm512_maskz_mov_ps(valid, g));
+          _mm512_store_ps(hr + j.pair, _mm512_maskz_mov_ps(valid, u));
+          continue;
+        }
+        _mm512_store_ps(hr, v512::h_vec(*j.act, Gated, g, u, valid));
       }
     });
   }

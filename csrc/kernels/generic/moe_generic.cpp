@@ -82,14 +82,20 @@ void gateup_generic(const GateUpJob& j) {
           u += wu[k * kPanelN + n] * xv;
           if (gated) g += wg[k * kPanelN + n] * xv;
         }
-        float h = 0.0f;
+        float h = 0.0f, hu = 0.0f;  // (hu: a paired linear layer's up half, j.pair on)
         if (col < L.I) {
           if (j.bias_g) g += j.bias_g[col];
           if (j.bias_u) u += j.bias_u[col];
-          h = h_scalar(*j.act, gated, g, u);
+          if (gated && j.pair) h = g, hu = u;
+          else h = h_scalar(*j.act, gated, g, u);
         }
-        if constexpr (Twin) static_cast<uint16_t*>(j.h)[r * j.h_stride + col] = f32_to_bf16(h);
-        else static_cast<float*>(j.h)[r * j.h_stride + col] = h;
+        const int64_t at = r * j.h_stride + col;
+        if constexpr (Twin) static_cast<uint16_t*>(j.h)[at] = f32_to_bf16(h);
+        else static_cast<float*>(j.h)[at] = h;
+        if (gated && j.pair) {
+          if constexpr (Twin) static_cast<uint16_t*>(j.h)[at + j.pair] = f32_to_bf16(hu);
+          else static_cast<float*>(j.h)[at + j.pair] = hu;
+        }
       }
     }
   }
@@ -156,15 +162,17 @@ void gateup_generic_dot(const GateUpJob& j) {
     for (int64_t r = 0; r < j.nt; ++r) {
       for (int n = 0; n < kPanelN; ++n) {
         const int64_t col = p * kPanelN + n;
-        float h = 0.0f;
+        float h = 0.0f, hu = 0.0f;  // (hu: a paired linear layer's up half, j.pair on)
         if (col < L.I) {
           float u = qdot_col(panel, L, L.Hk, L.G, L.G - 1, n, j.x[r]);
           float g = gated ? qdot_col(panel, L, L.Hk, L.G, 0, n, j.x[r]) : 0.0f;
           if (j.bias_g) g += j.bias_g[col];
           if (j.bias_u) u += j.bias_u[col];
-          h = h_scalar(*j.act, gated, g, u);
+          if (gated && j.pair) h = g, hu = u;
+          else h = h_scalar(*j.act, gated, g, u);
         }
         static_cast<float*>(j.h)[r * j.h_stride + col] = h;
+        if (gated && j.pair) static_cast<float*>(j.h)[r * j.h_stride + col + j.pair] = hu;
       }
     }
   }
