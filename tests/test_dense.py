@@ -116,6 +116,33 @@ def test_quantised_layers_live_in_the_store_and_restore_exactly(weights, tmp_pat
     assert "lm_head" not in entries  # lossless layers are packed in memory
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantised_layers_pack_paired_with_the_same_outputs_bit_for_bit(weights, tmp_path, monkeypatch):
+    """dense.PAIRED: an int8 / int4 layer (or group) with an even number of outputs packs as one
+    gated expert's two matrices (PackedExperts.paired), in a store entry of its own; the logits
+    are those of the one-matrix packing, bit for bit, and disable restores the weights."""
+    from hi_na_moe import dense
+    from hi_na_moe.patching import patched_member
+
+    sd0 = {k: v.clone() for k, v in _olmoe().state_dict().items()}
+    got = {}
+    for pair in (True, False):
+        monkeypatch.setattr(dense, "PAIRED", pair)
+        model = _olmoe()
+        rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
+        try:
+            runners = {id(r): r for m in model.modules() if (r := (patched_member(m) or (None,))[0]) is not None
+                       and getattr(r, "packed", None) is not None and r.weights == weights}.values()
+            assert runners and all(r.packed.paired == (pair and r.out_features % 2 == 0) for r in runners)
+            assert any(r.packed.paired for r in runners) == pair
+            assert {d.cache for d in rep.dense if d.weights == weights} == {"built"}  # (paired: other entries)
+            got[pair] = _logits(model)
+        finally:
+            hi_na_moe.disable_for_model(model)
+        assert all(torch.equal(v, sd0[k]) for k, v in model.state_dict().items())
+    assert torch.equal(got[True], got[False])
+
+
 def test_unreadable_backup_of_a_dense_layer_is_a_clear_error_and_the_layer_keeps_running(tmp_path):
     model = _olmoe()
     want = _logits(model)

@@ -49,6 +49,12 @@ from .config import LOSSLESS_FORMATS
 from .memory import load_block
 
 MIN_WEIGHTS = 1 << 16
+# int8 / int4 layers (and groups) with an even number of outputs, at least PAIRED_MIN_ROWS, are
+# packed paired (PackedExperts.pack_linear's paired: the rows' two halves as one gated expert's
+# gate and up matrices): the same outputs bit for bit, streamed with two output rows per
+# broadcast input, 2-8 % faster a byte (benchmarks/RESULTS.md, session 29); False: one matrix.
+PAIRED = True
+PAIRED_MIN_ROWS = 64
 SHARED_GATE = "shared_expert_gate"  # a shared expert's gate: run natively whatever its size
 
 
@@ -154,6 +160,14 @@ def _reads_weight(cls: type, child: str) -> bool:
     return False
 
 
+PAIRED_FORMATS = ("int8", "int4")
+
+
+def paired(weights: str, rows: int) -> bool:
+    """Whether a layer (or group) of `rows` outputs in `weights` is packed paired (PAIRED)."""
+    return PAIRED and weights in PAIRED_FORMATS and rows % 2 == 0 and rows >= PAIRED_MIN_ROWS
+
+
 def find_linears(model: nn.Module, inside: list[nn.Module], exclude: str,
                  devices: tuple[str, ...] = ("cpu",)) -> list[tuple[str, nn.Linear]]:
     """(name, module) of the linears scope="all" runs, in module order."""
@@ -188,6 +202,7 @@ class NativeLinear:
         self.weights, self.threads = weights, threads
         self.isa, self.group_size = isa, group_size
         w, b = self._stacked()
+        self.paired = paired(weights, w.shape[0])
         self.bounds = []  # (start row, end row) of each member's outputs
         row = 0
         for m in self.modules:
@@ -242,7 +257,8 @@ class NativeLinear:
 
         pack = native_module()[0].PackedExperts.pack_linear
         try:
-            return pack(w, b, isa=self.isa, num_threads=self.threads, weights=weights, group_size=self.group_size)
+            return pack(w, b, isa=self.isa, num_threads=self.threads, weights=weights, group_size=self.group_size,
+                        paired=self.paired and weights in PAIRED_FORMATS)
         except ValueError as exc:
             if weights != "lossless12":
                 raise
@@ -252,8 +268,11 @@ class NativeLinear:
     def _expect(self, weights: str) -> dict:
         from .hardware import native_module
 
-        return {"layout_version": int(native_module()[0].PACKED_LAYOUT_VERSION), "weights": weights,
-                "isa": self.isa, "group_size": self.group_size if weights == "int4" else 0, "up_only": True}
+        expect = {"layout_version": int(native_module()[0].PACKED_LAYOUT_VERSION), "weights": weights,
+                  "isa": self.isa, "group_size": self.group_size if weights == "int4" else 0, "up_only": True}
+        if self.paired and weights in PAIRED_FORMATS:  # (an entry of one matrix keeps the key it had)
+            expect["paired"] = True
+        return expect
 
     def _key(self, weights: str) -> str:
         from .store import entry_key
@@ -512,7 +531,9 @@ def plan(model: nn.Module, cfg, inside: list[nn.Module]) -> list[DenseReport]:
     for name, m in found:
         fmt = _format_of(name, cfg, routing, m.weight.dtype)
         dt = str(m.weight.dtype).replace("torch.", "")
-        header = native.PackedExperts.plan(dt, 1, m.in_features, m.out_features, False, up_bias=m.bias is not None,
+        two = paired(fmt, m.out_features)  # (a group's rows may pair where a member's alone do not: nearly equal bytes)
+        header = native.PackedExperts.plan(dt, 1, m.in_features, m.out_features // 2 if two else m.out_features, two,
+                                           gate_bias=two and m.bias is not None, up_bias=m.bias is not None,
                                            isa=isa, weights=fmt, group_size=cfg.group_size, up_only=True)
         reports.append(DenseReport(name, m.out_features, m.in_features, fmt,
                                    _kernel_names(isa, m.weight.dtype, fmt, cfg.qdot)["decode"],

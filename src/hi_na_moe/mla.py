@@ -299,7 +299,7 @@ class NativeMLA:
             return None
         packed = runner.packed
         group = packed.layout["group_size"] if runner.weights == "int4" else 0
-        if ((packed.I, packed.H) != (rows, self.L)
+        if ((packed.out_features, packed.H) != (rows, self.L)
                 or not self.native.mla_quant_fits(runner.weights, group, self.L, self.Dn, self.Dv)):
             return None
         self._wq = (fwd, QuantWeight(packed, runner.weights, group))

@@ -1,0 +1,95 @@
+"""Whole decode steps with the dense layers packed paired against one matrix, in one process.
+
+hi_na_moe.dense packs an int8 / int4 layer with an even number of outputs paired (dense.PAIRED:
+the rows' two halves as one gated expert's gate and up matrices, the same outputs bit for bit).
+This loads the checkpoint twice with scope="all" (--weights, the store --cache-dir; each packing
+has its own store entries, built on first use), once with dense.PAIRED False and once True, and
+times decode steps of both, alternating every --block steps (each on its own KV cache, after a
+16-token prompt, restarted every --steps), each step after an untimed 256 MB read of a 1 GiB
+buffer (the paired probe of bench_full_model.py, which also evicts the caches) and a 30 ms
+pause. Prints per arm the median ms a step, the paired probe's median and their ratio, and
+checks that both arms decode the same tokens.
+
+    chrt -f 1 python benchmarks/bench_paired_linears.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+        --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--weights", default="int4", choices=("int8", "int4"))
+    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per round and arm")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=8, help="steps of one arm before the other's")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    import torch
+    from transformers import DynamicCache
+
+    import hi_na_moe
+    from hi_na_moe import _native, dense
+
+    torch.set_num_threads(args.threads)
+    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
+    models = {}
+    for arm, pair in (("one matrix", False), ("paired", True)):
+        dense.PAIRED = pair
+        models[arm] = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16,
+                                                progress=False, config=cfg).eval()
+    dense.PAIRED = True
+    probe = _native.BandwidthProbe(1 << 30, args.threads)
+    ms: dict[str, list[float]] = {a: [] for a in models}
+    gbs: dict[str, list[float]] = {a: [] for a in models}
+    tokens: dict[str, list[int]] = {a: [] for a in models}
+    prompt = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            state = {}
+            for arm, model in models.items():
+                cache = DynamicCache(config=model.config)
+                out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                state[arm] = (cache, out.logits[:, -1:].argmax(-1))
+            order = list(models) if r % 2 == 0 else list(models)[::-1]
+            for b in range(0, args.steps, args.block):
+                for arm in order:
+                    cache, nxt = state[arm]
+                    for _ in range(min(args.block, args.steps - b)):
+                        gbs[arm].append(probe.read(256 << 20))
+                        time.sleep(0.03)
+                        t = time.perf_counter()
+                        out = models[arm](nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        ms[arm].append((time.perf_counter() - t) * 1e3)
+                        nxt = out.logits[:, -1:].argmax(-1)
+                        if r == 0:
+                            tokens[arm].append(int(nxt))
+                    state[arm] = (cache, nxt)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
+           "same_tokens": tokens["paired"] == tokens["one matrix"], "arms": {}}
+    print(f"{args.ckpt}, {args.weights}, scope all, {args.threads} threads, {args.rounds} rounds of {args.steps} "
+          f"steps an arm, alternating every {args.block}")
+    print("| dense layers | median ms a step | paired probe GB/s | step x probe |")
+    print("|---|---|---|---|")
+    for arm in models:
+        m, g = statistics.median(ms[arm]), statistics.median(gbs[arm])
+        res["arms"][arm] = {"median_ms": m, "probe_gbs": g, "steps": len(ms[arm])}
+        print(f"| {arm} | {m:.2f} | {g:.1f} | {m * g:.0f} |")
+    ratio = statistics.median(ms["one matrix"]) / statistics.median(ms["paired"])
+    res["speedup"] = ratio
+    print(f"paired: {ratio:.3f}x the one-matrix arm's speed; the same tokens: {res['same_tokens']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if res["same_tokens"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
