@@ -48,15 +48,23 @@ def main() -> int:
 
     import hi_na_moe
     from hi_na_moe import _native, dense
+    from hi_na_moe.patching import patched_member
 
     torch.set_num_threads(args.threads)
     cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
     models = {}
+    dense.REUSE_UNPAIRED = False  # the paired arm builds its own entries beside the one-matrix ones
     for arm, pair in (("one matrix", False), ("paired", True)):
         dense.PAIRED = pair
         models[arm] = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16,
                                                 progress=False, config=cfg).eval()
-    dense.PAIRED = True
+        runners = {id(r): r for m in models[arm].modules() if (r := (patched_member(m) or (None,))[0]) is not None
+                   and getattr(r, "packed", None) is not None and r.weights == args.weights}.values()
+        n = sum(r.packed.paired for r in runners)
+        if (n > 0) != pair:
+            raise SystemExit(f"the {arm} arm has {n} paired layers of {len(runners)}")
+        print(f"{arm}: {n} of {len(runners)} {args.weights} dense layers (or groups) paired")
+    dense.PAIRED, dense.REUSE_UNPAIRED = True, True
     probe = _native.BandwidthProbe(1 << 30, args.threads)
     ms: dict[str, list[float]] = {a: [] for a in models}
     gbs: dict[str, list[float]] = {a: [] for a in models}

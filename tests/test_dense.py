@@ -143,6 +143,41 @@ def test_quantised_layers_pack_paired_with_the_same_outputs_bit_for_bit(weights,
     assert torch.equal(got[True], got[False])
 
 
+def test_a_store_with_one_matrix_entries_keeps_using_them_under_pairing(tmp_path, monkeypatch):
+    """An int4 layer whose one-matrix entry a store already holds (built with dense.PAIRED off, as
+    before pairing) uses that entry rather than building a paired one beside it; without one, or
+    with dense.REUSE_UNPAIRED off, the paired entry is built."""
+    from hi_na_moe import dense
+    from hi_na_moe.patching import patched_member
+
+    def paired_layers(model):
+        return {r.packed.paired for m in model.modules() if (r := (patched_member(m) or (None,))[0]) is not None
+                and getattr(r, "packed", None) is not None and r.weights == "int4"}
+
+    for reuse, want in ((True, {False}), (False, {True})):
+        store = tmp_path / str(reuse)
+        monkeypatch.setattr(dense, "PAIRED", False)
+        model = _olmoe()
+        hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(store))
+        hi_na_moe.disable_for_model(model)
+        monkeypatch.setattr(dense, "PAIRED", True)
+        monkeypatch.setattr(dense, "REUSE_UNPAIRED", reuse)
+        model = _olmoe()
+        rep = hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(store))
+        try:
+            assert paired_layers(model) == want
+            assert {d.cache for d in rep.dense if d.weights == "int4"} == ({"reused"} if reuse else {"built"})
+        finally:
+            hi_na_moe.disable_for_model(model)
+    monkeypatch.setattr(dense, "REUSE_UNPAIRED", True)
+    model = _olmoe()  # a fresh store: paired
+    hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(tmp_path / "fresh"))
+    try:
+        assert paired_layers(model) == {True}
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_unreadable_backup_of_a_dense_layer_is_a_clear_error_and_the_layer_keeps_running(tmp_path):
     model = _olmoe()
     want = _logits(model)

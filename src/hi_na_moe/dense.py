@@ -52,8 +52,11 @@ MIN_WEIGHTS = 1 << 16
 # int8 / int4 layers (and groups) with an even number of outputs, at least PAIRED_MIN_ROWS, are
 # packed paired (PackedExperts.pack_linear's paired: the rows' two halves as one gated expert's
 # gate and up matrices): the same outputs bit for bit, streamed with two output rows per
-# broadcast input, 2-8 % faster a byte (benchmarks/RESULTS.md, session 29); False: one matrix.
+# broadcast input, up to 5-8 % faster a byte (benchmarks/RESULTS.md, session 29); False: one
+# matrix. With REUSE_UNPAIRED, a layer whose one-matrix entry is in the store already (built
+# before pairing) uses it rather than building a second copy beside it.
 PAIRED = True
+REUSE_UNPAIRED = True
 PAIRED_MIN_ROWS = 64
 SHARED_GATE = "shared_expert_gate"  # a shared expert's gate: run natively whatever its size
 
@@ -222,6 +225,10 @@ class NativeLinear:
             from .store import tensor_identity
 
             self._identity = tensor_identity([t for t in (w, b) if t is not None])
+            if REUSE_UNPAIRED and self.paired and weights in PAIRED_FORMATS and not self._stored(weights):
+                self.paired = False  # an entry of one matrix, built before pairing: used, not built again beside it
+                if not self._stored(weights):
+                    self.paired = True
             self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, self.name)
         if self.packed.weights != weights:  # lossless12 that did not fit these weights
             self.format_note = self.format_note or f"stored as {self.packed.weights}: {weights} did not fit"
@@ -278,6 +285,11 @@ class NativeLinear:
         from .store import entry_key
 
         return entry_key(self._identity, kind="linear", **self._expect(weights))
+
+    def _stored(self, weights: str) -> bool:
+        """Whether the store has a file for this layer's entry in `weights` as self.paired packs it
+        (readable or not: opening it says)."""
+        return self.store.path_for(self._key(weights), self.name).exists()
 
     def _from_store(self, w, b, weights: str, name: str, hold: bool = True):
         """The packed layer in `weights` from the store, built and written there if absent,
