@@ -225,10 +225,10 @@ class NativeLinear:
             from .store import tensor_identity
 
             self._identity = tensor_identity([t for t in (w, b) if t is not None])
-            if REUSE_UNPAIRED and self.paired and weights in PAIRED_FORMATS and not self._stored(weights):
-                self.paired = False  # an entry of one matrix, built before pairing: used, not built again beside it
-                if not self._stored(weights):
-                    self.paired = True
+            if REUSE_UNPAIRED and self.paired and not self._stored(weights):
+                # no paired entry yet: a one-matrix entry built before pairing is used, not copied
+                self.paired = False
+                self.paired = not self._stored(weights)
             self.packed, self._entry, self.cache_event = self._from_store(w, b, weights, self.name)
         if self.packed.weights != weights:  # lossless12 that did not fit these weights
             self.format_note = self.format_note or f"stored as {self.packed.weights}: {weights} did not fit"
