@@ -1279,7 +1279,7 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   const int64_t hs = kern.h_bf16 ? padded(hw, 2) : hw;  // h row stride
   uint8_t* hbuf = static_cast<uint8_t*>(
       s.hbuf.get(hesz * static_cast<size_t>(hs) * static_cast<size_t>(S + kern.row_slack)));
-  if (hs > In)
+  if (hs > In && !paired)  // (a paired block's kernels write its whole rows; no down pass reads them)
     for (int64_t r = 0; r < S; ++r)
       std::memset(hbuf + hesz * static_cast<size_t>(r * hs + In), 0, hesz * static_cast<size_t>(hs - In));
   if (kern.row_slack)
