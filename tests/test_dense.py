@@ -116,13 +116,21 @@ def test_quantised_layers_live_in_the_store_and_restore_exactly(weights, tmp_pat
     assert "lm_head" not in entries  # lossless layers are packed in memory
 
 
+def _packed_linears(model, weights: str) -> list:
+    """The model's dense runners (one per layer or fused group) packed in `weights`."""
+    from hi_na_moe.patching import patched_member
+
+    runners = {id(r): r for m in model.modules() if (r := (patched_member(m) or (None,))[0]) is not None
+               and getattr(r, "packed", None) is not None and r.weights == weights}
+    return list(runners.values())
+
+
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantised_layers_pack_paired_with_the_same_outputs_bit_for_bit(weights, tmp_path, monkeypatch):
     """dense.PAIRED: an int8 / int4 layer (or group) with an even number of outputs packs as one
     gated expert's two matrices (PackedExperts.paired), in a store entry of its own; the logits
     are those of the one-matrix packing, bit for bit, and disable restores the weights."""
     from hi_na_moe import dense
-    from hi_na_moe.patching import patched_member
 
     sd0 = {k: v.clone() for k, v in _olmoe().state_dict().items()}
     got = {}
@@ -131,8 +139,7 @@ def test_quantised_layers_pack_paired_with_the_same_outputs_bit_for_bit(weights,
         model = _olmoe()
         rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
         try:
-            runners = {id(r): r for m in model.modules() if (r := (patched_member(m) or (None,))[0]) is not None
-                       and getattr(r, "packed", None) is not None and r.weights == weights}.values()
+            runners = _packed_linears(model, weights)
             assert runners and all(r.packed.paired == (pair and r.out_features % 2 == 0) for r in runners)
             assert any(r.packed.paired for r in runners) == pair
             assert {d.cache for d in rep.dense if d.weights == weights} == {"built"}  # (paired: other entries)
@@ -148,11 +155,9 @@ def test_a_store_with_one_matrix_entries_keeps_using_them_under_pairing(tmp_path
     before pairing) uses that entry rather than building a paired one beside it; without one, or
     with dense.REUSE_UNPAIRED off, the paired entry is built."""
     from hi_na_moe import dense
-    from hi_na_moe.patching import patched_member
 
     def paired_layers(model):
-        return {r.packed.paired for m in model.modules() if (r := (patched_member(m) or (None,))[0]) is not None
-                and getattr(r, "packed", None) is not None and r.weights == "int4"}
+        return {r.packed.paired for r in _packed_linears(model, "int4")}
 
     for reuse, want in ((True, {False}), (False, {True})):
         store = tmp_path / str(reuse)
