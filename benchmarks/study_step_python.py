@@ -4,12 +4,14 @@ Loads the model with hi_na_moe.from_pretrained (scope="all", the store must hold
 decodes a few tokens, then times --steps decode steps, each after an untimed 256 MB read of a
 1 GiB buffer (the paired probe of bench_full_model.py, which also evicts the caches: a real
 step's Python runs on caches the weight stream has just flushed). Wall-clock timers wrap, for
-the time of the study only, the pieces of a step: the whole forward; the stack's forward's
-checks (`_observed`, `_args`), its decode path (`_run`), the one call (`_one_call`), the layers'
-`plan_args` inside it, the native `StepPlan.run`, and inside those the embedding's forward, the
-rotary table's lookup, the KV cache's slots and commits and the model output object; and the
-model's lm_head. Means per step; what
-no timer holds is transformers' own code around the stack and lm_head. (A timer costs about a
+the time of the study only, the pieces of a step: the whole forward; the causal LM's path
+(hi_na_moe.stack.NativeCausalLM: its `_args`, `_run` and the Watch checks) when it took the
+model; the stack's checks (`_observed`, `_args`), its decode step (`_hidden`), the one call
+(`_one_call`), the layers' `plan_args` inside it, the native `StepPlan.run`, and inside those
+the embedding's lookup, the rotary table's lookup, the KV cache's slots and commits and the
+output objects (stack.Outputs); and the lm_head (its runner's forward on the path). Means per
+step; what no timer holds is the module call and the patched forward around the causal LM's
+path (without the path: transformers' own code around the stack and lm_head). (A timer costs about a
 microsecond per call: 16 layers' plan_args, about 20 us a step, is the largest such overhead.)
 
     chrt -f 1 python benchmarks/study_step_python.py --ckpt /work/ckpt/olmoe-1b-7b \\
@@ -37,7 +39,7 @@ def main() -> int:
     from hi_na_moe import _native, kv_cache
     from hi_na_moe.layers import NativeLayer
     from hi_na_moe.patching import patched_runner
-    from hi_na_moe.stack import NativeStack
+    from hi_na_moe.stack import NativeCausalLM, NativeStack, Outputs
 
     torch.set_num_threads(args.threads)
     cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
@@ -63,14 +65,21 @@ def main() -> int:
         setattr(obj, name, g)
 
     timed(NativeLayer, "plan_args", "layers' plan_args")
-    for name in ("_observed", "_args", "_run", "_one_call"):
+    for name in ("_observed", "_args", "_hidden", "_one_call"):
         timed(st, name, f"stack {name}")
-    timed(model.lm_head, "forward", "lm_head")
+    lm = patched_runner(model)  # the causal LM's path (NativeCausalLM), when it took the model
+    if isinstance(lm, NativeCausalLM):
+        for name in ("_args", "_run"):
+            timed(lm, name, f"causal LM {name}")
+        timed(type(lm.watch), "observed", "causal LM watch")  # (a class with __slots__; the layers use it too)
+        timed(lm.head_runner, "forward", "lm_head")  # (its runner: a forward set on the module takes the path)
+    else:
+        timed(model.lm_head, "forward", "lm_head")
     # finer: the pieces of _run and _one_call outside the native call (instance and module
     # attributes, for the study's lifetime)
     timed(st, "_embed", "embedding lookup")  # (not the module's forward: a forward set on it takes its call)
     timed(type(st.rope), "lookup", "rotary table lookup")  # (a class with __slots__)
-    timed(st, "out_type", "model output object")
+    timed(Outputs, "build", "model output object")  # (the stack's or the causal LM's; a class with __slots__)
     timed(kv_cache, "slot", "KV slots")
     timed(kv_cache, "commit", "KV commits")
 
@@ -113,8 +122,8 @@ def main() -> int:
           f"256 MB read before each")
     print("| piece | ms per step |")
     print("|---|---|")
-    for k in ("step", "stack _run", "stack _one_call", "native StepPlan.run", "lm_head", "layers' plan_args",
-              "stack _observed", "stack _args"):
+    for k in ("step", "causal LM _run", "stack _hidden", "stack _one_call", "native StepPlan.run", "lm_head",
+              "layers' plan_args", "stack _observed", "stack _args", "causal LM _args", "causal LM watch"):
         print(f"| {k} | {ms.get(k, 0.0):.3f} |")
     print(f"| Python: the step less the native call and lm_head | {ms['step'] - native - lm:.3f} |")
     one_rest = ms["stack _one_call"] - native - ms["layers' plan_args"]
@@ -123,14 +132,21 @@ def main() -> int:
         print(f"| - {k} | {ms.get(k, 0.0):.3f} |")
     print(f"| - the rest of _one_call (plan check, tables, scratch, final norm, kernel names) | "
           f"{one_rest - ms.get('KV slots', 0.0) - ms.get('KV commits', 0.0):.3f} |")
-    run_rest = ms["stack _run"] - ms["stack _one_call"]
-    print(f"| of it in _run, outside _one_call | {run_rest:.3f} |")
-    for k in ("embedding lookup", "rotary table lookup", "model output object"):
+    run_rest = ms["stack _hidden"] - ms["stack _one_call"]
+    print(f"| of it in _hidden, outside _one_call | {run_rest:.3f} |")
+    for k in ("embedding lookup", "rotary table lookup"):
         print(f"| - {k} | {ms.get(k, 0.0):.3f} |")
-    print(f"| - the rest of _run (the attention's argument checks, ...) | "
-          f"{run_rest - sum(ms.get(k, 0.0) for k in ('embedding lookup', 'rotary table lookup', 'model output object')):.3f} |")
-    print(f"| of it outside the stack's forward (transformers' model, the lm_head's Python included) | "
-          f"{ms['step'] - ms['stack _run'] - ms['stack _observed'] - ms['stack _args'] - lm:.3f} |")
+    print(f"| - the rest of _hidden (the attention's argument checks, ...) | "
+          f"{run_rest - sum(ms.get(k, 0.0) for k in ('embedding lookup', 'rotary table lookup')):.3f} |")
+    if "causal LM _run" in ms:  # the path: its _run holds the stack's _hidden, lm_head and the output object
+        print(f"| in the causal LM's _run, outside _hidden and lm_head | {ms['causal LM _run'] - ms['stack _hidden'] - lm:.3f} |")
+        print(f"| - model output object | {ms.get('model output object', 0.0):.3f} |")
+        print(f"| outside the causal LM's _run, _args and checks (module call, the patched forward) | "
+              f"{ms['step'] - ms['causal LM _run'] - ms['causal LM _args'] - ms['causal LM watch'] - ms['stack _observed']:.3f} |")
+    else:
+        print(f"| - model output object | {ms.get('model output object', 0.0):.3f} |")
+        print(f"| of it outside the stack's forward (transformers' model, the lm_head's Python included) | "
+              f"{ms['step'] - ms['stack _hidden'] - ms.get('model output object', 0.0) - ms['stack _observed'] - ms['stack _args'] - lm:.3f} |")
     return 0
 
 

@@ -33,11 +33,11 @@ class _Count:
     def __init__(self, model):
         self.loops = self.one_calls = self.normed = 0
         runner = patched_runner(model.model)
-        run, one_call = runner._run, runner._one_call
+        hidden, one_call = runner._hidden, runner._one_call
 
-        def counted(*args, _run=run):
+        def counted(*args, _hidden=hidden):  # (the causal LM's decode path calls it too)
             self.loops += 1
-            return _run(*args)
+            return _hidden(*args)
 
         def counted_one_call(*args, _one_call=one_call):
             out = _one_call(*args)
@@ -45,7 +45,7 @@ class _Count:
             self.normed += out is not None and out[1] is not None
             return out
 
-        runner._run, runner._one_call = counted, counted_one_call
+        runner._hidden, runner._one_call = counted, counted_one_call
 
 
 def _own(model, on: bool, saved: dict) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import fnmatch
 import functools
+import inspect
 import re
 import threading
 import types
@@ -619,10 +620,12 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
         # last, in this order: a layer's short path calls the runners patched above, and a
         # stack's loop the layers' short paths (find_stacks looks for patched layers)
         from .layers import NativeLayer, find_layers
-        from .stack import NativeStack, find_stacks
+        from .stack import NativeCausalLM, NativeStack, find_causal_lms, find_stacks
 
-        for kind, find, make in (("layers", find_layers, NativeLayer), ("stacks", find_stacks, NativeStack)):
-            more, names, differ = patch_probed(find(model, cfg.dense_exclude), make, gate, gated)
+        for kind, find, make in (("layers", find_layers, NativeLayer), ("stacks", find_stacks, NativeStack),
+                                 ("causal_lms", find_causal_lms, NativeCausalLM)):
+            more, names, differ = patch_probed(find(model, cfg.dense_exclude), make, gate, gated,
+                                               signature=kind == "causal_lms")
             done += more
             small[kind] = (names, sorted(differ))
         for _, runner, _ in done:  # the layers' and stacks' probes called the attention modules
@@ -727,19 +730,25 @@ class NativeNorm:
         pass
 
 
-def patch_probed(found: list[tuple[str, nn.Module]], make, gate, gated) -> tuple[list, list[str], list[str]]:
+def patch_probed(found: list[tuple[str, nn.Module]], make, gate, gated,
+                 signature: bool = False) -> tuple[list, list[str], list[str]]:
     """Patch the small modules of `found` (norms, routers) whose runner `make(name, module, own
     forward)` says it matches what the module computes; returns (done, patched names, names left
-    to PyTorch because their probe did not match)."""
+    to PyTorch because their probe did not match). signature: the patched forward reports the
+    own forward's signature (generate reads a causal LM's to see which arguments it takes)."""
     done, names, differ = [], [], []
     try:
         for name, m in found:
             old = m.__dict__.get("forward", _MISSING)
-            runner = make(name, m, m.forward)
+            own = m.forward
+            runner = make(name, m, own)
             if not runner.matches():
                 differ.append(name)
                 continue
-            m.forward = types.MethodType(gated(gate, runner.forward), m)
+            fn = gated(gate, runner.forward)
+            if signature and isinstance(own, types.MethodType):
+                fn.__signature__ = inspect.signature(own.__func__)
+            m.forward = types.MethodType(fn, m)
             done.append((m, runner, old))
             names.append(name)
     except BaseException:

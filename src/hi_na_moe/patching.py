@@ -222,6 +222,10 @@ class EnableReport:
     # (hi_na_moe.stack), and the candidates whose probe differed
     stacks: list = field(default_factory=list)
     stacks_differ: list = field(default_factory=list)
+    # scope="all": the causal LMs whose decode calls run their stack's step and lm_head straight
+    # (hi_na_moe.stack.NativeCausalLM), and the candidates whose probe differed
+    causal_lms: list = field(default_factory=list)
+    causal_lms_differ: list = field(default_factory=list)
     # of those stacks, why a stack's DynamicCache / StaticCache decode steps cannot run all its layers in one
     # native call: stack name -> "<layer name>: <reason>" (stacks absent here can)
     stacks_loop_only: dict = field(default_factory=dict)
@@ -262,6 +266,7 @@ class EnableReport:
             "stacks": list(self.stacks), "stacks_differ": list(self.stacks_differ),
             "stacks_loop_only": dict(self.stacks_loop_only),
             "stacks_rotary_module": dict(self.stacks_rotary_module),
+            "causal_lms": list(self.causal_lms), "causal_lms_differ": list(self.causal_lms_differ),
             "attention_math": self.attention_math,
             "attention_prefill": list(self.attention_prefill),
             "attention_prefill_math": self.attention_prefill_math,
@@ -393,6 +398,12 @@ class EnableReport:
                 lines.append(f"  {name!r} keeps the loop, not one native call: {why}")
             for name, why in self.stacks_rotary_module.items():
                 lines.append(f"  {name!r} calls its rotary module at every step (no table of its outputs): {why}")
+        if not self.dry_run and (self.causal_lms or self.causal_lms_differ):
+            left = (f"; {len(self.causal_lms_differ)} take their own forward (their probe differed, e.g. "
+                    f"{self.causal_lms_differ[0]!r})" if self.causal_lms_differ else "")
+            names = ", ".join(repr(n) for n in self.causal_lms)
+            lines.append(f"  causal LMs with decode steps as their stack's step and lm_head, called straight: "
+                         f"{len(self.causal_lms)}{' (' + names + ')' if names else ''}{left}")
         if self.embeddings_read:
             lines.append(f"  embedding tables read in at enable (a new token's row is then not a disk read in its decode "
                          f"step): {len(self.embeddings_read)} ({self.embeddings_read_bytes / 2**20:.0f} MiB, "
@@ -637,6 +648,9 @@ def inspect_model(
         from .stack import find_stacks
 
         report.stacks = [n for n, _ in find_stacks(model, cfg.dense_exclude, candidates=set(report.layers))]
+        from .stack import find_causal_lms
+
+        report.causal_lms = [n for n, _ in find_causal_lms(model, cfg.dense_exclude, candidates=set(report.stacks))]
     return report
 
 
@@ -727,6 +741,7 @@ def enable_for_model(
                 report.mlps, report.mlps_differ = small["mlps"]
                 report.layers, report.layers_differ = small["layers"]
                 report.stacks, report.stacks_differ = small["stacks"]
+                report.causal_lms, report.causal_lms_differ = small["causal_lms"]
                 for name in report.stacks:
                     runner = patched_runner(mods[name])
                     why = runner.one_call_blocker()

@@ -44,6 +44,9 @@ buffers), the layers run in one native call instead
 same order as the loop, so the same bits, with no Python between the layers' weight streams.
 ONE_CALL = False keeps the loop.
 
+A *ForCausalLM over such a stack (children exactly model and lm_head) runs its plain decode calls
+as the stack's step and the lm_head called straight (NativeCausalLM, below).
+
 What it computes is checked before it is patched: from a cache the stack's own forward filled
 with a prompt, one decode step of the own forward and one of this loop, each on its own copy of
 the cache, must give an output of the same type with the same fields, the same last hidden state
@@ -57,6 +60,7 @@ import copy
 import sys
 import threading
 from array import array
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -82,6 +86,52 @@ _CHILDREN = frozenset(("embed_tokens", "rotary_emb", "layers", "norm"))
 _KWARGS = frozenset(("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache",
                      "output_router_logits", "output_hidden_states", "output_attentions"))
 _FLAGS = ("output_router_logits", "output_hidden_states", "output_attentions")
+
+
+class Outputs:
+    """Output objects of one transformers ModelOutput class with the given fields set, built as
+    its constructor leaves them (every field an attribute, None unless given; the given ones, none
+    of them None, also its items, in field order) without running the constructor, whose
+    __init__ and __post_init__ look the dataclass fields up at every attribute set: 14 us warm,
+    ~0.1 ms of a cold decode step (benchmarks/study_step_python.py). Checked once against the
+    constructor: a class it does not match (another base, other bookkeeping) gets the constructor."""
+
+    __slots__ = ("cls", "names", "base", "fast")
+
+    def __init__(self, cls: type, names: tuple[str, ...]):
+        """names: in the class's field order (as __post_init__ sets the items), else the constructor."""
+        self.cls, self.names, self.fast = cls, tuple(names), False
+        try:
+            empty = cls()
+            self.base = dict(empty.__dict__)
+            if (tuple(k for k in self.base if k in names) != self.names or any(v is not None for v in self.base.values())
+                    or empty.keys()):
+                return
+            marks = tuple(torch.empty(0) for _ in self.names)
+            want = cls(**dict(zip(self.names, marks)))
+            self.fast = True
+            got = self.build(*marks)
+            self.fast = (type(got) is type(want) and isinstance(got, OrderedDict) and list(got.keys()) == list(want.keys())
+                         and list(got.__dict__) == list(want.__dict__)
+                         and all(got.__dict__[k] is want.__dict__[k] for k in want.__dict__)
+                         and all(got[k] is want[k] for k in want.keys()) and got.to_tuple() == want.to_tuple())
+        except Exception:
+            self.fast = False
+
+    def build(self, *values):
+        """An object of the class with the fields `names` (in field order) set to `values`."""
+        if not self.fast:
+            return self.cls(**dict(zip(self.names, values)))
+        o = self.cls.__new__(self.cls)
+        d = o.__dict__
+        d.update(self.base)
+        for k, v in zip(self.names, values):
+            d[k] = v
+            _ODICT_SET(o, k, v)
+        return o
+
+
+_ODICT_SET = OrderedDict.__setitem__
 
 
 def find_stacks(model: nn.Module, exclude: str, candidates: set[str] | None = None) -> list[tuple[str, nn.Module]]:
@@ -214,7 +264,7 @@ class NativeStack:
                 for kw, kind in variants:
                     own, ours = copy.deepcopy(prompts[kind]), copy.deepcopy(prompts[kind])
                     want = self.original(input_ids=nxt, past_key_values=own, use_cache=True, **kw)
-                    self.out_type = type(want)
+                    self._output_type(type(want))
                     fast = self._args((), {"input_ids": nxt, "past_key_values": ours, "use_cache": True, **kw})
                     if fast is None:
                         return False
@@ -244,7 +294,7 @@ class NativeStack:
         self.original(input_ids=ids, past_key_values=cache, use_cache=True)
         own, ours = copy.deepcopy(cache), copy.deepcopy(cache)
         want = self.original(input_ids=nxt, past_key_values=own, use_cache=True)
-        self.out_type = type(want)
+        self._output_type(type(want))
         fast = self._args((), {"input_ids": nxt, "past_key_values": ours, "use_cache": True})
         if fast is None:
             return False
@@ -361,7 +411,16 @@ class NativeStack:
             return e(ids)
         return h
 
+    def _output_type(self, cls: type) -> None:
+        if self.out_type is not cls:
+            self.out_type, self.outputs = cls, Outputs(cls, ("last_hidden_state", "past_key_values"))
+
     def _run(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool, past: int):
+        return self.outputs.build(self._hidden(ids, cache, pos, mask2d, masked, past), cache)
+
+    def _hidden(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool, past: int) -> torch.Tensor:
+        """The decode step of _args' arguments: the final norm's output, the own forward's
+        last_hidden_state (NativeCausalLM takes it without the output object)."""
         m = self.module
         h = self._embed(ids)
         rotary = m.rotary_emb
@@ -391,7 +450,7 @@ class NativeStack:
             if out is not None:
                 h, normed = out
                 if normed is not None:  # the final norm ran in the call
-                    return self.out_type(last_hidden_state=normed, past_key_values=cache)
+                    return normed
             else:
                 for r in self.runners:  # (latent attention's layers take the position embeddings whole)
                     h = r._fast(h, pe, None, cache, mask, qs) if r.mla else r._fast(h, cos, sin, cache, mask)
@@ -403,7 +462,7 @@ class NativeStack:
             for layer in self.layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                           position_embeddings=pe)
-        return self.out_type(last_hidden_state=m.norm(h), past_key_values=cache)
+        return m.norm(h)
 
     def one_call_blocker(self) -> str | None:
         """Why this stack's decode steps never run in one native call ("<layer>: <reason>", for
@@ -517,3 +576,148 @@ class NativeStack:
         if fast is None or self._observed():
             return self.original(*args, **kwargs)
         return self._run(*fast)
+
+
+# -- the causal LM around a stack ---------------------------------------------------------------
+# A *ForCausalLM's decode step around its NativeStack costs its own forward (transformers'
+# decorators, the argument defaults, the slice of logits_to_keep), two module calls (the stack's
+# and the lm_head's) and two output objects: ~0.3 ms of a cold Qwen1.5-MoE 4L int4 step
+# (benchmarks/study_step_python.py), 2-3 % of it. NativeCausalLM runs such a step as the stack's
+# step and the lm_head called straight, one output object. CAUSAL_LM = False keeps the own forward.
+CAUSAL_LM = True
+
+_LM_CHILDREN = frozenset(("model", "lm_head"))
+_LM_KWARGS = _KWARGS | {"logits_to_keep", "labels", "return_dict"}
+
+
+def find_causal_lms(model: nn.Module, exclude: str, candidates: set[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the modules whose children are exactly `model` and `lm_head` (an
+    nn.Linear), `model` being a decoder stack patched as a NativeStack (so: after the stacks are
+    patched); with `candidates` (for inspect_model, nothing patched): whose `model` is in it."""
+    from .patching import patched_runner
+
+    found = []
+    if not CAUSAL_LM:
+        return found
+    for name, m in model.named_modules():
+        if set(m._modules) != _LM_CHILDREN or not isinstance(m._modules["lm_head"], nn.Linear) or _matches(name, exclude):
+            continue
+        if candidates is None:
+            r = patched_runner(m._modules["model"])
+            ok = isinstance(r, NativeStack) and r.ready
+        else:
+            ok = (f"{name}.model" if name else "model") in candidates
+        if ok:
+            found.append((name, m))
+    return found
+
+
+class NativeCausalLM:
+    """A *ForCausalLM whose plain decode calls run its NativeStack's step and its lm_head straight.
+
+    A plain decode call: one the stack's forward takes its decode path for (NativeStack._args),
+    with at most these of the causal LM's own arguments besides: labels None, return_dict None or
+    True (and the config's return_dict true), logits_to_keep an int >= 0 (one position: every
+    such int keeps it). Anything that would see a skipped call (a hook on `model` or `lm_head`, a
+    forward or child replaced, what NativeStack._observed sees) runs the own forward.
+
+    What it computes is checked before it is patched: from a cache the own forward filled with a
+    prompt, one decode step of the own forward and one of this path, each on its own copy of the
+    cache, must give an output of the same type with only logits and past_key_values set, the
+    same logits bit for bit and the same cache; with logits_to_keep 0 and 1 and a mask of ones."""
+
+    weights = "lossless"
+
+    def __init__(self, name: str, module: nn.Module, original_forward):
+        self.name, self.module = name, module
+        self.original = original_forward
+        self.ready = False
+
+    def restore(self) -> None:  # nothing of the module was touched but its forward
+        pass
+
+    def matches(self) -> bool:
+        from .dense import NativeLinear
+        from .layers import Watch
+        from .patching import patched_runner
+
+        m = self.module
+        self.stack_module, self.head = m._modules["model"], m._modules["lm_head"]
+        self.stack = patched_runner(self.stack_module)
+        if not (isinstance(self.stack, NativeStack) and self.stack.ready):
+            return False
+        self.config = getattr(m, "config", None)
+        if self.config is None:
+            return False
+        runner = patched_runner(self.head)
+        # a single patched linear is called straight (its runner's forward); else the module
+        self.head_runner = runner if isinstance(runner, NativeLinear) and len(runner.modules) == 1 else None
+        skipped = [self.stack_module] + ([self.head] if self.head_runner is not None else [])
+        self.watch = Watch(skipped, [(m, "model"), (m, "lm_head")])
+        self.out_type = None
+        return self._probe()
+
+    def _probe(self) -> bool:
+        from transformers import DynamicCache
+
+        m = self.module
+        gen = torch.Generator().manual_seed(12)
+        B, T = 2, 3
+        vocab = self.stack_module.embed_tokens.weight.shape[0]
+        ids = torch.randint(vocab, (B, T), generator=gen)
+        nxt = torch.randint(vocab, (B, 1), generator=gen)
+        try:
+            with torch.no_grad():
+                prompt = DynamicCache(config=self.stack.config)
+                self.original(input_ids=ids, past_key_values=prompt, use_cache=True)
+                for kw in ({"logits_to_keep": 1}, {"logits_to_keep": 0, "attention_mask": torch.ones(B, T + 1, dtype=torch.long)}):
+                    own, ours = copy.deepcopy(prompt), copy.deepcopy(prompt)
+                    want = self.original(input_ids=nxt, past_key_values=own, use_cache=True, **kw)
+                    if self.out_type is not type(want):
+                        self.out_type, self.outputs = type(want), Outputs(type(want), ("logits", "past_key_values"))
+                    fast = self._args((), {"input_ids": nxt, "past_key_values": ours, "use_cache": True, **kw})
+                    if fast is None or self.watch.observed():
+                        return False
+                    got = self._run(fast)
+                    if (type(got) is not type(want) or set(want.keys()) != {"logits", "past_key_values"}
+                            or set(got.keys()) != {"logits", "past_key_values"}
+                            or want.past_key_values is not own or got.past_key_values is not ours
+                            or got.logits.dtype != want.logits.dtype or not torch.equal(got.logits, want.logits)):
+                        return False
+                    for a, b in zip(own.layers, ours.layers):
+                        if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
+                            return False
+        except Exception:
+            return False
+        self.ready = True
+        return True
+
+    def _args(self, args: tuple, kwargs: dict):
+        """The stack's _args for this call when it is a plain decode call (class docstring), else None."""
+        if args:
+            if len(args) > 1 or "input_ids" in kwargs:
+                return None
+            kwargs = {"input_ids": args[0], **kwargs}
+        if not kwargs.keys() <= _LM_KWARGS or kwargs.get("labels") is not None:
+            return None
+        if kwargs.get("return_dict", True) is not True and kwargs.get("return_dict") is not None:
+            return None
+        if not getattr(self.config, "return_dict", True):
+            return None
+        keep = kwargs.get("logits_to_keep", 0)
+        if type(keep) is not int or keep < 0:
+            return None
+        rest = {k: v for k, v in kwargs.items() if k not in ("logits_to_keep", "labels", "return_dict")}
+        return self.stack._args((), rest)
+
+    def _run(self, fast: tuple):
+        h = self.stack._hidden(*fast)
+        logits = self.head(h) if self.head_runner is None else self.head_runner.forward(self.head, h)
+        return self.outputs.build(logits, fast[1])
+
+    def forward(self, module: nn.Module, *args, **kwargs):
+        fast = (self._args(args, kwargs)
+                if self.ready and self.stack.ready and not (module.training or self.stack_module.training) else None)
+        if fast is None or self.watch.observed() or self.stack._observed():
+            return self.original(*args, **kwargs)
+        return self._run(fast)

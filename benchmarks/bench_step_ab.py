@@ -1,0 +1,151 @@
+"""Whole decode steps with one of hi_na_moe's step paths on and off, in one process.
+
+Loads the checkpoint once with scope="all" (--weights, the store --cache-dir) and times decode
+steps with the path --switch names on and off, alternating every --block steps (each arm on its
+own KV cache, after a 16-token prompt, restarted every --steps; the arms' order swaps every
+round), each step after an untimed 256 MB read of a 1 GiB buffer (the paired probe of
+bench_full_model.py, which also evicts the caches, as a real step's weight stream does) and a
+30 ms pause. Prints per arm the median ms a step and the probe's median; checks that both arms
+decode the same tokens and that the path was taken by every step of its arm and by none of the other's.
+
+Switches:
+  causal_lm  the causal LM's decode step as its stack's step and lm_head called straight
+             (hi_na_moe.stack.NativeCausalLM) against its own forward around them
+  outputs    the output objects built without their constructors (hi_na_moe.stack.Outputs)
+             against by them (steps on the path: those with the fast build)
+
+    chrt -f 1 python benchmarks/bench_step_ab.py --switch causal_lm --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+        --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def causal_lm_switch(model):
+    """(use(on), calls()): the NativeCausalLM of `model` on or off, and how many steps took it."""
+    from hi_na_moe.patching import patched_runner
+    from hi_na_moe.stack import NativeCausalLM
+
+    runner = patched_runner(model)
+    if not isinstance(runner, NativeCausalLM):
+        raise SystemExit("the model's decode steps do not take hi_na_moe.stack.NativeCausalLM (report_for says why)")
+    taken = [0]
+    run = runner._run
+
+    def counted(fast):
+        taken[0] += 1
+        return run(fast)
+
+    runner._run = counted
+
+    def use(on: bool) -> None:
+        runner.ready = on
+
+    return use, lambda: taken[0]
+
+
+def outputs_switch(model):
+    """(use(on), calls()): the output objects of the causal LM's path and of the stack built
+    without their constructors (hi_na_moe.stack.Outputs) or by them."""
+    from hi_na_moe.patching import patched_runner
+    from hi_na_moe.stack import NativeCausalLM, NativeStack
+
+    builders = [r.outputs for m in model.modules() if isinstance(r := patched_runner(m), (NativeCausalLM, NativeStack))]
+    if not builders or not all(b.fast for b in builders):
+        raise SystemExit("the model's output objects are not built by hi_na_moe.stack.Outputs' fast path")
+    taken = [0]
+
+    def use(on: bool) -> None:
+        for b in builders:
+            b.fast = on
+
+    _, lm_calls = causal_lm_switch(model)  # (counts the causal LM's steps: each builds one output object)
+    return use, lambda: lm_calls() if builders[0].fast else taken[0]
+
+
+SWITCHES = {"causal_lm": causal_lm_switch, "outputs": outputs_switch}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--switch", required=True, choices=sorted(SWITCHES))
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
+    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per round and arm")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=8, help="steps of one arm before the other's")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    import torch
+    from transformers import DynamicCache
+
+    import hi_na_moe
+    from hi_na_moe import _native
+
+    torch.set_num_threads(args.threads)
+    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
+    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
+                                      config=cfg).eval()
+    use, taken = SWITCHES[args.switch](model)
+    arms = {"off": False, "on": True}
+    probe = _native.BandwidthProbe(1 << 30, args.threads)
+    ms: dict[str, list[float]] = {a: [] for a in arms}
+    gbs: dict[str, list[float]] = {a: [] for a in arms}
+    tokens: dict[str, list[int]] = {a: [] for a in arms}
+    calls = {a: 0 for a in arms}
+    prompt = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            state = {}
+            for arm, on in arms.items():
+                use(on)
+                cache = DynamicCache(config=model.config)
+                out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                state[arm] = (cache, out.logits[:, -1:].argmax(-1))
+            order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+            for b in range(0, args.steps, args.block):
+                for arm in order:
+                    use(arms[arm])
+                    cache, nxt = state[arm]
+                    for _ in range(min(args.block, args.steps - b)):
+                        gbs[arm].append(probe.read(256 << 20))
+                        time.sleep(0.03)
+                        before = taken()
+                        t = time.perf_counter()
+                        out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        ms[arm].append((time.perf_counter() - t) * 1e3)
+                        calls[arm] += taken() - before
+                        nxt = out.logits[:, -1:].argmax(-1)
+                        if r == 0:
+                            tokens[arm].append(int(nxt))
+                    state[arm] = (cache, nxt)
+    use(True)
+    ok = tokens["on"] == tokens["off"] and calls["off"] == 0 and calls["on"] == len(ms["on"])
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "switch": args.switch, "ckpt": args.ckpt,
+           "weights": args.weights, "same_tokens": tokens["on"] == tokens["off"], "path_calls": calls, "arms": {}}
+    print(f"{args.ckpt}, {args.weights}, scope all, {args.threads} threads, --switch {args.switch}, {args.rounds} "
+          f"rounds of {args.steps} steps an arm, alternating every {args.block}")
+    print("| arm | median ms a step | paired probe GB/s | steps on the path |")
+    print("|---|---|---|---|")
+    for arm in arms:
+        m, g = statistics.median(ms[arm]), statistics.median(gbs[arm])
+        res["arms"][arm] = {"median_ms": m, "probe_gbs": g, "steps": len(ms[arm])}
+        print(f"| {arm} | {m:.3f} | {g:.1f} | {calls[arm]} of {len(ms[arm])} |")
+    res["speedup"] = statistics.median(ms["off"]) / statistics.median(ms["on"])
+    res["saved_ms"] = statistics.median(ms["off"]) - statistics.median(ms["on"])
+    print(f"on: {res['speedup']:.3f}x the off arm's speed ({res['saved_ms']:.3f} ms a step less); "
+          f"the same tokens: {res['same_tokens']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
