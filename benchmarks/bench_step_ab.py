@@ -13,6 +13,8 @@ Switches:
              (hi_na_moe.stack.NativeCausalLM) against its own forward around them
   outputs    the output objects built without their constructors (hi_na_moe.stack.Outputs)
              against by them (steps on the path: those with the fast build)
+  head_in_call  the lm_head at the end of the stack's one native call (stack.HEAD_IN_CALL)
+             against its runner's forward after the call
 
     chrt -f 1 python benchmarks/bench_step_ab.py --switch causal_lm --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
@@ -67,7 +69,31 @@ def outputs_switch(model):
     return use, lambda: lm_calls() if builders[0].fast else taken[0]
 
 
-SWITCHES = {"causal_lm": causal_lm_switch, "outputs": outputs_switch}
+def head_in_call_switch(model):
+    """(use(on), calls()): the causal LM's lm_head at the end of the stack's one call
+    (hi_na_moe.stack.HEAD_IN_CALL) or its runner's forward after it."""
+    from hi_na_moe import stack
+    from hi_na_moe.patching import patched_runner
+
+    causal_lm_switch(model)  # (checks that the path took the model)
+    st = patched_runner(model).stack
+    taken = [0]
+    one_call = st._one_call
+
+    def counted(*args):
+        out = one_call(*args)
+        taken[0] += out is not None and out[2] is not None
+        return out
+
+    st._one_call = counted
+
+    def use(on: bool) -> None:
+        stack.HEAD_IN_CALL = on
+
+    return use, lambda: taken[0]
+
+
+SWITCHES = {"causal_lm": causal_lm_switch, "outputs": outputs_switch, "head_in_call": head_in_call_switch}
 
 
 def main() -> int:

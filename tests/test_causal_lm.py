@@ -24,19 +24,25 @@ pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='a
 
 
 class _Count:
-    """Counts the decode calls that took the causal LM's path."""
+    """Counts the decode calls that took the causal LM's path (calls), and the stack's one calls
+    that ran the lm_head at their end (heads)."""
 
     def __init__(self, model):
-        self.calls = 0
+        self.calls = self.heads = 0
         runner = patched_runner(model)
         assert isinstance(runner, stack.NativeCausalLM)
-        run = runner._run
+        run, one_call = runner._run, runner.stack._one_call
 
         def counted(fast, _run=run):
             self.calls += 1
             return _run(fast)
 
-        runner._run = counted
+        def counted_one_call(*args, _one_call=one_call):
+            out = _one_call(*args)
+            self.heads += out is not None and out[2] is not None
+            return out
+
+        runner._run, runner.stack._one_call = counted, counted_one_call
 
 
 def _own(model, on: bool, saved: dict) -> None:
@@ -47,10 +53,10 @@ def _own(model, on: bool, saved: dict) -> None:
         model.forward = saved["forward"]
 
 
-def _same(model, ids, steps=3, attention_mask=None, taken=True):
+def _same(model, ids, steps=3, attention_mask=None, taken=True, heads=True):
     count = _Count(model)
     got, c_got = greedy_decode(model, ids, steps, attention_mask)
-    assert count.calls == (steps if taken else 0)
+    assert count.calls == (steps if taken else 0) and count.heads == (steps if taken and heads else 0)
     saved: dict = {}
     _own(model, True, saved)
     try:
@@ -217,9 +223,48 @@ def test_the_path_is_off_by_the_switch_and_for_an_lm_head_left_to_pytorch(monkey
     try:
         assert rep.causal_lms == [""] and "lm_head" not in {d.name for d in rep.dense}
         assert patched_runner(model).head_runner is None
-        _same(model, torch.tensor([[3, 9, 4, 7]]))
+        _same(model, torch.tensor([[3, 9, 4, 7]]), heads=False)
     finally:
         hi_na_moe.disable_for_model(model)
+
+
+def test_the_lm_head_runs_in_the_one_call_after_the_final_norm(monkeypatch):
+    """The lm_head at the end of the stack's one call (HEAD_IN_CALL): the same logits bit for bit
+    as the own forward; its runner's forward after the call when the final norm is a module call
+    (a hook on the norm) or with HEAD_IN_CALL False; int8 and int4 heads (paired too)."""
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    ids = torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]])
+    for weights in ("lossless", "int8", "int4"):
+        model = olmoe(layers=2)
+        hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache=False)
+        try:
+            _same(model, ids)
+            seen = []
+            handle = model.model.norm.register_forward_hook(lambda m, i, o: seen.append(1))
+            try:
+                _same(model, ids, heads=False)
+            finally:
+                handle.remove()
+            assert seen
+            monkeypatch.setattr(stack, "HEAD_IN_CALL", False)
+            _same(model, ids, heads=False)
+            monkeypatch.setattr(stack, "HEAD_IN_CALL", True)
+            _same(model, ids)
+        finally:
+            hi_na_moe.disable_for_model(model)
+
+
+def test_a_step_plan_refuses_a_head_it_cannot_run():
+    from hi_na_moe.hardware import native_module
+
+    native = native_module()[0]
+    g = torch.Generator().manual_seed(0)
+    E, H, I = 2, 64, 32
+    w = [torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)]
+    plan = native.StepPlan(1)
+    with pytest.raises(ValueError, match="linear block"):
+        plan.set_head(native.PackedExperts(*w).bind(), 2)
+    plan.set_head(None)  # (none: allowed)
 
 
 def test_inspect_model_lists_the_causal_lm(monkeypatch):

@@ -608,7 +608,8 @@ def test_the_step_trace_covers_the_one_call_op_by_op_or_is_empty_in_a_release_bu
             return
         per_layer = ["norm", "qkv", "rope_kv", "attention", "o_proj", "add_norm", "router", "select",
                      "experts_prep", "experts_gate_up", "experts_quant_h", "experts_down", "experts", "add"]
-        step = [(layer, op) for layer in range(2) for op in per_layer] + [(-1, "final_norm")]
+        # (the causal LM's lm_head at the call's end: NativeCausalLM, HEAD_IN_CALL)
+        step = [(layer, op) for layer in range(2) for op in per_layer] + [(-1, "final_norm"), (-1, "lm_head")]
         assert [(layer, op) for layer, op, _, _ in events] == step * 3
         assert all(t0 <= t1 for _, _, t0, t1 in events)
         for i in range(3):  # within a call the ops follow each other without a gap
@@ -639,7 +640,7 @@ def test_the_step_trace_splits_a_dense_mlp_and_a_shared_expert_into_their_linear
                             "experts", "shared_gate_up", "shared_down", "shared_gate", "add"]
         n = model.config.num_hidden_layers
         step = ([(0, op) for op in dense_layer] + [(i, op) for i in range(1, n) for op in moe_layer]
-                + [(-1, "final_norm")])
+                + [(-1, "final_norm"), (-1, "lm_head")])
         assert [(layer, op) for layer, op, _, _ in events] == step * 2
     finally:
         hi_na_moe.disable_for_model(model)

@@ -758,12 +758,35 @@ class StepPlan {
     layers_[static_cast<size_t>(i)] = d;
     owners_[static_cast<size_t>(i)] = std::move(owners);
   }
+  // The causal LM's lm_head after the final norm (a BoundForward of an up-only block taking the
+  // layers' hidden size, run on num_threads), or None for none.
+  void set_head(nb::object head, int num_threads) {
+    if (head.is_none()) {
+      head_owner_ = nb::object();
+      return;
+    }
+    const auto& bh = nb::cast<const BoundForward&>(head);
+    if (!bh.packed()->up_only()) bad("StepPlan.set_head: the head is a linear block (pack_linear), not experts");
+    if (num_threads < 0) bad("StepPlan.set_head: num_threads must be >= 0");
+    head_params_ = bh.params();
+    head_params_.num_threads = num_threads;
+    head_ = bh.packed();
+    head_owner_ = std::move(head);
+  }
   size_t scratch_bytes(int64_t B) const { return hina::decode_layers_scratch(layers_.data(), size(), B); }
   nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t mask,
                int64_t mask_bstride, uintptr_t kv, uintptr_t scratch, uintptr_t out, uintptr_t norm_w, float norm_eps,
-               uintptr_t normed, uintptr_t q_scale) const {
+               uintptr_t normed, uintptr_t q_scale, uintptr_t logits) const {
     for (const auto& o : owners_)
       if (o.empty()) bad("StepPlan.run: a layer was never set");
+    if (logits != 0) {
+      if (!head_owner_.is_valid() || norm_w == 0 || normed == 0)
+        bad("StepPlan.run: logits need a head (set_head) and the final norm");
+      const hina::LayerPreArgs& last = layers_.back().pre;
+      if (head_->H() != last.H || head_->dtype() != last.dtype)
+        bad("StepPlan.run: the head takes " + std::to_string(head_->H()) + " inputs of its own dtype; the layers "
+            "give " + std::to_string(last.H) + " of theirs");
+    }
     std::vector<const char*> names(layers_.size(), nullptr);
     {
       nb::gil_scoped_release release;
@@ -772,7 +795,8 @@ class StepPlan {
                           reinterpret_cast<const void*>(sin), cos_bstride, reinterpret_cast<const uint8_t*>(mask),
                           mask_bstride, reinterpret_cast<void*>(scratch),
                           reinterpret_cast<void*>(out), names.data(), reinterpret_cast<const void*>(norm_w),
-                          norm_eps, reinterpret_cast<void*>(normed), reinterpret_cast<const void*>(q_scale));
+                          norm_eps, reinterpret_cast<void*>(normed), reinterpret_cast<const void*>(q_scale),
+                          logits != 0 ? head_ : nullptr, &head_params_, reinterpret_cast<void*>(logits));
     }
     nb::list l;
     for (const char* n : names) l.append(n == nullptr ? nb::none() : nb::object(nb::str(n)));
@@ -784,6 +808,9 @@ class StepPlan {
   std::vector<hina::DecodeLayer> layers_;
   // per layer: its qkv, o, router, experts and shared-expert BoundForwards
   std::vector<std::vector<nb::object>> owners_;
+  nb::object head_owner_;  // the head's BoundForward (set_head), or invalid
+  const hina::PackedExperts* head_ = nullptr;
+  hina::MoeParams head_params_{};
 };
 
 NB_MODULE(_native, m) {
@@ -1555,7 +1582,10 @@ NB_MODULE(_native, m) {
       "cos_bstride, mask, mask_bstride, kv, scratch, out, norm_w=0, norm_eps=0, normed=0) runs the step (mask: 0, or bool bytes per batch row "
       "at mask + b * mask_bstride over the keys): kv the address of L x 7 int64 (k and v buffer addresses, "
       "batch/head/position element strides, the positions the attention reads, the position written), scratch of scratch_bytes(B) bytes; "
-      "norm_w non-zero: also normed = rms_norm(out, norm_w, norm_eps), the stack's final norm. "
+      "norm_w non-zero: also normed = rms_norm(out, norm_w, norm_eps), the stack's final norm; logits non-zero "
+      "(with norm_w): also logits [B, out_features] = the head's linear of normed, the head a BoundForward of a "
+      "pack_linear block of the layers' hidden size and dtype given to set_head(head, num_threads) (None: none), "
+      "the causal LM's lm_head. "
       "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer.")
       .def(nb::init<int64_t>(), nb::arg("layers"))
       .def("set_layer", &StepPlan::set_layer, nb::arg("i"), nb::arg("dtype"), nb::arg("H"), nb::arg("ln1_w"),
@@ -1574,7 +1604,8 @@ NB_MODULE(_native, m) {
       .def("run", &StepPlan::run, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
            nb::arg("cos_bstride"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("kv"), nb::arg("scratch"),
            nb::arg("out"), nb::arg("norm_w") = 0, nb::arg("norm_eps") = 0.f, nb::arg("normed") = 0,
-           nb::arg("q_scale") = 0)
+           nb::arg("q_scale") = 0, nb::arg("logits") = 0)
+      .def("set_head", &StepPlan::set_head, nb::arg("head").none(), nb::arg("num_threads") = 0)
       .def("__len__", &StepPlan::size);
   m.def("router_select_raw",
         [](int dtype, uintptr_t logits, int64_t B, int64_t E, int64_t k, int form, bool renorm, int w_dtype,

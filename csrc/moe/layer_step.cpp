@@ -57,7 +57,7 @@ const char* step_op_name(StepOp op) {
       "norm",         "qkv",          "rope_kv",      "attention",       "o_proj",       "add_norm",
       "mlp_gate_up",  "mlp_down",     "router",       "select",          "experts_prep", "experts_gate_up",
       "experts_quant_h", "experts_down", "experts",   "shared_gate_up",  "shared_down",  "shared_gate",
-      "add",          "final_norm"};
+      "add",          "final_norm",   "lm_head"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(StepOp::kCount));
   const auto i = static_cast<size_t>(op);
   return i < sizeof(names) / sizeof(names[0]) ? names[i] : "?";
@@ -356,7 +356,7 @@ size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
                    void* out, const char** names, const void* norm_w, float norm_eps, void* normed,
-                   const void* q_scale) {
+                   const void* q_scale, const PackedExperts* head, const MoeParams* head_params, void* logits) {
   trace_start();
   const StepScratch s = step_scratch(layers, L, B);
   char* base = static_cast<char*>(scratch);
@@ -445,6 +445,10 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     trace_layer(-1);
     rms_norm(layers[L - 1].pre.dtype, out, B, layers[L - 1].pre.H, norm_w, norm_eps, normed);
     detail::lap(StepOp::kFinalNorm);
+    if (head != nullptr && head_params != nullptr && logits != nullptr) {
+      head->linear(normed, B, logits, *head_params);
+      detail::lap(StepOp::kHead);
+    }
   }
   trace_stop();
 }

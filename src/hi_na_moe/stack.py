@@ -416,11 +416,15 @@ class NativeStack:
             self.out_type, self.outputs = cls, Outputs(cls, ("last_hidden_state", "past_key_values"))
 
     def _run(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool, past: int):
-        return self.outputs.build(self._hidden(ids, cache, pos, mask2d, masked, past), cache)
+        return self.outputs.build(self._hidden(ids, cache, pos, mask2d, masked, past)[0], cache)
 
-    def _hidden(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool, past: int) -> torch.Tensor:
-        """The decode step of _args' arguments: the final norm's output, the own forward's
-        last_hidden_state (NativeCausalLM takes it without the output object)."""
+    def _hidden(self, ids: torch.Tensor, cache, pos, mask2d, masked: bool, past: int,
+                head=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode step of _args' arguments: (the final norm's output, the own forward's
+        last_hidden_state; the logits of `head` when they were computed in the one call, else
+        None). head: a causal LM's lm_head runner (a NativeLinear) to run at the end of the one
+        call (NativeCausalLM, HEAD_IN_CALL), where the final norm runs too; its hidden state is
+        then a buffer of the thread's that the next step overwrites."""
         m = self.module
         h = self._embed(ids)
         rotary = m.rotary_emb
@@ -446,11 +450,11 @@ class NativeStack:
         if fast is not None:
             # (latent attention's with a query scale: NativeMLA._fast_args' fifth)
             qs = fast[4] if self.runners[0].mla and len(fast) > 4 else None
-            out = self._one_call(h, cos, sin, cache, mask, qs) if ONE_CALL else None
+            out = self._one_call(h, cos, sin, cache, mask, qs, head) if ONE_CALL else None
             if out is not None:
-                h, normed = out
+                h, normed, logits = out
                 if normed is not None:  # the final norm ran in the call
-                    return normed
+                    return normed, logits
             else:
                 for r in self.runners:  # (latent attention's layers take the position embeddings whole)
                     h = r._fast(h, pe, None, cache, mask, qs) if r.mla else r._fast(h, cos, sin, cache, mask)
@@ -462,7 +466,7 @@ class NativeStack:
             for layer in self.layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                           position_embeddings=pe)
-        return m.norm(h)
+        return m.norm(h), None
 
     def one_call_blocker(self) -> str | None:
         """Why this stack's decode steps never run in one native call ("<layer>: <reason>", for
@@ -475,12 +479,13 @@ class NativeStack:
                 return f"{r.name}: {why}"
         return None
 
-    def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
-                  mask, qs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _one_call(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask,
+                  qs: torch.Tensor | None = None, head=None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                       torch.Tensor | None] | None:
         """The layers' decode step in one native call (ONE_CALL): (the last layer's output, the
-        final norm's output when it ran in the call (_final_norm) else None); or None with
-        nothing run: a layer cannot (NativeLayer.plan_args) or its cache cannot take the new
-        position in place.
+        final norm's output when it ran in the call (_final_norm) else None, head's logits when
+        it ran in the call (after the final norm) else None); or None with nothing run: a layer
+        cannot (NativeLayer.plan_args) or its cache cannot take the new position in place.
         mask: None or the bool mask over the keys the attention's decode path takes (padding; a
         StaticCache's buffers, which it needs). qs: latent attention's query scale of this step's
         positions (Mistral 4: NativeMLA._fast_args), the same for every layer."""
@@ -514,14 +519,21 @@ class NativeStack:
             voff = off // st[2] * sv[2]
             slots.append(s)
             kv += (s.k.data_ptr() + off, s.v.data_ptr() + voff, st[0], st[1], st[2], S, s.t, sv[0], sv[2])
+        norm = self._final_norm(dt)
+        # the head (its BoundForward and threads) when it can run after the final norm in the call
+        head_key = None
+        if head is not None and norm is not None and head.dtype is dt and head.in_features == h.shape[-1]:
+            head_key = (head.bound, head.threads or torch.get_num_threads())
         plan = self._plan
-        if plan is None or plan[1] != args:
+        if plan is None or plan[1] != args or (head_key is not None and plan[2] != head_key):
             from .hardware import native_module
 
             step = native_module()[0].StepPlan(len(args))
             for i, a in enumerate(args):
                 step.set_layer(i, **a)
-            plan = self._plan = (step, args)
+            if head_key is not None:
+                step.set_head(*head_key)
+            plan = self._plan = (step, args, head_key)
         at = self.runners[0].attn
         if latent:  # rope_latent's tables (NativeMLA.native_tables), rows of Dr
             tables = at.native_tables(cos if sin is None else (cos, sin))
@@ -535,17 +547,19 @@ class NativeStack:
         if qs is not None:  # one value a row
             qs = qs.reshape(-1).expand(B).contiguous()
         scratch = self._buffer("scratch", (plan[0].scratch_bytes(B),), torch.uint8)
-        norm = self._final_norm(dt)
         # the last layer's output: the step's only when the final norm runs in the call (else the
-        # norm module gets it, and a hook on it could keep it)
+        # norm module gets it, and a hook on it could keep it); the norm's, when the head's
+        # logits are the step's
         out = torch.empty_like(h) if norm is None else self._buffer("out", tuple(h.shape), dt)
-        normed = None if norm is None else torch.empty_like(h)
+        normed = (None if norm is None else torch.empty_like(h) if head_key is None
+                  else self._buffer("normed", tuple(h.shape), dt))
+        logits = None if head_key is None else torch.empty((B, 1, head.out_features), dtype=dt)
         names = plan[0].run(B, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), width if cos.numel() == B * width else 0,
                             0 if mask is None else mask.data_ptr(),
                             0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
                             kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr(),
                             *((0, 0.0, 0) if norm is None else (norm[0], norm[1], normed.data_ptr())),
-                            0 if qs is None else qs.data_ptr())
+                            0 if qs is None else qs.data_ptr(), 0 if logits is None else logits.data_ptr())
         for s in slots:
             if static:
                 kv_cache.static_commit(s)
@@ -554,7 +568,7 @@ class NativeStack:
         for r, name in zip(self.runners, names):
             if r.moe is not None:  # (a dense layer runs no experts)
                 _LAST_KERNEL[r.moe.experts.handle] = name
-        return out, normed
+        return out, normed, logits
 
     def _final_norm(self, dt: torch.dtype) -> tuple[int, float] | None:
         """(weight address, eps) when the stack's final norm can run at the end of the one call
@@ -585,6 +599,8 @@ class NativeStack:
 # (benchmarks/study_step_python.py), 2-3 % of it. NativeCausalLM runs such a step as the stack's
 # step and the lm_head called straight, one output object. CAUSAL_LM = False keeps the own forward.
 CAUSAL_LM = True
+# its lm_head (a NativeLinear) at the end of the stack's one call, after the final norm there
+HEAD_IN_CALL = True
 
 _LM_CHILDREN = frozenset(("model", "lm_head"))
 _LM_KWARGS = _KWARGS | {"logits_to_keep", "labels", "return_dict"}
@@ -618,8 +634,10 @@ class NativeCausalLM:
     A plain decode call: one the stack's forward takes its decode path for (NativeStack._args),
     with at most these of the causal LM's own arguments besides: labels None, return_dict None or
     True (and the config's return_dict true), logits_to_keep an int >= 0 (one position: every
-    such int keeps it). Anything that would see a skipped call (a hook on `model` or `lm_head`, a
-    forward or child replaced, what NativeStack._observed sees) runs the own forward.
+    such int keeps it). The lm_head, when it is a NativeLinear, runs at the end of the stack's one
+    call when the final norm does (HEAD_IN_CALL), else its runner's forward is called. Anything
+    that would see a skipped call (a hook on `model` or `lm_head`, a forward or child replaced,
+    what NativeStack._observed sees) runs the own forward.
 
     What it computes is checked before it is patched: from a cache the own forward filled with a
     prompt, one decode step of the own forward and one of this path, each on its own copy of the
@@ -711,8 +729,12 @@ class NativeCausalLM:
         return self.stack._args((), rest)
 
     def _run(self, fast: tuple):
-        h = self.stack._hidden(*fast)
-        logits = self.head(h) if self.head_runner is None else self.head_runner.forward(self.head, h)
+        head = self.head_runner
+        if not HEAD_IN_CALL or (head is not None and self.head.training and torch.is_grad_enabled()):
+            head = None  # (the runner's forward takes training with autograd elsewhere)
+        h, logits = self.stack._hidden(*fast, head)
+        if logits is None:
+            logits = self.head(h) if self.head_runner is None else self.head_runner.forward(self.head, h)
         return self.outputs.build(logits, fast[1])
 
     def forward(self, module: nn.Module, *args, **kwargs):

@@ -742,16 +742,19 @@ struct DecodeKV {
 // kernel layer l ran. norm_w non-null: then also normed [B, H] = rms_norm(out) with that weight
 // and norm_eps (the stack's final norm, as hi_na_moe.dense's NativeNorm runs it).
 // q_scale: as LayerPreArgs::mla's, for every latent attention layer (null: none).
+// head non-null (with norm_w): then also logits [B, head's outputs] = head->linear(normed) with
+// head_params (the causal LM's lm_head, as hi_na_moe.dense's NativeLinear runs it).
 size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B);
 void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
                    const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
                    void* out, const char** names, const void* norm_w = nullptr, float norm_eps = 0.f,
-                   void* normed = nullptr, const void* q_scale = nullptr);
+                   void* normed = nullptr, const void* q_scale = nullptr, const PackedExperts* head = nullptr,
+                   const MoeParams* head_params = nullptr, void* logits = nullptr);
 
 // The timeline of decode_layers, op by op, in a tuning build (HINA_PREFETCH_TUNING; a release
 // build records nothing and step_trace_compiled() is false). Each event is one op of one layer:
 // its span [t0, t1) in nanoseconds of steady_clock on the calling thread, the ops following each
-// other without gaps from the call's start (the final norm's layer is -1); the experts' call in its
+// other without gaps from the call's start (the final norm's and the head's layer is -1); the experts' call in its
 // parts (the routing metadata and input rows, the gate/up region, the h rows' quantisation, the
 // down region; kExperts what follows it); a gated MLP (a dense layer's kMlp*, a shared expert's
 // kShared*) in its gate/up linear with the activation, and its down linear, kShared then being
@@ -759,7 +762,7 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
 // time; take_step_trace() returns the events since its last call (at most 1 << 20) and clears them.
 enum class StepOp : int32_t {
   kNorm, kQkv, kRopeKv, kAttn, kO, kAddNorm, kMlpGateUp, kMlpDown, kRouter, kSelect, kExpertsPrep, kExpertsGateUp,
-  kExpertsQuantH, kExpertsDown, kExperts, kSharedGateUp, kSharedDown, kShared, kAdd, kFinalNorm, kCount
+  kExpertsQuantH, kExpertsDown, kExperts, kSharedGateUp, kSharedDown, kShared, kAdd, kFinalNorm, kHead, kCount
 };
 const char* step_op_name(StepOp op);
 struct StepTraceEvent {
