@@ -15,6 +15,8 @@ Switches:
              against by them (steps on the path: those with the fast build)
   head_in_call  the lm_head at the end of the stack's one native call (stack.HEAD_IN_CALL)
              against its runner's forward after the call
+  held_plan_args  the layers' one-call arguments held while what they hold is unchanged
+             (layers.HOLD_PLAN_ARGS) against built at every step
 
     chrt -f 1 python benchmarks/bench_step_ab.py --switch causal_lm --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
@@ -93,7 +95,34 @@ def head_in_call_switch(model):
     return use, lambda: taken[0]
 
 
-SWITCHES = {"causal_lm": causal_lm_switch, "outputs": outputs_switch, "head_in_call": head_in_call_switch}
+def held_plan_args_switch(model):
+    """(use(on), calls()): the layers' plan_args returning the last step's arguments while the key
+    of what they hold is unchanged (hi_na_moe.layers.HOLD_PLAN_ARGS), or building them every step."""
+    from hi_na_moe import layers
+    from hi_na_moe.patching import patched_runner
+    from hi_na_moe.stack import NativeStack
+
+    stacks = [r for m in model.modules() if isinstance(r := patched_runner(m), NativeStack)]
+    if len(stacks) != 1:
+        raise SystemExit("the model has no decoder stack on hi_na_moe.stack")
+    taken = [0]
+    one_call = stacks[0]._one_call
+
+    def counted(*args):
+        out = one_call(*args)
+        taken[0] += out is not None and layers.HOLD_PLAN_ARGS
+        return out
+
+    stacks[0]._one_call = counted
+
+    def use(on: bool) -> None:
+        layers.HOLD_PLAN_ARGS = on
+
+    return use, lambda: taken[0]
+
+
+SWITCHES = {"causal_lm": causal_lm_switch, "outputs": outputs_switch, "head_in_call": head_in_call_switch,
+            "held_plan_args": held_plan_args_switch}
 
 
 def main() -> int:

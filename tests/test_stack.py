@@ -582,6 +582,17 @@ def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, mon
                 torch.rand(512).bfloat16() + 0.5)
         _by_layer(model, torch.tensor([[5, 6, 7]]), 3)
         assert stack_runner._plan is not plan and stack_runner._plan[1] != plan[1]
+        # a layer's arguments are the last step's (the same dict) until something they hold changes
+        layer = patched_runner(model.model.layers[0])
+        args = layer.plan_args(torch.bfloat16, 1)
+        assert layer.plan_args(torch.bfloat16, 1) is args and layer.plan_args(torch.bfloat16, 2) is not args
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            assert layer.plan_args(torch.bfloat16, 1)["num_threads"] == torch.get_num_threads() != threads
+        finally:
+            torch.set_num_threads(threads)
+        assert layer.plan_args(torch.bfloat16, 1) == args
         count = _Count(model)
         monkeypatch.setattr(routers, "NATIVE_SELECT", False)  # the layers' loop, with PyTorch's selection
         greedy_decode(model, torch.tensor([[5, 6, 7]]), 2)

@@ -64,6 +64,8 @@ FUSE_EXPERTS = True
 # with them, a shared expert on the native MLP call (hi_na_moe.mlp) and its gate too; False: the
 # shared expert runs as modules after the call (and the stack keeps its loop)
 FUSE_SHARED = True
+# plan_args returns the last step's arguments (the same dict) while nothing they hold changed
+HOLD_PLAN_ARGS = True
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -159,6 +161,7 @@ class NativeLayer:
         self.ready = False
         self.mla = False  # the attention is latent attention (hi_na_moe.mla)
         self.step = self.latent_step = None  # what the native calls run (_native_step, _latent_native)
+        self._plan_held = None  # (key, arguments) of _plan_args' last step
 
     # -- the parts ----------------------------------------------------------------------------
     def _prepare(self) -> bool:
@@ -733,31 +736,22 @@ class NativeLayer:
         weights = self._norm_weights(dt)
         if weights is None:
             return None
+        if not self.mla:
+            return self._plan_args(dt, B, moe, weights)
+        from .mla import native_weight
+
         ptrs = [w.data_ptr() for w in weights]
         at = self.attn
-        if self.mla:
-            from .mla import native_weight
-
-            group, o, q_b, qa, kv, form = self.latent_step
-            lora = 0 if q_b is None else qa.n
-            w = at._weight()  # kept by the attention runner while kv_b_proj's forward stays
-            args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=group.bound,
-                        Hq=at.H, Hkv=1, D=at.Dn + at.Dr, qk_norm=0, qn_w=0, kn_w=0, qn_eps=0.0, kn_eps=0.0,
-                        scale=self.attn_mod.scaling, isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
-                        num_threads=group.threads or torch.get_num_threads(),
-                        mla=(form, at.Dn, at.Dr, at.L, lora, None if q_b is None else q_b.bound,
-                             ptrs[2] if lora else 0, qa.eps if lora else 0.0, ptrs[-1], kv.eps),
-                        mla_w=native_weight(w), mla_Dv=at.Dv)
-        else:
-            qkv, o, qk, qn, kn = self.step
-            sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
-            args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=qkv.bound,
-                        Hq=at.Hq, Hkv=at.Hkv, D=at.D, qk_norm=qk, qn_w=ptrs[2] if qk else 0, kn_w=ptrs[3] if qk else 0,
-                        qn_eps=qn.eps if qk else 0.0, kn_eps=kn.eps if qk else 0.0, scale=self.attn_mod.scaling,
-                        isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
-                        num_threads=qkv.threads or torch.get_num_threads(),
-                        sinks=0 if sinks is None else sinks.data_ptr(), half_table=at.half_table,
-                        interleaved_f32=at.rope == "interleaved_f32", rot=at.rot)
+        group, o, q_b, qa, kv, form = self.latent_step
+        lora = 0 if q_b is None else qa.n
+        w = at._weight()  # kept by the attention runner while kv_b_proj's forward stays
+        args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=group.bound,
+                    Hq=at.H, Hkv=1, D=at.Dn + at.Dr, qk_norm=0, qn_w=0, kn_w=0, qn_eps=0.0, kn_eps=0.0,
+                    scale=self.attn_mod.scaling, isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
+                    num_threads=group.threads or torch.get_num_threads(),
+                    mla=(form, at.Dn, at.Dr, at.L, lora, None if q_b is None else q_b.bound,
+                         ptrs[2] if lora else 0, qa.eps if lora else 0.0, ptrs[-1], kv.eps),
+                    mla_w=native_weight(w), mla_Dv=at.Dv)
         if moe is None:  # a dense layer
             dense = self._dense_args(dt, B)
             return None if dense is None else {**args, "mlp": dense}
@@ -774,6 +768,57 @@ class NativeLayer:
                 "sel_w_dtype": _DTYPE_CODES[router.weights_dtype(dt)], "experts": fused[0], "experts_threads": fused[1],
                 "shared": shared, "router_dtype": _DTYPE_CODES[router.dtype] if router.dtype is not dt else -1,
                 **router.select_settings(bias)}
+
+    def _plan_args(self, dt: torch.dtype, B: int, moe, weights: list[torch.Tensor]) -> dict | None:
+        """plan_args of a layer of Llama-like attention. Everything its arguments are made of that
+        can change between steps is read first, into a key: while the key equals the last step's,
+        the last step's arguments (the same dict) are returned (building them took about half of
+        the 7 us a layer plan_args takes warm; the stack then compares them by identity). The rest
+        is fixed at enable (the runners' sizes, forms and groups)."""
+        qkv, o, qk, qn, kn = self.step
+        at = self.attn
+        sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
+        threads = qkv.threads or torch.get_num_threads()
+        key = [dt, B, *[w.data_ptr() for w in weights], self.norm1.eps, self.norm2.eps, qn.eps if qk else 0.0,
+               kn.eps if qk else 0.0, self.attn_mod.scaling, threads, 0 if sinks is None else sinks.data_ptr(),
+               qkv.bound, o.bound]
+        if moe is None:  # a dense layer
+            dense = self._dense_args(dt, B)
+            if dense is None:
+                return None
+            key.append(dense)
+        else:
+            ready, bias = self._router_ready(moe, dt, B)
+            if not ready:
+                return None
+            router = moe.router
+            fused = moe.experts.bound_for(dt, self.hidden, B * router.select[1])
+            shared = self._shared_args(moe, dt, B) if moe.shared else ()
+            if fused is None or shared is None:
+                return None
+            settings = router.select_settings(bias)
+            key += [router.bound, router.select, router.experts, router.dtype, fused, shared, settings]
+        key = tuple(key)
+        held = self._plan_held
+        if HOLD_PLAN_ARGS and held is not None and held[0] == key:
+            return held[1]
+        ptrs = key[2:2 + len(weights)]
+        args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=qkv.bound,
+                    Hq=at.Hq, Hkv=at.Hkv, D=at.D, qk_norm=qk, qn_w=ptrs[2] if qk else 0, kn_w=ptrs[3] if qk else 0,
+                    qn_eps=qn.eps if qk else 0.0, kn_eps=kn.eps if qk else 0.0, scale=self.attn_mod.scaling,
+                    isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps, num_threads=threads,
+                    sinks=0 if sinks is None else sinks.data_ptr(), half_table=at.half_table,
+                    interleaved_f32=at.rope == "interleaved_f32", rot=at.rot)
+        if moe is None:
+            args["mlp"] = dense
+        else:
+            form, k, renorm = router.select[:3]
+            args.update({"router": router.bound, "E": router.experts, "sel_form": form, "sel_k": k,
+                         "sel_renorm": renorm, "sel_w_dtype": _DTYPE_CODES[router.weights_dtype(dt)],
+                         "experts": fused[0], "experts_threads": fused[1], "shared": shared,
+                         "router_dtype": _DTYPE_CODES[router.dtype] if router.dtype is not dt else -1, **settings})
+        self._plan_held = (key, args)
+        return args
 
     def _router_ready(self, moe, dt: torch.dtype, B: int) -> tuple[bool, torch.Tensor | None]:
         """(whether the native calls can compute the MoE block's router for B rows of dtype dt now,
