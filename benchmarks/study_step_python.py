@@ -9,7 +9,8 @@ the time of the study only, the pieces of a step: the whole forward; the causal 
 model; the stack's checks (`_observed`, `_args`), its decode step (`_hidden`), the one call
 (`_one_call`), the layers' `plan_args` inside it, the native `StepPlan.run`, and inside those
 the embedding's lookup, the rotary table's lookup, the KV cache's slots and commits and the
-output objects (stack.Outputs); and the lm_head (its runner's forward on the path). Means per
+output objects (stack.Outputs); and the lm_head (its runner's forward on the path, when it does
+not run at the end of the one call). Means per
 step; what no timer holds is the module call and the patched forward around the causal LM's
 path (without the path: transformers' own code around the stack and lm_head). (A timer costs about a
 microsecond per call: 16 layers' plan_args, about 20 us a step, is the largest such overhead.)
@@ -72,7 +73,9 @@ def main() -> int:
         for name in ("_args", "_run"):
             timed(lm, name, f"causal LM {name}")
         timed(type(lm.watch), "observed", "causal LM watch")  # (a class with __slots__; the layers use it too)
-        timed(lm.head_runner, "forward", "lm_head")  # (its runner: a forward set on the module takes the path)
+        # (its runner: a forward set on the module takes the path; nothing when the lm_head runs
+        # in the one call, stack.HEAD_IN_CALL, whose time is then the native call's)
+        timed(lm.head_runner, "forward", "lm_head")
     else:
         timed(model.lm_head, "forward", "lm_head")
     # finer: the pieces of _run and _one_call outside the native call (instance and module
@@ -108,7 +111,7 @@ def main() -> int:
             nxt = out.logits[:, -1:].argmax(-1)
         if st._plan is None:
             raise SystemExit("the stack's decode steps did not take the one native call (report_for says why)")
-        st._plan = (TimedPlan(st._plan[0]), st._plan[1])
+        st._plan = (TimedPlan(st._plan[0]), *st._plan[1:])
         spent.clear()
         for _ in range(args.steps):
             probe.read(256 << 20)
@@ -117,7 +120,7 @@ def main() -> int:
             spent["step"] += now() - t
             nxt = out.logits[:, -1:].argmax(-1)
     ms = {k: v / args.steps * 1e3 for k, v in spent.items()}
-    native, lm = ms["native StepPlan.run"], ms["lm_head"]
+    native, lm = ms["native StepPlan.run"], ms.setdefault("lm_head", 0.0)  # (0: in the native call)
     print(f"{args.ckpt}, {args.weights}, scope all, {args.threads} threads, mean of {args.steps} steps, "
           f"256 MB read before each")
     print("| piece | ms per step |")
