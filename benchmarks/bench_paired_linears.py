@@ -44,10 +44,10 @@ def main() -> int:
     if not (args.ckpt and args.cache_dir):
         raise SystemExit("give --ckpt and --cache-dir, or --op-level")
     import torch
-    from transformers import DynamicCache
+    from bench_step_ab import alternate  # (this folder's: the scripts run from it)
 
     import hi_na_moe
-    from hi_na_moe import _native, dense
+    from hi_na_moe import dense
     from hi_na_moe.patching import patched_member
 
     torch.set_num_threads(args.threads)
@@ -65,32 +65,8 @@ def main() -> int:
             raise SystemExit(f"the {arm} arm has {n} paired layers of {len(runners)}")
         print(f"{arm}: {n} of {len(runners)} {args.weights} dense layers (or groups) paired")
     dense.PAIRED, dense.REUSE_UNPAIRED = True, True
-    probe = _native.BandwidthProbe(1 << 30, args.threads)
-    ms: dict[str, list[float]] = {a: [] for a in models}
-    gbs: dict[str, list[float]] = {a: [] for a in models}
-    tokens: dict[str, list[int]] = {a: [] for a in models}
-    prompt = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        for r in range(args.rounds):
-            state = {}
-            for arm, model in models.items():
-                cache = DynamicCache(config=model.config)
-                out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                state[arm] = (cache, out.logits[:, -1:].argmax(-1))
-            order = list(models) if r % 2 == 0 else list(models)[::-1]
-            for b in range(0, args.steps, args.block):
-                for arm in order:
-                    cache, nxt = state[arm]
-                    for _ in range(min(args.block, args.steps - b)):
-                        gbs[arm].append(probe.read(256 << 20))
-                        time.sleep(0.03)
-                        t = time.perf_counter()
-                        out = models[arm](nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                        ms[arm].append((time.perf_counter() - t) * 1e3)
-                        nxt = out.logits[:, -1:].argmax(-1)
-                        if r == 0:
-                            tokens[arm].append(int(nxt))
-                    state[arm] = (cache, nxt)
+    ms, gbs, tokens, _ = alternate({arm: (model, lambda: None) for arm, model in models.items()}, args.rounds,
+                                   args.steps, args.block, args.threads)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
            "same_tokens": tokens["paired"] == tokens["one matrix"], "arms": {}}
     print(f"{args.ckpt}, {args.weights}, scope all, {args.threads} threads, {args.rounds} rounds of {args.steps} "

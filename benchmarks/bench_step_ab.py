@@ -121,6 +121,52 @@ def held_plan_args_switch(model):
     return use, lambda: taken[0]
 
 
+def alternate(arms: dict, rounds: int, steps: int, block: int, threads: int, count=None):
+    """Decode steps of each arm (name -> (model, a function that puts the arm in place)), `block`
+    steps of one arm then the other's, each arm on its own DynamicCache after a 16-token prompt,
+    restarted every `steps`, the arms' order swapped every round; each step after an untimed 256
+    MB read of a 1 GiB buffer and a 30 ms pause. Returns per arm (step ms, the reads' GB/s, the
+    first round's tokens, how much `count()` grew over its steps)."""
+    import torch
+    from transformers import DynamicCache
+
+    from hi_na_moe import _native
+
+    probe = _native.BandwidthProbe(1 << 30, threads)
+    ms: dict[str, list[float]] = {a: [] for a in arms}
+    gbs: dict[str, list[float]] = {a: [] for a in arms}
+    tokens: dict[str, list[int]] = {a: [] for a in arms}
+    calls = {a: 0 for a in arms}
+    prompt = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for r in range(rounds):
+            state = {}
+            for arm, (model, put) in arms.items():
+                put()
+                cache = DynamicCache(config=model.config)
+                out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                state[arm] = (cache, out.logits[:, -1:].argmax(-1))
+            order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+            for b in range(0, steps, block):
+                for arm in order:
+                    model, put = arms[arm]
+                    put()
+                    cache, nxt = state[arm]
+                    for _ in range(min(block, steps - b)):
+                        gbs[arm].append(probe.read(256 << 20))
+                        time.sleep(0.03)
+                        before = count() if count else 0
+                        t = time.perf_counter()
+                        out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        ms[arm].append((time.perf_counter() - t) * 1e3)
+                        calls[arm] += (count() if count else 0) - before
+                        nxt = out.logits[:, -1:].argmax(-1)
+                        if r == 0:
+                            tokens[arm].append(int(nxt))
+                    state[arm] = (cache, nxt)
+    return ms, gbs, tokens, calls
+
+
 SWITCHES = {"causal_lm": causal_lm_switch, "outputs": outputs_switch, "head_in_call": head_in_call_switch,
             "held_plan_args": held_plan_args_switch}
 
@@ -138,48 +184,16 @@ def main() -> int:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     import torch
-    from transformers import DynamicCache
 
     import hi_na_moe
-    from hi_na_moe import _native
 
     torch.set_num_threads(args.threads)
     cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
     model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
                                       config=cfg).eval()
     use, taken = SWITCHES[args.switch](model)
-    arms = {"off": False, "on": True}
-    probe = _native.BandwidthProbe(1 << 30, args.threads)
-    ms: dict[str, list[float]] = {a: [] for a in arms}
-    gbs: dict[str, list[float]] = {a: [] for a in arms}
-    tokens: dict[str, list[int]] = {a: [] for a in arms}
-    calls = {a: 0 for a in arms}
-    prompt = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        for r in range(args.rounds):
-            state = {}
-            for arm, on in arms.items():
-                use(on)
-                cache = DynamicCache(config=model.config)
-                out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                state[arm] = (cache, out.logits[:, -1:].argmax(-1))
-            order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-            for b in range(0, args.steps, args.block):
-                for arm in order:
-                    use(arms[arm])
-                    cache, nxt = state[arm]
-                    for _ in range(min(args.block, args.steps - b)):
-                        gbs[arm].append(probe.read(256 << 20))
-                        time.sleep(0.03)
-                        before = taken()
-                        t = time.perf_counter()
-                        out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                        ms[arm].append((time.perf_counter() - t) * 1e3)
-                        calls[arm] += taken() - before
-                        nxt = out.logits[:, -1:].argmax(-1)
-                        if r == 0:
-                            tokens[arm].append(int(nxt))
-                    state[arm] = (cache, nxt)
+    arms = {"off": (model, lambda: use(False)), "on": (model, lambda: use(True))}
+    ms, gbs, tokens, calls = alternate(arms, args.rounds, args.steps, args.block, args.threads, taken)
     use(True)
     ok = tokens["on"] == tokens["off"] and calls["off"] == 0 and calls["on"] == len(ms["on"])
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "switch": args.switch, "ckpt": args.ckpt,

@@ -134,6 +134,11 @@ class Outputs:
 _ODICT_SET = OrderedDict.__setitem__
 
 
+def _same_cache(a, b) -> bool:
+    """Whether two caches' layers hold the same keys and values, bit for bit (the probes')."""
+    return all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers))
+
+
 def find_stacks(model: nn.Module, exclude: str, candidates: set[str] | None = None) -> list[tuple[str, nn.Module]]:
     """(name, module) of the decoder stacks of the module docstring's shape whose layers are all
     patched NativeLayers (so: after hi_na_moe.layers patched them); with `candidates` (for
@@ -274,9 +279,8 @@ class NativeStack:
                             or not torch.equal(got.last_hidden_state, want.last_hidden_state)
                             or got.last_hidden_state.dtype != want.last_hidden_state.dtype):
                         return False
-                    for a, b in zip(own.layers, ours.layers):
-                        if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
-                            return False
+                    if not _same_cache(own, ours):
+                        return False
         except Exception:
             return False
         self.ready = True
@@ -300,8 +304,7 @@ class NativeStack:
             return False
         got = self._run(*fast)
         return (type(got) is type(want) and torch.equal(got.last_hidden_state, want.last_hidden_state)
-                and all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-                        for a, b in zip(own.layers, ours.layers)))
+                and _same_cache(own, ours))
 
     def _in_window(self, cache) -> bool:
         """Whether no key of this step falls out of a windowed layer's window (so the layers need
@@ -702,9 +705,8 @@ class NativeCausalLM:
                             or want.past_key_values is not own or got.past_key_values is not ours
                             or got.logits.dtype != want.logits.dtype or not torch.equal(got.logits, want.logits)):
                         return False
-                    for a, b in zip(own.layers, ours.layers):
-                        if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
-                            return False
+                    if not _same_cache(own, ours):
+                        return False
         except Exception:
             return False
         self.ready = True
