@@ -17,6 +17,8 @@ Switches:
              against its runner's forward after the call
   held_plan_args  the layers' one-call arguments held while what they hold is unchanged
              (layers.HOLD_PLAN_ARGS) against built at every step
+  kv_group   the layers' KV buffers as one tensor whose step views are two torch ops
+             (kv_cache.GROUP) against a buffer and two views a layer
 
     chrt -f 1 python benchmarks/bench_step_ab.py --switch causal_lm --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
@@ -167,7 +169,28 @@ def alternate(arms: dict, rounds: int, steps: int, block: int, threads: int, cou
     return ms, gbs, tokens, calls
 
 
-SWITCHES = {"causal_lm": causal_lm_switch, "outputs": outputs_switch, "head_in_call": head_in_call_switch,
+def kv_group_switch(model):
+    """(use(on), calls()): the stack's KV slots of a DynamicCache taken as one group
+    (hi_na_moe.kv_cache.GROUP: one buffer, a step's views in two torch ops) or per layer. The
+    group is made when the buffers are (each arm's cache is new every round)."""
+    from hi_na_moe import kv_cache
+
+    taken = [0]
+    commit_all = kv_cache.commit_all
+
+    def counted(slots):
+        taken[0] += any(s.group is not None for s in slots)
+        return commit_all(slots)
+
+    kv_cache.commit_all = counted
+
+    def use(on: bool) -> None:
+        kv_cache.GROUP = on
+
+    return use, lambda: taken[0]
+
+
+SWITCHES = {"kv_group": kv_group_switch, "causal_lm": causal_lm_switch, "outputs": outputs_switch, "head_in_call": head_in_call_switch,
             "held_plan_args": held_plan_args_switch}
 
 

@@ -83,8 +83,11 @@ def main() -> int:
     timed(st, "_embed", "embedding lookup")  # (not the module's forward: a forward set on it takes its call)
     timed(type(st.rope), "lookup", "rotary table lookup")  # (a class with __slots__)
     timed(Outputs, "build", "model output object")  # (the stack's or the causal LM's; a class with __slots__)
+    # (the stack takes a DynamicCache's slots and commits for all layers at once, kv_cache.slots /
+    # commit_all, whose standalone members' commit is inside; slot for latent attention's)
     timed(kv_cache, "slot", "KV slots")
-    timed(kv_cache, "commit", "KV commits")
+    timed(kv_cache, "slots", "KV slots")
+    timed(kv_cache, "commit_all", "KV commits")
 
     class TimedPlan:  # the stack's StepPlan, its run timed
         def __init__(self, plan):

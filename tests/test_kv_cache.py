@@ -49,6 +49,58 @@ def test_appends_in_place_hold_what_the_caches_own_update_holds(dtype):
     assert len(buffers) == 4  # two layers, each one buffer and one regrowth: written in place between
 
 
+def _write(slots, gen):
+    """What a decode step's native call does to each slot: writes its next position (returned as
+    (k, v) [B, heads, 1, D] for the reference cache)."""
+    new = []
+    for s in slots:
+        k, v = _kv(gen, heads=s.k.shape[1], D=s.k.shape[3])
+        s.k[:, :, s.base + s.t:s.base + s.t + 1].copy_(k)
+        s.v[:, :, s.base + s.t:s.base + s.t + 1].copy_(v)
+        new.append((k, v))
+    return new
+
+
+def test_layers_taking_new_buffers_together_share_one_tensor_and_commit_all_at_once(monkeypatch):
+    """kv_cache.slots: layers needing new buffers at the same call take one tensor (a group);
+    commit_all makes their views with one narrow and one unbind: the same keys and values as the
+    cache's own update past the regrowth, a layer cropped alone leaving the group for a buffer of
+    its own, and GROUP False or a single layer giving standalone buffers."""
+    gen = torch.Generator().manual_seed(4)
+    ours, ref = _caches(gen, layers=3)
+    storages, commits = set(), []
+    commit = kv_cache.commit
+    monkeypatch.setattr(kv_cache, "commit", lambda s: commits.append(1) or commit(s))
+    for step in range(270):  # past the room (5 + 256 positions): a second group
+        slots = kv_cache.slots(ours, [0, 1, 2], 2, 3, 8, torch.bfloat16)
+        assert slots is not None and all(s.group is slots[0].group is not None for s in slots)
+        assert [s.gi for s in slots] == [0, 1, 2]
+        storages.add(slots[0].group.buf.untyped_storage().data_ptr())
+        for i, (k, v) in enumerate(_write(slots, gen)):
+            ref.update(k, v, i)
+        kv_cache.commit_all(slots)
+        for a, b in zip(ours.layers, ref.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert len(storages) == 2 and not commits  # (every commit the group's)
+    # a layer cropped alone: its next slot a buffer of its own, the others stay in the group
+    ours.layers[1].crop(-2)
+    ref.layers[1].crop(-2)
+    slots = kv_cache.slots(ours, [0, 1, 2], 2, 3, 8, torch.bfloat16)
+    assert slots[1].group is None and slots[0].group is slots[2].group is not None
+    for i, (k, v) in enumerate(_write(slots, gen)):
+        ref.update(k, v, i)
+    kv_cache.commit_all(slots)
+    assert len(commits) == 1  # (the standalone layer's)
+    for a, b in zip(ours.layers, ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # GROUP False: standalone buffers; the form asked must be the layers' (else None)
+    monkeypatch.setattr(kv_cache, "GROUP", False)
+    fresh, _ = _caches(gen, layers=2)
+    slots = kv_cache.slots(fresh, [0, 1], 2, 3, 8, torch.bfloat16)
+    assert all(s.group is None for s in slots)
+    assert kv_cache.slots(_caches(gen, layers=2)[0], [0, 1], 2, 4, 8, torch.bfloat16) is None
+
+
 def _sliding_caches(gen, window: int, T: int):
     a, b = DynamicCache(), DynamicCache()
     a.layers = [DynamicSlidingWindowLayer(sliding_window=window)]
@@ -179,6 +231,17 @@ def test_buffers_made_in_inference_mode_are_replaced_outside_it():
     assert torch.equal(ours.layers[0].values, ref.layers[0].values)
 
 
+def _count_commits(monkeypatch, sink: list) -> None:
+    """Appends one item to `sink` per layer position committed in place: by commit, or by
+    commit_all for a group's members (the others it hands to commit)."""
+    commit, commit_all = kv_cache.commit, kv_cache.commit_all
+    monkeypatch.setattr(kv_cache, "commit", lambda s: sink.append(1) or commit(s))
+
+    def counted_all(slots):
+        sink.extend(1 for s in slots if s.group is not None)
+        return commit_all(slots)
+
+    monkeypatch.setattr(kv_cache, "commit_all", counted_all)
 
 
 @pytest.mark.skipif(not native_kernels_available(), reason="the decode paths run on the native kernels")
@@ -197,8 +260,8 @@ def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(pa
         if path == "per-module-attention":  # a hook on the attention: the layers step aside to calling it
             hooks = [layer.self_attn.register_forward_hook(lambda *a: None) for layer in model.model.layers]
         appends, direct = [], []
-        commit, offset = kv_cache.commit, kv_cache.Slot.offset
-        monkeypatch.setattr(kv_cache, "commit", lambda s: appends.append(1) or commit(s))
+        offset = kv_cache.Slot.offset
+        _count_commits(monkeypatch, appends)
         # the layers' first native call writes k and v at the slot's offset; append() copies them
         monkeypatch.setattr(kv_cache.Slot, "offset", lambda s: direct.append(1) or offset(s))
         ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3]][:rows])
@@ -228,8 +291,7 @@ def test_beam_search_reorders_a_grown_cache_as_the_caches_own_update_does(monkey
     hi_na_moe.enable_for_model(model, scope="all")
     try:
         commits = []
-        commit = kv_cache.commit
-        monkeypatch.setattr(kv_cache, "commit", lambda s: commits.append(1) or commit(s))
+        _count_commits(monkeypatch, commits)
         with torch.inference_mode():
             got = model.generate(ids, **kw)
         assert commits  # the beams' decode steps appended in place

@@ -49,7 +49,7 @@ import weakref
 
 import torch
 
-__all__ = ["Slot", "slot", "commit", "append", "StaticSlot", "static_slot", "static_commit"]
+__all__ = ["Slot", "slot", "slots", "commit", "commit_all", "append", "StaticSlot", "static_slot", "static_commit"]
 
 
 class Slot:
@@ -58,13 +58,14 @@ class Slot:
     layer holds (kview, vview), and t: the next append writes position base + t. base stays 0 but
     for a sliding-window layer (window: its window, else 0), whose view moves on once full."""
 
-    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form", "base", "window")
+    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form", "base", "window", "group", "gi")
 
     def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int, window: int = 0):
         self.layer, self.k, self.v, self.t, self.cap = layer, k, v, t, k.shape[2]
         self.form = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype)
         self.kview = self.vview = None
         self.base, self.window = 0, window
+        self.group, self.gi = None, -1  # (slots(): the _Group holding k and v, and its member index)
 
     def strides(self) -> tuple[int, int]:
         """Elements between batch rows and between heads of k (and of v when Dv == D, as for the
@@ -125,14 +126,36 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype, 
     layer = _shipped_layer(cache, layer_idx, _shipped())
     if layer is None:
         return None
-    keys, values = layer.keys, layer.values
+    s = _held(layer, (B, heads, D, Dv, dtype))
+    if s is not None:
+        return s or None
+    fresh = _fresh(layer, B, heads, D, Dv, dtype)
+    if fresh is None:
+        return None
+    T, window = fresh
+    cap = _capacity(T)
+    return _install(layer, torch.empty(B, heads, cap, D, dtype=dtype), torch.empty(B, heads, cap, Dv, dtype=dtype),
+                    T, window)
+
+
+def _held(layer, form: tuple):
+    """The layer's Slot when the next position can go into its buffers; False when its own
+    update must run (a sliding-window layer recording its past); None when it needs new buffers."""
     s = _SLOTS.get(layer)
-    if s is not None and s.window and layer.record_past:
-        return None  # recording its past since (assisted decoding): its own update keeps every position
-    if (s is not None and keys is s.kview and values is s.vview and s.base + s.t < s.cap
-            and s.form == (B, heads, D, Dv, dtype)):
-        if not s.k.is_inference() or torch.is_inference_mode_enabled():
-            return s
+    if s is None:
+        return None
+    if s.window and layer.record_past:
+        return False  # recording its past since (assisted decoding): its own update keeps every position
+    if (layer.keys is s.kview and layer.values is s.vview and s.base + s.t < s.cap and s.form == form
+            and (not s.k.is_inference() or torch.is_inference_mode_enabled())):
+        return s
+    return None
+
+
+def _fresh(layer, B: int, heads: int, D: int, Dv: int, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(T, window) of a layer whose keys and values new buffers can take (the expected shape and
+    dtype on the CPU, a window as its update keeps it), else None."""
+    keys, values = layer.keys, layer.values
     if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or keys.dim() != 4
             or keys.shape[0] != B or keys.shape[1] != heads or keys.shape[3] != D or keys.shape[2] == 0
             or values.shape != (B, heads, keys.shape[2], Dv) or keys.dtype is not dtype or values.dtype is not dtype
@@ -146,11 +169,17 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype, 
         if (type(window) is not int or window < 2 or layer.record_past or type(n) is not int
                 or T != min(n, window - 1)):
             return None
-    cap = T + max(256, T // 8)
-    k = torch.empty(B, heads, cap, D, dtype=dtype)
-    v = torch.empty(B, heads, cap, Dv, dtype=dtype)
-    k[:, :, :T].copy_(keys)
-    v[:, :, :T].copy_(values)
+    return T, window
+
+
+def _capacity(T: int) -> int:
+    return T + max(256, T // 8)
+
+
+def _install(layer, k: torch.Tensor, v: torch.Tensor, T: int, window: int) -> Slot:
+    """The layer's T positions copied into new buffers k and v, and the layer holding views of them."""
+    k[:, :, :T].copy_(layer.keys)
+    v[:, :, :T].copy_(layer.values)
     s = Slot(layer, k, v, T, window)
     # the layer holds views of the new buffers from here on: were the caller to fail before
     # commit, the layer still holds its T positions
@@ -158,6 +187,81 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype, 
     layer.keys, layer.values = s.kview, s.vview
     _SLOTS[layer] = s
     return s
+
+
+# slots(): layers taking new buffers at the same call share one tensor (commit_all)
+GROUP = True
+
+
+class _Group:
+    """The buffers of several layers' Slots as one tensor buf [2 n, B, heads, cap, D]: member i's
+    keys buf[2 i], its values buf[2 i + 1]."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+
+
+def slots(cache, layer_ids: list[int], B: int, heads: int, D: int, dtype: torch.dtype) -> list[Slot] | None:
+    """slot() of each layer of `layer_ids` (values D wide too), or None when one of them would be
+    None (layers before it may then hold views of new buffers: the same positions). The layers
+    that need new buffers at this call, without a window and holding as many positions, take
+    them as one group (GROUP; _Group): commit_all then makes all their next views with one
+    narrow and one unbind instead of two narrows a layer (each ~2 us warm, several times that
+    on the caches a decode step's weight stream leaves)."""
+    shipped = _shipped()
+    form = (B, heads, D, D, dtype)
+    out: list = []
+    new = []  # (index in out, layer, T, window)
+    for idx in layer_ids:
+        layer = _shipped_layer(cache, idx, shipped)
+        if layer is None:
+            return None
+        s = _held(layer, form)
+        if s is False:
+            return None
+        if s is None:
+            fresh = _fresh(layer, B, heads, D, D, dtype)
+            if fresh is None:
+                return None
+            new.append((len(out), layer, *fresh))
+        out.append(s)
+    grouped = [x for x in new if not x[3]] if GROUP else []
+    if len(grouped) > 1 and len({x[2] for x in grouped}) == 1:
+        cap = _capacity(grouped[0][2])
+        g = _Group(torch.empty(2 * len(grouped), B, heads, cap, D, dtype=dtype))
+        for j, (i, layer, T, _) in enumerate(grouped):
+            s = out[i] = _install(layer, g.buf[2 * j], g.buf[2 * j + 1], T, 0)
+            s.group, s.gi = g, j
+    for i, layer, T, window in new:
+        if out[i] is None:
+            cap = _capacity(T)
+            out[i] = _install(layer, torch.empty(B, heads, cap, D, dtype=dtype),
+                              torch.empty(B, heads, cap, D, dtype=dtype), T, window)
+    return out
+
+
+def commit_all(slots: list[Slot]) -> None:
+    """commit() of every slot, without its return; the members of one group (slots()) holding as
+    many positions all at once, with one narrow and one unbind."""
+    groups: dict[int, list[Slot]] = {}
+    for s in slots:
+        if s.group is None:
+            commit(s)
+        else:
+            groups.setdefault(id(s.group), []).append(s)
+    for members in groups.values():
+        t = members[0].t + 1
+        if len(members) == 1 or any(m.t + 1 != t for m in members):
+            for m in members:
+                commit(m)
+            continue
+        views = members[0].group.buf.narrow(3, 0, t).unbind(0)  # (members: no window, base 0)
+        for m in members:
+            m.kview, m.vview = views[2 * m.gi], views[2 * m.gi + 1]
+            m.t = t
+            m.layer.keys, m.layer.values = m.kview, m.vview
 
 
 class StaticSlot:

@@ -502,7 +502,15 @@ class NativeStack:
         slots, kv = [], []
         static = type(cache) is not self._dynamic  # a StaticCache (_args): its buffers, under its mask
         latent = self.runners[0].mla  # the tables' form: latent attention's, or the others'
-        for r in self.runners:
+        # a DynamicCache's layers of one form: their slots at once (kv_cache.slots, whose new
+        # buffers are one tensor and whose commits are two torch ops for all)
+        at0 = self.runners[0].attn
+        together = None
+        if not (static or latent) and all(not r.mla and (r.attn.Hkv, r.attn.D) == (at0.Hkv, at0.D) for r in self.runners):
+            together = kv_cache.slots(cache, [r.attn_mod.layer_idx for r in self.runners], B, at0.Hkv, at0.D, dt)
+            if together is None:
+                return None
+        for i, r in enumerate(self.runners):
             at = r.attn
             if r.mla != latent:
                 return None
@@ -512,7 +520,7 @@ class NativeStack:
                 s = kv_cache.static_slot(cache, r.attn_mod.layer_idx, B, heads, D, dt, Dv)
                 S = None if s is None or mask is None else s.k.shape[2]
             else:
-                s = kv_cache.slot(cache, r.attn_mod.layer_idx, B, heads, D, dt, Dv)
+                s = together[i] if together is not None else kv_cache.slot(cache, r.attn_mod.layer_idx, B, heads, D, dt, Dv)
                 S = None if s is None else s.t + 1
             if (S is None or (not latent and at.kernel_keys is not None and S > at.kernel_keys)
                     or (mask is not None and mask.shape[-1] != S)):
@@ -563,11 +571,11 @@ class NativeStack:
                             kv.buffer_info()[0], scratch.data_ptr(), out.data_ptr(),
                             *((0, 0.0, 0) if norm is None else (norm[0], norm[1], normed.data_ptr())),
                             0 if qs is None else qs.data_ptr(), 0 if logits is None else logits.data_ptr())
-        for s in slots:
-            if static:
+        if static:
+            for s in slots:
                 kv_cache.static_commit(s)
-            else:
-                kv_cache.commit(s)
+        else:
+            kv_cache.commit_all(slots)
         for r, name in zip(self.runners, names):
             if r.moe is not None:  # (a dense layer runs no experts)
                 _LAST_KERNEL[r.moe.experts.handle] = name
