@@ -116,6 +116,32 @@ class Runner:
         return t
 
 
+def serve(run: Runner, ids, prompt_len: int, gen: int, after_step, probe_gbs: list[float]) -> int:
+    """--serve: decode steps in bursts on command (bench_interleaved.py), the sequence restarted
+    with a new prompt every `gen` steps."""
+    print(json.dumps({"ready": True}), flush=True)
+    done, tok = gen, None  # (a new sequence at the first burst)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd == ["quit"]:
+            break
+        if len(cmd) != 2 or cmd[0] != "steps" or not cmd[1].isdigit():
+            print(json.dumps({"error": f"unknown command {line.strip()!r}"}), flush=True)
+            continue
+        steps, n0 = [], len(probe_gbs)
+        for _ in range(int(cmd[1])):
+            if done == gen:
+                run.clear()
+                run.eval(ids(prompt_len))
+                tok, done = int(np.argmax(run.last_logits())), 0
+            steps.append(run.eval([tok]) * 1e3)
+            tok = int(np.argmax(run.last_logits()))
+            done += 1
+            after_step()
+        print(json.dumps({"step_ms": [round(x, 4) for x in steps], "probe_gbs": probe_gbs[n0:]}), flush=True)
+    return 0
+
+
 PROBE_BYTES = 1 << 30  # the paired probe's buffer, as bench_full_model.py's
 PROBE_READ = 256 << 20
 PROBE_SETTLE_S = 0.03
@@ -150,6 +176,12 @@ def main(argv=None) -> int:
     ap.add_argument("--paired-probe-native", metavar="PATH",
                     help="hi_na_moe's _native extension file: after every timed decode step, untimed, a 256 MB "
                          "read of a 1 GiB buffer with its BandwidthProbe (bench_full_model.py's paired probe)")
+    ap.add_argument("--serve", action="store_true",
+                    help="after the warm-up, take commands on stdin, one a line, and answer each with one JSON "
+                         "line on stdout: 'steps N' decodes N steps of the current sequence (a new --prompt-len "
+                         "prompt, untimed, once --gen steps were decoded), each followed by the paired probe's "
+                         "read (needs --paired-probe-native): {\"step_ms\": [...], \"probe_gbs\": [...]}; 'quit' "
+                         "ends (bench_interleaved.py drives it)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--verbose", action="store_true", help="let llama.cpp log")
     args = ap.parse_args(argv)
@@ -195,6 +227,11 @@ def main(argv=None) -> int:
     def after_step() -> None:
         probe_gbs.append(probe.read(PROBE_READ))
         time.sleep(PROBE_SETTLE_S)
+
+    if args.serve:
+        if probe is None:
+            ap.error("--serve needs --paired-probe-native")
+        return serve(run, ids, args.prompt_len, args.gen, after_step, probe_gbs)
 
     tg, pp = [], []
     for _ in range(args.repeats):

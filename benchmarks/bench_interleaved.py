@@ -1,0 +1,174 @@
+"""Decode speed against llama.cpp with the two engines interleaved, so that both see the same host.
+
+bench_full_model.py runs its arms one after the other, each in its own process for a minute or
+so; on this shared host the memory bandwidth moves between phases (paired probes of 29-33 and
+43-50 GB/s) that last minutes, and an arm that lands in the other phase than its partner moves
+the ratio by +-15 % (benchmarks/RESULTS.md, sessions 28-30). Here both engines stay loaded, in
+two processes: this one (hi_na_moe.from_pretrained, scope="all", --weights from the store
+--cache-dir) and bench_llamacpp.py --serve on --gguf in the llama.cpp venv. They decode in
+bursts of --burst steps, alternating (the order swapped every round), --rounds rounds, each
+step followed by the paired probe's untimed 256 MB read and a 30 ms pause, a 0.2 s pause
+between bursts; each engine decodes its own sequences of 128 steps after a 16-token prompt
+(untimed), restarted as they end. Prints per engine the median step, the median probe and
+tokens/s per GB/s of probe; the ratio of the medians, and the median of the rounds' ratios
+(each round's two bursts a few seconds apart, in one phase).
+
+    chrt -f 1 python benchmarks/bench_interleaved.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+        --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4 \\
+        --gguf /work/ckpt/gguf/qwen1.5-moe-a2.7b-4l-q4_0.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROMPT_LEN, GEN = 16, 128
+
+
+class Llama:
+    """bench_llamacpp.py --serve in the llama.cpp venv: bursts of decode steps on command."""
+
+    def __init__(self, python: str, gguf: Path, threads: int):
+        native = importlib.util.find_spec("hi_na_moe._native").origin
+        cmd = [python, str(HERE / "bench_llamacpp.py"), str(gguf), "--serve", "--threads", str(threads),
+               "--prompt-len", str(PROMPT_LEN), "--gen", str(GEN), "--paired-probe-native", native]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()  # {"ready": true} once loaded and warmed up
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"bench_llamacpp.py --serve ended (exit code {self.proc.wait()})")
+        out = json.loads(line)
+        if "error" in out:
+            raise SystemExit(f"bench_llamacpp.py --serve: {out['error']}")
+        return out
+
+    def burst(self, n: int) -> tuple[list[float], list[float]]:
+        self.proc.stdin.write(f"steps {n}\n")
+        self.proc.stdin.flush()
+        out = self._answer()
+        return out["step_ms"], out["probe_gbs"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+class Ours:
+    """hi_na_moe's model: bursts of decode steps with the paired probe, as Llama's."""
+
+    def __init__(self, args):
+        import torch
+
+        import hi_na_moe
+        from hi_na_moe import _native
+
+        torch.set_num_threads(args.threads)
+        self.torch = torch
+        cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
+        self.model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
+                                               config=cfg).eval()
+        self.probe = _native.BandwidthProbe(1 << 30, args.threads)
+        self.gen = torch.Generator().manual_seed(0)
+        self.done, self.cache, self.tok = GEN, None, None
+        self.burst(4, probe=False)  # warm-up
+
+    def burst(self, n: int, probe: bool = True) -> tuple[list[float], list[float]]:
+        from transformers import DynamicCache
+
+        torch, model = self.torch, self.model
+        steps, gbs = [], []
+        with torch.inference_mode():
+            for _ in range(n):
+                if self.done == GEN:
+                    self.cache = DynamicCache(config=model.config)
+                    ids = torch.randint(300, model.config.vocab_size, (1, PROMPT_LEN), generator=self.gen)
+                    out = model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                    self.tok, self.done = out.logits[:, -1:].argmax(-1), 0
+                t = time.perf_counter()
+                out = model(self.tok, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                steps.append((time.perf_counter() - t) * 1e3)
+                self.tok = out.logits[:, -1:].argmax(-1)
+                self.done += 1
+                if probe:
+                    gbs.append(self.probe.read(256 << 20))
+                    time.sleep(0.03)
+        return steps, gbs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
+    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    ap.add_argument("--gguf", required=True, type=Path, help="llama.cpp's weights (make_gguf.py)")
+    ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--burst", type=int, default=16, help="decode steps of one engine before the other's")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    if not args.gguf.is_file():
+        raise SystemExit(f"--gguf {args.gguf}: no such file (benchmarks/make_gguf.py writes it)")
+    llama = Llama(args.llamacpp_python, args.gguf, args.threads)
+    try:
+        ours = Ours(args)
+        engines = {"hi_na_moe": ours, "llama.cpp": llama}
+        ms = {e: [] for e in engines}
+        gbs = {e: [] for e in engines}
+        rounds = []  # per round: (our median ms, llama.cpp's, our probe median, llama.cpp's)
+        for r in range(args.rounds):
+            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            this = {}
+            for e in order:
+                time.sleep(0.2)
+                s, g = engines[e].burst(args.burst)
+                ms[e] += s
+                gbs[e] += g
+                this[e] = (statistics.median(s), statistics.median(g))
+            rounds.append(this)
+            print(f"# round {r + 1}: " + ", ".join(f"{e} {m:.2f} ms at {g:.1f} GB/s" for e, (m, g) in this.items()),
+                  flush=True)
+    finally:
+        llama.close()
+    med = {e: statistics.median(ms[e]) for e in ms}
+    probe = {e: statistics.median(gbs[e]) for e in gbs}
+    per_round = [x["llama.cpp"][0] / x["hi_na_moe"][0] for x in rounds]
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
+           "gguf": str(args.gguf), "rounds": args.rounds, "burst": args.burst, "threads": args.threads,
+           "engines": {e: {"median_ms": med[e], "probe_gbs": probe[e], "tok_s": 1e3 / med[e],
+                           "tok_s_per_probe_gbs": 1e3 / med[e] / probe[e], "step_ms": ms[e], "probe": gbs[e]}
+                       for e in ms},
+           "ratio_of_medians": med["llama.cpp"] / med["hi_na_moe"],
+           "round_ratios": per_round, "median_round_ratio": statistics.median(per_round)}
+    print(f"{args.ckpt}, {args.weights} scope all against {args.gguf.name}, {args.threads} threads, {args.rounds} "
+          f"rounds of {args.burst} steps an engine, alternating")
+    print("| engine | median ms a step | tok/s | paired probe GB/s | tok/s per probe GB/s |")
+    print("|---|---|---|---|---|")
+    for e in ms:
+        x = res["engines"][e]
+        print(f"| {e} | {x['median_ms']:.2f} | {x['tok_s']:.2f} | {x['probe_gbs']:.1f} | {x['tok_s_per_probe_gbs']:.3f} |")
+    print(f"hi_na_moe / llama.cpp decode speed: {res['ratio_of_medians']:.3f}x (medians of all steps), "
+          f"{res['median_round_ratio']:.3f}x (median of the rounds' ratios: "
+          f"{min(per_round):.3f}-{max(per_round):.3f}x)")
+    if args.json:
+        for e in res["engines"].values():
+            e["step_ms"] = [round(v, 3) for v in e["step_ms"]]
+            e["probe"] = [round(v, 2) for v in e["probe"]]
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
