@@ -118,7 +118,7 @@ def main() -> int:
     def time_plans():
         for st in stacks:
             if st._plan is not None and not isinstance(st._plan[0], TimedPlan):
-                st._plan = (TimedPlan(st._plan[0]), st._plan[1])
+                st._plan = (TimedPlan(st._plan[0]), *st._plan[1:])
     probe = _native.BandwidthProbe(1 << 30, 2)
     if args.ops and not _native.step_trace_compiled():
         raise SystemExit("--ops needs a tuning build: pip install --no-deps --no-build-isolation -e . "
