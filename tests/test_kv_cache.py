@@ -133,6 +133,10 @@ def test_a_sliding_window_layer_appended_in_place_holds_what_its_own_update_hold
         buffers.add(layer.keys.untyped_storage().data_ptr())
         if step % 37 == 0:
             held.append((got[0], got[0].clone(), got[1], got[1].clone()))
+        # the stack's one call reads the view's start: layout() follows base as it moves on
+        s = kv_cache.slot(ours, 0, 2, 3, 8, torch.bfloat16)
+        assert s.layout() == (layer.keys.data_ptr(), layer.values.data_ptr(), *s.k.stride()[:3], s.v.stride(0),
+                              s.v.stride(2))
     assert 2 <= len(buffers) <= 3  # written in place between the buffers' renewals
     for keys, k0, values, v0 in held:
         assert torch.equal(keys, k0) and torch.equal(values, v0)

@@ -58,7 +58,7 @@ class Slot:
     layer holds (kview, vview), and t: the next append writes position base + t. base stays 0 but
     for a sliding-window layer (window: its window, else 0), whose view moves on once full."""
 
-    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form", "base", "window", "group", "gi")
+    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form", "base", "window", "group", "gi", "_layout")
 
     def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int, window: int = 0):
         self.layer, self.k, self.v, self.t, self.cap = layer, k, v, t, k.shape[2]
@@ -66,6 +66,7 @@ class Slot:
         self.kview = self.vview = None
         self.base, self.window = 0, window
         self.group, self.gi = None, -1  # (slots(): the _Group holding k and v, and its member index)
+        self._layout = None  # (base, layout()) last computed
 
     def strides(self) -> tuple[int, int]:
         """Elements between batch rows and between heads of k (and of v when Dv == D, as for the
@@ -81,6 +82,20 @@ class Slot:
     def offset(self) -> int:
         """Bytes from k's (and v's) start to position base + t of row 0, head 0 (the next append's)."""
         return (self.base + self.t) * self.k.stride(2) * self.k.element_size()
+
+    def layout(self) -> tuple[int, int, int, int, int, int, int]:
+        """(address of k at position base, of v at position base, k's batch, head and position
+        element strides, v's batch and position strides): what the stack's one call reads the
+        cache by besides the positions; made again only when base moves (the buffers never change)."""
+        lay = self._layout
+        if lay is None or lay[0] != self.base:
+            lay = self._layout = (self.base, _layout(self.k, self.v, self.start()))
+        return lay[1]
+
+
+def _layout(k: torch.Tensor, v: torch.Tensor, off: int) -> tuple[int, int, int, int, int, int, int]:
+    st, sv = k.stride(), v.stride()
+    return k.data_ptr() + off, v.data_ptr() + off // st[2] * sv[2], st[0], st[1], st[2], sv[0], sv[2]
 
 
 IN_PLACE = True
@@ -275,6 +290,9 @@ class StaticSlot:
 
     def start(self) -> int:  # the attention reads the buffers from position 0 (Slot.start)
         return 0
+
+    def layout(self) -> tuple[int, int, int, int, int, int, int]:  # (Slot.layout's; a StaticSlot lives one step)
+        return _layout(self.k, self.v, 0)
 
 
 _SHIPPED_STATIC: tuple | None = None

@@ -526,10 +526,9 @@ class NativeStack:
                     or (mask is not None and mask.shape[-1] != S)):
                 return None
             # (a sliding-window layer's view starts later: Slot.start)
-            st, sv, off = s.k.stride(), s.v.stride(), s.start()
-            voff = off // st[2] * sv[2]
+            a = s.layout()
             slots.append(s)
-            kv += (s.k.data_ptr() + off, s.v.data_ptr() + voff, st[0], st[1], st[2], S, s.t, sv[0], sv[2])
+            kv += (a[0], a[1], a[2], a[3], a[4], S, s.t, a[5], a[6])
         norm = self._final_norm(dt)
         # the head (its BoundForward and threads) when it can run after the final norm in the call
         head_key = None
