@@ -126,24 +126,43 @@ class Watch:
     them by (a part replaced after enable, e.g. mlp.down_proj = another module, is not the one it
     resolved)."""
 
-    __slots__ = ("links", "forwards", "hook_dicts")
+    __slots__ = ("links", "forwards", "hook_dicts", "_flat")
 
     def __init__(self, skipped: list[nn.Module], links: list[tuple[nn.Module, str]]):
         self.links = tuple((parent._modules, name, parent._modules[name]) for parent, name in links)
         self.forwards = tuple((mod.__dict__, mod.__dict__.get("forward")) for mod in skipped)
         self.hook_dicts = tuple((mod._forward_hooks, mod._forward_pre_hooks, mod) for mod in skipped)
+        self._index()
+
+    @classmethod
+    def merged(cls, watches: list[Watch]) -> Watch:
+        """One Watch comparing everything the given ones compare (a stack's, over its layers':
+        one pass instead of a call each)."""
+        w = cls.__new__(cls)
+        w.links = tuple(x for v in watches for x in v.links)
+        w.forwards = tuple(x for v in watches for x in v.forwards)
+        w.hook_dicts = tuple(x for v in watches for x in v.hook_dicts)
+        w._index()
+        return w
+
+    def _index(self) -> None:
+        # the same comparisons as columns, for C-level passes (map over dict.get, list equality:
+        # modules compare by identity; a forward equal to the one held, the same function bound
+        # to the same module, is that forward)
+        self._flat = (tuple(m for m, _, _ in self.links), tuple(n for _, n, _ in self.links),
+                      [c for _, _, c in self.links], tuple(d for d, _ in self.forwards),
+                      ("forward",) * len(self.forwards), [f for _, f in self.forwards],
+                      tuple(h for hooks, pre, _ in self.hook_dicts for h in (hooks, pre)))
 
     def observed(self) -> bool:
         """Whether a hook, a replaced forward or a replaced part would see the skipped modules."""
-        for modules, name, child in self.links:
-            if modules.get(name) is not child:
-                return True
-        for d, fwd in self.forwards:
-            if d.get("forward") is not fwd:
-                return True
-        for hooks, pre_hooks, mod in self.hook_dicts:
-            if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
-                return True
+        parents, names, children, dicts, keys, forwards, hooks = self._flat
+        if list(map(dict.get, parents, names)) != children or list(map(dict.get, dicts, keys)) != forwards:
+            return True
+        if any(hooks):  # (a dict is true when it holds a hook)
+            for hooks, pre_hooks, mod in self.hook_dicts:
+                if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
+                    return True
         return False
 
 

@@ -67,7 +67,7 @@ from torch import nn
 
 from . import kv_cache
 from .dense import NORM_MAX_ROWS, _matches
-from .layers import NativeLayer, _idle_capture_hooks, observing
+from .layers import NativeLayer, Watch, observing
 from .rope_table import RopeTable
 from .torch_ops import _LAST_KERNEL
 
@@ -202,7 +202,11 @@ class NativeStack:
         if len(dtypes) != 1 or getattr(emb, "weight", None) is None or emb.weight.dtype not in dtypes:
             return False
         self.runners, self.layers, self.layer_list = runners, layers, m.layers
-        self.forwards = tuple(layer.__dict__.get("forward") for layer in layers)
+        self.layer_dicts = tuple(layer.__dict__ for layer in layers)
+        # (_observed) the layers themselves as the stack skips their module calls, and every
+        # layer's parts (its Watch, made in its probe, before this one)
+        own = Watch(list(layers), [(m, "layers")] + [(m.layers, str(i)) for i in range(len(layers))])
+        self.watch = Watch.merged([own] + [r.watch for r in runners])
         self.config = cfg
         self.out_type = None
         # the mask builder the own forward calls (by its module's global name)
@@ -369,18 +373,19 @@ class NativeStack:
         return ids, cache, pos, mask, True, past
 
     def _observed(self) -> bool:
-        """Whether something would see a layer's module call, or a part a layer skips."""
-        if observing() or self.module._modules.get("layers") is not self.layer_list:
+        """Whether something would see a layer's module call, or a part a layer skips: the layers
+        replaced (in the stack or its list), their forwards replaced, hooks on them (but
+        transformers' idle output-capturing ones), what their own Watches see (self.watch: all of
+        them in one pass), a layer training or no longer ready."""
+        if observing() or len(self.layer_list._modules) != len(self.layers) or self.config.num_hidden_layers != len(self.layers):
             return True
-        mods = self.layer_list._modules
-        if len(mods) != len(self.layers) or self.config.num_hidden_layers != len(self.layers):
-            return True
-        for layer, held, fwd, r in zip(mods.values(), self.layers, self.forwards, self.runners):
-            if (layer is not held or layer.__dict__.get("forward") is not fwd or layer.training or not r.ready
-                    or ((layer._forward_hooks or layer._forward_pre_hooks) and not _idle_capture_hooks(layer))
-                    or r.parts_observed()):
+        for d in self.layer_dicts:
+            if d["training"]:
                 return True
-        return False
+        for r in self.runners:
+            if not r.ready:
+                return True
+        return self.watch.observed()
 
     def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """This thread's buffer `name` for a step's tensor that nothing keeps past the step (the
