@@ -156,10 +156,10 @@ class Watch:
 
     def observed(self) -> bool:
         """Whether a hook, a replaced forward or a replaced part would see the skipped modules."""
-        parents, names, children, dicts, keys, forwards, hooks = self._flat
+        parents, names, children, dicts, keys, forwards, hook_dicts = self._flat
         if list(map(dict.get, parents, names)) != children or list(map(dict.get, dicts, keys)) != forwards:
             return True
-        if any(hooks):  # (a dict is true when it holds a hook)
+        if any(hook_dicts):  # (a dict is true when it holds a hook)
             for hooks, pre_hooks, mod in self.hook_dicts:
                 if (hooks or pre_hooks) and not _idle_capture_hooks(mod):
                     return True

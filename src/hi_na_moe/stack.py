@@ -671,7 +671,6 @@ class NativeCausalLM:
 
     def matches(self) -> bool:
         from .dense import NativeLinear
-        from .layers import Watch
         from .patching import patched_runner
 
         m = self.module
@@ -693,7 +692,6 @@ class NativeCausalLM:
     def _probe(self) -> bool:
         from transformers import DynamicCache
 
-        m = self.module
         gen = torch.Generator().manual_seed(12)
         B, T = 2, 3
         vocab = self.stack_module.embed_tokens.weight.shape[0]
@@ -732,9 +730,8 @@ class NativeCausalLM:
             kwargs = {"input_ids": args[0], **kwargs}
         if not kwargs.keys() <= _LM_KWARGS or kwargs.get("labels") is not None:
             return None
-        if kwargs.get("return_dict", True) is not True and kwargs.get("return_dict") is not None:
-            return None
-        if not getattr(self.config, "return_dict", True):
+        rd = kwargs.get("return_dict")  # (None: the config's, as transformers' can_return_tuple reads it)
+        if rd is not True and (rd is not None or not getattr(self.config, "return_dict", True)):
             return None
         keep = kwargs.get("logits_to_keep", 0)
         if type(keep) is not int or keep < 0:
