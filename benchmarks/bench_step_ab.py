@@ -63,44 +63,18 @@ def outputs_switch(model):
     builders = [r.outputs for m in model.modules() if isinstance(r := patched_runner(m), (NativeCausalLM, NativeStack))]
     if not builders or not all(b.fast for b in builders):
         raise SystemExit("the model's output objects are not built by hi_na_moe.stack.Outputs' fast path")
-    taken = [0]
 
     def use(on: bool) -> None:
         for b in builders:
             b.fast = on
 
     _, lm_calls = causal_lm_switch(model)  # (counts the causal LM's steps: each builds one output object)
-    return use, lambda: lm_calls() if builders[0].fast else taken[0]
+    return use, lambda: lm_calls() if builders[0].fast else 0
 
 
-def head_in_call_switch(model):
-    """(use(on), calls()): the causal LM's lm_head at the end of the stack's one call
-    (hi_na_moe.stack.HEAD_IN_CALL) or its runner's forward after it."""
-    from hi_na_moe import stack
-    from hi_na_moe.patching import patched_runner
-
-    causal_lm_switch(model)  # (checks that the path took the model)
-    st = patched_runner(model).stack
-    taken = [0]
-    one_call = st._one_call
-
-    def counted(*args):
-        out = one_call(*args)
-        taken[0] += out is not None and out[2] is not None
-        return out
-
-    st._one_call = counted
-
-    def use(on: bool) -> None:
-        stack.HEAD_IN_CALL = on
-
-    return use, lambda: taken[0]
-
-
-def held_plan_args_switch(model):
-    """(use(on), calls()): the layers' plan_args returning the last step's arguments while the key
-    of what they hold is unchanged (hi_na_moe.layers.HOLD_PLAN_ARGS), or building them every step."""
-    from hi_na_moe import layers
+def _one_calls(model, counts):
+    """A count of the model's stack's one native calls for which counts(their return) holds (its
+    _one_call wrapped)."""
     from hi_na_moe.patching import patched_runner
     from hi_na_moe.stack import NativeStack
 
@@ -112,15 +86,35 @@ def held_plan_args_switch(model):
 
     def counted(*args):
         out = one_call(*args)
-        taken[0] += out is not None and layers.HOLD_PLAN_ARGS
+        taken[0] += out is not None and bool(counts(out))
         return out
 
     stacks[0]._one_call = counted
+    return lambda: taken[0]
+
+
+def head_in_call_switch(model):
+    """(use(on), calls()): the causal LM's lm_head at the end of the stack's one call
+    (hi_na_moe.stack.HEAD_IN_CALL) or its runner's forward after it."""
+    from hi_na_moe import stack
+
+    causal_lm_switch(model)  # (checks that the path took the model)
+
+    def use(on: bool) -> None:
+        stack.HEAD_IN_CALL = on
+
+    return use, _one_calls(model, lambda out: out[2] is not None)
+
+
+def held_plan_args_switch(model):
+    """(use(on), calls()): the layers' plan_args returning the last step's arguments while the key
+    of what they hold is unchanged (hi_na_moe.layers.HOLD_PLAN_ARGS), or building them every step."""
+    from hi_na_moe import layers
 
     def use(on: bool) -> None:
         layers.HOLD_PLAN_ARGS = on
 
-    return use, lambda: taken[0]
+    return use, _one_calls(model, lambda out: layers.HOLD_PLAN_ARGS)
 
 
 def alternate(arms: dict, rounds: int, steps: int, block: int, threads: int, count=None):

@@ -147,10 +147,7 @@ def slot(cache, layer_idx: int, B: int, heads: int, D: int, dtype: torch.dtype, 
     fresh = _fresh(layer, B, heads, D, Dv, dtype)
     if fresh is None:
         return None
-    T, window = fresh
-    cap = _capacity(T)
-    return _install(layer, torch.empty(B, heads, cap, D, dtype=dtype), torch.empty(B, heads, cap, Dv, dtype=dtype),
-                    T, window)
+    return _install_alone(layer, B, heads, D, Dv, dtype, *fresh)
 
 
 def _held(layer, form: tuple):
@@ -189,6 +186,13 @@ def _fresh(layer, B: int, heads: int, D: int, Dv: int, dtype: torch.dtype) -> tu
 
 def _capacity(T: int) -> int:
     return T + max(256, T // 8)
+
+
+def _install_alone(layer, B: int, heads: int, D: int, Dv: int, dtype: torch.dtype, T: int, window: int) -> Slot:
+    """_install into buffers of the layer's own."""
+    cap = _capacity(T)
+    return _install(layer, torch.empty(B, heads, cap, D, dtype=dtype), torch.empty(B, heads, cap, Dv, dtype=dtype),
+                    T, window)
 
 
 def _install(layer, k: torch.Tensor, v: torch.Tensor, T: int, window: int) -> Slot:
@@ -251,9 +255,7 @@ def slots(cache, layer_ids: list[int], B: int, heads: int, D: int, dtype: torch.
             s.group, s.gi = g, j
     for i, layer, T, window in new:
         if out[i] is None:
-            cap = _capacity(T)
-            out[i] = _install(layer, torch.empty(B, heads, cap, D, dtype=dtype),
-                              torch.empty(B, heads, cap, D, dtype=dtype), T, window)
+            out[i] = _install_alone(layer, B, heads, D, D, dtype, T, window)
     return out
 
 
