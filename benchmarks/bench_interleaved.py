@@ -1,4 +1,4 @@
-"""Decode speed against llama.cpp with the two engines interleaved, so that both see the same host.
+"""Decode speed against llama.cpp (or transformers) with the two engines interleaved, so both see the same host.
 
 bench_full_model.py runs its arms one after the other, each in its own process for a minute or
 so; on this shared host the memory bandwidth moves between phases (paired probes of 29-33 and
@@ -13,9 +13,15 @@ between bursts; each engine decodes its own sequences of 128 steps after a 16-to
 tokens/s per GB/s of probe; the ratio of the medians, and the median of the rounds' ratios
 (each round's two bursts a few seconds apart, in one phase).
 
+--against transformers: the opponent is transformers' own model in this process instead
+(AutoModelForCausalLM.from_pretrained of --ckpt in bfloat16, not enabled), stepped as ours is
+(no --gguf then). Both models are resident: the checkpoint's bf16 weights twice in RAM.
+
     chrt -f 1 python benchmarks/bench_interleaved.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4 \\
         --gguf /work/ckpt/gguf/qwen1.5-moe-a2.7b-4l-q4_0.gguf
+    chrt -f 1 python benchmarks/bench_interleaved.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+        --weights lossless12 --cache-dir <the lossless12 store> --against transformers
 """
 from __future__ import annotations
 
@@ -65,9 +71,10 @@ class Llama:
 
 
 class Ours:
-    """hi_na_moe's model: bursts of decode steps with the paired probe, as Llama's."""
+    """hi_na_moe's model (native=True: transformers' own): bursts of decode steps with the paired
+    probe, as Llama's."""
 
-    def __init__(self, args):
+    def __init__(self, args, native: bool = False):
         import torch
 
         import hi_na_moe
@@ -75,9 +82,14 @@ class Ours:
 
         torch.set_num_threads(args.threads)
         self.torch = torch
-        cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
-        self.model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                               config=cfg).eval()
+        if native:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16).eval()
+        else:
+            cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
+            self.model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16,
+                                                   progress=False, config=cfg).eval()
         self.probe = _native.BandwidthProbe(1 << 30, args.threads)
         self.gen = torch.Generator().manual_seed(0)
         self.done, self.cache, self.tok = GEN, None, None
@@ -111,22 +123,28 @@ def main() -> int:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
     ap.add_argument("--cache-dir", required=True, help="the store of --weights")
-    ap.add_argument("--gguf", required=True, type=Path, help="llama.cpp's weights (make_gguf.py)")
+    ap.add_argument("--against", default="llamacpp", choices=("llamacpp", "transformers"))
+    ap.add_argument("--gguf", type=Path, help="llama.cpp's weights (make_gguf.py); for --against llamacpp")
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--burst", type=int, default=16, help="decode steps of one engine before the other's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    if not args.gguf.is_file():
-        raise SystemExit(f"--gguf {args.gguf}: no such file (benchmarks/make_gguf.py writes it)")
-    llama = Llama(args.llamacpp_python, args.gguf, args.threads)
+    if args.against == "llamacpp":
+        if args.gguf is None or not args.gguf.is_file():
+            raise SystemExit(f"--gguf {args.gguf}: no such file (benchmarks/make_gguf.py writes it)")
+        other, them = Llama(args.llamacpp_python, args.gguf, args.threads), "llama.cpp"
+    else:
+        if args.gguf is not None:
+            raise SystemExit("--gguf is for --against llamacpp")
+        other, them = Ours(args, native=True), "transformers"
     try:
         ours = Ours(args)
-        engines = {"hi_na_moe": ours, "llama.cpp": llama}
+        engines = {"hi_na_moe": ours, them: other}
         ms = {e: [] for e in engines}
         gbs = {e: [] for e in engines}
-        rounds = []  # per round: (our median ms, llama.cpp's, our probe median, llama.cpp's)
+        rounds = []  # per round: {engine: (median ms, median probe GB/s)}
         for r in range(args.rounds):
             order = list(engines) if r % 2 == 0 else list(engines)[::-1]
             this = {}
@@ -140,25 +158,26 @@ def main() -> int:
             print(f"# round {r + 1}: " + ", ".join(f"{e} {m:.2f} ms at {g:.1f} GB/s" for e, (m, g) in this.items()),
                   flush=True)
     finally:
-        llama.close()
+        if isinstance(other, Llama):
+            other.close()
     med = {e: statistics.median(ms[e]) for e in ms}
     probe = {e: statistics.median(gbs[e]) for e in gbs}
-    per_round = [x["llama.cpp"][0] / x["hi_na_moe"][0] for x in rounds]
+    per_round = [x[them][0] / x["hi_na_moe"][0] for x in rounds]
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
-           "gguf": str(args.gguf), "rounds": args.rounds, "burst": args.burst, "threads": args.threads,
+           "against": them, "gguf": str(args.gguf) if args.gguf else None, "rounds": args.rounds, "burst": args.burst, "threads": args.threads,
            "engines": {e: {"median_ms": med[e], "probe_gbs": probe[e], "tok_s": 1e3 / med[e],
                            "tok_s_per_probe_gbs": 1e3 / med[e] / probe[e], "step_ms": ms[e], "probe": gbs[e]}
                        for e in ms},
-           "ratio_of_medians": med["llama.cpp"] / med["hi_na_moe"],
+           "ratio_of_medians": med[them] / med["hi_na_moe"],
            "round_ratios": per_round, "median_round_ratio": statistics.median(per_round)}
-    print(f"{args.ckpt}, {args.weights} scope all against {args.gguf.name}, {args.threads} threads, {args.rounds} "
+    print(f"{args.ckpt}, {args.weights} scope all against {args.gguf.name if args.gguf else them}, {args.threads} threads, {args.rounds} "
           f"rounds of {args.burst} steps an engine, alternating")
     print("| engine | median ms a step | tok/s | paired probe GB/s | tok/s per probe GB/s |")
     print("|---|---|---|---|---|")
     for e in ms:
         x = res["engines"][e]
         print(f"| {e} | {x['median_ms']:.2f} | {x['tok_s']:.2f} | {x['probe_gbs']:.1f} | {x['tok_s_per_probe_gbs']:.3f} |")
-    print(f"hi_na_moe / llama.cpp decode speed: {res['ratio_of_medians']:.3f}x (medians of all steps), "
+    print(f"hi_na_moe / {them} decode speed: {res['ratio_of_medians']:.3f}x (medians of all steps), "
           f"{res['median_round_ratio']:.3f}x (median of the rounds' ratios: "
           f"{min(per_round):.3f}-{max(per_round):.3f}x)")
     if args.json:
