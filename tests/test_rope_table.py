@@ -49,6 +49,28 @@ def test_every_row_is_the_modules_own_output_for_that_position(dtype, rope, monk
     assert table.cos.shape[1] == 1024
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_for_position_ids_are_the_modules_output_for_them(dtype, monkeypatch):
+    monkeypatch.setattr(rope_table, "FIRST_ROWS", 64)
+    rot, x = _rotary(dtype)
+    table = RopeTable(rot)
+    with torch.no_grad():
+        for ids in ([[5]], [[3], [900], [0]], [[7], [7]], [[1], [2], [3], [4]]):
+            for idt in (torch.int64, torch.int32):
+                pos = torch.tensor(ids, dtype=idt)
+                got = table.lookup_ids(x, pos)
+                assert got is not None, table.broken
+                want = rot(x, pos)
+                for g, w in zip(got, want):
+                    assert g.shape == w.shape == (len(ids), 1, x.shape[-1] // 4) and g.dtype is w.dtype is dtype
+                    assert torch.equal(_bits(g), _bits(w)), ids
+        assert table.cos.shape[1] == 1024  # grown to reach position 900
+        assert table.lookup_ids(x, torch.tensor([[-1]])) is None
+        assert table.lookup_ids(x, torch.tensor([[2], [-1]])) is None
+        assert table.lookup_ids(x, torch.tensor([[2.0]])) is None  # float positions: the module's
+        assert table.lookup_ids(x, torch.tensor([[1], [rope_table.MAX_ROWS]])) is None
+
+
 def test_the_module_is_called_when_something_could_tell(monkeypatch):
     rot, x = _rotary()
     table = RopeTable(rot)
@@ -120,6 +142,39 @@ def test_a_stacks_decode_reads_the_table_and_gives_the_own_forwards_bits(monkeyp
         finally:
             handle.remove()
         assert len(calls) == 1 + 6 and all(torch.equal(g, w) for g, w in zip(again, want))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+@pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
+def test_generate_reads_the_table_for_the_position_ids_it_passes(monkeypatch):
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])  # a left-padded row: positions differ
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        read, own = [], RopeTable.lookup_ids
+
+        def counted(self, x, position_ids):
+            out = own(self, x, position_ids)
+            read.append((tuple(position_ids.reshape(-1).tolist()), out is not None))
+            return out
+
+        monkeypatch.setattr(RopeTable, "lookup_ids", counted)
+        with torch.inference_mode():
+            got = model.generate(ids, attention_mask=mask, **kw)
+        # generate passes position_ids at every decode step; the padded row is 2 positions behind
+        assert read == [((4 + i, 6 + i), True) for i in range(4)]
+        patched = model.model.__dict__.pop("forward")  # the stack's own forward: the module called
+        try:
+            with torch.inference_mode():
+                want = model.generate(ids, attention_mask=mask, **kw)
+        finally:
+            model.model.forward = patched
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
     finally:
         hi_na_moe.disable_for_model(model)
 

@@ -13,6 +13,10 @@ assumed: every time the table is built, its first, middle and last rows must equ
 calls of the module on those positions alone, else the table is dropped for good
 (`RopeTable.broken` says why) and the module is called at every step.
 
+A step's position_ids (generate passes them at every step; several rows differ when prompts were
+left-padded) are read as their rows of the table: the module computes each row of its output from
+that row's position alone (a product with inv_freq, then elementwise ops).
+
 A step reads the table only when nothing could tell the difference: the module's class forward
 (no forward set on the object), no hook on it (global hooks and modes send the whole step to
 the stack's own forward), a rope type whose frequencies are fixed (not "dynamic" or "longrope":
@@ -89,6 +93,24 @@ class RopeTable:
             if rows > MAX_ROWS or not self._build(x, rows, key, position):
                 return None
         return self.cos.narrow(1, position, 1), None if self.sin is None else self.sin.narrow(1, position, 1)
+
+    def lookup_ids(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """module(x, position_ids) for a step's position_ids [rows, 1] (generate passes them at every
+        step): lookup's row for one row, else [rows, 1, D], row b the table's row of position_ids[b]
+        (the module computes each row from its position alone: a product and elementwise ops). None
+        when the table cannot give them (then call the module)."""
+        if position_ids.dtype not in (torch.int64, torch.int32):
+            return None
+        if position_ids.numel() == 1:
+            p = int(position_ids)
+            return self.lookup(x, p) if p >= 0 else None
+        lo, hi = torch.aminmax(position_ids)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or self.lookup(x, hi) is None:  # (the table then reaches hi)
+            return None
+        idx = position_ids.reshape(-1)
+        cos = self.cos[0].index_select(0, idx).unsqueeze(1)
+        return cos, None if self.sin is None else self.sin[0].index_select(0, idx).unsqueeze(1)
 
     def _build(self, x: torch.Tensor, rows: int, key, position: int) -> bool:
         m = self.module

@@ -436,9 +436,11 @@ class NativeStack:
         m = self.module
         h = self._embed(ids)
         rotary = m.rotary_emb
-        # the rotary module's output from its table (hi_na_moe.rope_table) when the positions are
-        # the stack's own, past for every row
-        rope = self.rope.lookup(h, past) if pos is None and rotary is self.rope.module and ROPE_TABLE else None
+        # the rotary module's output from its table (hi_na_moe.rope_table): of past for every row
+        # (the stack's own positions), or of the given position_ids (generate passes them)
+        rope = None
+        if rotary is self.rope.module and ROPE_TABLE:
+            rope = self.rope.lookup(h, past) if pos is None else self.rope.lookup_ids(h, pos)
         if pos is None and (rope is None or masked):  # as the stack's own forward makes them
             pos = (torch.arange(ids.shape[1]) + past).unsqueeze(0)
         mask = None
