@@ -117,6 +117,39 @@ def test_auto_pool_is_the_own_workers_under_scope_all(scope):
     assert hi_na_moe.load_config(scope=scope, pool="openmp").kernel_pool() == "openmp"
 
 
+def test_a_scope_all_decode_step_is_hosted_on_openmps_team_with_the_same_bits(monkeypatch):
+    """On the own workers, the one native call of a decode step runs its regions on the loaded
+    libgomp's team (ThreadPool::host; its C++ tests are in csrc/tests/test_pool.cpp): the same
+    logits and cache as on the own workers (set_pool_hosting(False))."""
+    from tiny_models import greedy_decode, olmoe
+
+    from hi_na_moe import dense
+
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        assert _native.pool_backend() == "own" and _native.pool_hosting()
+        before = _native.pool_stats()
+        got, cache = greedy_decode(model, ids, 8)
+        after = _native.pool_stats()
+        # (not every step: one that found the team held off its cores, this machine being
+        # shared, keeps the next ones on the own workers)
+        assert after["hosted_calls"] > before["hosted_calls"]
+        _native.set_pool_hosting(False)
+        try:
+            want, want_cache = greedy_decode(model, ids, 8)
+            assert _native.pool_stats()["hosted_calls"] == after["hosted_calls"]
+        finally:
+            _native.set_pool_hosting(True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for a, b in zip(cache.layers, want_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 @pytest.mark.parametrize("backend", ["own", "openmp"])
 def test_python_threads_at_once_match_serial(backend):
     _native.set_pool_backend(backend)

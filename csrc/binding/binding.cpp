@@ -860,6 +860,25 @@ NB_MODULE(_native, m) {
         nb::arg("name"),
         "Process-wide: which threads run the kernels' parallel regions ('auto': the loaded "
         "libgomp's team when there is one, else the library's own workers; 'own'; 'openmp').");
+  m.def("set_pool_hosting", [](bool on) { hina::ThreadPool::global().set_hosting(on); }, nb::arg("on"),
+        "Process-wide: whether a decode step through the layers (StepPlan.run) on the own backend "
+        "runs its regions on the loaded libgomp's team, hosted (ThreadPool::host; default on).");
+  m.def("pool_hosting", [] { return hina::ThreadPool::global().hosting(); });
+  m.def("pool_stats", [] {
+        const auto& p = hina::ThreadPool::global();
+        nb::dict d;
+        d["hosted_calls"] = p.hosted_calls();
+        d["guest_shares"] = p.guest_shares();
+        d["host_shares"] = p.host_shares();
+        d["host_backoffs"] = p.host_backoffs();
+        return d;
+      },
+      "Counts since start: hosted calls (decode steps whose regions ran on OpenMP's team), the "
+      "worker shares that team's threads ran in them and those the calling thread ran itself, and "
+      "the hosted calls that found the team held off its cores (the next calls then run on the own "
+      "workers for a while).");
+  m.def("_pool_host_contention_for_test", [] { hina::ThreadPool::global().host_contention_for_test(); },
+        "Tests: the next hosted call counts as one that found OpenMP's team held off its cores.");
   m.def("openmp_runtime", &hina::loaded_openmp_runtime,
         "Path of the GNU OpenMP runtime (libgomp) loaded in this process, '' if none.");
   m.def("pool_backend", [](std::optional<std::string> name) {

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "hina_moe/moe.h"
+#include "hina_moe/thread_pool.h"
 #include "kernel_api.h"
 #include "step_trace.h"
 
@@ -353,10 +354,13 @@ size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
   return step_scratch(layers, L, B).total;
 }
 
-void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
-                   const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
-                   void* out, const char** names, const void* norm_w, float norm_eps, void* normed,
-                   const void* q_scale, const PackedExperts* head, const MoeParams* head_params, void* logits) {
+namespace {
+
+// decode_layers on the calling thread (its regions on whichever threads the pool gives)
+void step_through(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
+                  const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
+                  void* out, const char** names, const void* norm_w, float norm_eps, void* normed,
+                  const void* q_scale, const PackedExperts* head, const MoeParams* head_params, void* logits) {
   trace_start();
   const StepScratch s = step_scratch(layers, L, B);
   char* base = static_cast<char*>(scratch);
@@ -451,6 +455,29 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     }
   }
   trace_stop();
+}
+
+// The most threads a region of the step asks for (0: the default).
+int step_threads(const DecodeLayer* layers, int64_t L, const MoeParams* head_params) {
+  const int all = default_num_threads();
+  auto of = [all](int n) { return n > 0 ? n : all; };
+  int n = head_params != nullptr ? of(head_params->num_threads) : 1;
+  for (int64_t l = 0; l < L; ++l) n = std::max({n, of(layers[l].num_threads), of(layers[l].post.experts_threads)});
+  return n;
+}
+
+}  // namespace
+
+// The whole step is one hosted call (ThreadPool::host): its regions run on OpenMP's team when
+// torch's ops have left that team spinning, not on own workers competing with it for the cores.
+void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
+                   const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
+                   void* out, const char** names, const void* norm_w, float norm_eps, void* normed,
+                   const void* q_scale, const PackedExperts* head, const MoeParams* head_params, void* logits) {
+  ThreadPool::global().host(step_threads(layers, L, head_params), [&] {
+    step_through(layers, kv, L, B, x, cos, sin, cos_bstride, mask, mask_bstride, scratch, out, names, norm_w, norm_eps,
+                 normed, q_scale, head, head_params, logits);
+  });
 }
 
 }  // namespace hina

@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -132,6 +134,89 @@ int main() {
     int status = 0;
     waitpid(pid, &status, 0);
     report(WIFEXITED(status) && WEXITSTATUS(status) == 0, tag + ": forked child runs regions inline");
+  }
+
+  // host(): the regions of fn on OpenMP's team (own backend): every tid once, the team's
+  // threads taking shares; not hosted on the openmp backend, nested, or in a forked child; an
+  // exception from fn comes out after the join; a contended hosted call backs off.
+  {
+    pool.set_backend(PoolBackend::kOwn);
+    const uint64_t calls0 = pool.hosted_calls(), guests0 = pool.guest_shares();
+    bool all = true;
+    std::atomic<bool> other{false};
+    for (int i = 0; i < 200; ++i)
+      pool.host(2, [&] {
+        for (int r = 0; r < 20; ++r) all = covers(2 + r % 3) && all;
+        // a region whose thread 0 waits (up to 2 ms) for tid 1 on another thread
+        pool.run(2, [&](int tid, int) {
+          if (tid == 1) {
+            other = true;
+            return;
+          }
+          const auto t0 = std::chrono::steady_clock::now();
+          while (!other && std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(2)) {
+          }
+        });
+        other = false;
+      });
+    report(all, "host: every tid once in 4000 regions of 200 hosted calls");
+    report(pool.hosted_calls() > calls0, "host: calls ran hosted");
+    report(pool.guest_shares() > guests0, "host: OpenMP's thread took worker shares");
+    uint64_t before = pool.hosted_calls();
+    std::atomic<int> ran{0};
+    pool.run(2, [&](int, int) { pool.host(2, [&] { ran++; }); });
+    report(ran == 2 && pool.hosted_calls() == before, "host: inside a region, fn runs alone");
+    pool.set_backend(PoolBackend::kOpenMP);
+    pool.host(2, [&] { all = covers(3); });
+    report(all && pool.hosted_calls() == before, "host: on the openmp backend, fn runs alone (its regions on the team)");
+    pool.set_backend(PoolBackend::kOwn);
+    bool caught = false;
+    try {
+      pool.host(2, [&] {
+        covers(2);
+        throw std::runtime_error("from the step");
+      });
+    } catch (const std::runtime_error& e) {
+      caught = std::string(e.what()) == "from the step";
+    }
+    report(caught && covers(2), "host: fn's exception comes out after the join; the pool runs on");
+    // a contended call: the next calls are not hosted, until the backoff ends
+    int hosted_first = -1;
+    for (int i = 0; i < ThreadPool::kHostBackoffMax + 2 && hosted_first < 0; ++i) {
+      before = pool.hosted_calls();
+      pool.host(2, [&] { covers(2); });
+      if (pool.hosted_calls() > before) hosted_first = i;
+    }
+    // (a hosted call found slow for real may have started a backoff of its own: the flag waits
+    // for the next hosted call)
+    pool.host_contention_for_test();
+    uint64_t backoffs = 0;
+    for (int i = 0; i < ThreadPool::kHostBackoffMax + 2; ++i) {
+      before = pool.hosted_calls();
+      backoffs = pool.host_backoffs();
+      pool.host(2, [&] { covers(2); });
+      if (pool.hosted_calls() > before) break;
+    }
+    report(pool.host_backoffs() == backoffs + 1, "host: a contended call starts a backoff");
+    before = pool.hosted_calls();
+    int skipped = 0;
+    while (skipped <= ThreadPool::kHostBackoffMax && pool.hosted_calls() == before) {
+      pool.host(2, [&] { all = covers(2); });
+      if (pool.hosted_calls() == before) ++skipped;
+    }
+    report(hosted_first >= 0 && skipped >= ThreadPool::kHostBackoffMin && skipped <= ThreadPool::kHostBackoffMax && all,
+           "host: the next " + std::to_string(skipped) + " calls ran on the own workers, then hosted again");
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const uint64_t b = pool.hosted_calls();
+      bool ok = false;
+      pool.host(2, [&] { ok = covers(3); });
+      _exit(ok && pool.hosted_calls() == b ? 0 : 1);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    report(WIFEXITED(status) && WEXITSTATUS(status) == 0, "host: a forked child runs fn alone");
+    pool.set_backend(PoolBackend::kAuto);
   }
 
   // A busy thread competing for the cores: some workers start late or not at all before the

@@ -1,5 +1,6 @@
 #include "hina_moe/thread_pool.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "hina_moe/moe.h"
@@ -14,6 +15,7 @@
 #endif
 
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -112,18 +114,53 @@ void ThreadPool::worker_loop(int id, uint64_t seen, Slot& slot) {
       }
     }
     seen = g;
-    const uint64_t region = g >> kTidBits;
-    const int n = static_cast<int>(g & ((uint64_t{1} << kTidBits) - 1));
-    if (id + 1 >= n) continue;  // no share in this region
-    // Take the share unless the caller already has (then the region may be long over, and
-    // call_ and ctx_ are not read). A won claim keeps the caller in the region until done is set.
-    uint64_t c = slot.claimed.load(std::memory_order_relaxed);
-    if (c >= region || !slot.claimed.compare_exchange_strong(c, region, std::memory_order_acq_rel)) continue;
-    call_(ctx_, id + 1, n);
-    slot.done.store(region, std::memory_order_release);
-    { std::lock_guard<std::mutex> lk(mu_); }  // the caller has either seen done or is asleep
-    cv_done_.notify_all();
+    take_share(id, g, slot);
   }
+}
+
+bool ThreadPool::take_share(int id, uint64_t g, Slot& slot) {
+  const uint64_t region = g >> kTidBits;
+  const int n = static_cast<int>(g & ((uint64_t{1} << kTidBits) - 1));
+  if (id + 1 >= n) return false;  // no share in this region
+  // Take the share unless the caller already has (then the region may be long over, and
+  // call_ and ctx_ are not read). A won claim keeps the caller in the region until done is set.
+  uint64_t c = slot.claimed.load(std::memory_order_relaxed);
+  if (c >= region || !slot.claimed.compare_exchange_strong(c, region, std::memory_order_acq_rel)) return false;
+  call_(ctx_, id + 1, n);
+  slot.done.store(region, std::memory_order_release);
+  { std::lock_guard<std::mutex> lk(mu_); }  // the caller has either seen done or is asleep
+  cv_done_.notify_all();
+  return true;
+}
+
+// A guest (host()): OpenMP's thread id + 1 serving worker id's shares until the host ends. It
+// waits as a worker does (spins briefly, then sleeps), on cv_guest_.
+void ThreadPool::guest_loop(int id, Slot& slot) {
+  const bool was = tls_in_region;
+  tls_in_region = true;  // (the kernels it runs open no region of their own)
+  uint64_t seen = 0;     // a region published before this thread arrived is still taken
+  for (;;) {
+    uint64_t g = gen_.load(std::memory_order_acquire);
+    if (g == seen) {
+      const int64_t t0 = now_us();
+      for (int spins = 1; (g = gen_.load(std::memory_order_acquire)) == seen; ++spins) {
+        if (host_end_.load(std::memory_order_acquire)) break;
+        HINA_PAUSE();
+        if ((spins & 63) == 0 && now_us() - t0 > kSpinMicros) break;
+      }
+      if (g == seen) {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_guest_.wait(lk, [&] {
+          return host_end_.load(std::memory_order_acquire) || gen_.load(std::memory_order_acquire) != seen;
+        });
+        g = gen_.load(std::memory_order_acquire);
+        if (g == seen) break;  // the host has ended
+      }
+    }
+    seen = g;
+    if (take_share(id, g, slot)) guest_shares_.fetch_add(1, std::memory_order_relaxed);
+  }
+  tls_in_region = was;
 }
 
 namespace {
@@ -238,11 +275,13 @@ void ThreadPool::run_impl(PoolBackend b, int n, Call call, void* ctx) {
   const uint64_t region = ++region_;
   call_ = call;
   ctx_ = ctx;
+  bool hosted;
   {
     std::lock_guard<std::mutex> lk(mu_);
     gen_.store(region << kTidBits | static_cast<uint64_t>(n), std::memory_order_release);
+    hosted = hosted_;
   }
-  cv_work_.notify_all();
+  (hosted ? cv_guest_ : cv_work_).notify_all();
 
   tls_in_region = true;
   call(ctx, 0, n);
@@ -254,6 +293,7 @@ void ThreadPool::run_impl(PoolBackend b, int n, Call call, void* ctx) {
     if (c < region && s.claimed.compare_exchange_strong(c, region, std::memory_order_acq_rel)) {
       call(ctx, w + 1, n);
       s.done.store(region, std::memory_order_relaxed);
+      if (hosted) host_shares_.fetch_add(1, std::memory_order_relaxed);
     }
   }
   tls_in_region = false;
@@ -270,6 +310,87 @@ void ThreadPool::run_impl(PoolBackend b, int n, Call call, void* ctx) {
       }
     }
   }
+}
+
+namespace {
+struct HostCall {
+  void (*fn)(void*);
+  void* ctx;
+  const Gomp* api;
+  std::vector<void*> slots;  // worker w's Slot (stable: slots are never freed)
+  std::exception_ptr error;
+  int64_t ended_us = 0;  // when thread 0 told the guests to leave
+  char fork, join;  // TSan builds: addresses of the two annotated edges
+};
+}  // namespace
+
+void ThreadPool::host_body(void* p) {
+  auto& h = *static_cast<HostCall*>(p);
+  HINA_TSAN_ACQUIRE(&h.fork);
+  ThreadPool& pool = global();
+  const int tid = h.api->thread_num();
+  if (tid == 0) {
+    try {
+      h.fn(h.ctx);
+    } catch (...) {
+      h.error = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lk(pool.mu_);
+      pool.hosted_ = false;
+      pool.host_end_.store(true, std::memory_order_release);
+    }
+    h.ended_us = now_us();
+    pool.cv_guest_.notify_all();
+  } else if (static_cast<size_t>(tid) <= h.slots.size()) {
+    pool.guest_loop(tid - 1, *static_cast<Slot*>(h.slots[static_cast<size_t>(tid - 1)]));
+  }
+  HINA_TSAN_RELEASE(&h.join);
+}
+
+void ThreadPool::host_impl(int n, void (*fn)(void*), void* ctx) {
+  const Gomp* g = nullptr;
+  if (n <= 1 || tls_in_region || current_pid() != owner_pid_ || !hosting() || backend() != PoolBackend::kOwn ||
+      this != &global() || !(g = loaded_gomp()) || g->in_parallel() || !host_mu_.try_lock()) {
+    fn(ctx);
+    return;
+  }
+  std::unique_lock<std::mutex> host_lk(host_mu_, std::adopt_lock);
+  if (host_skip_ > 0) {  // backing off: the own workers (a test's flag waits for a hosted call)
+    --host_skip_;
+    host_lk.unlock();
+    fn(ctx);
+    return;
+  }
+  if (n >= (1 << kTidBits)) throw std::invalid_argument("ThreadPool::host: too many threads");
+  const uint64_t guests0 = guest_shares(), host0 = host_shares();
+  HostCall h{fn, ctx, g, {}, nullptr, 0, 0, 0};
+  {
+    std::lock_guard<std::mutex> call_lk(call_mu_);
+    grow(n - 1);
+    for (int w = 0; w + 1 < n; ++w) h.slots.push_back(slots_[static_cast<size_t>(w)].get());
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    hosted_ = true;
+    host_end_.store(false, std::memory_order_relaxed);
+  }
+  HINA_TSAN_RELEASE(&h.fork);
+  g->parallel(&ThreadPool::host_body, &h, static_cast<unsigned>(n), 0);
+  HINA_TSAN_ACQUIRE(&h.join);
+  const int64_t join_us = now_us() - h.ended_us;
+  hosted_calls_.fetch_add(1, std::memory_order_relaxed);
+  // Held off its cores? (the module comment in thread_pool.h)
+  const uint64_t by_host = host_shares() - host0, shares = by_host + guest_shares() - guests0;
+  const bool test = host_test_contended_.exchange(false, std::memory_order_relaxed);
+  if (test || join_us > kHostJoinMicros || (shares >= 8 && 4 * by_host > shares)) {
+    host_skip_ = host_backoff_;
+    host_backoff_ = std::min(2 * host_backoff_, kHostBackoffMax);
+    host_backoffs_.fetch_add(1, std::memory_order_relaxed);
+  } else {  // (halved, not reset: under a competing process some hosted calls look clean)
+    host_backoff_ = std::max(host_backoff_ / 2, kHostBackoffMin);
+  }
+  if (h.error) std::rethrow_exception(h.error);
 }
 
 }  // namespace hina

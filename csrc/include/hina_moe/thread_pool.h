@@ -17,6 +17,8 @@
 //   our region (ratio 0.99-1.01). benchmarks/RESULTS.md, "Thread pool backends".
 // kAuto (the default) is openmp when a libgomp is loaded, own otherwise. Either way a call from
 // inside a region (ours or an OpenMP one) or in a forked child runs inline on the caller.
+// On the own backend a caller may also host() a span of regions (a whole decode step): one
+// OpenMP region around it whose threads serve the own workers' shares (see host()).
 #pragma once
 
 #include <atomic>
@@ -66,6 +68,45 @@ class ThreadPool {
              static_cast<void*>(&fn));
   }
 
+  // Runs fn() on the calling thread while the threads of one region of the loaded OpenMP runtime
+  // (GOMP_parallel, n threads) serve the parallel regions fn opens (on the own backend) in place
+  // of the own workers: each team thread takes worker shares as an own worker does (the same
+  // claims: a share its thread has not started is still run by the caller), and the own
+  // workers are not woken meanwhile. Why: after a torch op ran in parallel, its OpenMP thread
+  // keeps spinning on the second core for several milliseconds (7.5 on the EPYC of
+  // benchmarks/RESULTS.md), and own workers woken meanwhile share that core with it: under
+  // transformers' generate(), whose logits copy and argmax run in parallel between two decode
+  // steps, a Qwen1.5-MoE 4L int4 step took 1.1 ms longer on the own workers. A hosted call
+  // costs one join of OpenMP's team at its end, not one per region (the openmp backend's
+  // collapse under a competing process). fn() runs alone (not hosted) when n <= 1, the backend
+  // is not own, no libgomp is loaded, hosting is off (set_hosting), the caller is inside a
+  // region or OpenMP's parallel region, another call is hosted, or in a forked child; and
+  // while backing off: a hosted call that found the team's threads held off their cores (the
+  // caller ran more than a quarter of the worker shares, or waited over kHostJoinMicros for
+  // the team to join: another process competes for the cores, and OpenMP's threads, which
+  // spin for milliseconds after each region, then cost more than they serve) makes the next
+  // kHostBackoffMin calls run on the own workers, that length doubling (up to kHostBackoffMax)
+  // at each such call and halving at each clean one. An exception from fn() is rethrown here after the
+  // team has joined.
+  template <typename F>
+  void host(int n, F&& fn) {
+    using Fn = std::remove_reference_t<F>;
+    host_impl(n, [](void* ctx) { (*static_cast<Fn*>(ctx))(); }, static_cast<void*>(&fn));
+  }
+  static constexpr int64_t kHostJoinMicros = 300;
+  static constexpr int kHostBackoffMin = 64, kHostBackoffMax = 4096;
+  void set_hosting(bool on) { hosting_on_.store(on, std::memory_order_relaxed); }
+  bool hosting() const { return hosting_on_.load(std::memory_order_relaxed); }
+  // calls host() ran hosted, and worker shares OpenMP's threads ran in them (since start)
+  uint64_t hosted_calls() const { return hosted_calls_.load(std::memory_order_relaxed); }
+  uint64_t guest_shares() const { return guest_shares_.load(std::memory_order_relaxed); }
+  // of the worker shares of hosted calls, those the caller ran itself; and the hosted calls
+  // that started a backoff
+  uint64_t host_shares() const { return host_shares_.load(std::memory_order_relaxed); }
+  uint64_t host_backoffs() const { return host_backoffs_.load(std::memory_order_relaxed); }
+  // Tests: makes the next hosted call count as one that found the team held off its cores.
+  void host_contention_for_test() { host_test_contended_.store(true, std::memory_order_relaxed); }
+
   int num_workers() const { return static_cast<int>(workers_.size()); }
 
  private:
@@ -84,6 +125,12 @@ class ThreadPool {
   static constexpr int kTidBits = 16;  // gen_ = region << kTidBits | n
 
   void worker_loop(int id, uint64_t seen, Slot& slot);
+  // host(): fn on the caller as OpenMP's thread 0, the team's other threads as guests
+  void host_impl(int n, void (*fn)(void*), void* ctx);
+  static void host_body(void* h);
+  void guest_loop(int id, Slot& slot);
+  // Runs the share of region g (gen_'s value) that worker id holds, if nobody has claimed it.
+  bool take_share(int id, uint64_t g, Slot& slot);
 
   std::atomic<PoolBackend> backend_{PoolBackend::kAuto};
   std::mutex call_mu_;  // one region at a time (own backend)
@@ -96,6 +143,17 @@ class ThreadPool {
   Call call_ = nullptr;  // the current region's; read by a worker only after it claimed its share
   void* ctx_ = nullptr;
   long owner_pid_ = 0;  // process that owns the workers
+  // host(): one hosted call at a time; while hosted_ (under mu_) regions wake the guests
+  // (cv_guest_), not the own workers; host_end_ tells the guests to leave
+  std::mutex host_mu_;
+  bool hosted_ = false;
+  std::atomic<bool> host_end_{false};
+  std::condition_variable cv_guest_;
+  std::atomic<bool> hosting_on_{true};
+  std::atomic<uint64_t> hosted_calls_{0}, guest_shares_{0}, host_shares_{0}, host_backoffs_{0};
+  std::atomic<bool> host_test_contended_{false};
+  int host_skip_ = 0;                 // calls left to run unhosted (under host_mu_)
+  int host_backoff_ = kHostBackoffMin;  // the next backoff's length (under host_mu_)
 };
 
 // Path of the GNU OpenMP runtime loaded in this process ("" when there is none).
