@@ -119,10 +119,16 @@ def test_one_native_call_decode_steps_from_several_threads(monkeypatch):
         assert calls == [True] * 3 * len(prompts)  # every decode step of every prompt
         barrier = threading.Barrier(len(prompts))
         workers = [Worker(lambda ids=ids: _generate(model, ids), repeat=4, start_barrier=barrier) for ids in prompts]
+        native = ops.native_module()[0]
+        native._pool_host_reset_for_test()  # (a backoff an earlier test started ends here)
+        hosted = native.pool_stats()["hosted_calls"]
         for w in workers:
             w.start()
         _join(*workers)
         assert all(calls) and len(calls) == 3 * len(prompts) * 5
+        # one thread's step at a time runs hosted on OpenMP's team (ThreadPool::host), the
+        # others' regions beside it on the same claims
+        assert native.pool_stats()["hosted_calls"] > hosted
     finally:
         hi_na_moe.disable_for_model(model)
     for w, want in zip(workers, serial):

@@ -879,6 +879,11 @@ NB_MODULE(_native, m) {
       "workers for a while).");
   m.def("_pool_host_contention_for_test", [] { hina::ThreadPool::global().host_contention_for_test(); },
         "Tests: the next hosted call counts as one that found OpenMP's team held off its cores.");
+  m.def("_pool_host_reset_for_test", [] {
+        nb::gil_scoped_release release;
+        hina::ThreadPool::global().host_reset_for_test();
+      },
+      "Tests: ends a hosting backoff (the next decode step runs hosted again).");
   m.def("openmp_runtime", &hina::loaded_openmp_runtime,
         "Path of the GNU OpenMP runtime (libgomp) loaded in this process, '' if none.");
   m.def("pool_backend", [](std::optional<std::string> name) {

@@ -104,8 +104,14 @@ class ThreadPool {
   // that started a backoff
   uint64_t host_shares() const { return host_shares_.load(std::memory_order_relaxed); }
   uint64_t host_backoffs() const { return host_backoffs_.load(std::memory_order_relaxed); }
-  // Tests: makes the next hosted call count as one that found the team held off its cores.
+  // Tests: makes the next hosted call count as one that found the team held off its cores; and
+  // ends any backoff (its length back to kHostBackoffMin).
   void host_contention_for_test() { host_test_contended_.store(true, std::memory_order_relaxed); }
+  void host_reset_for_test() {
+    std::lock_guard<std::mutex> lk(host_mu_);
+    host_skip_ = 0;
+    host_backoff_ = kHostBackoffMin;
+  }
 
   int num_workers() const { return static_cast<int>(workers_.size()); }
 
