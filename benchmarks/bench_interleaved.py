@@ -13,6 +13,11 @@ between bursts; each engine decodes its own sequences of 128 steps after a 16-to
 tokens/s per GB/s of probe; the ratio of the medians, and the median of the rounds' ratios
 (each round's two bursts a few seconds apart, in one phase).
 
+--generate: each burst is instead one generation of --gen (128) greedy tokens by the engine's own
+loop, as a user runs it: transformers' generate() (a streamer stamping each token) against
+llama-cpp-python's Llama.generate (temp 0), each after one paired-probe read, nothing between
+tokens; the figures are the times between consecutive tokens.
+
 --against transformers: the opponent is transformers' own model in this process instead
 (AutoModelForCausalLM.from_pretrained of --ckpt in bfloat16, not enabled), stepped as ours is
 (no --gguf then). Both models are resident: the checkpoint's bf16 weights twice in RAM.
@@ -57,6 +62,13 @@ class Llama:
             raise SystemExit(f"bench_llamacpp.py --serve: {out['error']}")
         return out
 
+    def generate(self, n: int) -> tuple[list[float], list[float]]:
+        """One paired-probe read, then Llama.generate of n tokens: (ms between tokens, [probe])."""
+        self.proc.stdin.write(f"generate {n}\n")
+        self.proc.stdin.flush()
+        out = self._answer()
+        return out["step_ms"], out["probe_gbs"]
+
     def burst(self, n: int) -> tuple[list[float], list[float]]:
         self.proc.stdin.write(f"steps {n}\n")
         self.proc.stdin.flush()
@@ -95,6 +107,29 @@ class Ours:
         self.done, self.cache, self.tok = GEN, None, None
         self.burst(4, probe=False)  # warm-up
 
+    def generate(self, n: int) -> tuple[list[float], list[float]]:
+        """One paired-probe read, then generate() of n greedy tokens on a new prompt: (the ms
+        between consecutive tokens as a streamer sees them, n - 1 of them; [probe])."""
+        torch = self.torch
+        gbs = [self.probe.read(256 << 20)]
+        time.sleep(0.03)
+        ids = torch.randint(300, self.model.config.vocab_size, (1, PROMPT_LEN), generator=self.gen)
+        stamps: list[float] = []
+
+        class Stamps:  # transformers' streamer protocol: put(prompt), put(token) per token, end()
+            def put(self, value):
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                streamer=Stamps(), pad_token_id=0)
+        new = stamps[1:]  # (stamps[0]: the prompt)
+        self.done = GEN  # (the next burst of steps starts a new sequence)
+        return [(b - a) * 1e3 for a, b in zip(new, new[1:])], gbs
+
     def burst(self, n: int, probe: bool = True) -> tuple[list[float], list[float]]:
         from transformers import DynamicCache
 
@@ -128,6 +163,9 @@ def main() -> int:
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--burst", type=int, default=16, help="decode steps of one engine before the other's")
+    ap.add_argument("--generate", action="store_true",
+                    help="each burst one generation of --gen tokens by the engine's own loop (no probe between steps)")
+    ap.add_argument("--gen", type=int, default=128, help="--generate's tokens a burst")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -150,7 +188,7 @@ def main() -> int:
             this = {}
             for e in order:
                 time.sleep(0.2)
-                s, g = engines[e].burst(args.burst)
+                s, g = engines[e].generate(args.gen) if args.generate else engines[e].burst(args.burst)
                 ms[e] += s
                 gbs[e] += g
                 this[e] = (statistics.median(s), statistics.median(g))
@@ -165,13 +203,15 @@ def main() -> int:
     per_round = [x[them][0] / x["hi_na_moe"][0] for x in rounds]
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
            "against": them, "gguf": str(args.gguf) if args.gguf else None, "rounds": args.rounds, "burst": args.burst, "threads": args.threads,
+           "generate": args.generate, "gen": args.gen if args.generate else None,
            "engines": {e: {"median_ms": med[e], "probe_gbs": probe[e], "tok_s": 1e3 / med[e],
                            "tok_s_per_probe_gbs": 1e3 / med[e] / probe[e], "step_ms": ms[e], "probe": gbs[e]}
                        for e in ms},
            "ratio_of_medians": med[them] / med["hi_na_moe"],
            "round_ratios": per_round, "median_round_ratio": statistics.median(per_round)}
     print(f"{args.ckpt}, {args.weights} scope all against {args.gguf.name if args.gguf else them}, {args.threads} threads, {args.rounds} "
-          f"rounds of {args.burst} steps an engine, alternating")
+          + (f"rounds of one {args.gen}-token generation an engine (its own loop), alternating" if args.generate
+             else f"rounds of {args.burst} steps an engine, alternating"))
     print("| engine | median ms a step | tok/s | paired probe GB/s | tok/s per probe GB/s |")
     print("|---|---|---|---|---|")
     for e in ms:

@@ -116,15 +116,35 @@ class Runner:
         return t
 
 
-def serve(run: Runner, ids, prompt_len: int, gen: int, after_step, probe_gbs: list[float]) -> int:
+def generate_tokens(run: Runner, prompt: list[int], n: int) -> list[float]:
+    """llama-cpp-python's own generation loop (Llama.generate, greedy: temp 0) for n tokens after
+    `prompt`: the ms between consecutive tokens (n - 1 of them; each one llama_decode and the
+    loop's sampling and bookkeeping), as a user of its generator gets them."""
+    stamps = []
+    for i, _ in enumerate(run.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True)):
+        stamps.append(time.perf_counter())
+        if i + 1 == n:
+            break
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+
+
+def serve(run: Runner, ids, prompt_len: int, gen: int, after_step, probe_gbs: list[float], probe_read) -> int:
     """--serve: decode steps in bursts on command (bench_interleaved.py), the sequence restarted
-    with a new prompt every `gen` steps."""
+    with a new prompt every `gen` steps ("steps N"); or "generate N": one paired-probe read,
+    then Llama.generate of N tokens on a new prompt (generate_tokens)."""
     print(json.dumps({"ready": True}), flush=True)
     done, tok = gen, None  # (a new sequence at the first burst)
     for line in sys.stdin:
         cmd = line.split()
         if cmd == ["quit"]:
             break
+        if len(cmd) == 2 and cmd[0] == "generate" and cmd[1].isdigit():
+            gbs = probe_read()
+            run.clear()
+            steps = generate_tokens(run, ids(prompt_len), int(cmd[1]))
+            done = gen  # (the next "steps" burst starts a new sequence)
+            print(json.dumps({"step_ms": [round(x, 4) for x in steps], "probe_gbs": [gbs]}), flush=True)
+            continue
         if len(cmd) != 2 or cmd[0] != "steps" or not cmd[1].isdigit():
             print(json.dumps({"error": f"unknown command {line.strip()!r}"}), flush=True)
             continue
@@ -231,7 +251,12 @@ def main(argv=None) -> int:
     if args.serve:
         if probe is None:
             ap.error("--serve needs --paired-probe-native")
-        return serve(run, ids, args.prompt_len, args.gen, after_step, probe_gbs)
+        def probe_read() -> float:
+            g = probe.read(PROBE_READ)
+            time.sleep(PROBE_SETTLE_S)
+            return g
+
+        return serve(run, ids, args.prompt_len, args.gen, after_step, probe_gbs, probe_read)
 
     tg, pp = [], []
     for _ in range(args.repeats):
