@@ -168,7 +168,8 @@ int main() {
     report(ran == 2 && pool.hosted_calls() == before, "host: inside a region, fn runs alone");
     pool.set_backend(PoolBackend::kOpenMP);
     pool.host(2, [&] { all = covers(3); });
-    report(all && pool.hosted_calls() == before, "host: on the openmp backend, fn runs alone (its regions on the team)");
+    report(all && pool.hosted_calls() == before,
+           "host: on the openmp backend, fn runs alone (its regions on the team)");
     pool.set_backend(PoolBackend::kOwn);
     bool caught = false;
     try {

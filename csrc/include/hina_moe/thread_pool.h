@@ -86,8 +86,8 @@ class ThreadPool {
   // the team to join: another process competes for the cores, and OpenMP's threads, which
   // spin for milliseconds after each region, then cost more than they serve) makes the next
   // kHostBackoffMin calls run on the own workers, that length doubling (up to kHostBackoffMax)
-  // at each such call and halving at each clean one. An exception from fn() is rethrown here after the
-  // team has joined.
+  // at each such call and halving at each clean one. An exception from fn() is rethrown here
+  // after the team has joined.
   template <typename F>
   void host(int n, F&& fn) {
     using Fn = std::remove_reference_t<F>;
