@@ -128,9 +128,11 @@ def test_a_scope_all_decode_step_is_hosted_on_openmps_team_with_the_same_bits(mo
     monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
-    hi_na_moe.enable_for_model(model, scope="all")
+    rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
         assert _native.pool_backend() == "own" and _native.pool_hosting()
+        assert rep.pool_hosted == _native.openmp_runtime() != "" and rep.to_dict()["pool_hosted"] == rep.pool_hosted
+        assert f"those calls' threads: {rep.pool_hosted}'s team, hosted" in str(rep)
         _native._pool_host_reset_for_test()  # (a backoff an earlier test started ends here)
         before = _native.pool_stats()
         got, cache = greedy_decode(model, ids, 8)

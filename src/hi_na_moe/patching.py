@@ -178,6 +178,9 @@ class EnableReport:
     dry_run: bool = False
     # what the native kernels' parallel regions run on (config key `pool`), once any block is native
     pool: str | None = None
+    # with the own workers and a libgomp loaded: the team the stacks' one-call decode steps are
+    # hosted on (ThreadPool::host; the own workers while a contended step's backoff lasts)
+    pool_hosted: str | None = None
     # scope="all": the dense linear layers on the native kernels (hi_na_moe.dense.DenseReport)
     dense: list = field(default_factory=list)
     # scope="all": the RMSNorm modules on the native kernel, and those whose probe did not match
@@ -253,6 +256,7 @@ class EnableReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model_class": self.model_class, "dry_run": self.dry_run, "config": self.config, "pool": self.pool,
+            "pool_hosted": self.pool_hosted,
             "summary": {"moe_blocks": len(self.blocks), "accelerated": len(self.accelerated),
                         "reference": len(self.reference), "native": len(self.native)},
             "blocks": [asdict(b) for b in self.blocks],
@@ -394,6 +398,9 @@ class EnableReport:
             one = [n for n in self.stacks if n not in self.stacks_loop_only]
             if one:
                 lines.append(f"  of those, with a DynamicCache or StaticCache every layer in one native call: {len(one)}")
+                if self.pool_hosted:
+                    lines.append(f"  those calls' threads: {self.pool_hosted}'s team, hosted (the own workers for a "
+                                 f"while after a step that found its threads held off their cores)")
             for name, why in self.stacks_loop_only.items():
                 lines.append(f"  {name!r} keeps the loop, not one native call: {why}")
             for name, why in self.stacks_rotary_module.items():
@@ -773,7 +780,10 @@ def enable_for_model(
         order = {match.name: i for i, match in enumerate(matches)}
         report.blocks.sort(key=lambda b: order[b.name])
         if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
-            report.pool = native_module()[0].pool_backend()
+            native = native_module()[0]
+            report.pool = native.pool_backend()
+            if report.pool == "own" and native.pool_hosting() and native.openmp_runtime():
+                report.pool_hosted = native.openmp_runtime()
         if report.accelerated or report.dense:
             from .memory import read_in_embeddings
 
