@@ -17,6 +17,9 @@ position_ids generate passes (RopeTable.lookup_ids, session 31) and generate() w
 steps calling the rotary module (lookup_ids returning None), instead of generate and the loop.
 --ab-hosting: the step's regions hosted on OpenMP's team (ThreadPool::host, session 31) and on
 the own workers (native set_pool_hosting(False)), both under --driver (generate, or the loop).
+--ab-min-new-tokens: generate() with min_new_tokens=N (transformers' way to force N tokens: its
+logits processors mask the end-of-sequence token at every step) against eos_token_id=None (no
+processor; what `hi-na-moe bench` and `demo` use since session 31).
 --compete N: N competing processes (a busy Python loop each, normal scheduling policy) run
 throughout, as on a shared machine (then run this without chrt: a real-time benchmark always
 wins its cores).
@@ -43,6 +46,7 @@ def main() -> int:
     ap.add_argument("--pool", default="auto", choices=("auto", "own", "openmp"), help="the config's pool")
     ap.add_argument("--ab-position-table", action="store_true")
     ap.add_argument("--ab-hosting", action="store_true")
+    ap.add_argument("--ab-min-new-tokens", action="store_true")
     ap.add_argument("--driver", default="generate", choices=("generate", "loop"), help="--ab-hosting's arms' decode")
     ap.add_argument("--compete", type=int, default=0, help="busy processes running meanwhile")
     ap.add_argument("--json", help="write the figures here")
@@ -71,9 +75,10 @@ def main() -> int:
     lookup_ids = rope_table.RopeTable.lookup_ids
     n = args.new_tokens
 
-    def generate() -> list[int]:
+    def generate(**kw) -> list[int]:
         with torch.inference_mode():
-            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
+                                 **kw)
         return out[0, prompt.shape[1]:].tolist()
 
     def loop() -> list[int]:
@@ -108,6 +113,9 @@ def main() -> int:
     if args.ab_position_table:
         arms = {"generate, table for position_ids": (generate, table(lookup_ids)),
                 "generate, rotary module called": (generate, table(no_table))}
+    elif args.ab_min_new_tokens:
+        arms = {"generate, eos_token_id=None": (lambda: generate(eos_token_id=None), table(lookup_ids)),
+                "generate, min_new_tokens": (lambda: generate(min_new_tokens=n), table(lookup_ids))}
     elif args.ab_hosting:
         drive = generate if args.driver == "generate" else loop
         arms = {f"{args.driver}, hosted on OpenMP's team": (drive, hosted(True)),

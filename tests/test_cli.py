@@ -173,3 +173,47 @@ def test_debug_against_another_format_and_bad_against(capsys):
     proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "debug", "--model", str(shipped_model_dir()),
                            "--prompt", "x", "--against", "fast"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--against 'fast'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, capsys):
+    """bench and demo generate exactly N tokens with the end-of-sequence token turned off, not
+    masked at every step (min_new_tokens' processors); a transformers that stops anyway gets
+    min_new_tokens, said once."""
+    import torch
+    from tiny_models import olmoe
+
+    from hi_na_moe import cli
+
+    model = olmoe(layers=1)
+    ids = torch.tensor([[3, 9, 4, 7]])
+    with torch.inference_mode():
+        free = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 4:].tolist()
+    model.generation_config.eos_token_id = free[1]  # the model would stop after two tokens
+    seen = []
+    own = type(model).generate
+
+    def spy(self, *a, **kw):
+        seen.append({k: kw.get(k, "-") for k in ("eos_token_id", "min_new_tokens")})
+        return own(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    out, _ = cli._generate(model, ids, 6)
+    assert out[0, 4:].tolist() == free and seen == [{"eos_token_id": None, "min_new_tokens": "-"}]
+    out, pre, lat = cli._timed_generate(model, ids, 6)
+    assert out.shape[1] == 10 and len(lat) == 5 and pre > 0
+    # a transformers reading eos_token_id=None as the model's own: min_new_tokens, said once
+    monkeypatch.setattr(cli, "_EOS_OFF_IGNORED", False)
+
+    def stops(self, *a, **kw):
+        if kw.get("eos_token_id", 0) is None:
+            kw.pop("eos_token_id")
+        return own(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "generate", stops)
+    out, pre, lat = cli._timed_generate(model, ids, 6)
+    # (masked, the end-of-sequence token is never picked: other tokens than free's)
+    assert out.shape[1] == 10 and free[1] not in out[0, 4:].tolist() and len(lat) == 5 and pre > 0
+    out, _ = cli._generate(model, ids, 6)
+    assert out.shape[1] == 10
+    err = capsys.readouterr().err
+    assert err.count("using min_new_tokens instead") == 1
