@@ -1,9 +1,11 @@
-"""Prefill under scope="all" on the own workers against OpenMP's team, in one process.
+"""Prefill under scope="all" on the own workers, OpenMP's team, and "mixed", in one process.
 
 Loads the checkpoint with scope="all" (--weights from the store --cache-dir; pool "auto", which
 is the own workers under scope="all") and times one forward of --tokens prompt tokens on a
 fresh DynamicCache (logits of the last position), the process-wide backend switched between
-"own" and "openmp" (native set_pool_backend) every call, the order swapped every round. A
+"own", "openmp" and "mixed" (the own workers, prefill-sized calls on OpenMP's team: pool="auto"
+under scope="all" since session 31; native set_pool_backend) every call, the order reversed
+every round. A
 prefill interleaves torch's ops (embedding, rotary, masks, residual adds) with the kernels'
 regions; after each of torch's parallel ops its OpenMP thread spins for milliseconds on the
 core the own workers need. --compete N: N busy processes beside it (run without chrt then).
@@ -55,7 +57,7 @@ def main() -> int:
     def normal_policy():  # (a rival of a benchmark under chrt must not inherit its real-time policy)
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
-    ms: dict[str, list[float]] = {"own": [], "openmp": []}
+    ms: dict[str, list[float]] = {"own": [], "openmp": [], "mixed": []}
     rivals = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=normal_policy)
               for _ in range(args.compete)]
     try:
@@ -69,7 +71,7 @@ def main() -> int:
     finally:
         for p in rivals:
             p.kill()
-        _native.set_pool_backend("own")
+        _native.set_pool_backend("mixed")
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
            "tokens": args.tokens, "threads": args.threads, "compete": args.compete,
            "median_ms": {b: statistics.median(v) for b, v in ms.items()}, "ms": ms}
@@ -77,7 +79,8 @@ def main() -> int:
           f"{args.compete} competing processes, {args.rounds} rounds")
     for b, v in ms.items():
         print(f"  {b}: median {statistics.median(v):.1f} ms ({', '.join(f'{x:.0f}' for x in v)})")
-    print(f"  openmp against own: {statistics.median(ms['own']) / statistics.median(ms['openmp']):.3f}x")
+    for b in ("openmp", "mixed"):
+        print(f"  {b} against own: {statistics.median(ms['own']) / statistics.median(ms[b]):.3f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

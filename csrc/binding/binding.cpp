@@ -583,7 +583,9 @@ static hina::PoolBackend pool_backend_from(const std::string& name) {
   if (name == "auto") return hina::PoolBackend::kAuto;
   if (name == "own") return hina::PoolBackend::kOwn;
   if (name == "openmp") return hina::PoolBackend::kOpenMP;
-  throw nb::value_error(("unknown thread-pool backend '" + name + "'; expected 'auto', 'own' or 'openmp'").c_str());
+  if (name == "mixed") return hina::PoolBackend::kMixed;
+  throw nb::value_error(
+      ("unknown thread-pool backend '" + name + "'; expected 'auto', 'own', 'openmp' or 'mixed'").c_str());
 }
 
 // Latent attention's kv_b_proj weight (MlaDecodeArgs::w or wq, m->L set) from hi_na_moe.mla's
@@ -859,9 +861,10 @@ NB_MODULE(_native, m) {
   m.def("set_pool_backend", [](const std::string& name) { hina::ThreadPool::global().set_backend(pool_backend_from(name)); },
         nb::arg("name"),
         "Process-wide: which threads run the kernels' parallel regions ('auto': the loaded "
-        "libgomp's team when there is one, else the library's own workers; 'own'; 'openmp').");
+        "libgomp's team when there is one, else the library's own workers; 'own'; 'openmp'; "
+        "'mixed': the own workers, prefill-sized calls on the loaded libgomp's team).");
   m.def("set_pool_hosting", [](bool on) { hina::ThreadPool::global().set_hosting(on); }, nb::arg("on"),
-        "Process-wide: whether a decode step through the layers (StepPlan.run) on the own backend "
+        "Process-wide: whether a decode step through the layers (StepPlan.run) on the own or mixed backend "
         "runs its regions on the loaded libgomp's team, hosted (ThreadPool::host; default on).");
   m.def("pool_hosting", [] { return hina::ThreadPool::global().hosting(); });
   m.def("pool_stats", [] {

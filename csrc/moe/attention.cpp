@@ -248,6 +248,7 @@ bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa) {
   if (a.B <= 0 || a.T <= 0 || a.Hq <= 0) return true;
   if (num_threads <= 0) num_threads = default_num_threads();
 #if defined(HINA_HAVE_X86_KERNELS)
+  const ThreadPool::PrefillScope prefill(a.T >= kMixedTeamRows);  // (PoolBackend::kMixed: on OpenMP's team)
   return detail::attention_prefill_avx512bf16(a, num_threads);
 #else
   return false;

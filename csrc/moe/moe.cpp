@@ -1195,6 +1195,8 @@ const char* forward_with(const PackedExperts& pe, const KernelImpl& kern, const 
   if (p.prefill_min_tokens < 1) throw std::invalid_argument("prefill_min_tokens must be >= 1");
   if (T == 0) return name;
   if (!x || !out || (K > 0 && (!topk_idx || !topk_w))) throw std::invalid_argument("null pointer argument");
+  // a prefill-sized call (PoolBackend::kMixed puts its regions on OpenMP's team)
+  const ThreadPool::PrefillScope prefill(T >= kMixedTeamRows);
 
   Scratch& s = tls_scratch;
   // Routing metadata: rows grouped per expert, in token order inside an expert.

@@ -220,6 +220,29 @@ int main() {
     pool.set_backend(PoolBackend::kAuto);
   }
 
+  // kMixed: a prefill-sized call's regions (inside a PrefillScope) on OpenMP's team, others on
+  // the own workers; every tid once either way; no hosting inside a PrefillScope.
+  {
+    pool.set_backend(PoolBackend::kMixed);
+    report(pool.backend_name().rfind("own, prefill-sized calls on openmp (", 0) == 0, "mixed: its name");
+    std::atomic<int> in_team{0}, outside{0};
+    pool.run(2, [&](int, int) { (omp_in_parallel() ? in_team : outside)++; });
+    report(in_team == 0 && outside == 2 && covers(3), "mixed: a decode-sized call's regions on the own workers");
+    {
+      const ThreadPool::PrefillScope prefill(true);
+      pool.run(2, [&](int, int) { (omp_in_parallel() ? in_team : outside)++; });
+      report(in_team == 2 && covers(3), "mixed: a prefill-sized call's regions on OpenMP's team");
+      const uint64_t before = pool.hosted_calls();
+      pool.host(2, [&] { covers(2); });
+      report(pool.hosted_calls() == before, "mixed: no hosted call inside a PrefillScope");
+    }
+    const ThreadPool::PrefillScope off(false);
+    in_team = 0;
+    pool.run(2, [&](int, int) { (omp_in_parallel() ? in_team : outside)++; });
+    report(in_team == 0, "mixed: the scope ends with its object; PrefillScope(false) changes nothing");
+    pool.set_backend(PoolBackend::kAuto);
+  }
+
   // A busy thread competing for the cores: some workers start late or not at all before the
   // caller has run their shares (the own backend's claims); every tid still runs exactly once.
   {

@@ -57,6 +57,7 @@ namespace hina {
 
 namespace {
 thread_local bool tls_in_region = false;
+thread_local bool tls_prefill = false;  // inside a PrefillScope
 
 int64_t now_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -249,8 +250,15 @@ std::string loaded_openmp_runtime() {
 
 void ThreadPool::set_backend(PoolBackend b) { backend_.store(b, std::memory_order_relaxed); }
 
+ThreadPool::PrefillScope::PrefillScope(bool on) : was_(tls_prefill) { tls_prefill = was_ || on; }
+ThreadPool::PrefillScope::~PrefillScope() { tls_prefill = was_; }
+
 std::string ThreadPool::backend_name(PoolBackend b) {
   if (b == PoolBackend::kOwn) return "own";
+  if (b == PoolBackend::kMixed) {
+    const Gomp* g = loaded_gomp();
+    return g ? "own, prefill-sized calls on openmp (" + g->path + ")" : "own";
+  }
   if (const Gomp* g = loaded_gomp()) return "openmp (" + g->path + ")";
   return b == PoolBackend::kOpenMP ? "own (openmp requested, no libgomp loaded in this process)" : "own";
 }
@@ -260,6 +268,7 @@ void ThreadPool::run_impl(PoolBackend b, int n, Call call, void* ctx) {
     for (int i = 0; i < (n < 1 ? 1 : n); ++i) call(ctx, i, n < 1 ? 1 : n);
     return;
   }
+  if (b == PoolBackend::kMixed) b = tls_prefill ? PoolBackend::kOpenMP : PoolBackend::kOwn;
   if (b != PoolBackend::kOwn) {
     if (const Gomp* g = loaded_gomp(); g && !g->in_parallel()) {
       GompRegion r{call, ctx, n, g, 0, 0};
@@ -350,7 +359,9 @@ void ThreadPool::host_body(void* p) {
 
 void ThreadPool::host_impl(int n, void (*fn)(void*), void* ctx) {
   const Gomp* g = nullptr;
-  if (n <= 1 || tls_in_region || current_pid() != owner_pid_ || !hosting() || backend() != PoolBackend::kOwn ||
+  const PoolBackend b = backend();
+  if (n <= 1 || tls_in_region || tls_prefill || current_pid() != owner_pid_ || !hosting() ||
+      (b != PoolBackend::kOwn && b != PoolBackend::kMixed) ||
       this != &global() || !(g = loaded_gomp()) || g->in_parallel() || !host_mu_.try_lock()) {
     fn(ctx);
     return;

@@ -93,9 +93,11 @@ class HinaConfig:
             team of the GNU OpenMP runtime PyTorch already loaded (the threads that just ran
             torch's ops, so the two never compete for cores), "own" on hi_na_moe's own workers
             (spin briefly, then sleep; a worker the scheduler has not run yet leaves its share to
-            the caller), "auto" (default) picks own under scope="all" and otherwise openmp when a
-            libgomp is loaded in the process (HinaConfig.kernel_pool). Process-wide: the last
-            enable's value applies.
+            the caller), "auto" (default) picks under scope="all" the own workers with the
+            regions of prefill-sized calls on OpenMP's team (native "mixed"), and otherwise openmp
+            when a libgomp is loaded in the process (HinaConfig.kernel_pool). Decode steps through
+            a stack's one native call run hosted on OpenMP's team on own and mixed (one join a
+            step). Process-wide: the last enable's value applies.
         scope: "experts" (default) accelerates the MoE experts only; "all" also runs the model's
             dense linear layers (attention projections, shared experts, dense MLPs, lm_head) on
             the native kernels, in the `weights` format (see hi_na_moe.dense).
@@ -167,13 +169,16 @@ class HinaConfig:
             _check_isa_available(self.isa, src("isa"))
 
     def kernel_pool(self) -> str:
-        """The thread pool backend `pool` asks for (native set_pool_backend): "auto" is "own" under
-        scope="all", whose decode step is one native call with no torch op in between (on OpenMP's
+        """The thread pool backend `pool` asks for (native set_pool_backend): "auto" is "mixed"
+        under scope="all": the own workers, whose decode step is one native call (on OpenMP's
         team, whose threads spin at its barriers, a decode step under one competing process took
-        2.4-2.7x as long as on the own workers; benchmarks/RESULTS.md, session 21), and otherwise the
+        2.4-2.7x as long as on the own workers; benchmarks/RESULTS.md, session 21; hosted on that
+        team since session 31, one join a step, backing off to the own workers under a
+        competitor), and prefill-sized calls on OpenMP's team (a prefill interleaves torch's ops
+        with the kernels: 1.06-1.09x, about even under a competitor; session 31). Otherwise the
         native "auto" (OpenMP's team when a libgomp is loaded: between torch's ops, whose team
         keeps spinning for a while, the own workers measured 22 % slower)."""
-        return "own" if self.pool == "auto" and self.scope == "all" else self.pool
+        return "mixed" if self.pool == "auto" and self.scope == "all" else self.pool
 
     def store_root(self) -> Path:
         """The packed-expert store's directory under this config."""

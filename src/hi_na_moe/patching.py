@@ -782,7 +782,7 @@ def enable_for_model(
         if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
             native = native_module()[0]
             report.pool = native.pool_backend()
-            if report.pool == "own" and native.pool_hosting() and native.openmp_runtime():
+            if report.pool.startswith("own") and native.pool_hosting() and native.openmp_runtime():
                 report.pool_hosted = native.openmp_runtime()
         if report.accelerated or report.dense:
             from .memory import read_in_embeddings

@@ -34,7 +34,16 @@
 
 namespace hina {
 
-enum class PoolBackend : int { kAuto = 0, kOwn = 1, kOpenMP = 2 };
+// kMixed: the own workers, but the regions of a prefill-sized call (inside a PrefillScope: the
+// experts' and linear layers' calls and the prefill attention of kMixedTeamRows tokens or more)
+// on the loaded libgomp's team, as kOpenMP. Why:
+// a prefill interleaves torch's ops with the kernels' regions, and torch's OpenMP thread, which
+// spins for milliseconds after each of them, shares the second core with own workers woken
+// meanwhile: Qwen1.5-MoE 4L int4 prefill-512 1.09x, OLMoE-1B-7B 1.06x on the team, about even
+// under a competing process (a prefill's regions are long beside one join each);
+// benchmarks/bench_prefill_pool.py. Decode-sized regions stay on the own workers (and a decode
+// step is hosted, host()).
+enum class PoolBackend : int { kAuto = 0, kOwn = 1, kOpenMP = 2, kMixed = 3 };
 
 class ThreadPool {
  public:
@@ -59,6 +68,18 @@ class ThreadPool {
   void run(int n, F&& fn) {
     run_on(backend(), n, std::forward<F>(fn));
   }
+  // While alive on a thread, the regions that thread opens are those of a prefill-sized call
+  // (kMixed puts them on OpenMP's team). Nests; a no-op when `on` is false.
+  class PrefillScope {
+   public:
+    explicit PrefillScope(bool on);
+    ~PrefillScope();
+    PrefillScope(const PrefillScope&) = delete;
+    PrefillScope& operator=(const PrefillScope&) = delete;
+
+   private:
+    bool was_;
+  };
   // The same on backend b rather than the process-wide choice (the read-bandwidth probe's passes
   // run on OpenMP's team, the fastest readers right after torch's ops, whatever the kernels use).
   template <typename F>
@@ -79,7 +100,7 @@ class ThreadPool {
   // steps, a Qwen1.5-MoE 4L int4 step took 1.1 ms longer on the own workers. A hosted call
   // costs one join of OpenMP's team at its end, not one per region (the openmp backend's
   // collapse under a competing process). fn() runs alone (not hosted) when n <= 1, the backend
-  // is not own, no libgomp is loaded, hosting is off (set_hosting), the caller is inside a
+  // is neither own nor mixed, inside a PrefillScope, no libgomp is loaded, hosting is off (set_hosting), the caller is inside a
   // region or OpenMP's parallel region, another call is hosted, or in a forked child; and
   // while backing off: a hosted call that found the team's threads held off their cores (the
   // caller ran more than a quarter of the worker shares, or waited over kHostJoinMicros for
