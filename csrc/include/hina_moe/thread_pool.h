@@ -36,13 +36,12 @@ namespace hina {
 
 // kMixed: the own workers, but the regions of a prefill-sized call (inside a PrefillScope: the
 // experts' and linear layers' calls and the prefill attention of kMixedTeamRows tokens or more)
-// on the loaded libgomp's team, as kOpenMP. Why:
-// a prefill interleaves torch's ops with the kernels' regions, and torch's OpenMP thread, which
-// spins for milliseconds after each of them, shares the second core with own workers woken
-// meanwhile: Qwen1.5-MoE 4L int4 prefill-512 1.09x, OLMoE-1B-7B 1.06x on the team, about even
-// under a competing process (a prefill's regions are long beside one join each);
-// benchmarks/bench_prefill_pool.py. Decode-sized regions stay on the own workers (and a decode
-// step is hosted, host()).
+// on the loaded libgomp's team, as kOpenMP. Why: a prefill interleaves torch's ops with the
+// kernels' regions, and torch's OpenMP thread, which spins for milliseconds after each of them,
+// shares the second core with own workers woken meanwhile; a prefill's regions are long beside
+// one join each. Qwen1.5-MoE 4L int4 prefill-512 1.09x the own workers' speed, 1.05x beside a
+// competing process (benchmarks/bench_prefill_pool.py). Decode-sized regions stay on the own
+// workers (and a decode step is hosted, host()).
 enum class PoolBackend : int { kAuto = 0, kOwn = 1, kOpenMP = 2, kMixed = 3 };
 
 class ThreadPool {
@@ -100,8 +99,9 @@ class ThreadPool {
   // steps, a Qwen1.5-MoE 4L int4 step took 1.1 ms longer on the own workers. A hosted call
   // costs one join of OpenMP's team at its end, not one per region (the openmp backend's
   // collapse under a competing process). fn() runs alone (not hosted) when n <= 1, the backend
-  // is neither own nor mixed, inside a PrefillScope, no libgomp is loaded, hosting is off (set_hosting), the caller is inside a
-  // region or OpenMP's parallel region, another call is hosted, or in a forked child; and
+  // is neither own nor mixed, inside a PrefillScope, no libgomp is loaded, hosting is off
+  // (set_hosting), the caller is inside a region or OpenMP's parallel region, another call is
+  // hosted, or in a forked child; and
   // while backing off: a hosted call that found the team's threads held off their cores (the
   // caller ran more than a quarter of the worker shares, or waited over kHostJoinMicros for
   // the team to join: another process competes for the cores, and OpenMP's threads, which
