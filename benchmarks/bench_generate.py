@@ -122,18 +122,11 @@ def main() -> int:
                 f"{args.driver}, own workers": (drive, hosted(False))}
     else:
         arms = {"generate": (generate, table(lookup_ids)), "loop of forwards": (loop, table(lookup_ids))}
-    import os
-    import subprocess
-    import sys
+    from rivals import competing  # (this folder's: the scripts run from it)
 
-    def normal_policy():  # (a rival of a benchmark under chrt must not inherit its real-time policy)
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-
-    rivals = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=normal_policy)
-              for _ in range(args.compete)]
     figures = {a: {"run": [], "between": [], "step": [], "wall_ms": []} for a in arms}
     tokens = {}
-    try:
+    with competing(args.compete):
         for arm, (fn, put) in arms.items():  # warm-up, and the tokens
             put()
             tokens[arm] = fn()
@@ -153,9 +146,6 @@ def main() -> int:
                     f["run"].append((b1 - b0) * 1e3)
                     f["between"].append((b0 - a1) * 1e3)
                     f["step"].append((b1 - a1) * 1e3)
-    finally:
-        for p in rivals:
-            p.kill()
     table(lookup_ids)()
     stack.NativeCausalLM._run = run
     same = len({tuple(t) for t in tokens.values()}) == 1

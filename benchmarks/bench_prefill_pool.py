@@ -8,7 +8,8 @@ under scope="all" since session 31; native set_pool_backend) every call, the ord
 every round. A
 prefill interleaves torch's ops (embedding, rotary, masks, residual adds) with the kernels'
 regions; after each of torch's parallel ops its OpenMP thread spins for milliseconds on the
-core the own workers need. --compete N: N busy processes beside it (run without chrt then).
+core the own workers need. --compete N: N busy processes beside it (benchmarks/rivals.py; run
+without chrt then).
 
     chrt -f 1 python benchmarks/bench_prefill_pool.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
@@ -17,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 
@@ -54,13 +52,10 @@ def main() -> int:
             model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
             return (time.perf_counter() - t) * 1e3
 
-    def normal_policy():  # (a rival of a benchmark under chrt must not inherit its real-time policy)
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    from rivals import competing  # (this folder's: the scripts run from it)
 
     ms: dict[str, list[float]] = {"own": [], "openmp": [], "mixed": []}
-    rivals = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=normal_policy)
-              for _ in range(args.compete)]
-    try:
+    with competing(args.compete):
         for b in ms:  # warm-up
             _native.set_pool_backend(b)
             prefill()
@@ -68,9 +63,6 @@ def main() -> int:
             for b in (list(ms) if r % 2 == 0 else list(ms)[::-1]):
                 _native.set_pool_backend(b)
                 ms[b].append(prefill())
-    finally:
-        for p in rivals:
-            p.kill()
         _native.set_pool_backend("mixed")
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
            "tokens": args.tokens, "threads": args.threads, "compete": args.compete,
