@@ -321,17 +321,15 @@ void ThreadPool::run_impl(PoolBackend b, int n, Call call, void* ctx) {
   }
 }
 
-namespace {
-struct HostCall {
+struct ThreadPool::HostCall {
   void (*fn)(void*);
   void* ctx;
   const Gomp* api;
-  std::vector<void*> slots;  // worker w's Slot (stable: slots are never freed)
+  std::vector<Slot*> slots;  // worker w's (stable: slots are never freed)
   std::exception_ptr error;
   int64_t ended_us = 0;  // when thread 0 told the guests to leave
   char fork, join;  // TSan builds: addresses of the two annotated edges
 };
-}  // namespace
 
 void ThreadPool::host_body(void* p) {
   auto& h = *static_cast<HostCall*>(p);
@@ -352,7 +350,7 @@ void ThreadPool::host_body(void* p) {
     h.ended_us = now_us();
     pool.cv_guest_.notify_all();
   } else if (static_cast<size_t>(tid) <= h.slots.size()) {
-    pool.guest_loop(tid - 1, *static_cast<Slot*>(h.slots[static_cast<size_t>(tid - 1)]));
+    pool.guest_loop(tid - 1, *h.slots[static_cast<size_t>(tid - 1)]);
   }
   HINA_TSAN_RELEASE(&h.join);
 }

@@ -153,6 +153,7 @@ class ThreadPool {
 
   void worker_loop(int id, uint64_t seen, Slot& slot);
   // host(): fn on the caller as OpenMP's thread 0, the team's other threads as guests
+  struct HostCall;
   void host_impl(int n, void (*fn)(void*), void* ctx);
   static void host_body(void* h);
   void guest_loop(int id, Slot& slot);
