@@ -98,30 +98,24 @@ def main() -> int:
 
     from hi_na_moe import _native
 
-    def hosted(on: bool):
+    def setting(hosting: bool = True, lookup=lookup_ids):
         def put():
-            _native.set_pool_hosting(on)
-            rope_table.RopeTable.lookup_ids = lookup_ids
-        return put
-
-    def table(fn):
-        def put():
-            _native.set_pool_hosting(True)
-            rope_table.RopeTable.lookup_ids = fn
+            _native.set_pool_hosting(hosting)
+            rope_table.RopeTable.lookup_ids = lookup
         return put
 
     if args.ab_position_table:
-        arms = {"generate, table for position_ids": (generate, table(lookup_ids)),
-                "generate, rotary module called": (generate, table(no_table))}
+        arms = {"generate, table for position_ids": (generate, setting()),
+                "generate, rotary module called": (generate, setting(lookup=no_table))}
     elif args.ab_min_new_tokens:
-        arms = {"generate, eos_token_id=None": (lambda: generate(eos_token_id=None), table(lookup_ids)),
-                "generate, min_new_tokens": (lambda: generate(min_new_tokens=n), table(lookup_ids))}
+        arms = {"generate, eos_token_id=None": (lambda: generate(eos_token_id=None), setting()),
+                "generate, min_new_tokens": (lambda: generate(min_new_tokens=n), setting())}
     elif args.ab_hosting:
         drive = generate if args.driver == "generate" else loop
-        arms = {f"{args.driver}, hosted on OpenMP's team": (drive, hosted(True)),
-                f"{args.driver}, own workers": (drive, hosted(False))}
+        arms = {f"{args.driver}, hosted on OpenMP's team": (drive, setting()),
+                f"{args.driver}, own workers": (drive, setting(hosting=False))}
     else:
-        arms = {"generate": (generate, table(lookup_ids)), "loop of forwards": (loop, table(lookup_ids))}
+        arms = {"generate": (generate, setting()), "loop of forwards": (loop, setting())}
     from rivals import competing  # (this folder's: the scripts run from it)
 
     figures = {a: {"run": [], "between": [], "step": [], "wall_ms": []} for a in arms}
@@ -146,7 +140,7 @@ def main() -> int:
                     f["run"].append((b1 - b0) * 1e3)
                     f["between"].append((b0 - a1) * 1e3)
                     f["step"].append((b1 - a1) * 1e3)
-    table(lookup_ids)()
+    setting()()
     stack.NativeCausalLM._run = run
     same = len({tuple(t) for t in tokens.values()}) == 1
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
