@@ -142,9 +142,9 @@ def test_enable_rejects_bad_config_before_touching_model():
     assert not hi_na_moe.is_enabled(m)
 
 
-def _prefetch_in_subprocess(value: str | None) -> tuple[int, str, str]:
-    """(prefetch_distance, the check line, the CPU vendor) in a fresh interpreter, whose native
-    library loads with HINA_MOE_PREFETCH_BYTES set to `value` (None: unset)."""
+def _prefetch_in_subprocess(value: str | None) -> tuple[tuple[int, int], str, str]:
+    """((prefetch_distance, rows_prefetch_distance), the check line, the CPU vendor) in a fresh
+    interpreter, whose native library loads with HINA_MOE_PREFETCH_BYTES set to `value` (None: unset)."""
     import os
     import subprocess
     import sys
@@ -153,24 +153,29 @@ def _prefetch_in_subprocess(value: str | None) -> tuple[int, str, str]:
     if value is not None:
         env["HINA_MOE_PREFETCH_BYTES"] = value
     code = ("import hi_na_moe; from hi_na_moe import _native as n; from hi_na_moe.hardware import capabilities; "
-            "c = capabilities(); print(n.prefetch_distance()); print(c['prefetch']); print(c['vendor'])")
+            "c = capabilities(); print(n.prefetch_distance(), n.rows_prefetch_distance()); print(c['prefetch']); "
+            "print(c['vendor'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     n, line, vendor = out.stdout.strip().splitlines()
-    return int(n), line, vendor
+    one, rows = (int(v) for v in n.split())
+    return (one, rows), line, vendor
 
 
 @pytest.mark.skipif(not hi_na_moe.capabilities().get("cpu"), reason="native library not built")
 def test_the_prefetch_distance_comes_from_the_environment_or_the_cpu_vendor():
-    n, line, vendor = _prefetch_in_subprocess(None)
+    (n, rows), line, vendor = _prefetch_in_subprocess(None)
     amd = vendor == "AuthenticAMD"
-    assert n == (1024 if amd else 4096)
+    # several rows: none on AMD (session 32), the one-row distance elsewhere
+    assert (n, rows) == ((1024, 0) if amd else (4096, 4096))
+    several = "; int8 / int4 calls of several rows: none, the hardware prefetchers alone" if amd else ""
     l12 = "; lossless12's decode kernel: none, the hardware prefetchers alone" if amd else ""
-    assert line == f"{n} bytes ahead into L2 (the default for {vendor} CPUs){l12}"
-    n, line, _ = _prefetch_in_subprocess("2048")  # neither vendor's default
-    assert n == 2048 and line == "2048 bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES; lossless12's decode kernel too)"
-    for bad in ("100", "70000"):  # not a multiple of 64 in [0, 65536]: the default, and why
+    assert line == f"{n} bytes ahead into L2 (the default for {vendor} CPUs{several}){l12}"
+    n, line, _ = _prefetch_in_subprocess("2048")  # neither vendor's default: every kernel and job
+    assert n == (2048, 2048)
+    assert line == "2048 bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES; lossless12's decode kernel too)"
+    for bad in ("100", "70000"):  # not a multiple of 64 in [0, 65536]: the defaults, and why
         n, line, _ = _prefetch_in_subprocess(bad)
-        assert n == (1024 if vendor == "AuthenticAMD" else 4096)
+        assert n == ((1024, 0) if amd else (4096, 4096))
         assert f"HINA_MOE_PREFETCH_BYTES={bad!r} is not used: it must be a multiple of 64 in [0, 65536]" in line
 
 

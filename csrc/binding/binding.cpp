@@ -846,8 +846,12 @@ NB_MODULE(_native, m) {
         "HINA_MOE_PREFETCH_BYTES is set).");
   m.def("prefetch_distance", &hina::prefetch_distance,
         "Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed when the "
-        "library loaded: HINA_MOE_PREFETCH_BYTES if it held a multiple of 64 in [0, 65536], else 2048 on AMD "
+        "library loaded: HINA_MOE_PREFETCH_BYTES if it held a multiple of 64 in [0, 65536], else 1024 on AMD "
         "CPUs and 4096 on others.");
+  m.def("rows_prefetch_distance", &hina::rows_prefetch_distance,
+        "The same for the int8 / int4 kernels' jobs of several rows (batched decode, prefill): "
+        "HINA_MOE_PREFETCH_BYTES if it was used, else 0 (no software prefetch) on AMD CPUs and "
+        "prefetch_distance() on others.");
   m.def("step_trace_compiled", &hina::step_trace_compiled,
         "Whether this build records decode_layers' timeline (a tuning build, HINA_PREFETCH_TUNING).");
   m.def("take_step_trace", [] {

@@ -47,19 +47,35 @@ namespace hina {
 using namespace detail;
 
 namespace detail::pf {
+namespace {
+// HINA_MOE_PREFETCH_BYTES when it holds a multiple of 64 in [0, 65536], else -1.
+int env_prefetch_bytes() {
+  if (const char* env = std::getenv("HINA_MOE_PREFETCH_BYTES")) {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && v >= 0 && v <= 65536 && v % 64 == 0) return static_cast<int>(v);
+  }
+  return -1;
+}
+bool amd() { return std::strcmp(cpu_features().vendor, "AuthenticAMD") == 0; }
+}  // namespace
+
 int load_prefetch_distance() {
   static const int bytes = [] {
-    if (const char* env = std::getenv("HINA_MOE_PREFETCH_BYTES")) {
-      char* end = nullptr;
-      const long v = std::strtol(env, &end, 10);
-      if (end != env && *end == '\0' && v >= 0 && v <= 65536 && v % 64 == 0) return static_cast<int>(v);
-    }
-    return std::strcmp(cpu_features().vendor, "AuthenticAMD") == 0 ? 1024 : 4096;
+    const int env = env_prefetch_bytes();
+    return env >= 0 ? env : amd() ? 1024 : 4096;
+  }();
+  return bytes;
+}
+int load_rows_prefetch() {
+  static const int bytes = [] {
+    const int env = env_prefetch_bytes();
+    return env >= 0 ? env : amd() ? 0 : load_prefetch_distance();
   }();
   return bytes;
 }
 bool load_l12_prefetch() {
-  return std::getenv("HINA_MOE_PREFETCH_BYTES") != nullptr || std::strcmp(cpu_features().vendor, "AuthenticAMD") != 0;
+  return std::getenv("HINA_MOE_PREFETCH_BYTES") != nullptr || !amd();
 }
 }  // namespace detail::pf
 
@@ -79,6 +95,7 @@ int64_t dynamic_item_bytes() {
 }  // namespace
 
 int prefetch_distance() { return detail::pf::bytes(); }
+int rows_prefetch_distance() { return detail::pf::rows_bytes(); }
 
 const char* dtype_name(DType dt) {
   switch (dt) {

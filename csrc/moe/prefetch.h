@@ -21,18 +21,29 @@
 // leaves the stream to the hardware prefetchers: l12_prefetch() is false on AMD unless
 // HINA_MOE_PREFETCH_BYTES is set (then every kernel takes that distance).
 //
-// A build configured with -DHINA_PREFETCH_TUNING=ON reads HINA_PF (bytes ahead) and HINA_PFH
-// (0: L1, 1: L2, 2: L3, 3: non-temporal) at the start of every kernel job instead, so benchmarks/bench_prefetch.py
-// can compare settings round by round in one process. Never in a release build.
+// Jobs of several rows (batched decode, prefill; the int8 / int4 kernels only): none on AMD. There
+// a row block of 2-3 rows takes longer per byte than the memory system delivers it and the
+// hardware prefetchers alone keep the stream going; a software prefetch 1 KiB ahead cost such
+// jobs 4-20 % (session 32, benchmarks/bench_batch_decode.py --ab-prefetch: Qwen1.5-MoE 4L int4
+// batches of 4 1.19x faster without it, prefill-512 1.07x; one row unchanged). Elsewhere the
+// one-row distance (untested: the Intel distance was measured on one-row jobs).
+// HINA_MOE_PREFETCH_BYTES sets both; 0 means no software prefetch in the int8 / int4 kernels.
+//
+// A build configured with -DHINA_PREFETCH_TUNING=ON reads HINA_PF (bytes ahead), HINA_PFM (bytes
+// ahead for jobs of several rows; HINA_PF's value when unset) and HINA_PFH (0: L1, 1: L2, 2: L3,
+// 3: non-temporal) at the start of every kernel job instead, so benchmarks/bench_prefetch.py and
+// bench_batch_decode.py can compare settings round by round in one process. Never in a release build.
 #pragma once
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <cstdlib>
 
 namespace hina::detail::pf {
 
 int load_prefetch_distance();  // moe.cpp: the environment or the CPU's vendor
+int load_rows_prefetch();      // moe.cpp: the same for jobs of several rows
 bool load_l12_prefetch();      // moe.cpp: whether the lossless12 kernel prefetches (see above)
 inline const bool g_l12_prefetch = load_l12_prefetch();
 inline bool l12_prefetch() { return g_l12_prefetch; }
@@ -40,16 +51,20 @@ inline bool l12_prefetch() { return g_l12_prefetch; }
 #ifdef HINA_PREFETCH_TUNING
 inline int g_bytes = load_prefetch_distance();
 inline int g_hint = 1;
+inline int g_rows_bytes = load_rows_prefetch();
 inline int g_amx = 2;
 inline void reload() {
   const char* b = std::getenv("HINA_PF");
+  const char* m = std::getenv("HINA_PFM");
   const char* h = std::getenv("HINA_PFH");
   g_bytes = b ? std::atoi(b) : load_prefetch_distance();
+  g_rows_bytes = m ? std::atoi(m) : b ? g_bytes : load_rows_prefetch();
   g_hint = h ? std::atoi(h) : 1;
   const char* a = std::getenv("HINA_PFA");
   g_amx = a ? std::atoi(a) : 2;
 }
 inline int bytes() { return g_bytes; }
+inline int rows_bytes() { return g_rows_bytes; }
 inline int amx_mode() { return g_amx; }
 inline void line(const void* p) {
   const char* c = static_cast<const char*>(p);
@@ -60,10 +75,15 @@ inline void line(const void* p) {
 }
 #else
 inline const int g_bytes_at_load = load_prefetch_distance();
+inline const int g_rows_bytes_at_load = load_rows_prefetch();
 inline void reload() {}
 inline int bytes() { return g_bytes_at_load; }
+inline int rows_bytes() { return g_rows_bytes_at_load; }
 constexpr int amx_mode() { return 2; }
 inline void line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 #endif
+
+// The distance an int8 / int4 job of `rows` rows prefetches its weights at (0: none).
+inline int ahead(int64_t rows) { return rows > 1 ? rows_bytes() : bytes(); }
 
 }  // namespace hina::detail::pf

@@ -78,6 +78,9 @@ def prefetch_description() -> str:
     if env is not None:  # read when the library loaded: set later, or not a valid value
         why += (f"; HINA_MOE_PREFETCH_BYTES={env!r} is not used: it must be a multiple of 64 in [0, 65536], "
                 "set before hi_na_moe's native library loads")
+    rows = native.rows_prefetch_distance()
+    if rows != n:
+        why += "; int8 / int4 calls of several rows: " + (f"{rows} bytes" if rows else "none, the hardware prefetchers alone")
     l12 = "" if native.l12_prefetch() else "; lossless12's decode kernel: none, the hardware prefetchers alone"
     return f"{n} bytes ahead into L2 ({why}){l12}"
 

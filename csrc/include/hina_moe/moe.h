@@ -343,8 +343,11 @@ Isa resolve_isa(const char* name);
 int default_num_threads();
 // Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed
 // when the library loads: HINA_MOE_PREFETCH_BYTES if it holds a multiple of 64 in [0, 65536],
-// else 2048 on AMD CPUs and 4096 on others (measured per vendor: csrc/moe/prefetch.h).
+// else 1024 on AMD CPUs and 4096 on others (measured per vendor: csrc/moe/prefetch.h).
 int prefetch_distance();
+// The same for the int8 / int4 kernels' jobs of several rows: HINA_MOE_PREFETCH_BYTES if set, else
+// 0 (no software prefetch) on AMD CPUs and prefetch_distance() on others (csrc/moe/prefetch.h).
+int rows_prefetch_distance();
 // Whether the lossless12 decode kernel prefetches its stream at that distance too: not on AMD
 // CPUs (measured slower there; csrc/moe/prefetch.h) unless HINA_MOE_PREFETCH_BYTES is set.
 bool l12_prefetch();

@@ -42,15 +42,15 @@ inline __m256 i4_lane_ps(__m256i v) {
 
 // out[r][gi][half]: dot products of one quantised panel with NT fp32 rows, scales applied.
 template <WFormat F, int G, int NT>
-inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float* const* x,
+inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* const* x,
                        __m256 out[][2][2]) {
   for (int r = 0; r < NT; ++r)
     for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
   if constexpr (F == WFormat::kInt8) {
     const uint8_t* w = panel + 64 * G;
     for (int64_t k = 0; k < Kp; k += 4, w += 4 * G * kPanelN) {
-      prefetch(w + pf::bytes());
-      if (G == 2) prefetch(w + pf::bytes() + 64);
+      if (ahead) prefetch(w + ahead);
+      if (ahead && G == 2) prefetch(w + ahead + 64);
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + gi * 4 * kPanelN + half * 32));
@@ -73,8 +73,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
   } else {
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
-      if (q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
+      if (ahead && q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m256 a[NT][G][2];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a[r][gi][0] = a[r][gi][1] = _mm256_setzero_ps();
@@ -114,17 +114,17 @@ struct Expand {
   static constexpr int max_rows() { return kMaxRows; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, __m256 (&acc)[NT][2][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&acc)[NT][2][2]) {
     const float* xr[NT];
     for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
-    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
+    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, __m256 (&y)[NT][2][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&y)[NT][2][2]) {
     const float* hr[NT];
     for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
-    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
+    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
   }
 };
 

@@ -61,7 +61,7 @@ inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
 
 // out[r][gi][half]: dot products of one quantised panel with NT quantised rows, scales applied.
 template <bool Vnni, WFormat F, int G, int NT>
-inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<NT>& x, __m256 out[][2][2]) {
+inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, const QRows<NT>& x, __m256 out[][2][2]) {
   const __m256i ones = _mm256_set1_epi16(1);
   (void)ones;
   if constexpr (F == WFormat::kInt8) {
@@ -79,8 +79,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       }
       const int64_t kb = b * kActBlock;
       for (int qd = 0; qd < kActBlock / 4; ++qd, w += 64 * G) {
-        prefetch(w + pf::bytes());
-        if (G == 2) prefetch(w + pf::bytes() + 64);
+        if (ahead) prefetch(w + ahead);
+        if (ahead && G == 2) prefetch(w + ahead + 64);
         __m256i xs[NT], xa[NT];
         for (int r = 0; r < NT; ++r) {
           xs[r] = bcast4(x.q[r] + kb + qd * 4);
@@ -117,8 +117,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
-      if (q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
+      if (ahead && q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m256 bg[NT][G][2];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) bg[r][gi][0] = bg[r][gi][1] = _mm256_setzero_ps();
@@ -174,17 +174,17 @@ struct IntDot {
   static constexpr int max_rows() { return F == WFormat::kInt8 ? 2 : 1; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, __m256 (&acc)[NT][2][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&acc)[NT][2][2]) {
     QRows<NT> xr;
     for (int r = 0; r < NT; ++r) xr.set(r, j.x[r0 + r], j.L->Hk);
-    qdot_panel<Vnni, F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
+    qdot_panel<Vnni, F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, __m256 (&y)[NT][2][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&y)[NT][2][2]) {
     QRows<NT> hr;
     for (int r = 0; r < NT; ++r) hr.set(r, static_cast<const uint8_t*>(j.h) + (r0 + r) * j.h_stride, j.L->Ik);
-    qdot_panel<Vnni, F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
+    qdot_panel<Vnni, F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
   }
 };
 

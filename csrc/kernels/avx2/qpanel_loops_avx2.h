@@ -5,10 +5,11 @@
 // here (the activation vectorised: vec_avx2.h). A family is a struct with
 //   template <WFormat F> static constexpr int max_rows();
 //   template <WFormat F, int G, int NT> static void gateup_dot(const GateUpJob&, const uint8_t* panel,
-//                                                              int64_t r0, __m256 (&acc)[NT][2][2]);
+//                                                              int64_t r0, int ahead, __m256 (&acc)[NT][2][2]);
 //   template <WFormat F, int NT> static void down_dot(const DownJob&, const uint8_t* panel,
-//                                                     int64_t r0, __m256 (&y)[NT][2][2]);
-// (acc[r][gi][half]: columns half*8 .. half*8+7 of matrix gi for row r0 + r, scales applied).
+//                                                     int64_t r0, int ahead, __m256 (&y)[NT][2][2]);
+// (acc[r][gi][half]: columns half*8 .. half*8+7 of matrix gi for row r0 + r, scales applied;
+// ahead: the job's prefetch distance, pf::ahead, 0 for none).
 // Include only from TUs compiled with at least -mavx2 -mfma.
 #pragma once
 
@@ -44,6 +45,7 @@ inline void row_blocks(int64_t nt, Fn&& f) {
 template <class Fam, WFormat F, bool Gated>
 void gateup(const GateUpJob& j) {
   pf::reload();
+  const int ahead = pf::ahead(j.nt);
   constexpr int G = Gated ? 2 : 1;
   const Layout& L = *j.L;
   const int64_t pbytes = gu_panel_bytes(L);
@@ -53,7 +55,7 @@ void gateup(const GateUpJob& j) {
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 acc[NT][2][2];
-      Fam::template gateup_dot<F, G, NT>(j, panel, r0, acc);
+      Fam::template gateup_dot<F, G, NT>(j, panel, r0, ahead, acc);
       for (int half = 0; half < 2; ++half) {
         const int64_t c = col0 + half * 8;
         const __m256 valid = v256::valid_mask(c, L.I);
@@ -78,6 +80,7 @@ void gateup(const GateUpJob& j) {
 template <class Fam, WFormat F>
 void down(const DownJob& j) {
   pf::reload();
+  const int ahead = pf::ahead(j.nt);
   const int64_t pbytes = down_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
@@ -85,7 +88,7 @@ void down(const DownJob& j) {
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 y[NT][2][2];
-      Fam::template down_dot<F, NT>(j, panel, r0, y);
+      Fam::template down_dot<F, NT>(j, panel, r0, ahead, y);
       for (int r = 0; r < NT; ++r) {
         const __m256 w = _mm256_set1_ps(j.wt[r0 + r]);
         for (int half = 0; half < 2; ++half) {

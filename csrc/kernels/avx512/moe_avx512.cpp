@@ -17,7 +17,7 @@
 //   f16: vcvtph2ps of a 32-byte load; f32: plain loads; k unrolled by 2 for two chains.
 //   Loop order: panel outer, 4-row chunks inner, so a panel (Hk*64*G bytes) is read from DRAM
 //   once and re-read from L2 by the following row chunks (prefill fallback).
-// Software prefetch of the weight stream: moe/prefetch.h (2 KiB ahead, into L2).
+// Software prefetch of the weight stream: moe/prefetch.h (a distance by CPU vendor, into L2).
 // Activation, limits, bias, column masking and the routing-weighted scatter-add are fused
 // (vectorised exp/erfc in vec_avx512.h; |rel err| of silu/gelu vs libm ~1e-7).
 // Known limits: activations are kept in fp32 (no vdpbf16ps: that would round x/h to bf16);

@@ -17,7 +17,8 @@
 //         acc = fma(chains, group scale, acc).
 //   Rows: NT <= 4 (int8) / 3 (int4) rows share each expanded weight vector (prefill reuse);
 //   the int4 limit keeps 6 accumulators per row plus constants within the 32 zmm registers.
-// Software prefetch of the weight stream (moe/prefetch.h: 2 KiB ahead, into L2), one line per 64 bytes consumed.
+// Software prefetch of the weight stream (moe/prefetch.h: the job's distance, pf::ahead, into L2), one line per
+// 64 bytes consumed.
 // Known limits: the expansion costs 2-3 vector ops per 16 weights, so int4 decode is bounded
 // by the FMA ports before memory on slow-clocked cores (measured in benchmarks/RESULTS.md);
 // the integer-dot kernels (moe_qdot_avx512vnni.cpp) avoid the expansion entirely.
@@ -39,7 +40,7 @@ inline void prefetch(const void* p) { pf::line(p); }
 // Dot products of one quantised panel with NT rows: out[r][gi] for matrices gi < G, 16 columns
 // each, scales applied. x[r] points at row r (fp32, Kp long, zero-padded).
 template <WFormat F, int G, int NT>
-inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float* const* x,
+inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* const* x,
                        __m512 out[][2]) {
   for (int r = 0; r < NT; ++r)
     for (int gi = 0; gi < G; ++gi) out[r][gi] = _mm512_setzero_ps();
@@ -49,8 +50,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
       for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
     const uint8_t* w = panel + 64 * G;
     for (int64_t k = 0; k < Kp; k += 4, w += 4 * G * kPanelN) {
-      prefetch(w + pf::bytes());
-      if (G == 2) prefetch(w + pf::bytes() + 64);  // G == 2 consumes 128 bytes per step
+      if (ahead) prefetch(w + ahead);
+      if (ahead && G == 2) prefetch(w + ahead + 64);  // G == 2 consumes 128 bytes per step
       for (int gi = 0; gi < G; ++gi) {
         const __m512i v = _mm512_load_si512(w + gi * 4 * kPanelN);
         const __m512 w0 = v512::i8_lane_ps<0>(v), w1 = v512::i8_lane_ps<1>(v);
@@ -70,8 +71,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, const float*
   } else {
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
-      if (q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
+      if (ahead && q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m512 a0[NT][G], a1[NT][G];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();
@@ -114,17 +115,17 @@ struct Expand {
   static constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, __m512 (&acc)[NT][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&acc)[NT][2]) {
     const float* xr[NT];
     for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
-    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
+    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, __m512 (&y)[NT][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&y)[NT][2]) {
     const float* hr[NT];
     for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
-    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
+    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
   }
 };
 

@@ -22,8 +22,8 @@
 // order; the generic emulation follows it, so only the activation epilogue differs from it).
 // NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4:
 // 2 NT * G) int32 and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
-// Software prefetch of the weight stream (moe/prefetch.h: 2 or 4 KiB ahead by CPU vendor, into
-// L2), one line per 64 bytes consumed.
+// Software prefetch of the weight stream (moe/prefetch.h: the job's distance, pf::ahead, by CPU
+// vendor and rows, into L2), one line per 64 bytes consumed.
 // Known limits: the block sums are exact int32 (|sum| <= 32 * 255 * 127); a block is 32 k, so
 // a k padding of up to 31 zero columns is multiplied too (Kp is a multiple of 32 anyway).
 #include <immintrin.h>
@@ -49,7 +49,7 @@ inline __m512i bcast4(const int8_t* p) {
 
 // out[r][gi]: 16 columns of matrix gi dotted with row r, all scales applied (moe.h order).
 template <WFormat F, int G, int NT>
-inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<NT>& x, __m512 out[][2]) {
+inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, const QRows<NT>& x, __m512 out[][2]) {
   if constexpr (F == WFormat::kInt8) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512 af[NT][G];
@@ -64,8 +64,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       }
       const int64_t kb = b * kActBlock;
       for (int qd = 0; qd < kActBlock / 4; ++qd, w += 64 * G) {
-        prefetch(w + pf::bytes());
-        if (G == 2) prefetch(w + pf::bytes() + 64);
+        if (ahead) prefetch(w + ahead);
+        if (ahead && G == 2) prefetch(w + ahead + 64);
         __m512i xb[NT];
         for (int r = 0; r < NT; ++r) xb[r] = bcast4(x.q[r] + kb + qd * 4);
         for (int gi = 0; gi < G; ++gi) {
@@ -90,8 +90,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, const QRows<
       for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
-      if (q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + pf::bytes() + o);
+      if (ahead && q.block_start())
+        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m512 bg[NT][G];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_setzero_ps();
@@ -149,17 +149,17 @@ struct IntDot {
   static constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, __m512 (&acc)[NT][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&acc)[NT][2]) {
     QRows<NT> xr;
     for (int r = 0; r < NT; ++r) xr.set(r, j.x[r0 + r], j.L->Hk);
-    qdot_panel<F, G, NT>(panel, j.L->Hk, j.L->group, xr, acc);
+    qdot_panel<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, __m512 (&y)[NT][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&y)[NT][2]) {
     QRows<NT> hr;
     for (int r = 0; r < NT; ++r) hr.set(r, static_cast<const uint8_t*>(j.h) + (r0 + r) * j.h_stride, j.L->Ik);
-    qdot_panel<F, 1, NT>(panel, j.L->Ik, j.L->group, hr, y);
+    qdot_panel<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
   }
 };
 

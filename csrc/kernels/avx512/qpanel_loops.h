@@ -5,10 +5,11 @@
 // A family is a struct with
 //   template <WFormat F> static constexpr int max_rows();     rows sharing one weight pass
 //   template <WFormat F, int G, int NT> static void gateup_dot(const GateUpJob&, const uint8_t* panel,
-//                                                              int64_t r0, __m512 (&acc)[NT][2]);
+//                                                              int64_t r0, int ahead, __m512 (&acc)[NT][2]);
 //   template <WFormat F, int NT> static void down_dot(const DownJob&, const uint8_t* panel,
-//                                                     int64_t r0, __m512 (&y)[NT][2]);
-// (acc[r][gi]: 16 columns of matrix gi (gate, up) for row r0 + r, all scales applied).
+//                                                     int64_t r0, int ahead, __m512 (&y)[NT][2]);
+// (acc[r][gi]: 16 columns of matrix gi (gate, up) for row r0 + r, all scales applied; ahead: the
+// job's prefetch distance, pf::ahead, 0 for none).
 // Include only from TUs compiled with at least the avx512 tier's flags.
 #pragma once
 
@@ -39,6 +40,7 @@ inline void row_blocks(int64_t nt, Fn&& f) {
 template <class Fam, WFormat F, bool Gated>
 void gateup(const GateUpJob& j) {
   pf::reload();
+  const int ahead = pf::ahead(j.nt);
   constexpr int G = Gated ? 2 : 1;
   const Layout& L = *j.L;
   const int64_t pbytes = gu_panel_bytes(L);
@@ -52,7 +54,7 @@ void gateup(const GateUpJob& j) {
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m512 acc[NT][2];
-      Fam::template gateup_dot<F, G, NT>(j, panel, r0, acc);
+      Fam::template gateup_dot<F, G, NT>(j, panel, r0, ahead, acc);
       for (int r = 0; r < NT; ++r) {
         const __m512 g = Gated ? _mm512_add_ps(acc[r][0], bg) : _mm512_setzero_ps();
         const __m512 u = _mm512_add_ps(acc[r][G - 1], bu);
@@ -71,6 +73,7 @@ void gateup(const GateUpJob& j) {
 template <class Fam, WFormat F>
 void down(const DownJob& j) {
   pf::reload();
+  const int ahead = pf::ahead(j.nt);
   const int64_t pbytes = down_panel_bytes(*j.L);
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
@@ -79,7 +82,7 @@ void down(const DownJob& j) {
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m512 y[NT][2];
-      Fam::template down_dot<F, NT>(j, panel, r0, y);
+      Fam::template down_dot<F, NT>(j, panel, r0, ahead, y);
       for (int r = 0; r < NT; ++r) {
         float* a = j.acc[r0 + r] + col0;
         _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(j.wt[r0 + r]), _mm512_add_ps(y[r][0], b),
