@@ -19,6 +19,10 @@ jobs of several rows (HINA_PFM, bytes; "-" leaves it at the library's choice), s
 round in one process. Needs the tuning build (pip install ... -Ccmake.define.HINA_PREFETCH_TUNING=ON;
 the kernels read HINA_PF* at every job there, never in a release build).
 
+--against transformers: a second arm, the checkpoint loaded by transformers alone (bf16, its own
+experts' code), resident beside ours and alternating with it round by round (each arm checked
+against its own first run's tokens: bf16 and quantised weights decode different tokens).
+
 --count-bytes replays the same prompts and tokens through the checkpoint's own bf16 model
 (transformers, loaded after ours is freed) and counts each step's distinct routed experts per
 MoE layer from its routers' selections (modules returning an integer index tensor last, as
@@ -130,6 +134,7 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens (0: no)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ab-prefetch", default="", help="HINA_PFM values for arms (tuning build), e.g. 1024,-")
+    ap.add_argument("--against", default="", choices=("", "transformers"))
     ap.add_argument("--count-bytes", action="store_true")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -142,16 +147,33 @@ def main() -> int:
     model = load(args)
     dense_bytes, expert_bytes = packed_bytes(model)
     probe = _native.BandwidthProbe(1 << 30, args.threads)
-    arms = args.ab_prefetch.split(",") if args.ab_prefetch else ["-"]
-    if len(arms) > 1 and not _native.step_trace_compiled():
+    if args.ab_prefetch and args.against:
+        raise SystemExit("--ab-prefetch and --against are separate comparisons: give one")
+    if args.ab_prefetch and not _native.step_trace_compiled():
         raise SystemExit("--ab-prefetch needs the tuning build (HINA_PREFETCH_TUNING=ON): a release build "
                          "fixes its prefetch distances when the library loads")
 
-    def put(arm: str) -> None:
-        if arm == "-":
-            os.environ.pop("HINA_PFM", None)
-        else:
-            os.environ["HINA_PFM"] = arm
+    def prefetch_rows(value: str):
+        def put() -> None:
+            if value == "-":
+                os.environ.pop("HINA_PFM", None)
+            else:
+                os.environ["HINA_PFM"] = value
+        return put
+
+    # arm name -> (model, what to set before its runs)
+    if args.ab_prefetch:
+        models = {f"prefetch {v}": (model, prefetch_rows(v)) for v in args.ab_prefetch.split(",")}
+    else:
+        models = {f"hi_na_moe {args.weights}": (model, prefetch_rows("-"))}
+    if args.against:  # first, so that the last column (first arm's ms / last's) is our speed-up
+        from transformers import AutoModelForCausalLM
+
+        native = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16).eval()
+        models = {"transformers bf16": (native, prefetch_rows("-")), **models}
+        del native
+    arms = list(models)
+    ours = [a for a in arms if a != "transformers bf16"]
 
     vocab = min(model.config.vocab_size, 30000)
     gen = torch.Generator().manual_seed(0)
@@ -160,43 +182,46 @@ def main() -> int:
     steps = {b: {a: [] for a in arms} for b in batches}
     probes = {b: {a: [] for a in arms} for b in batches}
     prefill_ms = {a: [] for a in arms}
-    fed: dict = {}
+    fed: dict = {}  # (arm, B) -> the tokens fed at each step of its first run
     for r in range(args.rounds + 1):  # round 0 warms up and fixes each batch's tokens
         for b in batches:
             for arm in (arms if r % 2 == 0 else arms[::-1]):
-                put(arm)
+                m, put = models[arm]
+                put()
                 ms, toks = [], []
-                gbs = decode(model, prompts[b], args.steps, probe, ms, toks)
-                if b not in fed:
-                    fed[b] = toks
-                elif any(not torch.equal(x, y) for x, y in zip(toks, fed[b])):
-                    raise SystemExit(f"batch {b}, prefetch {arm}: other tokens than the first run's")
+                gbs = decode(m, prompts[b], args.steps, probe, ms, toks)
+                if (arm, b) not in fed:
+                    fed[arm, b] = toks
+                elif any(not torch.equal(x, y) for x, y in zip(toks, fed[arm, b])):
+                    raise SystemExit(f"batch {b}, {arm}: other tokens than its first run's")
                 if r:
                     steps[b][arm] += ms
                     probes[b][arm].append(gbs)
         if long_prompt is not None:
             for arm in (arms if r % 2 == 0 else arms[::-1]):
-                put(arm)
+                m, put = models[arm]
+                put()
                 with torch.inference_mode():
                     t = time.perf_counter()
-                    model(long_prompt, use_cache=True, logits_to_keep=1)
+                    m(long_prompt, use_cache=True, logits_to_keep=1)
                     if r:
                         prefill_ms[arm].append((time.perf_counter() - t) * 1e3)
         print(f"round {r} done", flush=True)
-    put("-")
-    del model
+    prefetch_rows("-")()
+    models.clear()  # free both before the replay loads the bf16 model
+    del model, m
     gc.collect()
-    union = count_union(args.ckpt, prompts, fed) if args.count_bytes else {}
+    union = count_union(args.ckpt, prompts, {b: fed[ours[0], b] for b in batches}) if args.count_bytes else {}
     per_expert = statistics.mean(expert_bytes)
 
     res = {"ckpt": args.ckpt, "weights": args.weights, "threads": args.threads, "steps": args.steps,
            "rounds": args.rounds, "isa": os.environ.get("HINA_MOE_ISA", "auto"), "arms": arms,
            "dense_packed_bytes": dense_bytes, "expert_packed_bytes": per_expert, "batches": {}}
-    head = "| B | " + " | ".join(f"prefetch {a}: ms a step (tok/s)" for a in arms) + " | probe GB/s |"
+    head = "| B | " + " | ".join(f"{a}: ms a step (tok/s)" for a in arms) + " | probe GB/s |"
     if union:
-        head += " experts read a step | GB a step | GB/s (first arm) |"
+        head += f" experts read a step | GB a step | GB/s ({ours[0]}) |"
     if len(arms) > 1:
-        head += f" {arms[0]} / {arms[-1]} |"
+        head += " first arm's ms / last's |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for b in batches:
@@ -207,8 +232,10 @@ def main() -> int:
         line += " | " + " / ".join(f"{row['probe_gbs'][a]:.1f}" for a in arms) + " |"
         if union:
             gb = (dense_bytes + union[b] * per_expert) / 1e9
-            row.update(experts_read=union[b], gb_a_step=gb, gbs={a: gb / med[a] * 1e3 for a in arms})
-            line += f" {union[b]:.1f} | {gb:.3f} | {gb / med[arms[0]] * 1e3:.1f} |"
+            # the packed bytes: GB/s for our arms only
+            row.update(experts_read=union[b], gb_a_step=gb,
+                       gbs={a: gb / med[a] * 1e3 for a in ours})
+            line += f" {union[b]:.1f} | {gb:.3f} | {gb / med[ours[0]] * 1e3:.1f} |"
         if len(arms) > 1:
             line += f" {med[arms[0]] / med[arms[-1]]:.3f}x |"
         print(line)
@@ -216,7 +243,7 @@ def main() -> int:
     if long_prompt is not None:
         med = {a: statistics.median(prefill_ms[a]) for a in arms}
         res["prefill"] = {"tokens": args.prefill, "median_ms": med}
-        print(f"prefill-{args.prefill}: " + ", ".join(f"prefetch {a} {med[a]:.0f} ms" for a in arms)
+        print(f"prefill-{args.prefill}: " + ", ".join(f"{a} {med[a]:.0f} ms" for a in arms)
               + (f" ({med[arms[0]] / med[arms[-1]]:.3f}x)" if len(arms) > 1 else ""))
     if args.json:
         with open(args.json, "w") as f:
