@@ -43,6 +43,8 @@ import os
 import statistics
 import time
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 
 def load(args):
     import torch
@@ -56,9 +58,7 @@ def load(args):
         model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16).eval()
         hi_na_moe.enable_for_model(model, weights=args.weights, config=cfg)
         return model
-    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
-    return hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                     config=cfg).eval()
+    return stored.load(args.ckpt, args.weights, args.cache_dir)
 
 
 def packed_bytes(model) -> tuple[int, list[float]]:
@@ -125,9 +125,7 @@ def count_union(ckpt: str, prompts: dict, fed: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
-    ap.add_argument("--cache-dir", required=True, help="the store of --weights, or none: pack in memory")
+    stored.add_args(ap, cache_help="the store of --weights, or none: pack in memory")
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--steps", type=int, default=16, help="decode steps a round")
     ap.add_argument("--rounds", type=int, default=5)

@@ -34,12 +34,12 @@ import json
 import statistics
 import time
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
-    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    stored.add_args(ap)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=12, help="rounds of both arms, their order swapped every round")
     ap.add_argument("--threads", type=int, default=2)
@@ -54,13 +54,10 @@ def main() -> int:
     import torch
     from transformers import DynamicCache
 
-    import hi_na_moe
     from hi_na_moe import rope_table, stack
 
     torch.set_num_threads(args.threads)
-    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="", pool=args.pool)
-    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                      config=cfg).eval()
+    model = stored.load(args.ckpt, args.weights, args.cache_dir, pool=args.pool)
     prompt = torch.randint(300, min(model.config.vocab_size, 30000), (1, 16), generator=torch.Generator().manual_seed(0))
     spans: list[tuple[float, float]] = []
     run = stack.NativeCausalLM._run

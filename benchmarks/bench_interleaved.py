@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 HERE = Path(__file__).resolve().parent
 PROMPT_LEN, GEN = 16, 128
 
@@ -89,7 +91,6 @@ class Ours:
     def __init__(self, args, native: bool = False):
         import torch
 
-        import hi_na_moe
         from hi_na_moe import _native
 
         torch.set_num_threads(args.threads)
@@ -99,9 +100,7 @@ class Ours:
 
             self.model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16).eval()
         else:
-            cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
-            self.model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16,
-                                                   progress=False, config=cfg).eval()
+            self.model = stored.load(args.ckpt, args.weights, args.cache_dir)
         self.probe = _native.BandwidthProbe(1 << 30, args.threads)
         self.gen = torch.Generator().manual_seed(0)
         self.done, self.cache, self.tok = GEN, None, None
@@ -155,9 +154,7 @@ class Ours:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
-    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    stored.add_args(ap)
     ap.add_argument("--against", default="llamacpp", choices=("llamacpp", "transformers"))
     ap.add_argument("--gguf", type=Path, help="llama.cpp's weights (make_gguf.py); for --against llamacpp")
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")

@@ -17,6 +17,8 @@ import argparse
 import statistics
 import time
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,13 +33,10 @@ def main() -> int:
     import torch
     from transformers import DynamicCache
 
-    import hi_na_moe
     from hi_na_moe import kv_cache, mla
 
     torch.set_num_threads(args.threads)
-    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="", dense_fuse=not args.no_fuse)
-    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                      config=cfg).eval()
+    model = stored.load(args.ckpt, args.weights, args.cache_dir, dense_fuse=not args.no_fuse)
     seg: dict[str, list[float]] = {}
 
     def timed_decode(self, m, h, pe, cache, mask=None):  # NativeMLA._decode, segment by segment

@@ -30,6 +30,8 @@ import json
 import statistics
 import time
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 
 def causal_lm_switch(model):
     """(use(on), calls()): the NativeCausalLM of `model` on or off, and how many steps took it."""
@@ -191,9 +193,7 @@ SWITCHES = {"kv_group": kv_group_switch, "causal_lm": causal_lm_switch, "outputs
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--switch", required=True, choices=sorted(SWITCHES))
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
-    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    stored.add_args(ap)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per round and arm")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block", type=int, default=8, help="steps of one arm before the other's")
@@ -205,9 +205,7 @@ def main() -> int:
     import hi_na_moe
 
     torch.set_num_threads(args.threads)
-    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
-    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                      config=cfg).eval()
+    model = stored.load(args.ckpt, args.weights, args.cache_dir)
     use, taken = SWITCHES[args.switch](model)
     arms = {"off": (model, lambda: use(False)), "on": (model, lambda: use(True))}
     ms, gbs, tokens, calls = alternate(arms, args.rounds, args.steps, args.block, args.threads, taken)

@@ -19,6 +19,8 @@ import os
 import statistics
 import time
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 
 def states(pid: int) -> dict[int, str]:
     out = {}
@@ -60,12 +62,9 @@ def main() -> int:
         return 0
     from transformers import DynamicCache
 
-    import hi_na_moe
     from hi_na_moe import _native, stack
 
-    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
-    model = hi_na_moe.from_pretrained(args.ckpt, weights="int4", dtype=torch.bfloat16, progress=False,
-                                      config=cfg).eval()
+    model = stored.load(args.ckpt, "int4", args.cache_dir)
     _native.set_pool_hosting(False)
     spans: list[float] = []
     run = stack.NativeCausalLM._run

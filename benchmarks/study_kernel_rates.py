@@ -20,26 +20,23 @@ import argparse
 import statistics
 import time
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
-    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    stored.add_args(ap)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--experts-k", default="8", help="comma-separated numbers of routed experts per call")
     args = ap.parse_args()
     ks = [int(k) for k in args.experts_k.split(",")]
     import torch
 
-    import hi_na_moe
     from hi_na_moe import _native
     from hi_na_moe.patching import patched_runner
 
     torch.set_num_threads(2)
-    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
-    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                      config=cfg).eval()
+    model = stored.load(args.ckpt, args.weights, args.cache_dir)
     layers = [patched_runner(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers or any(r is None or r.step is None or r.moe is None for r in layers):
         raise SystemExit("every decoder layer must take the native calls with the MoE block's short path")

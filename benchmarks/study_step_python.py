@@ -24,28 +24,25 @@ import argparse
 import collections
 import time
 
+import stored  # this folder's: a script's own folder is on sys.path
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--weights", default="int4", choices=("lossless", "lossless12", "int8", "int4"))
-    ap.add_argument("--cache-dir", required=True, help="the store of --weights")
+    stored.add_args(ap)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     import torch
     from transformers import DynamicCache
 
-    import hi_na_moe
     from hi_na_moe import _native, kv_cache
     from hi_na_moe.layers import NativeLayer
     from hi_na_moe.patching import patched_runner
     from hi_na_moe.stack import NativeCausalLM, NativeStack, Outputs
 
     torch.set_num_threads(args.threads)
-    cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
-    model = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False,
-                                      config=cfg).eval()
+    model = stored.load(args.ckpt, args.weights, args.cache_dir)
     stacks = [r for m in model.modules() if isinstance(r := patched_runner(m), NativeStack)]
     if len(stacks) != 1:
         raise SystemExit(f"expected one decoder stack on hi_na_moe.stack, found {len(stacks)}")
