@@ -23,6 +23,13 @@ the kernels read HINA_PF* at every job there, never in a release build).
 experts' code), resident beside ours and alternating with it round by round (each arm checked
 against its own first run's tokens: bf16 and quantised weights decode different tokens).
 
+--against llamacpp --gguf <file>: llama.cpp on the same weights (make_gguf.py), driven as
+bench_interleaved.py drives it: `bench_llamacpp.py --serve --batched 16` in its venv, resident
+beside ours, which for each batch size decodes B new prompts together through llama.cpp's batch
+API (one llama_decode a step of one token a sequence, a KV cache shared by the sequences, as its
+server runs concurrent requests) and reads its own paired probe after them. No prefill arm for it
+here (bench_full_model.py has llama.cpp's prefill).
+
 --count-bytes replays the same prompts and tokens through the checkpoint's own bf16 model
 (transformers, loaded after ours is freed) and counts each step's distinct routed experts per
 MoE layer from its routers' selections (modules returning an integer index tensor last, as
@@ -42,6 +49,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import stored  # this folder's: a script's own folder is on sys.path
 
@@ -132,7 +140,9 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens (0: no)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ab-prefetch", default="", help="HINA_PFM values for arms (tuning build), e.g. 1024,-")
-    ap.add_argument("--against", default="", choices=("", "transformers"))
+    ap.add_argument("--against", default="", choices=("", "transformers", "llamacpp"))
+    ap.add_argument("--gguf", help="llama.cpp's weights, for --against llamacpp")
+    ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
     ap.add_argument("--count-bytes", action="store_true")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -159,19 +169,28 @@ def main() -> int:
                 os.environ["HINA_PFM"] = value
         return put
 
-    # arm name -> (model, what to set before its runs)
+    # arm name -> (model, what to set before its runs); a llama.cpp arm has no model here
     if args.ab_prefetch:
         models = {f"prefetch {v}": (model, prefetch_rows(v)) for v in args.ab_prefetch.split(",")}
     else:
         models = {f"hi_na_moe {args.weights}": (model, prefetch_rows("-"))}
-    if args.against:  # first, so that the last column (first arm's ms / last's) is our speed-up
+    ours = list(models)
+    llama = None
+    # the rival first, so that the last column (first arm's ms / last's) is our speed-up
+    if args.against == "transformers":
         from transformers import AutoModelForCausalLM
 
         native = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.bfloat16).eval()
         models = {"transformers bf16": (native, prefetch_rows("-")), **models}
         del native
+    elif args.against == "llamacpp":
+        if not args.gguf:
+            raise SystemExit("--against llamacpp needs --gguf (benchmarks/make_gguf.py writes it)")
+        from bench_interleaved import Llama
+
+        llama = Llama(args.llamacpp_python, Path(args.gguf), args.threads, batched=max(batches))
+        models = {f"llama.cpp {Path(args.gguf).stem}": (None, prefetch_rows("-")), **models}
     arms = list(models)
-    ours = [a for a in arms if a != "transformers bf16"]
 
     vocab = min(model.config.vocab_size, 30000)
     gen = torch.Generator().manual_seed(0)
@@ -186,6 +205,12 @@ def main() -> int:
             for arm in (arms if r % 2 == 0 else arms[::-1]):
                 m, put = models[arm]
                 put()
+                if m is None:  # llama.cpp: B prompts of its own, the steps' ms and its probe read
+                    ms, gbs_list = llama.batch(b, args.steps)
+                    if r:
+                        steps[b][arm] += ms
+                        probes[b][arm] += gbs_list
+                    continue
                 ms, toks = [], []
                 gbs = decode(m, prompts[b], args.steps, probe, ms, toks)
                 if (arm, b) not in fed:
@@ -198,6 +223,8 @@ def main() -> int:
         if long_prompt is not None:
             for arm in (arms if r % 2 == 0 else arms[::-1]):
                 m, put = models[arm]
+                if m is None:
+                    continue
                 put()
                 with torch.inference_mode():
                     t = time.perf_counter()
@@ -206,6 +233,8 @@ def main() -> int:
                         prefill_ms[arm].append((time.perf_counter() - t) * 1e3)
         print(f"round {r} done", flush=True)
     prefetch_rows("-")()
+    if llama is not None:
+        llama.close()
     models.clear()  # free both before the replay loads the bf16 model
     del model, m
     gc.collect()
@@ -239,10 +268,11 @@ def main() -> int:
         print(line)
         res["batches"][b] = row
     if long_prompt is not None:
-        med = {a: statistics.median(prefill_ms[a]) for a in arms}
+        med = {a: statistics.median(prefill_ms[a]) for a in arms if prefill_ms[a]}
         res["prefill"] = {"tokens": args.prefill, "median_ms": med}
-        print(f"prefill-{args.prefill}: " + ", ".join(f"{a} {med[a]:.0f} ms" for a in arms)
-              + (f" ({med[arms[0]] / med[arms[-1]]:.3f}x)" if len(arms) > 1 else ""))
+        names = list(med)
+        print(f"prefill-{args.prefill}: " + ", ".join(f"{a} {med[a]:.0f} ms" for a in names)
+              + (f" ({med[names[0]] / med[names[-1]]:.3f}x)" if len(names) > 1 else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

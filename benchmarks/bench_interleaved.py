@@ -48,10 +48,12 @@ PROMPT_LEN, GEN = 16, 128
 class Llama:
     """bench_llamacpp.py --serve in the llama.cpp venv: bursts of decode steps on command."""
 
-    def __init__(self, python: str, gguf: Path, threads: int):
+    def __init__(self, python: str, gguf: Path, threads: int, batched: int = 0):
         native = importlib.util.find_spec("hi_na_moe._native").origin
         cmd = [python, str(HERE / "bench_llamacpp.py"), str(gguf), "--serve", "--threads", str(threads),
                "--prompt-len", str(PROMPT_LEN), "--gen", str(GEN), "--paired-probe-native", native]
+        if batched:  # a second context for "batch B N" (bench_batch_decode.py)
+            cmd += ["--batched", str(batched)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._answer()  # {"ready": true} once loaded and warmed up
 
@@ -67,6 +69,13 @@ class Llama:
     def generate(self, n: int) -> tuple[list[float], list[float]]:
         """One paired-probe read, then Llama.generate of n tokens: (ms between tokens, [probe])."""
         self.proc.stdin.write(f"generate {n}\n")
+        self.proc.stdin.flush()
+        out = self._answer()
+        return out["step_ms"], out["probe_gbs"]
+
+    def batch(self, b: int, n: int) -> tuple[list[float], list[float]]:
+        """b new prompts decoded together for n steps: (ms a step, [the probe read after])."""
+        self.proc.stdin.write(f"batch {b} {n}\n")
         self.proc.stdin.flush()
         out = self._answer()
         return out["step_ms"], out["probe_gbs"]

@@ -116,6 +116,64 @@ class Runner:
         return t
 
 
+class Batched:
+    """Several sequences decoded together, one token of each a llama_decode (what llama.cpp's
+    server does for concurrent requests), on a second llama_context of the same model: the main
+    context's parameters with n_seq_max sequences sharing one KV cache (kv_unified), through
+    llama.cpp's batch API (llama-cpp-python's Llama decodes one sequence)."""
+
+    def __init__(self, llm, llama_cpp, n_seq_max: int, n_ctx: int):
+        lc = self.lc = llama_cpp
+        params = type(llm.context_params).from_buffer_copy(llm.context_params)
+        params.n_seq_max, params.kv_unified, params.n_ctx = n_seq_max, True, n_ctx
+        self.ctx = lc.llama_init_from_model(llm._model.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama_init_from_model failed for {n_seq_max} sequences, n_ctx {n_ctx}")
+        self.n_vocab = llm.n_vocab()
+        self.cap = max(n_seq_max, int(params.n_batch))
+        self.batch = lc.llama_batch_init(self.cap, 0, n_seq_max)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> float:
+        """One llama_decode of (token, position, sequence, wants logits) items: seconds."""
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (tok, pos, seq, out) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
+            b.seq_id[i][0] = seq
+        t0 = time.perf_counter()
+        rc = self.lc.llama_decode(self.ctx, b)
+        t = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        return t
+
+    def _argmax(self, i: int) -> int:
+        logits = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+        if not np.isfinite(logits).all():
+            raise RuntimeError("non-finite logits")
+        return int(np.argmax(logits))
+
+    def decode(self, prompts: list[list[int]], steps: int) -> list[float]:
+        """A fresh KV cache, every prompt evaluated (untimed, in batches of at most n_batch
+        tokens), then `steps` steps of one greedy token a sequence: each step's seconds."""
+        lc = self.lc
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        items = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        last = {}
+        for c in range(0, len(items), self.cap):
+            chunk = items[c:c + self.cap]
+            self._decode(chunk)
+            for i, (_, _, seq, out) in enumerate(chunk):
+                if out:
+                    last[seq] = self._argmax(i)
+        toks = [last[s] for s in range(len(prompts))]
+        times = []
+        for k in range(steps):
+            times.append(self._decode([(toks[s], len(p) + k, s, True) for s, p in enumerate(prompts)]))
+            toks = [self._argmax(s) for s in range(len(prompts))]
+        return times
+
+
 def generate_tokens(run: Runner, prompt: list[int], n: int) -> list[float]:
     """llama-cpp-python's own generation loop (Llama.generate, greedy: temp 0) for n tokens after
     `prompt`: the ms between consecutive tokens (n - 1 of them; each one llama_decode and the
@@ -128,16 +186,24 @@ def generate_tokens(run: Runner, prompt: list[int], n: int) -> list[float]:
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
 
 
-def serve(run: Runner, ids, prompt_len: int, gen: int, after_step, probe_gbs: list[float], probe_read) -> int:
+def serve(run: Runner, ids, prompt_len: int, gen: int, after_step, probe_gbs: list[float], probe_read,
+          batched: Batched | None = None) -> int:
     """--serve: decode steps in bursts on command (bench_interleaved.py), the sequence restarted
     with a new prompt every `gen` steps ("steps N"); or "generate N": one paired-probe read,
-    then Llama.generate of N tokens on a new prompt (generate_tokens)."""
+    then Llama.generate of N tokens on a new prompt (generate_tokens); or "batch B N" (with
+    --batched): B new prompts decoded together for N steps (Batched.decode), then one paired-probe
+    read (bench_batch_decode.py)."""
     print(json.dumps({"ready": True}), flush=True)
     done, tok = gen, None  # (a new sequence at the first burst)
     for line in sys.stdin:
         cmd = line.split()
         if cmd == ["quit"]:
             break
+        if len(cmd) == 3 and cmd[0] == "batch" and cmd[1].isdigit() and cmd[2].isdigit() and batched is not None:
+            steps = batched.decode([ids(prompt_len) for _ in range(int(cmd[1]))], int(cmd[2]))
+            gbs = probe_read()
+            print(json.dumps({"step_ms": [round(x * 1e3, 4) for x in steps], "probe_gbs": [gbs]}), flush=True)
+            continue
         if len(cmd) == 2 and cmd[0] == "generate" and cmd[1].isdigit():
             gbs = probe_read()
             run.clear()
@@ -202,6 +268,8 @@ def main(argv=None) -> int:
                          "prompt, untimed, once --gen steps were decoded), each followed by the paired probe's "
                          "read (needs --paired-probe-native): {\"step_ms\": [...], \"probe_gbs\": [...]}; 'quit' "
                          "ends (bench_interleaved.py drives it)")
+    ap.add_argument("--batched", type=int, default=0, metavar="N",
+                    help="with --serve: a second context for up to N sequences decoded together ('batch B N')")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--verbose", action="store_true", help="let llama.cpp log")
     args = ap.parse_args(argv)
@@ -256,7 +324,11 @@ def main(argv=None) -> int:
             time.sleep(PROBE_SETTLE_S)
             return g
 
-        return serve(run, ids, args.prompt_len, args.gen, after_step, probe_gbs, probe_read)
+        batched = None
+        if args.batched:
+            batched = Batched(llm, llama_cpp, args.batched, args.batched * (args.prompt_len + args.gen))
+            batched.decode([ids(args.prompt_len) for _ in range(args.batched)], 2)  # warm-up
+        return serve(run, ids, args.prompt_len, args.gen, after_step, probe_gbs, probe_read, batched)
 
     tg, pp = [], []
     for _ in range(args.repeats):
