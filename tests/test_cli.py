@@ -74,8 +74,45 @@ def test_bench_builtin_json(tmp_path, capsys):
         assert set(r["latency_ms"]) == {"avg", "p50", "p95", "p99"}
         assert len(r["samples"]["decode_step_s"]) == 3  # 4 tokens: 3 decode steps after the first
         assert r["achieved_gbs"] > 0 and r["peak_rss_bytes"] > 0
+        assert r["bytes_per_step"] == r["bytes_per_token"]  # one row: a step reads one token's bytes
+    assert data["experts_read_per_step"] is None
     assert "moe_decode" in data["arms"]["hina"]["kernel"]
     assert json.loads(out_file.read_text())["arms"].keys() == data["arms"].keys()
+
+
+def test_bench_counts_a_batch_step_as_the_union_of_its_rows_experts(capsys):
+    """A decode step of 4 rows reads each expert any of its rows routes to once: more than one
+    token's experts, at most 4 tokens' or all of them; GB/s is those bytes over the step."""
+    import statistics
+
+    from transformers import AutoConfig
+
+    from hi_na_moe import inspect_model
+    from hi_na_moe.cli import shipped_model_dir
+
+    rc = main(["bench", "--model", "builtin", "--gen-tokens", "5", "--num-iters", "1", "--warmup", "0",
+               "--seq-len", "8", "--batch-size", "4", "--output", "json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    cfg = AutoConfig.from_pretrained(shipped_model_dir())
+    k, e = cfg.num_experts_per_tok, cfg.num_local_experts if hasattr(cfg, "num_local_experts") else cfg.num_experts
+    union = data["experts_read_per_step"]
+    assert union and len(union) == cfg.num_hidden_layers
+    assert all(k <= u <= min(e, 4 * k) for u in union.values())
+    assert any(u > k for u in union.values())  # random prompts: the rows do not all pick the same experts
+    for arm, r in data["arms"].items():
+        assert r["bytes_per_step"] > r["bytes_per_token"]
+        step = statistics.median(r["samples"]["decode_step_s"])
+        assert abs(r["achieved_gbs"] - r["bytes_per_step"] / step / 1e9) < 1e-9
+    # native: one token's bytes plus (union - k) bf16/fp32 experts a block
+    from transformers import AutoModelForCausalLM
+
+    with __import__("torch").device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    blocks = {b.name: b for b in inspect_model(meta).blocks}
+    extra = sum((u - k) * blocks[n].expert_bytes / blocks[n].experts for n, u in union.items())
+    native = data["arms"]["native"]
+    assert abs(native["bytes_per_step"] - (native["bytes_per_token"] + extra)) < 1
 
 
 def test_bench_scope_all(tmp_path, capsys, monkeypatch):

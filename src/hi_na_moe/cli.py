@@ -407,6 +407,55 @@ def _timed_generate(model, ids, n, kv_cache: str = "dynamic"):
     return out, stamps[0] - t0[0], [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def _experts_read_per_step(model, ids, n: int, kv_cache: str) -> dict[str, float] | None:
+    """For a batch of rows: per MoE block, the mean over decode steps of the distinct experts the
+    step's rows route to (a step reads each of them once), from one untimed greedy generation
+    of n tokens on the model as it is (native), watching the top_k_index transformers passes its
+    experts modules. None when some block's experts do not take that argument (llama4, jetmoe,
+    doge: then the byte figures stay one token's)."""
+    import statistics
+
+    import torch
+
+    from .adapters import _is_interface_experts, discover
+
+    blocks = [m for m in discover(model) if m.spec is not None]
+    if not blocks or not all(_is_interface_experts(m.module) for m in blocks):
+        return None
+    rows = ids.shape[0]
+    seen: dict[str, list[int]] = {m.name: [] for m in blocks}
+
+    def watch(name):
+        def hook(_module, args, kwargs):
+            idx = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if isinstance(idx, torch.Tensor) and idx.dim() == 2 and idx.shape[0] == rows:  # a decode step
+                seen[name].append(int(torch.unique(idx).numel()))
+        return hook
+
+    handles = [m.module.register_forward_pre_hook(watch(m.name), with_kwargs=True) for m in blocks]
+    try:
+        _timed_generate(model, ids, n, kv_cache)
+    finally:
+        for h in handles:
+            h.remove()
+    if any(not v for v in seen.values()):
+        return None
+    return {name: statistics.fmean(v) for name, v in seen.items()}
+
+
+def _step_bytes(per_token: float | None, top_k: int | None, report, union: dict | None, expert_bytes) -> float | None:
+    """Bytes one decode step reads: one token's (`per_token`), with each block's top_k experts
+    replaced by the union the step's rows read (`union`, None: one token's); expert_bytes(block)
+    gives one expert's bytes in the arm's format."""
+    if per_token is None or not union or not top_k:
+        return per_token
+    extra = 0.0
+    for b in report.blocks:
+        if b.experts and b.name in union:
+            extra += (union[b.name] - top_k) * expert_bytes(b)
+    return per_token + extra
+
+
 def cmd_bench(args) -> int:
     import statistics
 
@@ -450,6 +499,20 @@ def cmd_bench(args) -> int:
         active_hina = row["active_bytes_per_token"] if row else None
     else:
         active_hina = active
+    # a batch's step reads the union of its rows' experts: counted on the native model first
+    union = (_experts_read_per_step(model, ids, args.gen_tokens, args.kv_cache)
+             if args.batch_size > 1 and plan["top_k"] else None)
+    k = plan["top_k"]
+    if args.weights != "lossless":
+        from hi_na_moe.plan import packed_expert_bytes
+
+        def hina_expert(b):
+            n = packed_expert_bytes(b, args.weights, args.group_size)
+            return (n if n is not None else b.expert_bytes) / b.experts
+    else:
+        def hina_expert(b):
+            return b.expert_bytes / b.experts
+    step_native = _step_bytes(active, k, plan["report"], union, lambda b: b.expert_bytes / b.experts)
     quality: dict = {}
     native_logits = None
     if args.weights not in LOSSLESS_FORMATS:
@@ -469,6 +532,8 @@ def cmd_bench(args) -> int:
             # scope="all": the dense layers read their packed bytes instead of the model's own
             esize = next(model.parameters()).element_size()
             active_hina += sum(d.packed_bytes - d.out_features * d.in_features * esize for d in report.dense)
+        step_bytes = (_step_bytes(active_hina, k, plan["report"], union, hina_expert) if arm == "hina"
+                      else step_native)
         _peak_rss_reset()
         bar.set_postfix_str(arm)
         for _ in range(args.warmup):
@@ -498,10 +563,10 @@ def cmd_bench(args) -> int:
                            "p95": 1e3 * _pct(decode, 0.95), "p99": 1e3 * _pct(decode, 0.99)},
             "weights": args.weights if arm == "hina" else plan["dtype"],
             "bytes_per_token": (active_hina if arm == "hina" else active),
-            "achieved_gbs": ((active_hina if arm == "hina" else active) / step / 1e9)
-            if (active_hina if arm == "hina" else active) else None,
-            "memory_bandwidth_util_pct": (100 * (active_hina if arm == "hina" else active) / step / 1e9 / bw)
-            if ((active_hina if arm == "hina" else active) and bw) else None,
+            # a step of batch_size rows: one token's bytes with the union of the rows' experts
+            "bytes_per_step": step_bytes,
+            "achieved_gbs": step_bytes / step / 1e9 if step_bytes else None,
+            "memory_bandwidth_util_pct": 100 * step_bytes / step / 1e9 / bw if step_bytes and bw else None,
             "quality_vs_native": quality.get(arm),
             "dense_layers": len(report.dense) if report is not None else 0,
             "attention_decode_calls": ({n: {"native": a, "own_forward": b} for n, (a, b) in counts.items()}
@@ -519,6 +584,7 @@ def cmd_bench(args) -> int:
     data = {"model": str(path), "dtype": plan["dtype"], "threads": threads, "batch_size": args.batch_size,
             "seq_len": args.seq_len, "gen_tokens": args.gen_tokens, "num_iters": args.num_iters,
             "kv_cache": args.kv_cache, "machine_read_bandwidth_gbs": bw, "active_bytes_per_token": active,
+            "experts_read_per_step": union,
             "greedy_tokens_identical": same, "arms": results}
     if args.output == "json":
         print(json.dumps(data, indent=2))
@@ -527,6 +593,11 @@ def cmd_bench(args) -> int:
               f"{args.gen_tokens} new tokens x {args.num_iters}, {args.kv_cache} KV cache, {threads} threads; "
               f"machine read bandwidth "
               f"{bw:.1f} GB/s; {active / 1e9:.3f} GB read per decode token" if bw and active else "")
+        if args.batch_size > 1 and step_native:
+            print(f"a decode step of {args.batch_size} rows reads {step_native / 1e9:.3f} GB natively"
+                  + (f" (the union of the rows' experts: {statistics.fmean(union.values()):.1f} of each block's "
+                     f"experts on average, against top-{k} for one token)" if union else
+                     " (counted as one token's: this family's experts do not show their routing)"))
         print("| arm | kernels | pp t/s | tg t/s | avg ms | p50 ms | p95 ms | p99 ms | GB/s | bw util % | peak RSS GiB | speedup tg |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         base = results[arms[0]]["tg_tokens_per_s"]
