@@ -512,6 +512,30 @@ def test_static_cache_and_padded_batches_decode_on_the_kernels():
         hi_na_moe.disable_for_model(model)
 
 
+def test_a_batch_of_many_sequences_decodes_on_the_kernels_close_to_transformers():
+    """24 sequences, some left-padded (the decode paths took 16 at most before session 32): every
+    decode step of generate on the attention kernel, the logits within rounding of the model's own."""
+    model = _olmoe()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 200, (24, 6), generator=gen)
+    am = torch.ones_like(ids)
+    am[::3, :2] = 0  # every third row left-padded
+    ids[am == 0] = 0
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=am, **kw)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        count = _Count(_runner(model.model.layers[0].self_attn))
+        with torch.inference_mode():
+            got = model.generate(ids, attention_mask=am, **kw)
+        assert count.calls == 3  # every decode step after the prompt's
+        for a, b in zip(got.logits, want.logits):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 @pytest.mark.vendor_tables
 @pytest.mark.parametrize("table", ["this CPU's", "Intel's"])
 def test_below_the_kernels_tiers_sdpa_does_the_math_and_the_report_says_so(table, monkeypatch):

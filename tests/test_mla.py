@@ -454,9 +454,10 @@ def test_calls_that_are_not_a_plain_decode_step_are_the_modules_own():
             m(hidden_states=h, position_embeddings=pe, attention_mask=None, past_key_values=DynamicCache())
             m(hidden_states=h[:, :1], position_embeddings=pe[:, :1], attention_mask=None, past_key_values=None,
               output_attentions=True)
-            many = torch.randn(17, 1, cfg.hidden_size).to(torch.bfloat16)
-            m(hidden_states=many, position_embeddings=pe[:, :1].expand(17, 1, -1), attention_mask=None)
-        assert count.calls == 0  # a prefill, attention weights asked for, more than 16 rows
+            n = attention._MAX_BATCH + 1
+            many = torch.randn(n, 1, cfg.hidden_size).to(torch.bfloat16)
+            m(hidden_states=many, position_embeddings=pe[:, :1].expand(n, 1, -1), attention_mask=None)
+        assert count.calls == 0  # a prefill, attention weights asked for, more sequences than a decode batch
         with torch.no_grad():
             m(hidden_states=h[:, :1], position_embeddings=pe[:, :1], attention_mask=None, past_key_values=None)
         assert count.calls == 1

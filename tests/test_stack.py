@@ -97,6 +97,13 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
         count = _same(model, torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]]), 3,
                       attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
         assert count.one_calls == 3
+        # a batch of 20 sequences, a quarter padded (more than the 16 the decode paths took
+        # before session 32): still the one call, the own forward's bits
+        ids = torch.randint(3, 90, (20, 4), generator=torch.Generator().manual_seed(2))
+        mask = torch.ones_like(ids)
+        mask[::4, :2] = 0
+        count = _same(model, ids.masked_fill(mask == 0, 0), 2, attention_mask=mask)
+        assert count.one_calls == 2
     finally:
         hi_na_moe.disable_for_model(model)
     assert "forward" not in model.model.__dict__

@@ -645,7 +645,15 @@ _MISSING = object()
 # each as ~7 small ops; with the caches the weight streaming leaves behind they cost ~80 us per
 # norm (benchmarks/bench_decode_breakdown.py). One native call replaces them for a few rows.
 
-NORM_MAX_ROWS = 16  # more rows (prefill): the module's own forward, which PyTorch parallelises
+# Rows a call may have and still take the native decode paths: a decode step of up to this many
+# sequences (the layers' short paths, the stack's one call, the decode attention), and calls of
+# the norms, routers and gated MLPs of up to this many rows, so that a layer's own forward gives
+# the bits of its short path (more rows, a prefill: the modules' own forwards). 16 until session
+# 32, which measured the native step faster at every batch up to 256 rows (Qwen1.5-MoE 4L int4:
+# 17 rows 57 ms against 89 on the modules' forwards, 24 rows 73 against 111, 64 rows 159-165
+# against 178-181, 256 rows 595 against 686; prefills of 17-128 tokens 1.01-1.13x, 256 tokens
+# even; benchmarks/bench_batch_decode.py).
+NORM_MAX_ROWS = 256
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # a probe result may differ from the module's own by this much (relative): the sum of squares
 # is added in another order, so an rsqrt can differ in its last bit and round h differently

@@ -7,7 +7,7 @@ cached position again through kv_b_proj at every step and run SDPA over them: S 
 x L multiply-adds a layer and step, which grows with the context (DeepSeek-V2-Lite's shape on
 this machine: 1.9 ms a layer at 80 positions, 35 ms at 2048; benchmarks/RESULTS.md).
 
-Here a decode call (one new token per sequence, at most 16 sequences; no mask, or a bool one, or
+Here a decode call (one new token per sequence, at most 256 sequences; no mask, or a bool one, or
 under eager an additive one standing for a bool one) runs as: the module's own projections and
 norms (q_proj, or q_a_proj, q_a_layernorm and q_b_proj; kv_a_proj_with_mqa and kv_a_layernorm:
 themselves on native kernels under scope="all"), the rotary embedding of the rope parts in the

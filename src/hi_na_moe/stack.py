@@ -23,9 +23,10 @@ nothing could tell (hi_na_moe.rope_table; else the module is called), each layer
 called straight, in order, and the final norm as a module, or at the end of the one native call
 below when it is a NativeNorm with no hook (FINAL_NORM).
 
-A decode call is a forward with input_ids of one token per row (at most 16 rows), a DynamicCache
-or StaticCache already holding positions, use_cache, at most an attention mask (2-D, or the 4-D
-one generate prepares for a StaticCache) and position_ids, and transformers' falsy output flags.
+A decode call is a forward with input_ids of one token per row (at most dense.NORM_MAX_ROWS,
+256, rows), a DynamicCache or StaticCache already holding positions, use_cache, at most an
+attention mask (2-D, or the 4-D one generate prepares for a StaticCache) and position_ids, and
+transformers' falsy output flags.
 With a DynamicCache and no mask (or one of ones) the layers get no mask, as the own forward gives
 them then; otherwise the mask comes from the create_causal_mask of the stack's own module,
 called as its forward calls it (a StaticCache's bool mask over its buffer, padding; a 4-D mask

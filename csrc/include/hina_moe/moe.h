@@ -107,8 +107,8 @@ const char* path_name(MoePath path);  // "auto" | "decode" | "prefill"
 // the decode path streams each expert's weights once per token.
 constexpr int kDefaultPrefillMinTokens = 2;
 // Rows (tokens) from which a call counts as prefill-sized for PoolBackend::kMixed (its regions on
-// OpenMP's team): above a decode batch (at most 16 rows take the decode paths' native norms),
-// where a region is long beside one OpenMP join.
+// OpenMP's team): a prefill, or a decode batch of as many sequences, where a region is long
+// beside one OpenMP join.
 constexpr int64_t kMixedTeamRows = 32;
 
 // Which kernel family computes quantised weights (see the numerics above). kAuto: the integer
