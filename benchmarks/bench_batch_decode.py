@@ -11,13 +11,18 @@ with --cache-dir none, loads it with transformers and packs it in memory with en
 --batches and per round: a fresh DynamicCache, a B x 16-token prompt (untimed), then --steps
 greedy decode steps as a loop of forwards (logits_to_keep=1, argmax), each step timed; after
 each arm's steps one untimed 256 MB read on the read-bandwidth probe (BandwidthProbe, the same
-threads) gives that round's bandwidth. With --prefill T each round also times one prefill of
-T tokens. Every arm must decode the same tokens.
+threads) gives that round's bandwidth. With --prefill T1,T2,... each round also times one prefill
+of each length. Every arm must decode the same tokens.
 
 --ab-prefetch A,B,...: arms that differ only in the int8 / int4 kernels' prefetch distance for
 jobs of several rows (HINA_PFM, bytes; "-" leaves it at the library's choice), switched every
 round in one process. Needs the tuning build (pip install ... -Ccmake.define.HINA_PREFETCH_TUNING=ON;
 the kernels read HINA_PF* at every job there, never in a release build).
+
+--ab-decode-rows A,B,...: arms that differ only in how many rows the native decode paths take
+(dense.NORM_MAX_ROWS and the routers' and attention's copies of it; "-" leaves the library's),
+a Python-level switch, so in a release build; a batch above an arm's limit runs the modules'
+own forwards.
 
 --against transformers: a second arm, the checkpoint loaded by transformers alone (bf16, its own
 experts' code), resident beside ours and alternating with it round by round (each arm checked
@@ -137,9 +142,10 @@ def main() -> int:
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--steps", type=int, default=16, help="decode steps a round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens (0: no)")
+    ap.add_argument("--prefill", default="", help="also time prefills of these many tokens (comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ab-prefetch", default="", help="HINA_PFM values for arms (tuning build), e.g. 1024,-")
+    ap.add_argument("--ab-decode-rows", default="", help="NORM_MAX_ROWS values for arms, e.g. 16,-")
     ap.add_argument("--against", default="", choices=("", "transformers", "llamacpp"))
     ap.add_argument("--gguf", help="llama.cpp's weights, for --against llamacpp")
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
@@ -155,8 +161,8 @@ def main() -> int:
     model = load(args)
     dense_bytes, expert_bytes = packed_bytes(model)
     probe = _native.BandwidthProbe(1 << 30, args.threads)
-    if args.ab_prefetch and args.against:
-        raise SystemExit("--ab-prefetch and --against are separate comparisons: give one")
+    if sum(map(bool, (args.ab_prefetch, args.ab_decode_rows, args.against))) > 1:
+        raise SystemExit("--ab-prefetch, --ab-decode-rows and --against are separate comparisons: give one")
     if args.ab_prefetch and not _native.step_trace_compiled():
         raise SystemExit("--ab-prefetch needs the tuning build (HINA_PREFETCH_TUNING=ON): a release build "
                          "fixes its prefetch distances when the library loads")
@@ -169,9 +175,27 @@ def main() -> int:
                 os.environ["HINA_PFM"] = value
         return put
 
+    from hi_na_moe import attention, dense, layers, mla, mlp, routers, stack
+
+    library_rows = dense.NORM_MAX_ROWS
+
+    def decode_rows(value: str):
+        n = library_rows if value == "-" else int(value)
+
+        def put() -> None:  # the constant and every module's copy of it
+            for mod in (dense, layers, stack, mlp):
+                mod.NORM_MAX_ROWS = n
+            for mod in (layers, routers):
+                mod.ROUTER_MAX_ROWS = n
+            attention._MAX_BATCH = mla._MAX_BATCH = n
+        return put
+
     # arm name -> (model, what to set before its runs); a llama.cpp arm has no model here
     if args.ab_prefetch:
         models = {f"prefetch {v}": (model, prefetch_rows(v)) for v in args.ab_prefetch.split(",")}
+    elif args.ab_decode_rows:
+        models = {f"decode rows {v if v != '-' else library_rows}": (model, decode_rows(v))
+                  for v in args.ab_decode_rows.split(",")}
     else:
         models = {f"hi_na_moe {args.weights}": (model, prefetch_rows("-"))}
     ours = list(models)
@@ -195,10 +219,10 @@ def main() -> int:
     vocab = min(model.config.vocab_size, 30000)
     gen = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(300, vocab, (b, 16), generator=gen) for b in batches}
-    long_prompt = torch.randint(300, vocab, (1, args.prefill), generator=gen) if args.prefill else None
+    prefills = {int(t): torch.randint(300, vocab, (1, int(t)), generator=gen) for t in args.prefill.split(",") if t}
     steps = {b: {a: [] for a in arms} for b in batches}
     probes = {b: {a: [] for a in arms} for b in batches}
-    prefill_ms = {a: [] for a in arms}
+    prefill_ms = {t: {a: [] for a in arms} for t in prefills}
     fed: dict = {}  # (arm, B) -> the tokens fed at each step of its first run
     for r in range(args.rounds + 1):  # round 0 warms up and fixes each batch's tokens
         for b in batches:
@@ -220,7 +244,7 @@ def main() -> int:
                 if r:
                     steps[b][arm] += ms
                     probes[b][arm].append(gbs)
-        if long_prompt is not None:
+        for t_len, long_prompt in prefills.items():
             for arm in (arms if r % 2 == 0 else arms[::-1]):
                 m, put = models[arm]
                 if m is None:
@@ -230,9 +254,10 @@ def main() -> int:
                     t = time.perf_counter()
                     m(long_prompt, use_cache=True, logits_to_keep=1)
                     if r:
-                        prefill_ms[arm].append((time.perf_counter() - t) * 1e3)
+                        prefill_ms[t_len][arm].append((time.perf_counter() - t) * 1e3)
         print(f"round {r} done", flush=True)
     prefetch_rows("-")()
+    decode_rows("-")()
     if llama is not None:
         llama.close()
     models.clear()  # free both before the replay loads the bf16 model
@@ -267,11 +292,12 @@ def main() -> int:
             line += f" {med[arms[0]] / med[arms[-1]]:.3f}x |"
         print(line)
         res["batches"][b] = row
-    if long_prompt is not None:
-        med = {a: statistics.median(prefill_ms[a]) for a in arms if prefill_ms[a]}
-        res["prefill"] = {"tokens": args.prefill, "median_ms": med}
+    res["prefill"] = {}
+    for t_len in prefills:
+        med = {a: statistics.median(prefill_ms[t_len][a]) for a in arms if prefill_ms[t_len][a]}
+        res["prefill"][t_len] = {"median_ms": med}
         names = list(med)
-        print(f"prefill-{args.prefill}: " + ", ".join(f"{a} {med[a]:.0f} ms" for a in names)
+        print(f"prefill-{t_len}: " + ", ".join(f"{a} {med[a]:.1f} ms" for a in names)
               + (f" ({med[names[0]] / med[names[-1]]:.3f}x)" if len(names) > 1 else ""))
     if args.json:
         with open(args.json, "w") as f:
