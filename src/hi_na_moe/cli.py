@@ -499,9 +499,17 @@ def cmd_bench(args) -> int:
         active_hina = row["active_bytes_per_token"] if row else None
     else:
         active_hina = active
+    from tqdm import tqdm
+
+    count_union = args.batch_size > 1 and bool(plan["top_k"])
+    bar = tqdm(total=len(arms) * (args.warmup + args.num_iters) + count_union, desc="bench", unit="run",
+               leave=False)
     # a batch's step reads the union of its rows' experts: counted on the native model first
-    union = (_experts_read_per_step(model, ids, args.gen_tokens, args.kv_cache)
-             if args.batch_size > 1 and plan["top_k"] else None)
+    union = None
+    if count_union:
+        bar.set_postfix_str("experts a batch step reads")
+        union = _experts_read_per_step(model, ids, args.gen_tokens, args.kv_cache)
+        bar.update()
     k = plan["top_k"]
     if args.weights != "lossless":
         from hi_na_moe.plan import packed_expert_bytes
@@ -519,9 +527,6 @@ def cmd_bench(args) -> int:
         with torch.inference_mode():
             native_logits = model(ids).logits.float()
     results, tokens = {}, {}
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(arms) * (args.warmup + args.num_iters), desc="bench", unit="run", leave=False)
     for arm in arms:
         report = hi_na_moe.enable_for_model(model, weights=args.weights, group_size=args.group_size,
                                             **({"scope": args.scope} if args.scope else {})) \
