@@ -20,7 +20,7 @@ round in one process. Needs the tuning build (pip install ... -Ccmake.define.HIN
 the kernels read HINA_PF* at every job there, never in a release build).
 
 --ab-decode-rows A,B,...: arms that differ only in how many rows the native decode paths take
-(dense.NORM_MAX_ROWS and the routers' and attention's copies of it; "-" leaves the library's),
+(dense.DECODE_MAX_ROWS and the routers' and attention's copies of it; "-" leaves the library's),
 a Python-level switch, so in a release build; a batch above an arm's limit runs the modules'
 own forwards.
 
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--prefill", default="", help="also time prefills of these many tokens (comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ab-prefetch", default="", help="HINA_PFM values for arms (tuning build), e.g. 1024,-")
-    ap.add_argument("--ab-decode-rows", default="", help="NORM_MAX_ROWS values for arms, e.g. 16,-")
+    ap.add_argument("--ab-decode-rows", default="", help="DECODE_MAX_ROWS values for arms, e.g. 16,-")
     ap.add_argument("--against", default="", choices=("", "transformers", "llamacpp"))
     ap.add_argument("--gguf", help="llama.cpp's weights, for --against llamacpp")
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
@@ -177,14 +177,14 @@ def main() -> int:
 
     from hi_na_moe import attention, dense, layers, mla, mlp, routers, stack
 
-    library_rows = dense.NORM_MAX_ROWS
+    library_rows = dense.DECODE_MAX_ROWS
 
     def decode_rows(value: str):
         n = library_rows if value == "-" else int(value)
 
         def put() -> None:  # the constant and every module's copy of it
             for mod in (dense, layers, stack, mlp):
-                mod.NORM_MAX_ROWS = n
+                mod.DECODE_MAX_ROWS = n
             for mod in (layers, routers):
                 mod.ROUTER_MAX_ROWS = n
             attention._MAX_BATCH = mla._MAX_BATCH = n

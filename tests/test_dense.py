@@ -374,7 +374,7 @@ def test_rms_norms_run_natively_for_decode_and_are_restored():
         x = torch.randn(1, 1, 256).bfloat16()
         with torch.inference_mode():  # bf16: the same bits as the module's own forward here
             assert torch.equal(norm(x), type(norm).forward(norm, x))
-            big = torch.randn(1, dense.NORM_MAX_ROWS + 1, 256).bfloat16()  # more rows: its own forward
+            big = torch.randn(1, dense.DECODE_MAX_ROWS + 1, 256).bfloat16()  # more rows: its own forward
             assert torch.equal(norm(big), type(norm).forward(norm, big))
         assert _rel(_logits(model), want) < 2e-2
         assert _rel(_logits(model, IDS[:, :1]), want1) < 2e-2

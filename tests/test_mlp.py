@@ -112,7 +112,7 @@ def test_the_shared_expert_runs_in_one_native_call_within_rounding_of_its_own_fo
         assert ((got.float() - own.float()).abs() <= tol * own.float().abs().amax(-1, keepdim=True)).all()
         assert (got.float() - before.float()).abs().max() <= 0.05 * before.float().abs().max()
         with torch.no_grad():  # more rows than a decode step: its own forward
-            se(torch.randn(dense.NORM_MAX_ROWS + 1, 256).to(dtype))
+            se(torch.randn(dense.DECODE_MAX_ROWS + 1, 256).to(dtype))
         assert len(calls) == 1
     finally:
         hi_na_moe.disable_for_model(model)

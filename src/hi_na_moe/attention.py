@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kv_cache
-from .dense import _DTYPE_CODES, NORM_MAX_ROWS, _matches
+from .dense import _DTYPE_CODES, DECODE_MAX_ROWS, _matches
 
 # tier -> (the build of the attention kernel it runs, the most cached positions it takes; beyond
 # them PyTorch's SDPA), by CPU vendor, from benchmarks/bench_attention_kernel.py (RESULTS.md):
@@ -130,7 +130,7 @@ def math_kernel(isa: str) -> str:
     return f"the native {name} kernel" + (f" up to {most} cached positions, PyTorch's SDPA beyond" if most else "")
 
 
-_MAX_BATCH = NORM_MAX_ROWS  # sequences a decode call may have (dense.NORM_MAX_ROWS)
+_MAX_BATCH = DECODE_MAX_ROWS  # sequences a decode call may have (dense.DECODE_MAX_ROWS)
 # arguments the families' decoder layers pass that these forms do not read (SDPA ignores them)
 _IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits"})
 # output tolerance on the probe, relative to the largest output value: the attention's float32

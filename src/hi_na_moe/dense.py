@@ -653,7 +653,7 @@ _MISSING = object()
 # 17 rows 57 ms against 89 on the modules' forwards, 24 rows 73 against 111, 64 rows 159-165
 # against 178-181, 256 rows 595 against 686; prefills of 17-128 tokens 1.01-1.13x, 256 tokens
 # even; benchmarks/bench_batch_decode.py).
-NORM_MAX_ROWS = 256
+DECODE_MAX_ROWS = 256
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # a probe result may differ from the module's own by this much (relative): the sum of squares
 # is added in another order, so an rsqrt can differ in its last bit and round h differently
@@ -722,7 +722,7 @@ class NativeNorm:
     def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         w = module.weight
         if (type(x) is torch.Tensor and x.dtype is w.dtype and x.is_cpu
-                and x.dim() >= 1 and x.shape[-1] == self.n and x.numel() <= NORM_MAX_ROWS * self.n
+                and x.dim() >= 1 and x.shape[-1] == self.n and x.numel() <= DECODE_MAX_ROWS * self.n
                 and not x.requires_grad and not x.is_neg() and w.numel() == self.n and w.is_contiguous() and w.is_cpu
                 and not (module.training and torch.is_grad_enabled() and w.requires_grad)):
             # rows of another tensor (latent attention's latent, a split of its projection's output)

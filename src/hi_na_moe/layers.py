@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from . import kv_cache, routers
-from .dense import _DTYPE_CODES, NORM_MAX_ROWS, NativeNorm, _matches
+from .dense import _DTYPE_CODES, DECODE_MAX_ROWS, NativeNorm, _matches
 from .routers import ROUTER_MAX_ROWS
 from .torch_ops import _LAST_KERNEL
 
@@ -429,7 +429,7 @@ class NativeLayer:
         (sin None): a complex tensor or a (cos, sin) pair, as the module gets them, and with a
         query scale (Mistral 4) the scale of the call's positions as qs (NativeMLA._fast_args)."""
         B, H = x.shape[0], self.hidden
-        if (self.step is not None or self.latent_step is not None) and B <= NORM_MAX_ROWS:
+        if (self.step is not None or self.latent_step is not None) and B <= DECODE_MAX_ROWS:
             out = self._native_fast(x, cos, sin, cache, mask, qs)
             if out is not None:
                 return out
@@ -441,7 +441,7 @@ class NativeLayer:
             a, _ = self.attn._decode(self.attn_mod, self.attn.form, h, cos, sin, cache, mask, self.direct)
         w = self.ln2.weight
         if (type(a) is torch.Tensor and a.shape == x.shape and a.dtype is x.dtype and a.is_contiguous()
-                and not a.is_neg() and w.dtype is x.dtype and w.is_contiguous() and w.is_cpu and B <= NORM_MAX_ROWS):
+                and not a.is_neg() and w.dtype is x.dtype and w.is_contiguous() and w.is_cpu and B <= DECODE_MAX_ROWS):
             s, n2 = torch.empty_like(x), torch.empty_like(x)
             self.native.add_rms_norm_raw(x.data_ptr(), a.data_ptr(), B, H, w.data_ptr(), self.norm2.eps,
                                          s.data_ptr(), n2.data_ptr(), code)
@@ -702,7 +702,7 @@ class NativeLayer:
         if moe.shared_native is None or not FUSE_SHARED:
             return None
         mlp, gate = moe.shared_native
-        if mlp.dtype is not dt or B > NORM_MAX_ROWS:
+        if mlp.dtype is not dt or B > DECODE_MAX_ROWS:
             return None
         return mlp.bounds() + (() if gate is None else (gate.bound,))
 
@@ -710,7 +710,7 @@ class NativeLayer:
         """A dense layer's MLP arguments to the native calls (its gate/up group's and down_proj's
         BoundForwards, its intermediate size), or None when they cannot run it."""
         d = self.dense
-        if d is None or not FUSE_EXPERTS or d.dtype is not dt or B > NORM_MAX_ROWS:
+        if d is None or not FUSE_EXPERTS or d.dtype is not dt or B > DECODE_MAX_ROWS:
             return None
         return d.bounds()
 
@@ -749,7 +749,7 @@ class NativeLayer:
         (the weights as _native_fast reads them, the router's _unchanged, the experts' binding):
         the stack sets a layer again when they change."""
         if (self.one_call_blocker() is not None or not FUSE_EXPERTS or not routers.NATIVE_SELECT
-                or self.attn.dtype is not dt or B > NORM_MAX_ROWS or B > ROUTER_MAX_ROWS):
+                or self.attn.dtype is not dt or B > DECODE_MAX_ROWS or B > ROUTER_MAX_ROWS):
             return None
         moe = self.moe
         weights = self._norm_weights(dt)

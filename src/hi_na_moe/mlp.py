@@ -19,7 +19,7 @@ from its own scalar loop) in the last float32 bits, so a value can round to the 
 bfloat16. Once patched, both the module's forward and the decoder layer's fused step
 (hi_na_moe.layers) run this kernel, so those two agree bit for bit.
 
-Decode-sized inputs only (at most NORM_MAX_ROWS rows); anything else, training, or anything that
+Decode-sized inputs only (at most DECODE_MAX_ROWS rows); anything else, training, or anything that
 would observe the skipped child calls (a hook on them, a replaced forward or child, a global
 hook, a mode, compile tracing; layers.Watch) runs the module's own forward.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dense import _DTYPE_CODES, NORM_MAX_ROWS, _matches
+from .dense import _DTYPE_CODES, DECODE_MAX_ROWS, _matches
 from .layers import Watch, observing
 
 _CHILDREN = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
@@ -132,7 +132,7 @@ class NativeMLP:
     def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if (self.ready and type(x) is torch.Tensor and x.dtype is self.dtype and x.is_contiguous() and x.is_cpu
                 and not x.requires_grad and not x.is_neg() and x.dim() >= 1 and x.shape[-1] == self.hidden
-                and 0 < x.numel() <= NORM_MAX_ROWS * self.hidden
+                and 0 < x.numel() <= DECODE_MAX_ROWS * self.hidden
                 and not (module.training and torch.is_grad_enabled()) and not self.watch.observed()
                 and not observing()):
             return self._run(x)

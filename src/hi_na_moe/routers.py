@@ -74,12 +74,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dense import NORM_MAX_ROWS, _matches
+from .dense import DECODE_MAX_ROWS, _matches
 from .ops import NATIVE_DTYPES
 
 # more rows (a longer prefill): the module's own forward, whose GEMM is efficient; the decode
-# paths' limit (dense.NORM_MAX_ROWS), so that a layer's own forward routes as its short path does
-ROUTER_MAX_ROWS = NORM_MAX_ROWS
+# paths' limit (dense.DECODE_MAX_ROWS), so that a layer's own forward routes as its short path does
+ROUTER_MAX_ROWS = DECODE_MAX_ROWS
 NATIVE_SELECT = True  # the softmax and top-k after the logits on router_select (module docstring)
 # the native logits may differ from F.linear's by this much (relative to the logits' scale):
 # the dtype's rounding of a float32 sum taken in another order

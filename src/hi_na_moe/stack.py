@@ -23,7 +23,7 @@ nothing could tell (hi_na_moe.rope_table; else the module is called), each layer
 called straight, in order, and the final norm as a module, or at the end of the one native call
 below when it is a NativeNorm with no hook (FINAL_NORM).
 
-A decode call is a forward with input_ids of one token per row (at most dense.NORM_MAX_ROWS,
+A decode call is a forward with input_ids of one token per row (at most dense.DECODE_MAX_ROWS,
 256, rows), a DynamicCache or StaticCache already holding positions, use_cache, at most an
 attention mask (2-D, or the 4-D one generate prepares for a StaticCache) and position_ids, and
 transformers' falsy output flags.
@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from . import kv_cache
-from .dense import NORM_MAX_ROWS, _matches
+from .dense import DECODE_MAX_ROWS, _matches
 from .layers import NativeLayer, Watch, observing
 from .rope_table import RopeTable
 from .torch_ops import _LAST_KERNEL
@@ -349,7 +349,7 @@ class NativeStack:
         if not (use_cache if use_cache is not None else getattr(cfg, "use_cache", False)):
             return None
         ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
-        if (type(ids) is not torch.Tensor or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > NORM_MAX_ROWS
+        if (type(ids) is not torch.Tensor or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > DECODE_MAX_ROWS
                 or ids.dtype is not torch.int64 or not ids.is_cpu or type(cache) not in (DynamicCache, StaticCache)):
             return None
         past = cache.get_seq_length()
