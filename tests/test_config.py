@@ -142,9 +142,10 @@ def test_enable_rejects_bad_config_before_touching_model():
     assert not hi_na_moe.is_enabled(m)
 
 
-def _prefetch_in_subprocess(value: str | None) -> tuple[tuple[int, int], str, str]:
-    """((prefetch_distance, rows_prefetch_distance), the check line, the CPU vendor) in a fresh
-    interpreter, whose native library loads with HINA_MOE_PREFETCH_BYTES set to `value` (None: unset)."""
+def _prefetch_in_subprocess(value: str | None) -> tuple[tuple[int, int, int, int], str, str]:
+    """((prefetch_distance, rows_prefetch_distance at 1, 2-3 and 4 rows), the check line, the CPU
+    vendor) in a fresh interpreter, whose native library loads with HINA_MOE_PREFETCH_BYTES set to
+    `value` (None: unset)."""
     import os
     import subprocess
     import sys
@@ -153,29 +154,30 @@ def _prefetch_in_subprocess(value: str | None) -> tuple[tuple[int, int], str, st
     if value is not None:
         env["HINA_MOE_PREFETCH_BYTES"] = value
     code = ("import hi_na_moe; from hi_na_moe import _native as n; from hi_na_moe.hardware import capabilities; "
-            "c = capabilities(); print(n.prefetch_distance(), n.rows_prefetch_distance()); print(c['prefetch']); "
-            "print(c['vendor'])")
+            "c = capabilities(); print(n.prefetch_distance(), n.rows_prefetch_distance(1), n.rows_prefetch_distance(3), "
+            "n.rows_prefetch_distance(4)); print(c['prefetch']); print(c['vendor'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     n, line, vendor = out.stdout.strip().splitlines()
-    one, rows = (int(v) for v in n.split())
-    return (one, rows), line, vendor
+    return tuple(int(v) for v in n.split()), line, vendor
 
 
 @pytest.mark.skipif(not hi_na_moe.capabilities().get("cpu"), reason="native library not built")
 def test_the_prefetch_distance_comes_from_the_environment_or_the_cpu_vendor():
-    (n, rows), line, vendor = _prefetch_in_subprocess(None)
+    d, line, vendor = _prefetch_in_subprocess(None)
     amd = vendor == "AuthenticAMD"
-    # several rows: none on AMD (session 32), the one-row distance elsewhere
-    assert (n, rows) == ((1024, 0) if amd else (4096, 4096))
-    several = "; int8 / int4 calls of several rows: none, the hardware prefetchers alone" if amd else ""
+    # several rows on AMD (session 32): none for 2-3, 16 KiB for 4 or more; the one-row distance elsewhere
+    defaults = (1024, 1024, 0, 16384) if amd else (4096,) * 4
+    assert d == defaults
+    several = ("; int8 / int4 calls of 2-3 rows: none, the hardware prefetchers alone, of 4 rows or more: "
+               "16384 bytes") if amd else ""
     l12 = "; lossless12's decode kernel: none, the hardware prefetchers alone" if amd else ""
-    assert line == f"{n} bytes ahead into L2 (the default for {vendor} CPUs{several}){l12}"
-    n, line, _ = _prefetch_in_subprocess("2048")  # neither vendor's default: every kernel and job
-    assert n == (2048, 2048)
+    assert line == f"{d[0]} bytes ahead into L2 (the default for {vendor} CPUs{several}){l12}"
+    d, line, _ = _prefetch_in_subprocess("2048")  # neither vendor's default: every kernel and job
+    assert d == (2048,) * 4
     assert line == "2048 bytes ahead into L2 (HINA_MOE_PREFETCH_BYTES; lossless12's decode kernel too)"
     for bad in ("100", "70000"):  # not a multiple of 64 in [0, 65536]: the defaults, and why
-        n, line, _ = _prefetch_in_subprocess(bad)
-        assert n == ((1024, 0) if amd else (4096, 4096))
+        d, line, _ = _prefetch_in_subprocess(bad)
+        assert d == defaults
         assert f"HINA_MOE_PREFETCH_BYTES={bad!r} is not used: it must be a multiple of 64 in [0, 65536]" in line
 
 

@@ -848,10 +848,10 @@ NB_MODULE(_native, m) {
         "Bytes ahead of their weight stream the FMA and integer-dot kernels prefetch into L2, fixed when the "
         "library loaded: HINA_MOE_PREFETCH_BYTES if it held a multiple of 64 in [0, 65536], else 1024 on AMD "
         "CPUs and 4096 on others.");
-  m.def("rows_prefetch_distance", &hina::rows_prefetch_distance,
-        "The same for the int8 / int4 kernels' jobs of several rows (batched decode, prefill): "
-        "HINA_MOE_PREFETCH_BYTES if it was used, else 0 (no software prefetch) on AMD CPUs and "
-        "prefetch_distance() on others.");
+  m.def("rows_prefetch_distance", &hina::rows_prefetch_distance, nb::arg("rows"),
+        "The distance the int8 / int4 kernels prefetch at in a job of `rows` rows (batched decode, "
+        "prefill): HINA_MOE_PREFETCH_BYTES if it was used, else prefetch_distance() for one row and on "
+        "CPUs other than AMD; on AMD 0 (no software prefetch) for 2-3 rows and 16384 for 4 or more.");
   m.def("step_trace_compiled", &hina::step_trace_compiled,
         "Whether this build records decode_layers' timeline (a tuning build, HINA_PREFETCH_TUNING).");
   m.def("take_step_trace", [] {

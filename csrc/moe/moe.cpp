@@ -67,12 +67,16 @@ int load_prefetch_distance() {
   }();
   return bytes;
 }
-int load_rows_prefetch() {
-  static const int bytes = [] {
+int load_rows_prefetch(bool many) {
+  static const int few = [] {
     const int env = env_prefetch_bytes();
     return env >= 0 ? env : amd() ? 0 : load_prefetch_distance();
   }();
-  return bytes;
+  static const int lots = [] {
+    const int env = env_prefetch_bytes();
+    return env >= 0 ? env : amd() ? 16384 : load_prefetch_distance();
+  }();
+  return many ? lots : few;
 }
 bool load_l12_prefetch() {
   return std::getenv("HINA_MOE_PREFETCH_BYTES") != nullptr || !amd();
@@ -95,7 +99,7 @@ int64_t dynamic_item_bytes() {
 }  // namespace
 
 int prefetch_distance() { return detail::pf::bytes(); }
-int rows_prefetch_distance() { return detail::pf::rows_bytes(); }
+int rows_prefetch_distance(int64_t rows) { return detail::pf::ahead(rows); }
 
 const char* dtype_name(DType dt) {
   switch (dt) {

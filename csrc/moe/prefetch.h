@@ -21,18 +21,22 @@
 // leaves the stream to the hardware prefetchers: l12_prefetch() is false on AMD unless
 // HINA_MOE_PREFETCH_BYTES is set (then every kernel takes that distance).
 //
-// Jobs of several rows (batched decode, prefill; the int8 / int4 kernels only): none on AMD. There
-// a row block of 2-3 rows takes longer per byte than the memory system delivers it and the
-// hardware prefetchers alone keep the stream going; a software prefetch 1 KiB ahead cost such
-// jobs 4-20 % (session 32, benchmarks/bench_batch_decode.py --ab-prefetch: Qwen1.5-MoE 4L int4
-// batches of 4 1.19x faster without it, prefill-512 1.07x; one row unchanged). Elsewhere the
-// one-row distance (untested: the Intel distance was measured on one-row jobs).
-// HINA_MOE_PREFETCH_BYTES sets both; 0 means no software prefetch in the int8 / int4 kernels.
+// Jobs of several rows (batched decode, prefill; the int8 / int4 kernels only), on AMD: none for 2-3
+// rows, 16 KiB for kManyRows (4) or more. A row block of 2-3 rows takes longer per byte than the
+// memory system delivers it, and a software prefetch 1 KiB ahead slowed such jobs instead of
+// helping (session 32: the int4 lm_head of Qwen1.5-MoE 4L at 4 rows 9.7 ms at 1 KiB, 8.6 with
+// none, 7.2 at 16 KiB; 2 rows best without a far one; benchmarks/study_linear_rows.py). Whole
+// steps (bench_batch_decode.py --ab-prefetch, three runs): batches of 4 / 8 / 16 sequences
+// 1.22x / 1.10x / 1.06-1.11x faster at 16 KiB than at 1 KiB and 1.13-1.15x / 1.07-1.08x /
+// 1.02-1.03x than with none, batches of 2 4-7 % slower at 16 KiB than with none; one row
+// unchanged. Elsewhere the one-row distance (untested: Intel's was measured on one-row jobs).
+// HINA_MOE_PREFETCH_BYTES sets all three; 0 means no software prefetch in the int8 / int4 kernels.
 //
 // A build configured with -DHINA_PREFETCH_TUNING=ON reads HINA_PF (bytes ahead), HINA_PFM (bytes
-// ahead for jobs of several rows; HINA_PF's value when unset) and HINA_PFH (0: L1, 1: L2, 2: L3,
-// 3: non-temporal) at the start of every kernel job instead, so benchmarks/bench_prefetch.py and
-// bench_batch_decode.py can compare settings round by round in one process. Never in a release build.
+// ahead for every job of several rows; the defaults above when unset, HINA_PF's value when only
+// it is set) and HINA_PFH (0: L1, 1: L2, 2: L3, 3: non-temporal) at the start of every kernel job
+// instead, so benchmarks/bench_prefetch.py, bench_batch_decode.py and study_linear_rows.py can
+// compare settings round by round in one process. Never in a release build.
 #pragma once
 
 #include <immintrin.h>
@@ -43,7 +47,8 @@
 namespace hina::detail::pf {
 
 int load_prefetch_distance();  // moe.cpp: the environment or the CPU's vendor
-int load_rows_prefetch();      // moe.cpp: the same for jobs of several rows
+int load_rows_prefetch(bool many);  // moe.cpp: the same for jobs of 2-3 rows (many: kManyRows or more)
+constexpr int64_t kManyRows = 4;
 bool load_l12_prefetch();      // moe.cpp: whether the lossless12 kernel prefetches (see above)
 inline const bool g_l12_prefetch = load_l12_prefetch();
 inline bool l12_prefetch() { return g_l12_prefetch; }
@@ -51,20 +56,22 @@ inline bool l12_prefetch() { return g_l12_prefetch; }
 #ifdef HINA_PREFETCH_TUNING
 inline int g_bytes = load_prefetch_distance();
 inline int g_hint = 1;
-inline int g_rows_bytes = load_rows_prefetch();
+inline int g_few_bytes = load_rows_prefetch(false);
+inline int g_many_bytes = load_rows_prefetch(true);
 inline int g_amx = 2;
 inline void reload() {
   const char* b = std::getenv("HINA_PF");
   const char* m = std::getenv("HINA_PFM");
   const char* h = std::getenv("HINA_PFH");
   g_bytes = b ? std::atoi(b) : load_prefetch_distance();
-  g_rows_bytes = m ? std::atoi(m) : b ? g_bytes : load_rows_prefetch();
+  g_few_bytes = m ? std::atoi(m) : b ? g_bytes : load_rows_prefetch(false);
+  g_many_bytes = m ? std::atoi(m) : b ? g_bytes : load_rows_prefetch(true);
   g_hint = h ? std::atoi(h) : 1;
   const char* a = std::getenv("HINA_PFA");
   g_amx = a ? std::atoi(a) : 2;
 }
 inline int bytes() { return g_bytes; }
-inline int rows_bytes() { return g_rows_bytes; }
+inline int rows_bytes(bool many) { return many ? g_many_bytes : g_few_bytes; }
 inline int amx_mode() { return g_amx; }
 inline void line(const void* p) {
   const char* c = static_cast<const char*>(p);
@@ -75,15 +82,16 @@ inline void line(const void* p) {
 }
 #else
 inline const int g_bytes_at_load = load_prefetch_distance();
-inline const int g_rows_bytes_at_load = load_rows_prefetch();
+inline const int g_few_bytes_at_load = load_rows_prefetch(false);
+inline const int g_many_bytes_at_load = load_rows_prefetch(true);
 inline void reload() {}
 inline int bytes() { return g_bytes_at_load; }
-inline int rows_bytes() { return g_rows_bytes_at_load; }
+inline int rows_bytes(bool many) { return many ? g_many_bytes_at_load : g_few_bytes_at_load; }
 constexpr int amx_mode() { return 2; }
 inline void line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 #endif
 
 // The distance an int8 / int4 job of `rows` rows prefetches its weights at (0: none).
-inline int ahead(int64_t rows) { return rows > 1 ? rows_bytes() : bytes(); }
+inline int ahead(int64_t rows) { return rows > 1 ? rows_bytes(rows >= kManyRows) : bytes(); }
 
 }  // namespace hina::detail::pf

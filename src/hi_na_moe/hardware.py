@@ -78,9 +78,12 @@ def prefetch_description() -> str:
     if env is not None:  # read when the library loaded: set later, or not a valid value
         why += (f"; HINA_MOE_PREFETCH_BYTES={env!r} is not used: it must be a multiple of 64 in [0, 65536], "
                 "set before hi_na_moe's native library loads")
-    rows = native.rows_prefetch_distance()
-    if rows != n:
-        why += "; int8 / int4 calls of several rows: " + (f"{rows} bytes" if rows else "none, the hardware prefetchers alone")
+    few, many = native.rows_prefetch_distance(2), native.rows_prefetch_distance(4)
+    if (few, many) != (n, n):
+        def said(b: int) -> str:
+            return f"{b} bytes" if b else "none, the hardware prefetchers alone"
+        why += (f"; int8 / int4 calls of 2-3 rows: {said(few)}, of 4 rows or more: {said(many)}" if few != many
+                else f"; int8 / int4 calls of several rows: {said(few)}")
     l12 = "" if native.l12_prefetch() else "; lossless12's decode kernel: none, the hardware prefetchers alone"
     return f"{n} bytes ahead into L2 ({why}){l12}"
 

@@ -345,9 +345,10 @@ int default_num_threads();
 // when the library loads: HINA_MOE_PREFETCH_BYTES if it holds a multiple of 64 in [0, 65536],
 // else 1024 on AMD CPUs and 4096 on others (measured per vendor: csrc/moe/prefetch.h).
 int prefetch_distance();
-// The same for the int8 / int4 kernels' jobs of several rows: HINA_MOE_PREFETCH_BYTES if set, else
-// 0 (no software prefetch) on AMD CPUs and prefetch_distance() on others (csrc/moe/prefetch.h).
-int rows_prefetch_distance();
+// The distance an int8 / int4 kernel job of `rows` rows prefetches at: HINA_MOE_PREFETCH_BYTES if
+// set, else prefetch_distance() for one row and on CPUs other than AMD; on AMD 0 (no software
+// prefetch) for 2-3 rows and 16384 for 4 or more (csrc/moe/prefetch.h).
+int rows_prefetch_distance(int64_t rows);
 // Whether the lossless12 decode kernel prefetches its stream at that distance too: not on AMD
 // CPUs (measured slower there; csrc/moe/prefetch.h) unless HINA_MOE_PREFETCH_BYTES is set.
 bool l12_prefetch();
