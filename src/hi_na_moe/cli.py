@@ -511,16 +511,16 @@ def cmd_bench(args) -> int:
         union = _experts_read_per_step(model, ids, args.gen_tokens, args.kv_cache)
         bar.update()
     k = plan["top_k"]
-    if args.weights != "lossless":
-        from hi_na_moe.plan import packed_expert_bytes
+    from hi_na_moe.plan import packed_expert_bytes
 
-        def hina_expert(b):
-            n = packed_expert_bytes(b, args.weights, args.group_size)
-            return (n if n is not None else b.expert_bytes) / b.experts
-    else:
-        def hina_expert(b):
-            return b.expert_bytes / b.experts
-    step_native = _step_bytes(active, k, plan["report"], union, lambda b: b.expert_bytes / b.experts)
+    def native_expert(b):
+        return b.expert_bytes / b.experts
+
+    def hina_expert(b):  # one expert in the arm's format (lossless: the model's own bytes)
+        n = packed_expert_bytes(b, args.weights, args.group_size) if args.weights != "lossless" else None
+        return n / b.experts if n is not None else native_expert(b)
+
+    step_native = _step_bytes(active, k, plan["report"], union, native_expert)
     quality: dict = {}
     native_logits = None
     if args.weights not in LOSSLESS_FORMATS:
