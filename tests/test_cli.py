@@ -162,13 +162,13 @@ def test_bench_bad_compare_is_a_user_error():
 def test_check_shows_every_expert_format(capsys):
     assert main(["check", "--model", str(shipped_model_dir()), "--output", "json", "--no-bandwidth"]) == 0
     formats = {f["weights"]: f for f in json.loads(capsys.readouterr().out)["model"]["formats"]}
-    assert set(formats) == {"lossless", "int8", "int4-g64", "int8, scope all", "int4-g64, scope all"}
+    assert set(formats) == {"lossless", "int8", "int4-g32", "int8, scope all", "int4-g32, scope all"}
     # scope all: the dense layers in that format too read fewer bytes per token
-    assert formats["int4-g64, scope all"]["active_bytes_per_token"] < formats["int4-g64"]["active_bytes_per_token"]
+    assert formats["int4-g32, scope all"]["active_bytes_per_token"] < formats["int4-g32"]["active_bytes_per_token"]
     # fp32 shipped model: int8 ~ 1/4 and int4 ~ 1/8 of the lossless expert bytes (plus scales)
     assert formats["int8"]["expert_bytes"] < 0.3 * formats["lossless"]["expert_bytes"]
-    assert formats["int4-g64"]["expert_bytes"] < formats["int8"]["expert_bytes"] * 0.6
-    assert formats["int4-g64"]["active_bytes_per_token"] < formats["lossless"]["active_bytes_per_token"]
+    assert formats["int4-g32"]["expert_bytes"] < formats["int8"]["expert_bytes"] * 0.6
+    assert formats["int4-g32"]["active_bytes_per_token"] < formats["lossless"]["active_bytes_per_token"]
 
 
 def test_check_shows_lossless12_for_a_bfloat16_model(tmp_path, capsys):

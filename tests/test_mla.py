@@ -380,7 +380,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
                                                  group_size=group, cache=False, qdot=qdot)
         rows, L = m.kv_b_proj.out_features, m.kv_b_proj.in_features
         codes = rows * L if weights == "int8" else rows * L // 2
-        scales = rows * 4 if weights == "int8" else rows * (L // group) * 2
+        scales = rows * 4 if weights == "int8" else rows * (L // group) * 4  # float32 scales
         if codes_read:
             assert rep.attention_latent_quant == len(runners)
             assert rep.attention_latent_bytes == (codes + scales) * len(runners)

@@ -223,7 +223,7 @@ def test_env_and_dry_run(monkeypatch):
 
 def test_shipped_model_quality(tmp_path):
     """The issue's quality targets on the trained model shipped with the project: int8 top-1
-    agreement >= 99 % and block SQNR >= 35 dB; int4 g64 perplexity within +3 % and SQNR >= 20 dB
+    agreement >= 99 % and block SQNR >= 35 dB; int4 g32 (the default) perplexity within +3 % and SQNR >= 20 dB
     (real activations). Full figures: benchmarks/quality_quant.py (RESULTS.md). The int8 top-1
     floor is 98.5 %: with AMX's bf16 prefill tiles it measured 99.2-99.3 %; without AMX the
     prefill runs the integer-dot kernel and it measured 98.97 % (21 of the 2048 tokens differ,
@@ -240,7 +240,7 @@ def test_shipped_model_quality(tmp_path):
     ids = tok((root / "data" / "heldout.txt").read_text(encoding="utf-8")[:40000], add_special_tokens=False).input_ids
     chunks = torch.tensor(ids[: 8 * 256]).view(8, 256)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    lossless, int8, int4 = quality.measure(model, chunks, [("int8", 64), ("int4", 64)], cache_dir=str(tmp_path / "q"))
+    lossless, int8, int4 = quality.measure(model, chunks, [("int8", 64), ("int4", 32)], cache_dir=str(tmp_path / "q"))
     assert int8.top1_vs_lossless >= 0.985 and int8.min_sqnr_db >= 35, int8
     assert int4.perplexity <= 1.03 * lossless.perplexity and int4.min_sqnr_db >= 20, int4
     assert int4.kl_vs_lossless > int8.kl_vs_lossless > 0  # the measurement sees the difference

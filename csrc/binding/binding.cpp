@@ -451,7 +451,8 @@ class PyPackedExperts {
     void *c = nullptr, *sc = nullptr;
     nb::object codes = i4 ? new_raw_array(nb::dtype<uint8_t>(), 1, {I, H / 2}, &c)
                           : new_raw_array(nb::dtype<int8_t>(), 1, {I, H}, &c);
-    nb::object scales = i4 ? new_raw_array(kBf16, 2, {I, H / group}, &sc) : new_raw_array(nb::dtype<float>(), 4, {I}, &sc);
+    nb::object scales = i4 ? new_raw_array(nb::dtype<float>(), 4, {I, H / group}, &sc)
+                           : new_raw_array(nb::dtype<float>(), 4, {I}, &sc);
     {
       nb::gil_scoped_release release;
       pe.unpack_row_quant(c, sc);
@@ -911,7 +912,7 @@ NB_MODULE(_native, m) {
            nb::arg("gate_bias").noconvert().none() = nb::none(),
            nb::arg("up_bias").noconvert().none() = nb::none(),
            nb::arg("down_bias").noconvert().none() = nb::none(), nb::arg("isa") = "auto",
-           nb::arg("num_threads") = 0, nb::arg("weights") = "lossless", nb::arg("group_size") = 64,
+           nb::arg("num_threads") = 0, nb::arg("weights") = "lossless", nb::arg("group_size") = 32,
            "gate/up: [E, I, H] (gate may be None), down: [E, H, I], biases [E, I] / [E, I] / "
            "[E, H]; C-contiguous CPU arrays of one dtype (float32, bfloat16, float16). "
            "isa: auto | generic | avx2 | avx512 | amx. weights: lossless | int8 | int4 | lossless12 "
@@ -933,7 +934,7 @@ NB_MODULE(_native, m) {
            },
            nb::arg("dtype"), nb::arg("E"), nb::arg("H"), nb::arg("I"), nb::arg("has_gate"),
            nb::arg("gate_bias") = false, nb::arg("up_bias") = false, nb::arg("down_bias") = false,
-           nb::arg("isa") = "auto", nb::arg("weights") = "lossless", nb::arg("group_size") = 64,
+           nb::arg("isa") = "auto", nb::arg("weights") = "lossless", nb::arg("group_size") = 32,
            nb::arg("up_only") = false,
            "The header (bytes) a block of these experts has; block size: header_info(h)['nbytes']. "
            "up_only: a dense linear layer (E=1, no gate, I outputs, H inputs; see pack_linear).")
@@ -964,7 +965,7 @@ NB_MODULE(_native, m) {
            },
            nb::arg("weight").noconvert(), nb::arg("bias").noconvert().none() = nb::none(),
            nb::arg("isa") = "auto", nb::arg("num_threads") = 0, nb::arg("weights") = "lossless",
-           nb::arg("group_size") = 64, nb::arg("paired") = false,
+           nb::arg("group_size") = 32, nb::arg("paired") = false,
            "A dense linear layer y = x weight^T (+ bias) packed for the same kernels (an up-only "
            "block: E=1, I = out_features, H = in_features); run it with linear(). weight "
            "[out_features, in_features], bias [out_features]: C-contiguous CPU arrays of one dtype. "
@@ -1048,7 +1049,7 @@ NB_MODULE(_native, m) {
            "(codes, scales) of a linear layer's int8 or int4 block, exactly the values its panels hold, in "
            "plain row order (moe.h's RowQuant): int8: codes int8 [out, in], scales float32 [out]; int4: codes "
            "uint8 [out, in / 2], group g of a row at bytes [g * group / 2, (g + 1) * group / 2), byte j holding "
-           "q(g group + j) + 8 in its low nibble and q(g group + group/2 + j) + 8 in its high one, scales bfloat16 "
+           "q(g group + j) + 8 in its low nibble and q(g group + group/2 + j) + 8 in its high one, scales float32 "
            "[out, in / group]. W = scale * q. DLPack-capable.")
       .def_prop_ro("nbytes", [](const PyPackedExperts& p) { return p.get().nbytes(); })
       .def_prop_ro("isa", [](const PyPackedExperts& p) { return std::string(hina::isa_name(p.get().isa())); })

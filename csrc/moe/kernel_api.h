@@ -77,34 +77,72 @@ static inline L12Geometry l12_geometry(int64_t plain_bytes) {
   return g;
 }
 
-// int4 panels (layout v4): the Kp / group groups are stored in blocks, each 64 bytes of bf16
-// scales followed by the codes of the groups those scales belong to. A group has [G][16] scales
-// (32 G bytes) and group / 2 * G * 16 bytes of codes (q4_index), so a block holds 2 / G groups:
-// one group of a gate/up pair, or two groups of a single matrix (scales of group 2b then 2b + 1,
-// their codes in the same order), so a single matrix pays no padding after its 32 scale bytes.
-// Every block is 64 + 16 group bytes, except that a single matrix with an odd number of groups
-// ends with a block of one group (64 + 8 group bytes, scale bytes 32..63 zero).
-static constexpr int q4_per_block(int G) { return 2 / G; }
+// int4 panels (layout v5): [G][16] fp32 row factors (64 G bytes), then the Kp / group groups in
+// blocks, each 64 bytes of scale codes followed by the codes of the groups they scale. A group has
+// [G][16] one-byte scale codes (16 G bytes, q4_step) and group / 2 * G * 16 bytes of weight codes
+// (q4_index), so a block holds 4 / G groups: two groups of a gate/up pair or four of a single
+// matrix (scale codes of group 4b .. 4b + 3 in order, then their weight codes in the same order).
+// The last block of a count that is not a multiple holds the rest (its unused scale bytes zero).
+// int4 costs 4 + 8 / group bits a weight and 32 bits a row.
+static constexpr int q4_per_block(int G) { return 4 / G; }
 static inline int64_t q4_code_bytes(int group, int G) { return static_cast<int64_t>(group) / 2 * G * kPanelN; }
-static inline int64_t q4_block_bytes(int group) { return 64 + static_cast<int64_t>(group) * kPanelN; }
-// Offsets inside a panel of group g's scales (matrix gi's 16 at + 32 gi) and of its codes.
+static inline int64_t q4_block_bytes(int group) { return 64 + static_cast<int64_t>(group) * 2 * kPanelN; }
+// Offsets inside a panel of group g's scale codes (matrix gi's 16 at + 16 gi) and of its codes.
 static inline int64_t q4_scales_at(int64_t g, int G, int group) {
-  return g / q4_per_block(G) * q4_block_bytes(group) + g % q4_per_block(G) * 32;
+  return 64 * G + g / q4_per_block(G) * q4_block_bytes(group) + g % q4_per_block(G) * 16 * G;
 }
 static inline int64_t q4_codes_at(int64_t g, int G, int group) {
-  return g / q4_per_block(G) * q4_block_bytes(group) + 64 + g % q4_per_block(G) * q4_code_bytes(group, G);
+  return 64 * G + g / q4_per_block(G) * q4_block_bytes(group) + 64 + g % q4_per_block(G) * q4_code_bytes(group, G);
 }
-// The groups of one panel in order, for the streaming kernels: scales() and codes() of the
-// current group; block_start() is true where a block begins (the kernels prefetch a whole
-// block, q4_block_bytes, from there).
+// A scale code c: bits 0-2 b, bit 3 the sign, bits 4-7 a; its step t = (-1)^sign 2^-(8a + b)/8
+// (kQ4Step[c & 15] times 2^-a, exact), and the group's scale is the row factor F times t, one
+// fp32 product (q4_scale): the value every kernel multiplies a group's sums or codes by. So a
+// group's scale is F times a power of 2^(1/8) from 1 down to 2^-15.9: a group 60000 times smaller
+// than the row's largest still has its own scale.
+constexpr float kQ4Step[16] = {
+    0x1p+0f, 0x1.d5818ep-1f, 0x1.ae89fap-1f, 0x1.8ace54p-1f, 0x1.6a09e6p-1f, 0x1.4bfdaep-1f, 0x1.306fe0p-1f, 0x1.172b84p-1f,
+    -0x1p+0f, -0x1.d5818ep-1f, -0x1.ae89fap-1f, -0x1.8ace54p-1f, -0x1.6a09e6p-1f, -0x1.4bfdaep-1f, -0x1.306fe0p-1f, -0x1.172b84p-1f};
+static inline float q4_step(uint8_t c) {
+  uint32_t u;
+  std::memcpy(&u, &kQ4Step[c & 15], 4);
+  u -= static_cast<uint32_t>(c >> 4) << 23;  // times 2^-a: the exponent field stays >= 111
+  float t;
+  std::memcpy(&t, &u, 4);
+  return t;
+}
+static inline float q4_scale(uint8_t c, float factor) { return factor * q4_step(c); }
+// The step index e (0..127, q4_step's 2^-(e/8)) nearest |a| / f in the log domain: a a group's
+// m / 8, f its row's factor (|a| <= f). Exact operations only (frexp, comparisons with the
+// float thresholds 2^((j + 0.5) / 8)), so every build picks the same. A zero group gets 127.
+constexpr float kQ4Half[8] = {0x1.0b5586p+0f, 0x1.2387a6p+0f, 0x1.3dea64p+0f, 0x1.5ab07ep+0f,
+                              0x1.7a1148p+0f, 0x1.9c4918p+0f, 0x1.c199bep+0f, 0x1.ea4afap+0f};
+static inline int q4_nearest_step(float a, float f) {
+  a = a < 0.0f ? -a : a;
+  const float r = a / f;
+  if (!(r > 0.0f)) return 127;  // a zero group, or f 0 or NaN
+  if (!(r <= 1.0f)) return 0;   // inf / inf
+  int ex = 0;
+  const float x2 = std::frexp(r, &ex) * 2.0f;  // r = x2 * 2^(ex - 1), x2 in [1, 2)
+  int j = 0;
+  for (int i = 0; i < 8; ++i) j += x2 >= kQ4Half[i] ? 1 : 0;
+  const int e = -8 * (ex - 1) - j;
+  return e < 0 ? 0 : (e > 127 ? 127 : e);
+}
+// The row factors of matrix gi in an int4 panel.
+static inline const float* q4_factors(const uint8_t* panel, int gi) {
+  return reinterpret_cast<const float*>(panel + 64 * gi);
+}
+// The groups of one panel in order, for the streaming kernels: scales() (the current group's
+// scale codes, matrix gi's at + 16 gi) and codes(); block_start() is true where a block begins
+// (the kernels prefetch a whole block, q4_block_bytes, from there).
 template <int G>
 struct Q4Walk {
   const uint8_t* blk;
   int64_t code_bytes, block_bytes;
   int s = 0;  // the current group's place in its block
   Q4Walk(const uint8_t* panel, int group)
-      : blk(panel), code_bytes(q4_code_bytes(group, G)), block_bytes(q4_block_bytes(group)) {}
-  const uint8_t* scales() const { return blk + s * 32; }
+      : blk(panel + 64 * G), code_bytes(q4_code_bytes(group, G)), block_bytes(q4_block_bytes(group)) {}
+  const uint8_t* scales() const { return blk + s * 16 * G; }
   const uint8_t* codes() const { return blk + 64 + s * code_bytes; }
   bool block_start() const { return s == 0; }
   void next() {
@@ -122,7 +160,7 @@ static inline int64_t panel_bytes(DType dt, WFormat wf, int group, int64_t Kp, i
     case WFormat::kInt8: return 64 * G + Kp * G * kPanelN;
     case WFormat::kInt4: {
       const int64_t ng = Kp / group;
-      return ng * q4_code_bytes(group, G) + (ng + q4_per_block(G) - 1) / q4_per_block(G) * 64;
+      return 64 * G + ng * q4_code_bytes(group, G) + (ng + q4_per_block(G) - 1) / q4_per_block(G) * 64;
     }
     case WFormat::kLossless12: return l12_geometry(Kp * kPanelN * G * 2).bytes;
   }
@@ -253,7 +291,7 @@ bool get_l12_kernels_avx512(KernelImpl* k);
 bool get_l12_kernels_avx512vbmi(KernelImpl* k);  // the same bytes; needs AVX512-VBMI at run time
 
 // Quantises one panel from its 16 rows transposed (wt[k * 16 + n], zero-padded, k < Kp) into
-// matrix gi of `panel` (layout v4). x86 builds have AVX-512 and AVX2 copies of the portable
+// matrix gi of `panel` (layout v5). x86 builds have AVX-512 and AVX2 copies of the portable
 // code (moe/quant_panel.h); all write identical bytes.
 void quant_panel_avx512(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
 void quant_panel_avx2(const float* wt, int64_t Kp, int G, int gi, WFormat wf, int group, uint8_t* panel);
@@ -387,7 +425,7 @@ static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
   return a * (u + p.up_offset);
 }
 
-// Layout v3/v4 quantised panels: 4 consecutive k of one output row share a 32-bit lane (the
+// Layout v3-v5 quantised panels: 4 consecutive k of one output row share a 32-bit lane (the
 // operand shape of vpdpbusd / vpmaddubsw+vpmaddwd / sdot), 16 lanes (64 bytes) per k step.
 // int8: byte of (k, gi, n) after the [G][16] fp32 scales: quad k/4, matrix gi, lane n, byte k%4.
 static inline int64_t q8_index(int64_t k, int G, int gi, int n) {

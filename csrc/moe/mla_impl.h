@@ -149,13 +149,13 @@ constexpr int64_t kQ8Chunk = 64;  // int8: values of a row between its block's o
 struct QBlock {
   WFormat fmt;
   const uint8_t* codes;
-  const void* scales;  // int8: the 4 rows' float32 scales; int4: bfloat16, group g of row r at 4 g + r
+  const float* scales;  // int8: the 4 rows' scales; int4: group g of row r at 4 g + r
   int64_t group;       // int4's group (int8: unused)
 };
 inline QBlock qblock(const RowQuant& q, int64_t b, int64_t L) {
   const auto* c = static_cast<const uint8_t*>(q.codes);
   if (q.fmt == WFormat::kInt8) return {q.fmt, c + b * kQRows * L, static_cast<const float*>(q.scales) + b * kQRows, 0};
-  return {q.fmt, c + b * kQRows * (L / 2), static_cast<const uint16_t*>(q.scales) + b * kQRows * (L / q.group),
+  return {q.fmt, c + b * kQRows * (L / 2), static_cast<const float*>(q.scales) + b * kQRows * (L / q.group),
           q.group};
 }
 // int8: the codes of row r from value k on (to the end of its chunk); int4: the bytes of row r's
@@ -166,8 +166,7 @@ inline const uint8_t* qbytes(const QBlock& w, int r, int64_t k) {
   return w.codes + (k / w.group * kQRows + r) * half + k % w.group % half;
 }
 inline float qscale(const QBlock& w, int r, int64_t g) {
-  return w.fmt == WFormat::kInt8 ? static_cast<const float*>(w.scales)[r]
-                                 : detail::bf16_to_f32(static_cast<const uint16_t*>(w.scales)[g * kQRows + r]);
+  return w.fmt == WFormat::kInt8 ? w.scales[r] : w.scales[g * kQRows + r];
 }
 
 // A block's four rows: acc[k] += sum_r s[r] W_r[k] (the query's absorption), and out[r] = a . W_r

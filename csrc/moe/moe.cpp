@@ -555,7 +555,7 @@ void unpack_matrix(const Elem* panels, int64_t N, int64_t K, Elem* dst, int64_t 
 }
 
 
-// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v4): each
+// Quantises one [N, K] matrix into the panels of matrix gi (see PackedHeader, layout v5): each
 // panel's 16 rows are transposed into fp32 and handed to the panel quantiser (moe/quant_panel.h;
 // its AVX-512 build where the CPU has it: same bytes, several times faster).
 void quant_matrix(const void* src, DType dt, int64_t N, int64_t K, uint8_t* dst, int64_t Np,
@@ -1119,8 +1119,8 @@ void PackedExperts::unpack_row_quant(void* codes, void* scales) const {
         uint8_t* q = static_cast<uint8_t*>(codes) + row * (K / 2);
         for (int64_t g = 0; g < K / group; ++g) {
           const uint8_t* c = panel + q4_codes_at(g, G, static_cast<int>(group));
-          std::memcpy(static_cast<uint16_t*>(scales) + row * (K / group) + g,
-                      panel + q4_scales_at(g, G, static_cast<int>(group)) + gi * 32 + n * 2, 2);
+          static_cast<float*>(scales)[row * (K / group) + g] =
+              q4_scale(panel[q4_scales_at(g, G, static_cast<int>(group)) + gi * 16 + n], q4_factors(panel, gi)[n]);
           for (int64_t j = 0; j < group / 2; ++j)
             q[g * group / 2 + j] = static_cast<uint8_t>((int4_q(c, j, G, gi, n) + 8) |
                                                         (int4_q(c, group / 2 + j, G, gi, n) + 8) << 4);

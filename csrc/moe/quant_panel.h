@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "moe/kernel_api.h"
 
@@ -81,24 +82,44 @@ struct Lanes {
       }
       return;
     }
-    constexpr int kCand = 8;
-    for (int64_t b = 0; b < Kp / group; ++b) {
+    // int4 (layout v5, kernel_api.h): each group's signed extreme m; the row factor F is the
+    // largest |m| / 8 of the row, and a group's scale is F times a step (q4_step). The step codes
+    // tried: e0, the one nearest |m| / 8 in 2^(1/8) steps, then 6 smaller, then one larger; the
+    // one with the smallest squared error is kept (ties: the earlier).
+    const int64_t ng = Kp / group;
+    std::vector<float> mg(static_cast<size_t>(ng * W));
+    F fmax = splat(0.0f);
+    for (int64_t b = 0; b < ng; ++b) {
       const float* w = wt + b * group * kPanelN + c0;
       F m = splat(0.0f);
       for (int k = 0; k < group; ++k) {
         const F x = load(w + k * kPanelN);
         m = absv(x) > absv(m) ? x : m;
       }
-      // the candidate scales per lane (bf16-rounded in scalar code: 8 W values per group)
-      alignas(64) float mv[W], dl[kCand][W], il[kCand][W];
-      uint16_t bits[kCand][W];
-      std::memcpy(mv, &m, sizeof(mv));
-      for (int i = 0; i < kCand; ++i)
-        for (int n = 0; n < W; ++n) {
-          bits[i][n] = f32_to_bf16(mv[n] / -8.0f * (1.0f - static_cast<float>(i) / 20.0f));
-          dl[i][n] = bf16_to_f32(bits[i][n]);
+      std::memcpy(&mg[static_cast<size_t>(b * W)], &m, sizeof(m));
+      const F a = absv(m) / 8.0f;
+      fmax = a > fmax ? a : fmax;
+    }
+    alignas(64) float fl[W];
+    std::memcpy(fl, &fmax, sizeof(fl));
+    std::memcpy(panel + gi * 64 + c0 * 4, fl, sizeof(fl));
+    constexpr int kCand = 8;
+    for (int64_t b = 0; b < ng; ++b) {
+      const float* w = wt + b * group * kPanelN + c0;
+      alignas(64) float dl[kCand][W], il[kCand][W];
+      uint8_t codes[kCand][W];
+      for (int n = 0; n < W; ++n) {
+        const float m = mg[static_cast<size_t>(b * W + n)];
+        const int e0 = q4_nearest_step(m / 8.0f, fl[n]);
+        const uint8_t sign = m > 0.0f ? 8 : 0;  // the scale's sign is -m's: m quantises to -8
+        for (int i = 0; i < kCand; ++i) {
+          int e = e0 + (i < kCand - 1 ? i : -1);
+          e = e < 0 ? 0 : (e > 127 ? 127 : e);
+          codes[i][n] = static_cast<uint8_t>((e >> 3) << 4 | sign | (e & 7));
+          dl[i][n] = q4_scale(codes[i][n], fl[n]);
           il[i][n] = dl[i][n] != 0.0f ? 1.0f / dl[i][n] : 0.0f;
         }
+      }
       F dv[kCand], iv[kCand], err[kCand];
       for (int i = 0; i < kCand; ++i) {
         dv[i] = load(dl[i]);
@@ -115,17 +136,17 @@ struct Lanes {
       }
       alignas(64) float el[kCand][W], ibest[W];
       for (int i = 0; i < kCand; ++i) std::memcpy(el[i], &err[i], sizeof(err[i]));
-      uint16_t* scales = reinterpret_cast<uint16_t*>(panel + q4_scales_at(b, G, group) + gi * 32) + c0;
+      uint8_t* scales = panel + q4_scales_at(b, G, group) + gi * 16 + c0;
       for (int n = 0; n < W; ++n) {
         int best = 0;
         for (int i = 1; i < kCand; ++i)
           if (el[i][n] < el[best][n]) best = i;
-        scales[n] = bits[best][n];
+        scales[n] = codes[best][n];
         ibest[n] = il[best][n];
       }
       const F inv = load(ibest);
       uint8_t* bytes = panel + q4_codes_at(b, G, group);
-      // layout v3/v4: per 8 k, byte j of lane n holds k = j (low nibble) and k = j + 4 (high)
+      // layout v3-v5: per 8 k, byte j of lane n holds k = j (low nibble) and k = j + 4 (high)
       for (int k8 = 0; k8 < group; k8 += 8)
         for (int jb = 0; jb < 4; ++jb) {
           const F lo = int4_q(load(w + (k8 + jb) * kPanelN), inv) + 8.0f;

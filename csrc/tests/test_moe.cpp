@@ -445,45 +445,49 @@ const QFmt kQFmts[] = {{WFormat::kInt8, 64, "int8"}, {WFormat::kInt4, 32, "int4g
 std::vector<float> quantise_ref(DType dt, const std::vector<uint8_t>& src, int64_t E, int64_t N,
                                 int64_t K, const QFmt& q) {
   std::vector<float> out(static_cast<size_t>(E * N * K));
+  auto at = [&](int64_t row, int64_t k) { return k < K ? load_elem(dt, src.data(), row * K + k) : 0.0f; };
   for (int64_t row = 0; row < E * N; ++row) {
-    const int64_t span = q.fmt == WFormat::kInt8 ? K : q.group;
-    for (int64_t k0 = 0; k0 < K; k0 += span) {
-      const int64_t k1 = std::min(K, k0 + span);
-      float amax = 0.0f, m = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float v = load_elem(dt, src.data(), row * K + k);
-        if (std::fabs(v) > amax) { amax = std::fabs(v); m = v; }
-      }
-      const float lo = q.fmt == WFormat::kInt8 ? -127.0f : -8.0f, hi = q.fmt == WFormat::kInt8 ? 127.0f : 7.0f;
-      auto quant = [&](float v, float s) {
-        const float qv = s != 0.0f ? std::nearbyint(v / s) : 0.0f;
-        return std::min(hi, std::max(lo, qv));
-      };
-      float s = amax / 127.0f;
-      float mul = s != 0.0f ? 1.0f / s : 0.0f;  // int8: round(w / s); int4: round(w * (1/d))
-      bool by_inverse = false;
-      if (q.fmt == WFormat::kInt4) {  // scale search: smallest squared error among 8 shrinks
-        float best = -1.0f;
-        by_inverse = true;
-        for (int i = 0; i < 8; ++i) {
-          const float d = detail::bf16_to_f32(detail::f32_to_bf16(m / -8.0f * (1.0f - i / 20.0f)));
-          const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-          float err = 0.0f;
-          for (int64_t k = k0; k < k0 + q.group; ++k) {  // padding (k >= K) is 0: error 0
-            const float v = k < K ? load_elem(dt, src.data(), row * K + k) : 0.0f;
-            const float qv = std::min(hi, std::max(lo, std::nearbyint(v * inv)));
-            const float dq = d * qv;
-            const float e = v - dq;
-            err += e * e;
-          }
-          if (best < 0.0f || err < best) { best = err; s = d; mul = inv; }
-        }
-      }
-      for (int64_t k = k0; k < k1; ++k) {
-        const float v = load_elem(dt, src.data(), row * K + k);
-        const float qv = by_inverse ? std::min(hi, std::max(lo, std::nearbyint(v * mul))) : quant(v, s);
+    if (q.fmt == WFormat::kInt8) {  // one scale a row: amax / 127, q = round(w / s)
+      float amax = 0.0f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(at(row, k)));
+      const float s = amax / 127.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float qv = s != 0.0f ? std::min(127.0f, std::max(-127.0f, std::nearbyint(at(row, k) / s))) : 0.0f;
         out[static_cast<size_t>(row * K + k)] = s * qv;
       }
+      continue;
+    }
+    // int4: each group's signed extreme m; the row factor F = max |m| / 8; a group's scale is
+    // F * (-1)^s 2^(-e / 8), e = 0..127, the sign -m's; e tried: e0 (nearest |m| / 8 / F in the
+    // log domain), e0 + 1 .. e0 + 6, e0 - 1; the smallest squared error wins (ties: the earlier);
+    // codes round(w / scale) (by the inverse) in -8..7.
+    const int64_t ng = (K + q.group - 1) / q.group;
+    std::vector<float> m(static_cast<size_t>(ng), 0.0f);
+    float F = 0.0f;
+    for (int64_t g = 0; g < ng; ++g) {
+      for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k)
+        if (std::fabs(at(row, k)) > std::fabs(m[g])) m[g] = at(row, k);
+      F = std::max(F, std::fabs(m[g]) / 8.0f);
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const double r = F > 0.0f ? std::fabs(m[g]) / 8.0f / F : 0.0;
+      const int e0 = r > 0.0 ? static_cast<int>(std::min(127.0, std::max(0.0, std::nearbyint(-8.0 * std::log2(r))))) : 127;
+      float s = 0.0f, inv = 0.0f, best = -1.0f;
+      for (int i = 0; i < 8; ++i) {
+        const int e = std::min(127, std::max(0, e0 + (i < 7 ? i : -1)));
+        const float t = std::ldexp(static_cast<float>(std::exp2(-(e % 8) / 8.0)), -(e / 8)) * (m[g] > 0.0f ? -1.0f : 1.0f);
+        const float d = F * t;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        float err = 0.0f;
+        for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k) {  // padding (k >= K) is 0: error 0
+          const float qv = std::min(7.0f, std::max(-8.0f, std::nearbyint(at(row, k) * id)));
+          const float e2 = at(row, k) - d * qv;
+          err += e2 * e2;
+        }
+        if (best < 0.0f || err < best) { best = err; s = d; inv = id; }
+      }
+      for (int64_t k = g * q.group; k < std::min(K, (g + 1) * q.group); ++k)
+        out[static_cast<size_t>(row * K + k)] = s * std::min(7.0f, std::max(-8.0f, std::nearbyint(at(row, k) * inv)));
     }
   }
   return out;
@@ -767,19 +771,21 @@ void test_quant_packing(const std::vector<Isa>& tiers) {
   }
 }
 
-// int4 layout v4, written out again from moe.h: a gate/up pair's panel stores each group in a
-// block of 64 scale bytes + 16 group code bytes; a single matrix (down, dense linear layers)
-// pairs groups, two groups' scales in one 64-byte block (an odd count ends with a block of one,
-// its scale bytes 32..63 zero). Checked on the planned sizes and, for a dense linear block, on
-// where each row's scales and codes sit in its bytes (against unpack_row_quant's plain rows).
+// int4 layout v5, written out again from moe.h: a panel starts with its rows' fp32 factors (64
+// bytes a matrix), then blocks of 64 scale-code bytes and the codes of their groups: two groups of
+// a gate/up pair a block, four of a single matrix (down, dense linear layers); a count that is not
+// a multiple ends with a block of the rest, its unused scale bytes zero. Checked on the planned
+// sizes and, for a dense linear block, on where each row's factor, scale codes and codes sit in
+// its bytes (against unpack_row_quant's plain rows; a scale = factor * (-1)^s 2^-(8a + b)/8).
 void test_int4_layout(const std::vector<Isa>& tiers) {
   if (!selected("int4 layout")) return;
   std::mt19937 rng(47);
   for (const int group : {32, 64, 128})
-    for (const int ng : {1, 2, 3, 4}) {
+    for (const int ng : {1, 2, 3, 4, 5}) {
       const int64_t K = int64_t(group) * ng, N = 17, panels = 2;
-      const int64_t pair_panel = ng * (64 + 16 * int64_t(group));
-      const int64_t single_panel = ng * 8 * int64_t(group) + (ng + 1) / 2 * 64;
+      const int64_t blk = 64 + 32 * int64_t(group);  // a block's bytes, either G
+      const int64_t pair_panel = 128 + (ng + 1) / 2 * 64 + ng * 16 * int64_t(group);
+      const int64_t single_panel = 64 + (ng + 3) / 4 * 64 + ng * 8 * int64_t(group);
       // gated experts: gate/up reduce over H = K, down over I = K (E 3, both 17 wide)
       const PackedHeader h = plan_packed(DType::kBF16, 3, N, K, true, false, false, false, Isa::kGeneric,
                                          {WFormat::kInt4, group});
@@ -790,36 +796,43 @@ void test_int4_layout(const std::vector<Isa>& tiers) {
                  static_cast<int64_t>(h.down_expert_bytes) == a64(panels * single_panel),
              "int4 layout g" + std::to_string(group) + " x" + std::to_string(ng) +
                  " groups: gate/up and down panel sizes");
-      const auto w = random_array(DType::kF32, N * K, 1.0f, rng);
+      auto w = random_array(DType::kF32, N * K, 1.0f, rng);
+      // one row with a group 3000 times larger than the others: its small groups keep scales
+      if (ng > 1) reinterpret_cast<float*>(w.data())[5 * K + 1] = 3000.0f;
       for (Isa isa : tiers) {
         auto pe = PackedExperts::pack_linear(DType::kF32, N, K, w.data(), nullptr, isa, 1, {WFormat::kInt4, group});
         std::vector<uint8_t> codes(static_cast<size_t>(N * K / 2));
-        std::vector<uint16_t> scales(static_cast<size_t>(N * ng));
+        std::vector<float> scales(static_cast<size_t>(N * ng));
         pe->unpack_row_quant(codes.data(), scales.data());
-        const uint8_t* blk = static_cast<const uint8_t*>(pe->data());
+        const uint8_t* bytes = static_cast<const uint8_t*>(pe->data());
         bool ok = static_cast<int64_t>(pe->header().gu_expert_bytes) == a64(panels * single_panel);
         for (int64_t row = 0; row < N; ++row) {
-          const uint8_t* panel = blk + row / 16 * single_panel;
+          const uint8_t* panel = bytes + row / 16 * single_panel;
           const int64_t n = row % 16;
+          float factor;
+          std::memcpy(&factor, panel + n * 4, 4);
           for (int64_t g = 0; g < ng; ++g) {
-            const uint8_t* b = panel + g / 2 * (64 + 16 * int64_t(group));
-            uint16_t sc;
-            std::memcpy(&sc, b + g % 2 * 32 + n * 2, 2);
-            ok = ok && sc == scales[static_cast<size_t>(row * ng + g)];
-            const uint8_t* c = b + 64 + g % 2 * 8 * int64_t(group);
+            const uint8_t* b = panel + 64 + g / 4 * blk;
+            const uint8_t c = b[g % 4 * 16 + n];
+            const int e = (c >> 4) * 8 + (c & 7);
+            const float t = std::ldexp(static_cast<float>(std::exp2(-(e % 8) / 8.0)), -(e / 8)) * ((c & 8) ? -1.0f : 1.0f);
+            ok = ok && factor * t == scales[static_cast<size_t>(row * ng + g)];
+            if (row == 5 && g > 0)  // the group's own scale: |m| / 8 <= 1 / 8, give or take 2^(3/16)
+              ok = ok && std::fabs(factor * t) < 0.125f * 1.14f && std::fabs(factor * t) > 0.0f;
+            const uint8_t* cb = b + 64 + g % 4 * 8 * int64_t(group);
             for (int64_t k = 0; k < group; ++k) {
-              const uint8_t byte = c[(k / 8 * 16 + n) * 4 + k % 4];
+              const uint8_t byte = cb[(k / 8 * 16 + n) * 4 + k % 4];
               const int q = k % 8 < 4 ? byte & 15 : byte >> 4;
               const int64_t half = group / 2;
               const uint8_t rb = codes[static_cast<size_t>(row * K / 2 + g * half + k % half)];
               ok = ok && q == (k < half ? rb & 15 : rb >> 4);
             }
           }
-          if (ng % 2 == 1)  // the last block's second half of scales is padding
-            for (int i = 32; i < 64; ++i) ok = ok && panel[(ng / 2) * (64 + 16 * int64_t(group)) + i] == 0;
+          for (int64_t g = ng; g % 4 != 0; ++g)  // the last block's unused scale codes are zero
+            ok = ok && panel[64 + g / 4 * blk + g % 4 * 16 + n] == 0;
         }
         report(ok, "int4 layout g" + std::to_string(group) + " x" + std::to_string(ng) + " groups " + isa_name(isa) +
-                       ": a dense block's scales and codes where moe.h says");
+                       ": a dense block's factors, scale codes and codes where moe.h says");
       }
     }
 }
@@ -991,7 +1004,7 @@ void test_paired_linear(const std::vector<Isa>& tiers) {
                          biased ? bq.data() + static_cast<size_t>(O / 2) * dtype_size(dt) : nullptr, nullptr);
             ok = ok && wp == wq && bp == bq;
             const size_t nc = static_cast<size_t>(group ? O * In / 2 : O * In);
-            const size_t ns = static_cast<size_t>(group ? O * (In / group) * 2 : O * 4);
+            const size_t ns = static_cast<size_t>(group ? O * (In / group) * 4 : O * 4);
             std::vector<uint8_t> cp(nc), cq(nc), sp(ns), sq(ns);
             plain->unpack_row_quant(cp.data(), sp.data());
             pair->unpack_row_quant(cq.data(), sq.data());
@@ -1041,7 +1054,7 @@ void test_row_quant(const std::vector<Isa>& tiers) {
         std::vector<uint8_t> deq(w.size());
         pe->unpack(nullptr, deq.data(), nullptr, nullptr, nullptr, nullptr);
         std::vector<uint8_t> codes(static_cast<size_t>(group ? O * In / 2 : O * In));
-        std::vector<uint8_t> scales(static_cast<size_t>(group ? O * (In / group) * 2 : O * 4));
+        std::vector<uint8_t> scales(static_cast<size_t>(group ? O * (In / group) * 4 : O * 4));
         pe->unpack_row_quant(codes.data(), scales.data());
         std::vector<uint8_t> got(w.size());
         for (int64_t o = 0; o < O; ++o)
@@ -1050,8 +1063,8 @@ void test_row_quant(const std::vector<Isa>& tiers) {
             if (group) {
               const int64_t half = group / 2, j = k % group;
               const uint8_t b = codes[static_cast<size_t>(o * In / 2 + k / group * half + j % half)];
-              const uint16_t sc = reinterpret_cast<const uint16_t*>(scales.data())[o * (In / group) + k / group];
-              v = detail::bf16_to_f32(sc) * static_cast<float>((j < half ? b & 15 : b >> 4) - 8);
+              const float sc = reinterpret_cast<const float*>(scales.data())[o * (In / group) + k / group];
+              v = sc * static_cast<float>((j < half ? b & 15 : b >> 4) - 8);
             } else {
               v = reinterpret_cast<const float*>(scales.data())[o] *
                   static_cast<float>(static_cast<int8_t>(codes[static_cast<size_t>(o * In + k)]));
@@ -1855,7 +1868,7 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
         std::vector<double> wv(static_cast<size_t>(N * d.L));
         std::vector<uint8_t> codes;
         std::vector<float> s8;
-        std::vector<uint16_t> s4;
+        std::vector<float> s4;
         RowQuant wq{};
         if (form == 0) {
           for (int64_t i = 0; i < N * d.L; ++i) wv[i] = load_elem(dt, dense.data(), i);
@@ -1878,15 +1891,15 @@ void test_mla_decode(const std::vector<Isa>& tiers) {
           s4.resize(static_cast<size_t>(N * ng));
           for (int64_t n = 0; n < N; ++n)
             for (int64_t g = 0; g < ng; ++g) {
-              s4[n * ng + g] = detail::f32_to_bf16(std::uniform_real_distribution<float>(0.05f, 0.2f)(rng) / 8);
+              s4[n * ng + g] = std::uniform_real_distribution<float>(0.05f, 0.2f)(rng) / 8;
               for (int64_t k = 0; k < form; ++k) {
                 const int c = std::uniform_int_distribution<int>(-8, 7)(rng);
                 codes[n * d.L / 2 + g * half + k % half] |= static_cast<uint8_t>((c + 8) << (k < half ? 0 : 4));
-                wv[n * d.L + g * form + k] = double(detail::bf16_to_f32(s4[n * ng + g])) * c;
+                wv[n * d.L + g * form + k] = double(s4[n * ng + g]) * c;
               }
             }
           codes = mla_blocks(codes, N, d.L / 2, form / 2);
-          std::vector<uint16_t> plain = s4;  // scales: group g of row r of a block at 4 g + r
+          std::vector<float> plain = s4;  // scales: group g of row r of a block at 4 g + r
           for (int64_t n = 0; n < N; ++n)
             for (int64_t g = 0; g < ng; ++g) s4[(n / 4 * ng + g) * 4 + n % 4] = plain[n * ng + g];
           wq = RowQuant{WFormat::kInt4, codes.data(), s4.data(), form};

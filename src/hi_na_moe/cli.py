@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ISA_TIERS, LOSSLESS_FORMATS, WEIGHT_FORMATS
+from .config import DEFAULT_GROUP_SIZE, ISA_TIERS, LOSSLESS_FORMATS, WEIGHT_FORMATS
 
 
 class UserError(Exception):
@@ -1109,8 +1109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "config (no weight is read); lists its MoE blocks, bytes and the roofline tokens/s")
     p.add_argument("--output", choices=("text", "json"), default="text", help="text for people, json for machines")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the ~1-3 s memory bandwidth measurement")
-    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
-                   help="int4 group size for the per-format table (default 64)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=DEFAULT_GROUP_SIZE,
+                   help=f"int4 group size for the per-format table (default {DEFAULT_GROUP_SIZE})")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="prefill/decode speed, latency percentiles and GB/s, native vs hi_na_moe")
     p.add_argument("--model", required=True, help="a local model directory, or 'builtin' for the shipped model")
@@ -1125,7 +1125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", default="native,hina", help="arms, in order: native (transformers), hina")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="lossless",
                    help="expert format of the hina arm (quantised: also prints KL / top-1 vs native and SQNR)")
-    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="int4 group size (default 64)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=DEFAULT_GROUP_SIZE, help=f"int4 group size (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--scope", choices=("experts", "all"), default=None,
                    help="'all' also runs the dense linear layers on the kernels (default: the config's, 'experts')")
     p.add_argument("--kv-cache", choices=("dynamic", "static"), default="dynamic",

@@ -28,6 +28,9 @@ WEIGHT_FORMATS = ("lossless", "lossless12", "int8", "int4")
 LOSSLESS_FORMATS = frozenset(("lossless", "lossless12"))
 QDOT_MODES = ("auto", "int", "expand")
 GROUP_SIZES = (32, 64, 128)
+# int4's default group: with layout 5's one-byte scale codes as many bytes as group 64 had with
+# bfloat16 scales, and more faithful than llama.cpp's Q4_0 (benchmarks/weight_fidelity.py)
+DEFAULT_GROUP_SIZE = 32
 POOLS = ("auto", "own", "openmp")
 MEMORY_MODES = ("auto", "copy", "map")
 SCOPES = ("experts", "all")
@@ -64,10 +67,10 @@ class HinaConfig:
             the report says so), "int8" (per output channel) or "int4" (per group of
             `group_size` weights along the reduction). Quantised formats are lossy; the enable
             report gives each block's measured SQNR.
-        group_size: int4 group size: 32, 64 (default) or 128. Smaller groups: more accurate,
-            more scale bytes (4.5, 4.25, 4.125 bits a weight). Against llama.cpp's Q4_0 (4.5
-            bits), group 32 is 0.3 dB more faithful, 64 0.5 dB less (weight SQNR,
-            benchmarks/weight_fidelity.py).
+        group_size: int4 group size: 32 (default), 64 or 128. Smaller groups: more accurate,
+            more scale bytes (4.25, 4.125, 4.0625 bits a weight, plus 32 bits a row). Against
+            llama.cpp's Q4_0 (4.5 bits), group 32 is 0.3 dB more faithful, 64 0.5 dB less
+            (weight SQNR, benchmarks/weight_fidelity.py).
         qdot: how the native kernels compute int8/int4 experts: "int" (integer dot products,
             W8A8 / W4A8: activations quantised per token in blocks of 32, see moe.h), "expand"
             (weights expanded to fp32/bf16 in registers, activations unquantised) or "auto"
@@ -117,7 +120,7 @@ class HinaConfig:
     strict: bool = False
     keep_weights: bool = False
     weights: str = "lossless"
-    group_size: int = 64
+    group_size: int = DEFAULT_GROUP_SIZE
     qdot: str = "auto"
     cache: bool = True
     cache_dir: str = ""

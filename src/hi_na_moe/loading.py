@@ -288,7 +288,7 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
             if transformers would need one).
         weights: "int4" (default), "int8", "lossless" or "lossless12" (bfloat16 weights bit for bit
             in about 75 % of their bytes; see HinaConfig.weights).
-        group_size: int4 group size (default: the config's, 64).
+        group_size: int4 group size (default: the config's, 32).
         config: a HinaConfig for the other keys (isa, threads, cache_dir, ...); `cache` must be on.
         model_class: the transformers class to load with (default AutoModelForCausalLM).
         progress: show a progress bar over the blocks being packed.

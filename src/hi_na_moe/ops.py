@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from . import reference, torch_ops
-from .config import LOSSLESS_FORMATS, HinaConfig
+from .config import DEFAULT_GROUP_SIZE, LOSSLESS_FORMATS, HinaConfig
 from .hardware import native_kernels_available, native_module
 from .memory import load_block
 from .spec import ExpertsSpec, Runner, check_routing, index_range_error
@@ -64,7 +64,7 @@ def kernel_plan(config: HinaConfig) -> dict[str, str]:
 
 def weights_label(weights: str, group_size: int, dtype: torch.dtype) -> str:
     """How a block's expert weights are stored, for reports: "bfloat16", "bfloat16-lossless12",
-    "int8", "int4-g64"."""
+    "int8", "int4-g32"."""
     if weights == "lossless":
         return str(dtype).replace("torch.", "")
     if weights == "lossless12":
@@ -110,7 +110,7 @@ class NativeExperts:
     """
 
     def __init__(self, spec: ExpertsSpec, isa: str, threads: int, weights: str = "lossless",
-                 group_size: int = 64, store=None, name: str = "experts", qdot: str = "auto", memory: str = "map"):
+                 group_size: int = DEFAULT_GROUP_SIZE, store=None, name: str = "experts", qdot: str = "auto", memory: str = "map"):
         self.isa = isa
         self.packed = None  # packed by pack(), at patch time, one block at a time
         self.threads = threads

@@ -155,7 +155,7 @@ class BlockReport:
     status: str
     reason: str | None = None  # why native, or why the reference path rather than a kernel
     kernel: str | None = None
-    weights: str | None = None  # how the kernels store the experts: the model's dtype (lossless), int8, int4-g64
+    weights: str | None = None  # how the kernels store the experts: the model's dtype (lossless), int8, int4-g32
     sqnr_db: float | None = None  # quantised: output SQNR vs the original weights on a random probe
     experts: int | None = None
     hidden: int | None = None

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .config import LOSSLESS_FORMATS
+from .config import DEFAULT_GROUP_SIZE, LOSSLESS_FORMATS
 from .patching import inspect_model
 
 
@@ -22,7 +22,7 @@ def _top_k(config) -> int | None:
     return None
 
 
-def packed_expert_bytes(block, weights: str, group_size: int = 64) -> int | None:
+def packed_expert_bytes(block, weights: str, group_size: int = DEFAULT_GROUP_SIZE) -> int | None:
     """Bytes of one block's experts packed as `weights` (the native core's own layout plan, scales
     included; biases not counted), or None without the native library."""
     from .hardware import native_module
@@ -41,7 +41,7 @@ def packed_expert_bytes(block, weights: str, group_size: int = 64) -> int | None
     return int(native.header_info(header)["nbytes"])
 
 
-def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: int = 64) -> list[dict[str, Any]]:
+def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: int = DEFAULT_GROUP_SIZE) -> list[dict[str, Any]]:
     """Per expert format: expert bytes, bytes read per decode token, roofline tokens/s; for
     lossless12/int8/int4 also a row with scope="all" (the dense layers in that format too, as
     planned by plan_for_model's `dense_scope_all`; with int8/int4 lm_head stays lossless by
@@ -74,7 +74,7 @@ def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: 
     return rows
 
 
-def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None, group_size: int = 64) -> dict[str, Any]:
+def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, Any]:
     """Blocks, bytes and roofline of an (already built, possibly meta) causal LM; with the
     native library also what scope="all" would pack per format (`dense_scope_all`)."""
     config = model.config
@@ -111,7 +111,7 @@ def plan_for_model(model: torch.nn.Module, bandwidth_gbs: float | None = None, g
     return plan
 
 
-def model_plan(path: str | Path, bandwidth_gbs: float | None = None, group_size: int = 64) -> dict[str, Any]:
+def model_plan(path: str | Path, bandwidth_gbs: float | None = None, group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, Any]:
     """plan_for_model for the model in `path`, built on the meta device from its config alone,
     in its own dtype (lossless): no weight is read."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -74,14 +74,14 @@ const char* wformat_name(WFormat f);  // "lossless" | "int8" | "int4" | "lossles
 bool wformat_from_name(const char* name, WFormat* out);
 struct QuantSpec {
   WFormat fmt = WFormat::kLossless;
-  int group = 64;  // int4 only: 32, 64 or 128
+  int group = 32;  // int4 only: 32, 64 or 128
 };
 
 // A quantised matrix W [N, K] in plain row order, the codes and scales of the packed formats
 // above without the panels (PackedExperts::unpack_row_quant writes one from an up-only block;
 // mla_decode reads kv_b_proj's weight in it):
 //   kInt8: codes int8 [N, K], scales float32 [N]: W[n, k] = scales[n] * codes[n, k].
-//   kInt4: codes uint8 [N, K / 2], scales bfloat16 bits [N, K / group]: group g of row n is the
+//   kInt4: codes uint8 [N, K / 2], scales float32 [N, K / group]: group g of row n is the
 //          group / 2 bytes at codes + n * K / 2 + g * group / 2, byte j holding q(g*group + j) + 8
 //          in its low nibble and q(g*group + group/2 + j) + 8 in its high one (the two halves of
 //          the group, so that one vector of bytes gives two vectors of consecutive k);
@@ -153,7 +153,7 @@ struct MoeParams {
 
 // Versioned tag carried by packed weights, so a kernel never reads a layout it was not written
 // for. It is a plain struct (no pointers) so it can be stored beside the data on disk.
-// Layout v4 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
+// Layout v5 (ISA-independent; one layout serves generic/avx2/avx512/amx). Per expert, the output
 // dimension is cut into panels of 16 rows (zero-padded); the reduction dimension is zero-padded
 // to k_align (32, or the int4 group size when larger). G = 2 interleaves gate and up so one pass
 // streams both; G = 1 for down (and for up without a gate). One panel:
@@ -161,13 +161,17 @@ struct MoeParams {
 //   int8: [G][16] fp32 row scales (64*G bytes), then [Kp/4][G][16][4] int8 (q, signed): 4
 //         consecutive k of one output row in one 32-bit lane, the operand shape of integer dot
 //         products (vpdpbusd, vpmaddubsw + vpmaddwd, sdot)
-//   int4: per group of `group` k, [G][16] bf16 scales (32 G bytes) and [group/8][G][16][4] code
-//         bytes; byte j of a lane holds k = j (low nibble) and k = j + 4 (high nibble) of its
-//         8 k, as q + 8 in 0..15 (so v & 0x0f and (v >> 4) & 0x0f are two u8 quads). Groups are
-//         stored in blocks of 64 scale bytes followed by the codes of the groups they scale:
-//         G = 2: one group a block; G = 1: two (scales of group 2b, then 2b + 1, then the codes
-//         of 2b, then of 2b + 1), the last block of an odd count holding one (its scale bytes
-//         32..63 zero). So int4 costs 4 + 16 / group bits a weight in every panel.
+//   int4: [G][16] fp32 row factors F (64*G bytes), then per group of `group` k, [G][16] one-byte
+//         scale codes (16 G bytes) and [group/8][G][16][4] code bytes; byte j of a lane holds
+//         k = j (low nibble) and k = j + 4 (high nibble) of its 8 k, as q + 8 in 0..15 (so v &
+//         0x0f and (v >> 4) & 0x0f are two u8 quads). A scale code c (bits 0-2 b, bit 3 sign,
+//         bits 4-7 a) scales its group by F * (-1)^sign 2^-(8a + b)/8 (one fp32 product of F and
+//         the exact step, kernel_api.h's q4_scale); F is the row's largest |extreme| / 8, so a
+//         group's scale ranges over 2^-15.9 .. 1 of F in 2^(1/8) steps. Groups are stored in blocks
+//         of 64 scale-code bytes followed by the codes of the groups they scale: G = 2: two groups
+//         a block; G = 1: four (scale codes of groups 4b .. 4b + 3, then their codes in order);
+//         a count that is not a multiple ends with a block of the rest (its unused scale bytes
+//         zero). So int4 costs 4 + 8 / group bits a weight, plus 32 bits a row.
 //   lossless12 (bf16 only): the lossless bf16 panel above (P = Kp*G*32 bytes: nvec = P/64
 //         vectors of 32 words, in order), compressed in blocks of two consecutive vectors
 //         (nb = P/128 blocks of 64 weights). A bf16 word's high byte (sign and the exponent's
@@ -188,15 +192,16 @@ struct MoeParams {
 //        slot s). A panel with more than cap spilled blocks cannot be stored: pack throws, and
 //        such weights are stored as lossless.
 //   Padding (rows >= N, k >= K) is zero words, compressed like any other.
-// (v3, before: a G = 1 int4 block held one group, its 32 scale bytes padded to 64 (4.5 bits a
-// weight at group 64); v2: int8 [Kp][G][16], int4 bytes holding k even / k odd; v1: no
-// quantised formats.)
+// (v4, before: int4 scales were bfloat16, 32 G bytes a group, blocks of 2 / G groups, no row
+// factors: 4.25 bits a weight at group 64, 4.5 at 32; v3: a G = 1 int4 block held one group,
+// its 32 scale bytes padded to 64; v2: int8 [Kp][G][16], int4 bytes holding k even / k odd; v1:
+// no quantised formats.)
 // The block: all experts' gate/up panels, all experts' down panels, then fp32 biases ([E][In]
 // gate, [E][In] up, [E][Hn] down, each present only when the model has it); every part 64-byte
 // aligned; nbytes is the whole block.
 struct PackedHeader {
   uint32_t magic = 0x454D4E48;  // "HNME"
-  uint16_t version = 4;
+  uint16_t version = 5;
   uint8_t dtype = 0;            // DType of the model (x, out, and lossless weights)
   uint8_t isa = 0;              // Isa the kernels were chosen for
   uint8_t panel_n = 16;         // output rows per panel

@@ -21,7 +21,7 @@
 //   Threads: the driver hands these kernels small work items dynamically (moe.cpp header).
 //   Epilogue (AVX-512): C tiles stored to a 4 KiB stack buffer; bias, limits, activation,
 //   bf16 rounding (gate/up) or routing weight + scatter-add into fp32 rows (down).
-// Quantised weights (moe_prefill_int8_amx / moe_prefill_int4_amx): each panel (layout v4: 4 k
+// Quantised weights (moe_prefill_int8_amx / moe_prefill_int4_amx): each panel (layout v5: 4 k
 // per 32-bit lane) is expanded to bf16 (bf16(scale * q), the same VNNI-pair layout) in a
 // per-thread buffer right before its tiles run, then the bf16 tile plan above runs unchanged;
 // the expansion is paid once per panel and expert, and amortised over the expert's rows. (No
@@ -120,7 +120,8 @@ void expand_panel(const uint8_t* panel, const Layout& L, int64_t Kp, int G, uint
   for (int64_t b = 0; b < Kp / group; ++b) {
     const uint8_t* codes = panel + q4_codes_at(b, G, group);
     for (int gi = 0; gi < G; ++gi) {
-      const __m512 sc = v512::bf16x16_to_ps(panel + q4_scales_at(b, G, group) + gi * 32);
+      const __m512 sc = v512::q4_scales16(panel + q4_scales_at(b, G, group) + gi * 16,
+                                          _mm512_load_ps(q4_factors(panel, gi)));
       for (int kk = 0; kk < group; kk += 8) {
         const __m512i v = _mm512_load_si512(codes + q4_index(kk, G, gi, 0));
         uint16_t* d = dst + (((b * group + kk) >> 1) * G + gi) * 32;  // 4 pairs, G * 32 apart

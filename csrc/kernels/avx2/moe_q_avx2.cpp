@@ -1,7 +1,7 @@
 // [NOTE] moe_decode_<q>_avx2 / moe_prefill_<q>_avx2 (q: int8, int4)
 // Flags: -mavx2 -mfma -mf16c (tier `avx2`).
 //
-// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table); one
+// Data layout: layout v5 quantised panels (PackedHeader; moe_generic.cpp has the table); one
 // 16-column panel is two ymm halves (lanes 0-7, 8-15), 32 bytes each per 4 k (int8) / 8 k (int4).
 // Register plan: weights expanded to fp32 in registers, FMA'd with broadcast fp32 x / h:
 //   int8: byte j of each lane by vpslld + vpsrad + vcvtdq2ps; row scale applied once at the end.
@@ -71,6 +71,9 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_mul_ps(out[r][gi][half], sc);
       }
   } else {
+    __m256 fac[G][2];
+    for (int gi = 0; gi < G; ++gi)
+      for (int half = 0; half < 2; ++half) fac[gi][half] = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
       if (ahead && q.block_start())
@@ -101,7 +104,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 sc = qloops256::bf16x8_to_ps(q.scales() + gi * 32 + half * 16);
+          const __m256 sc = qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(a[r][gi][half], sc, out[r][gi][half]);
         }
     }

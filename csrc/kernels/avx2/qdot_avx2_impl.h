@@ -5,7 +5,7 @@
 //   moe_qdot_avxvnni.cpp the same + -mavxvnni            Vnni = true  (vpdpbusd ymm), chosen
 //                                                        when the CPU reports AVX-VNNI
 //
-// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table) and
+// Data layout: layout v5 quantised panels (PackedHeader; moe_generic.cpp has the table) and
 // quantised activation rows (kernel_api.h); one 16-lane panel row of 64 bytes is two ymm halves
 // (lanes 0-7, 8-15).
 // Register plan (Vnni): as moe_qdot_avx512vnni.cpp on ymm halves: vpdpbusd with the weights as
@@ -115,6 +115,9 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
+    __m256 fac[G][2];
+    for (int gi = 0; gi < G; ++gi)
+      for (int half = 0; half < 2; ++half) fac[gi][half] = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
       if (ahead && q.block_start())
@@ -160,7 +163,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 d = qloops256::bf16x8_to_ps(q.scales() + gi * 32 + half * 16);
+          const __m256 d = qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(bg[r][gi][half], d, out[r][gi][half]);
         }
     }

@@ -1,4 +1,4 @@
-// Panel loops (and the bf16 scale conversion) shared by the AVX2 tier's quantised-kernel families: weight expansion
+// Panel loops (and the int4 scale decoding) shared by the AVX2 tier's quantised-kernel families: weight expansion
 // (moe_q_avx2.cpp) and integer dot products (qdot_avx2_impl.h, built as avx2dot and avxvnni).
 // They differ only in how a panel is dotted with a block of rows; the loops over panels and row
 // blocks, bias + activation + h store (gate/up) and the routing-weighted scatter-add (down) are
@@ -24,10 +24,16 @@
 namespace hina::detail::qloops256 {
 namespace {  // internal linkage: each including TU (each with its own ISA flags) keeps its copy
 
-// 8 bf16 scales -> fp32.
-inline __m256 bf16x8_to_ps(const void* p) {
-  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+// 8 scales of an int4 group, q4_scale (kernel_api.h) bit for bit: codes 8 scale codes, factor
+// those rows' factors. The magnitude from the table's first 8 entries by the low 3 bits
+// (vpermps), the sign bit from bit 3, times 2^-a by subtracting a from the exponent field.
+inline __m256 q4_scales8(const uint8_t* codes, __m256 factor) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kQ4Step), c);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+  const __m256i a = _mm256_slli_epi32(_mm256_srli_epi32(c, 4), 23);
+  const __m256i t = _mm256_sub_epi32(_mm256_xor_si256(_mm256_castps_si256(mag), sign), a);
+  return _mm256_mul_ps(factor, _mm256_castsi256_ps(t));
 }
 
 // Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M (M <= 2),

@@ -1,10 +1,11 @@
 // [NOTE] moe_decode_<q>_avx512 / moe_prefill_<q>_avx512 (q: int8, int4)
 // Flags: -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c (tier `avx512`; no VNNI).
 //
-// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table).
+// Data layout: layout v5 quantised panels (PackedHeader; moe_generic.cpp has the table).
 //   int8: 64*G bytes of fp32 row scales, then per 4 k: G x 64 bytes (16 lanes x 4 k, int8).
-//   int4: blocks of `group` k: 64 bytes of bf16 scales, then per 8 k: G x 64 bytes (16 lanes
-//         x 4 bytes; byte j: k = j in the low nibble, k = j + 4 in the high one, q + 8).
+//   int4: 64*G bytes of fp32 row factors, then blocks of 64 bytes of scale codes and the codes
+//         of their groups: per 8 k, G x 64 bytes (16 lanes x 4 bytes; byte j: k = j in the low
+//         nibble, k = j + 4 in the high one, q + 8).
 // Register plan: one panel = 16 output columns = one zmm per row and matrix. Weights are
 // expanded to fp32 in registers and FMA'd with broadcast fp32 x / h (no activation
 // quantisation, so the result is the dequantised model's, up to summation order):
@@ -69,6 +70,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       for (int r = 0; r < NT; ++r) out[r][gi] = _mm512_mul_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc);
     }
   } else {
+    __m512 fac[G];
+    for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
       if (ahead && q.block_start())
@@ -101,7 +104,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 sc = v512::bf16x16_to_ps(q.scales() + gi * 32);
+        const __m512 sc = v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
         for (int r = 0; r < NT; ++r)
           out[r][gi] = _mm512_fmadd_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc, out[r][gi]);
       }

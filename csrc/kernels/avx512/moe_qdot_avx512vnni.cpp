@@ -3,7 +3,7 @@
 // Flags: the avx512 TU's flags + -mavx512vnni; selected for tiers avx512 and amx only when the
 // CPU reports AVX512-VNNI (the tier itself guarantees F/BW/VL only).
 //
-// Data layout: layout v4 quantised panels (PackedHeader; moe_generic.cpp has the table) and
+// Data layout: layout v5 quantised panels (PackedHeader; moe_generic.cpp has the table) and
 // quantised activation rows (kernel_api.h: [Kp] int8, [Kp/32] fp32 scales, [Kp/32] int32 sums).
 //   | operand        | register view                                                       |
 //   |----------------|---------------------------------------------------------------------|
@@ -18,7 +18,7 @@
 // into that accumulator; int4: 4 loads, the low nibbles into it, the high ones masked in place,
 // 16 (q + 8), into a second chain that the block's end shifts back: the same integer), then
 // vcvtdq2ps and one FMA with the block's activation scale; int8 multiplies the row scale once
-// at the end, int4 applies each group's bf16 scale with one FMA per group (moe.h fixes this
+// at the end, int4 applies each group's scale (q4_scale) with one FMA per group (moe.h fixes this
 // order; the generic emulation follows it, so only the activation epilogue differs from it).
 // NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4:
 // 2 NT * G) int32 and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
@@ -88,6 +88,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     __m512 y[NT][G];
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
+    __m512 fac[G];
+    for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
       if (ahead && q.block_start())
@@ -134,7 +136,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 d = v512::bf16x16_to_ps(q.scales() + gi * 32);
+        const __m512 d = v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
         for (int r = 0; r < NT; ++r) y[r][gi] = _mm512_fmadd_ps(bg[r][gi], d, y[r][gi]);
       }
     }

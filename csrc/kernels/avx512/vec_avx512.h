@@ -104,10 +104,14 @@ static inline __m512 i4_lane_ps(__m512i v) {
   return _mm512_sub_ps(_mm512_castsi512_ps(n), _mm512_set1_ps(8388616.0f));
 }
 
-// 16 bf16 values (e.g. int4 group scales; 32-byte aligned) -> fp32.
-static inline __m512 bf16x16_to_ps(const void* p) {
-  const __m256i v = _mm256_load_si256(static_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+// The 16 scales of an int4 group, q4_scale (kernel_api.h) bit for bit: codes its 16 scale codes,
+// factor the 16 rows' factors. The step from a 16-entry table by the code's low 4 bits (vpermps),
+// times 2^-a by subtracting a from its exponent field.
+static inline __m512 q4_scales16(const uint8_t* codes, __m512 factor) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m512 t = _mm512_permutexvar_ps(c, _mm512_loadu_ps(kQ4Step));
+  const __m512i a = _mm512_slli_epi32(_mm512_srli_epi32(c, 4), 23);
+  return _mm512_mul_ps(factor, _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(t), a)));
 }
 
 static inline __mmask16 valid_mask(int64_t col0, int64_t limit) {

@@ -1,12 +1,14 @@
 // [NOTE] moe_*_generic: the scalar oracle every SIMD MoE kernel is tested against, for every
 // weight format (lossless f32/bf16/f16, int8, int4).
 //
-// Data layout: layout v4 quantised panels (see PackedHeader in hina_moe/moe.h):
+// Data layout: layout v5 quantised panels (see PackedHeader in hina_moe/moe.h):
 //   | format | one panel (16 output rows, reduction length Kp, G matrices)                       |
 //   |--------|-----------------------------------------------------------------------------------|
 //   | int8   | [G][16] fp32 row scales (64*G B), then [Kp/4][G][16][4] int8 (4 k per 32-bit lane) |
-//   | int4   | Kp/group blocks: [G][16] bf16 scales padded to 64 B, then [group/8][G][16][4] bytes |
-//   |        | (byte j of a lane: k = j low nibble, k = j + 4 high nibble, stored as q + 8)        |
+//   | int4   | [G][16] fp32 row factors (64*G B), then blocks of 4/G groups: 64 B of one-byte     |
+//   |        | scale codes ([4/G][G][16]), then each group's [group/8][G][16][4] code bytes (byte  |
+//   |        | j of a lane: k = j low nibble, k = j + 4 high nibble, stored as q + 8); a group's   |
+//   |        | scale is q4_scale(code, factor) (kernel_api.h)                                      |
 //   x rows [nt][Hk] and h rows [nt][Ik] are fp32 (bf16 for the AMX twin), as for native weights.
 //   Lossless panels: bf16 [Kp/2][G][16][2] (VNNI pairs), f32/f16 [Kp][G][16].
 // Plan: each panel is expanded to fp32 w[k][16] (lossless: the values; quantised: scale * q),
@@ -30,12 +32,13 @@ void dequant_panel_f32(const uint8_t* panel, const Layout& L, int64_t Kp, int G,
     return;
   }
   const int group = L.group;
+  const float* fac = q4_factors(panel, gi);
   for (int64_t b = 0; b < Kp / group; ++b) {
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(panel + q4_scales_at(b, G, group) + gi * 32);
+    const uint8_t* sc = panel + q4_scales_at(b, G, group) + gi * 16;
     const uint8_t* codes = panel + q4_codes_at(b, G, group);
     for (int k = 0; k < group; ++k)
       for (int n = 0; n < kPanelN; ++n)
-        w[(b * group + k) * kPanelN + n] = bf16_to_f32(sc[n]) * int4_value(codes, k, G, gi, n);
+        w[(b * group + k) * kPanelN + n] = q4_scale(sc[n], fac[n]) * int4_value(codes, k, G, gi, n);
   }
 }
 
@@ -148,7 +151,7 @@ float qdot_col(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi,
       for (int k = b * kActBlock; k < (b + 1) * kActBlock; ++k) isum += int4_q(codes, k, G, gi, n) * qx[g * group + k];
       bg = std::fma(static_cast<float>(isum), sx[g * group / kActBlock + b], bg);
     }
-    y = std::fma(bg, bf16_to_f32(reinterpret_cast<const uint16_t*>(panel + q4_scales_at(g, G, group) + gi * 32)[n]), y);
+    y = std::fma(bg, q4_scale(panel[q4_scales_at(g, G, group) + gi * 16 + n], q4_factors(panel, gi)[n]), y);
   }
   return y;
 }
