@@ -13,8 +13,8 @@ Arms (each is `--arm X --child` of this script; the driver runs it):
   experts implementation (grouped_mm on CPU in 5.23), eval mode.
 - `hina-lossless`, `hina-lossless12`, `hina-int8`, `hina-int4`: `hi_na_moe.from_pretrained(ckpt, weights=...,
   dtype=torch.bfloat16, config=hi_na_moe.load_config(cache_dir=<cache-dir>/<format>))`; and
-  `hina-int4g32`, int4 at group_size 32 (4.5 bits a weight like Q4_0, which it beats in weight
-  SQNR where the default group 64 does not: benchmarks/weight_fidelity.py): the
+  `hina-int4g32` / `hina-int4g64`, int4 at group_size 32 (the default since layout 5: 4.25 bits a
+  weight, more faithful than Q4_0's 4.5: benchmarks/weight_fidelity.py) / 64 (4.125 bits): the
   expert tensors are streamed into hi_na_moe's packed-expert store and mapped from it (lossless
   too goes through the store). Each runs twice, as two processes: "cold" (that format's store
   emptied first with `PackedStore.clear()`; the load packs/quantises every block and writes the
@@ -126,10 +126,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-HINA_FORMATS = ("lossless", "lossless12", "int8", "int4", "int4g32")
-# arm format -> (the weights config key, its group_size): int4g32 is int4 at group 32, as many
-# bits a weight as Q4_0 (4.5) and a weight SQNR above it (benchmarks/weight_fidelity.py)
-FORMAT_CONFIG = {"int4g32": ("int4", 32)}
+HINA_FORMATS = ("lossless", "lossless12", "int8", "int4", "int4g32", "int4g64")
+# arm format -> (the weights config key, its group_size); "int4" takes the config's default group
+FORMAT_CONFIG = {"int4g32": ("int4", 32), "int4g64": ("int4", 64)}
 LLAMA_TYPES = ("bf16", "q8_0", "q4_0")
 ARMS = (("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"hina-{f}-all" for f in HINA_FORMATS)
         + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES))
@@ -651,7 +650,7 @@ def table(results: list[dict], bw: float, args) -> str:
 
 
 # the llama.cpp arm of a hina format's width
-LLAMACPP_WIDTH = {"int4": "llamacpp-q4_0", "int4g32": "llamacpp-q4_0", "int8": "llamacpp-q8_0",
+LLAMACPP_WIDTH = {"int4": "llamacpp-q4_0", "int4g32": "llamacpp-q4_0", "int4g64": "llamacpp-q4_0", "int8": "llamacpp-q8_0",
                   "lossless": "llamacpp-bf16", "lossless12": "llamacpp-bf16"}
 
 

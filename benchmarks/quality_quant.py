@@ -44,7 +44,7 @@ def main() -> int:
         print(json.dumps([dict(r.__dict__, min_sqnr_db=r.min_sqnr_db) for r in res], indent=1))
         return 0
     print(f"# shipped model (bf16), {n} x {args.seq} held-out tokens; targets: int8 SQNR >= 35 dB and "
-          "top-1 >= 99 %; int4 g64 SQNR >= 20 dB and perplexity <= +3 %")
+          "top-1 >= 99 %; int4 SQNR >= 20 dB and perplexity <= +3 %")
     print("| weights | perplexity | vs lossless | KL nats/token | top-1 vs lossless | block SQNR dB (min) |")
     print("|---|---|---|---|---|---|")
     for r in res:
