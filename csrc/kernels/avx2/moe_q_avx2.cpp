@@ -42,7 +42,7 @@ inline __m256 i4_lane_ps(__m256i v) {
 
 // out[r][gi][half]: dot products of one quantised panel with NT fp32 rows, scales applied.
 template <WFormat F, int G, int NT>
-inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* const* x,
+inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* dsc, const float* const* x,
                        __m256 out[][2][2]) {
   for (int r = 0; r < NT; ++r)
     for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
@@ -75,7 +75,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     for (int gi = 0; gi < G; ++gi)
       for (int half = 0; half < 2; ++half) fac[gi][half] = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
     Q4Walk<G> q(panel, group);
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+    for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead && q.block_start())
         for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m256 a[NT][G][2];
@@ -104,7 +104,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 sc = qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
+          const __m256 sc = dsc ? _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8)
+                                 : qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(a[r][gi][half], sc, out[r][gi][half]);
         }
     }
@@ -117,17 +118,19 @@ struct Expand {
   static constexpr int max_rows() { return kMaxRows; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&acc)[NT][2][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                         __m256 (&acc)[NT][2][2]) {
     const float* xr[NT];
     for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
-    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
+    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, dsc, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&y)[NT][2][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                       __m256 (&y)[NT][2][2]) {
     const float* hr[NT];
     for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
-    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
+    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, dsc, hr, y);
   }
 };
 

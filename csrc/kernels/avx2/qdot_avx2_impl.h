@@ -61,7 +61,8 @@ inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
 
 // out[r][gi][half]: dot products of one quantised panel with NT quantised rows, scales applied.
 template <bool Vnni, WFormat F, int G, int NT>
-inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, const QRows<NT>& x, __m256 out[][2][2]) {
+inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* dsc, const QRows<NT>& x,
+                       __m256 out[][2][2]) {
   const __m256i ones = _mm256_set1_epi16(1);
   (void)ones;
   if constexpr (F == WFormat::kInt8) {
@@ -119,7 +120,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     for (int gi = 0; gi < G; ++gi)
       for (int half = 0; half < 2; ++half) fac[gi][half] = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
     Q4Walk<G> q(panel, group);
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+    for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead && q.block_start())
         for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m256 bg[NT][G][2];
@@ -163,7 +164,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 d = qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
+          const __m256 d = dsc ? _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8)
+                                 : qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(bg[r][gi][half], d, out[r][gi][half]);
         }
     }
@@ -177,17 +179,19 @@ struct IntDot {
   static constexpr int max_rows() { return F == WFormat::kInt8 ? 2 : 1; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&acc)[NT][2][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                         __m256 (&acc)[NT][2][2]) {
     QRows<NT> xr;
     for (int r = 0; r < NT; ++r) xr.set(r, j.x[r0 + r], j.L->Hk);
-    qdot_panel<Vnni, F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
+    qdot_panel<Vnni, F, G, NT>(panel, j.L->Hk, j.L->group, ahead, dsc, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m256 (&y)[NT][2][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                       __m256 (&y)[NT][2][2]) {
     QRows<NT> hr;
     for (int r = 0; r < NT; ++r) hr.set(r, static_cast<const uint8_t*>(j.h) + (r0 + r) * j.h_stride, j.L->Ik);
-    qdot_panel<Vnni, F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
+    qdot_panel<Vnni, F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, dsc, hr, y);
   }
 };
 

@@ -5,11 +5,14 @@
 // here (the activation vectorised: vec_avx2.h). A family is a struct with
 //   template <WFormat F> static constexpr int max_rows();
 //   template <WFormat F, int G, int NT> static void gateup_dot(const GateUpJob&, const uint8_t* panel,
-//                                                              int64_t r0, int ahead, __m256 (&acc)[NT][2][2]);
+//                                                              int64_t r0, int ahead, const float* dsc,
+//                                                              __m256 (&acc)[NT][2][2]);
 //   template <WFormat F, int NT> static void down_dot(const DownJob&, const uint8_t* panel,
-//                                                     int64_t r0, int ahead, __m256 (&y)[NT][2][2]);
+//                                                     int64_t r0, int ahead, const float* dsc, __m256 (&y)[NT][2][2]);
 // (acc[r][gi][half]: columns half*8 .. half*8+7 of matrix gi for row r0 + r, scales applied;
-// ahead: the job's prefetch distance, pf::ahead, 0 for none).
+// ahead: the job's prefetch distance, pf::ahead, 0 for none; dsc: int4's group scales decoded
+// for the whole panel, [Kp / group][G][16] floats, when the job has more than one row block,
+// else null: the dot decodes each group's itself).
 // Include only from TUs compiled with at least -mavx2 -mfma.
 #pragma once
 
@@ -48,6 +51,27 @@ inline void row_blocks(int64_t nt, Fn&& f) {
   }
 }
 
+// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null when
+// one row block takes the whole job or the format has none.
+template <WFormat F, int G>
+inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, int64_t nt, int max_rows) {
+  if constexpr (F != WFormat::kInt4) {
+    return nullptr;
+  } else {
+    if (nt <= max_rows) return nullptr;
+    thread_local AlignedBuf buf;
+    const int64_t ng = Kp / group;
+    float* out = static_cast<float*>(buf.get(static_cast<size_t>(ng * G * kPanelN) * sizeof(float)));
+    Q4Walk<G> q(panel, group);
+    for (int64_t g = 0; g < ng; ++g, q.next())
+      for (int gi = 0; gi < G; ++gi)
+        for (int half = 0; half < 2; ++half)
+          _mm256_store_ps(out + (g * G + gi) * kPanelN + half * 8,
+                          q4_scales8(q.scales() + gi * 16 + half * 8, _mm256_load_ps(q4_factors(panel, gi) + half * 8)));
+    return out;
+  }
+}
+
 template <class Fam, WFormat F, bool Gated>
 void gateup(const GateUpJob& j) {
   pf::reload();
@@ -58,10 +82,11 @@ void gateup(const GateUpJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
+    const float* dsc = panel_scales<F, G>(panel, L.Hk, L.group, j.nt, Fam::template max_rows<F>());
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 acc[NT][2][2];
-      Fam::template gateup_dot<F, G, NT>(j, panel, r0, ahead, acc);
+      Fam::template gateup_dot<F, G, NT>(j, panel, r0, ahead, dsc, acc);
       for (int half = 0; half < 2; ++half) {
         const int64_t c = col0 + half * 8;
         const __m256 valid = v256::valid_mask(c, L.I);
@@ -91,10 +116,11 @@ void down(const DownJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
+    const float* dsc = panel_scales<F, 1>(panel, j.L->Ik, j.L->group, j.nt, Fam::template max_rows<F>());
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 y[NT][2][2];
-      Fam::template down_dot<F, NT>(j, panel, r0, ahead, y);
+      Fam::template down_dot<F, NT>(j, panel, r0, ahead, dsc, y);
       for (int r = 0; r < NT; ++r) {
         const __m256 w = _mm256_set1_ps(j.wt[r0 + r]);
         for (int half = 0; half < 2; ++half) {

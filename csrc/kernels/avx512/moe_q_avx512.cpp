@@ -41,7 +41,7 @@ inline void prefetch(const void* p) { pf::line(p); }
 // Dot products of one quantised panel with NT rows: out[r][gi] for matrices gi < G, 16 columns
 // each, scales applied. x[r] points at row r (fp32, Kp long, zero-padded).
 template <WFormat F, int G, int NT>
-inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* const* x,
+inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* dsc, const float* const* x,
                        __m512 out[][2]) {
   for (int r = 0; r < NT; ++r)
     for (int gi = 0; gi < G; ++gi) out[r][gi] = _mm512_setzero_ps();
@@ -73,7 +73,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     __m512 fac[G];
     for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
     Q4Walk<G> q(panel, group);
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+    for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead && q.block_start())
         for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m512 a0[NT][G], a1[NT][G];
@@ -104,7 +104,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 sc = v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
+        const __m512 sc = dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN) : v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
         for (int r = 0; r < NT; ++r)
           out[r][gi] = _mm512_fmadd_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc, out[r][gi]);
       }
@@ -118,17 +118,19 @@ struct Expand {
   static constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&acc)[NT][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                         __m512 (&acc)[NT][2]) {
     const float* xr[NT];
     for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
-    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
+    qpanel_dot<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, dsc, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&y)[NT][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                       __m512 (&y)[NT][2]) {
     const float* hr[NT];
     for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
-    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
+    qpanel_dot<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, dsc, hr, y);
   }
 };
 

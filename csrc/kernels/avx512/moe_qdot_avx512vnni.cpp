@@ -49,7 +49,8 @@ inline __m512i bcast4(const int8_t* p) {
 
 // out[r][gi]: 16 columns of matrix gi dotted with row r, all scales applied (moe.h order).
 template <WFormat F, int G, int NT>
-inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, const QRows<NT>& x, __m512 out[][2]) {
+inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* dsc, const QRows<NT>& x,
+                       __m512 out[][2]) {
   if constexpr (F == WFormat::kInt8) {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512 af[NT][G];
@@ -91,7 +92,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     __m512 fac[G];
     for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
     Q4Walk<G> q(panel, group);
-    for (int64_t k0 = 0; k0 < Kp; k0 += group, q.next()) {
+    for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead && q.block_start())
         for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m512 bg[NT][G];
@@ -136,7 +137,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 d = v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
+        const __m512 d = dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN) : v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
         for (int r = 0; r < NT; ++r) y[r][gi] = _mm512_fmadd_ps(bg[r][gi], d, y[r][gi]);
       }
     }
@@ -151,17 +152,19 @@ struct IntDot {
   static constexpr int max_rows() { return F == WFormat::kInt8 ? 4 : 3; }
 
   template <WFormat F, int G, int NT>
-  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&acc)[NT][2]) {
+  static void gateup_dot(const GateUpJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                         __m512 (&acc)[NT][2]) {
     QRows<NT> xr;
     for (int r = 0; r < NT; ++r) xr.set(r, j.x[r0 + r], j.L->Hk);
-    qdot_panel<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, xr, acc);
+    qdot_panel<F, G, NT>(panel, j.L->Hk, j.L->group, ahead, dsc, xr, acc);
   }
 
   template <WFormat F, int NT>
-  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, __m512 (&y)[NT][2]) {
+  static void down_dot(const DownJob& j, const uint8_t* panel, int64_t r0, int ahead, const float* dsc,
+                       __m512 (&y)[NT][2]) {
     QRows<NT> hr;
     for (int r = 0; r < NT; ++r) hr.set(r, static_cast<const uint8_t*>(j.h) + (r0 + r) * j.h_stride, j.L->Ik);
-    qdot_panel<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, hr, y);
+    qdot_panel<F, 1, NT>(panel, j.L->Ik, j.L->group, ahead, dsc, hr, y);
   }
 };
 

@@ -5,11 +5,14 @@
 // A family is a struct with
 //   template <WFormat F> static constexpr int max_rows();     rows sharing one weight pass
 //   template <WFormat F, int G, int NT> static void gateup_dot(const GateUpJob&, const uint8_t* panel,
-//                                                              int64_t r0, int ahead, __m512 (&acc)[NT][2]);
+//                                                              int64_t r0, int ahead, const float* dsc,
+//                                                              __m512 (&acc)[NT][2]);
 //   template <WFormat F, int NT> static void down_dot(const DownJob&, const uint8_t* panel,
-//                                                     int64_t r0, int ahead, __m512 (&y)[NT][2]);
+//                                                     int64_t r0, int ahead, const float* dsc, __m512 (&y)[NT][2]);
 // (acc[r][gi]: 16 columns of matrix gi (gate, up) for row r0 + r, all scales applied; ahead: the
-// job's prefetch distance, pf::ahead, 0 for none).
+// job's prefetch distance, pf::ahead, 0 for none; dsc: int4's group scales decoded for the whole
+// panel, [Kp / group][G][16] floats (q4_scale), when the job has more than one row block (each
+// block would decode them again), else null: the dot decodes each group's itself).
 // Include only from TUs compiled with at least the avx512 tier's flags.
 #pragma once
 
@@ -37,6 +40,26 @@ inline void row_blocks(int64_t nt, Fn&& f) {
   }
 }
 
+// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null when
+// one row block takes the whole job or the format has none.
+template <WFormat F, int G>
+inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, int64_t nt, int max_rows) {
+  if constexpr (F != WFormat::kInt4) {
+    return nullptr;
+  } else {
+    if (nt <= max_rows) return nullptr;
+    thread_local AlignedBuf buf;
+    const int64_t ng = Kp / group;
+    float* out = static_cast<float*>(buf.get(static_cast<size_t>(ng * G * kPanelN) * sizeof(float)));
+    __m512 fac[G];
+    for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
+    Q4Walk<G> q(panel, group);
+    for (int64_t g = 0; g < ng; ++g, q.next())
+      for (int gi = 0; gi < G; ++gi) _mm512_store_ps(out + (g * G + gi) * kPanelN, v512::q4_scales16(q.scales() + gi * 16, fac[gi]));
+    return out;
+  }
+}
+
 template <class Fam, WFormat F, bool Gated>
 void gateup(const GateUpJob& j) {
   pf::reload();
@@ -51,10 +74,11 @@ void gateup(const GateUpJob& j) {
     const __mmask16 valid = v512::valid_mask(col0, L.I);
     const __m512 bg = j.bias_g ? _mm512_load_ps(j.bias_g + col0) : _mm512_setzero_ps();
     const __m512 bu = j.bias_u ? _mm512_load_ps(j.bias_u + col0) : _mm512_setzero_ps();
+    const float* dsc = panel_scales<F, G>(panel, L.Hk, L.group, j.nt, Fam::template max_rows<F>());
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m512 acc[NT][2];
-      Fam::template gateup_dot<F, G, NT>(j, panel, r0, ahead, acc);
+      Fam::template gateup_dot<F, G, NT>(j, panel, r0, ahead, dsc, acc);
       for (int r = 0; r < NT; ++r) {
         const __m512 g = Gated ? _mm512_add_ps(acc[r][0], bg) : _mm512_setzero_ps();
         const __m512 u = _mm512_add_ps(acc[r][G - 1], bu);
@@ -79,10 +103,11 @@ void down(const DownJob& j) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
     const __m512 b = j.bias ? _mm512_load_ps(j.bias + col0) : _mm512_setzero_ps();
+    const float* dsc = panel_scales<F, 1>(panel, j.L->Ik, j.L->group, j.nt, Fam::template max_rows<F>());
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m512 y[NT][2];
-      Fam::template down_dot<F, NT>(j, panel, r0, ahead, y);
+      Fam::template down_dot<F, NT>(j, panel, r0, ahead, dsc, y);
       for (int r = 0; r < NT; ++r) {
         float* a = j.acc[r0 + r] + col0;
         _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(j.wt[r0 + r]), _mm512_add_ps(y[r][0], b),
