@@ -15,9 +15,13 @@
 // Quantised weights (WFormat, fixed at pack time; W_* above then means the dequantised weights):
 //   int8: per output row n, s_n = max_k |W[n,k]| / 127, q = clamp(round(W / s_n), -127, 127);
 //         W ~ s_n * q. Kernels compute s_n * sum_k q x_k (fp32 scale, exact factoring).
-//   int4: per output row n and group of `group` consecutive k (32, 64 or 128), m = the element
-//         of largest |W| (first one); d = the d_i = bf16(m / -8 * (1 - i/20)), i = 0..7, with
-//         the smallest float sum in k order of (W - d q)^2 (first on ties), where
+//   int4: per output row n and group g of `group` consecutive k (32, 64 or 128), m_g = the
+//         element of largest |W| (first one); the row's factor F = max_g |m_g| / 8; the group's
+//         scale d = F * t(c) (one fp32 product), t(c) = (-1)^s 2^-(8a + b)/8 for a code c with
+//         bits b (0-2), s (3), a (4-7) (kernel_api.h: q4_step, q4_scale); s = 1 where m_g > 0,
+//         and 8a + b among e0, e0 + 1, ..., e0 + 6, e0 - 1 (clamped to 0..127), e0 the index
+//         nearest |m_g| / 8 / F in 2^(1/8) steps (q4_nearest_step), the one with the smallest
+//         float sum in k order of (W - d q)^2 (first on ties), where
 //         q = clamp(round(W * (1/d)), -8, 7); W ~ d * q
 //         (the largest element maps to about -8, so all 16 levels are used). Kernels compute
 //         sum_groups d * sum_{k in group} q x_k.
@@ -35,8 +39,8 @@
 //     (a NaN quotient gives 0; the NaN or inf in s_b then reaches the output),
 //   and every dot product is computed from exact int32 block sums I_b = sum_{k in b} q_k qx_k:
 //     int8: y = s_n * A,  A = fma(float(I_b), s_b, A) over blocks b in ascending order, A = 0
-//     int4: y = sum over groups g in order of fma(B_g, d_g, y),
-//           B_g = fma(float(I_b), s_b, B_g) over the blocks b of group g in order, B_g = 0
+//     int4: y = fma(float(I_b), s_b * d_g, y) over blocks b in ascending order, y = 0, d_g the
+//           scale of b's group (s_b * d_g one fp32 product)
 //   (fma: one rounding). Bias, activation, routing weight (acc = fma(w, y + b_down, acc)) as
 //   above. Every kernel of this family computes exactly these values (the generic oracle
 //   emulates it), so SIMD results differ from it only where their activation function

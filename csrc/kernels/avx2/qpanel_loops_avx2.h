@@ -11,8 +11,8 @@
 //                                                     int64_t r0, int ahead, const float* dsc, __m256 (&y)[NT][2][2]);
 // (acc[r][gi][half]: columns half*8 .. half*8+7 of matrix gi for row r0 + r, scales applied;
 // ahead: the job's prefetch distance, pf::ahead, 0 for none; dsc: int4's group scales decoded
-// for the whole panel, [Kp / group][G][16] floats, when the job has more than one row block,
-// else null: the dot decodes each group's itself).
+// for the whole panel, [Kp / group][G][16] floats, for a job of more than one row (NT > 1 reads
+// them), else null: the dot of one row decodes each group's itself).
 // Include only from TUs compiled with at least -mavx2 -mfma.
 #pragma once
 
@@ -51,14 +51,16 @@ inline void row_blocks(int64_t nt, Fn&& f) {
   }
 }
 
-// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null when
-// one row block takes the whole job or the format has none.
+// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null for a
+// job of one row (decode; it decodes in line) or a format without them. The dots of several rows
+// read these and never decode (kept out of their loops, the scale decoding's constants would
+// push the accumulators of 3 rows x 2 matrices out of the registers).
 template <WFormat F, int G>
-inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, int64_t nt, int max_rows) {
+inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, int64_t nt) {
   if constexpr (F != WFormat::kInt4) {
     return nullptr;
   } else {
-    if (nt <= max_rows) return nullptr;
+    if (nt <= 1) return nullptr;
     thread_local AlignedBuf buf;
     const int64_t ng = Kp / group;
     float* out = static_cast<float*>(buf.get(static_cast<size_t>(ng * G * kPanelN) * sizeof(float)));
@@ -82,7 +84,7 @@ void gateup(const GateUpJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
-    const float* dsc = panel_scales<F, G>(panel, L.Hk, L.group, j.nt, Fam::template max_rows<F>());
+    const float* dsc = panel_scales<F, G>(panel, L.Hk, L.group, j.nt);
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 acc[NT][2][2];
@@ -116,7 +118,7 @@ void down(const DownJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
-    const float* dsc = panel_scales<F, 1>(panel, j.L->Ik, j.L->group, j.nt, Fam::template max_rows<F>());
+    const float* dsc = panel_scales<F, 1>(panel, j.L->Ik, j.L->group, j.nt);
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 y[NT][2][2];

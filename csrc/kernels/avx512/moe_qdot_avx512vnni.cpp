@@ -15,13 +15,15 @@
 // The offset is removed exactly by starting each block's int32 accumulator at -128 * sum(qx_b)
 // (int8) or -8 * sum(qx_b) (int4): the correction depends only on the activations, so no
 // per-row weight sums are stored. Per 32-k block: 8 vpdpbusd per row and matrix (int8: 8 quads
-// into that accumulator; int4: 4 loads, the low nibbles into it, the high ones masked in place,
-// 16 (q + 8), into a second chain that the block's end shifts back: the same integer), then
-// vcvtdq2ps and one FMA with the block's activation scale; int8 multiplies the row scale once
-// at the end, int4 applies each group's scale (q4_scale) with one FMA per group (moe.h fixes this
-// order; the generic emulation follows it, so only the activation epilogue differs from it).
-// NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4:
-// 2 NT * G) int32 and NT * G (int4: 2 NT * G) fp32 accumulators stay in registers.
+// into that accumulator; int4: 4 loads, the low nibbles into it, the high ones for one row
+// masked in place, 16 (q + 8), into a second chain that the block's end shifts back, for
+// several rows shifted down into the same chain: the same integer), then
+// vcvtdq2ps and one FMA: int8 with the block's activation scale, the row scale multiplied once
+// at the end; int4 with the block's activation scale times its group's scale (q4_scale), one
+// product, so no per-group sum stays live (moe.h fixes this order; the generic emulation
+// follows it, so only the activation epilogue differs from it).
+// NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4
+// with one row: 2 G) int32 and NT * G fp32 accumulators stay in registers.
 // Software prefetch of the weight stream (moe/prefetch.h: the job's distance, pf::ahead, by CPU
 // vendor and rows, into L2), one line per 64 bytes consumed.
 // Known limits: the block sums are exact int32 (|sum| <= 32 * 255 * 127); a block is 32 k, so
@@ -89,27 +91,34 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     __m512 y[NT][G];
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
-    __m512 fac[G];
-    for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
+    // one row: each group's scales decoded here; several: read from dsc (see qpanel_loops.h)
+    __m512 fac[G] = {};
+    if constexpr (NT == 1)
+      for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead && q.block_start())
         for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
-      __m512 bg[NT][G];
-      for (int r = 0; r < NT; ++r)
-        for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_setzero_ps();
+      __m512 d[G];
+      for (int gi = 0; gi < G; ++gi)
+        d[gi] = NT > 1 || dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN)
+                              : v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
       const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
-        // Two chains per row and matrix: ai the low nibbles (with the block's offset correction),
-        // ah the high nibbles kept in place (16 * (q + 8), no shift per vector), which the block's
-        // end shifts back; int32 sums, so the result is the same integer as one chain's.
+        // One row: two chains per matrix, ai the low nibbles (with the block's offset correction),
+        // ah the high nibbles kept in place (16 * (q + 8), no shift per vector), which the
+        // block's end shifts back: two dependency chains, no shift. Several rows: one chain per
+        // row and matrix (already 2 NT independent ones), the high nibbles shifted down once
+        // per vector for all rows: NT * G fewer registers (the accumulators of 3 rows x 2
+        // matrices then fit). int32 sums either way: the same integer.
+        constexpr bool kOneChain = NT > 1;
         __m512i ai[NT][G], ah[NT][G];
         for (int r = 0; r < NT; ++r) {
           const __m512i c = _mm512_set1_epi32(-8 * x.sum[r][b]);
           for (int gi = 0; gi < G; ++gi) {
             ai[r][gi] = c;
-            ah[r][gi] = _mm512_setzero_si512();
+            if constexpr (!kOneChain) ah[r][gi] = _mm512_setzero_si512();
           }
         }
         for (int o = 0; o < kActBlock / 8; ++o, w += 64 * G) {
@@ -121,24 +130,27 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
           for (int gi = 0; gi < G; ++gi) {
             const __m512i v = _mm512_load_si512(w + gi * 64);
             const __m512i lo = _mm512_and_si512(v, m4);
-            const __m512i hi16 = _mm512_and_si512(v, m4h);
-            for (int r = 0; r < NT; ++r) {
-              ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]);
-              ah[r][gi] = _mm512_dpbusd_epi32(ah[r][gi], hi16, xh[r]);
+            if constexpr (kOneChain) {
+              const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+              for (int r = 0; r < NT; ++r)
+                ai[r][gi] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]), hi, xh[r]);
+            } else {
+              const __m512i hi16 = _mm512_and_si512(v, m4h);
+              for (int r = 0; r < NT; ++r) {
+                ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]);
+                ah[r][gi] = _mm512_dpbusd_epi32(ah[r][gi], hi16, xh[r]);
+              }
             }
           }
         }
         for (int r = 0; r < NT; ++r) {
           const __m512 sb = _mm512_set1_ps(x.s[r][b]);
           for (int gi = 0; gi < G; ++gi) {
-            const __m512i sum = _mm512_add_epi32(ai[r][gi], _mm512_srai_epi32(ah[r][gi], 4));
-            bg[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sb, bg[r][gi]);
+            __m512i sum = ai[r][gi];
+            if constexpr (!kOneChain) sum = _mm512_add_epi32(sum, _mm512_srai_epi32(ah[r][gi], 4));
+            y[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sb, d[gi]), y[r][gi]);
           }
         }
-      }
-      for (int gi = 0; gi < G; ++gi) {
-        const __m512 d = dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN) : v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
-        for (int r = 0; r < NT; ++r) y[r][gi] = _mm512_fmadd_ps(bg[r][gi], d, y[r][gi]);
       }
     }
     for (int r = 0; r < NT; ++r)

@@ -11,8 +11,8 @@
 //                                                     int64_t r0, int ahead, const float* dsc, __m512 (&y)[NT][2]);
 // (acc[r][gi]: 16 columns of matrix gi (gate, up) for row r0 + r, all scales applied; ahead: the
 // job's prefetch distance, pf::ahead, 0 for none; dsc: int4's group scales decoded for the whole
-// panel, [Kp / group][G][16] floats (q4_scale), when the job has more than one row block (each
-// block would decode them again), else null: the dot decodes each group's itself).
+// panel, [Kp / group][G][16] floats (q4_scale), for a job of more than one row (NT > 1 reads
+// them), else null: the dot of one row decodes each group's itself).
 // Include only from TUs compiled with at least the avx512 tier's flags.
 #pragma once
 
@@ -40,14 +40,16 @@ inline void row_blocks(int64_t nt, Fn&& f) {
   }
 }
 
-// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null when
-// one row block takes the whole job or the format has none.
+// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null for a
+// job of one row (decode; it decodes in line) or a format without them. The dots of several rows
+// read these and never decode (kept out of their loops, the scale decoding's constants would
+// push the accumulators of 3 rows x 2 matrices out of the registers).
 template <WFormat F, int G>
-inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, int64_t nt, int max_rows) {
+inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, int64_t nt) {
   if constexpr (F != WFormat::kInt4) {
     return nullptr;
   } else {
-    if (nt <= max_rows) return nullptr;
+    if (nt <= 1) return nullptr;
     thread_local AlignedBuf buf;
     const int64_t ng = Kp / group;
     float* out = static_cast<float*>(buf.get(static_cast<size_t>(ng * G * kPanelN) * sizeof(float)));
@@ -74,7 +76,7 @@ void gateup(const GateUpJob& j) {
     const __mmask16 valid = v512::valid_mask(col0, L.I);
     const __m512 bg = j.bias_g ? _mm512_load_ps(j.bias_g + col0) : _mm512_setzero_ps();
     const __m512 bu = j.bias_u ? _mm512_load_ps(j.bias_u + col0) : _mm512_setzero_ps();
-    const float* dsc = panel_scales<F, G>(panel, L.Hk, L.group, j.nt, Fam::template max_rows<F>());
+    const float* dsc = panel_scales<F, G>(panel, L.Hk, L.group, j.nt);
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m512 acc[NT][2];
@@ -103,7 +105,7 @@ void down(const DownJob& j) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
     const __m512 b = j.bias ? _mm512_load_ps(j.bias + col0) : _mm512_setzero_ps();
-    const float* dsc = panel_scales<F, 1>(panel, j.L->Ik, j.L->group, j.nt, Fam::template max_rows<F>());
+    const float* dsc = panel_scales<F, 1>(panel, j.L->Ik, j.L->group, j.nt);
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m512 y[NT][2];
