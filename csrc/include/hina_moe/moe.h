@@ -39,8 +39,8 @@
 //     (a NaN quotient gives 0; the NaN or inf in s_b then reaches the output),
 //   and every dot product is computed from exact int32 block sums I_b = sum_{k in b} q_k qx_k:
 //     int8: y = s_n * A,  A = fma(float(I_b), s_b, A) over blocks b in ascending order, A = 0
-//     int4: y = fma(float(I_b), s_b * d_g, y) over blocks b in ascending order, y = 0, d_g the
-//           scale of b's group (s_b * d_g one fp32 product)
+//     int4: y = F * Y, Y = fma(float(I_b), s_b * t_g, Y) over blocks b in ascending order, Y = 0,
+//           t_g the step of b's group (d_g = F * t_g; s_b * t_g one fp32 product)
 //   (fma: one rounding). Bias, activation, routing weight (acc = fma(w, y + b_down, acc)) as
 //   above. Every kernel of this family computes exactly these values (the generic oracle
 //   emulates it), so SIMD results differ from it only where their activation function

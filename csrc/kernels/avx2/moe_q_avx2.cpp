@@ -106,7 +106,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 sc = NT > 1 || dsc ? _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8)
+          const __m256 sc = NT > 1 || dsc ? _mm256_mul_ps(_mm256_load_ps(q4_factors(panel, gi) + half * 8),
+                                                          _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8))
                                           : qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(a[r][gi][half], sc, out[r][gi][half]);
         }

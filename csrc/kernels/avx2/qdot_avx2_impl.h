@@ -21,7 +21,8 @@
 //         int16 (<= 7620) before one vpmaddwd; the offset is removed by starting the block's
 //         accumulator at -8 * sum(qx_b).
 //   Per block: vcvtdq2ps + one FMA with the block's activation scale; int8 multiplies the row
-//   scale at the end, int4 folds its group's scale into the block's (moe.h's order, as the
+//   scale at the end, int4 folds its group's step into the block's scale and multiplies the row
+//   factor at the end (moe.h's order, as the
 //   generic emulation).
 // NT <= 2 (int8) / 1 (int4) rows share each weight load: 16 ymm registers hold NT x G x 2 int32
 // and as many fp32 accumulators (int4 also its group sums).
@@ -116,11 +117,8 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
-    // one row: each group's scales decoded here; several: read from dsc (see qpanel_loops_avx2.h)
-    __m256 fac[G][2] = {};
-    if constexpr (NT == 1)
-      for (int gi = 0; gi < G; ++gi)
-        for (int half = 0; half < 2; ++half) fac[gi][half] = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
+    // the groups' steps: one row decodes them here, several read them from dsc
+    // (qpanel_loops_avx2.h); the rows' factors multiply the sums once at the end (moe.h's order)
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead && q.block_start())
@@ -129,7 +127,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half)
           d[gi][half] = NT > 1 || dsc ? _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8)
-                                      : qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
+                                      : qloops256::q4_steps8(q.scales() + gi * 16 + half * 8);
       const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
@@ -168,6 +166,11 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
     }
+    for (int gi = 0; gi < G; ++gi)
+      for (int half = 0; half < 2; ++half) {
+        const __m256 f = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
+        for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_mul_ps(out[r][gi][half], f);
+      }
   }
 }
 

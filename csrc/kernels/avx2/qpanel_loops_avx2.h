@@ -11,8 +11,9 @@
 //                                                     int64_t r0, int ahead, const float* dsc, __m256 (&y)[NT][2][2]);
 // (acc[r][gi][half]: columns half*8 .. half*8+7 of matrix gi for row r0 + r, scales applied;
 // ahead: the job's prefetch distance, pf::ahead, 0 for none; dsc: int4's group scales decoded
-// for the whole panel, [Kp / group][G][16] floats, for a job of more than one row (NT > 1 reads
-// them), else null: the dot of one row decodes each group's itself).
+// for the whole panel as steps (q4_step, without the row factor), [Kp / group][G][16] floats, for
+// a job of more than one row (NT > 1 reads them), else null: the dot of one row decodes each
+// group's itself).
 // Include only from TUs compiled with at least -mavx2 -mfma.
 #pragma once
 
@@ -27,17 +28,18 @@
 namespace hina::detail::qloops256 {
 namespace {  // internal linkage: each including TU (each with its own ISA flags) keeps its copy
 
-// 8 scales of an int4 group, q4_scale (kernel_api.h) bit for bit: codes 8 scale codes, factor
-// those rows' factors. The magnitude from the table's first 8 entries by the low 3 bits
-// (vpermps), the sign bit from bit 3, times 2^-a by subtracting a from the exponent field.
-inline __m256 q4_scales8(const uint8_t* codes, __m256 factor) {
+// 8 steps of an int4 group, q4_step (kernel_api.h) bit for bit, from 8 scale codes: the
+// magnitude from the table's first 8 entries by the low 3 bits (vpermps), the sign bit from bit
+// 3, times 2^-a by subtracting a from the exponent field.
+inline __m256 q4_steps8(const uint8_t* codes) {
   const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
   const __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kQ4Step), c);
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
   const __m256i a = _mm256_slli_epi32(_mm256_srli_epi32(c, 4), 23);
-  const __m256i t = _mm256_sub_epi32(_mm256_xor_si256(_mm256_castps_si256(mag), sign), a);
-  return _mm256_mul_ps(factor, _mm256_castsi256_ps(t));
+  return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_xor_si256(_mm256_castps_si256(mag), sign), a));
 }
+// 8 scales of an int4 group, q4_scale bit for bit: factor (those rows' factors) times the steps.
+inline __m256 q4_scales8(const uint8_t* codes, __m256 factor) { return _mm256_mul_ps(factor, q4_steps8(codes)); }
 
 // Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M (M <= 2),
 // then a last single row.
@@ -51,7 +53,7 @@ inline void row_blocks(int64_t nt, Fn&& f) {
   }
 }
 
-// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null for a
+// int4's group steps of one panel, decoded once for its row blocks (see dsc above); null for a
 // job of one row (decode; it decodes in line) or a format without them. The dots of several rows
 // read these and never decode (kept out of their loops, the scale decoding's constants would
 // push the accumulators of 3 rows x 2 matrices out of the registers).
@@ -68,8 +70,7 @@ inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, in
     for (int64_t g = 0; g < ng; ++g, q.next())
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half)
-          _mm256_store_ps(out + (g * G + gi) * kPanelN + half * 8,
-                          q4_scales8(q.scales() + gi * 16 + half * 8, _mm256_load_ps(q4_factors(panel, gi) + half * 8)));
+          _mm256_store_ps(out + (g * G + gi) * kPanelN + half * 8, q4_steps8(q.scales() + gi * 16 + half * 8));
     return out;
   }
 }

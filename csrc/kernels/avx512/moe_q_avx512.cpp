@@ -106,7 +106,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 sc = NT > 1 || dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN)
+        const __m512 sc = NT > 1 || dsc ? _mm512_mul_ps(_mm512_load_ps(q4_factors(panel, gi)), _mm512_load_ps(dsc + (g * G + gi) * kPanelN))
                                       : v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
         for (int r = 0; r < NT; ++r)
           out[r][gi] = _mm512_fmadd_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc, out[r][gi]);

@@ -19,9 +19,10 @@
 // masked in place, 16 (q + 8), into a second chain that the block's end shifts back, for
 // several rows shifted down into the same chain: the same integer), then
 // vcvtdq2ps and one FMA: int8 with the block's activation scale, the row scale multiplied once
-// at the end; int4 with the block's activation scale times its group's scale (q4_scale), one
-// product, so no per-group sum stays live (moe.h fixes this order; the generic emulation
-// follows it, so only the activation epilogue differs from it).
+// at the end; int4 with the block's activation scale times its group's step (q4_step), one
+// product, so no per-group sum stays live, the row factor multiplied once at the end (moe.h
+// fixes this order; the generic emulation follows it, so only the activation epilogue differs
+// from it).
 // NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4
 // with one row: 2 G) int32 and NT * G fp32 accumulators stay in registers.
 // Software prefetch of the weight stream (moe/prefetch.h: the job's distance, pf::ahead, by CPU
@@ -91,18 +92,15 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     __m512 y[NT][G];
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
-    // one row: each group's scales decoded here; several: read from dsc (see qpanel_loops.h)
-    __m512 fac[G] = {};
-    if constexpr (NT == 1)
-      for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
+    // the groups' steps: one row decodes them here, several read them from dsc (qpanel_loops.h);
+    // the rows' factors multiply the sums once at the end (moe.h's order)
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead && q.block_start())
         for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
       __m512 d[G];
       for (int gi = 0; gi < G; ++gi)
-        d[gi] = NT > 1 || dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN)
-                              : v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
+        d[gi] = NT > 1 || dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN) : v512::q4_steps16(q.scales() + gi * 16);
       const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
@@ -153,8 +151,10 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
     }
-    for (int r = 0; r < NT; ++r)
-      for (int gi = 0; gi < G; ++gi) out[r][gi] = y[r][gi];
+    for (int gi = 0; gi < G; ++gi) {
+      const __m512 f = _mm512_load_ps(q4_factors(panel, gi));
+      for (int r = 0; r < NT; ++r) out[r][gi] = _mm512_mul_ps(y[r][gi], f);
+    }
   }
 }
 

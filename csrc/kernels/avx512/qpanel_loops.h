@@ -10,9 +10,9 @@
 //   template <WFormat F, int NT> static void down_dot(const DownJob&, const uint8_t* panel,
 //                                                     int64_t r0, int ahead, const float* dsc, __m512 (&y)[NT][2]);
 // (acc[r][gi]: 16 columns of matrix gi (gate, up) for row r0 + r, all scales applied; ahead: the
-// job's prefetch distance, pf::ahead, 0 for none; dsc: int4's group scales decoded for the whole
-// panel, [Kp / group][G][16] floats (q4_scale), for a job of more than one row (NT > 1 reads
-// them), else null: the dot of one row decodes each group's itself).
+// job's prefetch distance, pf::ahead, 0 for none; dsc: int4's group steps decoded for the whole
+// panel (q4_step, without the row factor), [Kp / group][G][16] floats, for a job of more than
+// one row (NT > 1 reads them), else null: the dot of one row decodes each group's itself).
 // Include only from TUs compiled with at least the avx512 tier's flags.
 #pragma once
 
@@ -40,7 +40,7 @@ inline void row_blocks(int64_t nt, Fn&& f) {
   }
 }
 
-// int4's group scales of one panel, decoded once for its row blocks (see dsc above); null for a
+// int4's group steps of one panel, decoded once for its row blocks (see dsc above); null for a
 // job of one row (decode; it decodes in line) or a format without them. The dots of several rows
 // read these and never decode (kept out of their loops, the scale decoding's constants would
 // push the accumulators of 3 rows x 2 matrices out of the registers).
@@ -53,11 +53,9 @@ inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, in
     thread_local AlignedBuf buf;
     const int64_t ng = Kp / group;
     float* out = static_cast<float*>(buf.get(static_cast<size_t>(ng * G * kPanelN) * sizeof(float)));
-    __m512 fac[G];
-    for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
     Q4Walk<G> q(panel, group);
     for (int64_t g = 0; g < ng; ++g, q.next())
-      for (int gi = 0; gi < G; ++gi) _mm512_store_ps(out + (g * G + gi) * kPanelN, v512::q4_scales16(q.scales() + gi * 16, fac[gi]));
+      for (int gi = 0; gi < G; ++gi) _mm512_store_ps(out + (g * G + gi) * kPanelN, v512::q4_steps16(q.scales() + gi * 16));
     return out;
   }
 }

@@ -104,15 +104,17 @@ static inline __m512 i4_lane_ps(__m512i v) {
   return _mm512_sub_ps(_mm512_castsi512_ps(n), _mm512_set1_ps(8388616.0f));
 }
 
-// The 16 scales of an int4 group, q4_scale (kernel_api.h) bit for bit: codes its 16 scale codes,
-// factor the 16 rows' factors. The step from a 16-entry table by the code's low 4 bits (vpermps),
-// times 2^-a by subtracting a from its exponent field.
-static inline __m512 q4_scales16(const uint8_t* codes, __m512 factor) {
+// The 16 steps of an int4 group, q4_step (kernel_api.h) bit for bit, from its 16 scale codes:
+// the step from a 16-entry table by the code's low 4 bits (vpermps), times 2^-a by subtracting a
+// from its exponent field.
+static inline __m512 q4_steps16(const uint8_t* codes) {
   const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
   const __m512 t = _mm512_permutexvar_ps(c, _mm512_loadu_ps(kQ4Step));
   const __m512i a = _mm512_slli_epi32(_mm512_srli_epi32(c, 4), 23);
-  return _mm512_mul_ps(factor, _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(t), a)));
+  return _mm512_castsi512_ps(_mm512_sub_epi32(_mm512_castps_si512(t), a));
 }
+// The 16 scales of an int4 group, q4_scale bit for bit: factor (the rows' factors) times the steps.
+static inline __m512 q4_scales16(const uint8_t* codes, __m512 factor) { return _mm512_mul_ps(factor, q4_steps16(codes)); }
 
 static inline __mmask16 valid_mask(int64_t col0, int64_t limit) {
   const int64_t n = limit - col0;
