@@ -15,16 +15,15 @@
 // The offset is removed exactly by starting each block's int32 accumulator at -128 * sum(qx_b)
 // (int8) or -8 * sum(qx_b) (int4): the correction depends only on the activations, so no
 // per-row weight sums are stored. Per 32-k block: 8 vpdpbusd per row and matrix (int8: 8 quads
-// into that accumulator; int4: 4 loads, the low nibbles into it, the high ones for one row
-// masked in place, 16 (q + 8), into a second chain that the block's end shifts back, for
-// several rows shifted down into the same chain: the same integer), then
+// into that accumulator; int4: 4 loads, the low nibbles into it, the high ones masked in place,
+// 16 (q + 8), into a second chain that the block's end shifts back: the same integer), then
 // vcvtdq2ps and one FMA: int8 with the block's activation scale, the row scale multiplied once
 // at the end; int4 with the block's activation scale times its group's step (q4_step), one
 // product, so no per-group sum stays live, the row factor multiplied once at the end (moe.h
 // fixes this order; the generic emulation follows it, so only the activation epilogue differs
 // from it).
-// NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4
-// with one row: 2 G) int32 and NT * G fp32 accumulators stay in registers.
+// NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4:
+// 2 NT * G) int32 and NT * G fp32 accumulators stay in registers.
 // Software prefetch of the weight stream (moe/prefetch.h: the job's distance, pf::ahead, by CPU
 // vendor and rows, into L2), one line per 64 bytes consumed.
 // Known limits: the block sums are exact int32 (|sum| <= 32 * 255 * 127); a block is 32 k, so
@@ -104,19 +103,17 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
-        // One row: two chains per matrix, ai the low nibbles (with the block's offset correction),
-        // ah the high nibbles kept in place (16 * (q + 8), no shift per vector), which the
-        // block's end shifts back: two dependency chains, no shift. Several rows: one chain per
-        // row and matrix (already 2 NT independent ones), the high nibbles shifted down once
-        // per vector for all rows: NT * G fewer registers (the accumulators of 3 rows x 2
-        // matrices then fit). int32 sums either way: the same integer.
-        constexpr bool kOneChain = NT > 1;
+        // Two chains per row and matrix: ai the low nibbles (with the block's offset correction),
+        // ah the high nibbles kept in place (16 * (q + 8), no shift per vector), which the block's
+        // end shifts back; int32 sums, so the result is the same integer as one chain's. (One
+        // chain for several rows, the high nibbles shifted down once a vector, measured no
+        // faster: session 33.)
         __m512i ai[NT][G], ah[NT][G];
         for (int r = 0; r < NT; ++r) {
           const __m512i c = _mm512_set1_epi32(-8 * x.sum[r][b]);
           for (int gi = 0; gi < G; ++gi) {
             ai[r][gi] = c;
-            if constexpr (!kOneChain) ah[r][gi] = _mm512_setzero_si512();
+            ah[r][gi] = _mm512_setzero_si512();
           }
         }
         for (int o = 0; o < kActBlock / 8; ++o, w += 64 * G) {
@@ -128,24 +125,17 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
           for (int gi = 0; gi < G; ++gi) {
             const __m512i v = _mm512_load_si512(w + gi * 64);
             const __m512i lo = _mm512_and_si512(v, m4);
-            if constexpr (kOneChain) {
-              const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-              for (int r = 0; r < NT; ++r)
-                ai[r][gi] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]), hi, xh[r]);
-            } else {
-              const __m512i hi16 = _mm512_and_si512(v, m4h);
-              for (int r = 0; r < NT; ++r) {
-                ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]);
-                ah[r][gi] = _mm512_dpbusd_epi32(ah[r][gi], hi16, xh[r]);
-              }
+            const __m512i hi16 = _mm512_and_si512(v, m4h);
+            for (int r = 0; r < NT; ++r) {
+              ai[r][gi] = _mm512_dpbusd_epi32(ai[r][gi], lo, xl[r]);
+              ah[r][gi] = _mm512_dpbusd_epi32(ah[r][gi], hi16, xh[r]);
             }
           }
         }
         for (int r = 0; r < NT; ++r) {
           const __m512 sb = _mm512_set1_ps(x.s[r][b]);
           for (int gi = 0; gi < G; ++gi) {
-            __m512i sum = ai[r][gi];
-            if constexpr (!kOneChain) sum = _mm512_add_epi32(sum, _mm512_srai_epi32(ah[r][gi], 4));
+            const __m512i sum = _mm512_add_epi32(ai[r][gi], _mm512_srai_epi32(ah[r][gi], 4));
             y[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sb, d[gi]), y[r][gi]);
           }
         }
