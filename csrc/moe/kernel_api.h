@@ -133,8 +133,11 @@ static inline const float* q4_factors(const uint8_t* panel, int gi) {
   return reinterpret_cast<const float*>(panel + 64 * gi);
 }
 // The groups of one panel in order, for the streaming kernels: scales() (the current group's
-// scale codes, matrix gi's at + 16 gi) and codes(); block_start() is true where a block begins
-// (the kernels prefetch a whole block, q4_block_bytes, from there).
+// scale codes, matrix gi's at + 16 gi) and codes(); prefetch(ahead, pf) asks for the lines
+// `ahead` bytes past the current group's: its codes, and at a block's start the block's scale
+// codes; a line at a time as the group is consumed, not a block's at once (layout 5's blocks of
+// 4 / G groups are 2 KiB at group 64: a burst of 33 prefetches a block cost several-row calls
+// 5-10 %, session 33).
 template <int G>
 struct Q4Walk {
   const uint8_t* blk;
@@ -145,6 +148,12 @@ struct Q4Walk {
   const uint8_t* scales() const { return blk + s * 16 * G; }
   const uint8_t* codes() const { return blk + 64 + s * code_bytes; }
   bool block_start() const { return s == 0; }
+  template <class Pf>
+  void prefetch(int64_t ahead, Pf&& pf) const {
+    if (s == 0) pf(blk + ahead);
+    const uint8_t* c = codes() + ahead;
+    for (int64_t o = 0; o < code_bytes; o += 64) pf(c + o);
+  }
   void next() {
     if (++s == q4_per_block(G)) {
       s = 0;

@@ -39,8 +39,9 @@
 //     (a NaN quotient gives 0; the NaN or inf in s_b then reaches the output),
 //   and every dot product is computed from exact int32 block sums I_b = sum_{k in b} q_k qx_k:
 //     int8: y = s_n * A,  A = fma(float(I_b), s_b, A) over blocks b in ascending order, A = 0
-//     int4: y = F * Y, Y = fma(float(I_b), s_b * t_g, Y) over blocks b in ascending order, Y = 0,
-//           t_g the step of b's group (d_g = F * t_g; s_b * t_g one fp32 product)
+//     int4: y = F * Y, Y = sum over groups g in order of fma(B_g, t_g, Y), Y = 0,
+//           B_g = fma(float(I_b), s_b, B_g) over the blocks b of group g in order, B_g = 0;
+//           t_g the group's step (d_g = F * t_g)
 //   (fma: one rounding). Bias, activation, routing weight (acc = fma(w, y + b_down, acc)) as
 //   above. Every kernel of this family computes exactly these values (the generic oracle
 //   emulates it), so SIMD results differ from it only where their activation function

@@ -78,8 +78,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         for (int half = 0; half < 2; ++half) fac[gi][half] = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
-      if (ahead && q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
+      if (ahead) q.prefetch(ahead, prefetch);
       __m256 a[NT][G][2];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a[r][gi][0] = a[r][gi][1] = _mm256_setzero_ps();

@@ -21,8 +21,8 @@
 //         int16 (<= 7620) before one vpmaddwd; the offset is removed by starting the block's
 //         accumulator at -8 * sum(qx_b).
 //   Per block: vcvtdq2ps + one FMA with the block's activation scale; int8 multiplies the row
-//   scale at the end, int4 folds its group's step into the block's scale and multiplies the row
-//   factor at the end (moe.h's order, as the
+//   scale at the end, int4 applies each group's step with one FMA and the row factor at the end
+//   (moe.h's order, as the
 //   generic emulation).
 // NT <= 2 (int8) / 1 (int4) rows share each weight load: 16 ymm registers hold NT x G x 2 int32
 // and as many fp32 accumulators (int4 also its group sums).
@@ -121,13 +121,10 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     // (qpanel_loops_avx2.h); the rows' factors multiply the sums once at the end (moe.h's order)
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
-      if (ahead && q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
-      __m256 d[G][2];
-      for (int gi = 0; gi < G; ++gi)
-        for (int half = 0; half < 2; ++half)
-          d[gi][half] = NT > 1 || dsc ? _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8)
-                                      : qloops256::q4_steps8(q.scales() + gi * 16 + half * 8);
+      if (ahead) q.prefetch(ahead, prefetch);
+      __m256 bg[NT][G][2];
+      for (int r = 0; r < NT; ++r)
+        for (int gi = 0; gi < G; ++gi) bg[r][gi][0] = bg[r][gi][1] = _mm256_setzero_ps();
       const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
@@ -161,10 +158,15 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
           const __m256 sb = _mm256_set1_ps(x.s[r][b]);
           for (int gi = 0; gi < G; ++gi)
             for (int half = 0; half < 2; ++half)
-              out[r][gi][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r][gi][half]), _mm256_mul_ps(sb, d[gi][half]),
-                                                 out[r][gi][half]);
+              bg[r][gi][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[r][gi][half]), sb, bg[r][gi][half]);
         }
       }
+      for (int gi = 0; gi < G; ++gi)
+        for (int half = 0; half < 2; ++half) {
+          const __m256 d = NT > 1 || dsc ? _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8)
+                                          : qloops256::q4_steps8(q.scales() + gi * 16 + half * 8);
+          for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(bg[r][gi][half], d, out[r][gi][half]);
+        }
     }
     for (int gi = 0; gi < G; ++gi)
       for (int half = 0; half < 2; ++half) {

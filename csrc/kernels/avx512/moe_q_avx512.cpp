@@ -76,8 +76,7 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
-      if (ahead && q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
+      if (ahead) q.prefetch(ahead, prefetch);
       __m512 a0[NT][G], a1[NT][G];
       for (int r = 0; r < NT; ++r)
         for (int gi = 0; gi < G; ++gi) a0[r][gi] = a1[r][gi] = _mm512_setzero_ps();

@@ -17,11 +17,10 @@
 // per-row weight sums are stored. Per 32-k block: 8 vpdpbusd per row and matrix (int8: 8 quads
 // into that accumulator; int4: 4 loads, the low nibbles into it, the high ones masked in place,
 // 16 (q + 8), into a second chain that the block's end shifts back: the same integer), then
-// vcvtdq2ps and one FMA: int8 with the block's activation scale, the row scale multiplied once
-// at the end; int4 with the block's activation scale times its group's step (q4_step), one
-// product, so no per-group sum stays live, the row factor multiplied once at the end (moe.h
-// fixes this order; the generic emulation follows it, so only the activation epilogue differs
-// from it).
+// vcvtdq2ps and one FMA with the block's activation scale; int8 multiplies the row scale once
+// at the end, int4 applies each group's step (q4_step) with one FMA per group and the row
+// factor once at the end (moe.h fixes this order; the generic emulation follows it, so only the
+// activation epilogue differs from it).
 // NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4:
 // 2 NT * G) int32 and NT * G fp32 accumulators stay in registers.
 // Software prefetch of the weight stream (moe/prefetch.h: the job's distance, pf::ahead, by CPU
@@ -95,11 +94,10 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     // the rows' factors multiply the sums once at the end (moe.h's order)
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
-      if (ahead && q.block_start())
-        for (int64_t o = 0; o < q.block_bytes; o += 64) prefetch(q.blk + ahead + o);
-      __m512 d[G];
-      for (int gi = 0; gi < G; ++gi)
-        d[gi] = NT > 1 || dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN) : v512::q4_steps16(q.scales() + gi * 16);
+      if (ahead) q.prefetch(ahead, prefetch);
+      __m512 bg[NT][G];
+      for (int r = 0; r < NT; ++r)
+        for (int gi = 0; gi < G; ++gi) bg[r][gi] = _mm512_setzero_ps();
       const uint8_t* w = q.codes();
       for (int64_t kb = k0; kb < k0 + group; kb += kActBlock) {
         const int64_t b = kb / kActBlock;
@@ -136,9 +134,13 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
           const __m512 sb = _mm512_set1_ps(x.s[r][b]);
           for (int gi = 0; gi < G; ++gi) {
             const __m512i sum = _mm512_add_epi32(ai[r][gi], _mm512_srai_epi32(ah[r][gi], 4));
-            y[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sb, d[gi]), y[r][gi]);
+            bg[r][gi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sb, bg[r][gi]);
           }
         }
+      }
+      for (int gi = 0; gi < G; ++gi) {
+        const __m512 d = NT > 1 || dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN) : v512::q4_steps16(q.scales() + gi * 16);
+        for (int r = 0; r < NT; ++r) y[r][gi] = _mm512_fmadd_ps(bg[r][gi], d, y[r][gi]);
       }
     }
     for (int gi = 0; gi < G; ++gi) {

@@ -145,12 +145,13 @@ float qdot_col(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi,
   float y = 0.0f;
   for (int64_t g = 0; g < Kp / group; ++g) {
     const uint8_t* codes = panel + q4_codes_at(g, G, group);
-    const float t = q4_step(panel[q4_scales_at(g, G, group) + gi * 16 + n]);
+    float bg = 0.0f;
     for (int b = 0; b < group / kActBlock; ++b) {
       int32_t isum = 0;
       for (int k = b * kActBlock; k < (b + 1) * kActBlock; ++k) isum += int4_q(codes, k, G, gi, n) * qx[g * group + k];
-      y = std::fma(static_cast<float>(isum), sx[g * group / kActBlock + b] * t, y);
+      bg = std::fma(static_cast<float>(isum), sx[g * group / kActBlock + b], bg);
     }
+    y = std::fma(bg, q4_step(panel[q4_scales_at(g, G, group) + gi * 16 + n]), y);
   }
   return q4_factors(panel, gi)[n] * y;
 }
