@@ -147,7 +147,6 @@ struct Q4Walk {
       : blk(panel + 64 * G), code_bytes(q4_code_bytes(group, G)), block_bytes(q4_block_bytes(group)) {}
   const uint8_t* scales() const { return blk + s * 16 * G; }
   const uint8_t* codes() const { return blk + 64 + s * code_bytes; }
-  bool block_start() const { return s == 0; }
   template <class Pf>
   void prefetch(int64_t ahead, Pf&& pf) const {
     if (s == 0) pf(blk + ahead);

@@ -55,10 +55,9 @@ inline void row_blocks(int64_t nt, Fn&& f) {
 
 // int4's group steps of one panel, decoded once for its row blocks (see dsc above); null for a
 // job of one row (decode; it decodes in line) or a format without them. The dots of several rows
-// read these and never decode (kept out of their loops, the scale decoding's constants would
-// push the accumulators of 3 rows x 2 matrices out of the registers).
+// only read these, so their loops hold no decoding constants.
 template <WFormat F, int G>
-inline const float* panel_scales(const uint8_t* panel, int64_t Kp, int group, int64_t nt) {
+inline const float* panel_steps(const uint8_t* panel, int64_t Kp, int group, int64_t nt) {
   if constexpr (F != WFormat::kInt4) {
     return nullptr;
   } else {
@@ -85,7 +84,7 @@ void gateup(const GateUpJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
-    const float* dsc = panel_scales<F, G>(panel, L.Hk, L.group, j.nt);
+    const float* dsc = panel_steps<F, G>(panel, L.Hk, L.group, j.nt);
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 acc[NT][2][2];
@@ -119,7 +118,7 @@ void down(const DownJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     const int64_t col0 = p * kPanelN;
-    const float* dsc = panel_scales<F, 1>(panel, j.L->Ik, j.L->group, j.nt);
+    const float* dsc = panel_steps<F, 1>(panel, j.L->Ik, j.L->group, j.nt);
     row_blocks<Fam::template max_rows<F>()>(j.nt, [&](auto nt_c, int64_t r0) {
       constexpr int NT = decltype(nt_c)::value;
       __m256 y[NT][2][2];
