@@ -71,11 +71,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_mul_ps(out[r][gi][half], sc);
       }
   } else {
-    // one row: each group's scales decoded here; several: read from dsc (see qpanel_loops_avx2.h)
-    __m256 fac[G][2] = {};
-    if constexpr (NT == 1)
-      for (int gi = 0; gi < G; ++gi)
-        for (int half = 0; half < 2; ++half) fac[gi][half] = _mm256_load_ps(q4_factors(panel, gi) + half * 8);
+    // a group's scales: the rows' factors times its steps, read from dsc for several rows
+    // (qpanel_loops_avx2.h), decoded here for one
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead) q.prefetch(ahead, prefetch);
@@ -105,9 +102,9 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       }
       for (int gi = 0; gi < G; ++gi)
         for (int half = 0; half < 2; ++half) {
-          const __m256 sc = NT > 1 || dsc ? _mm256_mul_ps(_mm256_load_ps(q4_factors(panel, gi) + half * 8),
-                                                          _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8))
-                                          : qloops256::q4_scales8(q.scales() + gi * 16 + half * 8, fac[gi][half]);
+          const __m256 t = NT > 1 || dsc ? _mm256_load_ps(dsc + (g * G + gi) * kPanelN + half * 8)
+                                         : qloops256::q4_steps8(q.scales() + gi * 16 + half * 8);
+          const __m256 sc = _mm256_mul_ps(_mm256_load_ps(q4_factors(panel, gi) + half * 8), t);
           for (int r = 0; r < NT; ++r) out[r][gi][half] = _mm256_fmadd_ps(a[r][gi][half], sc, out[r][gi][half]);
         }
     }

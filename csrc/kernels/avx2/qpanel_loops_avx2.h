@@ -38,8 +38,6 @@ inline __m256 q4_steps8(const uint8_t* codes) {
   const __m256i a = _mm256_slli_epi32(_mm256_srli_epi32(c, 4), 23);
   return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_xor_si256(_mm256_castps_si256(mag), sign), a));
 }
-// 8 scales of an int4 group, q4_scale bit for bit: factor (those rows' factors) times the steps.
-inline __m256 q4_scales8(const uint8_t* codes, __m256 factor) { return _mm256_mul_ps(factor, q4_steps8(codes)); }
 
 // Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M (M <= 2),
 // then a last single row.

@@ -70,10 +70,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
       for (int r = 0; r < NT; ++r) out[r][gi] = _mm512_mul_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc);
     }
   } else {
-    // one row: each group's scales decoded here; several: read from dsc (see qpanel_loops.h)
-    __m512 fac[G] = {};
-    if constexpr (NT == 1)
-      for (int gi = 0; gi < G; ++gi) fac[gi] = _mm512_load_ps(q4_factors(panel, gi));
+    // a group's scales: the rows' factors times its steps, read from dsc for several rows
+    // (qpanel_loops.h), decoded here for one
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead) q.prefetch(ahead, prefetch);
@@ -105,8 +103,8 @@ inline void qpanel_dot(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         }
       }
       for (int gi = 0; gi < G; ++gi) {
-        const __m512 sc = NT > 1 || dsc ? _mm512_mul_ps(_mm512_load_ps(q4_factors(panel, gi)), _mm512_load_ps(dsc + (g * G + gi) * kPanelN))
-                                      : v512::q4_scales16(q.scales() + gi * 16, fac[gi]);
+        const __m512 t = NT > 1 || dsc ? _mm512_load_ps(dsc + (g * G + gi) * kPanelN) : v512::q4_steps16(q.scales() + gi * 16);
+        const __m512 sc = _mm512_mul_ps(_mm512_load_ps(q4_factors(panel, gi)), t);
         for (int r = 0; r < NT; ++r)
           out[r][gi] = _mm512_fmadd_ps(_mm512_add_ps(a0[r][gi], a1[r][gi]), sc, out[r][gi]);
       }
