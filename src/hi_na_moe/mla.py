@@ -173,11 +173,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class QuantWeight:
     """kv_b_proj's weight as its packed int8 / int4 layer holds it (PackedExperts.unpack_row_quant:
     int8 codes with a float32 scale a row, or int4 codes two to a byte with a float32 scale a
-    group: the packed row factor times the group's step), its rows in the native kernel's blocks of four (moe.h's MlaDecodeArgs::wq: a block's
-    rows interleaved by 64 values (int8) or half a group (int4), so that the kernel streams a block
-    in one pass). A half (int8) or about a third (int4 in groups of 32) of a dense bfloat16 copy's bytes, and
-    exactly the packed layer's values (scale * code), where a dense copy rounds them to the
-    model's dtype."""
+    group: the packed row factor times the group's step), its rows in the native kernel's blocks
+    of four (moe.h's MlaDecodeArgs::wq: a block's rows interleaved by 64 values (int8) or half a
+    group (int4), so that the kernel streams a block in one pass). A half (int8) or about a third
+    (int4 in groups of 32) of a dense bfloat16 copy's bytes, and exactly the packed layer's
+    values (scale * code), where a dense copy rounds them to the model's dtype."""
 
     def __init__(self, packed, weights: str, group: int):
         codes, scales = (torch.from_dlpack(a) for a in packed.unpack_row_quant())
