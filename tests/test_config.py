@@ -52,7 +52,7 @@ def test_bad_value_names_key_value_and_choices():
 
 
 def test_bad_threads():
-    with pytest.raises(ConfigError, match=r"'threads'.*-1.*whole number >= 0"):
+    with pytest.raises(ConfigError, match=r"'threads'.*-1.*whole number from 0 to"):
         load_config(threads=-1)
     with pytest.raises(ConfigError, match=r"'threads'.*True"):
         HinaConfig(threads=True)
@@ -70,10 +70,85 @@ def test_bad_env_bool(monkeypatch):
         load_config()
 
 
-def test_unknown_env_var_did_you_mean(monkeypatch):
-    monkeypatch.setenv("HINA_MOE_BACKEN", "auto")
-    with pytest.raises(ConfigError, match=r"unknown environment variable HINA_MOE_BACKEN.*did you mean HINA_MOE_BACKEND"):
+def test_unknown_env_var_warns_once_with_did_you_mean(monkeypatch):
+    """A variable the library does not know (a typo, or one from a newer or older version) must
+    not break every call of a process that merely inherited it: one warning, naming it."""
+    import warnings
+
+    from hi_na_moe import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_WARNED_ENV", set(), raising=False)
+    monkeypatch.setenv("HINA_MOE_BACKEN", "native")
+    with pytest.warns(UserWarning, match=r"ignoring unknown environment variable HINA_MOE_BACKEN "
+                      r"\(did you mean HINA_MOE_BACKEND\?\); known: HINA_MOE_BACKEND, "):
+        cfg = load_config()
+    assert cfg.backend == "auto" and "backen" not in cfg.to_dict()  # ignored, not taken as a key
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
         load_config()
+        hi_na_moe.capabilities()
+    monkeypatch.setenv("HINA_MOE_THREADS", "two")  # a known variable with a bad value still errors
+    with pytest.raises(ConfigError, match=r"'threads' \(env HINA_MOE_THREADS\) has bad value 'two'"):
+        load_config()
+
+
+def test_threads_is_bounded_naming_key_source_and_range(monkeypatch):
+    from hi_na_moe.config import MAX_THREADS
+
+    with pytest.raises(ConfigError, match=rf"'threads' \(keyword argument\) has bad value 1000000000000: "
+                       rf"expected a whole number from 0 to {MAX_THREADS}"):
+        load_config(threads=10**12)
+    monkeypatch.setenv("HINA_MOE_THREADS", "99999999999999999999")
+    with pytest.raises(ConfigError, match=rf"'threads' \(env HINA_MOE_THREADS\) has bad value "
+                       rf"99999999999999999999: expected a whole number from 0 to {MAX_THREADS}"):
+        load_config()
+    monkeypatch.setenv("HINA_MOE_THREADS", str(MAX_THREADS))
+    assert load_config().threads == MAX_THREADS
+    with pytest.raises(ConfigError, match=rf"from 0 to {MAX_THREADS}"):
+        HinaConfig(threads=MAX_THREADS + 1)
+
+
+@pytest.mark.parametrize("kind", ["not_utf8", "directory"])
+def test_config_file_that_cannot_be_read_names_file_and_variable(monkeypatch, tmp_path, kind):
+    if kind == "not_utf8":
+        f = tmp_path / "c.yaml"
+        f.write_bytes(b"isa: \xff\xfe auto\n")
+        want = r"is not UTF-8 text \(byte 0xff at offset 5\)"
+    else:
+        f = tmp_path / "confdir"
+        f.mkdir()
+        want = r"is a directory, not a file"
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(f))
+    with pytest.raises(ConfigError, match=rf"config file '{f}' \(from HINA_MOE_CONFIG\) {want}"):
+        load_config()
+
+
+def test_the_user_config_file_that_cannot_be_read_is_named_too(tmp_path):
+    d = tmp_path / "xdg" / "hi_na_moe"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_bytes(b"\x80\x81\n")
+    with pytest.raises(ConfigError, match=r"config file '.*xdg/hi_na_moe/config.yaml' \(the user's config file\) "
+                       r"is not UTF-8 text"):
+        load_config()
+
+
+def test_unknown_constructor_argument_did_you_mean():
+    import dataclasses
+    import pickle
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'threadz' \(HinaConfig argument\); known keys: "
+                       r".*did you mean 'threads'\?"):
+        HinaConfig(threadz=2)
+    with pytest.raises(TypeError, match="threadz"):  # still the TypeError an unexpected argument is
+        HinaConfig(threadz=2)
+    # the dataclass is as before: fields, replace, equality, pickling, positional arguments
+    cfg = HinaConfig(threads=2, isa="generic")
+    assert dataclasses.replace(cfg, threads=3).threads == 3 and dataclasses.replace(cfg) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert HinaConfig("reference").backend == "reference"
+    assert [f.name for f in dataclasses.fields(HinaConfig)][:3] == ["backend", "isa", "threads"]
+    with pytest.raises(ConfigError, match="did you mean 'threads'"):
+        dataclasses.replace(cfg, threadz=1)
 
 
 def test_bad_yaml(monkeypatch, tmp_path):
@@ -184,6 +259,9 @@ def test_the_prefetch_distance_comes_from_the_environment_or_the_cpu_vendor():
 def test_the_native_prefetch_variable_is_not_a_config_key(monkeypatch):
     monkeypatch.setenv("HINA_MOE_PREFETCH_BYTES", "1024")
     assert "prefetch_bytes" not in load_config().to_dict()  # accepted, not taken as a key
+    from hi_na_moe import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_WARNED_ENV", set(), raising=False)
     monkeypatch.setenv("HINA_MOE_BACKEN", "native")
-    with pytest.raises(ConfigError, match="HINA_MOE_PREFETCH_BYTES"):  # listed among the known ones
+    with pytest.warns(UserWarning, match="HINA_MOE_PREFETCH_BYTES"):  # listed among the known ones
         load_config()

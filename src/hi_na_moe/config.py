@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,11 +36,21 @@ DEFAULT_GROUP_SIZE = 32
 POOLS = ("auto", "own", "openmp")
 MEMORY_MODES = ("auto", "copy", "map")
 SCOPES = ("experts", "all")
+# The most threads `threads` may ask for: the most logical CPUs a Linux x86-64 kernel supports
+# (CONFIG_NR_CPUS <= 8192), so more can never mean one thread a CPU; well inside the native pool's
+# limit (16-bit thread ids a region: csrc/include/hina_moe/thread_pool.h, kTidBits) and the C int
+# the binding takes, past which the value used to fail deep inside a kernel call.
+MAX_THREADS = 8192
 
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong. The message names the key, the bad value, where it
     came from and what is allowed."""
+
+
+class UnknownKeyError(ConfigError, TypeError):
+    """A key HinaConfig does not have, passed to its constructor: a TypeError too, as any
+    unexpected keyword argument is, with the config's own message (known keys, did you mean)."""
 
 
 @dataclass(frozen=True)
@@ -138,10 +150,11 @@ class HinaConfig:
         src = lambda key: self.sources.get(key, "argument")  # noqa: E731
         _check_choice("backend", self.backend, BACKENDS, src("backend"))
         _check_choice("isa", self.isa, ISA_TIERS, src("isa"))
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
             raise ConfigError(
                 f"config key 'threads' ({src('threads')}) has bad value {self.threads!r}: "
-                "expected a whole number >= 0 (0 means torch.get_num_threads())"
+                f"expected a whole number from 0 to {MAX_THREADS} (0 means torch.get_num_threads(); "
+                f"{MAX_THREADS}, the most CPUs Linux supports, is the cap)"
             )
         _check_choice("weights", self.weights, WEIGHT_FORMATS, src("weights"))
         _check_choice("pool", self.pool, POOLS, src("pool"))
@@ -194,6 +207,25 @@ class HinaConfig:
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
+
+
+def _checked_init(generated):
+    """HinaConfig's __init__: the dataclass's own, after refusing an unknown keyword with the
+    config's message (a plain TypeError would name no key it could have been). Wrapped rather
+    than written, so fields, defaults, replace() and pickling stay the dataclass's."""
+    names = frozenset(f.name for f in dataclasses.fields(HinaConfig) if f.init)
+
+    @functools.wraps(generated)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key not in names:
+                raise _unknown_key(key, "HinaConfig argument", UnknownKeyError)
+        generated(self, *args, **kwargs)
+
+    return __init__
+
+
+HinaConfig.__init__ = _checked_init(HinaConfig.__init__)  # type: ignore[method-assign]
 _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
           "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool}
@@ -225,10 +257,10 @@ def _check_isa_available(isa: str, source: str) -> None:
         )
 
 
-def _unknown_key(key: str, source: str) -> ConfigError:
+def _unknown_key(key: str, source: str, cls: type[ConfigError] = ConfigError) -> ConfigError:
     hint = difflib.get_close_matches(key, KEYS, n=1)
     extra = f"; did you mean {hint[0]!r}?" if hint else ""
-    return ConfigError(f"unknown config key {key!r} ({source}); known keys: {', '.join(KEYS)}{extra}")
+    return cls(f"unknown config key {key!r} ({source}); known keys: {', '.join(KEYS)}{extra}")
 
 
 def _coerce(key: str, raw: Any, source: str) -> Any:
@@ -265,14 +297,31 @@ def default_config_file() -> Path:
 
 
 def _read_file(path: Path, required: bool) -> dict[str, Any]:
+    """The YAML mapping in `path`; required: it came from $HINA_MOE_CONFIG (else it is the user's
+    default file, which may be absent)."""
+    origin = f"from {ENV_CONFIG_FILE}" if required else "the user's config file"
     if not path.exists():
         if required:
-            raise ConfigError(f"config file {str(path)!r} (from {ENV_CONFIG_FILE}) does not exist")
+            raise ConfigError(f"config file {str(path)!r} ({origin}) does not exist")
         return {}
     import yaml
 
+    fix = f"point {ENV_CONFIG_FILE} at a YAML file" if required else "fix or remove it"
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} ({origin}) is a directory, not a file; {fix}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} ({origin}) cannot be read: {exc.strerror or exc}; {fix}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} ({origin}) is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8 YAML, or {fix}"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -287,11 +336,32 @@ def _read_file(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def load_config(config: HinaConfig | None = None, **kwargs: Any) -> HinaConfig:
+# the unknown HINA_MOE_* variables already warned about in this process
+_WARNED_ENV: set[str] = set()
+
+
+def _warn_unknown_env(name: str, key: str) -> None:
+    """An environment variable with the prefix that is no key is ignored, said once a process: a
+    process inherits its environment, and a typo (or a variable of another hi_na_moe version)
+    there must not break every call."""
+    if name in _WARNED_ENV:
+        return
+    _WARNED_ENV.add(name)
+    hint = difflib.get_close_matches(key, KEYS, n=1)
+    extra = f" (did you mean {ENV_PREFIX + hint[0].upper()}?)" if hint else ""
+    warnings.warn(
+        f"hi_na_moe: ignoring unknown environment variable {name}{extra}; known: "
+        f"{', '.join(ENV_PREFIX + k.upper() for k in KEYS)}, {ENV_CONFIG_FILE}, {', '.join(ENV_NATIVE)}",
+        UserWarning, stacklevel=3)
+
+
+def load_config(config: HinaConfig | None = None, *, where: Mapping[str, str] | None = None,
+                **kwargs: Any) -> HinaConfig:
     """Build the effective config: kwargs > `HINA_MOE_*` env vars > YAML file > defaults.
 
     `config`, if given, replaces the file and environment layers (it was built by the caller);
-    kwargs still override it.
+    kwargs still override it. `where` names where a kwarg came from, for errors (e.g. the command
+    line's {"isa": "--isa"}); default "keyword argument".
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -315,20 +385,15 @@ def load_config(config: HinaConfig | None = None, **kwargs: Any) -> HinaConfig:
             key = name[len(ENV_PREFIX):].lower()
             source = f"env {name}"
             if key not in KEYS:
-                hint = difflib.get_close_matches(key, KEYS, n=1)
-                extra = f"; did you mean {ENV_PREFIX + hint[0].upper()}?" if hint else ""
-                raise ConfigError(
-                    f"unknown environment variable {name}; known: "
-                    f"{', '.join(ENV_PREFIX + k.upper() for k in KEYS)}, {ENV_CONFIG_FILE}, {', '.join(ENV_NATIVE)}"
-                    f"{extra}"
-                )
+                _warn_unknown_env(name, key)
+                continue
             values[key] = _coerce(key, raw, source)
             sources[key] = source
     for key, raw in kwargs.items():
         if key not in KEYS:
             raise _unknown_key(key, "keyword argument")
         values[key] = raw
-        sources[key] = "keyword argument"
+        sources[key] = (where or {}).get(key, "keyword argument")
     for key in KEYS:
         sources.setdefault(key, "default")
     return HinaConfig(**values, sources=sources)
