@@ -143,7 +143,7 @@ def test_store_entries_record_what_they_were_built_from(tmp_path):
 
 
 def test_bad_input_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json and \\*.safetensors"):
+    with pytest.raises(FileNotFoundError, match="'.*nothing-here' does not exist.*download it first"):
         hi_na_moe.from_pretrained(tmp_path / "nothing-here")
     path, _ = _checkpoint("olmoe", tmp_path)
     with pytest.raises(ValueError, match="cache must be on"):
@@ -168,3 +168,130 @@ def test_block_not_made_of_whole_parameters_is_loaded_normally(tmp_path):
     assert torch.equal(_logits(model, ids), want)
     hi_na_moe.disable_for_model(model)
     assert torch.equal(_logits(model, ids), base)
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint directory that is not what it should be: each its own message, naming the path
+
+
+def _sharded(tmp_path):
+    tiny = build_tiny("olmoe", torch.bfloat16)
+    path = tmp_path / "sharded"
+    tiny.model.save_pretrained(path, max_shard_size="100KB")
+    return path
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_a_truncated_safetensors_file_is_named_before_transformers_reads_it(tmp_path, sharded):
+    """A download or copy cut short: half of the file (the header intact, the data cut) used to
+    be a SafetensorError six frames inside transformers, naming no file."""
+    import os
+
+    from hi_na_moe import cli, loading
+
+    path = _sharded(tmp_path) if sharded else _checkpoint("olmoe", tmp_path)[0]
+    victim = sorted(path.glob("*.safetensors"))[-1]
+    os.truncate(victim, victim.stat().st_size // 2)
+    want = (rf"{victim.name}'? is truncated or corrupt: .*tensor '[^']+' .*ends at byte \d+ but the file has "
+            rf"\d+ bytes; download it again or save the checkpoint again")
+    with pytest.raises(loading.CheckpointError, match=want):
+        hi_na_moe.from_pretrained(path, weights="int8", progress=False)
+    with pytest.raises(cli.UserError, match=want):
+        cli._load(path, None)
+
+
+def test_safetensors_headers_are_checked_field_by_field(tmp_path):
+    import json
+    import struct
+
+    from hi_na_moe.loading import CheckpointError, check_safetensors
+
+    def write(name, header, data=b"", length=None):
+        raw = json.dumps(header).encode()
+        f = tmp_path / name
+        f.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+        return f
+
+    def raw(name, content):
+        f = tmp_path / name
+        f.write_bytes(content)
+        return f
+
+    good = {"a": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}, "__metadata__": {"format": "pt"}}
+    check_safetensors(write("ok.safetensors", good, bytes(8)))
+    cases = {
+        "only 5 bytes": lambda: raw("tiny.safetensors", b"12345"),
+        "header of 4096 bytes does not fit": lambda: write("long.safetensors", good, bytes(8), length=4096),
+        "header is not JSON": lambda: raw("bad.safetensors", struct.pack("<Q", 3) + b"{x}"),
+        r"tensor 'a' has shape \[2, 3\] of BF16 \(12 bytes\) but data_offsets of 8 bytes": lambda: write("shape.safetensors", {"a": {**good["a"], "shape": [2, 3]}}, bytes(8)),
+        r"tensor 'a' ends at byte \d+ but the file has \d+ bytes": lambda: write("short.safetensors", good, bytes(4)),
+        "4 bytes after the last tensor": lambda: write("long_data.safetensors", good, bytes(12)),
+        "tensor 'b' starts at byte 12 of the data, where 'a' ends at byte 8": lambda: write(
+            "gap.safetensors", {**good, "b": {"dtype": "U8", "shape": [4], "data_offsets": [12, 16]}}, bytes(16)),
+        "tensor 'a' has a malformed entry": lambda: write("offsets.safetensors", {"a": {**good["a"],
+                                                                                       "data_offsets": [8, 0]}}),
+    }
+    for what, make in cases.items():
+        f = make()
+        with pytest.raises(CheckpointError, match=f"'{f}' is truncated or corrupt: {what}.*download it again"):
+            check_safetensors(f)
+
+
+def test_pickle_only_checkpoints_are_refused_as_pickles(tmp_path):
+    """A directory with only pytorch_model.bin (or an index naming only .bin shards): the
+    PickleRefused the README promises, naming the file, not 'download it first'."""
+    import json
+    import shutil
+
+    from hi_na_moe import cli
+    from hi_na_moe.loading import PickleRefused
+
+    path, _ = _checkpoint("olmoe", tmp_path)
+    only_bin = tmp_path / "only_bin"
+    only_bin.mkdir()
+    shutil.copy(path / "config.json", only_bin / "config.json")
+    (only_bin / "pytorch_model.bin").write_bytes(b"not unpickled")  # never opened
+    index_bin = tmp_path / "index_bin"
+    index_bin.mkdir()
+    shutil.copy(path / "config.json", index_bin / "config.json")
+    (index_bin / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "pytorch_model-00001-of-00001.bin"}}))
+    pt_index = tmp_path / "pt_index"
+    pt_index.mkdir()
+    shutil.copy(path / "config.json", pt_index / "config.json")
+    (pt_index / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "pytorch_model-00001-of-00001.bin"}}))
+    for d, name in ((only_bin, "pytorch_model.bin"), (index_bin, "pytorch_model-00001-of-00001.bin"),
+                    (pt_index, "pytorch_model.bin.index.json")):
+        with pytest.raises(PickleRefused, match=rf"{name}.*reads only safetensors"):
+            hi_na_moe.from_pretrained(d, weights="int8", progress=False)
+        with pytest.raises(cli.UserError, match=rf"{name}.*reads only safetensors"):
+            cli._load(d, None)
+
+
+def test_a_missing_path_a_file_and_a_directory_without_weights_each_have_their_message(tmp_path):
+    import shutil
+
+    from hi_na_moe import cli
+
+    path, _ = _checkpoint("olmoe", tmp_path)
+    missing = tmp_path / "missing"
+    a_file = path / "model.safetensors"
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(path / "config.json", no_weights / "config.json")
+    cases = [(missing, FileNotFoundError, r"'.*missing' does not exist"),
+             (a_file, NotADirectoryError, r"'.*model.safetensors' is a file, not a checkpoint directory: pass the "
+                                          r"directory that holds it \('.*olmoe'\)"),
+             (no_config, FileNotFoundError, r"'.*no_config' has no config.json"),
+             (no_weights, FileNotFoundError, r"'.*no_weights' has config.json but no \*.safetensors weights")]
+    messages = set()
+    for p, exc, want in cases:
+        with pytest.raises(exc, match=want) as info:
+            hi_na_moe.from_pretrained(p, weights="int8", progress=False)
+        messages.add(str(info.value).replace(str(p), "PATH"))
+        with pytest.raises(cli.UserError, match=want):
+            cli._load(p, None)
+    assert len(messages) == len(cases)

@@ -40,19 +40,18 @@ def _load(path: str | Path, dtype: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"model path {str(p)!r} does not exist", "pass a local directory saved with save_pretrained")
-    if not (p / "config.json").is_file():
-        raise UserError(f"{str(p)!r} has no config.json", "pass the directory written by save_pretrained")
+    from .loading import CheckpointError, PickleRefused, checkpoint_dir, safetensors_only
+
+    try:
+        p = checkpoint_dir(path)  # each thing wrong with the directory its own message, naming it
+    except (OSError, PickleRefused, CheckpointError) as exc:
+        raise UserError(str(exc)) from None
     try:
         AutoConfig.from_pretrained(p)
     except Exception as exc:  # unknown model type, broken json
         raise UserError(f"cannot read the config in {str(p)!r}: {exc}") from None
-    from .loading import PickleRefused, check_no_pickles, safetensors_only
 
     try:
-        check_no_pickles(p)
         with safetensors_only():  # a model directory's pickles are never unpickled
             model = AutoModelForCausalLM.from_pretrained(
                 p, dtype=getattr(torch, dtype) if dtype else "auto", use_safetensors=True).eval()

@@ -110,6 +110,135 @@ def check_no_pickles(path: str | os.PathLike) -> None:
             )
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged: a safetensors file whose header does not describe its bytes
+    (a download or copy cut short, most often). The message names the file."""
+
+
+# bits an element of each safetensors dtype takes (the format's names); a dtype not here (a newer
+# one) is left to the safetensors library, its offsets still checked against the file
+_ST_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+            "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+            "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+_ST_MAX_HEADER = 100 << 20  # the safetensors library refuses longer headers
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What is wrong with `file` as a safetensors file, or None: the header's length and JSON,
+    then every tensor's data_offsets against the file's size, its shape's bytes, and one tensor
+    after another from the data's start to the file's end (what the safetensors library
+    requires). Reads the header only."""
+    import json
+    import math
+
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        if len(first) < 8:
+            return f"only {size} bytes, not even the 8 of a safetensors header's length"
+        n = int.from_bytes(first, "little")
+        if n > size - 8 or n > _ST_MAX_HEADER:
+            return f"header of {n} bytes does not fit the file's {size} bytes"
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"header is not JSON ({exc})"
+    if not isinstance(header, dict):
+        return "header is not a JSON object"
+    data = size - 8 - n
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if isinstance(info, dict) else (None, None)
+        if (not isinstance(info.get("dtype") if isinstance(info, dict) else None, str)
+                or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {name!r} has a malformed entry {info!r}"
+        spans.append((offsets[0], offsets[1], name, info["dtype"], shape))
+    spans.sort()
+    past = [sp for sp in spans if sp[1] > data]
+    if past:
+        more = f" (and {len(past) - 1} after it)" if len(past) > 1 else ""
+        return f"tensor {past[0][2]!r}{more} ends at byte {8 + n + past[0][1]} but the file has {size} bytes"
+    end, prev = 0, None
+    for begin, stop, name, dtype, shape in spans:
+        bits = _ST_BITS.get(dtype)
+        need = math.prod(shape) * bits if bits else None
+        if need is not None and need != 8 * (stop - begin):
+            return (f"tensor {name!r} has shape {shape} of {dtype} ({need / 8:g} bytes) but data_offsets of "
+                    f"{stop - begin} bytes")
+        if begin != end:
+            where = f"where {prev!r} ends at byte {end}" if prev is not None else "not at 0"
+            return f"tensor {name!r} starts at byte {begin} of the data, {where}"
+        end, prev = stop, name
+    if end != data:
+        return f"{data - end} bytes after the last tensor that no tensor covers"
+    return None
+
+
+def check_safetensors(file: str | os.PathLike) -> None:
+    """CheckpointError naming `file` unless its safetensors header describes its bytes (see
+    _safetensors_problem): before transformers opens it, whose reader says only
+    "incomplete metadata, file not fully covered", naming no file, six frames down."""
+    problem = _safetensors_problem(Path(file))
+    if problem is not None:
+        raise CheckpointError(
+            f"{os.fspath(file)!r} is truncated or corrupt: {problem}; download it again or save the checkpoint "
+            "again (save_pretrained)"
+        )
+
+
+def check_checkpoint_files(path: str | os.PathLike) -> None:
+    """check_safetensors on every *.safetensors file of a checkpoint directory (the files
+    store.checkpoint_identity reads the headers of, too)."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        if f.is_file():
+            check_safetensors(f)
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".bin.index.json")
+
+
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """`path` as a local checkpoint directory hi_na_moe can load, after checking, in this order,
+    that it exists (FileNotFoundError), is a directory (NotADirectoryError), has config.json
+    (FileNotFoundError), names no pickle (check_no_pickles), has safetensors weights
+    (PickleRefused when it has only pickles, FileNotFoundError when none at all) and that each
+    is whole (CheckpointError): each its own message, naming the path."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(
+            f"{str(p)!r} does not exist; hi_na_moe loads a local checkpoint directory (config.json and *.safetensors) "
+            "and never fetches from a hub: download it first (e.g. `hf download ORG/MODEL --local-dir DIR`)"
+        )
+    if not p.is_dir():
+        holder = f" ({str(p.parent)!r})" if (p.parent / "config.json").is_file() else ""
+        raise NotADirectoryError(
+            f"{str(p)!r} is a file, not a checkpoint directory: pass the directory that holds it{holder}, "
+            "with config.json and the *.safetensors files"
+        )
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{str(p)!r} has no config.json: not a transformers checkpoint directory "
+                                "(save_pretrained writes one; a hub download has one)")
+    check_no_pickles(p)
+    if not any(f.is_file() for f in p.glob("*.safetensors")):
+        pickles = sorted(f.name for f in p.iterdir() if f.name.endswith(_PICKLE_SUFFIXES))
+        if pickles:
+            raise PickleRefused(
+                f"{str(p)!r} has no *.safetensors weights, only {', '.join(pickles[:3])}"
+                f"{' ...' if len(pickles) > 3 else ''}: hi_na_moe reads only safetensors checkpoints (a pickle can "
+                "run code when loaded). Download the model's safetensors files, or convert it once where you trust "
+                "the file (transformers: from_pretrained, then save_pretrained, which writes safetensors)"
+            )
+        raise FileNotFoundError(f"{str(p)!r} has config.json but no *.safetensors weights: download them too "
+                                "(hi_na_moe never fetches from a hub)")
+    check_checkpoint_files(p)
+    return p
+
+
 def safetensors_kwargs(kwargs: dict) -> dict:
     """transformers from_pretrained kwargs with use_safetensors=True (an explicit False is refused)."""
     if kwargs.get("use_safetensors", True) is not True:
@@ -285,7 +414,8 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
     Args:
         path: a local checkpoint directory (config.json + *.safetensors); no hub downloads. Only
             safetensors are read: a pickle (*.bin) in the directory is never loaded (PickleRefused
-            if transformers would need one).
+            if transformers would need one, or the directory has no other weights). A damaged
+            safetensors file (truncated, say) is a CheckpointError naming it, before any is read.
         weights: "int4" (default), "int8", "lossless" or "lossless12" (bfloat16 weights bit for bit
             in about 75 % of their bytes; see HinaConfig.weights).
         group_size: int4 group size (default: the config's, 32).
@@ -307,12 +437,7 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
     from .config import load_config
     from .store import PackedStore, checkpoint_identity, recording_source
 
-    path = Path(path).expanduser()
-    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"hi_na_moe.from_pretrained needs a local checkpoint directory with config.json and *.safetensors "
-            f"files; {str(path)!r} has none (download it first; hi_na_moe never fetches from a hub)"
-        )
+    path = checkpoint_dir(path)
     extra = {"weights": weights}
     if group_size is not None:
         extra["group_size"] = group_size
@@ -324,7 +449,6 @@ def from_pretrained(path: str | os.PathLike, weights: str = "int4", *, group_siz
         raise ValueError("hi_na_moe.from_pretrained packs experts for the native kernels; backend='reference' "
                          "cannot use them (load with transformers and enable_for_model instead)")
     safetensors_kwargs(kwargs)  # refuse use_safetensors=False before anything is read
-    check_no_pickles(path)
     cls = model_class or transformers.AutoModelForCausalLM
     hf_config = transformers.AutoConfig.from_pretrained(path)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
@@ -449,6 +573,7 @@ def load_originals(origin: CheckpointOrigin, names: set[str]) -> dict[str, torch
         return out
 
     check_no_pickles(origin.path)
+    check_checkpoint_files(origin.path)  # damaged since the load: named, not a SafetensorError
     with intercept_conversions(policy), safetensors_only():
         origin.model_class.from_pretrained(origin.path, **safetensors_kwargs(origin.kwargs))
     missing = names - set(got)
