@@ -45,7 +45,7 @@ def test_check_text_and_json(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["check", "--model", "/no/such/dir"], "does not exist"),
     (["demo", "--model", "/"], "has no config.json"),
-    (["check", "--model", "/"], "is not a model directory"),
+    (["check", "--model", "/"], "has no config.json"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-m", "hi_na_moe", *argv], capture_output=True, text=True)
@@ -254,3 +254,86 @@ def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, c
     assert out.shape[1] == 10
     err = capsys.readouterr().err
     assert err.count("using min_new_tokens instead") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments are refused before any model is loaded (or the machine measured), naming the
+# option and the value
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading a model or measuring the machine fails the test: a bad argument must be refused
+    first."""
+    from hi_na_moe import cli, system
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded (or the machine measured) before the arguments were checked")
+
+    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.setattr(cli, "_bandwidth", refuse)
+    monkeypatch.setattr(system, "system_info", refuse)
+    for name in list(__import__("os").environ):
+        if name.startswith("HINA_MOE_") and name != "HINA_MOE_CACHE_DIR":
+            monkeypatch.delenv(name)
+
+
+def _refused(capsys, argv) -> str:
+    """stderr of a command line that must end with status 2 (argparse's exit or ours)."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 2, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+MODEL = str(shipped_model_dir())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["debug", "--model", MODEL, "--prompt", "x", "--isa", "avx9"], r"--isa: invalid choice: 'avx9'"),
+    (["debug", "--model", MODEL, "--prompt", "x", "--against", "nonsense"], r"--against 'nonsense': expected native"),
+    (["debug", "--model", MODEL, "--prompt", "x", "--against", "isa=avx9"],
+     r"config key 'isa' \(--against\) has bad value 'avx9'.*did you mean 'avx2'"),
+    (["debug", "--model", MODEL, "--prompt", "x", "--against", "weights=int3"],
+     r"config key 'weights' \(--against\) has bad value 'int3'"),
+    (["debug", "--model", MODEL, "--prompt", "x", "--tolerance", "-1"], r"--tolerance must be a number > 0, got -1"),
+    (["debug", "--model", MODEL, "--prompt", "x", "--tolerance", "nan"], r"--tolerance must be a number > 0, got nan"),
+    (["bench", "--model", MODEL, "--threads", "1000000000000"], r"--threads must be from 0 to 8192, got 1000000000000"),
+    (["bench", "--model", MODEL, "--threads", "-2"], r"--threads must be from 0 to 8192, got -2"),
+    (["bench", "--model", MODEL, "--warmup", "-1"], r"--warmup must be >= 0, got -1"),
+    (["bench", "--model", MODEL, "--json-file", "/no/such/dir/out.json"],
+     r"--json-file '/no/such/dir/out.json': the directory '/no/such/dir' does not exist"),
+    (["demo", "--max-new-tokens", "0"], r"--max-new-tokens must be >= 1, got 0"),
+    (["check", "--model", "/no/such/dir"], r"'/no/such/dir' does not exist"),
+    (["check", "--model", MODEL + "/config.json"], r"config.json' is a file, not a checkpoint directory"),
+])
+def test_bad_arguments_are_refused_before_anything_is_loaded(argv, message, capsys, nothing_loads):
+    import re
+
+    err = _refused(capsys, argv)
+    assert re.search(message, err), err
+
+
+def test_a_tier_the_cpu_lacks_is_refused_before_loading(capsys, nothing_loads, monkeypatch):
+    import types
+
+    from hi_na_moe import hardware
+
+    fake = types.SimpleNamespace(isa_supported=lambda t: t in ("generic", "avx2"), best_isa=lambda: "avx2")
+    monkeypatch.setattr(hardware, "native_module", lambda: (fake, None))
+    err = _refused(capsys, ["debug", "--model", MODEL, "--prompt", "x", "--isa", "avx512"])
+    assert "config key 'isa' (--isa) asks for 'avx512', which this CPU/OS does not support" in err
+    err = _refused(capsys, ["debug", "--model", MODEL, "--prompt", "x", "--against", "isa=amx"])
+    assert "config key 'isa' (--against) asks for 'amx'" in err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--model", MODEL], ["demo"],
+                                  ["debug", "--model", MODEL, "--prompt", "x"]])
+def test_a_bad_config_variable_is_refused_before_loading(argv, capsys, nothing_loads, monkeypatch):
+    monkeypatch.setenv("HINA_MOE_QDOT", "fast")
+    err = _refused(capsys, argv)
+    assert "config key 'qdot' (env HINA_MOE_QDOT) has bad value 'fast'" in err

@@ -61,3 +61,20 @@ def test_cli_needs_a_prompt():
     proc = subprocess.run([sys.executable, "-m", "hi_na_moe", "debug", "--model", str(shipped_model_dir())],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--prompt TEXT or --prompts FILE" in proc.stderr
+
+
+def test_compare_refuses_a_bad_config_before_running_the_model(shipped, monkeypatch):
+    from hi_na_moe.config import ConfigError
+
+    model, tok = shipped
+    inputs = dict(tok("import os", return_tensors="pt"))
+    runs = []
+    handle = model.register_forward_pre_hook(lambda *a: runs.append(1))
+    try:
+        with pytest.raises(ConfigError, match=r"'isa' \(keyword argument\) has bad value 'avx9'"):
+            compare(model, inputs, isa="avx9")
+        with pytest.raises(ConfigError, match=r"'weights' \(keyword argument\) has bad value 'int3'"):
+            compare(model, inputs, baseline={"weights": "int3"})
+    finally:
+        handle.remove()
+    assert runs == [], "the model ran before the config was checked"

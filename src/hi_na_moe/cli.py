@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import DEFAULT_GROUP_SIZE, ISA_TIERS, LOSSLESS_FORMATS, WEIGHT_FORMATS
+from .config import DEFAULT_GROUP_SIZE, ISA_TIERS, LOSSLESS_FORMATS, MAX_THREADS, WEIGHT_FORMATS
 
 
 class UserError(Exception):
@@ -70,6 +70,17 @@ def _load(path: str | Path, dtype: str):
     return model, tokenizer
 
 
+def _config_up_front(options: dict[str, tuple[object, str]] | None = None):
+    """The config a command will enable with, built before anything is loaded: a bad option
+    value, HINA_MOE_* variable or config file (or a tier this CPU lacks) is refused then, not
+    after a model load. options: key -> (value, the option it came from); None values are left
+    out. ConfigError names the key, the value and the option, variable or file."""
+    from .config import load_config
+
+    given = {k: v for k, (v, _) in (options or {}).items() if v is not None}
+    return load_config(where={k: flag for k, (_, flag) in (options or {}).items()}, **given)
+
+
 def _tiny_random_model():
     """A small random OLMoE, for when no trained model is available: it shows the mechanics and
     the exactness check, not meaningful text."""
@@ -92,17 +103,19 @@ def cmd_check(args) -> int:
     import hi_na_moe
     from hi_na_moe.system import system_info
 
+    if args.model:  # before the bandwidth probe's seconds
+        from .loading import checkpoint_dir
+
+        try:
+            checkpoint_dir(args.model, weights=False)  # only its config is read
+        except OSError as exc:
+            raise UserError(str(exc)) from None
     info: dict = {"capabilities": hi_na_moe.capabilities(), "system": system_info(measure_bandwidth=not args.no_bandwidth)}
     bw = info["system"]["read_bandwidth_gbs"]
     if args.model:
         from hi_na_moe.plan import model_plan
 
         path = Path(args.model)
-        if not path.exists():
-            raise UserError(f"model path {args.model!r} does not exist", "pass a local directory saved with save_pretrained")
-        if not (path / "config.json").is_file():
-            raise UserError(f"{args.model!r} is not a model directory (no config.json)",
-                            "pass the directory written by save_pretrained")
         try:
             plan = model_plan(path, bw["best"] if bw else None, args.group_size)
         except (ValueError, OSError) as exc:
@@ -215,6 +228,9 @@ def cmd_demo(args) -> int:
 
     import hi_na_moe
 
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _config_up_front()  # the demo enables with the environment's config
     path = args.model or shipped_model_dir()
     tokenizer = None
     if path is not None:
@@ -472,6 +488,19 @@ def cmd_bench(args) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.gen_tokens < 2:
         raise UserError("--gen-tokens must be >= 2 (decode latency needs a second token)")
+    if args.warmup < 0:
+        raise UserError(f"--warmup must be >= 0, got {args.warmup}")
+    if not 0 <= args.threads <= MAX_THREADS:
+        raise UserError(f"--threads must be from 0 to {MAX_THREADS}, got {args.threads}",
+                        "0 means torch.get_num_threads()")
+    if args.json_file:  # written at the end: a path that cannot be written is known now
+        out = Path(args.json_file).expanduser()
+        if out.is_dir():
+            raise UserError(f"--json-file {args.json_file!r} is a directory", "name a file to write")
+        if not out.parent.is_dir():
+            raise UserError(f"--json-file {args.json_file!r}: the directory {str(out.parent)!r} does not exist")
+    _config_up_front({"weights": (args.weights, "--weights"), "group_size": (args.group_size, "--group-size"),
+                      "scope": (args.scope, "--scope")})
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -648,8 +677,24 @@ def _quality_vs_native(model, ids, native_logits, report) -> dict:
 def cmd_debug(args) -> int:
     from hi_na_moe.debug import compare
 
+    import math
+
     if not args.prompt and not args.prompts:
         raise UserError("debug needs --prompt TEXT or --prompts FILE")
+    if args.tolerance is not None and not (args.tolerance > 0 and math.isfinite(args.tolerance)):
+        raise UserError(f"--tolerance must be a number > 0, got {args.tolerance:g}",
+                        "a relative L2 error per layer, e.g. 1e-4")
+    config = {k: v for k, v in (("isa", args.isa), ("backend", args.backend), ("weights", args.weights),
+                                 ("group_size", args.group_size)) if v}
+    _config_up_front({k: (v, "--" + k.replace("_", "-")) for k, v in config.items()})
+    baseline = None
+    if args.against != "native":
+        key, _, value = args.against.partition("=")
+        if key not in ("weights", "isa") or not value:
+            raise UserError(f"--against {args.against!r}: expected native, weights=FORMAT or isa=TIER",
+                            "e.g. --weights int4 --against weights=int8, or --isa avx2 --against isa=avx512")
+        baseline = {key: value, **({"group_size": args.group_size} if key == "weights" and args.group_size else {})}
+        _config_up_front({k: (v, "--against" if k == key else "--group-size") for k, v in baseline.items()})
     prompts = list(args.prompt or [])
     if args.prompts:
         f = Path(args.prompts)
@@ -660,15 +705,6 @@ def cmd_debug(args) -> int:
     if tokenizer is None:
         raise UserError(f"{args.model!r} has no tokenizer to encode the prompts",
                         "save the tokenizer next to the model (tokenizer.save_pretrained)")
-    config = {k: v for k, v in (("isa", args.isa), ("backend", args.backend), ("weights", args.weights),
-                                 ("group_size", args.group_size)) if v}
-    baseline = None
-    if args.against != "native":
-        key, _, value = args.against.partition("=")
-        if key not in ("weights", "isa") or not value:
-            raise UserError(f"--against {args.against!r}: expected native, weights=FORMAT or isa=TIER",
-                            "e.g. --weights int4 --against weights=int8, or --isa avx2 --against isa=avx512")
-        baseline = {key: value, **({"group_size": args.group_size} if key == "weights" and args.group_size else {})}
     reports = []
     for prompt in prompts:
         inputs = dict(tokenizer(prompt, return_tensors="pt"))
@@ -1139,7 +1175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a local model directory (with its tokenizer)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts", help="a file with one prompt per line")
-    p.add_argument("--isa", help="kernel tier to compare against native (default: the config's)")
+    p.add_argument("--isa", choices=ISA_TIERS, help="kernel tier to compare against native (default: the config's)")
     p.add_argument("--backend", choices=("auto", "native", "reference"), help="what runs the experts")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, help="expert format (default: the config's)")
     p.add_argument("--group-size", type=int, choices=(32, 64, 128), help="int4 group size")

@@ -136,6 +136,11 @@ def compare(model: nn.Module, inputs: dict, tolerance: float | None = None, base
     e.g. {"weights": "int8"} to compare int4 against int8, or {"isa": "generic"} to compare
     tiers), then with hi_na_moe enabled (config keys as for enable_for_model), and localise any
     difference."""
+    from .config import load_config
+
+    load_config(**config)  # a bad key or value is refused before the first (native) run, not after it
+    if baseline is not None:
+        load_config(**baseline)
     blocks = [b for b in adapters.discover(model) if b.spec is not None]
     layers = _decoder_layers(model)
     dtype = next(model.parameters()).dtype

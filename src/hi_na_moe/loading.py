@@ -202,12 +202,13 @@ def check_checkpoint_files(path: str | os.PathLike) -> None:
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".bin.index.json")
 
 
-def checkpoint_dir(path: str | os.PathLike) -> Path:
+def checkpoint_dir(path: str | os.PathLike, weights: bool = True) -> Path:
     """`path` as a local checkpoint directory hi_na_moe can load, after checking, in this order,
     that it exists (FileNotFoundError), is a directory (NotADirectoryError), has config.json
-    (FileNotFoundError), names no pickle (check_no_pickles), has safetensors weights
-    (PickleRefused when it has only pickles, FileNotFoundError when none at all) and that each
-    is whole (CheckpointError): each its own message, naming the path."""
+    (FileNotFoundError), and with `weights` (false: only the config will be read) that it names
+    no pickle (check_no_pickles), has safetensors weights (PickleRefused when it has only
+    pickles, FileNotFoundError when none at all) and that each is whole (CheckpointError): each
+    its own message, naming the path."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(
@@ -223,6 +224,8 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{str(p)!r} has no config.json: not a transformers checkpoint directory "
                                 "(save_pretrained writes one; a hub download has one)")
+    if not weights:
+        return p
     check_no_pickles(p)
     if not any(f.is_file() for f in p.glob("*.safetensors")):
         pickles = sorted(f.name for f in p.iterdir() if f.name.endswith(_PICKLE_SUFFIXES))
