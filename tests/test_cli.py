@@ -16,7 +16,10 @@ def test_demo_runs_end_to_end_in_reduced_mode(capsys):
     assert main(["demo", "--quick", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "all outputs identical" in out
-    assert "machine read bandwidth" in out and "| hi_na_moe | decode T=1 |" in out
+    assert "read limit: the native read probe" in out and "| hi_na_moe | decode T=1 |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| hi_na_moe | decode T=1 |"))
+    probe, share = row.split("|")[5:7]
+    assert float(probe) > 0 and 0 < float(share.strip().rstrip(" *").rstrip("%")) <= 100  # paired, measured
 
 
 def test_shipped_model_is_found():
@@ -337,3 +340,37 @@ def test_a_bad_config_variable_is_refused_before_loading(argv, capsys, nothing_l
     monkeypatch.setenv("HINA_MOE_QDOT", "fast")
     err = _refused(capsys, argv)
     assert "config key 'qdot' (env HINA_MOE_QDOT) has bad value 'fast'" in err
+
+
+def test_the_demo_never_shows_a_share_above_its_read_limit():
+    """On an AVX2-only CPU the demo said hi_na_moe read at 106 % of the machine's bandwidth: its
+    probe read slower than the kernels. The limit is never below the calls' own rate, and when
+    the calls are what sets it, the table says so."""
+    import math
+    import random
+    import re
+
+    from hi_na_moe.cli import read_limit, workload_table
+
+    assert read_limit(21.2, 20.0) == (21.2, True)  # the probe a lower bound: the calls' rate
+    assert read_limit(18.0, 20.0) == (20.0, False)
+    assert math.isnan(read_limit(18.0, float("nan"))[0])
+    rows = [("transformers (grouped_mm)", "decode T=1", 30.0, 9.1, 0.0, 20.0),
+            ("hi_na_moe", "decode T=1", 12.9, 21.2, 1e-3, 20.0),
+            ("transformers (grouped_mm)", "prefill T=128", 300.0, 4.0, 0.0, 19.0),
+            ("hi_na_moe", "prefill T=128", 100.0, 12.0, 1e-3, 19.5)]
+    lines = workload_table(rows)
+    assert lines[0].startswith("| provider | case | median ms | achieved GB/s | paired read probe GB/s | "
+                               "share of read limit |")
+    assert lines[3] == "| hi_na_moe | decode T=1 | 12.9 | 21.2 | 20.0 | 100% * | 2.33x | 1.0e-03 |"
+    assert lines[2] == "| transformers (grouped_mm) | decode T=1 | 30.0 | 9.1 | 20.0 | 46% | 1.00x | 0.0e+00 |"
+    assert lines[-1].startswith("* these calls read faster than the probe read right after them")
+    assert not any(line.startswith("*") for line in workload_table(rows[:1]))  # no note when none is capped
+    assert workload_table([(*rows[0][:5], float("nan"))])[2].split("|")[5:7] == [" - ", " - "]
+    g = random.Random(0)
+    for _ in range(1000):
+        achieved, probe = g.uniform(0.1, 100), g.uniform(0.1, 100)
+        limit, _ = read_limit(achieved, probe)
+        assert limit >= achieved and limit >= probe
+        share = re.search(r"\| (\d+)% ", workload_table([("a", "c", 1.0, achieved, 0.0, probe)])[2]).group(1)
+        assert int(share) <= 100
