@@ -64,7 +64,8 @@ class HinaConfig:
             reference path (the oracle the kernels are tested against).
         isa: kernel tier for native kernels: "auto" (the best this CPU and OS allow) or one of
             "generic", "avx2", "avx512", "amx". Asking for a tier the CPU lacks is an error.
-        threads: threads for the native kernels; 0 means `torch.get_num_threads()`.
+        threads: threads for the native kernels, 0 to MAX_THREADS (8192); 0 means
+            `torch.get_num_threads()`.
         strict: if true, `enable_for_model` raises when any MoE block found in the model would be
             left running natively (instead of reporting it and going on).
         keep_weights: if true, the model's own expert tensors stay in memory beside the packed
