@@ -299,6 +299,10 @@ class NativeExperts:
         return [None if a is None else torch.from_dlpack(a) for a in source.unpack()]
 
     def _copy_into(self, spec: ExpertsSpec, arrays) -> None:
+        if spec.members is not None:  # separate modules: canonical() would be a gathered copy
+            _, up, down, _, up_bias, down_bias = arrays
+            spec.write_members(up, down, up_bias, down_bias)
+            return
         gate, up, down = spec.canonical()
         gb, ub, db = spec.canonical_biases()
         with torch.no_grad():

@@ -58,7 +58,7 @@ def _split(spec: ExpertsSpec, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def expert_forward(spec: ExpertsSpec, e: int, x: torch.Tensor) -> torch.Tensor:
     """One expert on the rows of x ([n, H] in the weight dtype) → [n, H] in the weight dtype."""
     if spec.gate_up is not None or not spec.has_gate:
-        bias = spec.gate_up_bias[e] if spec.gate_up_bias is not None else None
+        bias = spec.member("gate_up_bias", e)
         gu = F.linear(x, spec.gate_up_weight(e), bias)
         if not spec.has_gate:
             h = spec.act_fn(gu) if spec.act_fn is not None else apply_gate_spec(spec.gate_spec, gu, gu)
@@ -70,7 +70,7 @@ def expert_forward(spec: ExpertsSpec, e: int, x: torch.Tensor) -> torch.Tensor:
         g_w = spec.gate[e].t() if spec.transposed else spec.gate[e]
         u_w = spec.up[e].t() if spec.transposed else spec.up[e]
         h = apply_gate_spec(spec.gate_spec, F.linear(x, g_w), F.linear(x, u_w))
-    bias = spec.down_bias[e] if spec.down_bias is not None else None
+    bias = spec.member("down_bias", e)
     y = F.linear(h, spec.down_weight(e), bias)
     if spec.post_expert_norm is not None:
         y = spec.post_expert_norm(y)

@@ -121,14 +121,53 @@ class ExpertsSpec:
     weight_on_input: bool = False
     # Per-spec cache (e.g. the packed native weights); never part of equality.
     cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # Experts held as separate modules (Switch Transformers, NLLB-MoE: an nn.Linear per expert):
+    # per field ("up", "down", "gate_up_bias", "down_bias"), the E per-expert parameters
+    # themselves. The field then holds a meta-device tensor of the stacked shape (its shape and
+    # dtype, no data: reading it fails loudly); the stacked weights are gathered where they are
+    # read (canonical), and released and restored parameter by parameter. No gate, not transposed.
+    members: dict[str, tuple[torch.Tensor, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.members is not None and (self.has_gate or self.transposed or self.down_transposed
+                                         or self.gate_up is not None or self.gate is not None):
+            raise ValueError("ExpertsSpec.members describes experts without a gate, in the [E, I, H] up and "
+                             "[E, H, I] down layout only")
 
     @property
     def weight_dtype(self) -> torch.dtype:
         return self.down.dtype
 
     def weight_tensors(self) -> list[torch.Tensor]:
+        if self.members is not None:
+            return [t for ts in self.members.values() for t in ts]
         ts = [self.gate_up, self.gate, self.up, self.down, self.gate_up_bias, self.down_bias]
         return [t for t in ts if t is not None]
+
+    def member(self, name: str, e: int) -> torch.Tensor | None:
+        """Expert e's own tensor of field `name` (None when the field is)."""
+        if self.members is not None and name in self.members:
+            return self.members[name][e]
+        t = getattr(self, name)
+        return None if t is None else t[e]
+
+    def _gathered(self, name: str) -> torch.Tensor | None:
+        if name not in self.members:
+            return None
+        return torch.stack([t.detach() for t in self.members[name]])
+
+    def write_members(self, up: torch.Tensor | None, down: torch.Tensor | None, up_bias: torch.Tensor | None,
+                      down_bias: torch.Tensor | None) -> None:
+        """Copy stacked canonical tensors (as canonical() and canonical_biases() give them) into
+        the member parameters, expert by expert."""
+        with torch.no_grad():
+            for name, src in (("up", up), ("down", down), ("gate_up_bias", up_bias), ("down_bias", down_bias)):
+                if src is None or name not in self.members:
+                    continue
+                dst = self.members[name]
+                src = src.reshape(len(dst), *dst[0].shape)
+                for e, d in enumerate(dst):
+                    d.copy_(src[e])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.weight_tensors())
@@ -139,15 +178,18 @@ class ExpertsSpec:
     # --- per-expert weight views, as F.linear wants them ([out, in]) ---
     def gate_up_weight(self, e: int) -> torch.Tensor:
         """[2I, H] (or [I, H] without gate) in the model's own output layout."""
-        w = self.gate_up[e] if self.gate_up is not None else self.up[e]
+        w = self.gate_up[e] if self.gate_up is not None else self.member("up", e)
         return w.t() if self.transposed else w
 
     def down_weight(self, e: int) -> torch.Tensor:
-        w = self.down[e]
+        w = self.member("down", e)
         return w.t() if self.down_transposed else w
 
     def canonical(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(gate [E, I, H] or None, up [E, I, H], down [E, H, I]) as views (maybe strided)."""
+        """(gate [E, I, H] or None, up [E, I, H], down [E, H, I]) as views (maybe strided);
+        gathered copies when the experts are separate modules (`members`)."""
+        if self.members is not None:
+            return None, self._gathered("up"), self._gathered("down")
         I = self.intermediate
         if self.gate_up is not None and self.has_gate:
             gu = self.gate_up.transpose(1, 2) if self.transposed else self.gate_up  # [E, 2I, H]
@@ -166,6 +208,8 @@ class ExpertsSpec:
 
     def canonical_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """(gate_bias [E, I], up_bias [E, I], down_bias [E, H]) or Nones."""
+        if self.members is not None:
+            return None, self._gathered("gate_up_bias"), self._gathered("down_bias")
         b = self.gate_up_bias
         if b is None:
             return None, None, self.down_bias
