@@ -318,8 +318,6 @@ BLOCK_ADAPTERS: dict[str, tuple[Callable, Callable]] = {
 # Blocks recognised as routed-expert blocks that stay native, and why.
 NATIVE_ONLY: dict[str, str] = {
     "JetMoeMoA": "mixture of attention heads (MoA): attention experts stay native",
-    "SwitchTransformersSparseMLP": "encoder-decoder family: experts are separate Linear modules (not accelerated yet)",
-    "NllbMoeSparseMLP": "encoder-decoder family: experts are separate Linear modules (not accelerated yet)",
 }
 
 
@@ -375,3 +373,251 @@ def discover(model: nn.Module, router_name: str | None = None) -> list[BlockMatc
                                   rebuild=lambda m=m, build=build: build(m)[0]))
         claimed.update(id(c) for c in m.modules())
     return matches
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts as separate modules: Switch Transformers and NLLB-MoE (transformers 5.23). Each expert
+# is its own dense-act-dense module (an nn.Linear in, an activation, dropout, an nn.Linear out) in
+# a ModuleDict keyed "expert_{e}". The spec lists each expert's parameters (ExpertsSpec.members):
+# packing gathers them into one block; release and restore act on each parameter. The block's own
+# router runs untouched (its capacity dropping, jitter, second-expert policy and the router logits
+# transformers records from it for the z-loss and aux loss); the routing handed to the experts op
+# is the one the experts module's own forward is found to compute on probe experts.
+# ---------------------------------------------------------------------------------------------
+
+def _separate_experts_spec(experts: nn.Module, num_experts: int, w_in: str, w_out: str,
+                           act_attr: str) -> tuple[ExpertsSpec | None, str | None]:
+    """The spec of `num_experts` experts experts["expert_{e}"] computing w_out(act(w_in(x)))
+    (their dropout is the identity in eval; the cast before w_out is none when all weights share
+    one dtype, which is required here)."""
+    cls = type(experts).__name__
+    if num_experts < 1:
+        return None, f"the router has {num_experts} experts"
+    try:
+        mods = [experts[f"expert_{e}"] for e in range(num_experts)]
+    except (KeyError, IndexError, TypeError) as exc:
+        return None, f"{cls} does not hold experts 'expert_0'..'expert_{num_experts - 1}' ({exc!r})"
+    lins = [getattr(x, n, None) for x in mods for n in (w_in, w_out)]
+    odd = next((lin for lin in lins if type(lin) is not nn.Linear), None)
+    if odd is not None:
+        return None, (f"an expert's {w_in}/{w_out} is {type(odd).__name__}, not an nn.Linear (a quantised or "
+                      "replaced layer): the experts op reads plain weight matrices")
+    ins, outs = lins[0::2], lins[1::2]
+    tensors = [t for lin in lins for t in (lin.weight, lin.bias) if t is not None]
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+    if len(dtypes) > 1:
+        # e.g. a w_out kept in float32 in a bfloat16 model: the module casts its activations
+        # between the two Linears, a packed block holds one dtype
+        return None, f"the experts' {w_in}/{w_out} weights mix dtypes ({', '.join(dtypes)}); the experts op runs one"
+    if not tensors[0].is_floating_point():
+        return None, f"expert weights are {dtypes[0]}; the experts op takes floating-point weights"
+    I, H = ins[0].weight.shape
+    if any(lin.weight.shape != (I, H) for lin in ins) or any(lin.weight.shape != (H, I) for lin in outs):
+        return None, f"the experts' {w_in}/{w_out} shapes differ between experts"
+    for group in (ins, outs):
+        if len({lin.bias is None for lin in group}) > 1:
+            return None, f"some experts' {w_in}/{w_out} have a bias and others not"
+    acts = [getattr(x, act_attr, None) for x in mods]
+    act = activation_name(acts[0])
+    if any(type(a) is not type(acts[0]) or activation_name(a) != act for a in acts):
+        return None, "the experts' activations differ between experts"
+    members = {"up": tuple(lin.weight for lin in ins), "down": tuple(lin.weight for lin in outs)}
+    if ins[0].bias is not None:
+        members["gate_up_bias"] = tuple(lin.bias for lin in ins)
+    if outs[0].bias is not None:
+        members["down_bias"] = tuple(lin.bias for lin in outs)
+    dtype, E = tensors[0].dtype, num_experts
+
+    def shape_only(*shape):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    return ExpertsSpec(
+        num_experts=E, hidden=H, intermediate=I, up=shape_only(E, I, H), down=shape_only(E, H, I), has_gate=False,
+        gate_up_bias=shape_only(E, I) if "gate_up_bias" in members else None,
+        down_bias=shape_only(E, H) if "down_bias" in members else None,
+        act_fn=acts[0], gate_spec=GateSpec(act) if act else None,
+        gate_unrecognised=None if act else f"activation {type(acts[0]).__name__} has no native kernel",
+        members=members,
+    ), None
+
+
+class _ScaleTag(nn.Module):
+    """A probe expert returning x * c: an output then tells which experts a token reached, with
+    which weights."""
+
+    def __init__(self, c: float):
+        super().__init__()
+        self.c = c
+
+    def forward(self, x):
+        return x * self.c
+
+
+def _probe_routing(experts: nn.Module, num_experts: int, inputs: tuple, candidates: dict) -> Callable | None:
+    """The first of `candidates` ({name: routing(*inputs[1:]) -> (top_k_index, top_k_weights)})
+    that computes what the experts module's own forward(*inputs) computes in eval, or None. The
+    forward runs on a shallow copy of the module whose experts are _ScaleTag probes: the model's
+    experts are neither run nor touched (this holds with their weights released or on the meta
+    device)."""
+    import copy
+
+    probe = copy.copy(experts)  # its own __dict__: the model's module keeps its experts and mode
+    mods = dict(experts._modules)
+    tags = [1.0 + (e + 1) / (num_experts + 1) for e in range(num_experts)]
+    for e in range(num_experts):
+        mods[f"expert_{e}"] = _ScaleTag(tags[e])
+    probe.__dict__["_modules"] = mods
+    probe.__dict__["training"] = False
+    x = inputs[0]
+    try:
+        with torch.no_grad():
+            want = type(experts).forward(probe, *inputs)
+    except Exception:  # a forward that cannot run on the probe is not one we recognise
+        return None
+    if not isinstance(want, torch.Tensor) or want.shape != x.shape:
+        return None
+    c = torch.tensor(tags, dtype=torch.float64)
+    for routing in candidates.values():
+        idx, w = routing(*inputs[1:])
+        got = torch.where(idx >= 0, w.double() * c[idx.clamp(min=0)], 0.0).sum(-1, keepdim=True) * x.double()
+        if torch.allclose(want.double(), got, rtol=1e-5, atol=1e-7):
+            return routing
+    return None
+
+
+def _own_experts(block: nn.Module, spec: ExpertsSpec, *args):
+    """Training mode runs the experts module's own code: its dropout draws random numbers the
+    packed kernels cannot reproduce (the router runs its own code in every mode)."""
+    if spec.cache.get("released"):
+        raise RuntimeError(
+            f"hi_na_moe: {type(block).__name__} is in training mode, which runs its experts' own code (their "
+            "dropout), but their weights are packed for the native kernels and released from the model; call "
+            "model.eval() for inference, enable with keep_weights=True to train (keeps both copies), or call "
+            "hi_na_moe.disable_for_model(model) first")
+    return block.experts(*args)
+
+
+def _switch_routing(selected_experts: torch.Tensor, routing_weights: torch.Tensor):
+    """SwitchTransformersExperts' routing: the expert of a token's one-hot row ([T, 1, E]; a zero
+    row when capacity dropped the token, whose output is then zero) times the router's
+    probability of its top-1 expert ([T, 1])."""
+    idx = torch.where(selected_experts.any(-1), selected_experts.argmax(-1), -1)
+    return idx.view(-1, 1), routing_weights.view(-1, 1)
+
+
+def _switch_checked_routing(m: nn.Module) -> Callable | None:
+    E, T = int(m.router.num_experts), 9
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(T, 3, generator=g) + 0.5
+    sel = torch.zeros(T, 1, E, dtype=torch.long)
+    for t in range(T):
+        if t % 3:  # every third token dropped by capacity
+            sel[t, 0, (t * 5 + 1) % E] = 1
+    w = torch.rand(T, 1, generator=g) * 0.6 + 0.2
+    return _probe_routing(m.experts, E, (x, sel, w), {"one-hot top-1": _switch_routing})
+
+
+def _switch_spec(m: nn.Module) -> tuple[ExpertsSpec | None, str | None]:
+    if _switch_checked_routing(m) is None:
+        return None, (f"{type(m.experts).__name__}.forward does not compute what the adapter mirrors (transformers "
+                      "5.23: each token's one-hot top-1 expert times its router probability)")
+    return _separate_experts_spec(m.experts, int(m.router.num_experts), "wi", "wo", "act")
+
+
+def _switch_forward(match: BlockMatch, run: Runner) -> Callable:
+    """Mirrors transformers 5.23 `SwitchTransformersSparseMLP.forward`: the router runs on the
+    unflattened states (capacity counts per sequence) and returns the capacity-masked one-hot
+    choice; the per-expert loop is the experts op."""
+    spec = match.spec
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        selected_experts, routing_weights, _ = self.router(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        selected_experts = selected_experts.view(-1, 1, self.router.num_experts)
+        routing_weights = routing_weights.view(-1, 1)
+        if self.training:
+            hidden_states = _own_experts(self, spec, hidden_states, selected_experts, routing_weights)
+        else:
+            hidden_states = run(spec, hidden_states, *_switch_routing(selected_experts, routing_weights))
+        return hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+
+    return forward
+
+
+def _nllb_candidates(scale: float) -> dict[str, Callable]:
+    """What NllbMoeExperts(hidden, router_mask, router_probs) may compute, as routings for the
+    experts op; `scale` is its eval-mode token-dropout factor (1 - moe_token_dropout)."""
+
+    def by_mask_value(router_mask, router_probs):
+        # transformers 5.23 one-hot encodes the router's [T, E] top-1 mask *values*: expert 1 runs
+        # where the mask is 1 (the kept top-1 expert, weighted by its probability) and expert 0
+        # where it is 0 (weighted by the probability there: the kept top-2 expert's, zero elsewhere)
+        p = router_probs.float()
+        on = router_mask.to(torch.float32)
+        w = torch.stack([(p * on).sum(-1), (p * (1 - on)).sum(-1)], -1)
+        idx = torch.tensor([1, 0], device=p.device).expand_as(w)
+        return torch.where(w != 0, idx, -1), w * scale
+
+    def by_expert(router_mask, router_probs):
+        # fairseq's NLLB-MoE (and transformers 4.x): each expert with a nonzero combine weight,
+        # at most two a token (the kept top-1 and top-2)
+        w, idx = router_probs.float().topk(min(2, router_probs.shape[-1]), dim=-1)
+        return torch.where(w != 0, idx, -1), w * scale
+
+    return {"by mask value": by_mask_value, "by expert": by_expert}
+
+
+def _nllb_checked_routing(m: nn.Module) -> Callable | None:
+    E, T = int(m.router.num_experts), 12
+    drop = getattr(m.experts, "moe_token_dropout", 0.0)
+    scale = 1.0 - drop if isinstance(drop, (int, float)) and drop > 0 else 1.0
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(T, 3, generator=g) + 0.5
+    mask = torch.zeros(T, E, dtype=torch.long)
+    probs = torch.zeros(T, E)
+    for t in range(T):  # top-1 and top-2 each kept or dropped by capacity, in every combination
+        a = (t * 7 + 2) % E
+        b = (a + 1 + t % max(1, E - 1)) % E
+        p1, p2 = 0.5 + 0.4 * float(torch.rand(1, generator=g)), 0.1 + 0.3 * float(torch.rand(1, generator=g))
+        if t % 4 in (0, 2):
+            mask[t, a] = 1
+            probs[t, a] = p1
+        if t % 4 in (0, 1) and b != a:
+            probs[t, b] = p2
+    return _probe_routing(m.experts, E, (x, mask, probs), _nllb_candidates(scale))
+
+
+def _nllb_spec(m: nn.Module) -> tuple[ExpertsSpec | None, str | None]:
+    if _nllb_checked_routing(m) is None:
+        return None, (f"{type(m.experts).__name__}.forward matches neither routing the adapter knows (transformers "
+                      "5.23's experts by top-1 mask value, or fairseq's by expert index)")
+    return _separate_experts_spec(m.experts, int(m.router.num_experts), "fc1", "fc2", "act")
+
+
+def _nllb_forward(match: BlockMatch, run: Runner) -> Callable:
+    """Mirrors transformers 5.23 `NllbMoeSparseMLP.forward`: the router (top-2, expert capacity,
+    second-expert policy, padding mask) runs untouched; its [T, E] top-1 mask and combine weights
+    go to the experts op through the routing the experts module's own forward was found to
+    compute (_nllb_candidates), its eval token-dropout factor folded into the weights."""
+    spec = match.spec
+    routing = _nllb_checked_routing(match.module)
+    if routing is None:  # the experts' forward changed since discovery (_nllb_spec probed it)
+        raise RuntimeError(f"hi_na_moe: {match.name}: {type(match.module.experts).__name__}.forward no longer "
+                           "computes a routing the adapter knows; call enable_for_model again")
+
+    def forward(self, hidden_states, padding_mask=None):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        top_1_mask, router_probs, _ = self.router(hidden_states, padding_mask)
+        if self.training:
+            hidden_states = _own_experts(self, spec, hidden_states, top_1_mask, router_probs)
+        else:
+            hidden_states = run(spec, hidden_states, *routing(top_1_mask, router_probs))
+        return hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+
+    return forward
+
+
+BLOCK_ADAPTERS["SwitchTransformersSparseMLP"] = (_switch_spec, _switch_forward)
+BLOCK_ADAPTERS["NllbMoeSparseMLP"] = (_nllb_spec, _nllb_forward)
