@@ -243,5 +243,17 @@ def test_stale_heap_entries_stay_bounded():
     p = cp.LFU(4)
     for t in range(5000):
         p.step([t % 3], t)
-    assert len(p._heap) <= 8 * p.capacity + 64
+    assert len(p._heap) <= p._limit
     assert p.hits == 5000 - 3
+
+
+@pytest.mark.parametrize("name", ["lfu", "lru-2", "freq-decay"])
+def test_dropping_stale_entries_in_a_step_of_new_keys(name):
+    # every step two keys never seen before, stale entries dropped at every use (a limit of 3): so
+    # also while the step's second key is not yet recorded
+    p, plain = cp.make_policy(name, 4), cp.make_policy(name, 4)
+    p._limit = 3
+    for t in range(50):
+        for step in ([t % 2], [100 + 2 * t, 101 + 2 * t]):  # a hot key (stale entries), two new ones
+            assert p.step(step, t) == plain.step(step, t)
+    assert len(p) == 4 and {198, 199} <= p.resident() == plain.resident()

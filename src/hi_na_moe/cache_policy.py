@@ -89,7 +89,7 @@ def make_trace(per_layer) -> Trace:
         if per_layer.ndim != 3:
             raise ValueError(f"trace array must be [layers, tokens, k], got shape {per_layer.shape}")
         per_layer = [[[int(e) for e in row] for row in layer] for layer in per_layer.tolist()]
-    layers = [list(l) for l in per_layer]
+    layers = [l.tolist() if hasattr(l, "tolist") else list(l) for l in per_layer]
     steps, times, lay = [], [], []
     n_tok = max((len(l) for l in layers), default=0)
     for t in range(n_tok):
@@ -170,29 +170,34 @@ class CachePolicy:
     def _step(self, keys: tuple, now: float) -> list:
         """step() for distinct keys no more than the slots (the replay's fast path): the evicted keys."""
         resident = self._resident
-        n_miss = 0
-        for k in keys:
-            if k not in resident:
-                n_miss += 1
+        missing = [k for k in keys if k not in resident]
         evicted = []
-        over = len(resident) + n_miss - self.capacity if n_miss else 0
-        for _ in range(over):
-            v = self.victim(keys)
-            resident.discard(v)
-            self._evict(v)
-            evicted.append(v)
-        # victims were chosen before this step's uses are recorded: a use changes only the used
-        # key's standing, and no key of the step can be a victim
-        for k in keys:
-            self._clock += 1
-            if k in resident:
-                self._use(k, now)
-            else:
-                resident.add(k)
-                self._insert(k, now)
+        if missing:
+            over = len(resident) + len(missing) - self.capacity
+            for _ in range(over):
+                v = self.victim(keys)
+                resident.discard(v)
+                self._evict(v)
+                evicted.append(v)
+            # victims were chosen before this step's uses are recorded: a use changes only the used
+            # key's standing, and no key of the step can be a victim
+            self.misses += len(missing)
+            self.hits += len(keys) - len(missing)
+            use, insert = self._use, self._insert
+            for k in keys:
+                self._clock += 1
+                if k in missing:
+                    resident.add(k)
+                    insert(k, now)
+                else:
+                    use(k, now)
+        else:
+            self.hits += len(keys)
+            use = self._use
+            for k in keys:
+                self._clock += 1
+                use(k, now)
         self._steps += 1
-        self.hits += len(keys) - n_miss
-        self.misses += n_miss
         return evicted
 
     def remove(self, key: Key) -> None:
@@ -226,15 +231,21 @@ class _HeapPolicy(CachePolicy):
         self._heap: list = []  # (priority, sequence number, key): equal priorities never compare keys
         self._seq = 0
         self._prio: dict = {}  # key -> its current priority (the very object in its live entry)
+        self._limit = 8 * self.capacity + 64  # heap entries before the stale ones are dropped
 
     def _push(self, key: Key, p: tuple) -> None:
         self._prio[key] = p
         self._seq += 1
         heapq.heappush(self._heap, (p, self._seq, key))
-        if len(self._heap) > 8 * self.capacity + 64:  # bound the stale entries
-            self._heap = [(self._prio[k], self._seq + i, k) for i, k in enumerate(self._resident, 1)]
-            self._seq += len(self._heap)
-            heapq.heapify(self._heap)
+        if len(self._heap) > self._limit:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries (their number is bounded by _limit)."""
+        prio = self._prio
+        self._heap = [(prio[k], self._seq + i, k) for i, k in enumerate(self._resident, 1) if k in prio]
+        self._seq += len(self._heap)
+        heapq.heapify(self._heap)
 
     def victim(self, protected: Collection[Key] = ()) -> Key:
         heap, prio, resident = self._heap, self._prio, self._resident
@@ -286,7 +297,11 @@ class LFU(_HeapPolicy):
 
     def _use(self, key, now):
         c = self._count[key] = self._count.get(key, 0) + 1
-        self._push(key, (c, self._clock))
+        p = self._prio[key] = (c, self._clock)
+        self._seq += 1
+        heapq.heappush(self._heap, (p, self._seq, key))
+        if len(self._heap) > self._limit:
+            self._compact()
 
     _insert = _use
 
