@@ -1,6 +1,6 @@
-"""hi-na-moe command line: `check`, `bench`, `debug`, `demo` and `cache`.
+"""hi-na-moe command line: `check`, `bench`, `debug`, `demo`, `cache` and `profile-router`.
 
-(profile-router and distill come with their own issues.)
+(distill comes with its own issue.)
 
 User mistakes (missing path, not an MoE model, bad config) print one line and a hint and exit
 with status 2; a demo whose accelerated output disagrees with native exits with status 1.
@@ -1176,6 +1176,60 @@ def _print_skipped(skipped) -> None:
         print(f"  skipped {f.file} (key {f.key[:12]}): {why}")
 
 
+def cmd_profile_router(args) -> int:
+    """Route text through a model, record every routing decision, and write the profile."""
+    from .profile_router import ProfileError, builtin_data, profile_router, read_texts
+
+    for name in ("tokens", "seq_len", "batch_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    path = shipped_model_dir() if args.model == "builtin" else args.model
+    if path is None:
+        raise UserError("--model builtin: the shipped model (models/hina-tiny-moe) is not in this installation",
+                        "pass --model PATH")
+    # the data before the model: a bad file is named without waiting for a load
+    try:
+        if args.data == "builtin":
+            data_path = builtin_data()
+            if data_path is None:
+                raise UserError("--data builtin: the project's held-out corpus (data/heldout.txt) is not in this "
+                                "installation", "pass --data FILE (text, or JSONL with a \"text\" field)")
+            texts, special = [data_path.read_text(encoding="utf-8")], False  # a stream with its own separators
+        else:
+            texts, special = read_texts(args.data), True
+    except ProfileError as exc:
+        raise UserError(str(exc), "pass a UTF-8 text file, JSONL with a \"text\" field a line, or builtin") from None
+    model, tokenizer = _load(path, args.dtype)
+    from .adapters import discover
+
+    if not discover(model):
+        raise UserError(f"no MoE block found in {str(path)!r} ({type(model).__name__})",
+                        "profile-router records how MoE blocks route tokens to experts; is this an MoE model?")
+    if tokenizer is None:
+        raise UserError(f"{str(path)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)",
+                        "save the model's tokenizer into the directory with tokenizer.save_pretrained")
+    try:
+        profile = profile_router(model, tokenizer, texts, tokens=args.tokens, seq_len=args.seq_len,
+                                 batch_size=args.batch_size, add_special_tokens=special, progress=True)
+    except ProfileError as exc:
+        raise UserError(f"{str(path)!r}: {exc}") from None
+    out = Path(args.out) if args.out else Path(f"router-profile-{Path(path).resolve().name}")
+    try:
+        saved = profile.save(out)
+    except OSError as exc:
+        raise UserError(f"cannot write the profile to {str(out)!r}: {exc.strerror or exc}") from None
+    if args.json:
+        print(profile.to_json())
+    else:
+        print(profile.summary())
+        print()
+        print("wrote " + ", ".join(saved["files"]))
+    if saved["plots_skipped"]:
+        print(saved["plots_skipped"], file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hi-na-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1265,6 +1319,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation (needed without a terminal)")
     c.add_argument("--output", choices=("text", "json"), default="text")
     c.set_defaults(func=cmd_cache_clear)
+    p = sub.add_parser("profile-router", help="where tokens are routed: expert load, reuse, cache hit rates per "
+                       "policy, next-layer prediction, cache-size advice")
+    p.add_argument("--model", required=True, help="a local model directory (with its tokenizer), or 'builtin'")
+    p.add_argument("--data", default="builtin", help="a text file, JSONL with a \"text\" field a line, or 'builtin' "
+                   "(the project's held-out corpus, data/heldout.txt; the default)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens to profile (default 8192; the cache replay "
+                   "costs a few microseconds per expert access, policy and size)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens a window (default 256, or the model's "
+                   "max_position_embeddings if smaller)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows a forward (default 8)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="load the weights in this dtype (default: the checkpoint's)")
+    p.add_argument("--out", help="directory for profile.json, expert_prior.json, routing.safetensors and the plots "
+                   "(default ./router-profile-<model directory name>)")
+    p.add_argument("--json", action="store_true", help="print the whole profile as JSON instead of the summary")
+    p.set_defaults(func=cmd_profile_router)
     return parser
 
 
