@@ -3,8 +3,9 @@ the decoder layer's fused step and the stack's one call.
 
 The layers below the MLP runner: the silu-times-up kernel (baseline build against PyTorch's
 scalar loop, bit for bit; AVX-512 build within one rounding), the shared expert's sigmoid gate
-(bit for bit against PyTorch's ops); then the module against its own forward (within rounding),
-then the decode steps against the same model on its own forwards (bit for bit)."""
+(bit for bit against PyTorch's ops for as many rows as sigmoid_rows finds); then
+the module against its own forward (within rounding), then the decode steps against the same
+model on its own forwards (bit for bit)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 import hi_na_moe
 from hi_na_moe import dense, stack
 from hi_na_moe.hardware import native_kernels_available, native_module
+from hi_na_moe.mlp import sigmoid_rows, torch_scalar_values
 from hi_na_moe.patching import patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
@@ -35,15 +37,38 @@ def _silu_mul(g: torch.Tensor, u: torch.Tensor, isa: str) -> torch.Tensor:
     return out
 
 
+def _scalar_loop(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (PyTorch's elementwise op) through its scalar loop on any build: on pieces of at most
+    torch_scalar_values values."""
+    return torch.cat([fn(p) for p in x.split(torch_scalar_values(x.dtype) or x.numel())])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_scalar_values_is_where_pytorchs_loop_leaves_std_exp(dtype):
+    # up to the limit, the op on many values is the op one value at a time (its scalar loop for
+    # sure); one value past it, float32's vector exp shows (in about 4 % of the values here; the
+    # rounding to bfloat16 / float16 hides it, in every value with PyTorch 2.13: sigmoid_rows)
+    most = torch_scalar_values(dtype)
+    n = most or 256
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(40 * (n + 1), generator=gen) * 6).to(dtype)
+    for fn in (torch.sigmoid, F.silu):
+        one = torch.cat([fn(v) for v in x.split(1)])
+        assert torch.equal(torch.cat([fn(p) for p in x.split(n)]), one)
+        if most is not None and dtype is torch.float32:
+            assert not torch.equal(torch.cat([fn(p) for p in x.split(most + 1)]), one)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_baseline_build_is_pytorchs_scalar_loop_bit_for_bit(dtype):
-    # PyTorch runs F.silu and a product on fewer than 2 vectors' worth of values in its scalar
-    # loop: x / (1 + std::exp(-x)) in float32, rounded to the dtype; then the product, rounded
+    # PyTorch runs F.silu on fewer than 2 vectors' worth of values in its scalar loop: x / (1 +
+    # std::exp(-x)) in float32, rounded to the dtype; then the product, rounded. How many values
+    # that is depends on its build (torch_scalar_values: 31 float32 values on AVX-512, 15 on AVX2)
     gen = torch.Generator().manual_seed(1)
     for _ in range(200):
-        g = (torch.randn(16, generator=gen) * 6).to(dtype)
-        u = torch.randn(16, generator=gen).to(dtype)
-        assert torch.equal(_silu_mul(g, u, "generic"), F.silu(g) * u)
+        g = (torch.randn(40, generator=gen) * 6).to(dtype)
+        u = torch.randn(40, generator=gen).to(dtype)
+        assert torch.equal(_silu_mul(g, u, "generic"), _scalar_loop(F.silu, g) * u)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -63,8 +88,10 @@ def test_silu_mul_other_builds_within_rounding_of_the_baseline(dtype, isa):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shared_combine_is_the_blocks_sigmoid_product_and_sum_bit_for_bit(dtype):
+    # up to as many rows as sigmoid_rows takes (float32: PyTorch's scalar loop; more rows: the
+    # layers keep the block's own sigmoid, test_a_batch_past_pytorchs_scalar_sigmoid_...)
     gen = torch.Generator().manual_seed(3)
-    for B in (1, 2, 7, 16):
+    for B in (1, 2, 7, sigmoid_rows(dtype) or 64):
         H = 96
         routed = torch.randn(B, H, generator=gen).to(dtype)
         shared = (torch.randn(B, H, generator=gen) * 3).to(dtype)
@@ -248,5 +275,65 @@ def test_qwen2_moe_decodes_in_one_native_call_bit_for_bit_with_its_own_forwards(
         monkeypatch.setattr(stack, "ONE_CALL", False)
         loop, _ = greedy_decode(model, ids, 4)
         assert len(ones) == (4 if one_call else 0) and all(torch.equal(g, w) for g, w in zip(loop, got))
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
+def _own_forwards(model, ids, steps):
+    """greedy_decode with the stack and the layers on their own forwards (the MoE block's own
+    forward calling the patched shared expert, its gate, torch.sigmoid and the adds)."""
+    saved = {"model": model.model.__dict__.pop("forward")}
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        saved[i] = layer.__dict__.pop("forward")
+    try:
+        return greedy_decode(model, ids, steps)
+    finally:
+        model.model.forward = saved["model"]
+        for i, layer in enumerate(layers):
+            layer.forward = saved[i]
+
+
+def test_sigmoid_rows_probe_finds_a_sigmoid_the_native_gate_does_not_give(monkeypatch):
+    # the 16-bit dtypes' probe (its cache bypassed): PyTorch's sigmoid made another function past
+    # its scalar loop, then everywhere
+    sigmoid = torch.sigmoid
+    for dt in (torch.bfloat16, torch.float16):
+        most = torch_scalar_values(dt)
+        if most is None:
+            pytest.skip("PyTorch's baseline build: its scalar loop at any count")
+        off = lambda x: (sigmoid(x).float() * (1 + 2**-6)).to(x.dtype)  # noqa: E731
+        monkeypatch.setattr(torch, "sigmoid", lambda x: sigmoid(x) if x.numel() <= most else off(x))
+        assert sigmoid_rows.__wrapped__(dt) == most
+        monkeypatch.setattr(torch, "sigmoid", off)
+        assert sigmoid_rows.__wrapped__(dt) == 0
+        monkeypatch.setattr(torch, "sigmoid", sigmoid)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_past_pytorchs_scalar_sigmoid_keeps_the_blocks_own_gate_bit_for_bit(dtype, monkeypatch):
+    """The shared expert's sigmoid gate in the native call (shared_combine) is std::exp's, as
+    PyTorch's scalar loop computes it; a float32 batch of two vectors' worth of rows or more (32
+    on AVX-512, 16 on AVX2), which PyTorch's vector exp takes, runs the block's own torch.sigmoid
+    instead, and stays bit for bit. bfloat16: where its probe (sigmoid_rows) finds every value
+    alike (PyTorch 2.13's AVX-512 and AVX2 builds), a batch as large stays in the native call."""
+    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    model = _qwen2moe(dtype=dtype)
+    most = sigmoid_rows(dtype)
+    B = (most or 31) + 1  # (PyTorch's baseline build: its scalar loop at any count)
+    ids = torch.randint(3, 300, (B, 3), generator=torch.Generator().manual_seed(6))
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        runner = patched_runner(model.model)
+        ones = []
+        run_one = runner._one_call
+        runner._one_call = lambda *a: (lambda out: ones.append(out is not None) or out)(run_one(*a))
+        got, c_got = greedy_decode(model, ids, 3)
+        # past the limit the stack's one call cannot run the step (it has no shared expert outside it)
+        assert ones == [most is None] * 3
+        want, c_want = _own_forwards(model, ids, 3)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for a, b in zip(c_got.layers, c_want.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     finally:
         hi_na_moe.disable_for_model(model)

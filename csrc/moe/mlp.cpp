@@ -12,8 +12,11 @@
 //   shared_combine: out = round(routed + round(round(sigmoid(logit)) * shared)), one logit per row
 //
 // is bit for bit what transformers' Qwen2MoeSparseMoeBlock computes from the same three tensors
-// for a decode step: torch.sigmoid on fewer than 32 values runs PyTorch's scalar loop,
-// 1 / (1 + std::exp(-x)) in float32 with the same libm (tests/test_mlp.py checks it).
+// for a decode step while torch.sigmoid runs PyTorch's scalar loop on the B logits, 1 / (1 +
+// std::exp(-x)) in float32 with the same libm: under two vectors of its build (at most 31 float32
+// values on AVX-512, 15 on AVX2; any number in its baseline build; for 16-bit dtypes its vector
+// loop agrees too where the rounding hides the vector exp). hi_na_moe.layers calls it on as many
+// rows as hi_na_moe.mlp.sigmoid_rows finds (tests/test_mlp.py checks both).
 #include <cmath>
 
 #include "hina_moe/moe.h"

@@ -389,7 +389,7 @@ class NativeLayer:
         one) when the native calls can run both in the layer's step (layer_decode_post), else None:
         the shared expert on the gated-MLP call (hi_na_moe.mlp), its gate alone on the dense kernel,
         one output, the layer's dtype."""
-        from .mlp import NativeMLP
+        from .mlp import NativeMLP, sigmoid_rows
         from .patching import patched_member, patched_runner
 
         runner = patched_runner(mlp.shared_experts if plain else mlp.shared_expert)
@@ -401,6 +401,7 @@ class NativeLayer:
         if (g is None or g[1] != 0 or len(g[0].modules) != 1 or g[0].out_features != 1
                 or g[0].in_features != self.hidden or g[0].dtype is not runner.dtype):
             return None
+        sigmoid_rows(runner.dtype)  # (its probe now, at enable, not in a decode step: _shared_args)
         return runner, g[0]
 
     def _dense_native(self):
@@ -703,6 +704,13 @@ class NativeLayer:
             return None
         mlp, gate = moe.shared_native
         if mlp.dtype is not dt or B > DECODE_MAX_ROWS:
+            return None
+        # the gate's sigmoid (shared_combine) is std::exp's, PyTorch's only up to so many rows (its
+        # vector exp beyond); more: the block's own sigmoid, the shared expert after the call
+        from .mlp import sigmoid_rows
+
+        most = sigmoid_rows(dt)
+        if gate is not None and most is not None and B > most:
             return None
         return mlp.bounds() + (() if gate is None else (gate.bound,))
 

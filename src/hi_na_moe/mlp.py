@@ -26,6 +26,9 @@ hook, a mode, compile tracing; layers.Watch) runs the module's own forward.
 
 from __future__ import annotations
 
+import functools
+import platform
+
 import torch
 from torch import nn
 
@@ -37,6 +40,55 @@ _CHILDREN = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
 _ACT_RTOL = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
 # the forward probe: within this much of each row's largest absolute value
 _ROW_TOL = {torch.float32: 2.0**-17, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
+# bytes of one vector of PyTorch's CPU build (torch.backends.cpu.get_cpu_capability()); a build
+# not named here counts as 16 bytes, the narrowest any has, so its limit below is never too high
+_TORCH_VECTOR_BYTES = {"AVX512": 64, "AVX2": 32}
+
+
+@functools.cache
+def torch_scalar_values(dtype: torch.dtype) -> int | None:
+    """The most values of `dtype` on which PyTorch's elementwise CPU kernels (torch.sigmoid,
+    F.silu) still run their scalar loop, 1 / (1 + std::exp(-x)) per value, or None when they do
+    for any number. Its loop takes two vectors of the running build at a time (Vectorized<dtype>)
+    and leaves the rest to the scalar loop; the vector exp differs from std::exp in the last
+    float32 bits. So: fewer than 32 float32 values on AVX-512, 16 on AVX2 (the same two vectors:
+    64 and 32 bfloat16 or float16 ones). x86's baseline build ("DEFAULT", ATEN_CPU_CAPABILITY=default) maps std::exp
+    over each vector's lanes: any number."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "DEFAULT" and platform.machine().lower() in ("x86_64", "amd64"):
+        return None
+    return 2 * _TORCH_VECTOR_BYTES.get(cap, 16) // torch.empty((), dtype=dtype).element_size() - 1
+
+
+@functools.cache
+def sigmoid_rows(dtype: torch.dtype) -> int | None:
+    """The most rows of a decode step for which the native calls' sigmoid gate of a shared expert
+    (shared_combine: std::exp, as PyTorch's scalar loop) is torch.sigmoid's of the step's logits
+    bit for bit, or None for any number (hi_na_moe.layers runs the gate natively up to it).
+    float32: torch_scalar_values (PyTorch's vector exp shows in about 4 % of the results). A
+    16-bit dtype has few enough values to try them all, each through PyTorch's scalar loop and
+    its vector loop against the native gate: where both agree (the rounding to 16 bits hides the
+    vector exp's float32 ulps), any number of rows; where the scalar loop alone does, as many as
+    it takes; where not even it does, none."""
+    most = torch_scalar_values(dtype)
+    if most is None or dtype not in (torch.bfloat16, torch.float16):
+        return most
+    from .hardware import native_module
+
+    native = native_module()[0]
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.isfinite(x)]
+    n = x.numel()
+    # two vectors' worth of padding behind them takes PyTorch's scalar tail
+    want = torch.sigmoid(torch.cat([x, torch.zeros(most + 1, dtype=dtype)]))[:n]
+    got = torch.empty_like(x)
+    routed, ones = torch.zeros_like(x), torch.ones_like(x)
+    # routed + round(sigmoid(logit)) * shared, with a row of one value: the gate alone
+    native.shared_combine_raw(_DTYPE_CODES[dtype], routed.data_ptr(), ones.data_ptr(), x.data_ptr(), n, 1,
+                              got.data_ptr())
+    if not torch.equal(got, torch.cat([torch.sigmoid(p) for p in x.split(most)])):
+        return 0
+    return None if torch.equal(got, want) else most
 
 
 def find_mlps(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:

@@ -607,8 +607,8 @@ void gated_mlp_down(const GatedMlpArgs& a, int num_threads);
 void silu_mul(DType dt, Isa isa, const void* g, const void* u, int64_t n, void* out);
 // A shared expert's sigmoid gate (Qwen2-MoE): out = round(routed + round(round(sigmoid(logit_b))
 // * shared)) per row b of H values, logit [B] one per row; float32 math, std::exp, each step
-// rounded to the dtype as PyTorch's sigmoid (its scalar loop, under 32 values), product and
-// add round it. out may be routed.
+// rounded to the dtype as PyTorch's sigmoid (its scalar loop, B under two vectors of its build;
+// hi_na_moe.mlp.sigmoid_rows), product and add round it. out may be routed.
 void shared_combine(DType dt, const void* routed, const void* shared, const void* logit, int64_t B, int64_t H,
                     void* out);
 
