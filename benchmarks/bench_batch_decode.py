@@ -56,7 +56,7 @@ import statistics
 import time
 from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+from lib import stored
 
 
 def load(args):

@@ -273,7 +273,7 @@ def main() -> int:
             def use_native(on: bool) -> None:
                 stack.ROPE_TABLE = stack.FINAL_NORM = on
         elif kind == "moe-block":
-            from ab_switch import small_module_switch
+            from lib.ab_switch import small_module_switch
 
             from hi_na_moe.layers import NativeLayer
             from hi_na_moe.patching import patched_runner
@@ -322,7 +322,7 @@ def main() -> int:
                     else:
                         r.ready = on
         else:
-            from ab_switch import small_module_switch
+            from lib.ab_switch import small_module_switch
 
             use_native = small_module_switch(model, kind)
 

@@ -124,6 +124,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lib.procstat import percentile, proc_status
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 HINA_FORMATS = ("lossless", "lossless12", "int8", "int4", "int4g32", "int4g64")
@@ -142,28 +144,6 @@ WARMUP_DECODE_STEPS = 4  # as bench_llamacpp.py
 
 # --------------------------------------------------------------------------------------------
 # helpers shared by driver and children
-
-
-def proc_status() -> dict:
-    """VmRSS, RssAnon, RssFile, VmHWM of this process, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy.percentile's default)."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def decode_summary(rounds: list[list[float]], prompt_ms: list[float]) -> dict:

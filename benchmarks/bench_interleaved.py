@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+from lib import stored
 
 HERE = Path(__file__).resolve().parent
 PROMPT_LEN, GEN = 16, 128

@@ -47,14 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
+from lib.procstat import percentile, proc_status
+
 
 def rss_breakdown() -> dict:
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-                fields[key] = int(rest.split()[0]) * 1024
+    fields = proc_status()
     return {
         "rss_bytes": fields.get("VmRSS"),
         "rss_anon_bytes": fields.get("RssAnon"),
@@ -64,10 +61,6 @@ def rss_breakdown() -> dict:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def percentile(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q))
 
 
 class Runner:

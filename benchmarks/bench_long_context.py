@@ -94,7 +94,7 @@ def main() -> int:
     if args.ab_kv:
         arms = ["in-place KV", "torch.cat KV"]
     if args.ab_attention or args.ab_stacks:
-        from ab_switch import small_module_switch
+        from lib.ab_switch import small_module_switch
 
         kind = "attention" if args.ab_attention else "stacks"
         use_native = small_module_switch(model, kind)

@@ -26,11 +26,10 @@ Switches:
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
-import stored  # this folder's: a script's own folder is on sys.path
+from lib import record, stored
+from lib.steps import alternate, arm_rows
 
 
 def causal_lm_switch(model):
@@ -119,52 +118,6 @@ def held_plan_args_switch(model):
     return use, _one_calls(model, lambda out: layers.HOLD_PLAN_ARGS)
 
 
-def alternate(arms: dict, rounds: int, steps: int, block: int, threads: int, count=None):
-    """Decode steps of each arm (name -> (model, a function that puts the arm in place)), `block`
-    steps of one arm then the other's, each arm on its own DynamicCache after a 16-token prompt,
-    restarted every `steps`, the arms' order swapped every round; each step after an untimed 256
-    MB read of a 1 GiB buffer and a 30 ms pause. Returns per arm (step ms, the reads' GB/s, the
-    first round's tokens, how much `count()` grew over its steps)."""
-    import torch
-    from transformers import DynamicCache
-
-    from hi_na_moe import _native
-
-    probe = _native.BandwidthProbe(1 << 30, threads)
-    ms: dict[str, list[float]] = {a: [] for a in arms}
-    gbs: dict[str, list[float]] = {a: [] for a in arms}
-    tokens: dict[str, list[int]] = {a: [] for a in arms}
-    calls = {a: 0 for a in arms}
-    prompt = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        for r in range(rounds):
-            state = {}
-            for arm, (model, put) in arms.items():
-                put()
-                cache = DynamicCache(config=model.config)
-                out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                state[arm] = (cache, out.logits[:, -1:].argmax(-1))
-            order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-            for b in range(0, steps, block):
-                for arm in order:
-                    model, put = arms[arm]
-                    put()
-                    cache, nxt = state[arm]
-                    for _ in range(min(block, steps - b)):
-                        gbs[arm].append(probe.read(256 << 20))
-                        time.sleep(0.03)
-                        before = count() if count else 0
-                        t = time.perf_counter()
-                        out = model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                        ms[arm].append((time.perf_counter() - t) * 1e3)
-                        calls[arm] += (count() if count else 0) - before
-                        nxt = out.logits[:, -1:].argmax(-1)
-                        if r == 0:
-                            tokens[arm].append(int(nxt))
-                    state[arm] = (cache, nxt)
-    return ms, gbs, tokens, calls
-
-
 def kv_group_switch(model):
     """(use(on), calls()): the stack's KV slots of a DynamicCache taken as one group
     (hi_na_moe.kv_cache.GROUP: one buffer, a step's views in two torch ops) or per layer. The
@@ -217,17 +170,18 @@ def main() -> int:
           f"rounds of {args.steps} steps an arm, alternating every {args.block}")
     print("| arm | median ms a step | paired probe GB/s | steps on the path |")
     print("|---|---|---|---|")
-    for arm in arms:
-        m, g = statistics.median(ms[arm]), statistics.median(gbs[arm])
-        res["arms"][arm] = {"median_ms": m, "probe_gbs": g, "steps": len(ms[arm])}
-        print(f"| {arm} | {m:.3f} | {g:.1f} | {calls[arm]} of {len(ms[arm])} |")
-    res["speedup"] = statistics.median(ms["off"]) / statistics.median(ms["on"])
-    res["saved_ms"] = statistics.median(ms["off"]) - statistics.median(ms["on"])
+    res["arms"] = arm_rows(ms, gbs)
+    for arm, row in res["arms"].items():
+        print(f"| {arm} | {row['median_ms']:.3f} | {row['probe_gbs']:.1f} | {calls[arm]} of {row['steps']} |")
+    res["speedup"] = res["arms"]["off"]["median_ms"] / res["arms"]["on"]["median_ms"]
+    res["saved_ms"] = res["arms"]["off"]["median_ms"] - res["arms"]["on"]["median_ms"]
     print(f"on: {res['speedup']:.3f}x the off arm's speed ({res['saved_ms']:.3f} ms a step less); "
           f"the same tokens: {res['same_tokens']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        at = record.host()
+        record.write(args.json, res, [record.make(arm, ms[arm], threads=args.threads, probe_gbs=gbs[arm],
+                                                  tool="bench_step_ab.py", at=at, switch=args.switch,
+                                                  model=args.ckpt, weights=args.weights) for arm in arms])
     return 0 if ok else 1
 
 

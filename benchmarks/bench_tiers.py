@@ -20,7 +20,7 @@ import time
 import torch
 
 from hi_na_moe import _native
-from synth import weight_maker
+from lib.synth import weight_maker
 
 
 def main() -> int:

@@ -2,10 +2,10 @@
 (vdpbf16ps, moe_prefill_bf16_avx512bf16) against the fp32 FMA kernel it replaced and against
 PyTorch's own bf16 matmuls, round by round in one process.
 
-    chrt -f 1 python benchmarks/bench_bf16_prefill.py                  # dot vs torch
+    chrt -f 1 python benchmarks/studies/bench_bf16_prefill.py                  # dot vs torch
     pip install --no-deps --no-build-isolation -e . -Ccmake.define.HINA_PREFETCH_TUNING=ON \
         -Cbuild-dir=build/pftune                                       # + the fp32 arm
-    chrt -f 1 python benchmarks/bench_bf16_prefill.py
+    chrt -f 1 python benchmarks/studies/bench_bf16_prefill.py
     pip install --no-deps --no-build-isolation -e .                    # back to the release build
 
 The fp32 arm needs a tuning build, whose kernel selection reads HINA_BF16DOT=0; in a release
@@ -24,13 +24,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from hi_na_moe import _native
-from synth import weight_maker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib.synth import weight_maker
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ read-only view of the store's mapping (PackedExperts.view, memory="map") and as 
 draw for both arms) go block by block, the two arms alternating which runs first, each call
 followed by a read of the bandwidth probe (paired, and evicting the caches).
 
-    chrt -f 1 python benchmarks/bench_block_memory.py \\
+    chrt -f 1 python benchmarks/studies/bench_block_memory.py \\
         --store /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4 --top-k 8 [--drop-cache]
 
 The mapping's speed depends on the state of the page cache, so the script prints how much of the

@@ -7,7 +7,7 @@ Linear under scope="all" is called next to the same layer in PyTorch; "cold" cal
 stream does between two MoE layers. Also timed, the same way: torch.empty_like, a bf16 -> fp32
 conversion (each one torch op), torch_ops._run (the direct kernel call), and a no-op.
 
-    chrt -f 1 python benchmarks/bench_call_overhead.py [--calls 300]
+    chrt -f 1 python benchmarks/studies/bench_call_overhead.py [--calls 300]
 
 Prints the median of --calls calls per row.
 """

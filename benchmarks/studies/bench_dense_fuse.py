@@ -7,7 +7,7 @@ and decodes the same token ids; the arms alternate every --block steps, so the m
 hits both alike. Prints the median step of each arm and their ratio, and checks that both
 produce the same logits (the fused groups compute the same bits).
 
-    python benchmarks/bench_dense_fuse.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --dense-lossless "" \\
+    python benchmarks/studies/bench_dense_fuse.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --dense-lossless "" \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
 """
 from __future__ import annotations

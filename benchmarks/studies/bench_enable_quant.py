@@ -3,7 +3,7 @@ first enable (hash the experts, quantise, write the quantised blocks and the exa
 backups to the store), of disable (restore from the backups), and of a second enable (the
 store has everything: hash and map only).
 
-    python benchmarks/bench_enable_quant.py --ckpt /work/ckpt/olmoe-1b-7b [--weights int4] [--cache-dir DIR]
+    python benchmarks/studies/bench_enable_quant.py --ckpt /work/ckpt/olmoe-1b-7b [--weights int4] [--cache-dir DIR]
 """
 from __future__ import annotations
 

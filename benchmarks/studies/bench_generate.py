@@ -24,7 +24,7 @@ processor; what `hi-na-moe bench` and `demo` use since session 31).
 throughout, as on a shared machine (then run this without chrt: a real-time benchmark always
 wins its cores).
 
-    chrt -f 1 python benchmarks/bench_generate.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+    chrt -f 1 python benchmarks/studies/bench_generate.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
 """
 from __future__ import annotations
@@ -32,9 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib import stored
 
 
 def main() -> int:
@@ -113,7 +116,7 @@ def main() -> int:
                 f"{args.driver}, own workers": (drive, setting(hosting=False))}
     else:
         arms = {"generate": (generate, setting()), "loop of forwards": (loop, setting())}
-    from rivals import competing  # (this folder's: the scripts run from it)
+    from lib.rivals import competing
 
     figures = {a: {"run": [], "between": [], "step": [], "wall_ms": []} for a in arms}
     tokens = {}

@@ -8,7 +8,7 @@ time a block or probe buffer is allocated); a normal build always asks for huge 
 script says so:
 
     pip install --no-deps --no-build-isolation -e . -Ccmake.define.HINA_PREFETCH_TUNING=ON -Cinstall.strip=false
-    chrt -f 1 python benchmarks/bench_huge_pages.py --shape qwen3,olmoe
+    chrt -f 1 python benchmarks/studies/bench_huge_pages.py --shape qwen3,olmoe
     pip install --no-deps --no-build-isolation -e .        # back to the release build
 
 Shapes as in bench_moe_layer.py (transformers' own experts classes, random weights), enough

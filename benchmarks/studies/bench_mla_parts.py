@@ -5,7 +5,7 @@ per segment. The segments: the q and kv_a projections (one kernel call when dens
 them as one group), the splits and views, kv_a_layernorm, the rotary ops, the cache append, the
 weight lookup and checks, the attention kernel, o_proj.
 
-    chrt -f 1 python benchmarks/bench_mla_parts.py --ckpt /work/ckpt/deepseek-v2-lite-6l \\
+    chrt -f 1 python benchmarks/studies/bench_mla_parts.py --ckpt /work/ckpt/deepseek-v2-lite-6l \\
         --cache-dir /work/ckpt/hina-cache/dsv2-lite-6l/int4 [--no-fuse]
 
 --no-fuse packs every dense linear alone (dense_fuse=False: the shared experts' gate/up too, so
@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib import stored
 
 
 def main() -> int:

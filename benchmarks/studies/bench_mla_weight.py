@@ -10,7 +10,7 @@ weight bytes a call reads and their rate. The queries, latent cache and rope key
 --context cached positions. The quantised arms' weights are hi_na_moe.mla.QuantWeight's, as the
 model's kernels read them.
 
-    chrt -f 1 python benchmarks/bench_mla_weight.py [--layers 40] [--context 1] [--threads 2]
+    chrt -f 1 python benchmarks/studies/bench_mla_weight.py [--layers 40] [--context 1] [--threads 2]
 
 --ab-dots: the dense weight twice instead, the bf16 latent cache read with AVX512-BF16 dot products
 (mla_decode's default where the CPU has them) against float32 FMAs.

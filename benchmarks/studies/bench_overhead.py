@@ -12,7 +12,7 @@ the whole-model issue (dense layers, per-token overhead).
 3. Attention math of a decode step (torch's SDPA, bf16 KV cache) at 512-4096 tokens of
    context: how much of a step it is, and whether it streams its KV cache at the bandwidth.
 
-    chrt -f 1 python benchmarks/bench_overhead.py [--steps 60] [--rounds 3]
+    chrt -f 1 python benchmarks/studies/bench_overhead.py [--steps 60] [--rounds 3]
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ buffer (the paired probe of bench_full_model.py, which also evicts the caches) a
 pause. Prints per arm the median ms a step, the paired probe's median and their ratio, and
 checks that both arms decode the same tokens.
 
-    chrt -f 1 python benchmarks/bench_paired_linears.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+    chrt -f 1 python benchmarks/studies/bench_paired_linears.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
 
 --op-level (no checkpoint): the layers alone, timed from Python: --copies copies of five random
@@ -23,7 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
 
 
 def main() -> int:
@@ -44,7 +48,7 @@ def main() -> int:
     if not (args.ckpt and args.cache_dir):
         raise SystemExit("give --ckpt and --cache-dir, or --op-level")
     import torch
-    from bench_step_ab import alternate  # (this folder's: the scripts run from it)
+    from lib.steps import alternate, arm_rows
 
     import hi_na_moe
     from hi_na_moe import dense
@@ -73,11 +77,10 @@ def main() -> int:
           f"steps an arm, alternating every {args.block}")
     print("| dense layers | median ms a step | paired probe GB/s | step x probe |")
     print("|---|---|---|---|")
-    for arm in models:
-        m, g = statistics.median(ms[arm]), statistics.median(gbs[arm])
-        res["arms"][arm] = {"median_ms": m, "probe_gbs": g, "steps": len(ms[arm])}
-        print(f"| {arm} | {m:.2f} | {g:.1f} | {m * g:.0f} |")
-    ratio = statistics.median(ms["one matrix"]) / statistics.median(ms["paired"])
+    res["arms"] = arm_rows(ms, gbs)
+    for arm, row in res["arms"].items():
+        print(f"| {arm} | {row['median_ms']:.2f} | {row['probe_gbs']:.1f} | {row['median_ms'] * row['probe_gbs']:.0f} |")
+    ratio = res["arms"]["one matrix"]["median_ms"] / res["arms"]["paired"]["median_ms"]
     res["speedup"] = ratio
     print(f"paired: {ratio:.3f}x the one-matrix arm's speed; the same tokens: {res['same_tokens']}")
     if args.json:

@@ -7,7 +7,7 @@ once (hi_na_moe.from_pretrained from a warm store, scope all); each round decode
 after a fresh 16-token prompt, the hint changing every 4 steps (the order shifts per round);
 the first 4 steps of a round are not counted.
 
-    python benchmarks/bench_prefetch_model.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
+    python benchmarks/studies/bench_prefetch_model.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4 --hints 1,3
 """
 from __future__ import annotations

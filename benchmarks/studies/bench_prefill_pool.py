@@ -8,10 +8,10 @@ under scope="all" since session 31; native set_pool_backend) every call, the ord
 every round. A
 prefill interleaves torch's ops (embedding, rotary, masks, residual adds) with the kernels'
 regions; after each of torch's parallel ops its OpenMP thread spins for milliseconds on the
-core the own workers need. --compete N: N busy processes beside it (benchmarks/rivals.py; run
+core the own workers need. --compete N: N busy processes beside it (benchmarks/lib/rivals.py; run
 without chrt then).
 
-    chrt -f 1 python benchmarks/bench_prefill_pool.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+    chrt -f 1 python benchmarks/studies/bench_prefill_pool.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
 """
 from __future__ import annotations
@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib import stored
 
 
 def main() -> int:
@@ -49,7 +52,7 @@ def main() -> int:
             model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
             return (time.perf_counter() - t) * 1e3
 
-    from rivals import competing  # (this folder's: the scripts run from it)
+    from lib.rivals import competing
 
     ms: dict[str, list[float]] = {"own": [], "openmp": [], "mixed": []}
     with competing(args.compete):

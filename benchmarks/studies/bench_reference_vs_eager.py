@@ -4,7 +4,7 @@ interleaved call by call on the same inputs (so machine drift hits every arm ali
 The reference must never be slower than transformers' eager experts: it is the fallback for
 blocks the native kernels cannot run. OLMoE-shaped layers (bf16), working set >> L3.
 
-    chrt -f 1 python benchmarks/bench_reference_vs_eager.py --layers 4
+    chrt -f 1 python benchmarks/studies/bench_reference_vs_eager.py --layers 4
 """
 
 from __future__ import annotations

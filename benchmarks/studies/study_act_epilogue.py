@@ -4,7 +4,7 @@ I1024 top-8, bf16, T=512, 2 threads) packed for each tier given, run with SiLU a
 Prints per tier the median ms of each and the median of the per-round differences SiLU - ReLU
 (paired: the machine's drift between rounds cancels).
 
-    chrt -f 1 python benchmarks/study_act_epilogue.py --tiers avx2,avx512 --rounds 15
+    chrt -f 1 python benchmarks/studies/study_act_epilogue.py --tiers avx2,avx512 --rounds 15
 """
 from __future__ import annotations
 

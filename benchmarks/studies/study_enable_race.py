@@ -8,8 +8,8 @@ code before releasing its weights. This study reproduces what that walk did (--w
 patched back in, as it was) and checks the code as it is now (keep_weights=True: the race the
 tests run; the default releases weights, which is the caller's race, README "Guarantees").
 
-    python benchmarks/study_enable_race.py --seconds 60 --walk        # the old enable
-    python benchmarks/study_enable_race.py --seconds 60 --keep-weights  # enable as it is now
+    python benchmarks/studies/study_enable_race.py --seconds 60 --walk        # the old enable
+    python benchmarks/studies/study_enable_race.py --seconds 60 --keep-weights  # enable as it is now
 
 HINA_MOE_ISA=generic makes the forwards slower, which made the walk fail sooner. Exit status 0
 when nothing went wrong; a crash of the interpreter shows as a signal (faulthandler prints the
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import hi_na_moe  # noqa: E402
 from hi_na_moe import patching  # noqa: E402

@@ -10,7 +10,7 @@ of that is the kernels: --copies packed copies of one random MLP (hidden --hidde
 caches; rounds alternate the arms' order; each round is preceded by a 256 MB read (the probe).
 Prints the median GB/s of packed bytes per arm and its share of the median probe.
 
-    chrt -f 1 python benchmarks/study_gated_vs_linear.py --inter 5632 --weights int4 --copies 24
+    chrt -f 1 python benchmarks/studies/study_gated_vs_linear.py --inter 5632 --weights int4 --copies 24
 """
 from __future__ import annotations
 

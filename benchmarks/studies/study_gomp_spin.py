@@ -9,7 +9,7 @@ to the next decode step on the own workers.
    nothing between steps and such a parallel fill between steps; prints the median of the step
    (the causal LM path's `_run`, which holds the native call) in each arm.
 
-    python benchmarks/study_gomp_spin.py [--ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+    python benchmarks/studies/study_gomp_spin.py [--ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4]
 """
 from __future__ import annotations
@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib import stored
 
 
 def states(pid: int) -> dict[int, str]:

@@ -11,7 +11,7 @@ of those rows' other weights, which the outlier must not ruin). Scale forms:
 - log/12, log/16: finer steps, a shorter range (2^-10.6, 2^-7.9 of F).
 Q4_0 (an fp16 scale m / -8 a block of 32) is printed for reference.
 
-    python benchmarks/study_int4_scale_codes.py
+    python benchmarks/studies/study_int4_scale_codes.py
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 G = 32
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bf16(x):

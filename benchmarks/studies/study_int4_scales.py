@@ -7,7 +7,7 @@ a least-squares refit of each group's scale to its codes (3 rounds); both signs 
 and a 16-level non-uniform table (IQ4_NL-like values over [-1, 1]) with a 16-candidate search.
 Compare with Q4_0's 21.32 dB and our g64's 20.84 on OLMoE's weights (weight_fidelity.py).
 
-    python benchmarks/study_int4_scales.py
+    python benchmarks/studies/study_int4_scales.py
 """
 import numpy as np
 

@@ -11,16 +11,19 @@ probe is the kernels' own streaming rather than the code around them (bench_step
 With --experts-k 1,2,4,8 the experts are swept with each number of routed experts, and a line
 fitted through (bytes, time) per call gives the call's fixed cost and its marginal rate.
 
-    chrt -f 1 python benchmarks/study_kernel_rates.py --ckpt /work/ckpt/olmoe-1b-7b \\
+    chrt -f 1 python benchmarks/studies/study_kernel_rates.py --ckpt /work/ckpt/olmoe-1b-7b \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib import stored
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """One packed linear layer of a stored model (the lm_head by default) timed alone at 1-16 rows,
 under settings switched call by call in one process.
 
-Loads the checkpoint with scope="all" from its store (benchmarks/stored.py), takes the module
+Loads the checkpoint with scope="all" from its store (benchmarks/lib/stored.py), takes the module
 --module (a dotted name; lm_head: Qwen1.5-MoE 4L's 151936 x 2048, 175 MB at int4, far larger
 than the caches, so every call streams it; a layer's o_proj stays cached) and, per row count,
 times --calls pairs of calls under each setting in turn (the order reversed every call), after
@@ -10,7 +10,7 @@ job: the tuning build's HINA_PF / HINA_PFM / HINA_PFH (csrc/moe/prefetch.h; buil
 -Ccmake.define.HINA_PREFETCH_TUNING=ON), "-" for none. Prints per row count the median ms of a
 call under each setting and the first setting's time over each other's.
 
-    chrt -f 1 python benchmarks/study_linear_rows.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
+    chrt -f 1 python benchmarks/studies/study_linear_rows.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4 \\
         --settings HINA_PFM=1024,HINA_PFM=0,HINA_PFM=4096,HINA_PFM=16384
 """
@@ -20,9 +20,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib import stored
 
 
 def apply(setting: str, keys: set[str]) -> None:

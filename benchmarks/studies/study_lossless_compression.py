@@ -4,7 +4,7 @@ Lossless decode reads every weight's 16 bits and already streams at 91-97 % of t
 probe (RESULTS, sessions 10-11), so only fewer bytes can make it faster. A bf16 weight's low byte
 (the exponent's last bit and 7 mantissa bits) is close to random, but its high byte (sign and the
 exponent's top 7 bits) takes few values in a trained or normal-initialised matrix. The format
-studied (benchmarks/study_lossless_compression.cpp has the details): per panel of 16 output rows,
+studied (benchmarks/studies/study_lossless_compression.cpp has the details): per panel of 16 output rows,
 a table of its 16 most frequent high bytes; per block of 64 weights, 64 low bytes and 64 4-bit
 codes (96 bytes, 75 %), or the 128 plain bytes when one of its high bytes is not in the table.
 
@@ -18,7 +18,7 @@ L3) in the plain panel layout (the package's bf16 decode loop: shift/and, fp32 F
 compressed one (decode to the same words, same FMAs), arms alternating, with and without the
 4 KiB software prefetch; it checks that both outputs are the same bits.
 
-    chrt -f 1 python benchmarks/study_lossless_compression.py --ckpt /work/ckpt/olmoe-1b-7b \\
+    chrt -f 1 python benchmarks/studies/study_lossless_compression.py --ckpt /work/ckpt/olmoe-1b-7b \\
         --ckpt models/hina-tiny-moe --runs 3
 
 Needs an x86-64 CPU with AVX-512 BW and g++ (a study, not a path of the package).

@@ -10,7 +10,7 @@ on one DynamicCache, two ways of taking a decode step:
   only valid here, where nothing hooks the model.
 Both compute the same function (the layers' short path either way). After each step, untimed, a 256 MB read evicts the caches as bench_full_model.py's paired probe does.
 
-    chrt -f 1 python benchmarks/study_model_loop.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
+    chrt -f 1 python benchmarks/studies/study_model_loop.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@
 //
 // Build and run (after `cmake --build build/cpp-tests`):
 //   g++ -O3 -std=c++17 -Icsrc -Icsrc/include -mavx512f -mavx512bw -mavx512vl -mavx512vnni \
-//       -o /tmp/study_qdot_rows benchmarks/study_qdot_rows.cpp build/cpp-tests/libhina_core.a -fopenmp
+//       -o /tmp/study_qdot_rows benchmarks/studies/study_qdot_rows.cpp build/cpp-tests/libhina_core.a -fopenmp
 //   chrt -f 1 /tmp/study_qdot_rows
 #include <immintrin.h>
 

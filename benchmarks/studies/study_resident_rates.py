@@ -7,7 +7,7 @@ resident in L2/L3, median over --rounds rounds. Its bytes over its time is the k
 arithmetic ceiling: a format whose whole-model step reads far below this ceiling is held back by
 something other than its arithmetic.
 
-    chrt -f 1 python benchmarks/study_resident_rates.py
+    chrt -f 1 python benchmarks/studies/study_resident_rates.py
 """
 from __future__ import annotations
 

@@ -19,14 +19,14 @@ model's dtype; and on the tie-heavy rows, router_select's indices with torch.top
 PyTorch against itself: the bf16 model's logits through torch.softmax in a child process with
 ATEN_CPU_CAPABILITY=avx2, against this process's build (AVX-512 on this machine).
 
-    python benchmarks/study_router_ties.py
+    python benchmarks/studies/study_router_ties.py
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:

@@ -15,16 +15,19 @@ step; what no timer holds is the module call and the patched forward around the 
 path (without the path: transformers' own code around the stack and lm_head). (A timer costs about a
 microsecond per call: 16 layers' plan_args, about 20 us a step, is the largest such overhead.)
 
-    chrt -f 1 python benchmarks/study_step_python.py --ckpt /work/ckpt/olmoe-1b-7b \\
+    chrt -f 1 python benchmarks/studies/study_step_python.py --ckpt /work/ckpt/olmoe-1b-7b \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import time
+from pathlib import Path
 
-import stored  # this folder's: a script's own folder is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
+from lib import stored
 
 
 def main() -> int:
