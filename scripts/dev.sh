@@ -172,19 +172,48 @@ run_tests() {
     # the reduced sanitizer set (HINA_SKIP_SANITIZE=1 skips it; `sanitize` runs the full one)
     if [ "${HINA_SKIP_SANITIZE:-0}" != 1 ]; then run_sanitizers ci; fi
   fi
-  echo "[test] pytest"
+  if [ -n "${ATEN_CPU_CAPABILITY:-}" ]; then
+    local torch_cap
+    torch_cap="$(torch_capability "$ATEN_CPU_CAPABILITY")"  # (not inside echo: its failure must exit)
+    echo "[test] pytest (ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY: PyTorch's $torch_cap build)"
+  else
+    echo "[test] pytest"
+  fi
   run_pytest "$@"
   # the same suite with the kernel tier forced to each lower tier this CPU has (HINA_MOE_ISA), so
   # the model-level paths of AVX2-only and generic CPUs are tested too (HINA_TEST_LOWER_TIERS=0
-  # skips these; a HINA_MOE_ISA already set runs that tier alone)
+  # skips these; a HINA_MOE_ISA already set runs that tier alone). PyTorch is held to the build
+  # such a CPU would run (ATEN_CPU_CAPABILITY): its AVX2 and baseline kernels round differently
+  # from its AVX-512 ones, and tests that compare with its arithmetic must hold there too. An
+  # ATEN_CPU_CAPABILITY the caller set is kept.
   if [ "${HINA_TEST_LOWER_TIERS:-1}" != 0 ] && [ -z "${HINA_MOE_ISA:-}" ]; then
-    local tiers
+    local tiers cap torch_cap
     tiers="$(python -c 'from hi_na_moe import _native as n; best = n.resolve_isa(); order = ("generic", "avx2", "avx512", "amx"); print(" ".join(t for t in order[:order.index(best)] if n.isa_supported(t)))')"
     for tier in $tiers; do
-      echo "[test] pytest with the kernel tier forced to $tier (HINA_MOE_ISA=$tier)"
-      HINA_MOE_ISA="$tier" run_pytest "$@"
+      if [ -n "${ATEN_CPU_CAPABILITY:-}" ]; then
+        cap="$ATEN_CPU_CAPABILITY"
+      else
+        case "$tier" in generic) cap=default ;; *) cap="$tier" ;; esac
+      fi
+      torch_cap="$(torch_capability "$cap")"
+      echo "[test] pytest with the kernel tier forced to $tier (HINA_MOE_ISA=$tier, ATEN_CPU_CAPABILITY=$cap: PyTorch's $torch_cap build)"
+      HINA_MOE_ISA="$tier" ATEN_CPU_CAPABILITY="$cap" run_pytest "$@"
     done
   fi
+}
+
+# The build PyTorch runs under ATEN_CPU_CAPABILITY=$1 (torch.backends.cpu.get_cpu_capability());
+# exits when that is not the build $1 names (torch ignores a value it does not take, with a warning)
+torch_capability() {
+  local got
+  got="$(ATEN_CPU_CAPABILITY="$1" python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())' 2>/dev/null)" || true
+  if [ "$got" != "$(echo "$1" | tr a-z A-Z)" ]; then
+    echo "ATEN_CPU_CAPABILITY=$1 did not take effect: torch.backends.cpu.get_cpu_capability() gave '$got', so" \
+      "pytest would test another PyTorch build than the one meant (the values torch takes: default, avx2," \
+      "avx512, in lower case, up to what the CPU has)" >&2
+    exit 1
+  fi
+  echo "$got"
 }
 
 # pytest; exit 5 (no tests collected) is a failure, not a pass
