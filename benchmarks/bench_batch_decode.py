@@ -50,13 +50,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from lib import stored
+from lib import record, stored
 
 
 def load(args):
@@ -300,8 +299,11 @@ def main() -> int:
         print(f"prefill-{t_len}: " + ", ".join(f"{a} {med[a]:.1f} ms" for a in names)
               + (f" ({med[names[0]] / med[names[-1]]:.3f}x)" if len(names) > 1 else ""))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        at = record.host()
+        recs = [record.make(a, steps[b][a], threads=args.threads, probe_gbs=probes[b][a], tool="bench_batch_decode.py",
+                            at=at, model=Path(args.ckpt).name, weights=args.weights, batch=b, what="decode step")
+                for b in batches for a in arms]
+        record.write(args.json, res, recs)
     return 0
 
 

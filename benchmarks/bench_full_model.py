@@ -124,6 +124,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lib import record
 from lib.procstat import percentile, proc_status
 
 HERE = Path(__file__).resolve().parent
@@ -773,7 +774,13 @@ def driver_main(args) -> int:
     print(json.dumps({"setup": head, "results": [brief(r) for r in results]}, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"setup": head, "results": results}, indent=1))
+        at = {"commit": head["commit"], "date": head["date"], "cpu_model": record.cpu_model()}
+        recs = [record.make(f"{r['arm']}" + (f" ({r['phase']})" if r.get("phase") else ""),
+                            [x for rnd in r["decode"]["step_ms"] for x in rnd], threads=r.get("threads", args.threads),
+                            probe_gbs=(r.get("paired_probe") or {}).get("median_gbs"), tool="bench_full_model.py", at=at,
+                            model=Path(args.ckpt).name, what="decode step", prefill_ms=(r.get("prefill") or {}).get("ms"))
+                for r in results if "step_ms" in (r.get("decode") or {})]
+        record.write(args.json, {"setup": head, "results": results}, recs)
         print(f"# full results (with per-step samples and tokens) written to {args.json}")
     if args.clear_cache_after and (cache_dir / OWNER_MARK).is_file():
         from hi_na_moe.store import PackedStore

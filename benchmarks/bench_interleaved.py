@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from lib import stored
+from lib import record, stored
 
 HERE = Path(__file__).resolve().parent
 PROMPT_LEN, GEN = 16, 128
@@ -227,11 +227,14 @@ def main() -> int:
           f"{res['median_round_ratio']:.3f}x (median of the rounds' ratios: "
           f"{min(per_round):.3f}-{max(per_round):.3f}x)")
     if args.json:
+        at = record.host()
+        recs = [record.make(e, ms[e], threads=args.threads, probe_gbs=gbs[e], tool="bench_interleaved.py", at=at,
+                            model=Path(args.ckpt).name, weights=args.weights,
+                            what="generate() token" if args.generate else "decode step") for e in ms]
         for e in res["engines"].values():
             e["step_ms"] = [round(v, 3) for v in e["step_ms"]]
             e["probe"] = [round(v, 2) for v in e["probe"]]
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        record.write(args.json, res, recs)
     return 0
 
 
