@@ -71,12 +71,12 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   cache a step reads, averaged over the decode's steps (`kv_cache` in the JSON: every layer's
   keys and values at 2 bytes an element for each position attended; the same for every arm;
   not counted for latent attention): about 10 MB on OLMoE-1B-7B after the 16-token prompt,
-  277 MB after 2048 tokens. (Before session 28 the KV cache was not counted.)
+  277 MB after 2048 tokens. (Before 2026-12-05 at 9fbcceb the KV cache was not counted.)
 - GB/s = GB/token / median decode step; "share" = GB/s / the machine's read bandwidth, measured
   once by the driver before the arms (`hi_na_moe._native.measure_read_bandwidth(1 << 30,
   threads, 3)['best_gbs']`, in a short subprocess at the driver's priority, before any
   competitor starts).
-- paired share (--paired-probe, every arm; llama.cpp's from session 28: bench_llamacpp.py loads
+- paired share (--paired-probe, every arm; llama.cpp's from 2026-12-05, 9fbcceb: bench_llamacpp.py loads
   hi_na_moe's extension by its file in llama.cpp's venv and reads on llama.cpp's OpenMP team,
   libgomp being loaded there too): after every timed decode step, untimed, a 256 MB
   read of a 1 GiB probe buffer (`_native.BandwidthProbe`, round robin, as bench_moe_layer.py's
@@ -84,11 +84,11 @@ hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
   probe. The machine's bandwidth swings within minutes, so the driver's one probe before the
   arms cannot judge a run taken later; the paired one can. The probe buffer adds 1 GiB to RSS,
   which the peak RSS column leaves out (the JSON's peak_rss_with_probe_bytes keeps it; before
-  session 27 the column included it), and the probe evicts the caches between steps (conservative for every arm). The probe reads
+  2026-12-05 (e54e1ff) the column included it), and the probe evicts the caches between steps (conservative for every arm). The probe reads
   on the OpenMP team torch loaded, whose threads then spin for several ms (libgomp's default
   wait policy); the script sleeps PROBE_SETTLE_S after each probe read so that the next timed
   step does not share a core with them, which the probe, not the model, would have caused
-  (session 22: without the sleep, the first layer's ops of an own-pool scope-all step took
+  (2026-12-02, f944edb: without the sleep, the first layer's ops of an own-pool scope-all step took
   ~1 ms longer).
 - same tokens: how many of the first round's greedy tokens equal the transformers arm's before
   the first that differs (torch arms; llama.cpp's JSON does not list its tokens). Each arm

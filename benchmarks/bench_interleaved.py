@@ -3,7 +3,7 @@
 bench_full_model.py runs its arms one after the other, each in its own process for a minute or
 so; on this shared host the memory bandwidth moves between phases (paired probes of 29-33 and
 43-50 GB/s) that last minutes, and an arm that lands in the other phase than its partner moves
-the ratio by +-15 % (benchmarks/RESULTS.md, sessions 28-30). Here both engines stay loaded, in
+the ratio by +-15 % (benchmarks/RESULTS.md, 2026-12-05, 9fbcceb..71b40bd). Here both engines stay loaded, in
 two processes: this one (hi_na_moe.from_pretrained, scope="all", --weights from the store
 --cache-dir) and bench_llamacpp.py --serve on --gguf in the llama.cpp venv. They decode in
 bursts of --burst steps, alternating (the order swapped every round), --rounds rounds, each

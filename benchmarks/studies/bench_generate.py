@@ -13,13 +13,13 @@ steps follow each other as they do for a user (the weight stream evicts what a s
 touched, as it does there).
 
 --ab-position-table: the two arms are generate() with the rotary table read for the
-position_ids generate passes (RopeTable.lookup_ids, session 31) and generate() with those
+position_ids generate passes (RopeTable.lookup_ids, 2026-12-05, aa45a1d) and generate() with those
 steps calling the rotary module (lookup_ids returning None), instead of generate and the loop.
---ab-hosting: the step's regions hosted on OpenMP's team (ThreadPool::host, session 31) and on
+--ab-hosting: the step's regions hosted on OpenMP's team (ThreadPool::host, 2026-12-05, aa45a1d) and on
 the own workers (native set_pool_hosting(False)), both under --driver (generate, or the loop).
 --ab-min-new-tokens: generate() with min_new_tokens=N (transformers' way to force N tokens: its
 logits processors mask the end-of-sequence token at every step) against eos_token_id=None (no
-processor; what `hi-na-moe bench` and `demo` use since session 31).
+processor; what `hi-na-moe bench` and `demo` use since 2026-12-05 (aa45a1d)).
 --compete N: N competing processes (a busy Python loop each, normal scheduling policy) run
 throughout, as on a shared machine (then run this without chrt: a real-time benchmark always
 wins its cores).

@@ -4,7 +4,7 @@ Loads the checkpoint with scope="all" (--weights from the store --cache-dir; poo
 is the own workers under scope="all") and times one forward of --tokens prompt tokens on a
 fresh DynamicCache (logits of the last position), the process-wide backend switched between
 "own", "openmp" and "mixed" (the own workers, prefill-sized calls on OpenMP's team: pool="auto"
-under scope="all" since session 31; native set_pool_backend) every call, the order reversed
+under scope="all" since 2026-12-05 (aa45a1d); native set_pool_backend) every call, the order reversed
 every round. A
 prefill interleaves torch's ops (embedding, rotary, masks, residual adds) with the kernels'
 regions; after each of torch's parallel ops its OpenMP thread spins for milliseconds on the

@@ -1,7 +1,7 @@
 """Would bf16 weights stored losslessly in fewer bytes make lossless decode faster? A study.
 
 Lossless decode reads every weight's 16 bits and already streams at 91-97 % of the paired read
-probe (RESULTS, sessions 10-11), so only fewer bytes can make it faster. A bf16 weight's low byte
+probe (RESULTS, 2026-11-30, db2870d..6301535), so only fewer bytes can make it faster. A bf16 weight's low byte
 (the exponent's last bit and 7 mantissa bits) is close to random, but its high byte (sign and the
 exponent's top 7 bits) takes few values in a trained or normal-initialised matrix. The format
 studied (benchmarks/studies/study_lossless_compression.cpp has the details): per panel of 16 output rows,

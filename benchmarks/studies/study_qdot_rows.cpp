@@ -3,7 +3,7 @@
 // Not part of the package: links the C++ tests' static core (build/cpp-tests/libhina_core.a).
 //
 // Three figures, as vpdpbusd (zmm) instructions a cycle at the clock measured by a chain of adds:
-//   peak      12 independent vpdpbusd chains: the core's rate (1 a cycle on the Zen 4 of session 32)
+//   peak      12 independent vpdpbusd chains: the core's rate (1 a cycle on the Zen 4 of 2026-12-05, 94e9811)
 //   real      the package's int4 / int8 `down` kernel (moe_qdot_avx512vnni.cpp) on 64 panels of
 //             K = 2048 (1.1 / 2.1 MB: L2 and L3) for 1, 3, 15 and 63 rows
 //   loop      a copy of the int4 inner loop (3 rows a pass, two chains a row, the int32 -> fp32
