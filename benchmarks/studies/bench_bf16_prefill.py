@@ -17,6 +17,11 @@ build it is left out (the script says so). Ops, at op level (PackedExperts.forwa
 - linear: a 2048 x 2048 projection (an attention q/o of that model), T tokens; torch arm F.linear.
 Every round runs each arm once, in alternating order, then a torch.mm bf16 probe (4096^3);
 prints median ms, GFLOP/s, the paired share of the probe, and ratios against the dot kernel.
+
+Question: Does bf16 prefill on AVX512-BF16 dot products beat the fp32 FMA kernel on a CPU without
+  AMX?
+Answered in benchmarks/log/whole-model.md, "bf16 prefill with AVX512-BF16 dot products on a CPU
+  without AMX (2026-11-30)".
 """
 
 from __future__ import annotations

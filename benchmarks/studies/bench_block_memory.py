@@ -20,6 +20,11 @@ pages (AnonHugePages). Three states to choose from:
 
 Prints per arm: median µs per call, GB/s (the routed experts' bytes: nbytes * top_k / E), the
 median of call GB/s over the paired probe read, and the copy / map ratio of the medians.
+
+Question: Do packed blocks stream faster as a copy of their own than from the store's mapping (the
+  memory key)?
+Answered in benchmarks/log/decode-step.md, "Inside the one call op by op, and where the packed
+  blocks live (2026-12-02)".
 """
 
 from __future__ import annotations

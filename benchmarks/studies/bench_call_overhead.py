@@ -10,6 +10,11 @@ conversion (each one torch op), torch_ops._run (the direct kernel call), and a n
     chrt -f 1 python benchmarks/studies/bench_call_overhead.py [--calls 300]
 
 Prints the median of --calls calls per row.
+
+Question: What does one T=1 call of an enabled experts module cost outside the kernels, hot and
+  cold?
+Answered in benchmarks/log/experts-op.md, "Decode call overhead, huge pages, and the six shapes
+  again (2026-11-30)".
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ produce the same logits (the fused groups compute the same bits).
 
     python benchmarks/studies/bench_dense_fuse.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --dense-lossless "" \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
+
+Question: Do sibling projections fused into one call (dense_fuse) make a decode step faster?
+Answered in benchmarks/log/decode-step.md, "Whole-model decode: paired probe, where the step goes,
+  and the overhead cuts (2026-11-30)".
 """
 from __future__ import annotations
 

@@ -4,6 +4,11 @@ backups to the store), of disable (restore from the backups), and of a second en
 store has everything: hash and map only).
 
     python benchmarks/studies/bench_enable_quant.py --ckpt /work/ckpt/olmoe-1b-7b [--weights int4] [--cache-dir DIR]
+
+Question: What do a first enable (quantise, write the store), a disable and a second enable cost on
+  a loaded model?
+Answered in benchmarks/log/memory-and-loading.md, "enable_for_model(weights="int4") on a model
+  transformers already loaded (commit 0071f36)".
 """
 from __future__ import annotations
 

@@ -26,6 +26,11 @@ wins its cores).
 
     chrt -f 1 python benchmarks/studies/bench_generate.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
+
+Question: Does a decode step under generate() cost more than in a loop of forwards, and does hosting
+  the one call on OpenMP's team fix it?
+Answered in benchmarks/log/decode-step.md, "Decode steps under generate(): the rotary table for
+  position_ids, steps hosted on OpenMP's team (2026-12-05)".
 """
 from __future__ import annotations
 

@@ -15,6 +15,10 @@ Shapes as in bench_moe_layer.py (transformers' own experts classes, random weigh
 layer copies per arm to cycle ~2.4 GB (8x the L3), decode T=1 through the patched module as a
 user calls it. Prints per arm: median ms, GB/s, and the paired share (median over calls of
 call GB/s / the 4 KiB-page probe read right after it), and the probes' medians.
+
+Question: Do transparent huge pages for packed weights speed up decode?
+Answered in benchmarks/log/experts-op.md, "Decode call overhead, huge pages, and the six shapes
+  again (2026-11-30)".
 """
 
 from __future__ import annotations

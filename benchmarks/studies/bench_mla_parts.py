@@ -10,6 +10,10 @@ weight lookup and checks, the attention kernel, o_proj.
 
 --no-fuse packs every dense linear alone (dense_fuse=False: the shared experts' gate/up too, so
 the step time is not only the projections' difference).
+
+Question: Where does a latent attention (MLA) module's decode call spend its time?
+Answered in benchmarks/log/attention-and-families.md, "DeepSeek-V2-Lite-shaped: multi-head latent
+  attention on a native absorbed kernel (2026-12-02)".
 """
 from __future__ import annotations
 

@@ -14,6 +14,11 @@ model's kernels read them.
 
 --ab-dots: the dense weight twice instead, the bf16 latent cache read with AVX512-BF16 dot products
 (mla_decode's default where the CPU has them) against float32 FMAs.
+
+Question: Should latent attention read a quantised kv_b_proj as its codes and scales rather than a
+  dense bf16 copy, and a bf16 cache with bf16 dot products?
+Answered in benchmarks/log/attention-and-families.md, "Latent attention reading a quantised
+  kv_b_proj as its codes and scales (2026-12-02)".
 """
 
 from __future__ import annotations

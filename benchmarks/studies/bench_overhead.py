@@ -13,6 +13,11 @@ the whole-model issue (dense layers, per-token overhead).
    context: how much of a step it is, and whether it streams its KV cache at the bandwidth.
 
     chrt -f 1 python benchmarks/studies/bench_overhead.py [--steps 60] [--rounds 3]
+
+Question: What does a whole-model decode step cost besides the experts' weight stream (framework
+  overhead, PyTorch's dense GEMV)?
+Answered in benchmarks/log/whole-model.md, "Baselines for the whole-model issue: framework overhead
+  and PyTorch's dense GEMV (2026-11-30)".
 """
 from __future__ import annotations
 

@@ -17,6 +17,11 @@ checks that both arms decode the same tokens.
 bfloat16 layers of Qwen1.5-MoE's and OLMoE's shapes (11264x2048, 6144x2048, 2048x2048,
 2048x5632, 32768x2048) packed both ways, one row of input, the two packings' sweeps alternating
 over 16 rounds, each after a 256 MB read; GB/s of packed bytes and the share of the probe.
+
+Question: Does packing an int8 / int4 dense layer paired (two halves as gate and up) make decode
+  faster?
+Answered in benchmarks/log/decode-step.md, "The shared expert and dense layers op by op, paired
+  linear layers, and the step's Python (2026-12-05)".
 """
 from __future__ import annotations
 

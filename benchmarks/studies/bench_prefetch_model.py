@@ -9,6 +9,11 @@ the first 4 steps of a round are not counted.
 
     python benchmarks/studies/bench_prefetch_model.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4 --hints 1,3
+
+Question: Which prefetch hint (L1, L2, L3, non-temporal) suits the weight stream of a whole decode
+  step?
+Answered in benchmarks/log/decode-step.md, "Whole-model decode: paired probe, where the step goes,
+  and the overhead cuts (2026-11-30)".
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ without chrt then).
 
     chrt -f 1 python benchmarks/studies/bench_prefill_pool.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4
+
+Question: Should prefill under scope="all" run on the own workers, OpenMP's team, or both ("mixed")?
+Answered in benchmarks/log/decode-step.md, "Decode steps under generate(): the rotary table for
+  position_ids, steps hosted on OpenMP's team (2026-12-05)".
 """
 from __future__ import annotations
 

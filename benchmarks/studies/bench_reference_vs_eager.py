@@ -5,6 +5,9 @@ The reference must never be slower than transformers' eager experts: it is the f
 blocks the native kernels cannot run. OLMoE-shaped layers (bf16), working set >> L3.
 
     chrt -f 1 python benchmarks/studies/bench_reference_vs_eager.py --layers 4
+
+Question: Is the pure-PyTorch reference path never slower than transformers' own eager experts?
+Answered in benchmarks/log/experts-op.md, "Reference path vs transformers' experts".
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Prints per tier the median ms of each and the median of the per-round difference
 (paired: the machine's drift between rounds cancels).
 
     chrt -f 1 python benchmarks/studies/study_act_epilogue.py --tiers avx2,avx512 --rounds 15
+
+Question: What does the activation epilogue cost the prefill kernels?
+Answered in benchmarks/log/whole-model.md, "bf16 prefill with AVX512-BF16 dot products on a CPU
+  without AMX (2026-11-30)".
 """
 from __future__ import annotations
 

@@ -14,6 +14,11 @@ tests run; the default releases weights, which is the caller's race, README "Gua
 HINA_MOE_ISA=generic makes the forwards slower, which made the walk fail sooner. Exit status 0
 when nothing went wrong; a crash of the interpreter shows as a signal (faulthandler prints the
 threads' stacks).
+
+Question: Why did enable racing forwards crash CPython 3.11, and does enable without the frame walk
+  hold?
+Answered in benchmarks/log/hardening.md, "enable racing forwards: the frame walk that crashed
+  CPython 3.11 (2026-12-04)".
 """
 
 from __future__ import annotations

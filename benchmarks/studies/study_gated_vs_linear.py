@@ -11,6 +11,10 @@ caches; rounds alternate the arms' order; each round is preceded by a 256 MB rea
 Prints the median GB/s of packed bytes per arm and its share of the median probe.
 
     chrt -f 1 python benchmarks/studies/study_gated_vs_linear.py --inter 5632 --weights int4 --copies 24
+
+Question: Does a gated MLP stream faster packed as one gated expert than as two dense linears?
+Answered in benchmarks/log/decode-step.md, "The shared expert and dense layers op by op, paired
+  linear layers, and the step's Python (2026-12-05)".
 """
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ to the next decode step on the own workers.
 
     python benchmarks/studies/study_gomp_spin.py [--ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4]
+
+Question: How long does PyTorch's OpenMP worker spin after a parallel op, and what does that do to
+  the next step on the own workers?
+Answered in benchmarks/log/decode-step.md, "Decode steps under generate(): the rotary table for
+  position_ids, steps hosted on OpenMP's team (2026-12-05)".
 """
 from __future__ import annotations
 

@@ -12,6 +12,10 @@ of those rows' other weights, which the outlier must not ruin). Scale forms:
 Q4_0 (an fp16 scale m / -8 a block of 32) is printed for reference.
 
     python benchmarks/studies/study_int4_scale_codes.py
+
+Question: How should an int4 group's scale be stored in one byte (packed layout 5)?
+Answered in benchmarks/log/quantised.md, "int4 layout 5: a one-byte scale code a group, group 32 by
+  default (2026-12-05)".
 """
 from __future__ import annotations
 

@@ -8,6 +8,11 @@ and a 16-level non-uniform table (IQ4_NL-like values over [-1, 1]) with a 16-can
 Compare with Q4_0's 21.32 dB and our g64's 20.84 on OLMoE's weights (weight_fidelity.py).
 
     python benchmarks/studies/study_int4_scales.py
+
+Question: Could int4 at group 64 reach Q4_0's weight fidelity with better scales or a non-uniform
+  code?
+Answered in benchmarks/log/quantised.md, "What each 4- and 8-bit format gives up against
+  llama.cpp's, the amx tier on software tiles (2026-12-05)".
 """
 import numpy as np
 

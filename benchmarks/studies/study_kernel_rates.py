@@ -13,6 +13,11 @@ fitted through (bytes, time) per call gives the call's fixed cost and its margin
 
     chrt -f 1 python benchmarks/studies/study_kernel_rates.py --ckpt /work/ckpt/olmoe-1b-7b \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
+
+Question: How fast does each kind of native kernel stream its weights on its own, against the read
+  probe?
+Answered in benchmarks/log/decode-step.md, "The router's selection native, and every layer of a
+  decode step in one call (2026-11-30)".
 """
 from __future__ import annotations
 

@@ -13,6 +13,11 @@ call under each setting and the first setting's time over each other's.
     chrt -f 1 python benchmarks/studies/study_linear_rows.py --ckpt /work/ckpt/qwen1.5-moe-a2.7b-4l \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-qwen1.5-moe-a2.7b-4l/int4 \\
         --settings HINA_PFM=1024,HINA_PFM=0,HINA_PFM=4096,HINA_PFM=16384
+
+Question: Which prefetch distance suits a packed linear layer's calls of 1-16 rows on AMD?
+Answered in benchmarks/log/batched.md, "Batched decode: the int8 / int4 kernels' prefetch for
+  several rows on AMD, batches of up to 256 sequences, against transformers and llama.cpp
+  (2026-12-05)".
 """
 from __future__ import annotations
 

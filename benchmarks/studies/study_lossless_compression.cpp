@@ -1,3 +1,5 @@
+// Question: Would bf16 weights stored losslessly in fewer bytes make lossless decode faster (the kernels of the study)?
+// Answered in benchmarks/log/whole-model.md, "A fresh machine's int4 share, the rotary table and final norm, and a lossless packing study (2026-11-30)".
 // Kernel half of study_lossless_compression.py (built and run by it; not part of the package).
 //
 // Question: can a decode GEMV read bf16 weights stored in fewer bytes, losslessly, faster than

@@ -22,6 +22,10 @@ compressed one (decode to the same words, same FMAs), arms alternating, with and
         --ckpt models/hina-tiny-moe --runs 3
 
 Needs an x86-64 CPU with AVX-512 BW and g++ (a study, not a path of the package).
+
+Question: Would bf16 weights stored losslessly in fewer bytes make lossless decode faster?
+Answered in benchmarks/log/whole-model.md, "A fresh machine's int4 share, the rotary table and final
+  norm, and a lossless packing study (2026-11-30)".
 """
 from __future__ import annotations
 

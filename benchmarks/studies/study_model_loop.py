@@ -12,6 +12,10 @@ Both compute the same function (the layers' short path either way). After each s
 
     chrt -f 1 python benchmarks/studies/study_model_loop.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
+
+Question: What does the module-call chain around the decoder layers cost a decode step?
+Answered in benchmarks/log/decode-step.md, "KV-cache appends in place, and where the int4 step's
+  time goes (2026-11-30)".
 """
 from __future__ import annotations
 

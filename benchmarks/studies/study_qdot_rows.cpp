@@ -1,3 +1,5 @@
+// Question: How fast can integer-dot chains run for calls of several rows on this core?
+// Answered in benchmarks/log/batched.md, "Batched decode: the int8 / int4 kernels' prefetch for several rows on AMD, batches of up to 256 sequences, against transformers and llama.cpp (2026-12-05)".
 // How close the AVX-512 VNNI integer-dot kernels come to the core's vpdpbusd rate when several
 // rows share a weight pass (batched decode, prefill), single-threaded, weights in L2.
 // Not part of the package: links the C++ tests' static core (build/cpp-tests/libhina_core.a).

@@ -8,6 +8,10 @@ arithmetic ceiling: a format whose whole-model step reads far below this ceiling
 something other than its arithmetic.
 
     chrt -f 1 python benchmarks/studies/study_resident_rates.py
+
+Question: How fast does each format's decode kernel run with its weights already in the caches?
+Answered in benchmarks/log/whole-model.md, "A fresh machine's int4 share, the rotary table and final
+  norm, and a lossless packing study (2026-11-30)".
 """
 from __future__ import annotations
 

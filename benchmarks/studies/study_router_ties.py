@@ -20,6 +20,11 @@ PyTorch against itself: the bf16 model's logits through torch.softmax in a child
 ATEN_CPU_CAPABILITY=avx2, against this process's build (AVX-512 on this machine).
 
     python benchmarks/studies/study_router_ties.py
+
+Question: How often would routing computed outside PyTorch choose differently from PyTorch's on a
+  trained model?
+Answered in benchmarks/log/decode-step.md, "The router's selection native, and every layer of a
+  decode step in one call (2026-11-30)".
 """
 from __future__ import annotations
 

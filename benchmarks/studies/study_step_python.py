@@ -17,6 +17,10 @@ microsecond per call: 16 layers' plan_args, about 20 us a step, is the largest s
 
     chrt -f 1 python benchmarks/studies/study_step_python.py --ckpt /work/ckpt/olmoe-1b-7b \\
         --cache-dir /work/ckpt/hina-cache/bench_full_model-olmoe-1b-7b/int4
+
+Question: Where does the Python of a scope="all" decode step go, around the stack's one native call?
+Answered in benchmarks/log/decode-step.md, "The shared expert and dense layers op by op, paired
+  linear layers, and the step's Python (2026-12-05)".
 """
 from __future__ import annotations
 
