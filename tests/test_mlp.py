@@ -55,7 +55,8 @@ def test_torch_scalar_values_is_where_pytorchs_loop_leaves_std_exp(dtype):
     for fn in (torch.sigmoid, F.silu):
         one = torch.cat([fn(v) for v in x.split(1)])
         assert torch.equal(torch.cat([fn(p) for p in x.split(n)]), one)
-        if most is not None and dtype is torch.float32:
+        # (on the builds whose vector width is known: elsewhere the limit is a lower bound)
+        if dtype is torch.float32 and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"):
             assert not torch.equal(torch.cat([fn(p) for p in x.split(most + 1)]), one)
 
 
