@@ -12,6 +12,7 @@ import hi_na_moe
 from hi_na_moe import reference
 from hi_na_moe.hardware import native_kernels_available
 from hi_na_moe.spec import ExpertsSpec, GateSpec
+from tiny_models import layout, layout_diff
 
 
 def _olmoe(tmp_path=None, seed=0):
@@ -205,6 +206,117 @@ def test_weights_released_while_enabled_and_restored_exactly(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_restore_gives_each_parameter_its_layout_back():
+    """A checkpoint loaded from safetensors leaves parameters at the file's offsets: data pointers
+    not 64-byte aligned (PyTorch's kernels, MKL's GEMMs among them, may round otherwise on
+    memory aligned otherwise), views into a shared storage, strides of a transposed layout.
+    disable_for_model gives each released parameter its layout back, not only its values."""
+    if not native_kernels_available():
+        pytest.skip("weights are only released for native kernels")
+    model = _olmoe()
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        gu, down = ex.gate_up_proj.detach().clone(), ex.down_proj.detach().clone()
+        n_gu, n_down = gu.numel(), down.numel()
+        buf = bytearray((n_gu + n_down) * 4 + 64)
+        base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+        # one storage, exactly the two tensors' bytes, its data pointer 24 bytes past a 64-byte line
+        storage = torch.frombuffer(buf, dtype=torch.uint8, count=(n_gu + n_down) * 4,
+                                   offset=(24 - base) % 64).untyped_storage()
+        E, H, I = down.shape
+        gu_t = torch.empty(0).set_(storage, 0, gu.shape, gu.stride())
+        down_t = torch.empty(0).set_(storage, n_gu, down.shape, (H * I, 1, H))  # [E, H, I] stored as [E, I, H]
+        gu_t.copy_(gu)
+        down_t.copy_(down)
+        ex.gate_up_proj.data, ex.down_proj.data = gu_t, down_t
+    before = layout(model)
+    assert before["model.layers.0.mlp.experts.gate_up_proj"]["align64"] == 24
+    assert not before["model.layers.0.mlp.experts.down_proj"]["contiguous"]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(IDS).logits
+    report = hi_na_moe.enable_for_model(model)
+    assert all(b.released_bytes == b.expert_bytes for b in report.blocks)
+    hi_na_moe.disable_for_model(model)
+    diff = layout_diff(before, layout(model))
+    assert not diff, diff
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)
+
+
+def test_experts_tied_between_blocks_are_exact_and_kept():
+    """Two MoE blocks holding the same parameters (DiffusionGemma ties its encoder's experts to its
+    decoder's): both run exactly, on copies packed from the real weights, which stay in place
+    (releasing them for one block would leave the other reading them), and stay tied."""
+    model = _olmoe()
+    first, second = (layer.mlp.experts for layer in model.model.layers)
+    second.gate_up_proj, second.down_proj = first.gate_up_proj, first.down_proj
+    before = layout(model)
+    with torch.no_grad():
+        want = model(IDS).logits
+    report = hi_na_moe.enable_for_model(model)
+    try:
+        with torch.no_grad():
+            got = model(IDS).logits
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-5, f"tied experts: rel L2 {rel:.2e}"
+        assert len(report.accelerated) == (2 if native_kernels_available() else 0)
+        if native_kernels_available():
+            assert all(b.released_bytes == 0 and "(tied weights)" in b.reason for b in report.blocks), str(report)
+            assert "shared with 'model.layers.1.mlp.experts.gate_up_proj'" in report.blocks[0].reason
+            assert not any(hi_na_moe.ops.is_released(p) for p in model.parameters())
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert second.gate_up_proj is first.gate_up_proj and second.down_proj is first.down_proj
+    diff = layout_diff(before, layout(model))
+    assert not diff, diff
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)
+
+
+def test_reading_a_released_weight_is_an_error():
+    """While enabled a released parameter has no values: anything that would read them raises an
+    error naming it (never the placeholder's contents); what says nothing of its values works."""
+    if not native_kernels_available():
+        pytest.skip("weights are only released for native kernels")
+    import copy
+
+    from hi_na_moe import ops
+
+    model = _olmoe()
+    experts = model.model.layers[0].mlp.experts
+    shape, dtype = experts.gate_up_proj.shape, experts.gate_up_proj.dtype
+    hi_na_moe.enable_for_model(model)
+    try:
+        w = experts.gate_up_proj
+        x = torch.randn(3, shape[-1])
+        reads = [
+            lambda: torch.nn.functional.linear(x, w[0]), lambda: w.sum(), lambda: w.clone(), lambda: w.tolist(),
+            lambda: w.detach().numpy(), lambda: torch.equal(w, w), lambda: w.view(-1)[:4].sum(),
+            lambda: torch.bmm(w, torch.randn(shape[0], shape[-1], 2)), lambda: w[torch.tensor([0, 1])] @ x.t(),
+            lambda: w.to(torch.bfloat16), lambda: copy.deepcopy(experts), lambda: torch.save(w, __import__("io").BytesIO()),
+        ]
+        for read in reads:
+            with pytest.raises(RuntimeError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is released"):
+                read()
+        # the block's own code, in each of transformers' experts implementations, reading its weights
+        idx, tw = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.rand(3, 2)
+        for impl in ("eager", "grouped_mm", "batched_mm"):
+            experts.config._experts_implementation = impl
+            with pytest.raises(RuntimeError, match="released while hi_na_moe runs its block"):
+                type(experts).forward(experts, x, idx, tw)
+        assert ops.is_released(w) and w.shape == shape and w.dtype == dtype and w.device.type == "cpu"
+        assert w.numel() == shape.numel() and w.requires_grad and w.untyped_storage().nbytes() == 0
+        assert "released by hi_na_moe" in repr(w)
+        model.to("cpu")  # no change: no read
+        assert model.dtype == torch.float32 and model.num_parameters() > 0
+    finally:
+        hi_na_moe.disable_for_model(model)
+    assert not ops.is_released(experts.gate_up_proj) and type(experts.gate_up_proj) is nn.Parameter
 
 
 # --- a custom model the discovery cannot read by itself -------------------------------------

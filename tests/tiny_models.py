@@ -21,7 +21,7 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 from transformers.core_model_loading import build_glob_alternation
 from transformers.models.auto import modeling_auto
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_type_to_module_name
 from transformers.utils import logging as hf_logging
 
 from hi_na_moe.families import EXPERT_COUNT_KEYS
@@ -140,6 +140,28 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp": {"text_config": {
         "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
         "indexer_compress_ratio": 4}},
+    # the vision tower plans a stage per prime factor of its patch (widths growing with the patch's
+    # area), assigning them to fewer layers with scipy (not a dependency here): a 2x2x2 patch's
+    # three stages on three layers
+    "inkling_mm_model": {"vision_config": {"n_layers": 3, "patch_size": 2}},
+    # the whole model (thinker and talker) does not build from transformers' default config: the
+    # talker reads spatial_merge_size and its MoE blocks shared_expert_intermediate_size, which
+    # its default configs lack (checkpoints set them)
+    # (spatial_merge_size, shared_expert_intermediate_size), nor does its thinker generate
+    # (vision_start_token_id); the widths of its audio and vision
+    # towers, the talker's input and the code-to-wave decoder are keys of their own
+    "qwen3_omni_moe": {
+        "thinker_config": {"vision_start_token_id": 240, "audio_config": {"output_dim": 64, "downsample_hidden_size": 32},
+                           "vision_config": {"out_hidden_size": 64}},
+        "talker_config": {"spatial_merge_size": 2, "thinker_hidden_size": 64,
+                          "text_config": {"shared_expert_intermediate_size": 48}},
+        "code2wav_config": {"decoder_dim": 32, "codebook_size": 64}},
+    # the vision merger's widths are keys of their own (its output is the text width)
+    "glm5_next": {"vision_config": {"out_hidden_size": 64, "projection_intermediate_size": 64}},
+    # the vision adapter's and the audio tower's widths are keys of their own (the adapter's input is
+    # the merged vision patches: 4 x the vision width)
+    "muse_spark": {"out_hidden_size": 256, "projector_hidden_size": 64,
+                   "audio_config": {"hidden_sizes": [16, 16, 32, 32]}},
 }
 
 # Families that cannot be built tiny (model_type -> reason). Empty: every family builds.
@@ -155,6 +177,7 @@ class Tiny:
     config: object
     vocab_size: int
     causal_lm: bool = False  # a *ForCausalLM: the tests also greedy-generate with it
+    generates: bool = False  # has generate() (a causal LM, a *ForConditionalGeneration, ...)
 
 
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
@@ -429,7 +452,7 @@ def _text_model_class(model_type: str, cfg):
             return AutoModel, sub
     # ... or else the family's own model class for that sub-config (e.g. a thinker's text model)
     if subs:
-        pkg = model_type.replace("-", "_")
+        pkg = model_type_to_module_name(model_type)
         module = importlib.import_module(f"transformers.models.{pkg}.modeling_{pkg}")
         classes = [
             obj for obj in vars(module).values()
@@ -445,6 +468,28 @@ def _text_model_class(model_type: str, cfg):
     return AutoModel, cfg
 
 
+# The Auto mappings a checkpoint's class is found in, in the order a user's class is chosen: a
+# multimodal family's checkpoints name its image-text-to-text class (the vision tower with the
+# language model), a text family's its causal LM; then encoder-decoder LMs, token classifiers, the
+# base model.
+USER_MAPPINGS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+                 "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                 "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+
+
+def user_model_class(model_type: str) -> type:
+    """The class a user loads a checkpoint of `model_type` with (USER_MAPPINGS), for the whole
+    config: e.g. DiffusionGemmaForBlockDiffusion, Qwen3VLMoeForConditionalGeneration,
+    MixtralForCausalLM."""
+    import transformers
+
+    for mapping in USER_MAPPINGS:
+        name = getattr(modeling_auto, mapping).get(model_type)
+        if name is not None:
+            return getattr(transformers, name)
+    raise LookupError(f"{model_type}: no model class in transformers' Auto mappings")
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
@@ -456,8 +501,10 @@ def tiny_config(model_type: str):
     return cls(**d)
 
 
-def build_tiny(model_type: str, dtype=torch.float32, seed: int = 0, **overrides) -> Tiny:
-    """A tiny model of the family with random weights; `overrides`: config attributes to set."""
+def build_tiny(model_type: str, dtype=torch.float32, seed: int = 0, user_class: bool = False, **overrides) -> Tiny:
+    """A tiny model of the family with random weights; `overrides`: config attributes to set.
+    By default the model holding its experts alone (a multimodal family's text model); with
+    `user_class`, the whole model as a user loads a checkpoint of it (user_model_class)."""
     if model_type in UNBUILDABLE:
         raise RuntimeError(f"{model_type}: cannot be built tiny: {UNBUILDABLE[model_type]}")
     cfg = copy.deepcopy(tiny_config(model_type))  # each model its own config (attn implementation, dtype...)
@@ -465,7 +512,7 @@ def build_tiny(model_type: str, dtype=torch.float32, seed: int = 0, **overrides)
         if not hasattr(cfg, key):
             raise AttributeError(f"{model_type}'s config has no {key!r} to override")
         setattr(cfg, key, value)
-    auto, use_cfg = _text_model_class(model_type, cfg)
+    auto, use_cfg = (_Direct(user_model_class(model_type)), cfg) if user_class else _text_model_class(model_type, cfg)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in auto.from_config(use_cfg).parameters())
     if n_params > MAX_PARAMS:
@@ -480,25 +527,94 @@ def build_tiny(model_type: str, dtype=torch.float32, seed: int = 0, **overrides)
         for p in model.parameters():
             p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p.dtype))
     vocab = getattr(use_cfg, "vocab_size", None) or getattr(getattr(use_cfg, "text_config", None), "vocab_size", 256)
-    return Tiny(model_type, model, use_cfg, int(vocab), causal_lm=_is_causal_lm(model))
+    return Tiny(model_type, model, use_cfg, int(vocab), causal_lm=_is_causal_lm(model), generates=_generates(model))
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
     return type(model).__name__.endswith("ForCausalLM") and hasattr(model, "generate")
 
 
-def reload(tiny: Tiny, path) -> Tiny:
-    """The tiny model saved with save_pretrained and loaded back with from_pretrained, as a user
-    would load a checkpoint (weights go through transformers' loading and conversion path)."""
+def _generates(model: nn.Module) -> bool:
+    return callable(getattr(model, "can_generate", None)) and model.can_generate()
+
+
+def save_tiny(tiny: Tiny, path) -> None:
+    """save_pretrained, quietly."""
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
         tiny.model.save_pretrained(path)
-        model = type(tiny.model).from_pretrained(path, dtype=tiny.model.dtype).eval()
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    return Tiny(tiny.model_type, model, model.config, tiny.vocab_size, causal_lm=_is_causal_lm(model))
+
+
+def load_tiny(model_type: str, model_cls: type, path, dtype, vocab_size: int) -> Tiny:
+    """A saved tiny model loaded with from_pretrained in `dtype`, as a user loads a checkpoint:
+    weights go through transformers' loading and conversion path, and sit where loading puts them
+    (at the safetensors file's offsets: data pointers not 64-byte aligned)."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = model_cls.from_pretrained(path, dtype=dtype).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return Tiny(model_type, model, model.config, vocab_size, causal_lm=_is_causal_lm(model), generates=_generates(model))
+
+
+def reload(tiny: Tiny, path, dtype=None) -> Tiny:
+    """The tiny model saved with save_pretrained and loaded back with from_pretrained (in `dtype`,
+    by default its own): load_tiny."""
+    save_tiny(tiny, path)
+    return load_tiny(tiny.model_type, type(tiny.model), path, dtype or tiny.model.dtype, tiny.vocab_size)
+
+
+def misalign(model: nn.Module, shift: int = 16) -> None:
+    """Move every parameter and buffer that sits on a 64-byte boundary `shift` bytes past one (its
+    storage copied whole: offsets, strides and sharing kept), as a checkpoint's tensors sit at the
+    file's offsets. Where a file happens to put a tensor on a boundary, a restore that loses the
+    alignment would go unseen; this makes every family's tensors show it."""
+    groups: dict[int, list] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                    groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    with torch.no_grad():
+        for ptr, tensors in groups.items():
+            if ptr % 64:
+                continue
+            old = tensors[0].untyped_storage()
+            buf = bytearray(old.nbytes() + 64)
+            base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+            new = torch.frombuffer(buf, dtype=torch.uint8, count=old.nbytes(), offset=(shift - base) % 64).untyped_storage()
+            new.copy_(old)
+            for t in {id(t): t for t in tensors}.values():
+                t.data = torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
+
+
+def layout(model: nn.Module) -> dict:
+    """Per parameter and buffer (every name, tied ones too): what a restore must give back besides
+    the values: class, shape, strides, storage offset, contiguity, dtype, which storage it is in
+    (numbered in order of first use, so that sharing compares across restores), the storage's
+    size, and the data pointer modulo 64 (PyTorch's kernels may round otherwise on memory
+    aligned otherwise)."""
+    storages: dict[int, int] = {}
+    out = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        st = t.untyped_storage()
+        out[name] = dict(type=type(t).__name__, shape=tuple(t.shape), stride=t.stride(), offset=t.storage_offset(),
+                         contiguous=t.is_contiguous(), dtype=t.dtype,
+                         storage=storages.setdefault(st.data_ptr(), len(storages)), storage_bytes=st.nbytes(),
+                         align64=t.data_ptr() % 64)
+    return out
+
+
+def layout_diff(before: dict, after: dict) -> str:
+    """The first few tensors whose layout differs between two layout() results ("" when none)."""
+    diff = [f"{k}: {before[k]} -> {after.get(k)}" for k in before if before[k] != after.get(k)]
+    return "\n".join(diff[:4] + ([f"... {len(diff) - 4} more"] if len(diff) > 4 else []))
 
 
 def _keep_in_fp32(model: nn.Module, dtype) -> None:

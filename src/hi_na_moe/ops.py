@@ -95,6 +95,202 @@ def native_unsupported_reason(spec: ExpertsSpec, dry_run: bool = False) -> str |
 
 _TENSOR_FIELDS = ("gate_up", "gate", "up", "down", "gate_up_bias", "down_bias")
 
+# --- released parameters: any read of their values is an error --------------------------------
+# A released parameter keeps its object (modules, tied references and optimisers hold it) and its
+# shape and dtype, but its values are gone: its class is switched to a subclass whose
+# __torch_function__ lets through what says nothing of the values and raises on everything else.
+# So code that reads it while the block runs on its packed copy (a forward that began before
+# enable_for_model on another thread, `model.half()`, a pickle) gets an error naming it, never
+# the placeholder's zeros.
+
+# what reads no values: the result is returned as it is
+_RELEASED_META = frozenset({
+    "shape", "dtype", "device", "layout", "ndim", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn",
+    "names", "itemsize", "nbytes", "size", "dim", "stride", "numel", "nelement", "element_size", "data_ptr",
+    "storage_offset", "untyped_storage", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
+    "get_device", "__hash__", "__len__", "_has_compatible_shallow_copy_type", "retain_grad", "register_hook",
+    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
+    "is_xpu", "is_mps", "is_xla", "is_ipu", "is_mtia", "is_vulkan", "is_maia", "_is_view", "is_inference",
+})
+# views: computed on a meta-device twin (no storage is touched), returned as released tensors
+_RELEASED_VIEWS = frozenset({
+    "data", "detach", "view", "view_as", "reshape", "flatten", "unflatten", "transpose", "t", "T", "mT",
+    "permute", "movedim", "narrow", "select", "unsqueeze", "squeeze", "expand", "expand_as", "as_strided",
+    "chunk", "split", "unbind", "__getitem__",
+})
+_RELEASED_ATTR = "_hi_na_moe_released"  # the released tensor's name, for the error
+_RELEASED_CLASSES: dict[type, type] = {}
+
+
+def _released_name(args) -> str:
+    for a in args:
+        if isinstance(a, (tuple, list)):
+            name = _released_name(a)
+            if name:
+                return name
+        elif isinstance(a, torch.Tensor) and _RELEASED_ATTR in getattr(a, "__dict__", {}):
+            return a.__dict__[_RELEASED_ATTR]
+    return ""
+
+
+def _meta_twin(t):
+    """A released tensor's layout on the meta device (other arguments as they are)."""
+    if not (isinstance(t, torch.Tensor) and _RELEASED_ATTR in getattr(t, "__dict__", {})):
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+        span = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else offset
+        return torch.empty(span, dtype=t.dtype, device="meta").as_strided(shape, stride, offset)
+
+
+def _from_twin(out, name: str):
+    """A view op's meta-device result as released tensors (no storage) named `name`."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_from_twin(x, name) for x in out)
+    if isinstance(out, torch.Tensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = _hollow(tuple(out.shape), out.stride(), out.storage_offset(), out.dtype).as_subclass(
+                _released_class(torch.Tensor))
+        out.__dict__[_RELEASED_ATTR] = name
+    return out
+
+
+def _unchanged_by(what: str, t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether conversion `what` (t.to(...), t.cpu(), t.float(), t.contiguous(), ...) returns t
+    itself (as `model.to("cpu")` on a CPU model does), judged from the arguments alone."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if what == "to":
+            try:
+                device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a tensor argument (t.to(other)): judged by its device and dtype
+                other = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                device, dtype, memory_format = getattr(other, "device", None), getattr(other, "dtype", None), None
+            return ((device is None or torch.device(device) == t.device) and (dtype is None or dtype == t.dtype)
+                    and not kwargs.get("copy", False) and memory_format in (None, torch.preserve_format))
+        if what == "cpu":
+            return t.device.type == "cpu"
+        if what == "contiguous":
+            return t.is_contiguous(memory_format=kwargs.get("memory_format", args[0] if args else torch.contiguous_format))
+        dtypes = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
+        if what in dtypes:
+            return t.dtype == dtypes[what]
+        if what == "type_as":
+            return bool(args) and getattr(args[0], "dtype", None) == t.dtype
+    return False
+
+
+def _released_torch_function(cls, func, types, args=(), kwargs=None):
+    """A released tensor's __torch_function__: metadata as it is, views as released tensors, and
+    an error for anything that would read its values (it has none: its storage holds zero bytes)."""
+    kwargs = kwargs or {}
+    what = getattr(func, "__name__", "")
+    if what in ("__get__", "__set__"):  # a property: named by its descriptor
+        attr = getattr(getattr(func, "__self__", None), "__name__", "")
+        if what == "__set__" and attr in ("requires_grad", "grad"):
+            what = "shape"  # as harmless as reading it
+        elif what == "__set__" and attr == "data" and len(args) == 2 and args[1] is args[0]:
+            return None  # Module._apply's `param.data = fn(param)` where fn changed nothing
+        elif what == "__get__":
+            what = attr
+        else:
+            what = attr + " ="
+    name = _released_name([*args, *kwargs.values()]) or "an expert weight"
+    if what in _RELEASED_META:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if what == "__repr__":
+        with torch._C.DisableTorchFunctionSubclass():
+            return f"<{name}: released by hi_na_moe while enabled; shape={tuple(args[0].shape)}, dtype={args[0].dtype}>"
+    if what in _RELEASED_VIEWS:
+        try:
+            out = func(*[_meta_twin(a) for a in args], **{k: _meta_twin(v) for k, v in kwargs.items()})
+        except Exception:  # noqa: BLE001 - not a view of the released tensor alone (e.g. indexed by a CPU tensor)
+            out = None
+        if out is not None:
+            return _from_twin(out, name)
+    elif args and isinstance(args[0], torch.Tensor) and _unchanged_by(what, args[0], args[1:], kwargs):
+        return args[0]
+    raise RuntimeError(
+        f"hi_na_moe: {name!r} is released while hi_na_moe runs its block on a packed copy, so `{what or func}` cannot "
+        "read it. If a forward that began before enable_for_model on another thread reads it, enable between "
+        "forwards (or with keep_weights=True); otherwise call hi_na_moe.disable_for_model(model) first, which gives "
+        "the weights back bit for bit")
+
+
+def _released_class(cls: type) -> type:
+    """The released counterpart of tensor class `cls` (a subclass with the same layout, so that
+    a parameter's __class__ can be switched to it and back)."""
+    sub = _RELEASED_CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Released{cls.__name__}", (cls,), {
+            "__torch_function__": classmethod(_released_torch_function), "__module__": __name__,
+            "__doc__": "A tensor released by hi_na_moe while enabled: its values cannot be read (ops._released_torch_function)"})
+        _RELEASED_CLASSES[cls] = sub
+    return sub
+
+
+def is_released(t: torch.Tensor) -> bool:
+    """Whether `t` is a parameter (or a view of one) released by hi_na_moe while enabled."""
+    return _RELEASED_ATTR in getattr(t, "__dict__", {})
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.untyped_storage().data_ptr()
+
+
+def storage_holders(root: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str, str]]]:
+    """Per storage (its data pointer), every (module, attribute name, dotted name) of a parameter
+    or buffer of `root` held in it: whether a block's expert weights are anyone else's too."""
+    out: dict[int, list] = {}
+    for prefix, mod in root.named_modules(remove_duplicate=False):
+        for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            if isinstance(t, torch.Tensor):
+                with torch._C.DisableTorchFunctionSubclass():
+                    if t.untyped_storage().nbytes() == 0:
+                        continue
+                out.setdefault(_storage_key(t), []).append((mod, name, f"{prefix}.{name}" if prefix else name))
+    return out
+
+
+def _storage_like(nbytes: int, align: int) -> torch.UntypedStorage:
+    """New storage of `nbytes` whose data pointer is `align` modulo 64, as the original's was: a
+    parameter loaded from a safetensors file sits at the file's offsets, and PyTorch's CPU
+    kernels (MKL's GEMMs among them) may round otherwise on memory aligned otherwise."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes == 0 or t.data_ptr() % 64 == align:
+        return t.untyped_storage()
+    buf = bytearray(nbytes + 64)
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=(align - base) % 64).untyped_storage()
+
+
+def _hollow(shape: tuple, stride: tuple, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor with this layout over zero bytes of storage: what a released parameter holds. It
+    has no values to read, and PyTorch refuses to make a view of it (its bounds check), so even a
+    kernel that got past _released_torch_function cannot compute on it unawares."""
+    span = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+    storage = torch.UntypedStorage(span * torch.empty((), dtype=dtype).element_size())
+    t = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    storage.resize_(0)
+    return t
+
+
+@dataclass
+class _Released:
+    """One released parameter: the object itself, where the model holds it, its class and its
+    layout in its original storage (storage `group` of the runner's `_groups`)."""
+
+    param: torch.nn.Parameter
+    module: torch.nn.Module
+    name: str
+    cls: type
+    dtype: torch.dtype
+    group: int
+    shape: tuple
+    stride: tuple
+    offset: int
+
 
 class NativeExperts:
     """The experts of one block, packed once for the native kernels.
@@ -137,7 +333,12 @@ class NativeExperts:
         self._identity: str | None = None
         self._entry = None  # the store entry the packed block is mapped from (None once copied)
         self._backup = None  # (key, name) of the exact originals in the store, for restore
-        self._released: list[tuple[torch.nn.Module, str, torch.Size, tuple[int, ...]]] = []
+        self._released: list[_Released] = []  # released parameters, in order
+        self._groups: list[tuple[int, int]] = []  # their original storages: (bytes, data pointer % 64)
+        self._views: dict = {}  # spec slot -> (group, shape, stride, offset) of its tensor
+        self._full_names: dict[int, str] = {}  # from_pretrained: released index -> name in the checkpoint
+        self.kept_note: str | None = None  # why release kept the weights (tied to another part of the model)
+        self._grave: list[torch.Tensor] = []  # the released originals' data, until bury()
         self._hook = self._load_hook = None  # state_dict / load_state_dict hooks while released
         # the released parameters' storage is swapped by state_dict() (briefly) and restore():
         # one at a time, or two threads would leave each other's tensors behind
@@ -266,14 +467,32 @@ class NativeExperts:
 
     # --- memory: hand the model's own expert storage back to the OS while packed ------------
     @staticmethod
-    def _owned_params(module: torch.nn.Module, spec: ExpertsSpec):
-        """Parameters of `module` that a spec tensor covers completely (a full view of them).
-        A parameter only partly used by the spec (LongCat's zero-expert rows) is kept."""
-        full = {(t.untyped_storage().data_ptr(), t.data_ptr(), t.numel()) for t in spec.weight_tensors()}
-        for mod in module.modules():
-            for name, p in mod.named_parameters(recurse=False):
-                if (p.untyped_storage().data_ptr(), p.data_ptr(), p.numel()) in full:
-                    yield mod, name, p
+    def _owned_params(module: torch.nn.Module, spec: ExpertsSpec) -> list:
+        """[(module, name, parameter)] of the parameters of `module` that a spec tensor covers
+        completely (a full view of them), each parameter once. A parameter only partly used by
+        the spec (LongCat's zero-expert rows) is kept."""
+        out, seen = [], set()
+        with torch._C.DisableTorchFunctionSubclass():
+            full = {(t.untyped_storage().data_ptr(), t.data_ptr(), t.numel())
+                    for t in spec.weight_tensors() if not t.is_meta}
+            for mod in module.modules():
+                for name, p in mod.named_parameters(recurse=False):
+                    if id(p) not in seen and (p.untyped_storage().data_ptr(), p.data_ptr(), p.numel()) in full:
+                        seen.add(id(p))
+                        out.append((mod, name, p))
+        return out
+
+    @staticmethod
+    def _spec_slots(spec: ExpertsSpec):
+        """(slot, tensor) of every tensor the spec reads: its fields, and its members when the
+        experts are separate modules."""
+        for f in _TENSOR_FIELDS:
+            t = getattr(spec, f)
+            if t is not None:
+                yield f, t
+        for name, ts in (getattr(spec, "members", None) or {}).items():
+            for i, t in enumerate(ts):
+                yield ("members", name, i), t
 
     def _unpacked(self):
         """The exact original weights: unpacked from the packed copy (lossless) or the backup."""
@@ -310,12 +529,21 @@ class NativeExperts:
                 if dst is not None and src is not None:
                     dst.copy_(src.view(dst.shape))
 
-    def release(self, module: torch.nn.Module, rebuild: Callable[[], ExpertsSpec]) -> int:
+    def release(self, module: torch.nn.Module, rebuild: Callable[[], ExpertsSpec], holders: dict | None = None) -> int:
         """Free the model's own copy of the weights the packed copy holds; returns bytes freed.
         Quantised blocks first write an exact backup of the originals to the store (none: the
-        originals stay, and 0 is returned)."""
+        originals stay, and 0 is returned). `holders` (storage_holders of the whole model): a
+        block whose weights some other part of the model holds too (tied weights) keeps them,
+        and `kept_note` says why (0 is returned).
+
+        From here on a read of a released parameter is an error (_released_torch_function): it
+        is marked released before its values are replaced by the placeholder."""
         if self.origin is not None and not self.allow_build:
             return self._release_placeholders(module, rebuild)
+        owned = self._owned_params(module, self.spec)
+        self.kept_note = self._why_kept(module, owned, holders)
+        if self.kept_note is not None or not owned:
+            return 0
         if not self.lossless:
             if self.store is None:
                 return 0
@@ -323,102 +551,168 @@ class NativeExperts:
             _, entry, _ = self._from_store("lossless", name, hold=False)
             entry.close()
             self._backup = (self._key("lossless"), name)
-        freed = 0
-        for mod, name, p in list(self._owned_params(module, self.spec)):
-            self._released.append((mod, name, p.shape, p.stride()))
-            freed += p.numel() * p.element_size()
-            p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
-        if not self._released:
-            return 0
-        # the spec's views still point at the old storage: repoint them at the placeholders
+        groups: dict[int, int] = {}
+        with torch._C.DisableTorchFunctionSubclass():
+            for mod, name, p in owned:
+                st = p.untyped_storage()
+                if st.data_ptr() not in groups:
+                    groups[st.data_ptr()] = len(self._groups)
+                    self._groups.append((st.nbytes(), st.data_ptr() % 64))
+                self._released.append(_Released(p, mod, name, type(p), p.dtype, groups[st.data_ptr()],
+                                                tuple(p.shape), p.stride(), p.storage_offset()))
+            # where the spec's tensors are in those storages, to fill fresh copies through them
+            self._views = {slot: (groups[t.untyped_storage().data_ptr()], tuple(t.shape), t.stride(),
+                                  t.storage_offset())
+                           for slot, t in self._spec_slots(self.spec)
+                           if not t.is_meta and t.untyped_storage().data_ptr() in groups}
+        paths = {id(sub): sub_name for sub_name, sub in module.named_modules()}
+        for r in self._released:
+            path = ".".join(x for x in (self.name, paths.get(id(r.module), ""), r.name) if x)
+            r.param.__class__ = _released_class(r.cls)
+            r.param.__dict__[_RELEASED_ATTR] = path
+        # its values go, its sizes and strides stay: a PyTorch kernel that was already reading it
+        # on another thread when it was marked (a forward begun before enable) never sees its
+        # metadata torn, and keeps reading the original storage, which lives on in _grave until
+        # bury() (after the next block is packed)
+        with torch._C.DisableTorchFunctionSubclass():
+            for r in self._released:
+                self._grave.append(r.param.data)
+                r.param.data = _hollow(r.shape, r.stride, r.offset, r.dtype)
+        # the spec's views still point at the old storage: repoint them at the released parameters
         fresh = rebuild()
         for f in _TENSOR_FIELDS:
             setattr(self.spec, f, getattr(fresh, f))
         self.spec.cache["released"] = True
         self._register_state_dict_hook(module, rebuild)
-        return freed
+        return sum(nbytes for nbytes, _ in self._groups)
+
+    def bury(self) -> None:
+        """Free the storage release took from the parameters (kept a little longer for kernels
+        already reading it: enable calls this once the next block is packed, or at its end)."""
+        self._grave = []
+
+    def _why_kept(self, module: torch.nn.Module, owned: list, holders: dict | None) -> str | None:
+        """Why the block's weights cannot be released (None: they can). Released weights come back
+        into storage of their own, laid out as before: that is the original layout only when
+        nothing but these parameters was in it. A tensor elsewhere in the model in the same
+        storage (another block's tied experts, as DiffusionGemma's encoder and decoder share
+        theirs) would read the placeholder, or stop sharing after restore."""
+        mine = {(id(mod), name) for mod, name, _ in owned}
+        with torch._C.DisableTorchFunctionSubclass():
+            sizes: dict[int, list] = {}
+            for mod, name, p in owned:
+                if is_released(p):
+                    return f"expert weight {name!r} is already released by another enabled block: kept in memory"
+                st = p.untyped_storage()
+                sizes.setdefault(st.data_ptr(), [st.nbytes(), 0])[1] += p.numel() * p.element_size()
+                for m2, n2, full in (holders or {}).get(st.data_ptr(), ()):
+                    if (id(m2), n2) not in mine:
+                        return (f"expert weights shared with {full!r} (tied weights): kept in memory while "
+                                "enabled, not released")
+        for nbytes, used in sizes.values():
+            if nbytes > used:
+                return (f"expert weights are views into a larger tensor ({nbytes} bytes of storage for {used} "
+                        "bytes of weights): kept in memory while enabled, not released")
+        return None
 
     def _register_state_dict_hook(self, module: torch.nn.Module, rebuild) -> None:
-        """While released, `state_dict()` still returns the real weights."""
+        """While released, `state_dict()` still returns the real weights: fresh copies, never
+        attached to the model (whose parameters stay released throughout)."""
 
         def fill_state_dict(mod, state_dict, prefix, local_metadata):
-            # rebuild real tensors in the model's own layout: swap them in for the placeholders
-            # just long enough to copy through the spec's views
             with self._swap_lock:
-                real = self._swap_in_real()
-                try:
-                    self._fill_real(rebuild, real)
-                finally:
-                    for (m2, n2), (placeholder, _) in real.items():
-                        getattr(m2, n2).data = placeholder
-            names = {(id(sub), pn): (sub_name + "." if sub_name else "") + pn
-                     for sub_name, sub in module.named_modules() for pn, _ in sub.named_parameters(recurse=False)}
-            for (m2, n2), (_, tensor) in real.items():
-                key = prefix + names[(id(m2), n2)]
-                if key in state_dict:
-                    state_dict[key] = tensor
+                if not self._released:
+                    return
+                tensors = {id(r.param): t for r, t in zip(self._released, self._fresh())}
+            for sub_name, sub in module.named_modules(remove_duplicate=False):
+                for pn, p in sub._parameters.items():
+                    key = prefix + (sub_name + "." if sub_name else "") + pn
+                    if id(p) in tensors and key in state_dict:
+                        state_dict[key] = tensors[id(p)]
 
         from .loading import refuse_loading
 
         self._hook = module.register_state_dict_post_hook(fill_state_dict)
         self._load_hook = refuse_loading(module, self.name)
 
-    def _fill_real(self, rebuild, real: dict) -> None:
-        """Write the exact original weights into the fresh storage `real` (from _swap_in_real)."""
+    def _fresh(self) -> list[torch.Tensor]:
+        """New tensors holding the exact original values of the released parameters (in their
+        order), laid out as the originals were: shapes, strides, storage offsets, which of them
+        shared a storage, each storage's size and its alignment modulo 64. Not attached to the
+        model."""
+        storages = [_storage_like(nbytes, align) for nbytes, align in self._groups]
+
+        def over(group, shape, stride, offset, dtype):
+            return torch.empty(0, dtype=dtype).set_(storages[group], offset, shape, stride)
+
+        tensors = [over(r.group, r.shape, r.stride, r.offset, r.dtype) for r in self._released]
         if self.origin is not None and not self.allow_build:
             from .loading import load_originals
 
-            names = {self._full_names[key]: key for key in real}
-            got = load_originals(self.origin, set(names))
+            got = load_originals(self.origin, set(self._full_names.values()))
             with torch.no_grad():
-                for full, key in names.items():
-                    real[key][1].copy_(got[full])
-            return
-        self._copy_into(rebuild(), self._unpacked())
+                for i, t in enumerate(tensors):
+                    t.copy_(got[self._full_names[i]])
+            return tensors
+        # the spec again, over the fresh storages (a tensor of it not released: written to a scratch copy)
+        changes: dict = {}
+        with torch._C.DisableTorchFunctionSubclass():
+            for slot, t in self._spec_slots(self.spec):
+                if t.is_meta:
+                    continue
+                view = self._views.get(slot)
+                new = over(*view, t.dtype) if view is not None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+                if isinstance(slot, tuple):
+                    members = changes.setdefault("members", {k: list(v) for k, v in self.spec.members.items()})
+                    members[slot[1]][slot[2]] = new
+                else:
+                    changes[slot] = new
+        if "members" in changes:
+            changes["members"] = {k: tuple(v) for k, v in changes["members"].items()}
+        self._copy_into(self.spec.with_(**changes), self._unpacked())
+        return tensors
 
     def _release_placeholders(self, module: torch.nn.Module, rebuild) -> int:
         """from_pretrained: the parameters already are placeholders (never loaded). Record them
-        (and their full names, to read them back from the checkpoint) as released."""
+        (and their full names, to read them back from the checkpoint) as released, and mark them
+        so that reading one is an error."""
         names = {id(sub): sub_name for sub_name, sub in module.named_modules()}
         self._full_names = {}
-        for mod, name, p in list(self._owned_params(module, self.spec)):
-            # a loaded parameter would be contiguous (the placeholder's own strides are 0)
+        for mod, name, p in self._owned_params(module, self.spec):
+            # a loaded parameter would be contiguous (the placeholder's own strides are 0), in
+            # storage of its own from PyTorch's allocator
             stride = tuple(torch.empty(p.shape, device="meta").stride())
-            self._released.append((mod, name, p.shape, stride))
+            self._groups.append((p.numel() * p.element_size(), torch.empty(1).data_ptr() % 64))
             # full names in the root model: the block's own path, then the path inside the block
             path = ".".join(x for x in (self.name, names.get(id(mod), ""), name) if x)
-            self._full_names[(mod, name)] = path
+            self._full_names[len(self._released)] = path
+            self._released.append(_Released(p, mod, name, type(p), p.dtype, len(self._groups) - 1,
+                                            tuple(p.shape), stride, 0))
+            p.__class__ = _released_class(type(p))
+            p.__dict__[_RELEASED_ATTR] = path
         self.spec.cache["released"] = True
         self._register_state_dict_hook(module, rebuild)
         return 0
 
-    def _swap_in_real(self) -> dict:
-        """Give each released parameter fresh real storage; returns {(module, name): (old data, new)}."""
-        swapped = {}
-        for mod, name, shape, stride in self._released:
-            p = getattr(mod, name)
-            new = torch.empty_strided(shape, stride, dtype=p.dtype)
-            swapped[(mod, name)] = (p.data, new)
-            p.data = new
-        return swapped
-
     def restore(self, rebuild: Callable[[], ExpertsSpec]) -> None:
-        """Give the model its own weights back, bit-identical to before `release`, and free the
-        packed copy (this runner is done)."""
+        """Give the model its own weights back, bit-identical to before `release` and laid out as
+        they were, and free the packed copy (this runner is done). The values are complete before
+        any parameter gets them; a parameter is marked released until its data is whole, so a
+        read meanwhile (a forward that began before enable, on another thread) is an error,
+        never a half-restored tensor."""
         with self._swap_lock:
             if self._released:
-                real = self._swap_in_real()
-                try:
-                    self._fill_real(rebuild, real)
-                except BaseException:
-                    for (m2, n2), (placeholder, _) in real.items():
-                        getattr(m2, n2).data = placeholder  # still released: the model stays usable
-                    raise
+                tensors = self._fresh()  # an error here leaves the block released and working
+                for r, t in zip(self._released, tensors):
+                    with torch._C.DisableTorchFunctionSubclass():
+                        r.param.data = t
+                    r.param.__class__ = r.cls
+                    r.param.__dict__.pop(_RELEASED_ATTR, None)
                 fresh = rebuild()
                 for f in _TENSOR_FIELDS:
                     setattr(self.spec, f, getattr(fresh, f))
                 self.spec.cache.pop("released", None)
-                self._released = []
+                self._released, self._groups, self._views = [], [], {}
         if self._hook is not None:
             # only now: had the weights not come back, state_dict() must still see the real ones
             self._hook.remove()

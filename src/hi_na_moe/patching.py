@@ -552,9 +552,11 @@ def patched_member(module: nn.Module):
 
 
 def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, gate: _Gate, patched: list,
-                 prepare=None) -> BlockReport:
+                 prepare=None, holders: dict | None = None) -> BlockReport:
     """Patch one block; it joins `patched` as soon as its forward is replaced, so that a failure
-    after that point (releasing its weights) is undone with the others."""
+    after that point (releasing its weights) is undone with the others. `holders`
+    (ops.storage_holders of the model, taken before any block was released): a block whose
+    weights are held elsewhere in the model too keeps them."""
     m = match.module
     block = _block_report(match, "accelerated", choice)
     if isinstance(choice.runner, ops.NativeExperts):
@@ -580,14 +582,19 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
     _PATCHED[m] = state
     patched.append((m, match, choice))
     if isinstance(choice.runner, ops.NativeExperts) and not cfg.keep_weights:
-        # Released right after packing: peak memory grows by one block, not by the model.
-        # Forwards that reach the block from now on wait at the gate; one that another thread
-        # began before the patch runs the block's own code and is not waited for. Finding such
+        # Released right after packing (their memory goes once the next block is packed, for a
+        # kernel still reading them: NativeExperts.bury): peak memory grows by two blocks, not by
+        # the model. Forwards that reach the block from now on wait at the gate; one that another
+        # thread began before the patch runs the block's own code and is not waited for (its next
+        # read of a released weight is an error naming it, never numbers). Finding such
         # forwards meant walking the other threads' frames (sys._current_frames(), f_back,
         # f_locals), which on CPython 3.11 with torch returned objects that are not frames,
         # corrupted the running threads and crashed the interpreter within a minute of racing
         # enable/disable against forwards (a CI run failed so); so enable does not look.
-        block.released_bytes = choice.runner.release(m, match.rebuild)
+        block.released_bytes = choice.runner.release(m, match.rebuild, holders)
+        if choice.runner.kept_note:
+            note = choice.runner.kept_note
+            block.reason = f"{block.reason}; {note}" if block.reason else note
         if choice.runner.origin is not None:
             note = "expert weights never loaded: streamed from the checkpoint into the store"
             block.reason = f"{block.reason}; {note}" if block.reason else note
@@ -724,8 +731,12 @@ def enable_for_model(
         gate.acquire_write(DRAIN_TIMEOUT_S, "enable_for_model")
         dense_done: list = []
         try:
+            holders = ops.storage_holders(model) if not cfg.keep_weights else None
             for match, choice in bar:
-                report.blocks.append(_patch_block(match, choice, cfg, gate, patched, _prepare))
+                report.blocks.append(_patch_block(match, choice, cfg, gate, patched, _prepare, holders))
+                for _, _, done in patched[:-1]:  # the originals a block released, once the next is packed
+                    if isinstance(done.runner, ops.NativeExperts):
+                        done.runner.bury()
             if cfg.scope == "all" and cfg.backend != "reference":
                 from . import dense
 
@@ -775,6 +786,9 @@ def enable_for_model(
                 gate.active = False
             raise
         finally:
+            for _, _, done in patched:
+                if isinstance(done.runner, ops.NativeExperts):
+                    done.runner.bury()
             gate.release_write()
         # keep the module order of discovery in the report
         order = {match.name: i for i, match in enumerate(matches)}
