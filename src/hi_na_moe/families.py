@@ -22,8 +22,7 @@ class Family:
     causal_lm: bool  # has an AutoModelForCausalLM mapping
 
 
-def _modeling_source(model_type: str) -> tuple[str, str] | None:
-    pkg = model_type.replace("-", "_")
+def _modeling_source(pkg: str) -> tuple[str, str] | None:
     name = f"transformers.models.{pkg}.modeling_{pkg}"
     try:
         mod = importlib.import_module(name)
@@ -46,36 +45,72 @@ def _counts_experts(config_cls: type) -> bool:
     return False
 
 
+def _sub_config_classes(config_cls: type) -> set[type]:
+    """The config classes a config class nests (sub_configs, recursively)."""
+    out: set[type] = set()
+    todo = [config_cls]
+    while todo:
+        cls = todo.pop()
+        for attr in ("sub_configs", "sub_configs_defaults"):
+            for sub in (getattr(cls, attr, None) or {}).values():
+                if isinstance(sub, type) and sub not in out:
+                    out.add(sub)
+                    todo.append(sub)
+    return out
+
+
+def _top_model_types(pkg: str, model_types: list[str]) -> list[str]:
+    """The model types of one modeling package a checkpoint names: the package's own name, else
+    every type that is not a sub-config of another type of the package (Inkling's package
+    `inkling` has no type of that name; its checkpoints are `inkling_mm_model`, which nests
+    `inkling_text`, `inkling_vision` and `inkling_audio`)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    own = [t for t in model_types if t.replace("-", "_") == pkg]
+    if own:
+        return own
+    nested: set[type] = set()
+    for t in model_types:
+        nested |= _sub_config_classes(CONFIG_MAPPING[t])
+    return [t for t in model_types if CONFIG_MAPPING[t] not in nested]
+
+
 @functools.lru_cache(maxsize=1)
 def moe_families() -> tuple[Family, ...]:
     """Every model type whose modeling code has routed experts: a class using the experts
-    interface, or a config counting routed experts together with top-k routing in the code."""
+    interface, or a config counting routed experts together with top-k routing in the code.
+    One a modeling package: the type its checkpoints name (_top_model_types), found through the
+    package transformers maps each type to (a type's name is not always its package's)."""
     from transformers.models.auto import modeling_auto
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+    from transformers.models.auto.configuration_auto import (CONFIG_MAPPING, CONFIG_MAPPING_NAMES,
+                                                             model_type_to_module_name)
 
     from transformers.utils import logging as hf_logging
 
+    packages: dict[str, list[str]] = {}
+    for model_type in sorted(CONFIG_MAPPING_NAMES):
+        packages.setdefault(model_type_to_module_name(model_type), []).append(model_type)
     found = []
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # default configs of some families warn about token ids
     try:
-        for model_type, config_name in sorted(CONFIG_MAPPING_NAMES.items()):
-            src = _modeling_source(model_type)
+        for pkg, model_types in sorted(packages.items()):
+            src = _modeling_source(pkg)
             if src is None:
                 continue
             module_name, code = src
             decorated = "@use_experts_implementation" in code
-            routed = decorated or (
-                re.search(r"^class \w*(Expert|MoE|Moe|Sparse)\w*\(", code, re.MULTILINE) is not None
-                and _counts_experts(CONFIG_MAPPING[model_type])
-            )
-            if not routed:
+            sparse_classes = re.search(r"^class \w*(Expert|MoE|Moe|Sparse)\w*\(", code, re.MULTILINE) is not None
+            if not (decorated or sparse_classes):
                 continue
-            found.append(Family(
-                model_type=model_type, config_class=config_name, modeling_module=module_name,
-                uses_experts_interface=decorated,
-                causal_lm=model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-            ))
+            for model_type in _top_model_types(pkg, model_types):
+                if not (decorated or _counts_experts(CONFIG_MAPPING[model_type])):
+                    continue
+                found.append(Family(
+                    model_type=model_type, config_class=CONFIG_MAPPING_NAMES[model_type], modeling_module=module_name,
+                    uses_experts_interface=decorated,
+                    causal_lm=model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                ))
     finally:
         hf_logging.set_verbosity(verbosity)
-    return tuple(found)
+    return tuple(sorted(found, key=lambda f: f.model_type))
