@@ -5,7 +5,8 @@
 
 #include "attention_impl.h"
 #include "hina_moe/cpu_features.h"
-#include "hina_moe/moe.h"
+#include "hina_moe/attention.h"
+#include "hina_moe/ops.h"
 #include "hina_moe/thread_pool.h"
 #include "kernel_api.h"
 

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "hina_moe/attention.h"
 #include "kernel_api.h"
 
 namespace hina::attn_impl {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <new>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/experts.h"
 
 namespace hina::detail {
 
@@ -137,7 +137,7 @@ static inline const float* q4_factors(const uint8_t* panel, int gi) {
 // `ahead` bytes past the current group's: its codes, and at a block's start the block's scale
 // codes; a line at a time as the group is consumed, not a block's at once (layout 5's blocks of
 // 4 / G groups are 2 KiB at group 64: a burst of 33 prefetches a block cost several-row calls
-// 5-10 %, session 33).
+// 5-10 %; 2026-12-05, 2f179e9).
 template <int G>
 struct Q4Walk {
   const uint8_t* blk;
@@ -197,7 +197,7 @@ struct GateUpJob {
   const Layout* L;
   const ActParams* act;
   const void* w_next = nullptr;  // panel p0 of the job this thread runs next (prefetch hint)
-  // a paired up-only block (moe.h: plan_packed): h elements from a row's gate half to its up
+  // a paired up-only block (experts.h: plan_packed): h elements from a row's gate half to its up
   // half; the kernel stores g + bias_g at column c and u + bias_u at pair + c, no activation
   // (0: not paired). Columns >= I of each half are written as 0 like any h column.
   int64_t pair = 0;
@@ -230,7 +230,7 @@ struct KernelImpl {
   bool qdot = false;
 };
 
-// A quantised activation row of Kp values (Kp a multiple of 32; moe.h has the numerics):
+// A quantised activation row of Kp values (Kp a multiple of 32; experts.h has the numerics):
 // [Kp] int8 q, then [Kp/32] fp32 block scales, then [Kp/32] int32 block sums of q; the row is
 // padded to 64 bytes.
 constexpr int kActBlock = 32;

@@ -7,7 +7,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/step.h"
 #include "hina_moe/thread_pool.h"
 #include "kernel_api.h"
 #include "step_trace.h"

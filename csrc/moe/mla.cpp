@@ -5,7 +5,7 @@
 #include <stdexcept>
 
 #include "hina_moe/cpu_features.h"
-#include "hina_moe/moe.h"
+#include "hina_moe/attention.h"
 #include "hina_moe/thread_pool.h"
 #include "mla_impl.h"
 

@@ -1,4 +1,4 @@
-// Decode attention of multi-head latent attention (hina::mla_decode, csrc/include/hina_moe/moe.h),
+// Decode attention of multi-head latent attention (hina::mla_decode, csrc/include/hina_moe/attention.h),
 // written once over a vector-ops policy and compiled per tier: the baseline loops
 // (csrc/moe/mla.cpp, attention_impl.h's kLanes accumulators), AVX2 (csrc/kernels/avx2/
 // attention_avx2.cpp) and AVX-512 (csrc/kernels/avx512/attention_avx512.cpp).
@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "attention_impl.h"
-#include "hina_moe/moe.h"
+#include "hina_moe/attention.h"
 
 namespace hina::mla_impl {
 

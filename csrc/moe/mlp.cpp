@@ -19,7 +19,7 @@
 // rows as hi_na_moe.mlp.sigmoid_rows finds (tests/test_mlp.py checks both).
 #include <cmath>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/ops.h"
 #include "kernel_api.h"
 
 namespace hina {

@@ -21,7 +21,7 @@
 // each piece. The old cap of 8 panels made int4's down pieces 64 KiB (8 KiB panels) and its
 // q/k/v and o_proj pieces 128 KiB: on an AMD Zen 5 whole OLMoE int4 decode steps took 4-7 %
 // less time with 1 MiB pieces (int8 2-4 %, lossless12 1-2 %), under a competing process too,
-// and 35 % more with 32 KiB ones (benchmarks/RESULTS.md, session 25).
+// and 35 % more with 32 KiB ones (benchmarks/log/, 2026-12-04, 12f9408).
 #include <cmath>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/experts.h"
 #include "hina_moe/thread_pool.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
@@ -188,7 +188,7 @@ bool qdot_from_name(const char* name, QDot* out) {
 
 namespace detail {
 
-// The activation quantisation of the integer-dot kernels (moe.h): the portable build of
+// The activation quantisation of the integer-dot kernels (experts.h): the portable build of
 // moe/quant_panel.h's lane-wise code here (no FMA contraction in moe.cpp), the AVX-512 / AVX2
 // builds where the CPU has them (same bytes: tested).
 void quant_act_row_portable(const float* x, int64_t Kp, uint8_t* row) { qp::quant_act_row<4>(x, Kp, row); }
@@ -873,7 +873,7 @@ std::unique_ptr<PackedExperts> PackedExperts::copy_of(const PackedHeader& h, con
   pe->hdr_ = h;
   void* own = alloc_weights(h.nbytes);
   // in 2 MiB pieces over the pool: the page faults (the OS zeroing each fresh page, 44 % of a
-  // copy's samples in session 22's profile) run on the thread that faults
+  // copy's samples in a profile of 2026-12-02, aa179b1) run on the thread that faults
   constexpr size_t kPiece = size_t(2) << 20;
   const size_t pieces = (h.nbytes + kPiece - 1) / kPiece;
   ThreadPool::global().run(default_num_threads(), [&](int tid, int n) {

@@ -9,7 +9,7 @@
 // few rows of a decode step, where a call into PyTorch's ~7 ops costs far more than the work.
 #include <cmath>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/ops.h"
 #include "kernel_api.h"
 
 namespace hina {

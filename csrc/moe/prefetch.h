@@ -4,12 +4,12 @@
 // HINA_MOE_PREFETCH_BYTES when it holds a multiple of 64 in [0, 65536], else by the CPU's vendor.
 // The best distance depends on the memory system (benchmarks/bench_prefetch.py and
 // bench_decode_breakdown.py --ab-prefetch, distances interleaved in one process; RESULTS.md):
-// - Intel (the Xeon with AMX of sessions 5-11): 4 KiB. Against the first guess (1 KiB
+// - Intel (the Xeon with AMX measured until 2026-11-30): 4 KiB. Against the first guess (1 KiB
 //   into L1) it took an OLMoE-shaped decode op from 19.0 to 22.6 GB/s; 2 KiB was 6 % slower at
-//   int4 in session 11. The L2 streamer stops at every 4 KiB page; a page ahead keeps it going.
-// - AMD (EPYC Zen 4 with AVX-512): 1 KiB. Session 12: 4 KiB was the worst of 0-4 KiB at every
+//   int4 (2026-11-30, a13f73e). The L2 streamer stops at every 4 KiB page; a page ahead keeps it going.
+// - AMD (EPYC Zen 4 with AVX-512): 1 KiB. First measured: 4 KiB was the worst of 0-4 KiB at every
 //   width (whole OLMoE steps 2 KiB against 4 KiB -10 % int4, -16 % lossless, -2 % int8, Qwen
-//   int4 -8 %). Session 27, the kernels of layout 4 (in-process A/B, tuning build): int4 whole
+//   int4 -8 %). Measured again on 2026-12-05 (5ffb27c), the kernels of layout 4 (in-process A/B, tuning build): int4 whole
 //   steps 2.4-4 % shorter at 1 KiB than at 2 KiB (OLMoE and Qwen 4L, both host phases; 512 bytes
 //   and none alike), int8 steps equal (Qwen 4L) or 6 % shorter (OLMoE), lossless12 equal; at
 //   op level int4 +3 %, int8 -0.5 %, bf16 equal; the AVX2 kernels on that core int8 +47 %,
@@ -24,7 +24,7 @@
 // Jobs of several rows (batched decode, prefill; the int8 / int4 kernels only), on AMD: none for 2-3
 // rows, 16 KiB for kManyRows (4) or more. A row block of 2-3 rows takes longer per byte than the
 // memory system delivers it, and a software prefetch 1 KiB ahead slowed such jobs instead of
-// helping (session 32: the int4 lm_head of Qwen1.5-MoE 4L at 4 rows 9.7 ms at 1 KiB, 8.6 with
+// helping (2026-12-05, ebf37b6: the int4 lm_head of Qwen1.5-MoE 4L at 4 rows 9.7 ms at 1 KiB, 8.6 with
 // none, 7.2 at 16 KiB; 2 rows best without a far one; benchmarks/study_linear_rows.py). Whole
 // steps (bench_batch_decode.py --ab-prefetch, three runs): batches of 4 / 8 / 16 sequences
 // 1.22x / 1.10x / 1.06-1.11x faster at 16 KiB than at 1 KiB and 1.13-1.15x / 1.07-1.08x /

@@ -1,4 +1,4 @@
-// Quantisation of one 16-row panel (the contract in hina_moe/moe.h), written once with GCC/Clang
+// Quantisation of one 16-row panel (the contract in hina_moe/experts.h), written once with GCC/Clang
 // vector extensions so that the same lane-wise operations compile to SSE2/NEON in the baseline
 // translation unit and to AVX-512 in kernels/avx512/quant_avx512.cpp: lane n is output row n,
 // and every lane performs exactly the scalar definition's operations in the same order (each
@@ -168,7 +168,7 @@ static inline V rotate_lanes(V v, std::index_sequence<Is...>) {
 template <typename V>
 static inline V max_nan(V a, V m) { return (a > m || a != a) ? a : m; }
 
-// The activation quantisation of the integer-dot kernels (moe.h): one row of Kp fp32 values
+// The activation quantisation of the integer-dot kernels (experts.h): one row of Kp fp32 values
 // (Kp a multiple of 32) into [Kp] int8, [Kp/32] fp32 scales, [Kp/32] int32 sums. Lane-wise
 // operations only (the block max is exact in any order, NaN-propagating), so every build
 // writes the same bytes.

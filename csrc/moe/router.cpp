@@ -1,5 +1,5 @@
 // A MoE router's selection from its logits (hi_na_moe.routers), in the forms transformers writes
-// (moe.h): softmax then top-k (optionally choosing on the probabilities plus a correction bias and
+// (hina_moe/ops.h): softmax then top-k (optionally choosing on the probabilities plus a correction bias and
 // keeping the probabilities as weights: ERNIE 4.5), top-k then a softmax over the k, and the
 // grouped forms of DeepSeek-V3 (sigmoid), DeepSeek-V2 (softmax) and Mistral 4 (softmax in the
 // logits' dtype).
@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/ops.h"
 #include "kernel_api.h"
 
 namespace hina {
@@ -103,7 +103,7 @@ void choose(const RouterSelectArgs& a, DType dt, Entry* c, const float* s, int64
 
 // DeepSeek-V3's grouped selection (kSigmoidGroupTopk) of one row of E float32 logits, as the
 // module's ops compute it: sigmoid, the bias added, group scores, the groups' and the experts'
-// top-k (moe.h). q: G + E entries of scratch, s: E floats of scratch.
+// top-k (hina_moe/ops.h). q: G + E entries of scratch, s: E floats of scratch.
 void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, Entry* q, std::vector<char>& keep, float* s,
                        int64_t* idx, float* w) {
   const int64_t E = a.E, G = a.groups, n = E / G;
@@ -120,7 +120,7 @@ void sigmoid_group_row(const RouterSelectArgs& a, const float* logits, Entry* q,
   choose(a, DType::kF32, c, s, idx, w);
 }
 
-// DeepSeek-V2's selection (kSoftmaxGroupTopk) of one row of E float32 logits (moe.h), p holding
+// DeepSeek-V2's selection (kSoftmaxGroupTopk) of one row of E float32 logits (hina_moe/ops.h), p holding
 // them. q: G + E entries of scratch.
 void softmax_group_row(const RouterSelectArgs& a, float* p, Entry* q, std::vector<char>& keep, int64_t* idx,
                        float* w) {
@@ -145,7 +145,7 @@ void softmax_group_row(const RouterSelectArgs& a, float* p, Entry* q, std::vecto
   }
 }
 
-// Mistral 4's selection (kSoftmaxGroupTopkInDtype) of one row of E logits (moe.h), p holding them as
+// Mistral 4's selection (kSoftmaxGroupTopkInDtype) of one row of E logits (hina_moe/ops.h), p holding them as
 // float32; every step rounded to the logits' dtype. q: G + E entries of scratch.
 void softmax_group_in_dtype_row(const RouterSelectArgs& a, float* p, Entry* q, std::vector<char>& keep, int64_t* idx,
                                 float* w) {

@@ -1,9 +1,9 @@
-// decode_layers' timeline in a tuning build (HINA_PREFETCH_TUNING; hina_moe/moe.h's StepTraceEvent):
+// decode_layers' timeline in a tuning build (HINA_PREFETCH_TUNING; hina_moe/step.h's StepTraceEvent):
 // lap(op) closes the span since the previous lap as op's while a decode_layers call runs on this
 // thread (layer_step.cpp). A release build compiles every lap to nothing.
 #pragma once
 
-#include "hina_moe/moe.h"
+#include "hina_moe/step.h"
 
 namespace hina::detail {
 

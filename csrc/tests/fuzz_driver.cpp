@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "hina_moe/cpu_features.h"
-#include "hina_moe/moe.h"
+#include "hina_moe/experts.h"
 #include "moe/kernel_api.h"
 
 extern "C" int hina_fuzz_packed_header_one(const uint8_t* data, size_t size);

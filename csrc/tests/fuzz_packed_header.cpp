@@ -16,7 +16,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/experts.h"
 #include "moe/kernel_api.h"
 
 namespace {

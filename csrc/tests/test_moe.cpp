@@ -316,7 +316,7 @@ void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& t
       note(std::string(name) + " vs generic", e);
       // the bf16-tile (AMX) and bf16-dot kernels round x and h to bf16: also against the twin
       // that rounds where they do; the dot kernel at 2e-3 (it measured <= 4e-5 on the AMD EPYC
-      // of session 13: summation order and denormals only), the AMX one at the plain tolerance
+      // of 2026-11-30, a3f9ea6: summation order and denormals only), the AMX one at the plain tolerance
       const bool dot = ends_with(name, "_avx512bf16");
       if (dot || ends_with(name, "_amx")) {
         detail::KernelImpl twin;
@@ -447,7 +447,7 @@ struct QFmt {
 const QFmt kQFmts[] = {{WFormat::kInt8, 64, "int8"}, {WFormat::kInt4, 32, "int4g32"},
                        {WFormat::kInt4, 64, "int4g64"}, {WFormat::kInt4, 128, "int4g128"}};
 
-// The quantisation written out again from the contract in moe.h (independent of moe.cpp):
+// The quantisation written out again from the contract in experts.h (independent of moe.cpp):
 // dequantised [N, K] matrices of every expert, in fp32.
 std::vector<float> quantise_ref(DType dt, const std::vector<uint8_t>& src, int64_t E, int64_t N,
                                 int64_t K, const QFmt& q) {
@@ -778,7 +778,7 @@ void test_quant_packing(const std::vector<Isa>& tiers) {
   }
 }
 
-// int4 layout v5, written out again from moe.h: a panel starts with its rows' fp32 factors (64
+// int4 layout v5, written out again from experts.h: a panel starts with its rows' fp32 factors (64
 // bytes a matrix), then blocks of 64 scale-code bytes and the codes of their groups: two groups of
 // a gate/up pair a block, four of a single matrix (down, dense linear layers); a count that is not
 // a multiple ends with a block of the rest, its unused scale bytes zero. Checked on the planned
@@ -839,7 +839,7 @@ void test_int4_layout(const std::vector<Isa>& tiers) {
             ok = ok && panel[64 + g / 4 * blk + g % 4 * 16 + n] == 0;
         }
         report(ok, "int4 layout g" + std::to_string(group) + " x" + std::to_string(ng) + " groups " + isa_name(isa) +
-                       ": a dense block's factors, scale codes and codes where moe.h says");
+                       ": a dense block's factors, scale codes and codes where experts.h says");
       }
     }
 }

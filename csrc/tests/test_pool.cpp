@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/experts.h"
 #include "hina_moe/thread_pool.h"
 
 using namespace hina;

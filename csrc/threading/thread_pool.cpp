@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/types.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

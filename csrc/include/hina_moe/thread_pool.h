@@ -7,7 +7,7 @@
 //   when it wakes or by the caller once its own share is done, whichever comes first, so a
 //   worker descheduled by another process costs its share's time on the caller, not the wait
 //   until the scheduler runs it again (a decode step under a competing process: 2.4-2.7x
-//   the speed it has on OpenMP's team; benchmarks/RESULTS.md, session 21).
+//   the speed it has on OpenMP's team; benchmarks/log/, 2026-12-02, d21e2e4).
 // - openmp: the team of the GNU OpenMP runtime (libgomp) already loaded in the process, e.g.
 //   by PyTorch, entered through its stable ABI entry point GOMP_parallel (found with dlopen
 //   RTLD_NOLOAD on the loaded library; nothing is linked). When PyTorch's OpenMP workers have

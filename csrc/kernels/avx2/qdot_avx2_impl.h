@@ -22,7 +22,7 @@
 //         accumulator at -8 * sum(qx_b).
 //   Per block: vcvtdq2ps + one FMA with the block's activation scale; int8 multiplies the row
 //   scale at the end, int4 applies each group's step with one FMA and the row factor at the end
-//   (moe.h's order, as the
+//   (experts.h's order, as the
 //   generic emulation).
 // NT <= 2 (int8) / 1 (int4) rows share each weight load: 16 ymm registers hold NT x G x 2 int32
 // and as many fp32 accumulators (int4 also its group sums).
@@ -118,7 +118,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) out[r][gi][0] = out[r][gi][1] = _mm256_setzero_ps();
     // the groups' steps: one row decodes them here, several read them from dsc
-    // (qpanel_loops_avx2.h); the rows' factors multiply the sums once at the end (moe.h's order)
+    // (qpanel_loops_avx2.h); the rows' factors multiply the sums once at the end (experts.h's order)
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead) q.prefetch(ahead, prefetch);

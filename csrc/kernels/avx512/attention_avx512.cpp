@@ -8,7 +8,8 @@
 #include <type_traits>
 
 #include "hina_moe/cpu_features.h"
-#include "hina_moe/moe.h"
+#include "hina_moe/attention.h"
+#include "hina_moe/ops.h"
 #include "moe/attention_impl.h"
 #include "moe/mla_impl.h"
 #include "vec_avx512.h"

@@ -3,7 +3,7 @@
 // (the "flash attention" order), so the [T, S] score matrix never exists in memory.
 //
 // Why: PyTorch's SDPA reached 76-148 GFLOP/s on prefill at 512-4096 tokens on the AMD EPYC of
-// session 14 (8-25 % of an OLMoE-1B-7B prefill); the bf16 dot product does 32 multiply-adds per
+// 2026-12-01, fd064b4 (8-25 % of an OLMoE-1B-7B prefill); the bf16 dot product does 32 multiply-adds per
 // instruction with float32 sums. See benchmarks/bench_prefill_attention.py.
 //
 // Per (batch b, kv head g), once: the keys are packed into blocks of kNk = 32 keys laid out
@@ -29,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#include "hina_moe/moe.h"
+#include "hina_moe/attention.h"
 #include "hina_moe/thread_pool.h"
 #include "vec_avx512.h"
 

@@ -1,4 +1,4 @@
-// [NOTE] moe_decode_l12_avx512: lossless12 weights (PackedHeader in hina_moe/moe.h), decoded
+// [NOTE] moe_decode_l12_avx512: lossless12 weights (PackedHeader in hina_moe/experts.h), decoded
 // in registers; and the AVX-512 panel decompressor (the wrapped kernels' path). One
 // implementation, two builds (each TU keeps its own copy: internal linkage):
 //   moe_l12_avx512.cpp      F/BW/VL (moe_avx512.cpp's flags): the high bytes by vpshufb zmm of
@@ -8,7 +8,7 @@
 //                           (vpsrlvw), then vpermb, which reads only the index bits it needs
 //                           (the table repeats in every 128-bit lane), so no masking or joining:
 //                           3 fewer ops per block, the same bytes (tested); one core decoded
-//                           6-10 % more packed bytes per second on the AMD EPYC of session 13.
+//                           6-10 % more packed bytes per second on the AMD EPYC (2026-11-30, 496cb46).
 //
 // Data layout (one lossless12 panel; nb blocks of 64 weights = two plain bf16 vectors):
 //   | part        | bytes                  | holds                                         |

@@ -19,7 +19,7 @@
 // 16 (q + 8), into a second chain that the block's end shifts back: the same integer), then
 // vcvtdq2ps and one FMA with the block's activation scale; int8 multiplies the row scale once
 // at the end, int4 applies each group's step (q4_step) with one FMA per group and the row
-// factor once at the end (moe.h fixes this order; the generic emulation follows it, so only the
+// factor once at the end (experts.h fixes this order; the generic emulation follows it, so only the
 // activation epilogue differs from it).
 // NT <= 4 (int8) / 3 (int4) rows share each loaded weight vector (prefill reuse): NT * G (int4:
 // 2 NT * G) int32 and NT * G fp32 accumulators stay in registers.
@@ -48,7 +48,7 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// out[r][gi]: 16 columns of matrix gi dotted with row r, all scales applied (moe.h order).
+// out[r][gi]: 16 columns of matrix gi dotted with row r, all scales applied (experts.h order).
 template <WFormat F, int G, int NT>
 inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, const float* dsc, const QRows<NT>& x,
                        __m512 out[][2]) {
@@ -91,7 +91,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
     for (int r = 0; r < NT; ++r)
       for (int gi = 0; gi < G; ++gi) y[r][gi] = _mm512_setzero_ps();
     // the groups' steps: one row decodes them here, several read them from dsc (qpanel_loops.h);
-    // the rows' factors multiply the sums once at the end (moe.h's order)
+    // the rows' factors multiply the sums once at the end (experts.h's order)
     Q4Walk<G> q(panel, group);
     for (int64_t k0 = 0, g = 0; k0 < Kp; k0 += group, ++g, q.next()) {
       if (ahead) q.prefetch(ahead, prefetch);
@@ -105,7 +105,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int ahead, c
         // ah the high nibbles kept in place (16 * (q + 8), no shift per vector), which the block's
         // end shifts back; int32 sums, so the result is the same integer as one chain's. (One
         // chain for several rows, the high nibbles shifted down once a vector, measured no
-        // faster: session 33.)
+        // faster: 2026-12-05, 8e7a8ac.)
         __m512i ai[NT][G], ah[NT][G];
         for (int r = 0; r < NT; ++r) {
           const __m512i c = _mm512_set1_epi32(-8 * x.sum[r][b]);

@@ -1,7 +1,7 @@
 // [NOTE] moe_*_generic: the scalar oracle every SIMD MoE kernel is tested against, for every
 // weight format (lossless f32/bf16/f16, int8, int4).
 //
-// Data layout: layout v5 quantised panels (see PackedHeader in hina_moe/moe.h):
+// Data layout: layout v5 quantised panels (see PackedHeader in hina_moe/experts.h):
 //   | format | one panel (16 output rows, reduction length Kp, G matrices)                       |
 //   |--------|-----------------------------------------------------------------------------------|
 //   | int8   | [G][16] fp32 row scales (64*G B), then [Kp/4][G][16][4] int8 (4 k per 32-bit lane) |
@@ -125,7 +125,7 @@ void down_generic(const DownJob& j) {
   }
 }
 
-// ---- integer dot (qdot): the exact emulation of the contract in moe.h ----
+// ---- integer dot (qdot): the exact emulation of the contract in experts.h ----
 
 // Column n of matrix gi of a quantised panel dotted with a quantised activation row.
 float qdot_col(const uint8_t* panel, const Layout& L, int64_t Kp, int G, int gi, int n, const void* row) {
