@@ -1,9 +1,10 @@
 // Decode attention and rotary embedding for hi_na_moe's attention path (scope="all",
-// hi_na_moe/attention.py): the baseline build of attention_impl.h, the dispatch to the AVX-512
-// and AVX2 builds, and rope_rotate_half.
+// hi_na_moe/attention.py): the baseline build of attention_impl.h, the calls into the AVX-512
+// and AVX2 builds (chosen in dispatch/select.cpp), and rope_rotate_half.
 #include <algorithm>
 
 #include "attention_impl.h"
+#include "dispatch/select.h"
 #include "hina_moe/cpu_features.h"
 #include "hina_moe/attention.h"
 #include "hina_moe/ops.h"
@@ -92,8 +93,7 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
     const char* sb = static_cast<const char*>(sin) + b0 * width * es;
     char* ob = static_cast<char*>(out) + b0 * heads * D * es;
 #if defined(HINA_HAVE_X86_KERNELS)
-    // (partial rotary dims: the baseline loops, not vectorised)
-    if (dt == DType::kBF16 && (isa == Isa::kAvx512 || isa == Isa::kAmx) && rot == D)
+    if (detail::rope_bf16_avx512(dt, isa, rot, D))
       return detail::rope_rotate_half_bf16_avx512(reinterpret_cast<const uint16_t*>(xb), b1 - b0, heads, D,
                                                   reinterpret_cast<const uint16_t*>(cb),
                                                   reinterpret_cast<const uint16_t*>(sb), reinterpret_cast<uint16_t*>(ob),
@@ -222,8 +222,11 @@ void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
   if (rows <= 0) return;
   auto part = [&](int64_t h0, int64_t h1) {
 #if defined(HINA_HAVE_X86_KERNELS)
-    if (isa == Isa::kAvx512 || isa == Isa::kAmx) return detail::attention_decode_avx512(a, h0, h1);
-    if (isa == Isa::kAvx2) return detail::attention_decode_avx2(a, h0, h1);
+    switch (detail::vec_build(isa)) {
+      case detail::VecBuild::kAvx512: return detail::attention_decode_avx512(a, h0, h1);
+      case detail::VecBuild::kAvx2: return detail::attention_decode_avx2(a, h0, h1);
+      case detail::VecBuild::kBase: break;
+    }
 #endif
     attn_impl::run(a, h0, h1);
   };
@@ -235,13 +238,7 @@ void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
 }
 
 bool attention_prefill_supported(const AttnPrefillArgs& a, Isa isa) {
-#if defined(HINA_HAVE_X86_KERNELS)
-  return (isa == Isa::kAvx512 || isa == Isa::kAmx) && cpu_features().avx512bf16 && a.D % 16 == 0 && a.D >= 16 &&
-         a.D <= 256 && a.Hkv > 0 && a.Hq % a.Hkv == 0;
-#else
-  (void)a, (void)isa;
-  return false;
-#endif
+  return detail::attention_prefill_bf16(a, isa);
 }
 
 bool attention_prefill(const AttnPrefillArgs& a, int num_threads, Isa isa) {

@@ -1,4 +1,4 @@
-// Internal contract between the driver (moe.cpp, baseline flags) and the per-ISA kernel
+// Internal contract between the driver (experts/ and dispatch/select.cpp, baseline flags) and the per-ISA kernel
 // translation units. Header-only scalar helpers live here so every TU (including the generic
 // oracle) converts and activates with the same code.
 #pragma once
@@ -254,7 +254,7 @@ struct QRows {
   }
 };
 // Quantises x[0, Kp) into a row as above: the lane-wise code in moe/quant_panel.h, its AVX-512
-// or AVX2 build where the CPU has it, else the portable build in moe.cpp (same bytes; tested).
+// or AVX2 build where the CPU has it, else the portable build in experts/codecs.cpp (same bytes; tested).
 void quant_act_row(const float* x, int64_t Kp, uint8_t* row);
 void quant_act_row_portable(const float* x, int64_t Kp, uint8_t* row);
 void quant_act_row_avx512(const float* x, int64_t Kp, uint8_t* row);

@@ -1,5 +1,5 @@
 // Decode attention of multi-head latent attention (hina::mla_decode): the baseline build of
-// mla_impl.h and the dispatch to its AVX-512 and AVX2 builds.
+// mla_impl.h and the calls into its AVX-512 and AVX2 builds (chosen in dispatch/select.cpp).
 #include <algorithm>
 #include <atomic>
 #include <stdexcept>
@@ -7,6 +7,7 @@
 #include "hina_moe/cpu_features.h"
 #include "hina_moe/attention.h"
 #include "hina_moe/thread_pool.h"
+#include "dispatch/select.h"
 #include "mla_impl.h"
 
 namespace hina {
@@ -37,8 +38,11 @@ void mla_decode(const MlaDecodeArgs& a, int num_threads, Isa isa) {
   if (a.B <= 0 || a.H <= 0) return;
   auto part = [&](int64_t h0, int64_t h1) {
 #if defined(HINA_HAVE_X86_KERNELS)
-    if (isa == Isa::kAvx512 || isa == Isa::kAmx) return detail::mla_decode_avx512(a, h0, h1);
-    if (isa == Isa::kAvx2) return detail::mla_decode_avx2(a, h0, h1);
+    switch (detail::vec_build(isa)) {
+      case detail::VecBuild::kAvx512: return detail::mla_decode_avx512(a, h0, h1);
+      case detail::VecBuild::kAvx2: return detail::mla_decode_avx2(a, h0, h1);
+      case detail::VecBuild::kBase: break;
+    }
 #else
     (void)isa;
 #endif

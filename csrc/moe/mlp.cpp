@@ -20,6 +20,7 @@
 #include <cmath>
 
 #include "hina_moe/ops.h"
+#include "dispatch/select.h"
 #include "kernel_api.h"
 
 namespace hina {
@@ -43,7 +44,7 @@ void silu_mul_rows(const void* g, const void* u, int64_t n, void* out) {
 
 void silu_mul(DType dt, Isa isa, const void* g, const void* u, int64_t n, void* out) {
 #if defined(HINA_HAVE_X86_KERNELS)
-  if (isa == Isa::kAvx512 || isa == Isa::kAmx) return detail::silu_mul_avx512(dt, g, u, n, out);
+  if (detail::vec_build(isa) == detail::VecBuild::kAvx512) return detail::silu_mul_avx512(dt, g, u, n, out);
 #endif
   (void)isa;
   switch (dt) {

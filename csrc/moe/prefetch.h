@@ -1,6 +1,6 @@
 // Software prefetch of the weight stream, shared by the FMA and integer-dot kernels (avx2, avx512).
 //
-// Distance: fixed when the library loads (load_prefetch_distance, moe.cpp), into L2 (prefetcht1):
+// Distance: fixed when the library loads (load_prefetch_distance, experts/forward.cpp), into L2 (prefetcht1):
 // HINA_MOE_PREFETCH_BYTES when it holds a multiple of 64 in [0, 65536], else by the CPU's vendor.
 // The best distance depends on the memory system (benchmarks/bench_prefetch.py and
 // bench_decode_breakdown.py --ab-prefetch, distances interleaved in one process; RESULTS.md):
@@ -46,10 +46,10 @@
 
 namespace hina::detail::pf {
 
-int load_prefetch_distance();  // moe.cpp: the environment or the CPU's vendor
-int load_rows_prefetch(bool many);  // moe.cpp: the same for jobs of 2-3 rows (many: kManyRows or more)
+int load_prefetch_distance();  // experts/forward.cpp: the environment or the CPU's vendor
+int load_rows_prefetch(bool many);  // experts/forward.cpp: the same for jobs of 2-3 rows (many: kManyRows or more)
 constexpr int64_t kManyRows = 4;
-bool load_l12_prefetch();      // moe.cpp: whether the lossless12 kernel prefetches (see above)
+bool load_l12_prefetch();      // experts/forward.cpp: whether the lossless12 kernel prefetches (see above)
 inline const bool g_l12_prefetch = load_l12_prefetch();
 inline bool l12_prefetch() { return g_l12_prefetch; }
 

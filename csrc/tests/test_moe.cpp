@@ -447,7 +447,7 @@ struct QFmt {
 const QFmt kQFmts[] = {{WFormat::kInt8, 64, "int8"}, {WFormat::kInt4, 32, "int4g32"},
                        {WFormat::kInt4, 64, "int4g64"}, {WFormat::kInt4, 128, "int4g128"}};
 
-// The quantisation written out again from the contract in experts.h (independent of moe.cpp):
+// The quantisation written out again from the contract in experts.h (independent of experts/packing.cpp):
 // dequantised [N, K] matrices of every expert, in fp32.
 std::vector<float> quantise_ref(DType dt, const std::vector<uint8_t>& src, int64_t E, int64_t N,
                                 int64_t K, const QFmt& q) {

@@ -18,7 +18,7 @@
 //            p, p+1, tmm0/1 = C for A0 x (B0, B1), tmm2/3 = C for A1 -> 4 dpbf16ps per 4 loads
 //            (was 2 per 3 with one panel; an odd last panel runs alone).
 //   Loop order: panel (pair) outer, 32-row blocks inner (panels stay in L2 across row blocks).
-//   Threads: the driver hands these kernels small work items dynamically (moe.cpp header).
+//   Threads: the driver hands these kernels small work items dynamically (experts/forward.cpp header).
 //   Epilogue (AVX-512): C tiles stored to a 4 KiB stack buffer; bias, limits, activation,
 //   bf16 rounding (gate/up) or routing weight + scatter-add into fp32 rows (down).
 // Quantised weights (moe_prefill_int8_amx / moe_prefill_int4_amx): each panel (layout v5: 4 k

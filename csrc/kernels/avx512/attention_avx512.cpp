@@ -11,6 +11,7 @@
 #include "hina_moe/attention.h"
 #include "hina_moe/ops.h"
 #include "moe/attention_impl.h"
+#include "dispatch/select.h"
 #include "moe/mla_impl.h"
 #include "vec_avx512.h"
 
@@ -24,11 +25,9 @@ void mla_latent_sums_bf16dot(const float* p, int64_t G, int64_t L, const uint16_
 
 namespace {
 
-// Whether bfloat16 latent caches are read with bf16 dot products (mla_scores_avx512bf16.cpp)
-bool bf16_dots() {
-  static const bool cpu = cpu_features().avx512bf16;
-  return cpu && mla_bf16_dots();
-}
+// Whether bfloat16 latent caches are read with bf16 dot products (mla_scores_avx512bf16.cpp;
+// the choice is dispatch/select.cpp's)
+bool bf16_dots() { return detail::mla_scores_bf16(); }
 
 // 16 values of a row as float32 (bf16: shift into the high half; f16: the F16C conversion).
 template <class T>

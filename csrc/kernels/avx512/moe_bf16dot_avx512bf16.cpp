@@ -1,7 +1,7 @@
 // [NOTE] moe_prefill_bf16_avx512bf16: the prefill of bf16 models on AVX-512 CPUs that have the
 // AVX512-BF16 dot product (vdpbf16ps) and no AMX (AMD Zen 4 and later, Intel Cooper Lake).
 // Flags: the avx512 TU's flags + -mavx512bf16; called only when cpu_features() reports it
-// (dispatch in moe.cpp, tier `avx512`).
+// (dispatch/select.cpp, tier `avx512`).
 //
 // Why: the plain AVX-512 kernel (moe_avx512.cpp) keeps x and h in fp32 and widens every weight
 // pair with two integer ops before two FMAs. Prefill is compute-bound, and there it ran at the

@@ -1,5 +1,5 @@
 // The AVX512-VBMI build of the lossless12 decode kernels (kernels/avx512/l12_avx512_impl.h has
-// the design); only called when the CPU reports AVX512-VBMI (dispatch in moe.cpp).
+// the design); only called when the CPU reports AVX512-VBMI (dispatch/select.cpp).
 #include "kernels/avx512/l12_avx512_impl.h"
 
 #if !defined(__AVX512VBMI__)
