@@ -103,7 +103,7 @@ _TENSOR_FIELDS = ("gate_up", "gate", "up", "down", "gate_up_bias", "down_bias")
 # enable_for_model on another thread, `model.half()`, a pickle) gets an error naming it, never
 # the placeholder's zeros.
 
-# what reads no values: the result is returned as it is
+# what reads no values: the result is returned as it is (so are the is_*() queries but is_nonzero)
 _RELEASED_META = frozenset({
     "shape", "dtype", "device", "layout", "ndim", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn",
     "names", "itemsize", "nbytes", "size", "dim", "stride", "numel", "nelement", "element_size", "data_ptr",
@@ -141,6 +141,16 @@ def _meta_twin(t):
         shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
         span = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else offset
         return torch.empty(span, dtype=t.dtype, device="meta").as_strided(shape, stride, offset)
+
+
+def _meta_layout(t):
+    """A released tensor as a meta-device tensor of its layout, dtype and requires_grad (anything
+    else as it is)."""
+    if not is_released(t):
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        twin = _meta_twin(t)
+        return twin.requires_grad_(t.requires_grad) if t.is_floating_point() else twin
 
 
 def _from_twin(out, name: str):
@@ -195,7 +205,7 @@ def _released_torch_function(cls, func, types, args=(), kwargs=None):
         else:
             what = attr + " ="
     name = _released_name([*args, *kwargs.values()]) or "an expert weight"
-    if what in _RELEASED_META:
+    if what in _RELEASED_META or (what.startswith(("is_", "_is_")) and what != "is_nonzero"):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if what == "__repr__":
@@ -578,10 +588,15 @@ class NativeExperts:
             for r in self._released:
                 self._grave.append(r.param.data)
                 r.param.data = _hollow(r.shape, r.stride, r.offset, r.dtype)
-        # the spec's views still point at the old storage: repoint them at the released parameters
+        # the spec's views still point at the old storage: repoint them, at meta-device twins of
+        # the released ones (their shape, strides, dtype and requires_grad: what the runner and
+        # torch.compile's tracing read of them; no values, and not the released tensors, whose
+        # every access would go through _released_torch_function)
         fresh = rebuild()
         for f in _TENSOR_FIELDS:
-            setattr(self.spec, f, getattr(fresh, f))
+            setattr(self.spec, f, _meta_layout(getattr(fresh, f)))
+        if getattr(fresh, "members", None) is not None:
+            self.spec.members = {k: tuple(_meta_layout(t) for t in ts) for k, ts in fresh.members.items()}
         self.spec.cache["released"] = True
         self._register_state_dict_hook(module, rebuild)
         return sum(nbytes for nbytes, _ in self._groups)
@@ -658,9 +673,9 @@ class NativeExperts:
         changes: dict = {}
         with torch._C.DisableTorchFunctionSubclass():
             for slot, t in self._spec_slots(self.spec):
-                if t.is_meta:
-                    continue
                 view = self._views.get(slot)
+                if view is None and t.is_meta:
+                    continue  # a stacked field of separate experts' members: shape only
                 new = over(*view, t.dtype) if view is not None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
                 if isinstance(slot, tuple):
                     members = changes.setdefault("members", {k: list(v) for k, v in self.spec.members.items()})
@@ -711,6 +726,8 @@ class NativeExperts:
                 fresh = rebuild()
                 for f in _TENSOR_FIELDS:
                     setattr(self.spec, f, getattr(fresh, f))
+                if getattr(fresh, "members", None) is not None:
+                    self.spec.members = fresh.members
                 self.spec.cache.pop("released", None)
                 self._released, self._groups, self._views = [], [], {}
         if self._hook is not None:
