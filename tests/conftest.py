@@ -10,7 +10,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("HINA_CHECK_RAW", "1")  # raw bindings check their ranges (csrc/binding/raw.cpp)
 
 
 def pytest_configure(config):
