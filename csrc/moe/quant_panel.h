@@ -4,7 +4,7 @@
 // and every lane performs exactly the scalar definition's operations in the same order (each
 // TU including this is built with -ffp-contract=off, so no FMA contraction changes a rounding).
 // The bytes written are therefore identical whichever TU runs (tested against an independent
-// scalar quantisation in csrc/tests/test_moe.cpp).
+// scalar quantisation in csrc/tests/test_quant.cpp).
 #pragma once
 
 #include <cstdint>
