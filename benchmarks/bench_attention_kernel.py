@@ -8,7 +8,7 @@ figures are DRAM-bound; at short context it is not (as in a real step, where the
 step streams evict the cache between layers: these short-context figures are a lower bound).
 Arms alternate call by call (in-process A/B); medians over --calls calls per arm.
 
-- native: `_native.attention_decode_raw` (what hi_na_moe.attention calls; no argument checks),
+- native: `_native.attention_decode_raw` (what hi_na_moe.fastpath.attention calls; no argument checks),
   on each tier this CPU has;
 - sdpa: `torch.nn.functional.scaled_dot_product_attention` on [1, heads, 1, D] queries and
   [1, kv_heads, S, D] caches (enable_gqa when kv_heads < heads), what transformers' "sdpa"

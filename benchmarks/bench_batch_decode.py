@@ -20,7 +20,7 @@ round in one process. Needs the tuning build (pip install ... -Ccmake.define.HIN
 the kernels read HINA_PF* at every job there, never in a release build).
 
 --ab-decode-rows A,B,...: arms that differ only in how many rows the native decode paths take
-(dense.DECODE_MAX_ROWS and the routers' and attention's copies of it; "-" leaves the library's),
+(fastpath.common.DECODE_MAX_ROWS and the copies of it the other parts import; "-" leaves the library's),
 a Python-level switch, so in a release build; a batch above an arm's limit runs the modules'
 own forwards.
 
@@ -174,15 +174,15 @@ def main() -> int:
                 os.environ["HINA_PFM"] = value
         return put
 
-    from hi_na_moe import attention, dense, layers, mla, mlp, routers, stack
+    from hi_na_moe.fastpath import attention, common, layers, mla, mlp, norm, routers, stack
 
-    library_rows = dense.DECODE_MAX_ROWS
+    library_rows = common.DECODE_MAX_ROWS
 
     def decode_rows(value: str):
         n = library_rows if value == "-" else int(value)
 
         def put() -> None:  # the constant and every module's copy of it
-            for mod in (dense, layers, stack, mlp):
+            for mod in (common, norm, layers, stack, mlp):
                 mod.DECODE_MAX_ROWS = n
             for mod in (layers, routers):
                 mod.ROUTER_MAX_ROWS = n

@@ -33,27 +33,27 @@ hi_na_moe's native RMSNorm and their own forward, and the table is printed for e
 in-process A/B: the machine's drift hits both alike). --ab-routers: the same for the routers
 (their logits on the native kernel, or their own forward with F.linear); --ab-attention: the
 attention modules (decode steps on the native rotary and attention kernels, or their own forward);
---ab-layers: the decoder layers (hi_na_moe.layers' short path, or their own forward on the
+--ab-layers: the decoder layers (hi_na_moe.fastpath.layers' short path, or their own forward on the
 patched modules), whole-step times only (hooks on the parts would send every call to the
-layers' own forward); --ab-stacks: the decoder stack (hi_na_moe.stack's loop over the layers'
+layers' own forward); --ab-stacks: the decoder stack (hi_na_moe.fastpath.stack's loop over the layers'
 short paths, or its own forward calling each layer), whole-step times only likewise;
 --ab-select: the routers' softmax and top-k on router_select or in PyTorch's ops
-(hi_na_moe.routers.NATIVE_SELECT; the experts then also leave layer_decode_post), whole-step
+(hi_na_moe.fastpath.routers.NATIVE_SELECT; the experts then also leave layer_decode_post), whole-step
 times only likewise; --ab-one-call: the stack's decode step in one native call or its loop over
-the layers' short paths (hi_na_moe.stack.ONE_CALL), whole-step times only likewise;
+the layers' short paths (hi_na_moe.fastpath.stack.ONE_CALL), whole-step times only likewise;
 --ab-shared: a shared expert (Qwen2-MoE) inside the layers' native call, so the stack's one call,
-or as modules after the call in the layers' loop (hi_na_moe.layers.FUSE_SHARED), likewise;
+or as modules after the call in the layers' loop (hi_na_moe.fastpath.layers.FUSE_SHARED), likewise;
 --ab-rope-norm: the stack's rotary output from its table and its final norm inside the one call,
-or both modules called (hi_na_moe.stack.ROPE_TABLE and FINAL_NORM), likewise;
+or both modules called (hi_na_moe.fastpath.stack.ROPE_TABLE and FINAL_NORM), likewise;
 --ab-layer-calls: the layers' two native calls with the stack's loop or one call, or each layer's
-per-module short path (hi_na_moe.layers' NativeLayer.step and latent_step unset) under the stack's own forward
+per-module short path (hi_na_moe.fastpath.layers' NativeLayer.step and latent_step unset) under the stack's own forward
 (what GPT-OSS's steps ran before the native calls took its sinks and sliding windows), likewise;
 --ab-moe-block: the layers' short paths with their MoE blocks' router, experts and shared
-experts called directly (hi_na_moe.layers' NativeLayer.moe) and the routers on the native path,
+experts called directly (hi_na_moe.fastpath.layers' NativeLayer.moe) and the routers on the native path,
 or each MoE block called as its module with the routers on their own forwards (what ERNIE 4.5's
 steps ran before its router had a native form), likewise;
 --ab-mla-weight: latent attention's kernels reading a quantised kv_b_proj as its codes and scales
-or through a dense copy in the model's dtype (hi_na_moe.mla.QUANT_WEIGHT; both forms made before the
+or through a dense copy in the model's dtype (hi_na_moe.fastpath.mla.QUANT_WEIGHT; both forms made before the
 first timed step, so neither arm pays for making one), likewise;
 --ab-mla-dots: latent attention's kernel reading a bfloat16 latent cache with AVX512-BF16 dot
 products (its default where the CPU has them) or with float32 FMAs (_native.set_mla_bf16_dots),
@@ -253,30 +253,30 @@ def main() -> int:
         if args.scope != "all":
             raise SystemExit(f"--ab-{kind} needs --scope all")
         if kind == "select":
-            from hi_na_moe import routers
+            from hi_na_moe.fastpath import routers
 
             def use_native(on: bool) -> None:
                 routers.NATIVE_SELECT = on
         elif kind == "one-call":
-            from hi_na_moe import stack
+            from hi_na_moe.fastpath import stack
 
             def use_native(on: bool) -> None:
                 stack.ONE_CALL = on
         elif kind == "shared":
-            from hi_na_moe import layers
+            from hi_na_moe.fastpath import layers
 
             def use_native(on: bool) -> None:
                 layers.FUSE_SHARED = on
         elif kind == "rope-norm":
-            from hi_na_moe import stack
+            from hi_na_moe.fastpath import stack
 
             def use_native(on: bool) -> None:
                 stack.ROPE_TABLE = stack.FINAL_NORM = on
         elif kind == "moe-block":
             from lib.ab_switch import small_module_switch
 
-            from hi_na_moe.layers import NativeLayer
-            from hi_na_moe.patching import patched_runner
+            from hi_na_moe.fastpath.layers import NativeLayer
+            from hi_na_moe.core.registry import patched_runner
 
             layer_runners = [r for m in model.modules() if isinstance(r := patched_runner(m), NativeLayer)]
             blocks = {id(r): r.moe for r in layer_runners}
@@ -289,8 +289,8 @@ def main() -> int:
                 for r in layer_runners:
                     r.moe = blocks[id(r)] if on else None
         elif kind == "mla-weight":
-            from hi_na_moe import mla
-            from hi_na_moe.patching import patched_runner
+            from hi_na_moe.fastpath import mla
+            from hi_na_moe.core.registry import patched_runner
 
             latents = [r for m in model.modules() if isinstance(r := patched_runner(m), mla.NativeMLA)]
             if not any(r.reads_codes() for r in latents):
@@ -305,9 +305,9 @@ def main() -> int:
             def use_native(on: bool) -> None:
                 _native.set_mla_bf16_dots(on)
         elif kind == "layer-calls":
-            from hi_na_moe.layers import NativeLayer
-            from hi_na_moe.patching import patched_runner
-            from hi_na_moe.stack import NativeStack
+            from hi_na_moe.fastpath.layers import NativeLayer
+            from hi_na_moe.core.registry import patched_runner
+            from hi_na_moe.fastpath.stack import NativeStack
 
             runners = [r for m in model.modules() if isinstance(r := patched_runner(m), (NativeLayer, NativeStack))]
             # (latent attention's layers: NativeLayer.latent_step)

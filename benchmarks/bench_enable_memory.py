@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hi_na_moe.workload import build_layers, make_inputs
+from hi_na_moe.tools.workload import build_layers, make_inputs
 
 
 def rss_gb() -> tuple[float, float]:

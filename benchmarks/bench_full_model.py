@@ -23,7 +23,7 @@ Arms (each is `--arm X --child` of this script; the driver runs it):
   one it created (it leaves a marker file there) or an empty one. "Cold" is about the store
   only: the OS page cache (checkpoint files, store files) is whatever earlier runs left.
 - `hina-<format>-all`: the same with `scope="all"` (the dense linear layers on the native
-  kernels too, lm_head kept lossless: hi_na_moe.dense). Warm only: it maps the store its
+  kernels too, lm_head kept lossless: hi_na_moe.fastpath.linear). Warm only: it maps the store its
   format's `hina-<format>` arm wrote (run that arm first, or in the same series before it).
 - `llamacpp-<type>` (bf16, q8_0, q4_0): benchmarks/bench_llamacpp.py, run with the llama.cpp
   venv's python (--llamacpp-python) on --gguf-pattern with {type} filled in (by default
@@ -214,7 +214,7 @@ def own_cache_dir(cache_dir: Path) -> None:
 
 
 def store_stats(root: Path) -> dict:
-    from hi_na_moe.store import PackedStore
+    from hi_na_moe.core.store import PackedStore
 
     st = PackedStore(root)
     entries = st.entries()
@@ -332,7 +332,7 @@ def run_torch_arm(args) -> dict:
     if scope == "all":
         res["dense_lossless"] = args.dense_lossless
     if fmt:
-        from hi_na_moe.store import PackedStore
+        from hi_na_moe.core.store import PackedStore
 
         cache_dir = Path(args.cache_dir)
         root = store_root(cache_dir, fmt)
@@ -392,7 +392,7 @@ def run_torch_arm(args) -> dict:
     if fmt and report.dense:  # scope="all": the packed layers replace their bf16 bytes
         dense_bytes += sum(d.packed_bytes - 2 * d.out_features * d.in_features for d in report.dense)
     if fmt and report.attention_latent_bytes:
-        # latent attention's decode reads a copy of each packed kv_b_proj (hi_na_moe.mla), not it
+        # latent attention's decode reads a copy of each packed kv_b_proj (hi_na_moe.fastpath.mla), not it
         kvb = {f"{n}.kv_b_proj" for n in report.attention_latent}
         dense_bytes += report.attention_latent_bytes - sum(d.packed_bytes for d in report.dense if d.name in kvb)
     kv = kv_bytes_per_token(ckpt, args.prompt_len, args.new_tokens)
@@ -783,7 +783,7 @@ def driver_main(args) -> int:
         record.write(args.json, {"setup": head, "results": results}, recs)
         print(f"# full results (with per-step samples and tokens) written to {args.json}")
     if args.clear_cache_after and (cache_dir / OWNER_MARK).is_file():
-        from hi_na_moe.store import PackedStore
+        from hi_na_moe.core.store import PackedStore
 
         freed = sum(PackedStore(store_root(cache_dir, f)).clear() for f in HINA_FORMATS)
         print(f"# --clear-cache-after: {freed / 1e9:.2f} GB of store entries removed from {cache_dir}")

@@ -13,22 +13,22 @@ is loaded once (hi_na_moe.from_pretrained from a warm store, or plain transforme
 --weights native). StaticCache gets max_cache_len = N + --steps + 1.
 
 --ab-kv: each point runs twice on fresh caches, once with the cache's new position written in
-place (hi_na_moe.kv_cache, the default) and once through the cache's own update (torch.cat for
+place (hi_na_moe.fastpath.kv_cache, the default) and once through the cache's own update (torch.cat for
 a DynamicCache), in alternating order; both compute the same function.
 
 --no-attention-time: no timing hooks on the attention modules. Their hooks make the decoder
-layers step aside from their two-call path (hi_na_moe.layers) to the per-module one; without
+layers step aside from their two-call path (hi_na_moe.fastpath.layers) to the per-module one; without
 them the step is the one a user gets.
 
 --ab-stacks (scope all, with --no-attention-time): the decoder stack alternates every two steps
-between hi_na_moe.stack's loop over the layers' short paths and its own forward, on the same
+between hi_na_moe.fastpath.stack's loop over the layers' short paths and its own forward, on the same
 growing cache, as --ab-attention does below.
 
 --ab-attention (scope all): on each cache, the attention modules alternate every two steps
 between hi_na_moe's decode path (native RoPE and attention kernels) and their own forward, on
 the same growing cache (both compute the same function), and each arm gets its own row; the
 cache then holds N + 2 x --steps tokens at the end. Latent attention modules (DeepSeek-V2/V3:
-hi_na_moe.mla) alternate likewise; their cache holds a latent and a rope key a position, which the
+hi_na_moe.fastpath.mla) alternate likewise; their cache holds a latent and a rope key a position, which the
 last column counts (the modules' own forward reads it and then makes every head's keys and
 values from it).
 
@@ -89,7 +89,7 @@ def main() -> int:
                          "stack's own forward)")
     arms = ["native attention", "PyTorch attention"] if args.ab_attention else [""]
     use_native = None
-    from hi_na_moe import kv_cache
+    from hi_na_moe.fastpath import kv_cache
 
     if args.ab_kv:
         arms = ["in-place KV", "torch.cat KV"]

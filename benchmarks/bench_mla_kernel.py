@@ -1,4 +1,4 @@
-"""The latent attention (MLA) decode kernel alone (hina::mla_decode, hi_na_moe.mla): one layer's
+"""The latent attention (MLA) decode kernel alone (hina::mla_decode, hi_na_moe.fastpath.mla): one layer's
 attention of one new token over S cached positions, DeepSeek-V2-Lite's sizes by default (16
 heads, 128 nope + 64 rope dims, latent rank 512, values of 128), bfloat16, at each tier this CPU
 runs, tiers alternating call by call. Reported: median time, GFLOP/s (2 H ((Dn + Dv) L + S (2 L +

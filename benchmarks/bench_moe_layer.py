@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from hi_na_moe.workload import SHAPES, build_layers, build_shared, make_inputs, set_impl, shape_dims, time_arm
+from hi_na_moe.tools.workload import SHAPES, build_layers, build_shared, make_inputs, set_impl, shape_dims, time_arm
 
 
 class MatmulProbe:

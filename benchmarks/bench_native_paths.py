@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hi_na_moe.workload import build_layers, make_inputs
+from hi_na_moe.tools.workload import build_layers, make_inputs
 
 
 def pack_all(layers, isa):

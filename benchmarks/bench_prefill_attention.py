@@ -9,8 +9,8 @@ over 4 kv heads of 128), and a 64-wide head (16 of 64).
 
 --ckpt: the whole model's prefill of a random prompt of each --lengths, one forward with a
 fresh DynamicCache and logits_to_keep=1 (as generate prefills, and bench_full_model.py), with
-hi_na_moe.attention.PREFILL on (the attention on the native kernel; latent attention's too,
-hi_na_moe.mla) and off (the attention modules' own forward: SDPA, or eager for GPT-OSS, which has
+hi_na_moe.fastpath.attention.PREFILL on (the attention on the native kernel; latent attention's too,
+hi_na_moe.fastpath.mla) and off (the attention modules' own forward: SDPA, or eager for GPT-OSS, which has
 no SDPA form), alternating, --reps pairs per length after one untimed forward
 per arm; the medians and their ratio. Loads with hi_na_moe.from_pretrained from a warm store
 (--cache-dir).
@@ -136,13 +136,13 @@ def model(args, torch) -> list[dict]:
     from transformers import DynamicCache
 
     import hi_na_moe
-    from hi_na_moe import attention
+    from hi_na_moe.fastpath import attention
 
     cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless=args.dense_lossless,
                                 threads=args.threads)
     m = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16, progress=False, config=cfg)
     rep = hi_na_moe.report_for(m)
-    # latent attention (hi_na_moe.mla) counts too: its prefill follows attention.PREFILL as well
+    # latent attention (hi_na_moe.fastpath.mla) counts too: its prefill follows attention.PREFILL as well
     on, of = (len(rep.attention_prefill) + len(rep.attention_latent_prefill),
               len(rep.attention) + len(rep.attention_latent))
     print(f"{on} of {of} attention modules with native prefill attention",
@@ -200,7 +200,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     native = native_module()[0]
     if native is None:

@@ -28,7 +28,7 @@ import time
 import torch
 
 from hi_na_moe import _native
-from hi_na_moe.workload import SHAPES
+from hi_na_moe.tools.workload import SHAPES
 
 
 def reference(pe, x, idx, w):

@@ -10,8 +10,8 @@ decode the same tokens and that the path was taken by every step of its arm and 
 
 Switches:
   causal_lm  the causal LM's decode step as its stack's step and lm_head called straight
-             (hi_na_moe.stack.NativeCausalLM) against its own forward around them
-  outputs    the output objects built without their constructors (hi_na_moe.stack.Outputs)
+             (hi_na_moe.fastpath.stack.NativeCausalLM) against its own forward around them
+  outputs    the output objects built without their constructors (hi_na_moe.fastpath.stack.Outputs)
              against by them (steps on the path: those with the fast build)
   head_in_call  the lm_head at the end of the stack's one native call (stack.HEAD_IN_CALL)
              against its runner's forward after the call
@@ -34,12 +34,12 @@ from lib.steps import alternate, arm_rows
 
 def causal_lm_switch(model):
     """(use(on), calls()): the NativeCausalLM of `model` on or off, and how many steps took it."""
-    from hi_na_moe.patching import patched_runner
-    from hi_na_moe.stack import NativeCausalLM
+    from hi_na_moe.core.registry import patched_runner
+    from hi_na_moe.fastpath.stack import NativeCausalLM
 
     runner = patched_runner(model)
     if not isinstance(runner, NativeCausalLM):
-        raise SystemExit("the model's decode steps do not take hi_na_moe.stack.NativeCausalLM (report_for says why)")
+        raise SystemExit("the model's decode steps do not take hi_na_moe.fastpath.stack.NativeCausalLM (report_for says why)")
     taken = [0]
     run = runner._run
 
@@ -57,13 +57,13 @@ def causal_lm_switch(model):
 
 def outputs_switch(model):
     """(use(on), calls()): the output objects of the causal LM's path and of the stack built
-    without their constructors (hi_na_moe.stack.Outputs) or by them."""
-    from hi_na_moe.patching import patched_runner
-    from hi_na_moe.stack import NativeCausalLM, NativeStack
+    without their constructors (hi_na_moe.fastpath.stack.Outputs) or by them."""
+    from hi_na_moe.core.registry import patched_runner
+    from hi_na_moe.fastpath.stack import NativeCausalLM, NativeStack
 
     builders = [r.outputs for m in model.modules() if isinstance(r := patched_runner(m), (NativeCausalLM, NativeStack))]
     if not builders or not all(b.fast for b in builders):
-        raise SystemExit("the model's output objects are not built by hi_na_moe.stack.Outputs' fast path")
+        raise SystemExit("the model's output objects are not built by hi_na_moe.fastpath.stack.Outputs' fast path")
 
     def use(on: bool) -> None:
         for b in builders:
@@ -76,12 +76,12 @@ def outputs_switch(model):
 def _one_calls(model, counts):
     """A count of the model's stack's one native calls for which counts(their return) holds (its
     _one_call wrapped)."""
-    from hi_na_moe.patching import patched_runner
-    from hi_na_moe.stack import NativeStack
+    from hi_na_moe.core.registry import patched_runner
+    from hi_na_moe.fastpath.stack import NativeStack
 
     stacks = [r for m in model.modules() if isinstance(r := patched_runner(m), NativeStack)]
     if len(stacks) != 1:
-        raise SystemExit("the model has no decoder stack on hi_na_moe.stack")
+        raise SystemExit("the model has no decoder stack on hi_na_moe.fastpath.stack")
     taken = [0]
     one_call = stacks[0]._one_call
 
@@ -96,8 +96,8 @@ def _one_calls(model, counts):
 
 def head_in_call_switch(model):
     """(use(on), calls()): the causal LM's lm_head at the end of the stack's one call
-    (hi_na_moe.stack.HEAD_IN_CALL) or its runner's forward after it."""
-    from hi_na_moe import stack
+    (hi_na_moe.fastpath.stack.HEAD_IN_CALL) or its runner's forward after it."""
+    from hi_na_moe.fastpath import stack
 
     causal_lm_switch(model)  # (checks that the path took the model)
 
@@ -109,8 +109,8 @@ def head_in_call_switch(model):
 
 def held_plan_args_switch(model):
     """(use(on), calls()): the layers' plan_args returning the last step's arguments while the key
-    of what they hold is unchanged (hi_na_moe.layers.HOLD_PLAN_ARGS), or building them every step."""
-    from hi_na_moe import layers
+    of what they hold is unchanged (hi_na_moe.fastpath.layers.HOLD_PLAN_ARGS), or building them every step."""
+    from hi_na_moe.fastpath import layers
 
     def use(on: bool) -> None:
         layers.HOLD_PLAN_ARGS = on
@@ -120,9 +120,9 @@ def held_plan_args_switch(model):
 
 def kv_group_switch(model):
     """(use(on), calls()): the stack's KV slots of a DynamicCache taken as one group
-    (hi_na_moe.kv_cache.GROUP: one buffer, a step's views in two torch ops) or per layer. The
+    (hi_na_moe.fastpath.kv_cache.GROUP: one buffer, a step's views in two torch ops) or per layer. The
     group is made when the buffers are (each arm's cache is new every round)."""
-    from hi_na_moe import kv_cache
+    from hi_na_moe.fastpath import kv_cache
 
     taken = [0]
     commit_all = kv_cache.commit_all

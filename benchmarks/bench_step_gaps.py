@@ -1,8 +1,8 @@
 """Where a scope="all" decode step spends its time between the native kernels.
 
 Timestamps every native call a decode step makes on the decoder layers' short path
-(hi_na_moe.layers: layer_decode_pre, layer_decode_post, the experts' kernel; or the stack's one
-native call for all layers, "one", hi_na_moe.stack) and prints, per
+(hi_na_moe.fastpath.layers: layer_decode_pre, layer_decode_post, the experts' kernel; or the stack's one
+native call for all layers, "one", hi_na_moe.fastpath.stack) and prints, per
 step (median over --steps), the time inside each kind of call and the time between each pair of
 consecutive events ("exp -> pre": from the end of one layer's experts call to the start of the
 next layer's pre call, i.e. the Python in between). After every step, untimed, a 256 MB read of a
@@ -46,8 +46,9 @@ def main() -> int:
     from transformers import DynamicCache
 
     import hi_na_moe
-    from hi_na_moe import _native, torch_ops
-    from hi_na_moe.patching import patched_runner
+    from hi_na_moe import _native
+    from hi_na_moe.core import torch_ops
+    from hi_na_moe.core.registry import patched_runner
 
     torch.set_num_threads(2)
     cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
@@ -67,7 +68,7 @@ def main() -> int:
     layers = [patched_runner(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     # (latent attention's layers: NativeLayer.latent_step)
     if not layers or any(r is None or (r.step is None and r.latent_step is None) for r in layers):
-        raise SystemExit("not every decoder layer takes the two native calls (hi_na_moe.layers)")
+        raise SystemExit("not every decoder layer takes the two native calls (hi_na_moe.fastpath.layers)")
 
     events: list[tuple[str, float]] = []
     now = time.perf_counter
@@ -102,7 +103,7 @@ def main() -> int:
 
     torch_ops.call_bound = experts
 
-    class TimedPlan:  # a stack's StepPlan (hi_na_moe.stack's one native call), its run timestamped
+    class TimedPlan:  # a stack's StepPlan (hi_na_moe.fastpath.stack's one native call), its run timestamped
         def __init__(self, plan):
             self.plan = plan
 

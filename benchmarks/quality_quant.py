@@ -1,4 +1,4 @@
-"""Quality of quantised experts on the shipped model's held-out text (hi_na_moe.quality).
+"""Quality of quantised experts on the shipped model's held-out text (hi_na_moe.tools.quality).
 
 Perplexity of the shipped model (models/hina-tiny-moe, bf16) on data/heldout.txt for lossless,
 int8 and int4 with group sizes 32 / 64 / 128; mean KL(lossless || quantised) per token, top-1
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hi_na_moe import quality
+from hi_na_moe.tools import quality
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "hina-tiny-moe"

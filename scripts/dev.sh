@@ -32,7 +32,7 @@ setup() {
   fi
   echo "[setup] building the native core (scikit-build-core + CMake + nanobind)"
   python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
-  python -c "import hi_na_moe, sys; from hi_na_moe.hardware import native_module; m, why = native_module(); sys.exit(0 if m else f'native core failed to load: {why}')"
+  python -c "import hi_na_moe, sys; from hi_na_moe.core.native import native_module; m, why = native_module(); sys.exit(0 if m else f'native core failed to load: {why}')"
 }
 
 jobs="${HINA_JOBS:-2}"  # build jobs (2-core machines share them with whoever else runs)

@@ -31,6 +31,6 @@ def _private_store(tmp_path_factory, monkeypatch):
 def _attention_kernel_at_every_tier(request, monkeypatch):
     if request.node.get_closest_marker("vendor_tables"):
         return
-    from hi_na_moe import attention
+    from hi_na_moe.fastpath import attention
 
     monkeypatch.setattr(attention, "kernel_tiers", lambda: attention.AMD_TIERS)

@@ -9,9 +9,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, OlmoeConfig, OlmoeForCausalLM
 
 import hi_na_moe
-from hi_na_moe import reference
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.spec import ExpertsSpec, GateSpec
+from hi_na_moe.core import reference
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.spec import ExpertsSpec, GateSpec
 from tiny_models import layout, layout_diff
 
 
@@ -141,7 +141,7 @@ def test_inference_calls_take_the_one_frame_path(monkeypatch):
     take (here a float32 hidden for bf16 experts: a conversion) still goes through __call__."""
     if not native_kernels_available():
         pytest.skip("the one-frame path is the native runner's")
-    from hi_na_moe import ops
+    from hi_na_moe.core import ops
 
     model = _olmoe().to(torch.bfloat16)
     hi_na_moe.enable_for_model(model, backend="native")
@@ -268,7 +268,7 @@ def test_experts_tied_between_blocks_are_exact_and_kept():
         if native_kernels_available():
             assert all(b.released_bytes == 0 and "(tied weights)" in b.reason for b in report.blocks), str(report)
             assert "shared with 'model.layers.1.mlp.experts.gate_up_proj'" in report.blocks[0].reason
-            assert not any(hi_na_moe.ops.is_released(p) for p in model.parameters())
+            assert not any(hi_na_moe.core.ops.is_released(p) for p in model.parameters())
     finally:
         hi_na_moe.disable_for_model(model)
     assert second.gate_up_proj is first.gate_up_proj and second.down_proj is first.down_proj
@@ -285,7 +285,7 @@ def test_reading_a_released_weight_is_an_error():
         pytest.skip("weights are only released for native kernels")
     import copy
 
-    from hi_na_moe import ops
+    from hi_na_moe.core import ops
 
     model = _olmoe()
     experts = model.model.layers[0].mlp.experts

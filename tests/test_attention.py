@@ -1,4 +1,4 @@
-"""scope="all" (hi_na_moe.attention): decode steps of Llama-like attention modules on the native
+"""scope="all" (hi_na_moe.fastpath.attention): decode steps of Llama-like attention modules on the native
 rotary and attention kernels. The kernels against transformers' rotary embedding (bit for bit)
 and a float64 attention (every tier here, strided caches, grouped-query heads); the patched
 modules against their own forwards (the same cache contents, outputs within rounding) on the
@@ -15,10 +15,10 @@ from transformers import DynamicCache
 from transformers.models.olmoe.modeling_olmoe import apply_rotary_pos_emb
 
 import hi_na_moe
-from hi_na_moe import attention
-from hi_na_moe.families import moe_families
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.patching import patched_runner
+from hi_na_moe.fastpath import attention
+from hi_na_moe.integrate.families import moe_families
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.registry import patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -513,7 +513,7 @@ def test_static_cache_and_padded_batches_decode_on_the_kernels():
 
 
 def test_a_batch_of_many_sequences_decodes_on_the_kernels_close_to_transformers():
-    """24 sequences, some left-padded (the decode paths took 16 at most before session 32): every
+    """24 sequences, some left-padded (the decode paths took 16 at most before 2026-12-05): every
     decode step of generate on the attention kernel, the logits within rounding of the model's own."""
     model = _olmoe()
     gen = torch.Generator().manual_seed(5)

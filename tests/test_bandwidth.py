@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hi_na_moe.hardware import native_module
+from hi_na_moe.core.native import native_module
 
 _native, _why = native_module()
 pytestmark = pytest.mark.skipif(_native is None, reason=f"native core not built: {_why}")

@@ -19,8 +19,10 @@ import torch
 _native = pytest.importorskip("hi_na_moe._native", reason="native extension not built")
 
 import hi_na_moe  # noqa: E402
-from hi_na_moe import adapters, reference, torch_ops  # noqa: E402
-from hi_na_moe.spec import ExpertsSpec, GateSpec  # noqa: E402
+from hi_na_moe.integrate import adapters
+from hi_na_moe.core import reference
+from hi_na_moe.core import torch_ops  # noqa: E402
+from hi_na_moe.core.spec import ExpertsSpec, GateSpec  # noqa: E402
 from tiny_models import build_tiny  # noqa: E402
 
 # H, I not multiples of 16/32: padded panel rows and k-tails in every kernel

@@ -1,4 +1,4 @@
-"""Cache replacement policies (hi_na_moe.cache_policy) against hand-computed traces, naive
+"""Cache replacement policies (hi_na_moe.core.cache_policy) against hand-computed traces, naive
 implementations written here, and an exhaustive search for the offline optimum."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from hi_na_moe import cache_policy as cp
+from hi_na_moe.core import cache_policy as cp
 
 
 def random_trace(seed: int, layers: int = 3, tokens: int = 60, experts: int = 6, k: int = 2, skew: float = 0.6):

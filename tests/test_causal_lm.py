@@ -1,4 +1,4 @@
-"""scope="all" (hi_na_moe.stack.NativeCausalLM): a causal LM's decode steps as its stack's step
+"""scope="all" (hi_na_moe.fastpath.stack.NativeCausalLM): a causal LM's decode steps as its stack's step
 and its lm_head called straight. Against the same enabled model on the causal LM's own forward
 (which then calls the stack and the lm_head as modules): the same logits and cache, bit for bit,
 with a loop of forwards and with generate; generate still sees the own forward's signature; and
@@ -15,10 +15,10 @@ from tiny_models import UNBUILDABLE, build_tiny, greedy_decode, olmoe
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe import dense, stack
-from hi_na_moe.families import moe_families
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.patching import patched_runner
+from hi_na_moe.fastpath import linear, stack
+from hi_na_moe.integrate.families import moe_families
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.registry import patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 
@@ -73,7 +73,7 @@ def _same(model, ids, steps=3, attention_mask=None, taken=True, heads=True):
 def test_known_families_decode_through_the_causal_lm_path_bit_for_bit(model_type, monkeypatch):
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
     if getattr(model.config, "sliding_window", None):
         model.config.sliding_window = None
@@ -96,7 +96,7 @@ def test_known_families_decode_through_the_causal_lm_path_bit_for_bit(model_type
 def test_generate_takes_the_causal_lm_path_and_gives_the_same_tokens(kind, monkeypatch):
     from transformers import StaticCache
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     if kind == "dynamic-cache":
         ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
@@ -150,7 +150,7 @@ class _Spy(torch.nn.Module):
 
 
 def test_calls_the_path_must_not_take_run_the_own_forward(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -209,7 +209,7 @@ def test_calls_the_path_must_not_take_run_the_own_forward(monkeypatch):
 
 
 def test_the_path_is_off_by_the_switch_and_for_an_lm_head_left_to_pytorch(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2)
     monkeypatch.setattr(stack, "CAUSAL_LM", False)
     rep = hi_na_moe.enable_for_model(model, scope="all")
@@ -232,7 +232,7 @@ def test_the_lm_head_runs_in_the_one_call_after_the_final_norm(monkeypatch):
     """The lm_head at the end of the stack's one call (HEAD_IN_CALL): the same logits bit for bit
     as the own forward; its runner's forward after the call when the final norm is a module call
     (a hook on the norm) or with HEAD_IN_CALL False; int8 and int4 heads (paired too)."""
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     ids = torch.tensor([[3, 9, 4, 7], [5, 6, 7, 8]])
     for weights in ("lossless", "int8", "int4"):
         model = olmoe(layers=2)
@@ -255,7 +255,7 @@ def test_the_lm_head_runs_in_the_one_call_after_the_final_norm(monkeypatch):
 
 
 def test_a_step_plan_refuses_a_head_it_cannot_run():
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     native = native_module()[0]
     g = torch.Generator().manual_seed(0)
@@ -268,7 +268,7 @@ def test_a_step_plan_refuses_a_head_it_cannot_run():
 
 
 def test_inspect_model_lists_the_causal_lm(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2)
     planned = hi_na_moe.inspect_model(model, scope="all")
     rep = hi_na_moe.enable_for_model(model, scope="all")

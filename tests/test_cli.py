@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hi_na_moe.cli import main, shipped_model_dir
+from hi_na_moe.tools.cli import main, shipped_model_dir
 
 
 def test_demo_runs_end_to_end_in_reduced_mode(capsys):
@@ -32,10 +32,10 @@ def test_check_text_and_json(capsys):
     assert "best kernel tier" in text and "model.layers.0.mlp.experts" in text
     assert "read bandwidth (measured now" in text and "roofline" in text
     from hi_na_moe import _native
-    from hi_na_moe.attention import math_kernel
+    from hi_na_moe.fastpath.attention import math_kernel
 
     assert f'attention of decode steps (scope="all"): {math_kernel(_native.resolve_isa())}' in text
-    from hi_na_moe import mla
+    from hi_na_moe.fastpath import mla
 
     assert f'latent attention (MLA) of decode steps (scope="all"): {mla.math_kernel(_native.resolve_isa())}' in text
     assert main(["check", "--model", str(shipped_model_dir()), "--output", "json", "--no-bandwidth"]) == 0
@@ -91,7 +91,7 @@ def test_bench_counts_a_batch_step_as_the_union_of_its_rows_experts(capsys):
     from transformers import AutoConfig
 
     from hi_na_moe import inspect_model
-    from hi_na_moe.cli import shipped_model_dir
+    from hi_na_moe.tools.cli import shipped_model_dir
 
     rc = main(["bench", "--model", "builtin", "--gen-tokens", "5", "--num-iters", "1", "--warmup", "0",
                "--seq-len", "8", "--batch-size", "4", "--output", "json"])
@@ -134,10 +134,10 @@ def test_bench_scope_all(tmp_path, capsys, monkeypatch):
 
 def test_bench_names_attention_refused_at_every_decode_step(capsys, monkeypatch):
     """A module whose probe matched but whose decode calls all took its own forward (GLM-4.5's
-    partial rotary before session 17) is named under the table."""
-    from hi_na_moe import patching
+    partial rotary before 2026-12-02) is named under the table."""
+    from hi_na_moe.tools import cli
 
-    monkeypatch.setattr(patching, "decode_call_counts", lambda model: {"model.layers.0.self_attn": (0, 2),
+    monkeypatch.setattr(cli, "decode_call_counts", lambda model: {"model.layers.0.self_attn": (0, 2),
                                                                        "model.layers.1.self_attn": (2, 0)})
     rc = main(["bench", "--model", "builtin", "--gen-tokens", "3", "--num-iters", "1", "--warmup", "0",
                "--seq-len", "8", "--scope", "all", "--compare", "hina"])
@@ -222,7 +222,7 @@ def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, c
     import torch
     from tiny_models import olmoe
 
-    from hi_na_moe import cli
+    from hi_na_moe.tools import cli
 
     model = olmoe(layers=1)
     ids = torch.tensor([[3, 9, 4, 7]])
@@ -268,14 +268,14 @@ def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, c
 def nothing_loads(monkeypatch):
     """Loading a model or measuring the machine fails the test: a bad argument must be refused
     first."""
-    from hi_na_moe import cli, system
+    from hi_na_moe.tools import cli
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded (or the machine measured) before the arguments were checked")
 
     monkeypatch.setattr(cli, "_load", refuse)
     monkeypatch.setattr(cli, "_bandwidth", refuse)
-    monkeypatch.setattr(system, "system_info", refuse)
+    monkeypatch.setattr(cli, "system_info", refuse)
     for name in list(__import__("os").environ):
         if name.startswith("HINA_MOE_") and name != "HINA_MOE_CACHE_DIR":
             monkeypatch.delenv(name)
@@ -324,10 +324,10 @@ def test_bad_arguments_are_refused_before_anything_is_loaded(argv, message, caps
 def test_a_tier_the_cpu_lacks_is_refused_before_loading(capsys, nothing_loads, monkeypatch):
     import types
 
-    from hi_na_moe import hardware
+    from hi_na_moe.core import config
 
     fake = types.SimpleNamespace(isa_supported=lambda t: t in ("generic", "avx2"), best_isa=lambda: "avx2")
-    monkeypatch.setattr(hardware, "native_module", lambda: (fake, None))
+    monkeypatch.setattr(config, "native_module", lambda: (fake, None))
     err = _refused(capsys, ["debug", "--model", MODEL, "--prompt", "x", "--isa", "avx512"])
     assert "config key 'isa' (--isa) asks for 'avx512', which this CPU/OS does not support" in err
     err = _refused(capsys, ["debug", "--model", MODEL, "--prompt", "x", "--against", "isa=amx"])
@@ -350,7 +350,7 @@ def test_the_demo_never_shows_a_share_above_its_read_limit():
     import random
     import re
 
-    from hi_na_moe.cli import read_limit, workload_table
+    from hi_na_moe.tools.cli import read_limit, workload_table
 
     assert read_limit(21.2, 20.0) == (21.2, True)  # the probe a lower bound: the calls' rate
     assert read_limit(18.0, 20.0) == (20.0, False)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hi_na_moe.cli import NO_SOURCE, main
-from hi_na_moe.store import ENTRY_SUFFIX, PackedStore, encode_name, entry_key, recording_source
+from hi_na_moe.tools.cli import NO_SOURCE, main
+from hi_na_moe.core.store import ENTRY_SUFFIX, PackedStore, encode_name, entry_key, recording_source
 
 
 # metadata as ops.py / dense.py write it: native.header_info(...) fields, the packed header (hex),
@@ -285,7 +285,7 @@ def test_clear_tier_and_json_output(store, capsys):
 
 
 def test_clear_old_layout_removes_entries_of_another_layout_version_only(store, capsys):
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     native, why = native_module()
     if native is None:

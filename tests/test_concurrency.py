@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import hi_na_moe
-from hi_na_moe import ops, patching
+from hi_na_moe.core import ops
+from hi_na_moe.integrate import patching
 from tiny_models import build_tiny
 
 JOIN_S = 60.0  # a deadlock fails the test after this long
@@ -97,11 +98,11 @@ def test_one_native_call_decode_steps_from_several_threads(monkeypatch):
     """scope="all": the stack's one native call for every layer (a StepPlan shared by the
     threads, their own caches and scratch), the same tokens as one thread alone; and while the
     threads run, plans replaced by steps of another batch size."""
-    from hi_na_moe import dense
-    from hi_na_moe.patching import patched_runner
+    from hi_na_moe.fastpath import linear
+    from hi_na_moe.core.registry import patched_runner
     from tiny_models import olmoe
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)  # the tiny projections packed: the native calls take them
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)  # the tiny projections packed: the native calls take them
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     prompts = [torch.tensor([[5 + i, 6, 7, 8 + i]]) for i in range(3)] + [torch.tensor([[1, 2, 3], [4, 5, 6]])]
     hi_na_moe.enable_for_model(model, scope="all")

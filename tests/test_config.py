@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hi_na_moe
-from hi_na_moe.config import ConfigError, HinaConfig, load_config
+from hi_na_moe.core.config import ConfigError, HinaConfig, load_config
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +75,7 @@ def test_unknown_env_var_warns_once_with_did_you_mean(monkeypatch):
     not break every call of a process that merely inherited it: one warning, naming it."""
     import warnings
 
-    from hi_na_moe import config as config_mod
+    from hi_na_moe.core import config as config_mod
 
     monkeypatch.setattr(config_mod, "_WARNED_ENV", set(), raising=False)
     monkeypatch.setenv("HINA_MOE_BACKEN", "native")
@@ -93,7 +93,7 @@ def test_unknown_env_var_warns_once_with_did_you_mean(monkeypatch):
 
 
 def test_threads_is_bounded_naming_key_source_and_range(monkeypatch):
-    from hi_na_moe.config import MAX_THREADS
+    from hi_na_moe.core.config import MAX_THREADS
 
     with pytest.raises(ConfigError, match=rf"'threads' \(keyword argument\) has bad value 1000000000000: "
                        rf"expected a whole number from 0 to {MAX_THREADS}"):
@@ -185,18 +185,18 @@ def test_isa_above_cpu_is_refused(monkeypatch):
     # Pretend to be a CPU without AMX, so the refusal is tested on every machine.
     import types
 
-    from hi_na_moe import hardware as capabilities
+    from hi_na_moe.core import config as config_mod
 
     fake = types.SimpleNamespace(isa_supported=lambda t: t in ("generic", "avx2", "avx512"), best_isa=lambda: "avx512")
-    monkeypatch.setattr(capabilities, "native_module", lambda: (fake, None))
+    monkeypatch.setattr(config_mod, "native_module", lambda: (fake, None))
     with pytest.raises(ConfigError, match=r"'isa' \(keyword argument\) asks for 'amx'.*does not support.*best available: 'avx512'"):
         load_config(isa="amx")
 
 
 def test_isa_without_native_library_is_refused(monkeypatch):
-    from hi_na_moe import hardware as capabilities
+    from hi_na_moe.core import config as config_mod
 
-    monkeypatch.setattr(capabilities, "native_module", lambda: (None, "ImportError: not built"))
+    monkeypatch.setattr(config_mod, "native_module", lambda: (None, "ImportError: not built"))
     with pytest.raises(ConfigError, match=r"'isa'.*native library is not loaded \(ImportError: not built\)"):
         load_config(isa="avx2")
 
@@ -228,7 +228,7 @@ def _prefetch_in_subprocess(value: str | None) -> tuple[tuple[int, int, int, int
     env = {k: v for k, v in os.environ.items() if k != "HINA_MOE_PREFETCH_BYTES"}
     if value is not None:
         env["HINA_MOE_PREFETCH_BYTES"] = value
-    code = ("import hi_na_moe; from hi_na_moe import _native as n; from hi_na_moe.hardware import capabilities; "
+    code = ("import hi_na_moe; from hi_na_moe import _native as n; from hi_na_moe.tools.capabilities import capabilities; "
             "c = capabilities(); print(n.prefetch_distance(), n.rows_prefetch_distance(1), n.rows_prefetch_distance(3), "
             "n.rows_prefetch_distance(4)); print(c['prefetch']); print(c['vendor'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -240,7 +240,7 @@ def _prefetch_in_subprocess(value: str | None) -> tuple[tuple[int, int, int, int
 def test_the_prefetch_distance_comes_from_the_environment_or_the_cpu_vendor():
     d, line, vendor = _prefetch_in_subprocess(None)
     amd = vendor == "AuthenticAMD"
-    # several rows on AMD (session 32): none for 2-3, 16 KiB for 4 or more; the one-row distance elsewhere
+    # several rows on AMD (2026-12-05): none for 2-3, 16 KiB for 4 or more; the one-row distance elsewhere
     defaults = (1024, 1024, 0, 16384) if amd else (4096,) * 4
     assert d == defaults
     several = ("; int8 / int4 calls of 2-3 rows: none, the hardware prefetchers alone, of 4 rows or more: "
@@ -259,7 +259,7 @@ def test_the_prefetch_distance_comes_from_the_environment_or_the_cpu_vendor():
 def test_the_native_prefetch_variable_is_not_a_config_key(monkeypatch):
     monkeypatch.setenv("HINA_MOE_PREFETCH_BYTES", "1024")
     assert "prefetch_bytes" not in load_config().to_dict()  # accepted, not taken as a key
-    from hi_na_moe import config as config_mod
+    from hi_na_moe.core import config as config_mod
 
     monkeypatch.setattr(config_mod, "_WARNED_ENV", set(), raising=False)
     monkeypatch.setenv("HINA_MOE_BACKEN", "native")

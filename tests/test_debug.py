@@ -9,10 +9,10 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hi_na_moe import ops
-from hi_na_moe.cli import shipped_model_dir
-from hi_na_moe.debug import compare
-from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.core import ops
+from hi_na_moe.tools.cli import shipped_model_dir
+from hi_na_moe.tools.debug import compare
+from hi_na_moe.core.native import native_kernels_available
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_cli_needs_a_prompt():
 
 
 def test_compare_refuses_a_bad_config_before_running_the_model(shipped, monkeypatch):
-    from hi_na_moe.config import ConfigError
+    from hi_na_moe.core.config import ConfigError
 
     model, tok = shipped
     inputs = dict(tok("import os", return_tensors="pt"))

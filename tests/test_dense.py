@@ -1,4 +1,4 @@
-"""scope="all" (hi_na_moe.dense): the model's dense linear layers on the native kernels.
+"""scope="all" (hi_na_moe.fastpath.linear): the model's dense linear layers on the native kernels.
 Against native transformers on tiny models: outputs, state_dict while enabled, exact restore,
 tied weights, exclusions, the lossless list, training, and the config keys."""
 
@@ -10,10 +10,10 @@ from tiny_models import olmoe
 from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 import hi_na_moe
-from hi_na_moe import dense
-from hi_na_moe.config import ConfigError
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.store import PackedStore
+from hi_na_moe.fastpath import common, linear
+from hi_na_moe.core.config import ConfigError
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.store import PackedStore
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 
@@ -119,7 +119,7 @@ def test_quantised_layers_live_in_the_store_and_restore_exactly(weights, tmp_pat
 
 def _packed_linears(model, weights: str) -> list:
     """The model's dense runners (one per layer or fused group) packed in `weights`."""
-    from hi_na_moe.patching import patched_member
+    from hi_na_moe.fastpath.linear import patched_member
 
     runners = {id(r): r for m in model.modules() if (r := (patched_member(m) or (None,))[0]) is not None
                and getattr(r, "packed", None) is not None and r.weights == weights}
@@ -128,15 +128,13 @@ def _packed_linears(model, weights: str) -> list:
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantised_layers_pack_paired_with_the_same_outputs_bit_for_bit(weights, tmp_path, monkeypatch):
-    """dense.PAIRED: an int8 / int4 layer (or group) with an even number of outputs packs as one
+    """linear.PAIRED: an int8 / int4 layer (or group) with an even number of outputs packs as one
     gated expert's two matrices (PackedExperts.paired), in a store entry of its own; the logits
     are those of the one-matrix packing, bit for bit, and disable restores the weights."""
-    from hi_na_moe import dense
-
     sd0 = {k: v.clone() for k, v in _olmoe().state_dict().items()}
     got = {}
     for pair in (True, False):
-        monkeypatch.setattr(dense, "PAIRED", pair)
+        monkeypatch.setattr(linear, "PAIRED", pair)
         model = _olmoe()
         rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path))
         try:
@@ -152,22 +150,20 @@ def test_quantised_layers_pack_paired_with_the_same_outputs_bit_for_bit(weights,
 
 
 def test_a_store_with_one_matrix_entries_keeps_using_them_under_pairing(tmp_path, monkeypatch):
-    """An int4 layer whose one-matrix entry a store already holds (built with dense.PAIRED off, as
+    """An int4 layer whose one-matrix entry a store already holds (built with linear.PAIRED off, as
     before pairing) uses that entry rather than building a paired one beside it; without one, or
-    with dense.REUSE_UNPAIRED off, the paired entry is built."""
-    from hi_na_moe import dense
-
+    with linear.REUSE_UNPAIRED off, the paired entry is built."""
     def paired_layers(model):
         return {r.packed.paired for r in _packed_linears(model, "int4")}
 
     for reuse, want in ((True, {False}), (False, {True})):
         store = tmp_path / str(reuse)
-        monkeypatch.setattr(dense, "PAIRED", False)
+        monkeypatch.setattr(linear, "PAIRED", False)
         model = _olmoe()
         hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(store))
         hi_na_moe.disable_for_model(model)
-        monkeypatch.setattr(dense, "PAIRED", True)
-        monkeypatch.setattr(dense, "REUSE_UNPAIRED", reuse)
+        monkeypatch.setattr(linear, "PAIRED", True)
+        monkeypatch.setattr(linear, "REUSE_UNPAIRED", reuse)
         model = _olmoe()
         rep = hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(store))
         try:
@@ -175,7 +171,7 @@ def test_a_store_with_one_matrix_entries_keeps_using_them_under_pairing(tmp_path
             assert {d.cache for d in rep.dense if d.weights == "int4"} == ({"reused"} if reuse else {"built"})
         finally:
             hi_na_moe.disable_for_model(model)
-    monkeypatch.setattr(dense, "REUSE_UNPAIRED", True)
+    monkeypatch.setattr(linear, "REUSE_UNPAIRED", True)
     model = _olmoe()  # a fresh store: paired
     hi_na_moe.enable_for_model(model, scope="all", weights="int4", cache_dir=str(tmp_path / "fresh"))
     try:
@@ -325,7 +321,7 @@ def test_config_errors_name_the_key(kw, match):
 def test_native_rms_norm_matches_transformers(dtype):
     from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     native = native_module()[0]
     gen = torch.Generator().manual_seed(3)
@@ -344,7 +340,7 @@ def test_native_rms_norm_matches_transformers(dtype):
 
 
 def test_native_rms_norm_refuses_bad_arguments():
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     native = native_module()[0]
     x, w = torch.randn(2, 8), torch.randn(8)
@@ -374,7 +370,7 @@ def test_rms_norms_run_natively_for_decode_and_are_restored():
         x = torch.randn(1, 1, 256).bfloat16()
         with torch.inference_mode():  # bf16: the same bits as the module's own forward here
             assert torch.equal(norm(x), type(norm).forward(norm, x))
-            big = torch.randn(1, dense.DECODE_MAX_ROWS + 1, 256).bfloat16()  # more rows: its own forward
+            big = torch.randn(1, common.DECODE_MAX_ROWS + 1, 256).bfloat16()  # more rows: its own forward
             assert torch.equal(norm(big), type(norm).forward(norm, big))
         assert _rel(_logits(model), want) < 2e-2
         assert _rel(_logits(model, IDS[:, :1]), want1) < 2e-2
@@ -577,11 +573,11 @@ def test_a_linear_whose_weight_its_parent_reads_itself_keeps_it(monkeypatch, dty
 
     from tiny_models import UNBUILDABLE, build_tiny
 
-    from hi_na_moe import dense
+    from hi_na_moe.fastpath import linear as linear_mod
 
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear_mod, "MIN_WEIGHTS", 0)
     tiny = build_tiny(model_type, dtype)
     model = tiny.model
     twin = copy.deepcopy(model)

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import hi_na_moe
-from hi_na_moe.families import moe_families
+from hi_na_moe.integrate.families import moe_families
 from tiny_models import UNBUILDABLE, build_tiny, forward_inputs, layout, layout_diff, load_tiny, misalign, save_tiny
 
 FAMILIES = [f.model_type for f in moe_families()]

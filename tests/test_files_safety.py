@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import hi_na_moe
-from hi_na_moe import cli, loading
-from hi_na_moe import store as store_mod
-from hi_na_moe.store import PackedStore, StoreError, UnsafeEntry, entry_key
+from hi_na_moe.tools import cli
+from hi_na_moe.core import checkpoint as checkpoint_mod, store as store_mod
+from hi_na_moe.core.store import PackedStore, StoreError, UnsafeEntry, entry_key
 from tiny_models import build_tiny
 
 SRC = Path(hi_na_moe.__file__).parent
@@ -156,7 +156,7 @@ def test_a_planted_pickle_is_never_unpickled(checkpoint, tmp_path, unpickling, p
         model = load(d)
     except Exception as exc:  # noqa: BLE001
         # refused, with a message saying why (transformers' own for a missing safetensors file)
-        assert isinstance(exc, (loading.PickleRefused, cli.UserError, OSError)), exc
+        assert isinstance(exc, (checkpoint_mod.PickleRefused, cli.UserError, OSError)), exc
         assert "safetensors" in str(exc), exc
         assert plant != "beside"
     else:
@@ -188,11 +188,11 @@ def test_the_guard_is_what_refuses(checkpoint, tmp_path, monkeypatch):
         AutoModelForCausalLM.from_pretrained(d, use_safetensors=True)
     assert calls == [str(d / "adapter_model.bin")]
     monkeypatch.setattr(torch, "load", real)
-    with loading.safetensors_only(), pytest.raises(loading.PickleRefused, match="adapter_model.bin"):
+    with checkpoint_mod.safetensors_only(), pytest.raises(checkpoint_mod.PickleRefused, match="adapter_model.bin"):
         AutoModelForCausalLM.from_pretrained(d, use_safetensors=True)
     import transformers.modeling_utils as mu
 
-    assert mu.load_state_dict is loading._GUARD["original"] or loading._GUARD["original"] is None
+    assert mu.load_state_dict is checkpoint_mod._GUARD["original"] or checkpoint_mod._GUARD["original"] is None
     assert "hi_na_moe" not in (mu.load_state_dict.__module__ or "")  # restored after the load
 
 

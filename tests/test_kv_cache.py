@@ -1,4 +1,4 @@
-"""hi_na_moe.kv_cache: decode appends to a DynamicCache written in place hold what the cache's
+"""hi_na_moe.fastpath.kv_cache: decode appends to a DynamicCache written in place hold what the cache's
 own update (torch.cat) holds, bit for bit, past the buffers' room to grow; views handed out are
 never overwritten; every other cache, layer or mode goes through the cache's own update; and a
 whole model decodes to the same logits both ways (on the layers' two native calls and on the
@@ -13,8 +13,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import hi_na_moe
-from hi_na_moe import dense, kv_cache
-from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.fastpath import kv_cache, linear
+from hi_na_moe.core.native import native_kernels_available
 
 
 def _kv(gen, B=2, heads=3, T=1, D=8, dtype=torch.bfloat16):
@@ -252,9 +252,9 @@ def _count_commits(monkeypatch, sink: list) -> None:
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("path", ["one-native-call", "two-native-calls", "per-module-attention"])
 def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(path, rows, monkeypatch):
-    from hi_na_moe import stack
+    from hi_na_moe.fastpath import stack
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)  # the tiny projections packed: the layers' two native calls
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)  # the tiny projections packed: the layers' two native calls
     # the stack's one native call (decode_layers writes at the slots' positions itself), or its loop
     monkeypatch.setattr(stack, "ONE_CALL", path == "one-native-call")
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
@@ -287,7 +287,7 @@ def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(pa
 
 @pytest.mark.skipif(not native_kernels_available(), reason="the decode paths run on the native kernels")
 def test_beam_search_reorders_a_grown_cache_as_the_caches_own_update_does(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0, output_scores=True,

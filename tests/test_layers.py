@@ -1,4 +1,4 @@
-"""scope="all" (hi_na_moe.layers): a pre-norm decoder layer's decode step in few native calls.
+"""scope="all" (hi_na_moe.fastpath.layers): a pre-norm decoder layer's decode step in few native calls.
 The residual-add kernels against PyTorch's add (bit for bit); the short path against the same
 enabled model with its layers on their own forward (the same logits and cache, bit for bit) on
 the families the tiny models cover; and every call that must stay the layer's own (prefill,
@@ -12,10 +12,11 @@ from tiny_models import UNBUILDABLE, build_tiny, greedy_decode, olmoe
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe import dense, torch_ops
-from hi_na_moe.families import moe_families
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.patching import patched_runner
+from hi_na_moe.fastpath import linear
+from hi_na_moe.core import torch_ops
+from hi_na_moe.integrate.families import moe_families
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.registry import patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -126,7 +127,7 @@ FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
 def _layer_by_layer(monkeypatch):
     """These tests count and compare the layers' own calls: the stack's one native call
     (tested in test_stack.py) would skip them."""
-    from hi_na_moe import stack
+    from hi_na_moe.fastpath import stack
 
     monkeypatch.setattr(stack, "ONE_CALL", False)
 
@@ -136,8 +137,8 @@ def _layer_by_layer(monkeypatch):
 def test_known_families_decode_on_the_short_path_bit_for_bit(model_type, all_linears, monkeypatch):
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
-    if all_linears:  # the tiny models' projections are below dense.MIN_WEIGHTS: the two native calls need them packed
-        monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    if all_linears:  # the tiny models' projections are below linear.MIN_WEIGHTS: the two native calls need them packed
+        monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -179,7 +180,7 @@ def test_quantised_experts_and_linears_decode_in_the_two_native_calls_bit_for_bi
 
 
 def test_below_the_attention_kernels_tiers_sdpa_does_the_math_between_the_two_native_calls(monkeypatch):
-    from hi_na_moe import attention
+    from hi_na_moe.fastpath import attention
 
     model = olmoe(layers=2, kv_heads=4)
     hi_na_moe.enable_for_model(model, scope="all")

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hi_na_moe
-from hi_na_moe import ops
-from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.core import ops
+from hi_na_moe.core.native import native_kernels_available
 
 from tiny_models import build_tiny
 
@@ -59,7 +59,7 @@ def test_same_as_enable_for_model_and_exact_restore(model_type, weights, tmp_pat
     if weights != "lossless":
         assert all(b.sqnr_db is not None for b in rep.accelerated)
     # the experts were never in memory: placeholders (stride 0) where their parameters are
-    runner = next(c.runner for _, _, c in hi_na_moe.patching._ROOTS[model][0] if isinstance(c.runner, ops.NativeExperts))
+    runner = next(c.runner for _, _, c in hi_na_moe.integrate.patching._ROOTS[model][0] if isinstance(c.runner, ops.NativeExperts))
     assert all(t.numel() == 0 or 0 in t.stride() for t in runner.spec.weight_tensors()
                if t.dim() == 3), "expert weights were materialised"
     sd = model.state_dict()
@@ -123,7 +123,7 @@ def test_config_keys_as_keyword_arguments(tmp_path):
 def test_store_entries_record_what_they_were_built_from(tmp_path):
     # `hi-na-moe cache list` groups keys by it: the checkpoint's absolute path for from_pretrained,
     # the model's name_or_path (or its class, built in memory) for enable_for_model
-    from hi_na_moe.store import PackedStore
+    from hi_na_moe.core.store import PackedStore
 
     path, _ = _checkpoint("olmoe", tmp_path)
     a, b, c = (tmp_path / n for n in ("store-a", "store-b", "store-c"))
@@ -187,14 +187,15 @@ def test_a_truncated_safetensors_file_is_named_before_transformers_reads_it(tmp_
     be a SafetensorError six frames inside transformers, naming no file."""
     import os
 
-    from hi_na_moe import cli, loading
+    from hi_na_moe.tools import cli
+    from hi_na_moe.core import checkpoint
 
     path = _sharded(tmp_path) if sharded else _checkpoint("olmoe", tmp_path)[0]
     victim = sorted(path.glob("*.safetensors"))[-1]
     os.truncate(victim, victim.stat().st_size // 2)
     want = (rf"{victim.name}'? is truncated or corrupt: .*tensor '[^']+' .*ends at byte \d+ but the file has "
             rf"\d+ bytes; download it again or save the checkpoint again")
-    with pytest.raises(loading.CheckpointError, match=want):
+    with pytest.raises(checkpoint.CheckpointError, match=want):
         hi_na_moe.from_pretrained(path, weights="int8", progress=False)
     with pytest.raises(cli.UserError, match=want):
         cli._load(path, None)
@@ -204,7 +205,7 @@ def test_safetensors_headers_are_checked_field_by_field(tmp_path):
     import json
     import struct
 
-    from hi_na_moe.loading import CheckpointError, check_safetensors
+    from hi_na_moe.core.checkpoint import CheckpointError, check_safetensors
 
     def write(name, header, data=b"", length=None):
         raw = json.dumps(header).encode()
@@ -243,8 +244,8 @@ def test_pickle_only_checkpoints_are_refused_as_pickles(tmp_path):
     import json
     import shutil
 
-    from hi_na_moe import cli
-    from hi_na_moe.loading import PickleRefused
+    from hi_na_moe.tools import cli
+    from hi_na_moe.core.checkpoint import PickleRefused
 
     path, _ = _checkpoint("olmoe", tmp_path)
     only_bin = tmp_path / "only_bin"
@@ -272,7 +273,7 @@ def test_pickle_only_checkpoints_are_refused_as_pickles(tmp_path):
 def test_a_missing_path_a_file_and_a_directory_without_weights_each_have_their_message(tmp_path):
     import shutil
 
-    from hi_na_moe import cli
+    from hi_na_moe.tools import cli
 
     path, _ = _checkpoint("olmoe", tmp_path)
     missing = tmp_path / "missing"

@@ -11,8 +11,8 @@ import torch
 from tiny_models import build_tiny, greedy_decode, olmoe
 
 import hi_na_moe
-from hi_na_moe import dense
-from hi_na_moe.hardware import native_kernels_available, native_module
+from hi_na_moe.fastpath import linear
+from hi_na_moe.core.native import native_kernels_available, native_module
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="native library not built")
 
@@ -39,7 +39,7 @@ def _run(model, ids, steps=4, **config):
 @pytest.mark.parametrize("isa", _tiers())
 @pytest.mark.parametrize("scope", ["experts", "all"])
 def test_same_bits_as_lossless_at_every_tier(isa, scope, monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.tensor([[3, 9, 4, 7, 11, 2, 8, 5]])

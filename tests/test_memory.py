@@ -1,4 +1,4 @@
-"""Where blocks loaded from the packed-expert store live (config key memory, hi_na_moe.memory):
+"""Where blocks loaded from the packed-expert store live (config key memory, hi_na_moe.core.memory):
 a copy of its own or the store's file mapping. A copy is the same block: the same outputs bit for
 bit, validated as a view is, independent of the buffer it was copied from; "auto" copies only with
 headroom left; the report says which blocks are where."""
@@ -10,8 +10,9 @@ import torch
 from tiny_models import build_tiny, greedy_decode, olmoe
 
 import hi_na_moe
-from hi_na_moe import dense, memory
-from hi_na_moe.hardware import native_kernels_available, native_module
+from hi_na_moe.fastpath import linear
+from hi_na_moe.core import memory
+from hi_na_moe.core.native import native_kernels_available, native_module
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="blocks from the store need the native library")
 
@@ -114,7 +115,7 @@ def test_the_memory_this_process_may_take_reads_meminfo_and_a_cgroup_limit(tmp_p
 
 
 def test_a_model_from_the_store_decodes_the_same_copied_or_mapped(tmp_path, monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     ids = torch.tensor([[3, 4, 5, 6]])
     runs = {}
     for mode in ("map", "copy", "map", "auto"):  # the first map builds the store, the rest reuse it

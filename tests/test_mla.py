@@ -1,4 +1,4 @@
-"""scope="all" (hi_na_moe.mla): decode steps of multi-head latent attention modules (DeepSeek-V2/V3
+"""scope="all" (hi_na_moe.fastpath.mla): decode steps of multi-head latent attention modules (DeepSeek-V2/V3
 and the families built on them) on the native absorbed kernel. The kernel against the keys and
 values transformers makes (a float64 attention over them, every tier); the patched modules
 against their own forwards on the same packed projections (the same cache contents, logits
@@ -16,10 +16,11 @@ from tiny_models import UNBUILDABLE, build_tiny
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe import attention, dense, kv_cache, layers, mla, stack
-from hi_na_moe.hardware import native_kernels_available, native_module
-from hi_na_moe.layers import find_layers
-from hi_na_moe.patching import decode_call_counts, patched_member, patched_runner
+from hi_na_moe.fastpath import attention, kv_cache, layers, linear, mla, stack
+from hi_na_moe.core.native import native_kernels_available, native_module
+from hi_na_moe.fastpath.layers import find_layers
+from hi_na_moe.core.registry import decode_call_counts, patched_runner
+from hi_na_moe.fastpath.linear import patched_member
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -153,7 +154,7 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
         # cache entries in the first native call and runs the kernel in the second (_latent_pre)
         layer_runners = [patched_runner(model.get_submodule(n.rsplit(".", 1)[0])) for n in names]
         in_layers = [_Count(r, "_latent_pre") if r is not None else None for r in layer_runners]
-        # or, all layers at once, in the stack's one native call (hi_na_moe.stack)
+        # or, all layers at once, in the stack's one native call (hi_na_moe.fastpath.stack)
         stacks = [patched_runner(model.get_submodule(n)) for n in rep.stacks]
         one_calls = _OneCalls(stacks)
         want, want_cache = _forced_logits(twin, seq, prompt, mask)
@@ -167,7 +168,7 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
         layers = rep.layers == [n.rsplit(".", 1)[0] for n in names]
         own = 0 if layers else seq.shape[1] - prompt
         assert decode_call_counts(model) == {n: (own, 0) for n in names}
-        if seq.shape[1] > prompt:  # the latent and rope keys appended in place (hi_na_moe.kv_cache)
+        if seq.shape[1] > prompt:  # the latent and rope keys appended in place (hi_na_moe.fastpath.kv_cache)
             assert all(kv_cache._SLOTS.get(got_cache.layers[m.layer_idx]) is not None for _, m in _mla_modules(model))
         # the first latent attention layer's cache bit for bit (the same inputs); later layers'
         # inputs went through the attention above them, within rounding (padding positions left
@@ -208,7 +209,7 @@ def _compare_with_own_forward(model, monkeypatch, seq, prompt, mask=None, tol=2e
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overrides, rope, dtype, monkeypatch):
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny(model_type, dtype, **overrides)
         seq = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(1))
@@ -221,7 +222,7 @@ def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overr
                                                                   runners[0].H, runners[0].H):
             assert all(r.prefill for r in runners)
             assert "with their attention on the native AVX512-BF16 kernel" in str(rep)
-        # every decoder layer on its short path (hi_na_moe.layers), the stack on its loop over them;
+        # every decoder layer on its short path (hi_na_moe.fastpath.layers), the stack on its loop over them;
         # MiniCPM3's layers scale their residual branches (scale_depth): their own forward
         layer_names = [n.rsplit(".", 1)[0] for n in rep.attention_latent]
         if model_type == "minicpm3":
@@ -230,7 +231,7 @@ def test_mla_families_decode_on_the_kernel_with_the_same_cache(model_type, overr
             assert rep.layers == layer_names and rep.stacks == ["model"]
         assert "latent attention (MLA) modules with decode steps on the native absorbed kernel: 2" in str(rep)
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
 
 
 @pytest.mark.parametrize("model_type, overrides", [
@@ -245,9 +246,9 @@ def test_decoder_layers_run_latent_attention_in_their_native_calls(model_type, o
                                                                    monkeypatch):
     """With every part on the native calls' runners, a decoder layer's decode step makes the
     queries, the latent and the rope key in its first native call and runs the absorbed kernel in
-    its second (hi_na_moe.layers._latent_pre): the layer's probe asked for its own forward's bits,
+    its second (hi_na_moe.fastpath.layers._latent_pre): the layer's probe asked for its own forward's bits,
     and the model's logits stay close to the modules' own forward at every step."""
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny(model_type, dtype, **overrides)
         seq = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(4))
@@ -257,19 +258,19 @@ def test_decoder_layers_run_latent_attention_in_their_native_calls(model_type, o
         rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6, mask)
         layers = _compare_with_own_forward.layers
         assert len(layers) == len(runners) and all(r.latent_step is not None for r in layers)
-        # every step in the stack's one native call (hi_na_moe.stack: decode_layers), or in each
+        # every step in the stack's one native call (hi_na_moe.fastpath.stack: decode_layers), or in each
         # layer's two
         assert rep.stacks == ["model"] and _compare_with_own_forward.one_calls == (11 - 6) * one_call
         assert _compare_with_own_forward.in_layers == [(11 - 6) * (not one_call)] * len(runners)
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
         stack.ONE_CALL = True
 
 
 def test_a_complex_rotary_of_few_pairs_keeps_the_layers_step_in_python(monkeypatch):
     """Under 16 pairs a head, PyTorch's complex product runs its scalar loop, whose FMA the native
     calls do not reproduce: the layers keep latent attention in their Python step."""
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny("deepseek_v2", torch.float32)  # qk_rope_head_dim 8: 4 pairs
         seq = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(5))
@@ -279,7 +280,7 @@ def test_a_complex_rotary_of_few_pairs_keeps_the_layers_step_in_python(monkeypat
         assert _compare_with_own_forward.in_layers == [0] * len(runners)
         assert _compare_with_own_forward.one_calls == 0
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -306,12 +307,12 @@ def test_a_static_cache_decodes_on_the_kernel_through_its_mask(min_weights):
     model = _tiny("deepseek_v3", torch.bfloat16)
     twin = copy.deepcopy(model)
     seq = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(8))
-    old = dense.MIN_WEIGHTS
-    dense.MIN_WEIGHTS = old if min_weights is None else min_weights
+    old = linear.MIN_WEIGHTS
+    linear.MIN_WEIGHTS = old if min_weights is None else min_weights
     try:
         rep = hi_na_moe.enable_for_model(model, scope="all")
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
     try:
         runners = [patched_runner(m) for _, m in _mla_modules(model)]
         counts = [_Count(r) for r in runners]
@@ -356,7 +357,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
     integer dot products quantise kv_b_proj's input in the module's own forward, 1e-3 away from
     the float32 latent the absorbed kernel reads, which float32's probe tolerance does not take.)"""
     codes_read = native_module()[0].resolve_isa("auto") != "generic"
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny("deepseek_v3", dtype, rope_interleave=True, kv_lora_rank=64)
         seq = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(6))
@@ -394,7 +395,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
         else:
             assert rep.layers == [] and [c for c in _compare_with_own_forward.in_layers if c] == []
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
         stack.ONE_CALL = True
         layers.find_layers = find_layers
 
@@ -403,7 +404,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
 def test_other_packed_kv_b_proj_is_read_through_a_dense_copy(weights, group, rank, monkeypatch):
     """A packed kv_b_proj the codes form does not take (int4 groups that do not divide the rank, a
     lossless format) is read through a dense copy of what its forward computes, reported so."""
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny("deepseek_v3", torch.bfloat16, rope_interleave=True, kv_lora_rank=rank)
         seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(3))
@@ -415,7 +416,7 @@ def test_other_packed_kv_b_proj_is_read_through_a_dense_copy(weights, group, ran
         assert rep.attention_latent_bytes == copy_bytes * len(runners)
         assert "MiB of kv_b_proj copies it reads" in str(rep) and "codes and scales" not in str(rep)
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
 
 
 def test_a_kv_b_proj_left_to_pytorch_is_read_in_place_at_every_call():
@@ -467,7 +468,7 @@ def test_calls_that_are_not_a_plain_decode_step_are_the_modules_own():
 
 def test_decode_calls_refused_at_runtime_are_counted():
     """A module whose probe matched but whose decode calls its native path refuses (GLM-4.5's state
-    before session 17, with the attention's tables) shows as native 0 in decode_call_counts."""
+    before 2026-12-02, with the attention's tables) shows as native 0 in decode_call_counts."""
     model = _tiny("deepseek_v2", torch.bfloat16)
     hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -497,7 +498,7 @@ def test_mistral4s_query_scale_is_taken_from_the_calls_positions(dtype, monkeypa
     decode steps past the original context run in the decoder layers' native calls with the
     module's factor, the logits close to its own forward's at every step, the first layer's cache
     bit for bit; the factor matters (the module alone, with and without it)."""
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny("mistral4", dtype)
         orig = model.config.rope_parameters["original_max_position_embeddings"]
@@ -568,7 +569,7 @@ def test_mistral4s_query_scale_is_taken_from_the_calls_positions(dtype, monkeypa
         assert ((scaled - own).abs() <= tol).all() and ((plain[0] - own[0]).abs() > tol).any()
         assert torch.equal(plain[1], scaled[1])  # (row 1 inside the original context: a factor of 1)
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
         hi_na_moe.disable_for_model(model)
         hi_na_moe.disable_for_model(twin)
 
@@ -578,7 +579,7 @@ def test_longcats_lora_scales_are_applied_as_its_module_applies_them(dtype, monk
     """LongCat-Flash (two *MLA modules a decoder layer) scales the query and the normed latent by
     fixed factors: the same cache bit for bit and close logits as its own forward; the factors
     are read from the module at each call."""
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny("longcat_flash", dtype)
         seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(3))
@@ -587,35 +588,35 @@ def test_longcats_lora_scales_are_applied_as_its_module_applies_them(dtype, monk
         m = _mla_modules(model)[0][1]
         assert m.mla_scale_q_lora != 1.0 and m.mla_scale_kv_lora != 1.0
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_kimi_linears_mla_without_rotary_embedding_decodes_on_the_kernel(dtype, monkeypatch):
     """Kimi-Linear's MLA layers (between its linear-attention layers) rotate nothing and take no
     position embeddings: the form "none", the same cache bit for bit and close logits."""
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny("kimi_linear", dtype)
         seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(4))
         rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6)
         assert runners and {r.rope for r in runners} == {"none"}
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_bailing_hybrids_output_gate_is_applied_as_its_module_applies_it(dtype, monkeypatch):
     """Bailing-hybrid (Ling 3.0) gates each head's output by sigmoid(g_proj(h)) before o_proj:
     the same cache bit for bit and close logits, on both the decode and the prefill paths."""
-    dense.MIN_WEIGHTS, old = 0, dense.MIN_WEIGHTS
+    linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
     try:
         model = _tiny("bailing_hybrid", dtype)
         seq = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(5))
         rep, runners = _compare_with_own_forward(model, monkeypatch, seq, 6)
         assert runners and all(r.output_gate for r in runners)
     finally:
-        dense.MIN_WEIGHTS = old
+        linear.MIN_WEIGHTS = old
 
 
 def test_the_fallback_computes_what_the_kernel_does():

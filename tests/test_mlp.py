@@ -1,4 +1,4 @@
-"""scope="all": gated MLPs in one native call (hi_na_moe.mlp), and Qwen2-MoE's shared expert inside
+"""scope="all": gated MLPs in one native call (hi_na_moe.fastpath.mlp), and Qwen2-MoE's shared expert inside
 the decoder layer's fused step and the stack's one call.
 
 The layers below the MLP runner: the silu-times-up kernel (baseline build against PyTorch's
@@ -17,10 +17,10 @@ from torch import nn
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 import hi_na_moe
-from hi_na_moe import dense, stack
-from hi_na_moe.hardware import native_kernels_available, native_module
-from hi_na_moe.mlp import sigmoid_rows, torch_scalar_values
-from hi_na_moe.patching import patched_runner
+from hi_na_moe.fastpath import common, linear, stack
+from hi_na_moe.core.native import native_kernels_available, native_module
+from hi_na_moe.fastpath.mlp import sigmoid_rows, torch_scalar_values
+from hi_na_moe.core.registry import patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -116,7 +116,7 @@ def _qwen2moe(layers: int = 2, dtype=torch.bfloat16, hidden: int = 256):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_shared_expert_runs_in_one_native_call_within_rounding_of_its_own_forward(dtype, monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = _qwen2moe(dtype=dtype)
     se = model.model.layers[0].mlp.shared_expert
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -140,7 +140,7 @@ def test_the_shared_expert_runs_in_one_native_call_within_rounding_of_its_own_fo
         assert ((got.float() - own.float()).abs() <= tol * own.float().abs().amax(-1, keepdim=True)).all()
         assert (got.float() - before.float()).abs().max() <= 0.05 * before.float().abs().max()
         with torch.no_grad():  # more rows than a decode step: its own forward
-            se(torch.randn(dense.DECODE_MAX_ROWS + 1, 256).to(dtype))
+            se(torch.randn(common.DECODE_MAX_ROWS + 1, 256).to(dtype))
         assert len(calls) == 1
     finally:
         hi_na_moe.disable_for_model(model)
@@ -148,7 +148,7 @@ def test_the_shared_expert_runs_in_one_native_call_within_rounding_of_its_own_fo
 
 
 def test_a_hook_or_a_replaced_projection_sends_the_mlp_to_its_own_forward(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = _qwen2moe(layers=1)
     se = model.model.layers[0].mlp.shared_expert
     hi_na_moe.enable_for_model(model, scope="all")
@@ -180,7 +180,7 @@ def test_a_hook_or_a_replaced_projection_sends_the_mlp_to_its_own_forward(monkey
 
 
 def test_an_mlp_of_another_activation_or_wiring_keeps_its_own_forward(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = _qwen2moe(layers=2)
     model.model.layers[0].mlp.shared_expert.act_fn = nn.GELU()
 
@@ -203,7 +203,7 @@ def test_an_mlp_of_another_activation_or_wiring_keeps_its_own_forward(monkeypatc
 
 
 def test_inspect_model_names_the_gated_mlps_enable_would_probe(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = _qwen2moe()
     rep = hi_na_moe.inspect_model(model, scope="all")
     names = [f"model.layers.{i}.mlp.shared_expert" for i in range(2)]
@@ -227,9 +227,9 @@ def test_qwen2_moe_decodes_in_one_native_call_bit_for_bit_with_its_own_forwards(
     """Each tier: on Intel CPUs the generic one has no attention kernel (attention.kernel_tiers),
     so its steps take the layers' loop,
     each layer's second native call still running the shared expert."""
-    from hi_na_moe.attention import kernel_tiers
+    from hi_na_moe.fastpath.attention import kernel_tiers
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = _qwen2moe()
     rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path), isa=isa)
     one_call = _native().resolve_isa(isa) in kernel_tiers()  # "auto" may be HINA_MOE_ISA's tier
@@ -318,7 +318,7 @@ def test_a_batch_past_pytorchs_scalar_sigmoid_keeps_the_blocks_own_gate_bit_for_
     on AVX-512, 16 on AVX2), which PyTorch's vector exp takes, runs the block's own torch.sigmoid
     instead, and stays bit for bit. bfloat16: where its probe (sigmoid_rows) finds every value
     alike (PyTorch 2.13's AVX-512 and AVX2 builds), a batch as large stays in the native call."""
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = _qwen2moe(dtype=dtype)
     most = sigmoid_rows(dtype)
     B = (most or 31) + 1  # (PyTorch's baseline build: its scalar loop at any count)

@@ -13,7 +13,7 @@ from transformers.models.switch_transformers import modeling_switch_transformers
 from transformers.utils import logging as hf_logging
 
 import hi_na_moe
-from hi_na_moe.hardware import native_kernels_available
+from hi_na_moe.core.native import native_kernels_available
 from tiny_models import build_tiny
 
 FULL = {"switch_transformers": SwitchTransformersForConditionalGeneration, "nllb-moe": NllbMoeForConditionalGeneration}

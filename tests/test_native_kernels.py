@@ -15,7 +15,7 @@ import pytest
 import torch
 
 _native = pytest.importorskip("hi_na_moe._native", reason="native extension not built")
-from hi_na_moe.reference import activation  # noqa: E402
+from hi_na_moe.core.reference import activation  # noqa: E402
 
 ALL_TIERS = ["generic", "avx2", "avx512", "amx"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import OlmoeConfig
 
-from hi_na_moe.plan import model_plan
-from hi_na_moe.system import system_info
+from hi_na_moe.tools.plan import model_plan
+from hi_na_moe.core.system import system_info
 
 
 def test_olmoe_1b_7b_bytes_per_token(tmp_path):
@@ -29,8 +29,8 @@ def test_olmoe_1b_7b_bytes_per_token(tmp_path):
 
 
 def test_format_table_has_scope_all_rows(tmp_path):
-    from hi_na_moe.hardware import native_kernels_available
-    from hi_na_moe.plan import format_table
+    from hi_na_moe.core.native import native_kernels_available
+    from hi_na_moe.tools.plan import format_table
 
     if not native_kernels_available():
         pytest.skip("the packed sizes come from the native planner")

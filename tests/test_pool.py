@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hi_na_moe
-from hi_na_moe.config import ConfigError
-from hi_na_moe.hardware import native_module, pool_description
+from hi_na_moe.core.config import ConfigError
+from hi_na_moe.core.native import native_module, pool_description
 
 _native, _why = native_module()
 pytestmark = pytest.mark.skipif(_native is None, reason=f"native library not loaded: {_why}")
@@ -127,9 +127,9 @@ def test_a_scope_all_decode_step_is_hosted_on_openmps_team_with_the_same_bits(mo
     logits and cache as on the own workers (set_pool_hosting(False))."""
     from tiny_models import greedy_decode, olmoe
 
-    from hi_na_moe import dense
+    from hi_na_moe.fastpath import linear
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     rep = hi_na_moe.enable_for_model(model, scope="all")

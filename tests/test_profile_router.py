@@ -1,4 +1,4 @@
-"""hi_na_moe.profile_router and `hi-na-moe profile-router`: the recorded routing against counts made
+"""hi_na_moe.tools.profile_router and `hi-na-moe profile-router`: the recorded routing against counts made
 independently here (the model's own router logits, hi_na_moe's enabled experts path), the
 figures' definitions recomputed by hand, the files it writes, and its error paths."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from hi_na_moe import cache_policy as cp
-from hi_na_moe import profile_router as prm
-from hi_na_moe.cli import main
+from hi_na_moe.core import cache_policy as cp
+from hi_na_moe.tools import profile_router as prm
+from hi_na_moe.tools.cli import main
 
 from tiny_models import build_tiny, olmoe
 
@@ -185,7 +185,7 @@ def test_every_family_records_the_routing_its_blocks_compute(family):
     """With hi_na_moe enabled, one forward both profiles and hands each accelerated block's
     top_k_index to the experts runner (the adapters' path): the two must be the same."""
     import hi_na_moe
-    from hi_na_moe.quality import _runners
+    from hi_na_moe.tools.quality import _runners
 
     tiny = build_tiny(family)
     ids = torch.randint(3, tiny.vocab_size, (100,), generator=torch.Generator().manual_seed(2))

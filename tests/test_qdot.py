@@ -17,7 +17,7 @@ import torch
 _native = pytest.importorskip("hi_na_moe._native", reason="native extension not built")
 
 import hi_na_moe  # noqa: E402
-from hi_na_moe.config import ConfigError, HinaConfig  # noqa: E402
+from hi_na_moe.core.config import ConfigError, HinaConfig  # noqa: E402
 from test_native_kernels import CASES, TIERS, fwd_kwargs, problem, rel_err  # noqa: E402
 
 FORMATS = [("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128)]

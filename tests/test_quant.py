@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import hi_na_moe
-from hi_na_moe import ops, reference
-from hi_na_moe.config import ConfigError
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.store import PackedStore
+from hi_na_moe.core import ops, reference
+from hi_na_moe.core.config import ConfigError
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.store import PackedStore
 
 from tiny_models import build_tiny
 
@@ -43,7 +43,7 @@ def _logits(model, ids):
 
 
 def _runners(model):
-    return [c.runner for _, _, c in hi_na_moe.patching._ROOTS[model][0]
+    return [c.runner for _, _, c in hi_na_moe.integrate.patching._ROOTS[model][0]
             if isinstance(c.runner, ops.NativeExperts)]
 
 
@@ -101,7 +101,7 @@ def test_quality_floors_and_exact_restore(model_type):
     sd0 = {k: v.clone() for k, v in tiny.model.state_dict().items()}
     # Floors for random Gaussian-like tiny weights (measured: int8 36.7-40 dB, int4 15.2-17.5 dB
     # on a random probe with AMX's bf16 prefill tiles; on a CPU without AMX, where the probe's
-    # tokens take the integer-dot prefill kernel, int8 34.7-35.7 dB (olmoe, session 12); logits
+    # tokens take the integer-dot prefill kernel, int8 34.7-35.7 dB (olmoe, 2026-11-30); logits
     # rel L2 up to 0.055 (int8, gpt_oss: one routing flip)). The real quality targets are
     # measured on the shipped model (test_shipped_model_quality).
     for weights, floor_db, max_rel in (("int8", 34.0, 0.1), ("int4", 14.0, 0.3)):
@@ -205,11 +205,11 @@ def test_lost_backup_is_a_clear_error_at_disable_and_disable_can_be_retried(tmp_
 
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="'weights'.*'int3'.*did you mean"):
-        hi_na_moe.config.load_config(weights="int3")
+        hi_na_moe.core.config.load_config(weights="int3")
     with pytest.raises(ConfigError, match="'group_size'.*32, 64, 128"):
-        hi_na_moe.config.load_config(group_size=48)
+        hi_na_moe.core.config.load_config(group_size=48)
     with pytest.raises(ConfigError, match="'cache'"):
-        hi_na_moe.config.load_config(cache="maybe")
+        hi_na_moe.core.config.load_config(cache="maybe")
 
 
 def test_env_and_dry_run(monkeypatch):
@@ -227,12 +227,12 @@ def test_shipped_model_quality(tmp_path):
     (real activations). Full figures: benchmarks/quality_quant.py (RESULTS.md). The int8 top-1
     floor is 98.5 %: with AMX's bf16 prefill tiles it measured 99.2-99.3 %; without AMX the
     prefill runs the integer-dot kernel and it measured 98.97 % (21 of the 2048 tokens differ,
-    one more than 99 % allows; session 12, an AMD EPYC)."""
+    one more than 99 % allows; 2026-11-30, an AMD EPYC)."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hi_na_moe import quality
+    from hi_na_moe.tools import quality
 
     root = Path(__file__).resolve().parent.parent
     model_dir = root / "models" / "hina-tiny-moe"

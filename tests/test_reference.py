@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hi_na_moe import reference
-from hi_na_moe.spec import ExpertsSpec, GateSpec
+from hi_na_moe.core import reference
+from hi_na_moe.core.spec import ExpertsSpec, GateSpec
 
 
 def _loop(gate, up, down, x, idx, w, act=F.silu, weight_on_input=False, n_identity=0):

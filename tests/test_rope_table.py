@@ -1,4 +1,4 @@
-"""hi_na_moe.rope_table: a rotary module's cos/sin for one position read from a table of its own
+"""hi_na_moe.fastpath.rope_table: a rotary module's cos/sin for one position read from a table of its own
 outputs. Against the module called on that position alone: the same bits at every position of
 two table sizes (and across a growth), per dtype and rope type; the module called instead as
 soon as something could tell (a hook, a forward set on the object, a frequency-rewriting rope
@@ -11,10 +11,10 @@ import torch
 from tiny_models import greedy_decode, olmoe
 
 import hi_na_moe
-from hi_na_moe import dense, rope_table
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.patching import patched_runner
-from hi_na_moe.rope_table import RopeTable
+from hi_na_moe.fastpath import linear, rope_table
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.registry import patched_runner
+from hi_na_moe.fastpath.rope_table import RopeTable
 
 
 def _rotary(dtype=torch.bfloat16, rope_parameters=None, head_dim=64):
@@ -119,7 +119,7 @@ def test_a_module_whose_rows_differ_is_called_for_good():
 
 @pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 def test_a_stacks_decode_reads_the_table_and_gives_the_own_forwards_bits(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(rope_table, "FIRST_ROWS", 8)  # grows during the decode
     model = olmoe(layers=2)
     ids = torch.tensor([[3, 9, 4, 7, 5, 6]])
@@ -148,7 +148,7 @@ def test_a_stacks_decode_reads_the_table_and_gives_the_own_forwards_bits(monkeyp
 
 @pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 def test_generate_reads_the_table_for_the_position_ids_it_passes(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2)
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8]])  # a left-padded row: positions differ
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -181,7 +181,7 @@ def test_generate_reads_the_table_for_the_position_ids_it_passes(monkeypatch):
 
 @pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 def test_a_dynamic_rope_stack_calls_its_module_and_the_report_says_why(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2)
     model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
     from transformers.models.olmoe.modeling_olmoe import OlmoeRotaryEmbedding

@@ -1,4 +1,4 @@
-"""scope="all" (hi_na_moe.routers): the routers' logits on the native kernel for decode-sized
+"""scope="all" (hi_na_moe.fastpath.routers): the routers' logits on the native kernel for decode-sized
 inputs. Against the routers' own forwards: which families match a known form, what a patched
 router returns, what goes back to its own forward (prefill, training, changed settings), a
 weight changed in place, the routers left to PyTorch, and the routing linears kept lossless."""
@@ -12,10 +12,10 @@ from tiny_models import UNBUILDABLE, build_tiny, olmoe
 from transformers import DbrxConfig, DbrxForCausalLM
 
 import hi_na_moe
-from hi_na_moe import dense, routers
-from hi_na_moe.families import moe_families
-from hi_na_moe.hardware import native_kernels_available
-from hi_na_moe.patching import patched_runner
+from hi_na_moe.fastpath import linear, routers
+from hi_na_moe.integrate.families import moe_families
+from hi_na_moe.core.native import native_kernels_available
+from hi_na_moe.core.registry import patched_runner
 
 pytestmark = pytest.mark.skipif(not native_kernels_available(), reason="scope='all' runs on the native kernels")
 
@@ -209,7 +209,7 @@ def test_routing_linears_stay_lossless_when_the_rest_is_quantised(weights):
     torch.manual_seed(0)
     model = DbrxForCausalLM(cfg).eval().to(torch.bfloat16)
     name = "transformer.blocks.0.ffn.router.layer"
-    assert name in dense.routing_linears(model)
+    assert name in linear.routing_linears(model)
     rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, dense_lossless="", cache=False)
     try:
         fmts = {d.name: d.weights for d in rep.dense}
@@ -222,7 +222,7 @@ def test_routing_linears_stay_lossless_when_the_rest_is_quantised(weights):
 
 
 def _select(logits, k, form, renorm, w_dtype, bias=None, norm_min=0.0, groups=1, topk_group=1, scale=1.0, eps=1e-20):
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     B, E = logits.shape
     w, idx = torch.empty(B, k, dtype=w_dtype), torch.empty(B, k, dtype=torch.int64)

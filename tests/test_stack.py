@@ -1,4 +1,4 @@
-"""scope="all" (hi_na_moe.stack): a decoder stack's decode steps as one loop over its layers'
+"""scope="all" (hi_na_moe.fastpath.stack): a decoder stack's decode steps as one loop over its layers'
 short paths. Against the same enabled model with the stack on its own forward: the same logits
 and cache, bit for bit, on the families the tiny models cover, with generate and its masks; and
 every call that must stay the stack's own (prefill, padding, other caches, outputs asked for,
@@ -12,10 +12,10 @@ from tiny_models import UNBUILDABLE, build_tiny, greedy_decode, olmoe
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe import dense
-from hi_na_moe.families import moe_families
-from hi_na_moe.hardware import native_kernels_available, native_module
-from hi_na_moe.patching import patched_runner
+from hi_na_moe.fastpath import linear
+from hi_na_moe.integrate.families import moe_families
+from hi_na_moe.core.native import native_kernels_available, native_module
+from hi_na_moe.core.registry import patched_runner
 
 def _native_isa(tier: str) -> bool:
     return native_kernels_available() and native_module()[0].isa_supported(tier)
@@ -78,7 +78,7 @@ def _same(model, ids, steps=4, attention_mask=None, loops=True):
 def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny model for {model_type}: {UNBUILDABLE[model_type]}")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
     if getattr(model.config, "sliding_window", None):  # the tiny Mixtral's (windowed: the tests below)
         model.config.sliding_window = None
@@ -98,7 +98,7 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
                       attention_mask=torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
         assert count.one_calls == 3
         # a batch of 20 sequences, a quarter padded (more than the 16 the decode paths took
-        # before session 32): still the one call, the own forward's bits
+        # before 2026-12-05): still the one call, the own forward's bits
         ids = torch.randint(3, 90, (20, 4), generator=torch.Generator().manual_seed(2))
         mask = torch.ones_like(ids)
         mask[::4, :2] = 0
@@ -113,7 +113,7 @@ def test_known_families_decode_in_one_loop_bit_for_bit(model_type, monkeypatch):
 def test_generate_takes_the_one_call_and_gives_the_same_tokens(kind, monkeypatch):
     from transformers import StaticCache
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     if kind == "dynamic-cache":
         ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
@@ -148,7 +148,7 @@ def test_generate_takes_the_one_call_and_gives_the_same_tokens(kind, monkeypatch
 
 
 def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -200,9 +200,9 @@ def test_calls_the_loop_must_not_take_run_the_stacks_own_forward(monkeypatch):
 
 
 def test_the_final_norm_runs_in_the_call_unless_something_would_see_it_skipped(monkeypatch):
-    from hi_na_moe import stack
+    from hi_na_moe.fastpath import stack
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2)
     ids = torch.tensor([[3, 9, 4, 7]])
     hi_na_moe.enable_for_model(model, scope="all")
@@ -236,7 +236,7 @@ def test_a_steps_input_is_gathered_natively_unless_the_embedding_would_be_seen(m
     the same bits; a hook on the embedding, or an id outside its table (IndexError, as natively),
     takes the module's call; and no tensor a step returns is one of the buffers the next step
     overwrites."""
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2)
     ids = torch.tensor([[3, 9, 4, 7]])
     hi_na_moe.enable_for_model(model, scope="all")
@@ -305,7 +305,7 @@ def test_a_windowed_stack_takes_the_steps_whose_keys_are_all_in_the_window(monke
     and those with padding are the stack's own forward's. The same logits and cache, bit for bit."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     torch.manual_seed(0)
     cfg = MixtralConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
@@ -362,11 +362,11 @@ def test_gpt_oss_decodes_in_one_native_call_past_its_sliding_window(isa, monkeyp
     sliding layer to see its full layer unmasked; every decode step then runs in one native call,
     past the window too (the sliding layer's keys appended in place, its view moving on), bit for
     bit the stack's own forward, its loop over the layers, and the cache's own update."""
-    from hi_na_moe import kv_cache
+    from hi_na_moe.fastpath import kv_cache
 
     if "gpt_oss" in UNBUILDABLE:
         pytest.skip(f"no tiny gpt_oss: {UNBUILDABLE['gpt_oss']}")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny("gpt_oss", dtype=torch.bfloat16, seed=1).model.eval()
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
     window = model.config.sliding_window
@@ -401,7 +401,7 @@ def test_ernie_decodes_in_one_call_with_its_dense_layer_biased_router_and_shared
     own forward and its loop over the layers' two native calls, with a mask of padding too."""
     if "ernie4_5_moe" in UNBUILDABLE:
         pytest.skip(f"no tiny ernie4_5_moe: {UNBUILDABLE['ernie4_5_moe']}")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny("ernie4_5_moe", dtype=torch.bfloat16).model.eval()
     with torch.no_grad():  # a score correction that matters
         bias = model.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias
@@ -451,7 +451,7 @@ def test_sigmoid_routers_decode_in_one_call_bit_for_bit(model_type, monkeypatch)
     bias as the router's argument, the block's buffer, in MiniMax-M2 and Hunyuan-V3."""
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     form, overrides = _SIGMOID_ROUTERS[model_type]
     model = build_tiny(model_type, dtype=torch.bfloat16, **overrides).model.eval()
     gen = torch.Generator().manual_seed(4)
@@ -490,7 +490,7 @@ def test_multimodal_text_decoders_take_the_one_call(model_type, monkeypatch):
     report names a decoder stack that takes the one native call, none that differs or loops."""
     if model_type in UNBUILDABLE:
         pytest.skip(f"no tiny {model_type}: {UNBUILDABLE[model_type]}")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny(model_type, dtype=torch.bfloat16).model.eval()
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -504,7 +504,7 @@ def test_dense_layers_beside_moe_layers_run_in_the_one_call(monkeypatch):
     """Qwen2-MoE with mlp_only_layers (dense MLPs in some layers, as DeepSeek's first_k_dense_replace
     and ERNIE's first layer): every layer in one native call, bit for bit the stack's own forward
     and its loop."""
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny("qwen2_moe", dtype=torch.bfloat16, mlp_only_layers=[0]).model.eval()
     rep = hi_na_moe.enable_for_model(model, scope="all")
     try:
@@ -522,7 +522,7 @@ def test_layers_of_another_kind_keep_the_stacks_own_forward():
     sliding layer with no window: not a stack this loop takes."""
     from types import SimpleNamespace
 
-    from hi_na_moe.stack import PROBE_WINDOW, NativeStack
+    from hi_na_moe.fastpath.stack import PROBE_WINDOW, NativeStack
 
     def w(**kw):
         return NativeStack._windowed(SimpleNamespace(**kw), 3)
@@ -542,7 +542,7 @@ def _by_layer(model, ids, steps, one_call=True, attention_mask=None):
     """greedy_decode with the stack's one native call (count.one_calls: every step, or with
     one_call False none) and with its loop over the layers' short paths: the same logits and
     cache, bit for bit."""
-    from hi_na_moe import stack
+    from hi_na_moe.fastpath import stack
 
     count = _Count(model)
     got, c_got = greedy_decode(model, ids, steps, attention_mask)
@@ -566,10 +566,10 @@ def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, mon
     quantised experts and linears, each tier (on Intel CPUs the generic one has no attention
     kernel: the layers' loop; attention.kernel_tiers); then a norm weight replaced after enable (the layer is set again in a new
     plan) and settings that take the step back to the layers' loop."""
-    from hi_na_moe import routers
-    from hi_na_moe.attention import kernel_tiers
+    from hi_na_moe.fastpath import routers
+    from hi_na_moe.fastpath.attention import kernel_tiers
 
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     rep = hi_na_moe.enable_for_model(model, scope="all", weights=weights, cache_dir=str(tmp_path), isa=isa)
     try:
@@ -611,7 +611,7 @@ def test_one_native_call_is_the_layers_short_paths_bit_for_bit(weights, isa, mon
 def test_the_step_trace_covers_the_one_call_op_by_op_or_is_empty_in_a_release_build(monkeypatch):
     """_native.take_step_trace: a tuning build's timeline of decode_layers (bench_step_gaps.py
     --ops reads it); a release build records nothing."""
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     native = native_module()[0]
     model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
     hi_na_moe.enable_for_model(model, weights="int4", scope="all")
@@ -645,7 +645,7 @@ def test_the_step_trace_splits_a_dense_mlp_and_a_shared_expert_into_their_linear
     native = native_module()[0]
     if not native.step_trace_compiled():
         pytest.skip("a release build records no step trace (the test above checks that)")
-    monkeypatch.setattr(dense, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)
     model = build_tiny("qwen2_moe", dtype=torch.bfloat16, mlp_only_layers=[0]).model.eval()
     hi_na_moe.enable_for_model(model, scope="all")
     try:

@@ -20,21 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hi_na_moe import store as store_mod
-from hi_na_moe.store import (
-    CorruptEntry,
-    MissingEntry,
-    PackedStore,
-    StaleEntry,
-    StoreError,
-    UnsafeEntry,
-    checkpoint_identity,
-    decode_name,
-    default_cache_dir,
-    encode_name,
-    entry_key,
-    tensor_identity,
-)
+from hi_na_moe.core import store as store_mod
+from hi_na_moe.core.store import CorruptEntry, MissingEntry, PackedStore, StaleEntry, StoreError, UnsafeEntry, checkpoint_identity, decode_name, default_cache_dir, encode_name, entry_key, tensor_identity
 
 KEY = entry_key("0" * 64, format="bf16", tier="avx512", layout_version=1)
 NAME = "model.layers.3.mlp.experts"

@@ -1,4 +1,4 @@
-"""torch.ops.hi_na_moe.experts (hi_na_moe.torch_ops): the native experts op as a torch.library
+"""torch.ops.hi_na_moe.experts (hi_na_moe.core.torch_ops): the native experts op as a torch.library
 custom op, vs a direct PackedExperts.forward call (bit-for-bit), under inference_mode, traced by
 torch.compile(fullgraph=True), and through torch.library.opcheck.
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 _native = pytest.importorskip("hi_na_moe._native", reason="native extension not built")
-from hi_na_moe import torch_ops  # noqa: E402
+from hi_na_moe.core import torch_ops  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 # gpt-oss-like options: finite and infinite limits, up_offset, sigmoid_alpha

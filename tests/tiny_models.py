@@ -24,7 +24,7 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_type_to_module_name
 from transformers.utils import logging as hf_logging
 
-from hi_na_moe.families import EXPERT_COUNT_KEYS
+from hi_na_moe.integrate.families import EXPERT_COUNT_KEYS
 
 # Applied to every config (and to every sub-config, and to every per-layer override) where the key
 # exists, also under an `attribute_map` alias of the config class.

@@ -11,7 +11,7 @@ def small_module_switch(model, kind: str):
 
     rep = hi_na_moe.report_for(model)
     mods = dict(model.named_modules())
-    # "attention" takes the latent attention (MLA) modules too (hi_na_moe.mla)
+    # "attention" takes the latent attention (MLA) modules too (hi_na_moe.fastpath.mla)
     names = (getattr(rep, kind) + (rep.attention_latent if kind == "attention" else [])) if rep else []
     patched = {mods[n]: mods[n].__dict__["forward"] for n in names}
     if not patched:

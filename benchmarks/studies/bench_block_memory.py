@@ -73,7 +73,7 @@ def main() -> int:
 
 def measure(root: Path, args) -> int:
     from hi_na_moe import _native
-    from hi_na_moe.store import PackedStore
+    from hi_na_moe.core.store import PackedStore
 
     store = PackedStore(root)
     infos = [e for e in store.entries() if not e.name.endswith(".original")]

@@ -34,7 +34,8 @@ def main() -> int:
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     import hi_na_moe
-    from hi_na_moe import _native, torch_ops
+    from hi_na_moe import _native
+    from hi_na_moe.core import torch_ops
 
     torch.set_num_threads(2)
     cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -60,7 +61,7 @@ def main() -> int:
             s.append(time.perf_counter() - t)
         return statistics.median(s) * 1e6
 
-    # a dense layer under scope="all" (hi_na_moe.dense), and the same layer in PyTorch
+    # a dense layer under scope="all" (hi_na_moe.fastpath.linear), and the same layer in PyTorch
     lin = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False)).bfloat16().eval()
     plain = torch.nn.Linear(256, 256, bias=False).bfloat16().eval()
     hi_na_moe.enable_for_model(lin, scope="all", threads=2)

@@ -37,7 +37,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     import hi_na_moe
-    from hi_na_moe.store import PackedStore
+    from hi_na_moe.core.store import PackedStore
 
     cache = Path(args.cache_dir)
     if cache.exists():

@@ -4,7 +4,7 @@ Loads the checkpoint with scope="all" (--weights from the store --cache-dir) and
 round: generate(prompt, max_new_tokens=--new-tokens, do_sample=False) on a 16-token prompt, and
 the same greedy decode as a loop of `model(token, past_key_values=cache, use_cache=True,
 logits_to_keep=1)` with an argmax (bench_full_model.py's loop). Both must give the same tokens.
-The causal LM's path (hi_na_moe.stack.NativeCausalLM._run: the stack's step and its lm_head, the
+The causal LM's path (hi_na_moe.fastpath.stack.NativeCausalLM._run: the stack's step and its lm_head, the
 native call inside) is timed in both; per decode step after the first: `run` its span, `between`
 the time from one span's end to the next one's start (generate: its logits processing, stopping
 checks, input preparation and the module call with our checks before _run; the loop: the argmax
@@ -62,7 +62,8 @@ def main() -> int:
     import torch
     from transformers import DynamicCache
 
-    from hi_na_moe import rope_table, stack
+    from hi_na_moe.fastpath import rope_table
+    from hi_na_moe.fastpath import stack
 
     torch.set_num_threads(args.threads)
     model = stored.load(args.ckpt, args.weights, args.cache_dir, pool=args.pool)

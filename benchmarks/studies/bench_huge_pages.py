@@ -33,7 +33,7 @@ import torch
 
 import hi_na_moe
 from hi_na_moe import _native
-from hi_na_moe import workload as W
+from hi_na_moe.tools import workload as W
 
 
 def anon_huge_kb() -> int:

@@ -1,4 +1,4 @@
-"""Where a latent attention (MLA) module's decode call spends its time (hi_na_moe.mla.NativeMLA),
+"""Where a latent attention (MLA) module's decode call spends its time (hi_na_moe.fastpath.mla.NativeMLA),
 in a whole model: each segment of NativeMLA._decode timed with perf_counter around it, per
 module call, over --steps decode steps after a --context-token prompt (DynamicCache), medians
 per segment. The segments: the q and kv_a projections (one kernel call when dense_fuse packed
@@ -40,7 +40,8 @@ def main() -> int:
     import torch
     from transformers import DynamicCache
 
-    from hi_na_moe import kv_cache, mla
+    from hi_na_moe.fastpath import kv_cache
+    from hi_na_moe.fastpath import mla
 
     torch.set_num_threads(args.threads)
     model = stored.load(args.ckpt, args.weights, args.cache_dir, dense_fuse=not args.no_fuse)

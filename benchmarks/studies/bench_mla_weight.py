@@ -1,13 +1,13 @@
 """One latent attention decode call (hina::mla_decode) with kv_b_proj's weight dense in bf16
 against the same weight as a quantised layer's codes and scales (moe.h's RowQuant, what
-hi_na_moe.mla reads under scope="all" with int8 / int4).
+hi_na_moe.fastpath.mla reads under scope="all" with int8 / int4).
 
 Every arm cycles through --layers distinct weights (as a model's layers do: with the default 40,
 DeepSeek-V2-Lite's shape holds 168 MB of bf16 weights, far beyond the L3; --layers 1 keeps one
 weight in cache, the kernel's compute alone), the arms alternate round by round in one process,
 and each prints the median time a call over --rounds rounds (the first two dropped) with the
 weight bytes a call reads and their rate. The queries, latent cache and rope keys are random;
---context cached positions. The quantised arms' weights are hi_na_moe.mla.QuantWeight's, as the
+--context cached positions. The quantised arms' weights are hi_na_moe.fastpath.mla.QuantWeight's, as the
 model's kernels read them.
 
     chrt -f 1 python benchmarks/studies/bench_mla_weight.py [--layers 40] [--context 1] [--threads 2]
@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from hi_na_moe.hardware import native_module
-from hi_na_moe.mla import QuantWeight
+from hi_na_moe.core.native import native_module
+from hi_na_moe.fastpath.mla import QuantWeight
 
 
 def main() -> None:

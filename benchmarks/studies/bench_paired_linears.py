@@ -1,9 +1,9 @@
 """Whole decode steps with the dense layers packed paired against one matrix, in one process.
 
-hi_na_moe.dense packs an int8 / int4 layer with an even number of outputs paired (dense.PAIRED:
+hi_na_moe.fastpath.linear packs an int8 / int4 layer with an even number of outputs paired (linear.PAIRED:
 the rows' two halves as one gated expert's gate and up matrices, the same outputs bit for bit).
 This loads the checkpoint twice with scope="all" (--weights, the store --cache-dir; each packing
-has its own store entries, built on first use), once with dense.PAIRED False and once True, and
+has its own store entries, built on first use), once with linear.PAIRED False and once True, and
 times decode steps of both, alternating every --block steps (each on its own KV cache, after a
 16-token prompt, restarted every --steps), each step after an untimed 256 MB read of a 1 GiB
 buffer (the paired probe of bench_full_model.py, which also evicts the caches) and a 30 ms
@@ -56,15 +56,15 @@ def main() -> int:
     from lib.steps import alternate, arm_rows
 
     import hi_na_moe
-    from hi_na_moe import dense
-    from hi_na_moe.patching import patched_member
+    from hi_na_moe.fastpath import linear
+    from hi_na_moe.fastpath.linear import patched_member
 
     torch.set_num_threads(args.threads)
     cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
     models = {}
-    dense.REUSE_UNPAIRED = False  # the paired arm builds its own entries beside the one-matrix ones
+    linear.REUSE_UNPAIRED = False  # the paired arm builds its own entries beside the one-matrix ones
     for arm, pair in (("one matrix", False), ("paired", True)):
-        dense.PAIRED = pair
+        linear.PAIRED = pair
         models[arm] = hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, dtype=torch.bfloat16,
                                                 progress=False, config=cfg).eval()
         runners = {id(r): r for m in models[arm].modules() if (r := (patched_member(m) or (None,))[0]) is not None
@@ -73,7 +73,7 @@ def main() -> int:
         if (n > 0) != pair:
             raise SystemExit(f"the {arm} arm has {n} paired layers of {len(runners)}")
         print(f"{arm}: {n} of {len(runners)} {args.weights} dense layers (or groups) paired")
-    dense.PAIRED, dense.REUSE_UNPAIRED = True, True
+    linear.PAIRED, linear.REUSE_UNPAIRED = True, True
     ms, gbs, tokens, _ = alternate({arm: (model, lambda: None) for arm, model in models.items()}, args.rounds,
                                    args.steps, args.block, args.threads)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from hi_na_moe import reference
-from hi_na_moe.adapters import spec_from_interface
-from hi_na_moe.workload import build_layers, make_inputs, set_impl
+from hi_na_moe.core import reference
+from hi_na_moe.integrate.adapters import spec_from_interface
+from hi_na_moe.tools.workload import build_layers, make_inputs, set_impl
 
 
 def main() -> int:

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import hi_na_moe  # noqa: E402
-from hi_na_moe import patching  # noqa: E402
+from hi_na_moe.integrate import patching  # noqa: E402
 from tiny_models import build_tiny  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """A gated MLP as two dense linears against the same weights as one gated expert, streamed from DRAM.
 
 A shared expert (Qwen2-MoE, DeepSeek) or a dense MLP runs in the one native call as two dense
-linears, [gate | up] then down (hi_na_moe.mlp, csrc/moe/mlp.cpp: one matrix a panel, PyTorch's
+linears, [gate | up] then down (hi_na_moe.fastpath.mlp, csrc/moe/mlp.cpp: one matrix a panel, PyTorch's
 roundings between them); a routed expert runs through the experts' kernel, gate and up
 interleaved in one panel (two matrices a pass). bench_step_gaps.py --ops put Qwen1.5-MoE's shared
 expert at 86-100 % of the read probe and its routed experts at 106-113 %. This study asks how much

@@ -70,7 +70,8 @@ def main() -> int:
         return 0
     from transformers import DynamicCache
 
-    from hi_na_moe import _native, stack
+    from hi_na_moe import _native
+    from hi_na_moe.fastpath import stack
 
     model = stored.load(args.ckpt, "int4", args.cache_dir)
     _native.set_pool_hosting(False)

@@ -41,7 +41,7 @@ def main() -> int:
     import torch
 
     from hi_na_moe import _native
-    from hi_na_moe.patching import patched_runner
+    from hi_na_moe.core.registry import patched_runner
 
     torch.set_num_threads(2)
     model = stored.load(args.ckpt, args.weights, args.cache_dir)

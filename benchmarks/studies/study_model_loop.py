@@ -36,7 +36,7 @@ def main() -> int:
 
     import hi_na_moe
     from hi_na_moe import _native
-    from hi_na_moe.patching import patched_runner
+    from hi_na_moe.core.registry import patched_runner
 
     torch.set_num_threads(2)
     cfg = hi_na_moe.load_config(cache_dir=args.cache_dir, scope="all", dense_lossless="")
@@ -45,7 +45,7 @@ def main() -> int:
     base = model.model
     runners = [patched_runner(layer) for layer in base.layers]
     if any(r is None or r.step is None for r in runners):
-        raise SystemExit("not every decoder layer takes the two native calls (hi_na_moe.layers)")
+        raise SystemExit("not every decoder layer takes the two native calls (hi_na_moe.fastpath.layers)")
 
     def loop(ids, cache):
         h = base.embed_tokens(ids)

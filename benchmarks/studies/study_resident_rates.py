@@ -31,7 +31,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     native, why = native_module()
     if native is None:

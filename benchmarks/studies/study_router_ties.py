@@ -1,7 +1,7 @@
 """How often would routing computed outside PyTorch (a float32 softmax with another exp and
 summation order, a top-k breaking ties by the lower index) differ from PyTorch's on a trained
 model? An input for the choice of whether hi_na_moe may run the routers' softmax/top-k natively
-(it does since 2026-11-30, db2870d, with PyTorch's tie order: hi_na_moe.routers).
+(it does since 2026-11-30, db2870d, with PyTorch's tie order: hi_na_moe.fastpath.routers).
 
 The shipped model (models/hina-tiny-moe, 8 experts, top-2) on the first --tokens tokens of
 data/heldout.txt, in 512-token chunks, at float32 and bfloat16; every MoE layer's router logits
@@ -45,7 +45,7 @@ def main() -> int:
     path = ROOT / "models" / "hina-tiny-moe"
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok((ROOT / "data" / "heldout.txt").read_text(), return_tensors="pt").input_ids[:, : args.tokens]
-    from hi_na_moe.hardware import native_module
+    from hi_na_moe.core.native import native_module
 
     native = native_module()[0]
     codes = {torch.float32: 0, torch.bfloat16: 1}

@@ -5,7 +5,7 @@ decodes a few tokens, then times --steps decode steps, each after an untimed 256
 1 GiB buffer (the paired probe of bench_full_model.py, which also evicts the caches: a real
 step's Python runs on caches the weight stream has just flushed). Wall-clock timers wrap, for
 the time of the study only, the pieces of a step: the whole forward; the causal LM's path
-(hi_na_moe.stack.NativeCausalLM: its `_args`, `_run` and the Watch checks) when it took the
+(hi_na_moe.fastpath.stack.NativeCausalLM: its `_args`, `_run` and the Watch checks) when it took the
 model; the stack's checks (`_observed`, `_args`), its decode step (`_hidden`), the one call
 (`_one_call`), the layers' `plan_args` inside it, the native `StepPlan.run`, and inside those
 the embedding's lookup, the rotary table's lookup, the KV cache's slots and commits and the
@@ -43,16 +43,17 @@ def main() -> int:
     import torch
     from transformers import DynamicCache
 
-    from hi_na_moe import _native, kv_cache
-    from hi_na_moe.layers import NativeLayer
-    from hi_na_moe.patching import patched_runner
-    from hi_na_moe.stack import NativeCausalLM, NativeStack, Outputs
+    from hi_na_moe import _native
+    from hi_na_moe.fastpath import kv_cache
+    from hi_na_moe.fastpath.layers import NativeLayer
+    from hi_na_moe.core.registry import patched_runner
+    from hi_na_moe.fastpath.stack import NativeCausalLM, NativeStack, Outputs
 
     torch.set_num_threads(args.threads)
     model = stored.load(args.ckpt, args.weights, args.cache_dir)
     stacks = [r for m in model.modules() if isinstance(r := patched_runner(m), NativeStack)]
     if len(stacks) != 1:
-        raise SystemExit(f"expected one decoder stack on hi_na_moe.stack, found {len(stacks)}")
+        raise SystemExit(f"expected one decoder stack on hi_na_moe.fastpath.stack, found {len(stacks)}")
     st = stacks[0]
     spent: dict[str, float] = collections.defaultdict(float)
     now = time.perf_counter

@@ -10,25 +10,23 @@
 Importing the package also registers `experts_implementation="hi_na_moe"` with transformers.
 """
 
-from .hardware import capabilities
-from .config import ConfigError, HinaConfig, load_config
-from .patching import (
+from .core.config import ConfigError, HinaConfig, load_config
+from .integrate.interface import register_experts_interface
+from .integrate.loading import from_pretrained as _from_pretrained
+from .integrate.patching import (
     BlockReport,
     EnableReport,
     disable_for_model,
     enable_for_model,
     inspect_model,
     is_enabled,
-    register_experts_interface,
     report_for,
 )
-
+from .tools.capabilities import capabilities
 
 
 def from_pretrained(path, weights: str = "int4", **kwargs):
-    """See hi_na_moe.loading.from_pretrained (imported lazily: it pulls in transformers)."""
-    from .loading import from_pretrained as _from_pretrained
-
+    """See hi_na_moe.integrate.loading.from_pretrained."""
     return _from_pretrained(path, weights, **kwargs)
 
 

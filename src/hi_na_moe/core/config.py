@@ -1,0 +1,399 @@
+"""One validated configuration object, read from keyword arguments, environment variables and a
+YAML file, in that order of precedence.
+
+Every key here changes what the library does; a key that would do nothing does not exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .native import native_module
+from .store import default_cache_dir
+
+ENV_PREFIX = "HINA_MOE_"
+# The environment variable naming a YAML config file; not itself a config key.
+ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
+# Read by the native library when it loads, not a config key: the kernels' prefetch distance
+# (hi_na_moe._native.prefetch_distance; csrc/moe/prefetch.h).
+ENV_NATIVE = ("HINA_MOE_PREFETCH_BYTES",)
+
+BACKENDS = ("auto", "native", "reference")
+ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
+WEIGHT_FORMATS = ("lossless", "lossless12", "int8", "int4")
+# the formats whose packed copy holds the model's weights bit for bit: outputs as "lossless",
+# restored from the packed copy, no SQNR to measure
+LOSSLESS_FORMATS = frozenset(("lossless", "lossless12"))
+QDOT_MODES = ("auto", "int", "expand")
+GROUP_SIZES = (32, 64, 128)
+# int4's default group: with layout 5's one-byte scale codes as many bytes as group 64 had with
+# bfloat16 scales, and more faithful than llama.cpp's Q4_0 (benchmarks/weight_fidelity.py)
+DEFAULT_GROUP_SIZE = 32
+POOLS = ("auto", "own", "openmp")
+MEMORY_MODES = ("auto", "copy", "map")
+SCOPES = ("experts", "all")
+# The most threads `threads` may ask for: the most logical CPUs a Linux x86-64 kernel supports
+# (CONFIG_NR_CPUS <= 8192), so more can never mean one thread a CPU; well inside the native pool's
+# limit (16-bit thread ids a region: csrc/include/hina_moe/thread_pool.h, kTidBits) and the C int
+# the binding takes, past which the value used to fail deep inside a kernel call.
+MAX_THREADS = 8192
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong. The message names the key, the bad value, where it
+    came from and what is allowed."""
+
+
+class UnknownKeyError(ConfigError, TypeError):
+    """A key HinaConfig does not have, passed to its constructor: a TypeError too, as any
+    unexpected keyword argument is, with the config's own message (known keys, did you mean)."""
+
+
+@dataclass(frozen=True)
+class HinaConfig:
+    """What `enable_for_model` does.
+
+    Attributes:
+        backend: "auto" runs each MoE block on the native C++ kernels where one fits and on the
+            pure-PyTorch reference otherwise (the report says which, and why); "native" refuses
+            to enable a block that has no native kernel; "reference" always uses the pure-PyTorch
+            reference path (the oracle the kernels are tested against).
+        isa: kernel tier for native kernels: "auto" (the best this CPU and OS allow) or one of
+            "generic", "avx2", "avx512", "amx". Asking for a tier the CPU lacks is an error.
+        threads: threads for the native kernels, 0 to MAX_THREADS (8192); 0 means
+            `torch.get_num_threads()`.
+        strict: if true, `enable_for_model` raises when any MoE block found in the model would be
+            left running natively (instead of reporting it and going on).
+        keep_weights: if true, the model's own expert tensors stay in memory beside the packed
+            copy the native kernels read (twice the expert memory; needed to run backward
+            through enabled blocks). By default they are released while enabled and rebuilt
+            bit-exactly by `disable_for_model` (lossless: from the packed copy; int8/int4: from
+            an exact backup written to the packed-expert store).
+        weights: how the native kernels store expert weights: "lossless" (the model's own dtype,
+            the default), "lossless12" (bfloat16 weights bit for bit in about 75 % of their
+            bytes: the same outputs as "lossless", and decode reads fewer bytes; a block of
+            another dtype, or whose weights do not fit the packing, is stored "lossless" and
+            the report says so), "int8" (per output channel) or "int4" (per group of
+            `group_size` weights along the reduction). Quantised formats are lossy; the enable
+            report gives each block's measured SQNR.
+        group_size: int4 group size: 32 (default), 64 or 128. Smaller groups: more accurate,
+            more scale bytes (4.25, 4.125, 4.0625 bits a weight, plus 32 bits a row). Against
+            llama.cpp's Q4_0 (4.5 bits), group 32 is 0.3 dB more faithful, 64 0.5 dB less
+            (weight SQNR, benchmarks/weight_fidelity.py).
+        qdot: how the native kernels compute int8/int4 experts: "int" (integer dot products,
+            W8A8 / W4A8: activations quantised per token in blocks of 32, see moe.h), "expand"
+            (weights expanded to fp32/bf16 in registers, activations unquantised) or "auto"
+            (default: "int" where the tier has an integer-dot kernel, except the AMX prefill
+            path of bf16 models, which keeps its bf16 tiles). Ignored for lossless weights.
+        cache: if true (default), quantised experts are written to the packed-expert store on
+            first enable and loaded from it afterwards (no re-quantising; copied or mapped: see
+            memory), and the exact
+            originals are backed up there so disable can restore them. If false, quantising
+            happens on every enable and the originals stay in memory.
+        cache_dir: the store's directory; "" means the default (`$XDG_CACHE_HOME/hi_na_moe`, else
+            `~/.cache/hi_na_moe`).
+        memory: where the packed blocks loaded from the store live. "copy": each is copied into
+            memory of its own at load (transparent huge pages requested), which the kernels
+            stream at one speed, while a file mapping's speed depends on the page cache's state
+            (13-17 % slower decode measured in one, as fast in another: hi_na_moe.core.memory). "map":
+            the kernels read the store's read-only file mapping: quicker loads, and the OS may
+            drop its pages under memory pressure and read them again from disk, so a model
+            larger than RAM still runs (slowly). "auto" (default): copy while a copy leaves
+            headroom in the memory this process may use, map the rest. The enable report says
+            which.
+        pool: which threads run the native kernels' parallel regions: "openmp" runs them on the
+            team of the GNU OpenMP runtime PyTorch already loaded (the threads that just ran
+            torch's ops, so the two never compete for cores), "own" on hi_na_moe's own workers
+            (spin briefly, then sleep; a worker the scheduler has not run yet leaves its share to
+            the caller), "auto" (default) picks under scope="all" the own workers with the
+            regions of prefill-sized calls on OpenMP's team (native "mixed"), and otherwise openmp
+            when a libgomp is loaded in the process (HinaConfig.kernel_pool). Decode steps through
+            a stack's one native call run hosted on OpenMP's team on own and mixed (one join a
+            step). Process-wide: the last enable's value applies.
+        scope: "experts" (default) accelerates the MoE experts only; "all" also runs the model's
+            dense linear layers (attention projections, shared experts, dense MLPs, lm_head) on
+            the native kernels, in the `weights` format (see hi_na_moe.fastpath.linear).
+        dense_lossless: with scope="all" and int8/int4 weights, the dense layers whose names
+            match these comma-separated fnmatch patterns stay in the model's own dtype (default
+            "lm_head").
+        dense_exclude: with scope="all", dense layers whose names match these patterns are left
+            to PyTorch (default: none).
+        dense_fuse: with scope="all", sibling projections that read the same input (q/k/v,
+            gate/up) run as one kernel call (default true; exact: the same outputs as one call
+            per layer).
+    """
+
+    backend: str = "auto"
+    isa: str = "auto"
+    threads: int = 0
+    strict: bool = False
+    keep_weights: bool = False
+    weights: str = "lossless"
+    group_size: int = DEFAULT_GROUP_SIZE
+    qdot: str = "auto"
+    cache: bool = True
+    cache_dir: str = ""
+    memory: str = "auto"
+    pool: str = "auto"
+    scope: str = "experts"
+    dense_lossless: str = "lm_head"
+    dense_exclude: str = ""
+    dense_fuse: bool = True
+    # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
+    # so that errors and reports can say it.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        src = lambda key: self.sources.get(key, "argument")  # noqa: E731
+        _check_choice("backend", self.backend, BACKENDS, src("backend"))
+        _check_choice("isa", self.isa, ISA_TIERS, src("isa"))
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 0 <= self.threads <= MAX_THREADS:
+            raise ConfigError(
+                f"config key 'threads' ({src('threads')}) has bad value {self.threads!r}: "
+                f"expected a whole number from 0 to {MAX_THREADS} (0 means torch.get_num_threads(); "
+                f"{MAX_THREADS}, the most CPUs Linux supports, is the cap)"
+            )
+        _check_choice("weights", self.weights, WEIGHT_FORMATS, src("weights"))
+        _check_choice("pool", self.pool, POOLS, src("pool"))
+        _check_choice("memory", self.memory, MEMORY_MODES, src("memory"))
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise ConfigError(
+                f"config key 'group_size' ({src('group_size')}) has bad value {self.group_size!r}: "
+                f"expected one of {', '.join(map(str, GROUP_SIZES))}"
+            )
+        _check_choice("qdot", self.qdot, QDOT_MODES, src("qdot"))
+        _check_choice("scope", self.scope, SCOPES, src("scope"))
+        for key in ("dense_lossless", "dense_exclude"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(
+                    f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected a "
+                    "comma-separated list of module-name patterns, e.g. 'lm_head,*.self_attn.*'"
+                )
+        if not isinstance(self.cache_dir, str):
+            raise ConfigError(
+                f"config key 'cache_dir' ({src('cache_dir')}) has bad value {self.cache_dir!r}: expected a path"
+            )
+        for key in ("strict", "keep_weights", "cache", "dense_fuse"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(
+                    f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected true or false"
+                )
+        if self.isa not in ("auto", "generic"):
+            _check_isa_available(self.isa, src("isa"))
+
+    def kernel_pool(self) -> str:
+        """The thread pool backend `pool` asks for (native set_pool_backend): "auto" is "mixed"
+        under scope="all": the own workers, whose decode step is one native call (on OpenMP's
+        team, whose threads spin at its barriers, a decode step under one competing process took
+        2.4-2.7x as long as on the own workers; benchmarks/log/threads.md, 2026-12-02; hosted on that
+        team since 2026-12-05, one join a step, backing off to the own workers under a
+        competitor), and prefill-sized calls on OpenMP's team (a prefill interleaves torch's ops
+        with the kernels: 1.06-1.09x, about even under a competitor; 2026-12-05). Otherwise the
+        native "auto" (OpenMP's team when a libgomp is loaded: between torch's ops, whose team
+        keeps spinning for a while, the own workers measured 22 % slower)."""
+        return "mixed" if self.pool == "auto" and self.scope == "all" else self.pool
+
+    def store_root(self) -> Path:
+        """The packed-expert store's directory under this config."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
+
+
+KEYS = tuple(f.name for f in dataclasses.fields(HinaConfig) if f.name != "sources")
+
+
+def _checked_init(generated):
+    """HinaConfig's __init__: the dataclass's own, after refusing an unknown keyword with the
+    config's message (a plain TypeError would name no key it could have been). Wrapped rather
+    than written, so fields, defaults, replace() and pickling stay the dataclass's."""
+    names = frozenset(f.name for f in dataclasses.fields(HinaConfig) if f.init)
+
+    @functools.wraps(generated)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key not in names:
+                raise _unknown_key(key, "HinaConfig argument", UnknownKeyError)
+        generated(self, *args, **kwargs)
+
+    return __init__
+
+
+HinaConfig.__init__ = _checked_init(HinaConfig.__init__)  # type: ignore[method-assign]
+_TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
+          "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
+          "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool}
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:
+    if value not in allowed:
+        hint = difflib.get_close_matches(str(value), allowed, n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(
+            f"config key {key!r} ({source}) has bad value {value!r}: expected one of "
+            f"{', '.join(repr(a) for a in allowed)}{extra}"
+        )
+
+
+def _check_isa_available(isa: str, source: str) -> None:
+    native, why = native_module()
+    if native is None:
+        raise ConfigError(
+            f"config key 'isa' ({source}) asks for {isa!r}, but the native library is not loaded ({why}); "
+            "use isa='auto' or rebuild the package"
+        )
+    if not native.isa_supported(isa):
+        raise ConfigError(
+            f"config key 'isa' ({source}) asks for {isa!r}, which this CPU/OS does not support "
+            f"(best available: {native.best_isa()!r}); pick a lower tier or 'auto'"
+        )
+
+
+def _unknown_key(key: str, source: str, cls: type[ConfigError] = ConfigError) -> ConfigError:
+    hint = difflib.get_close_matches(key, KEYS, n=1)
+    extra = f"; did you mean {hint[0]!r}?" if hint else ""
+    return cls(f"unknown config key {key!r} ({source}); known keys: {', '.join(KEYS)}{extra}")
+
+
+def _coerce(key: str, raw: Any, source: str) -> Any:
+    """Turn a value from a text source (env var) or YAML into the key's type, or explain why not."""
+    want = _TYPES[key]
+    if want is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected true or false")
+    if want is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected a whole number")
+        if isinstance(raw, int):
+            return raw
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(
+                f"config key {key!r} ({source}) has bad value {raw!r}: expected a whole number"
+            ) from None
+    if not isinstance(raw, str):
+        raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected a string")
+    return raw.strip()
+
+
+def default_config_file() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "hi_na_moe" / "config.yaml"
+
+
+def _read_file(path: Path, required: bool) -> dict[str, Any]:
+    """The YAML mapping in `path`; required: it came from $HINA_MOE_CONFIG (else it is the user's
+    default file, which may be absent)."""
+    origin = f"from {ENV_CONFIG_FILE}" if required else "the user's config file"
+    if not path.exists():
+        if required:
+            raise ConfigError(f"config file {str(path)!r} ({origin}) does not exist")
+        return {}
+    fix = f"point {ENV_CONFIG_FILE} at a YAML file" if required else "fix or remove it"
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} ({origin}) is a directory, not a file; {fix}")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} ({origin}) cannot be read: {exc.strerror or exc}; {fix}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} ({origin}) is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8 YAML, or {fix}"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of keys to values (e.g. 'isa: avx512'), "
+            f"not a {type(data).__name__}"
+        )
+    return data
+
+
+# the unknown HINA_MOE_* variables already warned about in this process
+_WARNED_ENV: set[str] = set()
+
+
+def _warn_unknown_env(name: str, key: str) -> None:
+    """An environment variable with the prefix that is no key is ignored, said once a process: a
+    process inherits its environment, and a typo (or a variable of another hi_na_moe version)
+    there must not break every call."""
+    if name in _WARNED_ENV:
+        return
+    _WARNED_ENV.add(name)
+    hint = difflib.get_close_matches(key, KEYS, n=1)
+    extra = f" (did you mean {ENV_PREFIX + hint[0].upper()}?)" if hint else ""
+    warnings.warn(
+        f"hi_na_moe: ignoring unknown environment variable {name}{extra}; known: "
+        f"{', '.join(ENV_PREFIX + k.upper() for k in KEYS)}, {ENV_CONFIG_FILE}, {', '.join(ENV_NATIVE)}",
+        UserWarning, stacklevel=3)
+
+
+def load_config(config: HinaConfig | None = None, *, where: Mapping[str, str] | None = None,
+                **kwargs: Any) -> HinaConfig:
+    """Build the effective config: kwargs > `HINA_MOE_*` env vars > YAML file > defaults.
+
+    `config`, if given, replaces the file and environment layers (it was built by the caller);
+    kwargs still override it. `where` names where a kwarg came from, for errors (e.g. the command
+    line's {"isa": "--isa"}); default "keyword argument".
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config is not None:
+        if not isinstance(config, HinaConfig):
+            raise ConfigError(f"'config' must be a hi_na_moe.HinaConfig, not {type(config).__name__}")
+        values.update(config.to_dict())
+        sources.update({k: config.sources.get(k, "config object") for k in KEYS})
+    else:
+        env_file = os.environ.get(ENV_CONFIG_FILE)
+        path = Path(env_file).expanduser() if env_file else default_config_file()
+        for key, raw in _read_file(path, required=bool(env_file)).items():
+            source = f"file {path}"
+            if key not in KEYS:
+                raise _unknown_key(str(key), source)
+            values[key] = _coerce(key, raw, source)
+            sources[key] = source
+        for name, raw in os.environ.items():
+            if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE or name in ENV_NATIVE:
+                continue
+            key = name[len(ENV_PREFIX):].lower()
+            source = f"env {name}"
+            if key not in KEYS:
+                _warn_unknown_env(name, key)
+                continue
+            values[key] = _coerce(key, raw, source)
+            sources[key] = source
+    for key, raw in kwargs.items():
+        if key not in KEYS:
+            raise _unknown_key(key, "keyword argument")
+        values[key] = raw
+        sources[key] = (where or {}).get(key, "keyword argument")
+    for key in KEYS:
+        sources.setdefault(key, "default")
+    return HinaConfig(**values, sources=sources)
