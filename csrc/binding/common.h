@@ -259,6 +259,14 @@ inline nb::dict header_dict(const hina::PackedHeader& h) {
   return d;
 }
 
+// d[name] = value for each (name, value) pair of the arguments, in order.
+inline void put_fields(nb::dict&) {}
+template <class V, class... Rest>
+void put_fields(nb::dict& d, const char* name, const V& value, const Rest&... rest) {
+  d[name] = value;
+  put_fields(d, rest...);
+}
+
 inline hina::QDot parse_qdot(const std::string& name) {
   hina::QDot q;
   if (!hina::qdot_from_name(name.c_str(), &q)) bad("qdot '" + name + "' is unknown; expected auto, int or expand");

@@ -77,10 +77,7 @@ class PyPackedExperts {
     const InArray topk_idx = array_arg<InArray>("topk_idx", idx_obj);
     const InArray topk_w = array_arg<InArray>("topk_w", w_obj);
     OutArray out = array_arg<OutArray>("out", out_obj);
-    if (x.ndim() != 2) bad("x must have shape [T, H], got " + shape_str(shape_of(x)));
-    const int64_t T = x.shape(0);
-    check_array("x", x, {T, pe.H()});
-    check_dtype("x", x, wdt, " (the experts' dtype); convert x first");
+    const int64_t T = input_rows(x, "H", "the experts'");
     if (topk_idx.ndim() != 2) bad("topk_idx must have shape [T, K], got " + shape_str(shape_of(topk_idx)));
     const int64_t K = topk_idx.shape(1);
     check_array("topk_idx", topk_idx, {T, K});
@@ -114,10 +111,7 @@ class PyPackedExperts {
     const nb::dlpack::dtype wdt = nb_dtype(pe.dtype());
     const InArray x = array_arg<InArray>("x", x_obj);
     OutArray out = array_arg<OutArray>("out", out_obj);
-    if (x.ndim() != 2) bad("x must have shape [T, in_features], got " + shape_str(shape_of(x)));
-    const int64_t T = x.shape(0);
-    check_array("x", x, {T, pe.H()});
-    check_dtype("x", x, wdt, " (the layer's dtype); convert x first");
+    const int64_t T = input_rows(x, "in_features", "the layer's");
     check_array("out", out, {T, pe.out_features()});
     check_dtype("out", out, wdt, " (the layer's dtype)");
     hina::MoeParams p;
@@ -129,6 +123,16 @@ class PyPackedExperts {
       name = pe.linear(x.data(), T, out.data(), p);
     }
     return name;
+  }
+
+  // forward()'s and linear()'s x [T, <cols>] in the block's dtype (whose: the block's kind, for the
+  // message); returns T.
+  int64_t input_rows(const InArray& x, const char* cols, const char* whose) const {
+    if (x.ndim() != 2) bad(std::string("x must have shape [T, ") + cols + "], got " + shape_str(shape_of(x)));
+    const int64_t T = x.shape(0);
+    check_array("x", x, {T, pe_->H()});
+    check_dtype("x", x, nb_dtype(pe_->dtype()), (std::string(" (") + whose + " dtype); convert x first").c_str());
+    return T;
   }
 
   // forward()'s and linear()'s threads and path options, checked, into p.

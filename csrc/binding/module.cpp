@@ -27,11 +27,8 @@ nb::dict features_dict() {
 #undef HINA_FLAG
   d["cpu"] = cpu;
   nb::dict os;
-  os["xcr0"] = f.xcr0;
-  os["avx"] = f.os_avx;
-  os["avx512"] = f.os_avx512;
-  os["amx"] = f.os_amx;
-  os["amx_permission"] = f.amx_permission;
+  put_fields(os, "xcr0", f.xcr0, "avx", f.os_avx, "avx512", f.os_avx512, "amx", f.os_amx, "amx_permission",
+             f.amx_permission);
   d["os"] = os;
   return d;
 }
@@ -149,11 +146,8 @@ NB_MODULE(_native, m) {
             r = hina::measure_read_bandwidth(bytes, threads, passes);
           }
           nb::dict d;
-          d["best_gbs"] = r.best_gbs;
-          d["median_gbs"] = r.median_gbs;
-          d["bytes"] = r.bytes;
-          d["threads"] = r.threads;
-          d["passes"] = r.passes;
+          put_fields(d, "best_gbs", r.best_gbs, "median_gbs", r.median_gbs, "bytes", r.bytes, "threads", r.threads,
+                     "passes", r.passes);
           return d;
         },
         nb::arg("bytes") = size_t(1) << 30, nb::arg("threads") = 0, nb::arg("passes") = 5,

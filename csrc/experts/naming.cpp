@@ -23,90 +23,47 @@ namespace hina {
 
 using namespace detail;
 
-const char* dtype_name(DType dt) {
-  switch (dt) {
-    case DType::kF32: return "float32";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
-  }
-  return "unknown";
+namespace {
+// An enum whose values are 0, 1, ..., N - 1 named by a table ("unknown" outside it), and parsed.
+template <class E, size_t N>
+const char* name_in(const char* const (&names)[N], E v) {
+  const auto i = static_cast<size_t>(v);
+  return i < N ? names[i] : "unknown";
 }
-const char* dtype_short(DType dt) {
-  switch (dt) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
+template <class E, size_t N>
+bool parse_in(const char* const (&names)[N], const char* name, E* out) {
+  for (size_t i = 0; i < N; ++i) {
+    if (std::strcmp(name, names[i]) == 0) {
+      *out = static_cast<E>(i);
+      return true;
+    }
   }
-  return "unknown";
+  return false;
 }
+constexpr const char* kDTypeNames[] = {"float32", "bfloat16", "float16"};
+constexpr const char* kDTypeShort[] = {"f32", "bf16", "f16"};
+constexpr const char* kActNames[] = {"silu", "gelu", "gelu_tanh", "relu", "relu2", "sigmoid_alpha", "identity"};
+constexpr const char* kWFormatNames[] = {"lossless", "int8", "int4", "lossless12"};
+constexpr const char* kPathNames[] = {"auto", "decode", "prefill"};
+constexpr const char* kQDotNames[] = {"auto", "int", "expand"};
+static_assert(static_cast<int>(DType::kF16) == 2 && static_cast<int>(Act::kIdentity) == 6 &&
+                  static_cast<int>(WFormat::kLossless12) == 3 && static_cast<int>(MoePath::kPrefill) == 2 &&
+                  static_cast<int>(QDot::kExpand) == 2,
+              "the name tables follow the enums' values");
+}  // namespace
+
+const char* dtype_name(DType dt) { return name_in(kDTypeNames, dt); }
+const char* dtype_short(DType dt) { return name_in(kDTypeShort, dt); }
 size_t dtype_size(DType dt) { return dt == DType::kF32 ? 4 : 2; }
 
-const char* act_name(Act act) {
-  switch (act) {
-    case Act::kSilu: return "silu";
-    case Act::kGelu: return "gelu";
-    case Act::kGeluTanh: return "gelu_tanh";
-    case Act::kRelu: return "relu";
-    case Act::kRelu2: return "relu2";
-    case Act::kSigmoidAlpha: return "sigmoid_alpha";
-    case Act::kIdentity: return "identity";
-  }
-  return "unknown";
-}
-bool act_from_name(const char* name, Act* out) {
-  for (Act a : {Act::kSilu, Act::kGelu, Act::kGeluTanh, Act::kRelu, Act::kRelu2,
-                Act::kSigmoidAlpha, Act::kIdentity}) {
-    if (std::strcmp(name, act_name(a)) == 0) {
-      *out = a;
-      return true;
-    }
-  }
-  return false;
-}
-const char* wformat_name(WFormat f) {
-  switch (f) {
-    case WFormat::kLossless: return "lossless";
-    case WFormat::kInt8: return "int8";
-    case WFormat::kInt4: return "int4";
-    case WFormat::kLossless12: return "lossless12";
-  }
-  return "unknown";
-}
-bool wformat_from_name(const char* name, WFormat* out) {
-  for (WFormat f : {WFormat::kLossless, WFormat::kInt8, WFormat::kInt4, WFormat::kLossless12}) {
-    if (std::strcmp(name, wformat_name(f)) == 0) {
-      *out = f;
-      return true;
-    }
-  }
-  return false;
-}
-const char* path_name(MoePath path) {
-  switch (path) {
-    case MoePath::kAuto: return "auto";
-    case MoePath::kDecode: return "decode";
-    case MoePath::kPrefill: return "prefill";
-  }
-  return "unknown";
-}
 
-const char* qdot_name(QDot q) {
-  switch (q) {
-    case QDot::kAuto: return "auto";
-    case QDot::kInt: return "int";
-    case QDot::kExpand: return "expand";
-  }
-  return "unknown";
-}
-bool qdot_from_name(const char* name, QDot* out) {
-  for (QDot q : {QDot::kAuto, QDot::kInt, QDot::kExpand}) {
-    if (std::strcmp(name, qdot_name(q)) == 0) {
-      *out = q;
-      return true;
-    }
-  }
-  return false;
-}
+const char* act_name(Act act) { return name_in(kActNames, act); }
+bool act_from_name(const char* name, Act* out) { return parse_in(kActNames, name, out); }
+const char* wformat_name(WFormat f) { return name_in(kWFormatNames, f); }
+bool wformat_from_name(const char* name, WFormat* out) { return parse_in(kWFormatNames, name, out); }
+const char* path_name(MoePath path) { return name_in(kPathNames, path); }
+const char* qdot_name(QDot q) { return name_in(kQDotNames, q); }
+bool qdot_from_name(const char* name, QDot* out) { return parse_in(kQDotNames, name, out); }
 
 const char* moe_kernel_name(Isa isa, DType dt, MoePath path, WFormat wf, QDot qd) {
   // Names are `<op>_<format>_<kernel>`; built once. Formats: f32, bf16, f16, int8, int4, l12.

@@ -5,6 +5,7 @@
 
 #include "attention_impl.h"
 #include "dispatch/select.h"
+#include "parallel_rows.h"
 #include "hina_moe/cpu_features.h"
 #include "hina_moe/attention.h"
 #include "hina_moe/ops.h"
@@ -21,18 +22,6 @@ void rope_rotate_half_bf16_avx512(const uint16_t* x, int64_t B, int64_t heads, i
 }  // namespace detail
 
 namespace {
-// below this many multiply-adds one thread does the work: waking the pool costs more
-constexpr int64_t kParallelMacs = 1 << 16;
-
-// rows(b0, b1) over the B rows [0, B), split over the pool (num_threads <= 0: every hardware
-// thread) when B rows of `per_row` values are enough work
-template <class F>
-void split_rows(int64_t B, int64_t per_row, int num_threads, const F& rows) {
-  if (num_threads <= 0) num_threads = default_num_threads();
-  const int n = static_cast<int>(std::min<int64_t>({num_threads, B, std::max<int64_t>(1, B * per_row / kParallelMacs)}));
-  if (n <= 1) return rows(0, B);
-  ThreadPool::global().run(n, [&](int tid, int nt) { rows(B * tid / nt, B * (tid + 1) / nt); });
-}
 
 template <class T>
 void rope_rows(const T* x, int64_t B, int64_t heads, int64_t D, const T* cos, const T* sin, T* out, bool half_table,
@@ -103,7 +92,7 @@ void rope_rotate_half(DType dt, const void* x, int64_t B, int64_t heads, int64_t
 #endif
     rope_rotate_half(dt, xb, b1 - b0, heads, D, cb, sb, ob, half_table, rot);
   };
-  split_rows(B, heads * D, num_threads, rows);
+  detail::parallel_rows(B, B * heads * D, num_threads, rows);
 }
 
 namespace {
@@ -153,7 +142,7 @@ void rope_interleaved_f32(DType dt, const void* x, int64_t B, int64_t heads, int
         break;
     }
   };
-  split_rows(B, heads * D, num_threads, rows);
+  detail::parallel_rows(B, B * heads * D, num_threads, rows);
 }
 
 namespace {
@@ -222,19 +211,13 @@ void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
   if (rows <= 0) return;
   auto part = [&](int64_t h0, int64_t h1) {
 #if defined(HINA_HAVE_X86_KERNELS)
-    switch (detail::vec_build(isa)) {
-      case detail::VecBuild::kAvx512: return detail::attention_decode_avx512(a, h0, h1);
-      case detail::VecBuild::kAvx2: return detail::attention_decode_avx2(a, h0, h1);
-      case detail::VecBuild::kBase: break;
-    }
+    const detail::VecBuild build = detail::vec_build(isa);
+    if (build == detail::VecBuild::kAvx512) return detail::attention_decode_avx512(a, h0, h1);
+    if (build == detail::VecBuild::kAvx2) return detail::attention_decode_avx2(a, h0, h1);
 #endif
     attn_impl::run(a, h0, h1);
   };
-  if (num_threads <= 0) num_threads = default_num_threads();
-  const int64_t macs = rows * std::max<int64_t>(a.S, 1) * a.D * 2;
-  const int n = static_cast<int>(std::min<int64_t>({num_threads, rows, std::max<int64_t>(1, macs / kParallelMacs)}));
-  if (n <= 1) return part(0, rows);
-  ThreadPool::global().run(n, [&](int tid, int nt) { part(rows * tid / nt, rows * (tid + 1) / nt); });
+  detail::parallel_rows(rows, rows * std::max<int64_t>(a.S, 1) * a.D * 2, num_threads, part);
 }
 
 bool attention_prefill_supported(const AttnPrefillArgs& a, Isa isa) {

@@ -9,6 +9,7 @@
 #include "hina_moe/thread_pool.h"
 #include "dispatch/select.h"
 #include "mla_impl.h"
+#include "parallel_rows.h"
 
 namespace hina {
 namespace detail {
@@ -38,23 +39,16 @@ void mla_decode(const MlaDecodeArgs& a, int num_threads, Isa isa) {
   if (a.B <= 0 || a.H <= 0) return;
   auto part = [&](int64_t h0, int64_t h1) {
 #if defined(HINA_HAVE_X86_KERNELS)
-    switch (detail::vec_build(isa)) {
-      case detail::VecBuild::kAvx512: return detail::mla_decode_avx512(a, h0, h1);
-      case detail::VecBuild::kAvx2: return detail::mla_decode_avx2(a, h0, h1);
-      case detail::VecBuild::kBase: break;
-    }
+    const detail::VecBuild build = detail::vec_build(isa);
+    if (build == detail::VecBuild::kAvx512) return detail::mla_decode_avx512(a, h0, h1);
+    if (build == detail::VecBuild::kAvx2) return detail::mla_decode_avx2(a, h0, h1);
 #else
     (void)isa;
 #endif
     mla_impl::run<mla_impl::BaseOps>(a, h0, h1);
   };
-  if (num_threads <= 0) num_threads = default_num_threads();
-  // below this many multiply-adds one thread does the work: waking the pool costs more
-  constexpr int64_t kParallelMacs = 1 << 16;
   const int64_t macs = a.B * a.H * ((a.Dn + a.Dv) * a.L + std::max<int64_t>(a.S, 1) * (2 * a.L + a.Dr));
-  const int n = static_cast<int>(std::min<int64_t>({num_threads, a.H, std::max<int64_t>(1, macs / kParallelMacs)}));
-  if (n <= 1) return part(0, a.H);
-  ThreadPool::global().run(n, [&](int tid, int nt) { part(a.H * tid / nt, a.H * (tid + 1) / nt); });
+  detail::parallel_rows(a.H, macs, num_threads, part);
 }
 
 }  // namespace hina
