@@ -265,3 +265,31 @@ def test_the_native_prefetch_variable_is_not_a_config_key(monkeypatch):
     monkeypatch.setenv("HINA_MOE_BACKEN", "native")
     with pytest.warns(UserWarning, match="HINA_MOE_PREFETCH_BYTES"):  # listed among the known ones
         load_config()
+
+
+def test_scope_all_with_the_reference_backend_names_both_keys_and_where_they_came_from(monkeypatch):
+    monkeypatch.setenv("HINA_MOE_SCOPE", "all")
+    with pytest.raises(ConfigError, match=r"'scope' \(env HINA_MOE_SCOPE\) = 'all' and 'backend' \(keyword argument\) "
+                                          r"= 'reference' do not go together"):
+        load_config(backend="reference")
+    assert load_config(backend="native").scope == "all"  # the other backends are fine with it
+    monkeypatch.delenv("HINA_MOE_SCOPE")
+    assert load_config(backend="reference").scope == "experts"
+
+
+def test_choices_are_typed_and_keep_their_strings():
+    """weights, isa, scope, pool and memory become str enums: equal to, hashed, printed and repr'd as
+    the strings they were given as, so reports, JSON and comparisons see what they always did."""
+    import json
+
+    from hi_na_moe.core.formats import Format, Isa, MemoryMode, Pool, Scope
+
+    cfg = load_config(weights="int4", isa="generic", scope="all", pool="own", memory="copy")
+    for key, kind in (("weights", Format), ("isa", Isa), ("scope", Scope), ("pool", Pool), ("memory", MemoryMode)):
+        value = getattr(cfg, key)
+        assert type(value) is kind and value == str(value) and isinstance(value, str)
+        assert f"{value}" == str(value) == value.value and repr(value) == repr(value.value)
+        assert {value.value: 1}[value] == 1
+    assert json.dumps(cfg.to_dict()["weights"]) == '"int4"'
+    assert "weights='int4'" in repr(cfg)
+    assert Format("lossless12").lossless and not Format.INT8.lossless and Format.INT4.paired

@@ -288,13 +288,14 @@ def test_inspect_model_plans_the_dense_layers_without_packing():
         rep.norms, rep.routers, rep.attention, rep.layers, rep.stacks)
 
 
-def test_scope_all_with_the_reference_backend_says_it_does_nothing():
+def test_scope_all_with_the_reference_backend_is_a_config_error():
+    """scope="all" runs the dense layers natively, backend="reference" turns the native kernels
+    off: the pair used to enable nothing but the experts' reference path, silently."""
     model = _olmoe()
-    rep = hi_na_moe.enable_for_model(model, scope="all", backend="reference")
-    try:
-        assert rep.dense == [] and "does nothing with backend='reference'" in str(rep)
-    finally:
-        hi_na_moe.disable_for_model(model)
+    with pytest.raises(ConfigError, match=r"config keys 'scope' \(keyword argument\) = 'all' and 'backend' \(keyword argument\) = "
+                                          r"'reference' do not go together.*backend='auto'"):
+        hi_na_moe.enable_for_model(model, scope="all", backend="reference")
+    assert not hi_na_moe.is_enabled(model)
 
 
 def test_scope_experts_is_the_default_and_touches_no_linear():

@@ -16,7 +16,7 @@ from tiny_models import UNBUILDABLE, build_tiny
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe.fastpath import attention, kv_cache, layers, linear, mla, stack
+from hi_na_moe.fastpath import attention, kv_cache, layers, linear, mla, orchestrate, stack
 from hi_na_moe.core.native import native_kernels_available, native_module
 from hi_na_moe.fastpath.layers import find_layers
 from hi_na_moe.core.registry import decode_call_counts, patched_runner
@@ -365,7 +365,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
         mask[0, :2] = 0
         stack.ONE_CALL = path == "one-call"
         if path == "modules":  # no decoder layer on the native calls: each module's decode path
-            layers.find_layers = lambda *a, **k: []
+            orchestrate.find_layers = lambda *a, **k: []
         m = _mla_modules(model)[0][1]
 
         def inspect(runners):
@@ -397,7 +397,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
     finally:
         linear.MIN_WEIGHTS = old
         stack.ONE_CALL = True
-        layers.find_layers = find_layers
+        orchestrate.find_layers = find_layers
 
 
 @pytest.mark.parametrize("weights, group, rank", [("int4", 64, 96), ("lossless12", 64, 64)])

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from .formats import Format, Isa, MemoryMode, Pool, Scope
 from .native import native_module
 from .store import default_cache_dir
 
@@ -28,19 +29,16 @@ ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
 ENV_NATIVE = ("HINA_MOE_PREFETCH_BYTES",)
 
 BACKENDS = ("auto", "native", "reference")
-ISA_TIERS = ("auto", "generic", "avx2", "avx512", "amx")
-WEIGHT_FORMATS = ("lossless", "lossless12", "int8", "int4")
-# the formats whose packed copy holds the model's weights bit for bit: outputs as "lossless",
-# restored from the packed copy, no SQNR to measure
-LOSSLESS_FORMATS = frozenset(("lossless", "lossless12"))
+ISA_TIERS = Isa.values()
+WEIGHT_FORMATS = Format.values()
 QDOT_MODES = ("auto", "int", "expand")
 GROUP_SIZES = (32, 64, 128)
 # int4's default group: with layout 5's one-byte scale codes as many bytes as group 64 had with
 # bfloat16 scales, and more faithful than llama.cpp's Q4_0 (benchmarks/weight_fidelity.py)
 DEFAULT_GROUP_SIZE = 32
-POOLS = ("auto", "own", "openmp")
-MEMORY_MODES = ("auto", "copy", "map")
-SCOPES = ("experts", "all")
+POOLS = Pool.values()
+MEMORY_MODES = MemoryMode.values()
+SCOPES = Scope.values()
 # The most threads `threads` may ask for: the most logical CPUs a Linux x86-64 kernel supports
 # (CONFIG_NR_CPUS <= 8192), so more can never mean one thread a CPU; well inside the native pool's
 # limit (16-bit thread ids a region: csrc/include/hina_moe/thread_pool.h, kTidBits) and the C int
@@ -189,6 +187,16 @@ class HinaConfig:
                 )
         if self.isa not in ("auto", "generic"):
             _check_isa_available(self.isa, src("isa"))
+        if self.scope == "all" and self.backend == "reference":
+            raise ConfigError(
+                f"config keys 'scope' ({src('scope')}) = 'all' and 'backend' ({src('backend')}) = 'reference' "
+                "do not go together: scope='all' runs the dense layers on the native kernels, which "
+                "backend='reference' turns off. Use backend='auto' (or 'native') with scope='all', or "
+                "scope='experts' with backend='reference'"
+            )
+        # the typed values (str enums: equal to, and printed as, the strings they were given as)
+        for key, kind in (("weights", Format), ("isa", Isa), ("scope", Scope), ("pool", Pool), ("memory", MemoryMode)):
+            object.__setattr__(self, key, kind(getattr(self, key)))
 
     def kernel_pool(self) -> str:
         """The thread pool backend `pool` asks for (native set_pool_backend): "auto" is "mixed"

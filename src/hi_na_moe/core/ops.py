@@ -13,7 +13,8 @@ import torch
 
 from . import reference, torch_ops
 from .checkpoint import load_originals, refuse_loading
-from .config import DEFAULT_GROUP_SIZE, LOSSLESS_FORMATS, HinaConfig
+from .config import DEFAULT_GROUP_SIZE, HinaConfig
+from .formats import LOSSLESS_FORMATS, Format, decide_format
 from .memory import load_block
 from .native import native_kernels_available, native_module
 from .spec import ExpertsSpec, Runner, check_routing, index_range_error
@@ -67,11 +68,11 @@ def kernel_plan(config: HinaConfig) -> dict[str, str]:
 def weights_label(weights: str, group_size: int, dtype: torch.dtype) -> str:
     """How a block's expert weights are stored, for reports: "bfloat16", "bfloat16-lossless12",
     "int8", "int4-g32"."""
-    if weights == "lossless":
+    if weights == Format.LOSSLESS:
         return str(dtype).replace("torch.", "")
-    if weights == "lossless12":
+    if weights == Format.LOSSLESS12:
         return str(dtype).replace("torch.", "") + "-lossless12"
-    return "int4-g%d" % group_size if weights == "int4" else weights
+    return "int4-g%d" % group_size if weights == Format.INT4 else weights
 
 
 def native_unsupported_reason(spec: ExpertsSpec, dry_run: bool = False) -> str | None:
@@ -381,7 +382,7 @@ class NativeExperts:
             return native.PackedExperts(*tensors, isa=self.isa, weights=weights, group_size=self.group_size,
                                         num_threads=self.threads)
         except ValueError as exc:
-            if weights != "lossless12":
+            if weights != Format.LOSSLESS12:
                 raise
             # the packing's table did not cover these weights: the plain copy, bit for bit too
             self.format_note = f"stored as lossless: {exc}"
@@ -402,13 +403,13 @@ class NativeExperts:
                 self._identity = f"checkpoint:{self.origin.identity}:{self.name}"
             else:
                 self._identity = tensor_identity([t for t in self._tensors() if t is not None])
-        return entry_key(self._identity, weights=weights, group_size=self.group_size if weights == "int4" else 0,
+        return entry_key(self._identity, weights=weights, group_size=self.group_size if weights == Format.INT4 else 0,
                          isa=self.isa, layout_version=int(native.PACKED_LAYOUT_VERSION))
 
     def _expect(self, weights: str) -> dict:
         native, _ = native_module()
         return {"layout_version": int(native.PACKED_LAYOUT_VERSION), "weights": weights, "isa": self.isa,
-                "group_size": self.group_size if weights == "int4" else 0}
+                "group_size": self.group_size if weights == Format.INT4 else 0}
 
     def _from_store(self, weights: str, name: str, hold: bool = True):
         """The packed block for `weights`, from the store (built and written there if absent,
@@ -823,20 +824,24 @@ class NativeExperts:
         return out
 
 
+def apply_pool(config: HinaConfig) -> None:
+    """Point the native kernels' process-wide thread pool at `config.pool` (HinaConfig.kernel_pool);
+    enable_for_model and the ExpertsInterface path call it once they run a block natively."""
+    native_module()[0].set_pool_backend(config.kernel_pool())
+
+
 def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: str = "experts") -> Choice:
     """What runs `spec` under `config`. Raises ValueError when config.backend == "native" and no
-    native kernel can run it. Nothing is packed here (NativeExperts.pack does that); choosing a
-    native runner (not in a dry run) applies `config.pool` to the process-wide thread pool
-    (HinaConfig.kernel_pool)."""
+    native kernel can run it. Nothing is packed here (NativeExperts.pack does that), and nothing
+    process-wide is set (enable_for_model applies config.pool to the native thread pool).
+    The format: decide_format."""
     if config.backend == "reference":
         return Choice(reference.experts_forward, "reference", "backend='reference' requested")
     why_not = native_unsupported_reason(spec, dry_run)
     if why_not is None:
         isa = _isa_name(config)
-        weights, note = config.weights, None
-        if weights == "lossless12" and spec.weight_dtype is not torch.bfloat16:
-            weights = "lossless"
-            note = f"stored as lossless: lossless12 packs bfloat16 weights, these are {spec.weight_dtype}"
+        decision = decide_format(config.weights, spec.weight_dtype)
+        weights, note = decision.format, decision.why
         names = _kernel_names(isa, spec.weight_dtype, weights, config.qdot)
         store = None
         if weights not in LOSSLESS_FORMATS and config.cache and not dry_run:
@@ -844,8 +849,6 @@ def choose(spec: ExpertsSpec, config: HinaConfig, dry_run: bool = False, name: s
         runner = NativeExperts(spec, isa, config.threads, weights, config.group_size, store, name,
                                qdot=config.qdot, memory=config.memory)
         runner.format_note = note
-        if not dry_run:
-            native_module()[0].set_pool_backend(config.kernel_pool())
         return Choice(runner, kernel_label(isa, spec.weight_dtype, weights, config.qdot))
     if config.backend == "native":
         raise ValueError(f"backend='native' but this block cannot run natively: {why_not}")

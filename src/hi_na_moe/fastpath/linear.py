@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..core.checkpoint import refuse_loading
-from ..core.config import LOSSLESS_FORMATS
+from ..core.formats import LOSSLESS_FORMATS, Format, decide_format
 from ..core.memory import load_block
 from ..core.native import native_module
 from ..core.ops import _isa_name, _kernel_names
@@ -82,16 +82,10 @@ class DenseReport:
 
 
 def _format_of(name: str, cfg, routing: frozenset[str] = frozenset(), dtype: torch.dtype = torch.bfloat16) -> str:
-    """The weight format the dense layer `name` (weights of `dtype`) runs in under `cfg`;
-    `routing` (routing_linears) are always lossless. lossless12 is already exact, so
-    dense_lossless does not apply to it; it packs bfloat16 weights only (others: lossless)."""
-    if cfg.weights == "lossless" or name in routing:
-        return "lossless"
-    if cfg.weights == "lossless12":
-        return "lossless12" if dtype is torch.bfloat16 else "lossless"
-    if _matches(name, cfg.dense_lossless):
-        return "lossless"
-    return cfg.weights
+    """The weight format the dense layer `name` (weights of `dtype`) runs in under `cfg`
+    (decide_format; `routing`: routing_linears)."""
+    return decide_format(cfg.weights, dtype, name=name, routing=name in routing,
+                         dense_lossless=cfg.dense_lossless).format
 
 
 _ROUTING_CLASS = re.compile(r"Router|(Gate|Gating)$")
@@ -162,7 +156,7 @@ def _reads_weight(cls: type, child: str) -> bool:
     return False
 
 
-PAIRED_FORMATS = ("int8", "int4")
+PAIRED_FORMATS = tuple(f for f in Format if f.paired)
 
 
 def paired(weights: str, rows: int) -> bool:
@@ -262,14 +256,14 @@ class NativeLinear:
             return pack(w, b, isa=self.isa, num_threads=self.threads, weights=weights, group_size=self.group_size,
                         paired=self.paired and weights in PAIRED_FORMATS)
         except ValueError as exc:
-            if weights != "lossless12":
+            if weights != Format.LOSSLESS12:
                 raise
             self.format_note = f"stored as lossless: {exc}"  # the plain copy, bit for bit too
             return pack(w, b, isa=self.isa, num_threads=self.threads, weights="lossless")
 
     def _expect(self, weights: str) -> dict:
         expect = {"layout_version": int(native_module()[0].PACKED_LAYOUT_VERSION), "weights": weights,
-                  "isa": self.isa, "group_size": self.group_size if weights == "int4" else 0, "up_only": True}
+                  "isa": self.isa, "group_size": self.group_size if weights == Format.INT4 else 0, "up_only": True}
         if self.paired and weights in PAIRED_FORMATS:  # (an entry of one matrix keeps the key it had)
             expect["paired"] = True
         return expect

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from ..core.formats import Format
 from ..core.native import native_module
 from . import attention, kv_cache
 from .attention import _IMPLEMENTATIONS, _MAX_BATCH, _OUT_RTOL, DecodeCalls, _bool_of_additive, call_args
@@ -185,11 +186,11 @@ class QuantWeight:
         codes, scales = (torch.from_dlpack(a) for a in packed.unpack_row_quant())
         rows = codes.shape[0]
         self.format, self.group, self.rows = weights, group, rows
-        chunk = 64 if weights == "int8" else group // 2  # bytes of a row between its block's others
+        chunk = 64 if weights == Format.INT8 else group // 2  # bytes of a row between its block's others
         self.codes = codes.view(rows // 4, 4, -1, chunk).transpose(1, 2).contiguous()
-        self.scales = scales if weights == "int8" else scales.view(rows // 4, 4, -1).transpose(1, 2).contiguous()
+        self.scales = scales if weights == Format.INT8 else scales.view(rows // 4, 4, -1).transpose(1, 2).contiguous()
         # what the native calls take (native_weight)
-        self.handle = (1 if weights == "int8" else 2, self.codes.data_ptr(), self.scales.data_ptr(), group)
+        self.handle = (1 if weights == Format.INT8 else 2, self.codes.data_ptr(), self.scales.data_ptr(), group)
 
     @property
     def nbytes(self) -> int:
@@ -198,7 +199,7 @@ class QuantWeight:
     def float(self) -> torch.Tensor:
         """The values [rows, L] in float32 (for the PyTorch fallback)."""
         codes = self.codes.transpose(1, 2).reshape(self.rows, -1)  # the plain rows again
-        if self.format == "int8":
+        if self.format == Format.INT8:
             return codes.view(torch.int8).float() * self.scales.float()[:, None]
         half = self.group // 2
         scales = self.scales.transpose(1, 2).reshape(self.rows, -1)
@@ -293,10 +294,10 @@ class NativeMLA:
             return None
         member = patched_member(p)
         runner = None if member is None else member[0]
-        if runner is None or runner.weights not in ("int8", "int4") or len(runner.modules) != 1:
+        if runner is None or runner.weights not in (Format.INT8, Format.INT4) or len(runner.modules) != 1:
             return None
         packed = runner.packed
-        group = packed.layout["group_size"] if runner.weights == "int4" else 0
+        group = packed.layout["group_size"] if runner.weights == Format.INT4 else 0
         if ((packed.out_features, packed.H) != (rows, self.L)
                 or not self.native.mla_quant_fits(runner.weights, group, self.L, self.Dn, self.Dv)):
             return None

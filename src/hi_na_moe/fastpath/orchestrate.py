@@ -10,7 +10,7 @@ import types
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.config import LOSSLESS_FORMATS
+from ..core.formats import LOSSLESS_FORMATS
 from ..core.ops import _isa_name
 from ..core.store import PackedStore
 from .attention import NativeAttention, find_attention

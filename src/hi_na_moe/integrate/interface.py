@@ -33,8 +33,10 @@ def interface_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k
         spec, why = adapters.spec_from_interface(self)
         if spec is None:
             raise RuntimeError(f"hi_na_moe cannot run {type(self).__name__}: {why}")
-        choice = ops.choose(spec, load_config())
+        cfg = load_config()
+        choice = ops.choose(spec, cfg)
         if isinstance(choice.runner, ops.NativeExperts):
+            ops.apply_pool(cfg)
             choice.runner.pack()  # the model keeps its own weights here (no release on this path)
         cached = (key, choice, spec)
         _SPECS[self] = cached

@@ -317,8 +317,6 @@ class EnableReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-        if self.config.get("scope") == "all" and self.config.get("backend") == "reference":
-            lines.append("  scope='all' does nothing with backend='reference': the dense layers stay PyTorch's")
         if self.dense:
             by_fmt: dict[str, int] = {}
             for d in self.dense:
@@ -668,6 +666,8 @@ def enable_for_model(
                     "(on a parent or child module); disable that one first"
                 )
             plans.append((match, ops.choose(match.spec, cfg, name=match.name)))
+        if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
+            ops.apply_pool(cfg)  # process-wide: here, not in choose (which only decides)
         if cfg.strict and report.native:
             names = ", ".join(f"{b.name} ({b.reason})" for b in report.native)
             raise RuntimeError(f"strict=True and some MoE blocks cannot be accelerated: {names}")

@@ -27,12 +27,12 @@ from ..core.checkpoint import CheckpointError, PickleRefused, checkpoint_dir, sa
 from ..core.config import (
     DEFAULT_GROUP_SIZE,
     ISA_TIERS,
-    LOSSLESS_FORMATS,
     MAX_THREADS,
     WEIGHT_FORMATS,
     ConfigError,
     load_config,
 )
+from ..core.formats import LOSSLESS_FORMATS, Format
 from ..core.native import native_module
 from ..core.registry import decode_call_counts
 from ..core.store import _KEY_RE, PackedStore, _human
@@ -541,7 +541,7 @@ def cmd_bench(args) -> int:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(10, vocab - 1), vocab, (args.batch_size, args.seq_len), generator=g)
     active = plan["active_bytes_per_token"]
-    if args.weights != "lossless":  # the format's packed bytes, not the model's own
+    if args.weights != Format.LOSSLESS:  # the format's packed bytes, not the model's own
         # the experts-only row: with scope="all" the enabled report's dense layers are added below
         row = next((f for f in format_table(plan, bw, args.group_size)
                     if f["weights"].startswith(args.weights) and f["scope"] == "experts"), None)
@@ -562,7 +562,7 @@ def cmd_bench(args) -> int:
         return b.expert_bytes / b.experts
 
     def hina_expert(b):  # one expert in the arm's format (lossless: the model's own bytes)
-        n = packed_expert_bytes(b, args.weights, args.group_size) if args.weights != "lossless" else None
+        n = packed_expert_bytes(b, args.weights, args.group_size) if args.weights != Format.LOSSLESS else None
         return n / b.experts if n is not None else native_expert(b)
 
     step_native = _step_bytes(active, k, plan["report"], union, native_expert)

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..core.config import DEFAULT_GROUP_SIZE, LOSSLESS_FORMATS
+from ..core.config import DEFAULT_GROUP_SIZE
+from ..core.formats import LOSSLESS_FORMATS, Format, decide_format
 from ..core.native import native_module
 from ..integrate.patching import inspect_model
 
@@ -33,8 +34,7 @@ def packed_expert_bytes(block, weights: str, group_size: int = DEFAULT_GROUP_SIZ
     dtype = (block.weights or "bfloat16") if weights in LOSSLESS_FORMATS else "bfloat16"
     if dtype not in ("float32", "bfloat16", "float16"):
         dtype = "bfloat16"
-    if weights == "lossless12" and dtype != "bfloat16":
-        weights = "lossless"  # what enable stores such a block as
+    weights = decide_format(weights, dtype).format  # what enable stores such a block as
     header = native.PackedExperts.plan(dtype, block.experts, block.hidden, block.intermediate, gated,
                                        isa="generic", weights=weights, group_size=group_size)
     return int(native.header_info(header)["nbytes"])
@@ -50,17 +50,17 @@ def format_table(plan: dict[str, Any], bandwidth_gbs: float | None, group_size: 
         (b.expert_bytes or 0) * k / b.experts for b in report.blocks if b.experts) if k else None
     rows = []
     for weights in ("lossless", "lossless12", "int8", "int4"):
-        if weights == "lossless12" and plan["dtype"] != "bfloat16":
-            continue  # it packs bfloat16 weights; other models would store it as lossless
+        if decide_format(weights, plan["dtype"]).format != weights:
+            continue  # lossless12 packs bfloat16 weights; other models would store it as lossless
         sizes = [(b, packed_expert_bytes(b, weights, group_size)) for b in report.blocks if b.experts]
         if not sizes or any(n is None for _, n in sizes):
             continue
         experts = sum(n for _, n in sizes)
         active = None if dense_active is None else dense_active + sum(n * k / b.experts for b, n in sizes)
-        label = weights if weights != "int4" else f"int4-g{group_size}"
+        label = weights if weights != Format.INT4 else f"int4-g{group_size}"
         variants = [("experts", label, 0)]
         dense = (plan.get("dense_scope_all") or {}).get(weights)
-        if weights != "lossless" and dense and dense["layers"]:
+        if weights != Format.LOSSLESS and dense and dense["layers"]:
             # the packed dense layers are read instead of the model's own (their originals are
             # released, backed up in the store)
             variants.append(("all", f"{label}, scope all", dense["packed_bytes"] - dense["own_bytes"]))
