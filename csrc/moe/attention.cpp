@@ -214,6 +214,8 @@ void attention_decode(const AttnDecodeArgs& a, int num_threads, Isa isa) {
     const detail::VecBuild build = detail::vec_build(isa);
     if (build == detail::VecBuild::kAvx512) return detail::attention_decode_avx512(a, h0, h1);
     if (build == detail::VecBuild::kAvx2) return detail::attention_decode_avx2(a, h0, h1);
+#else
+    (void)isa;
 #endif
     attn_impl::run(a, h0, h1);
   };

@@ -21,7 +21,13 @@ uint64_t read_streams_avx512(const uint64_t* const* base, int streams, int64_t l
     for (; k < streams; ++k) a0 = _mm512_xor_si512(a0, _mm512_load_si512(base[k] + i));
   }
   a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-  return static_cast<uint64_t>(_mm512_reduce_add_epi64(a0));
+  // summed as uint64 (wrapping): GCC's _mm512_reduce_add_epi64 adds the lanes as signed long long,
+  // which overflows on the probe's arbitrary bits (UBSan stopped the sanitizer runs on it)
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, a0);
+  uint64_t sum = 0;
+  for (uint64_t v : lanes) sum += v;
+  return sum;
 }
 
 }  // namespace hina::detail

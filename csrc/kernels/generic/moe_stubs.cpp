@@ -1,4 +1,5 @@
 // Non-x86 builds: no SIMD MoE kernels yet; the dispatcher falls back to the generic ones.
+#include "hina_moe/attention.h"
 #include "moe/kernel_api.h"
 
 namespace hina::detail {
