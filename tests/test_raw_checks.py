@@ -57,6 +57,13 @@ def test_a_bad_dtype_code_and_a_negative_size_raise():
         _native.rms_norm_raw(x.data_ptr(), -1, 16, x.data_ptr(), 1e-6, x.data_ptr(), _F32)
 
 
+def test_an_output_overlapping_an_input_it_may_not_overlap_raises():
+    x = torch.randn(5, 64)  # out = rows 1-4 of x, inside its buffer
+    w = torch.randn(64)
+    with pytest.raises(ValueError, match=r"rms_norm_raw: out \[0x[0-9a-f]+, \+1024\) overlaps x"):
+        _native.rms_norm_raw(x.data_ptr(), 4, 64, w.data_ptr(), 1e-6, x[1:].data_ptr(), _F32)
+
+
 def test_a_wrong_stride_raises_naming_the_strided_argument():
     B, Hq, Hkv, S, D = 1, 2, 1, 4, 16
     q = torch.randn(B, Hq, D)

@@ -4,9 +4,10 @@
 // [NOTE] Checking mode. With HINA_CHECK_RAW=1 in the environment when the module loads (not a
 // HINA_MOE_* name: hi_na_moe's configuration warns on those it does not know), or
 // after set_raw_checks(True) (the tests turn it on: tests/conftest.py), every raw entry point
-// checks its arguments before the call: dtype codes and sizes, and that each range of memory the
-// call reads or writes, computed from the sizes and strides it was given, is mapped memory of this
-// process (mincore: one system call per 1 MiB of range). A wrong address or size then raises a
+// checks its arguments before the call: dtype codes and sizes, that each range of memory the call
+// reads or writes, computed from the sizes and strides it was given, is mapped memory of this
+// process (mincore: one system call per 1 MiB of range), and that an output the op's contract
+// (hina_moe/ops.h) keeps apart from an input does not overlap it. A wrong address or size then raises a
 // ValueError naming the entry point, the argument and its range instead of crashing the process.
 // What it cannot see: a range that overruns one tensor into other mapped memory (torch keeps no
 // registry of its buffers that the core could ask).
@@ -70,6 +71,14 @@ class RawCheck {
       fail(std::string(name) + " = " + hex(addr) + " for " + std::to_string(bytes) +
            " bytes is not mapped memory of this process: the address, a size or a stride is wrong");
   }
+  // A written range that the op's contract says may not overlap a range it reads.
+  void disjoint(const char* out_name, uintptr_t out, int64_t out_bytes, const char* in_name, uintptr_t in,
+                int64_t in_bytes) const {
+    if (!on_ || out_bytes <= 0 || in_bytes <= 0) return;
+    if (out < in + static_cast<uint64_t>(in_bytes) && in < out + static_cast<uint64_t>(out_bytes))
+      fail(std::string(out_name) + " [" + hex(out) + ", +" + std::to_string(out_bytes) + ") overlaps " + in_name + " [" +
+           hex(in) + ", +" + std::to_string(in_bytes) + "): the op writes " + out_name + " while it reads " + in_name);
+  }
   // The same where 0 means "none" (an optional argument).
   void optional(const char* name, uintptr_t addr, int64_t bytes) const {
     if (addr != 0) this->bytes(name, addr, bytes);
@@ -118,6 +127,7 @@ void bind_raw(nb::module_& m) {
             c.bytes("x", x, rows * n * es);
             c.bytes("weight", w, rows > 0 ? n * es : 0);
             c.bytes("out", out, rows * n * es);
+            c.disjoint("out", out, rows * n * es, "x", x, rows * n * es);
           }
           hina::rms_norm(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), rows, n,
                          reinterpret_cast<const void*>(w), eps, reinterpret_cast<void*>(out));
@@ -174,6 +184,8 @@ void bind_raw(nb::module_& m) {
             for (auto [name, addr] : {std::pair{"a", a}, {"b", b}, {"sum", sum}, {"out", out}})
               c.bytes(name, addr, rows * n * es);
             c.bytes("weight", w, rows > 0 ? n * es : 0);
+            for (auto [name, addr] : {std::pair{"a", a}, {"b", b}, {"sum", sum}})
+              c.disjoint("out", out, rows * n * es, name, addr, rows * n * es);
           }
           hina::add_rms_norm(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(a),
                              reinterpret_cast<const void*>(b), rows, n, reinterpret_cast<const void*>(w), eps,
@@ -196,6 +208,7 @@ void bind_raw(nb::module_& m) {
             c.bytes("out", out, B * heads * D * es);
             c.bytes("cos", cos, heads > 0 ? B * width * es : 0);
             c.bytes("sin", sin, heads > 0 ? B * width * es : 0);
+            c.disjoint("out", out, B * heads * D * es, "x", x, B * heads * D * es);
           }
           const hina::Isa tier = hina::resolve_isa(isa.c_str());
           nb::gil_scoped_release release;
@@ -223,6 +236,7 @@ void bind_raw(nb::module_& m) {
             c.bytes("out", out, B * heads * D * es);
             c.strided("cos", cos, 4, {{heads > 0 ? B : 0, table_bstride}}, D / 2);
             c.strided("sin", sin, 4, {{heads > 0 ? B : 0, table_bstride}}, D / 2);
+            c.disjoint("out", out, B * heads * D * es, "x", x, B * heads * D * es);
           }
           nb::gil_scoped_release release;
           hina::rope_interleaved_f32(static_cast<hina::DType>(dtype), reinterpret_cast<const void*>(x), B, heads, D,
