@@ -8,6 +8,7 @@ batches, eager masks and quantised weights; and the modules left to their own fo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 
 import pytest
@@ -16,9 +17,8 @@ from tiny_models import UNBUILDABLE, build_tiny
 from transformers import DynamicCache
 
 import hi_na_moe
-from hi_na_moe.fastpath import attention, kv_cache, layers, linear, mla, orchestrate, stack
+from hi_na_moe.fastpath import attention, kv_cache, linear, mla, orchestrate, stack
 from hi_na_moe.core.native import native_kernels_available, native_module
-from hi_na_moe.fastpath.layers import find_layers
 from hi_na_moe.core.registry import decode_call_counts, patched_runner
 from hi_na_moe.fastpath.linear import patched_member
 
@@ -358,6 +358,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
     the float32 latent the absorbed kernel reads, which float32's probe tolerance does not take.)"""
     codes_read = native_module()[0].resolve_isa("auto") != "generic"
     linear.MIN_WEIGHTS, old = 0, linear.MIN_WEIGHTS
+    parts = orchestrate.PARTS
     try:
         model = _tiny("deepseek_v3", dtype, rope_interleave=True, kv_lora_rank=64)
         seq = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(6))
@@ -365,7 +366,8 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
         mask[0, :2] = 0
         stack.ONE_CALL = path == "one-call"
         if path == "modules":  # no decoder layer on the native calls: each module's decode path
-            orchestrate.find_layers = lambda *a, **k: []
+            orchestrate.PARTS = tuple(dataclasses.replace(p, find=lambda *a: ([], [])) if p.kind == "layers" else p
+                                      for p in parts)
         m = _mla_modules(model)[0][1]
 
         def inspect(runners):
@@ -397,7 +399,7 @@ def test_quantised_kv_b_proj_is_read_as_its_codes_and_scales(weights, group, pat
     finally:
         linear.MIN_WEIGHTS = old
         stack.ONE_CALL = True
-        orchestrate.find_layers = find_layers
+        orchestrate.PARTS = parts
 
 
 @pytest.mark.parametrize("weights, group, rank", [("int4", 64, 96), ("lossless12", 64, 64)])

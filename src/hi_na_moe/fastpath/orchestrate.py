@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import types
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -33,14 +35,55 @@ from .routers import NativeRouter, find_routers
 from .stack import NativeCausalLM, NativeStack, find_causal_lms, find_stacks
 
 
-def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
-    """Pack and patch the linears of scope="all", then the RMSNorms, the routers, the attention
-    modules (hi_na_moe.fastpath.attention; latent attention: hi_na_moe.fastpath.mla) and the gated MLPs
-    (hi_na_moe.fastpath.mlp), then the decoder layers (hi_na_moe.fastpath.layers); returns ([(module, runner, old
-    forward)], linear reports, {"norms": (names patched, names whose probe did not match),
-    "routers", "attention", "attention_latent", "mlps", "layers", "stacks": (the same)}). On an error, what was patched is undone before it propagates."""
+class Part(Protocol):
+    """One kind of module scope="all" runs natively after the linear layers. `find(model, cfg)`:
+    (the candidates [(name, module)], names left to PyTorch without a probe); `make(name, module,
+    its own forward, cfg, isa)`: a runner, which says whether it computes what the module does
+    (`matches()`), runs in its place (`forward`) and undoes itself (`restore()`). `kind` is the
+    report's key; `after_patching`: found only once the parts before it are patched (a layer's
+    short path calls their runners, find_stacks looks for patched layers), where the others are
+    all found on the model as loaded; `signature`: the patched forward reports the module's own
+    signature (generate reads a causal LM's)."""
 
-    isa = _isa_name(cfg)
+    kind: str
+    after_patching: bool
+    signature: bool
+
+    def find(self, model: nn.Module, cfg) -> tuple[list[tuple[str, nn.Module]], list[str]]: ...
+
+    def make(self, name: str, module: nn.Module, own_forward, cfg, isa: str): ...
+
+
+@dataclass(frozen=True)
+class _Part:
+    kind: str
+    find: Callable[[nn.Module, Any], tuple[list[tuple[str, nn.Module]], list[str]]]
+    make: Callable[..., Any]
+    after_patching: bool = False
+    signature: bool = False
+
+
+def _found(find):
+    return lambda model, cfg: (find(model, cfg.dense_exclude), [])
+
+
+# The parts in the order they are patched.
+PARTS: tuple[Part, ...] = (
+    _Part("norms", _found(find_norms), lambda name, m, fwd, cfg, isa: NativeNorm(name, m, fwd)),
+    _Part("routers", lambda model, cfg: find_routers(model, cfg.dense_exclude),
+          lambda name, m, fwd, cfg, isa: NativeRouter(name, m, fwd, isa, cfg.threads)),
+    _Part("attention", _found(find_attention), lambda name, m, fwd, cfg, isa: NativeAttention(name, m, fwd, isa, cfg.threads)),
+    _Part("attention_latent", _found(find_mla), lambda name, m, fwd, cfg, isa: NativeMLA(name, m, fwd, isa, cfg.threads)),
+    _Part("mlps", _found(find_mlps), lambda name, m, fwd, cfg, isa: NativeMLP(name, m, fwd)),
+    _Part("layers", _found(find_layers), lambda name, m, fwd, cfg, isa: NativeLayer(name, m, fwd), after_patching=True),
+    _Part("stacks", _found(find_stacks), lambda name, m, fwd, cfg, isa: NativeStack(name, m, fwd), after_patching=True),
+    _Part("causal_lms", _found(find_causal_lms), lambda name, m, fwd, cfg, isa: NativeCausalLM(name, m, fwd),
+          after_patching=True, signature=True),
+)
+
+
+def _patch_linears(model: nn.Module, cfg, gate, inside: list[nn.Module], gated, isa: str, done: list) -> list[DenseReport]:
+    """Pack and patch the linear layers (grouped where dense_fuse says), appending to `done`."""
     todo = find_linears(model, inside, cfg.dense_exclude)
     store = None
     if cfg.weights not in LOSSLESS_FORMATS and cfg.cache and todo:
@@ -51,49 +94,50 @@ def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated):
     shared = _shared_params(model)
     routing = routing_linears(model)
     groups = fuse_groups(todo, cfg, shared, routing) if cfg.dense_fuse else [[item] for item in todo]
-    done, reports = [], []
+    reports = []
+    for members in tqdm(groups, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
+                        leave=False, disable=None if len(groups) > 8 else True):
+        fmt = _format_of(members[0][0], cfg, routing, members[0][1].weight.dtype)
+        runner = NativeLinear(members, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store, cfg.memory)
+        for i, (_, m) in enumerate(members):
+            old = m.__dict__.get("forward", _MISSING)
+            m.forward = types.MethodType(gated(gate, runner.forward_of(i)), m)
+            done.append((m, runner, old))
+        readers = {i: weight_read_directly(model, n) for i, (n, _) in enumerate(members)}
+        keep = set(range(len(members))) if cfg.keep_weights else {
+            i for i, (n, m) in enumerate(members) if id(m.weight) in shared or n in routing or readers[i]}
+        freed = runner.release(keep)
+        group = runner.name if len(members) > 1 else None
+        for i, (name, m) in enumerate(members):
+            note = runner.format_note
+            if readers[i] and not cfg.keep_weights:
+                note = "; ".join(filter(None, (note, f"weight kept: {readers[i]} reads it itself")))
+            reports.append(DenseReport(name, m.out_features, m.in_features, runner.weights, runner.kernel,
+                                       runner.member_bytes(i), freed[i], runner.cache_event, group, note,
+                                       runner.held))
+    return reports
+
+
+def patch(model: nn.Module, cfg, gate, inside: list[nn.Module], gated, parts: tuple[Part, ...] | None = None):
+    """Pack and patch the linears of scope="all", then each of `parts` in order (PARTS: the
+    RMSNorms, routers, attention and latent attention modules, gated MLPs, decoder layers, stacks
+    and causal LMs); returns ([(module, runner, old forward)], linear reports, {part kind: (names
+    patched, names left to PyTorch: their probe did not match, or their finder set them aside)}).
+    On an error, what was patched is undone before it propagates."""
+    parts = PARTS if parts is None else parts
+    isa = _isa_name(cfg)
+    done: list = []
     try:
-        for members in tqdm(groups, desc=f"hi_na_moe: packing dense layers ({cfg.weights})", unit="layer",
-                            leave=False, disable=None if len(groups) > 8 else True):
-            fmt = _format_of(members[0][0], cfg, routing, members[0][1].weight.dtype)
-            runner = NativeLinear(members, fmt, cfg.group_size, isa, cfg.threads, cfg.qdot, store, cfg.memory)
-            for i, (_, m) in enumerate(members):
-                old = m.__dict__.get("forward", _MISSING)
-                m.forward = types.MethodType(gated(gate, runner.forward_of(i)), m)
-                done.append((m, runner, old))
-            readers = {i: weight_read_directly(model, n) for i, (n, _) in enumerate(members)}
-            keep = set(range(len(members))) if cfg.keep_weights else {
-                i for i, (n, m) in enumerate(members) if id(m.weight) in shared or n in routing or readers[i]}
-            freed = runner.release(keep)
-            group = runner.name if len(members) > 1 else None
-            for i, (name, m) in enumerate(members):
-                note = runner.format_note
-                if readers[i] and not cfg.keep_weights:
-                    note = "; ".join(filter(None, (note, f"weight kept: {readers[i]} reads it itself")))
-                reports.append(DenseReport(name, m.out_features, m.in_features, runner.weights, runner.kernel,
-                                           runner.member_bytes(i), freed[i], runner.cache_event, group, note,
-                                           runner.held))
+        reports = _patch_linears(model, cfg, gate, inside, gated, isa, done)
+        found = {p.kind: p.find(model, cfg) for p in parts if not p.after_patching}
         small = {}  # kind -> (names patched, names left to PyTorch)
-        routers, unfit = find_routers(model, cfg.dense_exclude)
-        for kind, found, make, left in (
-                ("norms", find_norms(model, cfg.dense_exclude), NativeNorm, []),
-                ("routers", routers, lambda name, m, fwd: NativeRouter(name, m, fwd, isa, cfg.threads), unfit),
-                ("attention", find_attention(model, cfg.dense_exclude),
-                 lambda name, m, fwd: NativeAttention(name, m, fwd, isa, cfg.threads), []),
-                ("attention_latent", find_mla(model, cfg.dense_exclude),
-                 lambda name, m, fwd: NativeMLA(name, m, fwd, isa, cfg.threads), []),
-                ("mlps", find_mlps(model, cfg.dense_exclude), NativeMLP, [])):
-            more, names, differ = patch_probed(found, make, gate, gated)
+        for part in parts:
+            candidates, left = found[part.kind] if part.kind in found else part.find(model, cfg)
+            more, names, differ = patch_probed(
+                candidates, lambda name, m, fwd, part=part: part.make(name, m, fwd, cfg, isa), gate, gated,
+                signature=part.signature)
             done += more
-            small[kind] = (names, sorted(differ + left))
-        # last, in this order: a layer's short path calls the runners patched above, and a
-        # stack's loop the layers' short paths (find_stacks looks for patched layers)
-        for kind, find, make in (("layers", find_layers, NativeLayer), ("stacks", find_stacks, NativeStack),
-                                 ("causal_lms", find_causal_lms, NativeCausalLM)):
-            more, names, differ = patch_probed(find(model, cfg.dense_exclude), make, gate, gated,
-                                               signature=kind == "causal_lms")
-            done += more
-            small[kind] = (names, sorted(differ))
+            small[part.kind] = (names, sorted(differ + left))
         for _, runner, _ in done:  # the layers' and stacks' probes called the attention modules
             calls = getattr(runner, "calls", None)
             if calls is not None and hasattr(calls, "declined"):
