@@ -135,9 +135,9 @@ def test_bench_scope_all(tmp_path, capsys, monkeypatch):
 def test_bench_names_attention_refused_at_every_decode_step(capsys, monkeypatch):
     """A module whose probe matched but whose decode calls all took its own forward (GLM-4.5's
     partial rotary before 2026-12-02) is named under the table."""
-    from hi_na_moe.tools import cli
+    from hi_na_moe.tools.commands import bench
 
-    monkeypatch.setattr(cli, "decode_call_counts", lambda model: {"model.layers.0.self_attn": (0, 2),
+    monkeypatch.setattr(bench, "decode_call_counts", lambda model: {"model.layers.0.self_attn": (0, 2),
                                                                        "model.layers.1.self_attn": (2, 0)})
     rc = main(["bench", "--model", "builtin", "--gen-tokens", "3", "--num-iters", "1", "--warmup", "0",
                "--seq-len", "8", "--scope", "all", "--compare", "hina"])
@@ -222,7 +222,7 @@ def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, c
     import torch
     from tiny_models import olmoe
 
-    from hi_na_moe.tools import cli
+    from hi_na_moe.tools.commands import bench, common
 
     model = olmoe(layers=1)
     ids = torch.tensor([[3, 9, 4, 7]])
@@ -237,12 +237,12 @@ def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, c
         return own(self, *a, **kw)
 
     monkeypatch.setattr(type(model), "generate", spy)
-    out, _ = cli._generate(model, ids, 6)
+    out, _ = common._generate(model, ids, 6)
     assert out[0, 4:].tolist() == free and seen == [{"eos_token_id": None, "min_new_tokens": "-"}]
-    out, pre, lat = cli._timed_generate(model, ids, 6)
+    out, pre, lat = bench._timed_generate(model, ids, 6)
     assert out.shape[1] == 10 and len(lat) == 5 and pre > 0
     # a transformers reading eos_token_id=None as the model's own: min_new_tokens, said once
-    monkeypatch.setattr(cli, "_EOS_OFF_IGNORED", False)
+    monkeypatch.setattr(common, "_EOS_OFF_IGNORED", False)
 
     def stops(self, *a, **kw):
         if kw.get("eos_token_id", 0) is None:
@@ -250,10 +250,10 @@ def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, c
         return own(self, *a, **kw)
 
     monkeypatch.setattr(type(model), "generate", stops)
-    out, pre, lat = cli._timed_generate(model, ids, 6)
+    out, pre, lat = bench._timed_generate(model, ids, 6)
     # (masked, the end-of-sequence token is never picked: other tokens than free's)
     assert out.shape[1] == 10 and free[1] not in out[0, 4:].tolist() and len(lat) == 5 and pre > 0
-    out, _ = cli._generate(model, ids, 6)
+    out, _ = common._generate(model, ids, 6)
     assert out.shape[1] == 10
     err = capsys.readouterr().err
     assert err.count("using min_new_tokens instead") == 1
@@ -268,14 +268,14 @@ def test_generation_of_exactly_n_tokens_turns_end_of_sequence_off(monkeypatch, c
 def nothing_loads(monkeypatch):
     """Loading a model or measuring the machine fails the test: a bad argument must be refused
     first."""
-    from hi_na_moe.tools import cli
+    from hi_na_moe.tools.commands import check, common
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded (or the machine measured) before the arguments were checked")
 
-    monkeypatch.setattr(cli, "_load", refuse)
-    monkeypatch.setattr(cli, "_bandwidth", refuse)
-    monkeypatch.setattr(cli, "system_info", refuse)
+    monkeypatch.setattr(common, "_load", refuse)
+    monkeypatch.setattr(common, "_bandwidth", refuse)
+    monkeypatch.setattr(check, "system_info", refuse)
     for name in list(__import__("os").environ):
         if name.startswith("HINA_MOE_") and name != "HINA_MOE_CACHE_DIR":
             monkeypatch.delenv(name)
@@ -350,7 +350,7 @@ def test_the_demo_never_shows_a_share_above_its_read_limit():
     import random
     import re
 
-    from hi_na_moe.tools.cli import read_limit, workload_table
+    from hi_na_moe.tools.commands.demo import read_limit, workload_table
 
     assert read_limit(21.2, 20.0) == (21.2, True)  # the probe a lower bound: the calls' rate
     assert read_limit(18.0, 20.0) == (20.0, False)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hi_na_moe.tools.cli import NO_SOURCE, main
+from hi_na_moe.tools.cli import main
+from hi_na_moe.tools.commands.cache import NO_SOURCE
 from hi_na_moe.core.store import ENTRY_SUFFIX, PackedStore, encode_name, entry_key, recording_source
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hi_na_moe
-from hi_na_moe.tools import cli
+from hi_na_moe.tools.commands import common as cli_common
 from hi_na_moe.core import checkpoint as checkpoint_mod, store as store_mod
 from hi_na_moe.core.store import PackedStore, StoreError, UnsafeEntry, entry_key
 from tiny_models import build_tiny
@@ -140,7 +140,7 @@ def _hi_na_moe_load(d):
 
 
 def _cli_load(d):
-    return cli._load(d, None)[0]
+    return cli_common._load(d, None)[0]
 
 
 @pytest.mark.parametrize("load", [_hi_na_moe_load, _cli_load], ids=["from_pretrained", "cli"])
@@ -156,7 +156,7 @@ def test_a_planted_pickle_is_never_unpickled(checkpoint, tmp_path, unpickling, p
         model = load(d)
     except Exception as exc:  # noqa: BLE001
         # refused, with a message saying why (transformers' own for a missing safetensors file)
-        assert isinstance(exc, (checkpoint_mod.PickleRefused, cli.UserError, OSError)), exc
+        assert isinstance(exc, (checkpoint_mod.PickleRefused, cli_common.UserError, OSError)), exc
         assert "safetensors" in str(exc), exc
         assert plant != "beside"
     else:

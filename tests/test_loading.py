@@ -187,7 +187,7 @@ def test_a_truncated_safetensors_file_is_named_before_transformers_reads_it(tmp_
     be a SafetensorError six frames inside transformers, naming no file."""
     import os
 
-    from hi_na_moe.tools import cli
+    from hi_na_moe.tools.commands import common as cli_common
     from hi_na_moe.core import checkpoint
 
     path = _sharded(tmp_path) if sharded else _checkpoint("olmoe", tmp_path)[0]
@@ -197,8 +197,8 @@ def test_a_truncated_safetensors_file_is_named_before_transformers_reads_it(tmp_
             rf"\d+ bytes; download it again or save the checkpoint again")
     with pytest.raises(checkpoint.CheckpointError, match=want):
         hi_na_moe.from_pretrained(path, weights="int8", progress=False)
-    with pytest.raises(cli.UserError, match=want):
-        cli._load(path, None)
+    with pytest.raises(cli_common.UserError, match=want):
+        cli_common._load(path, None)
 
 
 def test_safetensors_headers_are_checked_field_by_field(tmp_path):
@@ -244,7 +244,7 @@ def test_pickle_only_checkpoints_are_refused_as_pickles(tmp_path):
     import json
     import shutil
 
-    from hi_na_moe.tools import cli
+    from hi_na_moe.tools.commands import common as cli_common
     from hi_na_moe.core.checkpoint import PickleRefused
 
     path, _ = _checkpoint("olmoe", tmp_path)
@@ -266,14 +266,14 @@ def test_pickle_only_checkpoints_are_refused_as_pickles(tmp_path):
                     (pt_index, "pytorch_model.bin.index.json")):
         with pytest.raises(PickleRefused, match=rf"{name}.*reads only safetensors"):
             hi_na_moe.from_pretrained(d, weights="int8", progress=False)
-        with pytest.raises(cli.UserError, match=rf"{name}.*reads only safetensors"):
-            cli._load(d, None)
+        with pytest.raises(cli_common.UserError, match=rf"{name}.*reads only safetensors"):
+            cli_common._load(d, None)
 
 
 def test_a_missing_path_a_file_and_a_directory_without_weights_each_have_their_message(tmp_path):
     import shutil
 
-    from hi_na_moe.tools import cli
+    from hi_na_moe.tools.commands import common as cli_common
 
     path, _ = _checkpoint("olmoe", tmp_path)
     missing = tmp_path / "missing"
@@ -293,6 +293,6 @@ def test_a_missing_path_a_file_and_a_directory_without_weights_each_have_their_m
         with pytest.raises(exc, match=want) as info:
             hi_na_moe.from_pretrained(p, weights="int8", progress=False)
         messages.add(str(info.value).replace(str(p), "PATH"))
-        with pytest.raises(cli.UserError, match=want):
-            cli._load(p, None)
+        with pytest.raises(cli_common.UserError, match=want):
+            cli_common._load(p, None)
     assert len(messages) == len(cases)
