@@ -187,7 +187,7 @@ class HinaConfig:
                 )
         if self.isa not in ("auto", "generic"):
             _check_isa_available(self.isa, src("isa"))
-        if self.scope == "all" and self.backend == "reference":
+        if self.scope == Scope.ALL and self.backend == "reference":
             raise ConfigError(
                 f"config keys 'scope' ({src('scope')}) = 'all' and 'backend' ({src('backend')}) = 'reference' "
                 "do not go together: scope='all' runs the dense layers on the native kernels, which "
@@ -208,7 +208,7 @@ class HinaConfig:
         with the kernels: 1.06-1.09x, about even under a competitor; 2026-12-05). Otherwise the
         native "auto" (OpenMP's team when a libgomp is loaded: between torch's ops, whose team
         keeps spinning for a while, the own workers measured 22 % slower)."""
-        return "mixed" if self.pool == "auto" and self.scope == "all" else self.pool
+        return "mixed" if self.pool == Pool.AUTO and self.scope == Scope.ALL else self.pool
 
     def store_root(self) -> Path:
         """The packed-expert store's directory under this config."""

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .formats import MemoryMode
 from .system import meminfo
 
 HEADROOM_FRACTION = 0.10
@@ -88,9 +89,9 @@ def headroom(total: int) -> int:
 
 def copies(mode: str, nbytes: int) -> bool:
     """Whether a block of nbytes loaded under HinaConfig.memory `mode` is copied."""
-    if mode == "copy":
+    if mode == MemoryMode.COPY:
         return True
-    if mode != "auto":
+    if mode != MemoryMode.AUTO:
         return False
     room = available_bytes()
     if room is None:
@@ -101,9 +102,9 @@ def copies(mode: str, nbytes: int) -> bool:
 
 def describe(mode: str) -> str:
     """What `mode` does with blocks from the store on this machine now (`hi-na-moe check`)."""
-    if mode == "copy":
+    if mode == MemoryMode.COPY:
         return "memory='copy': every block copied into memory of its own"
-    if mode == "map":
+    if mode == MemoryMode.MAP:
         return "memory='map': every block read through the store's file mapping"
     room = available_bytes()
     if room is None:

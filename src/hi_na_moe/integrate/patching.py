@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ..core import ops, reference
 from ..core.config import HinaConfig, load_config
+from ..core.formats import Scope
 from ..core.memory import read_in_embeddings
 from ..core.native import native_module
 from ..core.registry import patched_runner
@@ -603,7 +604,7 @@ def inspect_model(
             report.blocks.append(_block_report(match, "native", None))
         else:
             report.blocks.append(_block_report(match, "accelerated", ops.choose(match.spec, cfg, dry_run=True, name=match.name)))
-    if cfg.scope == "all" and cfg.backend != "reference" and native_module()[0] is not None:
+    if cfg.scope == Scope.ALL and native_module()[0] is not None:
         report.dense = linear.plan(model, cfg, [m.module for m in matches if m.spec is not None])
         # the small modules enable would probe (their forms are checked only then)
         devices = ("cpu", "meta")
@@ -686,7 +687,7 @@ def enable_for_model(
                 for _, _, done in patched[:-1]:  # the originals a block released, once the next is packed
                     if isinstance(done.runner, ops.NativeExperts):
                         done.runner.bury()
-            if cfg.scope == "all" and cfg.backend != "reference":
+            if cfg.scope == Scope.ALL:
                 if native_module()[0] is None:
                     raise RuntimeError(f"hi_na_moe: scope='all' needs the native kernels: {native_module()[1]}")
                 dense_done, report.dense, small = orchestrate.patch(model, cfg, gate, [m.module for m, _ in plans], _gated)

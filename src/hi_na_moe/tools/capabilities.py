@@ -6,6 +6,8 @@ from __future__ import annotations
 import platform
 from typing import Any
 
+from ..core.formats import Isa
+
 from ..core.config import load_config
 from ..core.memory import describe
 from ..core.native import native_module, pool_description, prefetch_description
@@ -33,7 +35,7 @@ def capabilities(config: Any = None) -> dict[str, Any]:
     info.update(
         arch=feats["arch"], vendor=feats["vendor"], brand=feats["brand"].strip(),
         cpu=feats["cpu"], os=feats["os"], best_isa=best,
-        selected_isa=best if cfg.isa == "auto" else cfg.isa,
+        selected_isa=best if cfg.isa == Isa.AUTO else cfg.isa,
         build=getattr(native, "__build__", "unknown"),
     )
     info["kernels"] = kernel_plan(cfg)
