@@ -18,7 +18,7 @@ from hi_na_moe.tools.commands.cache import NO_SOURCE
 from hi_na_moe.core.store import ENTRY_SUFFIX, PackedStore, encode_name, entry_key, recording_source
 
 
-# metadata as ops.py / dense.py write it: native.header_info(...) fields, the packed header (hex),
+# metadata as core/ops.py / fastpath/linear.py write it: native.header_info(...) fields, the packed header (hex),
 # the block or layer name, and the `expect` keys (layout_version, weights, isa, group_size)
 def experts_meta(weights: str, isa: str, name: str, group_size: int = 0) -> dict:
     return {"magic": 0x484E4D45, "version": 3, "dtype": "bfloat16", "isa": isa, "weights": weights,

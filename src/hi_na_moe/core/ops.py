@@ -359,7 +359,7 @@ class NativeExperts:
         # quality measurements: called as recorder(name, hidden, idx, w, out) after each call
         self.recorder: Callable | None = None
         # hi_na_moe.from_pretrained: the weights were never loaded; they live in the checkpoint
-        # (loading.CheckpointOrigin), the packed block in the store under the checkpoint's key
+        # (checkpoint.CheckpointOrigin), the packed block in the store under the checkpoint's key
         self.origin = None
         self.allow_build = True  # False: the store entry must exist (the weights are placeholders)
         self.preset_sqnr: float | None = None

@@ -987,7 +987,7 @@ class StoreFile:
         return next((self.meta[k] for k in _META_FIELDS[what] if k in self.meta), None)
 
 
-# metadata keys the writers use (ops.py, dense.py: "weights", "isa"), then the aliases a caller
+# metadata keys the writers use (core/ops.py, fastpath/linear.py: "weights", "isa"), then the aliases a caller
 # of the store may use ("format", "tier", as in the module docstring)
 _META_FIELDS = {
     "format": ("weights", "format"),

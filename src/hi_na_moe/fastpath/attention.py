@@ -127,7 +127,7 @@ def math_kernel(isa: str) -> str:
     return f"the native {name} kernel" + (f" up to {most} cached positions, PyTorch's SDPA beyond" if most else "")
 
 
-_MAX_BATCH = DECODE_MAX_ROWS  # sequences a decode call may have (dense.DECODE_MAX_ROWS)
+_MAX_BATCH = DECODE_MAX_ROWS  # sequences a decode call may have (common.DECODE_MAX_ROWS)
 # arguments the families' decoder layers pass that these forms do not read (SDPA ignores them)
 _IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits"})
 # output tolerance on the probe, relative to the largest output value: the attention's float32
@@ -195,7 +195,7 @@ class DecodeCalls:
     """Decode calls (one new token) an attention runner took on its native path, and those it left
     to the module's own forward: a module whose probe matched but whose every call is refused at
     runtime (GLM-4.5's partial rotary tables before 2026-12-02) shows as native 0, own n
-    (patching.decode_call_counts; `hi-na-moe bench` names such modules)."""
+    (registry.decode_call_counts; `hi-na-moe bench` names such modules)."""
 
     __slots__ = ("native", "declined")
 

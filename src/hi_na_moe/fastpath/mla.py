@@ -392,7 +392,7 @@ class NativeMLA:
     def _projections(self, m: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, the compressed key-value projection) of h as the module makes them; in one kernel
         call when scope="all" packed q_proj (or q_a_proj) and kv_a_proj_with_mqa as one group
-        (dense.FUSE_GROUPS: the same outputs as their member calls)."""
+        (linear.FUSE_GROUPS: the same outputs as their member calls)."""
         lora = getattr(m, "q_lora_rank", None) is not None
         first = m.q_a_proj if lora else m.q_proj
         if self._fused is None:

@@ -21,7 +21,7 @@ bfloat16. Once patched, both the module's forward and the decoder layer's fused 
 
 Decode-sized inputs only (at most DECODE_MAX_ROWS rows); anything else, training, or anything that
 would observe the skipped child calls (a hook on them, a replaced forward or child, a global
-hook, a mode, compile tracing; layers.Watch) runs the module's own forward.
+hook, a mode, compile tracing; watch.Watch) runs the module's own forward.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ from ..core.ops import NATIVE_DTYPES
 from .common import DECODE_MAX_ROWS, _matches
 
 # more rows (a longer prefill): the module's own forward, whose GEMM is efficient; the decode
-# paths' limit (dense.DECODE_MAX_ROWS), so that a layer's own forward routes as its short path does
+# paths' limit (common.DECODE_MAX_ROWS), so that a layer's own forward routes as its short path does
 ROUTER_MAX_ROWS = DECODE_MAX_ROWS
 NATIVE_SELECT = True  # the softmax and top-k after the logits on router_select (module docstring)
 # the native logits may differ from F.linear's by this much (relative to the logits' scale):
@@ -591,7 +591,7 @@ class NativeRouter:
         return bool(((nat - ref).abs() <= tol).all())
 
     def forward(self, module: nn.Module, h: torch.Tensor, *rest):
-        # the decode call in few operations (see dense.NativeLinear.forward); anything else, and
+        # the decode call in few operations (see linear.NativeLinear.forward); anything else, and
         # a setting changed since the probe, go to the module's own forward. A float32 router of
         # the biased form casts its input itself (the form's logits are of h.float()); with
         # bias_arg the bias is the call's second argument

@@ -23,7 +23,7 @@ nothing could tell (hi_na_moe.fastpath.rope_table; else the module is called), e
 called straight, in order, and the final norm as a module, or at the end of the one native call
 below when it is a NativeNorm with no hook (FINAL_NORM).
 
-A decode call is a forward with input_ids of one token per row (at most dense.DECODE_MAX_ROWS,
+A decode call is a forward with input_ids of one token per row (at most common.DECODE_MAX_ROWS,
 256, rows), a DynamicCache or StaticCache already holding positions, use_cache, at most an
 attention mask (2-D, or the 4-D one generate prepares for a StaticCache) and position_ids, and
 transformers' falsy output flags.
