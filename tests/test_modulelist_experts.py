@@ -264,6 +264,18 @@ def test_training_mode_runs_the_experts_own_code(model_type, tmp_path):
             hi_na_moe.disable_for_model(model)
 
 
+def _assert_enabled_logits_unchanged(model, inputs):
+    """Logits with hi_na_moe enabled equal the native ones bit for bit (blocks left native)."""
+    with torch.no_grad():
+        want = model(**inputs).logits
+        hi_na_moe.enable_for_model(model)
+        try:
+            got = model(**inputs).logits
+        finally:
+            hi_na_moe.disable_for_model(model)
+    assert torch.equal(got, want)
+
+
 def _fairseq_nllb_experts_forward(self, hidden_states, router_mask, router_probs):
     """NLLB-MoE as fairseq (and transformers 4.x) compute it: every expert with a nonzero combine
     weight, weighted by it (transformers 5.23 runs experts 0 and 1 only, by top-1 mask value)."""
@@ -319,14 +331,7 @@ def test_unrecognised_experts_forward_stays_native(model_type, tmp_path, monkeyp
     report = hi_na_moe.inspect_model(model)
     assert len(report.native) == 2 and not report.accelerated
     assert all(f"{experts_cls.__name__}.forward" in b.reason for b in report.native)
-    with torch.no_grad():
-        want = model(**inputs).logits
-        hi_na_moe.enable_for_model(model)
-        try:
-            got = model(**inputs).logits
-        finally:
-            hi_na_moe.disable_for_model(model)
-    assert torch.equal(got, want)
+    _assert_enabled_logits_unchanged(model, inputs)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -343,14 +348,7 @@ def test_mixed_dtype_experts_stay_native(model_type, tmp_path):
     report = hi_na_moe.inspect_model(model)
     assert len(report.native) == 2
     assert all("mix dtypes (bfloat16, float32)" in b.reason for b in report.native)
-    with torch.no_grad():
-        want = model(**inputs).logits
-        hi_na_moe.enable_for_model(model)
-        try:
-            got = model(**inputs).logits
-        finally:
-            hi_na_moe.disable_for_model(model)
-    assert torch.equal(got, want)
+    _assert_enabled_logits_unchanged(model, inputs)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -12,6 +12,17 @@ from ..capabilities import capabilities
 from ..plan import format_table, model_plan
 from .common import UserError, _gib
 
+# capabilities() entries printed when present: (key, label)
+_OPTIONAL_LINES = (
+    ("pool", "kernel threads"),
+    ("prefetch", "weight-stream prefetch"),
+    ("store_blocks", "blocks from the packed-expert store"),
+    ("attention", 'attention of decode steps (scope="all")'),
+    ("attention_prefill", 'attention of prefill (scope="all")'),
+    ("attention_latent", 'latent attention (MLA) of decode steps (scope="all")'),
+    ("note", "note"),
+)
+
 
 def cmd_check(args) -> int:
     if args.model:  # before the bandwidth probe's seconds
@@ -47,20 +58,9 @@ def cmd_check(args) -> int:
               f"(AMX permission: {os_['amx_permission']})")
         print(f"  best kernel tier: {cap['best_isa']}; selected: {cap['selected_isa']}")
     print(f"  kernels: decode={cap['kernels']['decode']} prefill={cap['kernels']['prefill']}")
-    if cap.get("pool"):
-        print(f"  kernel threads: {cap['pool']}")
-    if cap.get("prefetch"):
-        print(f"  weight-stream prefetch: {cap['prefetch']}")
-    if cap.get("store_blocks"):
-        print(f"  blocks from the packed-expert store: {cap['store_blocks']}")
-    if cap.get("attention"):
-        print(f"  attention of decode steps (scope=\"all\"): {cap['attention']}")
-    if cap.get("attention_prefill"):
-        print(f"  attention of prefill (scope=\"all\"): {cap['attention_prefill']}")
-    if cap.get("attention_latent"):
-        print(f"  latent attention (MLA) of decode steps (scope=\"all\"): {cap['attention_latent']}")
-    if cap.get("note"):
-        print(f"  note: {cap['note']}")
+    for key, label in _OPTIONAL_LINES:
+        if cap.get(key):
+            print(f"  {label}: {cap[key]}")
     c = sysi["cores"]
     print(f"cores: {c['physical_cores']} physical, {c['logical_cpus']} logical, "
           f"{c['usable_by_this_process']} usable by this process; kernel {sysi['kernel']}")
