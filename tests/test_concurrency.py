@@ -128,8 +128,9 @@ def test_one_native_call_decode_steps_from_several_threads(monkeypatch):
         _join(*workers)
         assert all(calls) and len(calls) == 3 * len(prompts) * 5
         # one thread's step at a time runs hosted on OpenMP's team (ThreadPool::host), the
-        # others' regions beside it on the same claims
-        assert native.pool_stats()["hosted_calls"] > hosted
+        # others' regions beside it on the same claims (one kernel thread: no team to host on)
+        if torch.get_num_threads() > 1:
+            assert native.pool_stats()["hosted_calls"] > hosted
     finally:
         hi_na_moe.disable_for_model(model)
     for w, want in zip(workers, serial):
