@@ -78,6 +78,7 @@ def test_bench_builtin_json(tmp_path, capsys):
         assert len(r["samples"]["decode_step_s"]) == 3  # 4 tokens: 3 decode steps after the first
         assert r["achieved_gbs"] > 0 and r["peak_rss_bytes"] > 0
         assert r["bytes_per_step"] == r["bytes_per_token"]  # one row: a step reads one token's bytes
+        assert r["paired_read_probe_gbs"] > 0 and 0 < r["memory_bandwidth_util_pct"] <= 100
     assert data["experts_read_per_step"] is None
     assert "moe_decode" in data["arms"]["hina"]["kernel"]
     assert json.loads(out_file.read_text())["arms"].keys() == data["arms"].keys()
@@ -145,6 +146,54 @@ def test_bench_names_attention_refused_at_every_decode_step(capsys, monkeypatch)
     assert rc == 0
     assert ("note: 1 attention module(s) matched their probe at enable but took their own forward at every decode "
             "step of this run (e.g. model.layers.0.self_attn)") in out
+
+
+def test_bench_never_shows_a_share_above_its_read_limit(tmp_path, capsys, monkeypatch):
+    """bench held every arm against one probe taken before the runs, so an arm that read faster
+    than it showed a bandwidth share above 100 %. Now each timed generation is followed by a read
+    on the native probe: here a fake one reads far slower than the tiny model's steps for the
+    first arm (its own rate is its limit, marked and explained) and far faster for the second."""
+    from types import SimpleNamespace
+
+    from hi_na_moe.tools.commands import bench, common
+    from hi_na_moe.tools.commands.demo import OWN_RATE_NOTE, PROBE_READ_BYTES
+
+    reads = []
+
+    class Probe:
+        size = 0  # nothing resident to leave out of the peak RSS
+
+        def __init__(self, nbytes, threads):
+            assert nbytes >= 3 * PROBE_READ_BYTES and threads >= 1
+
+        def read(self, nbytes):
+            reads.append(nbytes)
+            return 1e-3 if len(reads) <= 2 else 1e4  # GB/s: two iterations an arm, native first
+
+    monkeypatch.setattr(bench, "native_module", lambda: (SimpleNamespace(BandwidthProbe=Probe), None), raising=False)
+    monkeypatch.setattr(common, "_bandwidth", lambda threads: 1e-3)  # the unpaired probe, as slow
+    out_file = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "builtin", "--gen-tokens", "3", "--num-iters", "2", "--warmup", "0",
+               "--seq-len", "8", "--json-file", str(out_file)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(out_file.read_text())
+    assert all(0 < r["memory_bandwidth_util_pct"] <= 100 for r in data["arms"].values())
+    assert reads == [PROBE_READ_BYTES] * 4
+    native, hina = data["arms"]["native"], data["arms"]["hina"]
+    assert data["machine_read_bandwidth_gbs"] == 1e-3
+    assert native["samples"]["paired_read_probe_gbs"] == [1e-3, 1e-3] and native["paired_read_probe_gbs"] == 1e-3
+    assert native["read_limit_is_own_rate"] and native["read_limit_gbs"] == native["achieved_gbs"]
+    assert native["memory_bandwidth_util_pct"] == 100
+    assert hina["paired_read_probe_gbs"] == 1e4 and not hina["read_limit_is_own_rate"]
+    assert hina["read_limit_gbs"] == 1e4 and 0 < hina["memory_bandwidth_util_pct"] < 100
+    assert hina["peak_rss_bytes"] > 0
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+    # counted from the right: the kernels column can hold a "|" (moe_decode_...|moe_prefill_...)
+    assert rows["arm"][-5:-3] == [" paired probe GB/s ", " bw util % "]
+    assert rows["native"][-5:-3] == [" 0.0 ", " 100 * "]
+    assert rows["hina"][-5] == " 10000.0 " and float(rows["hina"][-4]) <= 100
+    assert OWN_RATE_NOTE in out.splitlines()
 
 
 def test_bench_with_a_static_kv_cache(capsys):

@@ -15,6 +15,7 @@ from ...core.config import (
     MAX_THREADS,
 )
 from ...core.formats import LOSSLESS_FORMATS, Format
+from ...core.native import native_module
 from ...core.registry import decode_call_counts
 from ...integrate.adapters import _is_interface_experts, discover
 from ...integrate.patching import disable_for_model, enable_for_model
@@ -22,6 +23,7 @@ from ..plan import format_table, packed_expert_bytes, plan_for_model
 from ..quality import logits_agreement
 from . import common
 from .common import UserError, _config_up_front, _exactly, shipped_model_dir
+from .demo import OWN_RATE_NOTE, PROBE_READ_BYTES, read_limit
 
 
 def _peak_rss_reset() -> None:
@@ -151,6 +153,11 @@ def cmd_bench(args) -> int:
     plan = plan_for_model(model, bw, args.group_size)
     if not plan["report"].blocks:
         raise UserError(f"no MoE block found in {str(path)!r}", "bench compares MoE acceleration; is this an MoE model?")
+    # the probe above plans the model; the shares of the table are of reads paired with each
+    # timed generation (read_limit): one probe taken minutes before can read slower than the runs
+    native, _ = native_module()
+    probe = native.BandwidthProbe(1 << 30, threads) if native is not None else None
+    probe_bytes = probe.size if probe is not None else 0
     g = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(10, vocab - 1), vocab, (args.batch_size, args.seq_len), generator=g)
@@ -203,9 +210,11 @@ def cmd_bench(args) -> int:
         for _ in range(args.warmup):
             _timed_generate(model, ids, 2, args.kv_cache)
             bar.update()
-        prefill, decode, outs = [], [], []
+        prefill, decode, outs, reads = [], [], [], []
         for _ in range(args.num_iters):
             out, pre, lat = _timed_generate(model, ids, args.gen_tokens, args.kv_cache)
+            if probe is not None:
+                reads.append(probe.read(PROBE_READ_BYTES))
             bar.update()
             prefill.append(pre)
             decode += lat
@@ -216,6 +225,10 @@ def cmd_bench(args) -> int:
             # matched on the probe, yet every decode call at runtime took the module's own forward
             refused = sorted(n for n, (native, own) in counts.items() if own and not native)
         step = statistics.median(decode)
+        achieved = step_bytes / step / 1e9 if step_bytes else None
+        paired = statistics.median(reads) if reads else None
+        limit, own = read_limit(achieved, paired) if achieved and paired else (None, False)
+        peak = _peak_rss()
         results[arm] = {
             "kernel": (report.blocks[0].kernel if report and report.blocks else "transformers"),
             "prefill_s": statistics.median(prefill),
@@ -227,15 +240,19 @@ def cmd_bench(args) -> int:
             "bytes_per_token": (active_hina if arm == "hina" else active),
             # a step of batch_size rows: one token's bytes with the union of the rows' experts
             "bytes_per_step": step_bytes,
-            "achieved_gbs": step_bytes / step / 1e9 if step_bytes else None,
-            "memory_bandwidth_util_pct": 100 * step_bytes / step / 1e9 / bw if step_bytes and bw else None,
+            "achieved_gbs": achieved,
+            "memory_bandwidth_util_pct": 100 * achieved / limit if limit else None,
+            "paired_read_probe_gbs": paired,
+            "read_limit_gbs": limit,
+            "read_limit_is_own_rate": own,
             "quality_vs_native": quality.get(arm),
             "dense_layers": len(report.dense) if report is not None else 0,
             "attention_decode_calls": ({n: {"native": a, "own_forward": b} for n, (a, b) in counts.items()}
                                        if report is not None else None),
             "attention_refused_at_runtime": refused if report is not None else None,
-            "peak_rss_bytes": _peak_rss(),
-            "samples": {"prefill_s": prefill, "decode_step_s": decode},
+            # the probe's buffer was resident before the reset: not the arm's
+            "peak_rss_bytes": peak - probe_bytes if peak else peak,
+            "samples": {"prefill_s": prefill, "decode_step_s": decode, "paired_read_probe_gbs": reads},
         }
         if report is not None:
             disable_for_model(model)
@@ -252,25 +269,32 @@ def cmd_bench(args) -> int:
         print(json.dumps(data, indent=2))
     else:
         print(f"model {path} ({plan['dtype']}), batch {args.batch_size}, prompt {args.seq_len}, "
-              f"{args.gen_tokens} new tokens x {args.num_iters}, {args.kv_cache} KV cache, {threads} threads; "
-              f"machine read bandwidth "
-              f"{bw:.1f} GB/s; {active / 1e9:.3f} GB read per decode token" if bw and active else "")
+              f"{args.gen_tokens} new tokens x {args.num_iters}, {args.kv_cache} KV cache, {threads} threads"
+              + (f"; {active / 1e9:.3f} GB read per decode token" if active else ""))
+        if probe is not None:
+            print(f"read limit: the native read probe, one {PROBE_READ_BYTES >> 20} MiB read right after each timed "
+                  "generation (median of an arm's reads), or the arm's own rate where it read faster")
         if args.batch_size > 1 and step_native:
             print(f"a decode step of {args.batch_size} rows reads {step_native / 1e9:.3f} GB natively"
                   + (f" (the union of the rows' experts: {statistics.fmean(union.values()):.1f} of each block's "
                      f"experts on average, against top-{k} for one token)" if union else
                      " (counted as one token's: this family's experts do not show their routing)"))
-        print("| arm | kernels | pp t/s | tg t/s | avg ms | p50 ms | p95 ms | p99 ms | GB/s | bw util % | peak RSS GiB | speedup tg |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| arm | kernels | pp t/s | tg t/s | avg ms | p50 ms | p95 ms | p99 ms | GB/s | paired probe GB/s | "
+              "bw util % | peak RSS GiB | speedup tg |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         base = results[arms[0]]["tg_tokens_per_s"]
         for arm, r in results.items():
             lat = r["latency_ms"]
             gbs = f"{r['achieved_gbs']:.1f}" if r["achieved_gbs"] else "-"
-            util = f"{r['memory_bandwidth_util_pct']:.0f}" if r["memory_bandwidth_util_pct"] else "-"
+            util = (f"{r['memory_bandwidth_util_pct']:.0f}" + (" *" if r["read_limit_is_own_rate"] else "")
+                    if r["memory_bandwidth_util_pct"] else "-")
+            paired = f"{r['paired_read_probe_gbs']:.1f}" if r["paired_read_probe_gbs"] else "-"
             rss = f"{r['peak_rss_bytes'] / 2**30:.2f}" if r["peak_rss_bytes"] else "-"
             print(f"| {arm} | {r['kernel']} | {r['pp_tokens_per_s']:.1f} | {r['tg_tokens_per_s']:.1f} | {lat['avg']:.2f} | "
-                  f"{lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {gbs} | {util} | {rss} | "
+                  f"{lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {gbs} | {paired} | {util} | {rss} | "
                   f"{r['tg_tokens_per_s'] / base:.2f}x |")
+        if any(r["read_limit_is_own_rate"] for r in results.values()):
+            print(OWN_RATE_NOTE)
         for arm, q in quality.items():
             print(f"{arm} ({args.weights}) vs native on the prompt: logits KL {q['kl']:.4f} nats/token, top-1 agreement "
                   f"{100 * q['top1']:.1f} %, block SQNR {q['sqnr_min_db']:.1f}-{q['sqnr_max_db']:.1f} dB (random probe)")

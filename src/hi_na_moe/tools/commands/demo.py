@@ -114,6 +114,12 @@ def read_limit(achieved_gbs: float, probe_gbs: float) -> tuple[float, bool]:
     return (achieved_gbs, True) if achieved_gbs > probe_gbs else (probe_gbs, False)
 
 
+# Under a table where read_limit took some row's own rate (that row's share marked " *"); bench
+# prints it too.
+OWN_RATE_NOTE = ("* these calls read faster than the probe read right after them: here the probe is only a lower "
+                 "bound of the machine's read bandwidth, so their limit is their own rate")
+
+
 def workload_table(rows: list[tuple[str, str, float, float, float, float]]) -> list[str]:
     """The demo's part-2 table: rows of (provider, case, median ms, achieved GB/s, relative
     error, paired probe GB/s), the first provider the speedups' base."""
@@ -129,8 +135,7 @@ def workload_table(rows: list[tuple[str, str, float, float, float, float]]) -> l
         lines.append(f"| {label} | {case} | {ms:.1f} | {gbs:.1f} | {probe_text} | {share} | {base[case] / ms:.2f}x | "
                      f"{err:.1e} |")
     if capped:
-        lines.append("* these calls read faster than the probe read right after them: here the probe is only a lower "
-                     "bound of the machine's read bandwidth, so their limit is their own rate")
+        lines.append(OWN_RATE_NOTE)
     return lines
 
 
