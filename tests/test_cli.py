@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -188,8 +189,11 @@ def test_bench_never_shows_a_share_above_its_read_limit(tmp_path, capsys, monkey
     assert hina["paired_read_probe_gbs"] == 1e4 and not hina["read_limit_is_own_rate"]
     assert hina["read_limit_gbs"] == 1e4 and 0 < hina["memory_bandwidth_util_pct"] < 100
     assert hina["peak_rss_bytes"] > 0
-    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
-    # counted from the right: the kernels column can hold a "|" (moe_decode_...|moe_prefill_...)
+    # a cell's "|" (the kernels column's moe_decode_...|moe_prefill_...) is escaped: every row has
+    # the header's columns
+    cells = [re.split(r"(?<!\\)\|", line) for line in out.splitlines() if line.startswith("| ")]
+    assert len({len(c) for c in cells}) == 1
+    rows = {c[1].strip(): c for c in cells}
     assert rows["arm"][-5:-3] == [" paired probe GB/s ", " bw util % "]
     assert rows["native"][-5:-3] == [" 0.0 ", " 100 * "]
     assert rows["hina"][-5] == " 10000.0 " and float(rows["hina"][-4]) <= 100

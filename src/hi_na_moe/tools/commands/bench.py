@@ -116,6 +116,11 @@ def _step_bytes(per_token: float | None, top_k: int | None, report, union: dict 
     return per_token + extra
 
 
+def _md_cell(text: str) -> str:
+    """A Markdown table cell: a kernel name pair ("decode|prefill") would split the row."""
+    return str(text).replace("|", "\\|")
+
+
 def cmd_bench(args) -> int:
 
     arms = [a.strip() for a in args.compare.split(",") if a.strip()]
@@ -290,7 +295,7 @@ def cmd_bench(args) -> int:
                     if r["memory_bandwidth_util_pct"] else "-")
             paired = f"{r['paired_read_probe_gbs']:.1f}" if r["paired_read_probe_gbs"] else "-"
             rss = f"{r['peak_rss_bytes'] / 2**30:.2f}" if r["peak_rss_bytes"] else "-"
-            print(f"| {arm} | {r['kernel']} | {r['pp_tokens_per_s']:.1f} | {r['tg_tokens_per_s']:.1f} | {lat['avg']:.2f} | "
+            print(f"| {arm} | {_md_cell(r['kernel'])} | {r['pp_tokens_per_s']:.1f} | {r['tg_tokens_per_s']:.1f} | {lat['avg']:.2f} | "
                   f"{lat['p50']:.2f} | {lat['p95']:.2f} | {lat['p99']:.2f} | {gbs} | {paired} | {util} | {rss} | "
                   f"{r['tg_tokens_per_s'] / base:.2f}x |")
         if any(r["read_limit_is_own_rate"] for r in results.values()):
