@@ -246,7 +246,7 @@ def cmd_bench(args) -> int:
             # a step of batch_size rows: one token's bytes with the union of the rows' experts
             "bytes_per_step": step_bytes,
             "achieved_gbs": achieved,
-            "memory_bandwidth_util_pct": 100 * achieved / limit if limit else None,
+            "memory_bandwidth_util_pct": 100 * (achieved / limit) if limit else None,  # exactly 100 at its own rate
             "paired_read_probe_gbs": paired,
             "read_limit_gbs": limit,
             "read_limit_is_own_rate": own,
