@@ -419,7 +419,7 @@ def main():
     load_avg = os.getloadavg() if hasattr(os, "getloadavg") else None
 
     stats = {
-        "model": "hina-tiny-moe",
+        "model": args.out.name,  # "hina-tiny-moe" for the default --out
         "architecture": "OlmoeForCausalLM",
         "parameters": n_params,
         "active_parameters_per_token": n_params - sum(
@@ -484,7 +484,7 @@ def render_card(s: dict) -> str:
     a = lines.append
     a("---\nlicense: other\nlicense_name: psf-2.0\nlibrary_name: transformers\npipeline_tag: text-generation\n"
       "tags: [olmoe, mixture-of-experts, tiny, cpu]\n---\n")
-    a("# hina-tiny-moe\n")
+    a(f"# {s['model']}\n")
     a("A tiny Mixture-of-Experts causal language model (transformers `OlmoeForCausalLM`), trained "
       "from scratch on CPU by `scripts/train_tiny_moe.py` on the docstrings of Python's standard "
       "library. It exists so that hi_na_moe has a real, genuinely trained MoE model to test and "
