@@ -255,6 +255,8 @@ inline nb::dict header_dict(const hina::PackedHeader& h) {
   d["In"] = h.In;
   d["Ik"] = h.Ik;
   d["Hn"] = h.Hn;
+  d["gu_expert_bytes"] = h.gu_expert_bytes;
+  d["down_expert_bytes"] = h.down_expert_bytes;
   d["nbytes"] = h.nbytes;
   return d;
 }

@@ -126,6 +126,7 @@ void bind_experts(nb::module_& m) {
       .def_prop_ro("data",
            [](nb::handle self) {
              const PyPackedExperts& p = nb::cast<const PyPackedExperts&>(self);
+             if (p.get().tier()) bad("this block's experts live in the memory tier: read its store entry");
              const size_t n = p.get().nbytes();
              return nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>>(
                  p.get().data(), {n}, self);

@@ -49,6 +49,8 @@ class PyPackedExperts {
     return r;
   }
 
+  void set_readonly() { readonly_ = true; }
+
   void pack_experts(int64_t e0, std::optional<InArray> gate, InArray up, InArray down,
                     std::optional<InArray> gate_bias, std::optional<InArray> up_bias,
                     std::optional<InArray> down_bias, int num_threads) {

@@ -10,6 +10,7 @@ namespace hina_bind {
 void bind_experts(nb::module_& m);
 void bind_model(nb::module_& m);
 void bind_raw(nb::module_& m);
+void bind_tier(nb::module_& m);
 
 namespace {
 nb::dict features_dict() {
@@ -118,6 +119,7 @@ NB_MODULE(_native, m) {
   hina_bind::bind_experts(m);
   hina_bind::bind_model(m);
   hina_bind::bind_raw(m);
+  hina_bind::bind_tier(m);
   nb::class_<hina::BandwidthProbe>(m, "BandwidthProbe",
                                    "A read-bandwidth probe on a buffer allocated and touched once: "
                                    "read(bytes) times one read of the buffer's next `bytes` (round "

@@ -38,6 +38,7 @@
 
 
 #include "hina_moe/experts.h"
+#include "hina_moe/tier.h"
 #include "hina_moe/thread_pool.h"
 #include "moe/kernel_api.h"
 #include "dispatch/select.h"
@@ -155,6 +156,7 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
   if (up_only()) throw std::invalid_argument("this block is a dense linear layer (up-only): run it with linear()");
   if (idx_bits != 32 && idx_bits != 64) throw std::invalid_argument("topk_idx must be int32 or int64");
   if (T < 0 || K < 0) throw std::invalid_argument("T and K must be >= 0");
+  if (tier_) return forward_tiered(x, T, topk_idx, idx_bits, topk_w, K, out, p);
   MoePath path = p.path;
   if (path == MoePath::kAuto) {
     path = T >= p.prefill_min_tokens ? MoePath::kPrefill : MoePath::kDecode;
@@ -162,6 +164,67 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
   const Selected sel = select_kernels(isa(), dtype(), path, wformat(), p.qdot);
   return forward_with(*this, sel.k, moe_kernel_name(isa(), dtype(), path, wformat(), p.qdot), x, T,
                       topk_idx, idx_bits, topk_w, K, out, p);
+}
+
+const char* PackedExperts::forward_tiered(const void* x, int64_t T, const void* topk_idx, int idx_bits,
+                                          const void* topk_w, int64_t K, void* out, const MoeParams& p) const {
+  // The path of the whole call, fixed for every piece: a row's values then do not depend on
+  // which other rows share its piece (tested against the all-in-memory block).
+  MoeParams pp = p;
+  if (pp.path == MoePath::kAuto) pp.path = T >= p.prefill_min_tokens ? MoePath::kPrefill : MoePath::kDecode;
+  const Selected sel = select_kernels(isa(), dtype(), pp.path, wformat(), pp.qdot);
+  const char* name = moe_kernel_name(isa(), dtype(), pp.path, wformat(), pp.qdot);
+  const int64_t E = hdr_.E, cap = tier_->num_slots();
+  if (K > cap)
+    throw std::invalid_argument("memory tier: a token routes to " + std::to_string(K) + " experts, the pool holds " +
+                                std::to_string(cap) + " (raise memory_limit)");
+  auto idx_at = [&](int64_t i) -> int64_t {
+    return idx_bits == 32 ? static_cast<const int32_t*>(topk_idx)[i] : static_cast<const int64_t*>(topk_idx)[i];
+  };
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t e = idx_at(i);
+    if (e >= E) throw std::invalid_argument("expert index " + std::to_string(e) + " >= E = " + std::to_string(E));
+  }
+  const size_t es = dtype_size(dtype()), ws = dtype_size(p.topk_w_dtype);
+  std::vector<uint8_t> seen(static_cast<size_t>(E), 0);
+  std::vector<int32_t> experts;
+  int64_t t0 = 0;
+  while (t0 < T || (T == 0 && t0 == 0)) {
+    // rows [t0, t1) whose experts fit the pool together
+    experts.clear();
+    std::fill(seen.begin(), seen.end(), 0);
+    int64_t t1 = t0;
+    for (; t1 < T; ++t1) {
+      int64_t fresh = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = idx_at(t1 * K + k);
+        if (e >= 0 && !seen[e]) ++fresh;
+      }
+      if (static_cast<int64_t>(experts.size()) + fresh > cap) break;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = idx_at(t1 * K + k);
+        if (e >= 0 && !seen[e]) {
+          seen[e] = 1;
+          experts.push_back(static_cast<int32_t>(e));
+        }
+      }
+    }
+    const int64_t n = t1 - t0;
+    tier_->acquire(tier_layer_, experts.data(), static_cast<int>(experts.size()),
+                   static_cast<const uint8_t*>(x) + t0 * hdr_.H * es, n, dtype(), hdr_.H, tier_gu_.data(), tier_dn_.data());
+    struct Release {
+      ExpertTier* t;
+      int layer;
+      const std::vector<int32_t>& ex;
+      ~Release() { t->release(layer, ex.data(), static_cast<int>(ex.size())); }
+    } rel{tier_.get(), tier_layer_, experts};
+    forward_with(*this, sel.k, name, static_cast<const uint8_t*>(x) + t0 * hdr_.H * es, n,
+                 static_cast<const uint8_t*>(topk_idx) + t0 * K * (idx_bits / 8), idx_bits,
+                 static_cast<const uint8_t*>(topk_w) + t0 * K * ws, K, static_cast<uint8_t*>(out) + t0 * hdr_.H * es, pp);
+    if (T == 0) break;
+    t0 = t1;
+  }
+  return name;
 }
 
 const char* PackedExperts::linear(const void* x, int64_t T, void* out, const MoeParams& p) const {

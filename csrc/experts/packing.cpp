@@ -17,6 +17,7 @@
 
 
 #include "hina_moe/experts.h"
+#include "hina_moe/tier.h"
 #include "hina_moe/thread_pool.h"
 #include "moe/kernel_api.h"
 #include "dispatch/select.h"
@@ -205,20 +206,26 @@ PackedExperts::~PackedExperts() {
 }
 
 const void* PackedExperts::gate_up_expert(int64_t e) const {
+  if (tier_) return tier_gu_[static_cast<size_t>(e)];
   return gu_ + static_cast<size_t>(e) * hdr_.gu_expert_bytes;
 }
 const void* PackedExperts::down_expert(int64_t e) const {
+  if (tier_) return tier_dn_[static_cast<size_t>(e)];
   return down_ + static_cast<size_t>(e) * hdr_.down_expert_bytes;
 }
 
 void PackedExperts::bind(void* mem) {
   const PackedHeader& h = hdr_;
-  auto a64 = [](int64_t b) { return static_cast<size_t>(round_up(b, 64)); };
   mem_ = mem;
   uint8_t* base = static_cast<uint8_t*>(mem);
   gu_ = base;
   down_ = base + h.gu_expert_bytes * static_cast<size_t>(h.E);
-  uint8_t* b = down_ + h.down_expert_bytes * static_cast<size_t>(h.E);
+  bind_biases(down_ + h.down_expert_bytes * static_cast<size_t>(h.E));
+}
+
+void PackedExperts::bind_biases(uint8_t* b) {
+  const PackedHeader& h = hdr_;
+  auto a64 = [](int64_t n) { return static_cast<size_t>(round_up(n, 64)); };
   bias_g_ = bias_u_ = bias_d_ = nullptr;
   if (h.has_gate_bias) { bias_g_ = reinterpret_cast<float*>(b); b += a64(4 * h.E * h.In); }
   if (h.has_up_bias) { bias_u_ = reinterpret_cast<float*>(b); b += a64(4 * h.E * h.In); }
@@ -285,6 +292,39 @@ std::unique_ptr<PackedExperts> PackedExperts::copy_of(const PackedHeader& h, con
   return pe;
 }
 
+std::unique_ptr<PackedExperts> PackedExperts::tiered(const PackedHeader& h, std::shared_ptr<ExpertTier> tier,
+                                                     int layer, const void* biases, size_t bias_bytes) {
+  if (!tier) throw std::invalid_argument("tiered block without a tier");
+  if (h.up_only) throw std::invalid_argument("a dense linear layer (up-only block) cannot live in the memory tier");
+  const uint64_t experts_bytes = (h.gu_expert_bytes + h.down_expert_bytes) * static_cast<uint64_t>(h.E);
+  if (h.nbytes < experts_bytes || h.nbytes - experts_bytes != bias_bytes)
+    throw std::invalid_argument("tiered block: its bias region is " + std::to_string(h.nbytes - experts_bytes) +
+                                " bytes by its header, " + std::to_string(bias_bytes) + " were given");
+  if (tier->experts(layer) != h.E)
+    throw std::invalid_argument("tiered block: the tier's layer " + std::to_string(layer) + " has " +
+                                std::to_string(tier->experts(layer)) + " experts, the header " + std::to_string(h.E));
+  if (h.magic != PackedHeader{}.magic || h.version != PackedHeader{}.version)
+    throw std::invalid_argument("tiered block: not a packed-experts header of this build's layout version");
+  const PackedHeader want = plan_packed(static_cast<DType>(h.dtype), h.E, h.H, h.I, h.has_gate, h.has_gate_bias,
+                                        h.has_up_bias, h.has_down_bias, static_cast<Isa>(h.isa),
+                                        {static_cast<WFormat>(h.wfmt), h.group ? h.group : 64}, false);
+  if (std::memcmp(&want, &h, sizeof(h)) != 0)
+    throw std::invalid_argument("packed header is not what plan_packed gives for its shapes");
+  check_tier(static_cast<Isa>(h.isa));
+  std::unique_ptr<PackedExperts> pe(new PackedExperts());
+  pe->hdr_ = h;
+  pe->owns_ = true;
+  pe->mem_ = alloc_weights(std::max<size_t>(bias_bytes, 64));
+  if (bias_bytes) std::memcpy(pe->mem_, biases, bias_bytes);
+  pe->gu_ = pe->down_ = nullptr;
+  pe->bind_biases(static_cast<uint8_t*>(pe->mem_));
+  pe->tier_ = std::move(tier);
+  pe->tier_layer_ = layer;
+  pe->tier_gu_.assign(static_cast<size_t>(h.E), nullptr);
+  pe->tier_dn_.assign(static_cast<size_t>(h.E), nullptr);
+  return pe;
+}
+
 std::unique_ptr<PackedExperts> PackedExperts::pack_linear(DType dt, int64_t out_features, int64_t in_features,
                                                           const void* weight, const void* bias, Isa isa,
                                                           int num_threads, QuantSpec q, bool paired) {
@@ -329,6 +369,7 @@ std::unique_ptr<PackedExperts> PackedExperts::pack(const ExpertWeights& w, Isa i
 }
 
 void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_threads) {
+  if (tier_) throw std::invalid_argument("this block's experts live in the memory tier; it cannot be packed into");
   const PackedHeader& h = hdr_;
   if (!w.up || (!w.down && !up_only())) throw std::invalid_argument("up and down weights are required");
   if (w.down && up_only()) throw std::invalid_argument("an up-only (linear) block takes no down weights");
@@ -436,6 +477,7 @@ void PackedExperts::pack_experts(int64_t e0, const ExpertWeights& w, int num_thr
 
 void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, void* up_bias,
                            void* down_bias) const {
+  if (tier_) throw std::invalid_argument("this block's experts live in the memory tier: unpack a view of its store entry");
   const PackedHeader& h = hdr_;
   const int G = h.has_gate ? 2 : 1;
   const DType dt = dtype();
@@ -492,6 +534,7 @@ void PackedExperts::unpack(void* gate, void* up, void* down, void* gate_bias, vo
 }
 
 void PackedExperts::unpack_row_quant(void* codes, void* scales) const {
+  if (tier_) throw std::invalid_argument("this block's experts live in the memory tier");
   const PackedHeader& h = hdr_;
   const WFormat wf = wformat();
   if (!h.up_only || (wf != WFormat::kInt8 && wf != WFormat::kInt4))

@@ -22,6 +22,7 @@ from .integrate.patching import (
     is_enabled,
     report_for,
 )
+from .integrate.tiering import stats
 from .tools.capabilities import capabilities
 
 
@@ -45,6 +46,7 @@ __all__ = [
     "is_enabled",
     "load_config",
     "report_for",
+    "stats",
 ]
 
 register_experts_interface()

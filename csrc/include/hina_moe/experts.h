@@ -61,10 +61,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "hina_moe/types.h"
 
 namespace hina {
+
+class ExpertTier;  // hina_moe/tier.h
 
 // Unpacked weights, caller-owned, C-contiguous, all in `dtype`. Biases are optional (nullptr).
 struct ExpertWeights {
@@ -213,6 +216,15 @@ class PackedExperts {
   // depends on the page cache's state (docs/design.md, "Where packed blocks live"). `mem` is read
   // once, here.
   static std::unique_ptr<PackedExperts> copy_of(const PackedHeader& h, const void* mem, size_t mem_bytes);
+  // A block whose experts live in a memory tier (hina_moe/tier.h) as its layer `layer` (E and the
+  // experts' sizes must match what the layer was registered with): only the header and the
+  // biases are held here (`biases`: the block's bias region, bias_bytes = nbytes - E x expert
+  // bytes, copied). forward() acquires the experts its rows route to from the tier, and when
+  // they cannot all be pinned at once (a prefill of more experts than the pool's slots) runs the
+  // rows in pieces that fit, on the path the whole call would take, so the outputs are those of
+  // the all-in-memory block bit for bit. data(), unpack(), pack_experts() throw on such a block.
+  static std::unique_ptr<PackedExperts> tiered(const PackedHeader& h, std::shared_ptr<ExpertTier> tier, int layer,
+                                               const void* biases, size_t bias_bytes);
   // Packs experts [e0, e0 + w.E) from w (w.E experts, shapes as in the header). Biases in w
   // must be given exactly when the header has them. lossless12: throws std::invalid_argument
   // naming the expert and panel when a panel has more spilled blocks than its spill area holds
@@ -243,6 +255,8 @@ class PackedExperts {
   void unpack_row_quant(void* codes, void* scales) const;
 
   const PackedHeader& header() const { return hdr_; }
+  ExpertTier* tier() const { return tier_.get(); }
+  int tier_layer() const { return tier_layer_; }
   DType dtype() const { return static_cast<DType>(hdr_.dtype); }
   WFormat wformat() const { return static_cast<WFormat>(hdr_.wfmt); }
   const void* data() const { return mem_; }
@@ -270,7 +284,13 @@ class PackedExperts {
  private:
   PackedExperts() = default;
   void bind(void* mem);  // sets the section pointers from hdr_
+  void bind_biases(uint8_t* b);
+  const char* forward_tiered(const void* x, int64_t T, const void* topk_idx, int idx_bits, const void* topk_w,
+                             int64_t K, void* out, const MoeParams& p) const;
   PackedHeader hdr_;
+  std::shared_ptr<ExpertTier> tier_;  // a tiered block: where its experts live
+  int tier_layer_ = -1;
+  mutable std::vector<const void*> tier_gu_, tier_dn_;  // the pinned experts' panels, during a forward
   void* mem_ = nullptr;  // one 64-byte aligned block: gate_up panels, down panels, biases
   bool owns_ = false;
   uint8_t* gu_ = nullptr;

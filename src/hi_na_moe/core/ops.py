@@ -15,6 +15,7 @@ from . import reference, torch_ops
 from .checkpoint import load_originals, refuse_loading
 from .config import DEFAULT_GROUP_SIZE, HinaConfig
 from .formats import LOSSLESS_FORMATS, Format, decide_format
+from . import tier as tier_mod
 from .memory import load_block
 from .native import native_kernels_available, native_module
 from .spec import ExpertsSpec, Runner, check_routing, index_range_error
@@ -366,6 +367,10 @@ class NativeExperts:
         self.preset_event: str | None = None
         # why the block is stored in another format than asked for (lossless12 that did not fit)
         self.format_note: str | None = None
+        # the memory tier (hi_na_moe.core.tier): set before pack() when the packed experts exceed
+        # memory_limit; the block's experts then live there (self.held == "tiered")
+        self.tier = None
+        self.tier_layer: int | None = None
 
     @property
     def lossless(self) -> bool:
@@ -427,11 +432,18 @@ class NativeExperts:
                     f"({self.store.root}) and this model never loaded their weights; load it again "
                     "with hi_na_moe.from_pretrained")
             pe = self._pack_now(tensors, weights)
-            meta = dict(native.header_info(pe.header), header=pe.header.hex(), block=self.name,
-                        **self._expect(weights))
+            info = native.header_info(pe.header)
+            meta = dict(info, header=pe.header.hex(), block=self.name, **self._expect(weights))
+            if weights == self.weights and hold:  # the memory tier checks each expert read against these
+                meta["tier_crc32c"] = tier_mod.expert_crcs(native, pe.data, info)
             return meta, {"block": pe.data}
 
         entry, built, reason = self.store.get_or_build(self._key(weights), name, self._expect(weights), build)
+        if hold and self.tier is not None:
+            view, self.tier_layer = tier_mod.load_tiered(native, entry, self.tier)
+            self.held = "tiered"
+            event = "reused" if not built else (f"rebuilt ({reason})" if reason else "built")
+            return view, None, event
         view, entry, held = load_block(native, entry, self.memory if hold else "map")
         if hold:
             self.held = held
@@ -447,7 +459,9 @@ class NativeExperts:
             self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
             self.handle = torch_ops.register(self.packed, owner=self, qdot=self.qdot)
             return
-        if (self.lossless and self.origin is None) or self.store is None:
+        if self.tier is not None and self.store is None:
+            raise ValueError("hi_na_moe: memory_limit keeps experts in the packed-expert store: cache must be on")
+        if ((self.lossless and self.origin is None) or self.store is None) and self.tier is None:
             self.packed = self._pack_now(self._tensors(), self.weights)
         else:
             self.packed, self._entry, self.cache_event = self._from_store(self.weights, self.name)
@@ -509,13 +523,13 @@ class NativeExperts:
         """The exact original weights: unpacked from the packed copy (lossless) or the backup."""
         if self.origin is not None and not self.allow_build:
             raise AssertionError("checkpoint-backed blocks restore by parameter name (_fill_real)")
-        if self.lossless:
+        if self.lossless and self.held != "tiered":
             source = self.packed
         else:
-            key, name = self._backup
+            key, name = (self._key(self.weights), self.name) if self.lossless else self._backup
             native, _ = native_module()
             try:
-                with self.store.open(key, name, expect=self._expect("lossless")) as entry:
+                with self.store.open(key, name, expect=self._expect(self.weights if self.lossless else "lossless")) as entry:
                     # unpack copies out of the mapping, so the entry can close right after
                     source = native.PackedExperts.view(bytes.fromhex(entry.meta["header"]),
                                                        entry.array("block", "uint8"))

@@ -437,6 +437,7 @@ class Entry:
         self.sections: dict[str, memoryview] = {
             s["name"]: self._base[s["offset"] : s["offset"] + s["nbytes"]] for s in table
         }
+        self.offsets: dict[str, int] = {s["name"]: s["offset"] for s in table}  # in the file
 
     def array(self, name: str, dtype: Any, shape: Iterable[int] | int | None = None):
         """Section `name` as a read-only numpy array of `dtype` (1-D unless `shape` is given)."""

@@ -46,7 +46,7 @@ from ..fastpath.mla import find_mla
 from ..fastpath.mlp import find_mlps
 from ..fastpath.routers import find_routers
 from ..fastpath.stack import find_causal_lms, find_stacks
-from . import adapters
+from . import adapters, tiering
 
 _LOCK = threading.RLock()
 # patched module -> what enable changed on it
@@ -252,6 +252,8 @@ class EnableReport:
     embeddings_read: list = field(default_factory=list)
     embeddings_read_bytes: int = 0
     embeddings_read_s: float = 0.0
+    # the memory tier (memory_limit; hi_na_moe.integrate.tiering): what the report says of it
+    memory_tier: list = field(default_factory=list)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -342,6 +344,7 @@ class EnableReport:
             lines.append(f"  expert blocks and dense layers from the packed-expert store (memory={self.config.get('memory')!r}): "
                          f"{by['copied'][0]} copied into memory ({by['copied'][1] / 2**20:.0f} MiB), "
                          f"{by['mapped'][0]} read through its file mapping ({by['mapped'][1] / 2**20:.0f} MiB)")
+        lines.extend(self.memory_tier)
         if self.dry_run and (self.norms or self.routers or self.attention or self.attention_latent
                              or self.routers_differ or self.mlps or self.layers):
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
@@ -669,6 +672,7 @@ def enable_for_model(
             plans.append((match, ops.choose(match.spec, cfg, name=match.name)))
         if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
             ops.apply_pool(cfg)  # process-wide: here, not in choose (which only decides)
+        tier_state = tiering.setup(model, plans, cfg)
         if cfg.strict and report.native:
             names = ", ".join(f"{b.name} ({b.reason})" for b in report.native)
             raise RuntimeError(f"strict=True and some MoE blocks cannot be accelerated: {names}")
@@ -687,6 +691,8 @@ def enable_for_model(
                 for _, _, done in patched[:-1]:  # the originals a block released, once the next is packed
                     if isinstance(done.runner, ops.NativeExperts):
                         done.runner.bury()
+            tiering.finish(model, tier_state, plans)
+            report.memory_tier = tiering.report_lines(tier_state)
             if cfg.scope == Scope.ALL:
                 if native_module()[0] is None:
                     raise RuntimeError(f"hi_na_moe: scope='all' needs the native kernels: {native_module()[1]}")
@@ -730,6 +736,7 @@ def enable_for_model(
                 _GATES[model] = gate
             else:
                 gate.active = False
+                tiering.drop(model)
             raise
         finally:
             for _, _, done in patched:
@@ -792,6 +799,7 @@ def disable_for_model(model: nn.Module) -> EnableReport:
             del _ROOTS[model]
             del _GATES[model]
             _DENSE.pop(model, None)
+            tiering.drop(model)
             gate.active = False
         finally:
             gate.release_write()

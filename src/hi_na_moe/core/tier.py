@@ -1,0 +1,184 @@
+"""The memory tier: expert blocks whose packed experts exceed `memory_limit` (HinaConfig).
+
+When the packed experts of every accelerated block fit the limit, nothing changes. When they
+do not, enable creates one native ExpertTier (csrc/include/hina_moe/tier.h): a fixed pool of
+expert slots in memory of its own, sized to the limit, and every expert block is loaded
+"tiered": its header and biases in memory, its experts read from the packed-expert store's file
+into slots when its routers choose them (and ahead of that, when the next layers' routers
+applied to the current hidden state predict them). Kernels never read the store's files.
+
+What is in memory, and counted against the limit: the slot pool and the blocks' biases. What the
+process holds besides (dense weights, embeddings, KV cache) is not: `plan` reports it so a user
+can size the limit.
+
+Every expert region is checked against a CRC-32C recorded in its store entry's metadata
+(`tier_crc32c`, written with the entry; for entries written before, computed once at load from
+the entry, whose every byte the store's full verification checks then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .limits import format_bytes
+
+# prediction reads top-k + PREDICTION_EXTRA experts of each layer ahead
+PREDICTION_EXTRA = 2
+# freq-decay's half-life, in tokens (the tier's clock counts layers: times the layer count)
+HALF_LIFE_TOKENS = 32.0
+# the eviction policy shipped (benchmarks/log/memory-tier.md: closest to Belady's MIN on the
+# replayed real routing)
+DEFAULT_POLICY = "lru"
+
+
+class TierConfigError(ValueError):
+    """memory_limit cannot hold what the model needs at least."""
+
+
+@dataclass
+class BlockSize:
+    name: str
+    experts: int
+    top_k: int | None
+    gu_bytes: int
+    down_bytes: int
+    bias_bytes: int
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.gu_bytes + self.down_bytes
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.experts * self.expert_bytes + self.bias_bytes
+
+
+def block_size(native, name: str, spec, isa: str, weights: str, group_size: int, top_k: int | None) -> BlockSize:
+    """What packing `spec` in `weights` gives, from the packed header alone (nothing is packed)."""
+    dtype = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}[str(spec.weight_dtype)]
+    has_gb = spec.gate_up_bias is not None
+    h = native.PackedExperts.plan(dtype, spec.num_experts, spec.hidden, spec.intermediate, spec.has_gate,
+                                  gate_bias=has_gb and spec.has_gate, up_bias=has_gb, down_bias=spec.down_bias is not None,
+                                  isa=isa, weights=weights, group_size=group_size)
+    info = native.header_info(h)
+    gu, dn, E = int(info["gu_expert_bytes"]), int(info["down_expert_bytes"]), int(info["E"])
+    return BlockSize(name, E, top_k, gu, dn, int(info["nbytes"]) - E * (gu + dn))
+
+
+@dataclass
+class TierPlan:
+    limit: int
+    blocks: list[BlockSize]
+    slot_bytes: int = 0
+    num_slots: int = 0
+    active: bool = False
+    why: str = ""
+
+    @property
+    def experts_bytes(self) -> int:
+        return sum(b.packed_bytes for b in self.blocks)
+
+
+def plan(native, blocks: list[BlockSize], limit: int | None) -> TierPlan | None:
+    """None without a limit; else the plan: active when the packed experts exceed the limit.
+    Raises TierConfigError when the limit cannot hold one token's experts of the widest layer."""
+    if limit is None or not blocks:
+        return None
+    p = TierPlan(limit, blocks)
+    total = p.experts_bytes
+    if total <= limit:
+        p.why = f"the packed experts ({format_bytes(total)}) fit memory_limit ({format_bytes(limit)}): all in memory"
+        return p
+    p.slot_bytes = max(int(native.tier_slot_bytes(b.gu_bytes, b.down_bytes)) for b in blocks)
+    biases = sum(b.bias_bytes for b in blocks)
+    need_k = max((b.top_k or b.experts) for b in blocks)
+    minimum = biases + need_k * p.slot_bytes
+    if limit < minimum:
+        raise TierConfigError(
+            f"memory_limit {format_bytes(limit)} is too small for these experts: the memory tier needs at least "
+            f"{format_bytes(minimum)} (the {need_k} experts one token routes to in a layer, {format_bytes(p.slot_bytes)} "
+            f"a slot, plus {format_bytes(biases)} of biases); the packed experts take {format_bytes(total)} in all")
+    p.num_slots = (limit - biases) // p.slot_bytes
+    p.active = True
+    p.why = (f"the packed experts ({format_bytes(total)}) exceed memory_limit ({format_bytes(limit)}): "
+             f"{p.num_slots} expert slots of {format_bytes(p.slot_bytes)} in memory, the rest read from the store")
+    return p
+
+
+def make_tier(native, p: TierPlan, cfg, num_layers: int, fault: dict | None = None):
+    """The native ExpertTier for an active plan."""
+    direct = {"auto": True, "on": True, "off": False}[getattr(cfg, "direct_io", "auto")]
+    window = getattr(cfg, "prediction_window", 2) if getattr(cfg, "prefetch", True) else 0
+    return native.ExpertTier(p.slot_bytes, p.num_slots, io_threads=getattr(cfg, "io_threads", 4), direct_io=direct,
+                             policy=DEFAULT_POLICY, half_life=HALF_LIFE_TOKENS * max(1, num_layers),
+                             prediction_window=window, prediction_extra=PREDICTION_EXTRA, **(fault or {}))
+
+
+def expert_crcs(native, block, info: dict) -> dict[str, Any]:
+    """CRC-32C of each expert's gate/up and down regions of a packed block (uint8 array)."""
+    E, gu, dn = int(info["E"]), int(info["gu_expert_bytes"]), int(info["down_expert_bytes"])
+    base = E * gu
+    return {"gate_up": [int(native.crc32c(block[e * gu:(e + 1) * gu])) for e in range(E)],
+            "down": [int(native.crc32c(block[base + e * dn:base + (e + 1) * dn])) for e in range(E)],
+            "rest": int(native.crc32c(block[E * (gu + dn):]))}
+
+
+def load_tiered(native, entry, tier):
+    """A PackedExperts over `entry`'s block whose experts live in `tier` (registered as its next
+    layer); the entry is closed. Returns (PackedExperts, layer id)."""
+    try:
+        header = bytes.fromhex(entry.meta["header"])
+        info = native.header_info(header)
+        block = entry.array("block", "uint8")
+        crcs = entry.meta.get("tier_crc32c") or expert_crcs(native, block, info)
+        E, gu, dn = int(info["E"]), int(info["gu_expert_bytes"]), int(info["down_expert_bytes"])
+        rest = block[E * (gu + dn):]
+        if int(native.crc32c(rest)) != int(crcs["rest"]):
+            from .store import CorruptEntry
+            raise CorruptEntry(entry.path, "the block's bias region does not match its recorded CRC-32C")
+        off = entry.offsets["block"]
+        layer = tier.add_layer(str(entry.path), E, off, gu, off + E * gu, dn, crcs["gate_up"], crcs["down"])
+        pe = native.packed_tiered(header, tier, layer, rest.copy())
+        del block, rest
+    finally:
+        entry.close()
+    return pe, layer
+
+
+@dataclass
+class TierState:
+    """What enable set up: the tier, its plan, the layers' names, what the report shows."""
+    tier: Any
+    plan: TierPlan
+    layer_names: dict[int, str] = field(default_factory=dict)
+    predicting: set = field(default_factory=set)  # layers with a router registered
+    numa: str | None = None
+
+    def stats(self) -> dict[str, Any]:
+        return stats_dict(self.tier.stats(), self)
+
+
+def stats_dict(raw: dict, state: TierState | None = None) -> dict[str, Any]:
+    """The counters of hi_na_moe.stats(model): hits, misses, bytes_read, prefetch_precision,
+    prefetch_recall, io_wait_s, ... and per layer. Recall is over the layers a prediction can
+    reach (not the first, and only layers whose router prediction reads)."""
+    layers = raw["layers"]
+    reach = [i for i in range(len(layers)) if state is None or i in state.predicting]
+    reach = [i for i in reach if i > 0]
+    used = sum(layers[i]["predicted_used"] for i in reach)
+    pred = sum(layers[i]["predicted"] for i in reach)
+    dem = sum(layers[i]["demanded"] for i in reach)
+    out = {k: v for k, v in raw.items() if k != "layers"}
+    acc = raw["hits"] + raw["misses"]
+    out.update(
+        hit_rate=raw["hits"] / acc if acc else None,
+        prefetch_precision=used / pred if pred else None,
+        prefetch_recall=used / dem if dem else None,
+        layers=[dict(l, name=(state.layer_names.get(i) if state else None),
+                     hit_rate=l["hits"] / (l["hits"] + l["misses"]) if l["hits"] + l["misses"] else None,
+                     recall=(l["predicted_used"] / l["demanded"]) if (l["demanded"] and i in reach) else None,
+                     precision=(l["predicted_used"] / l["predicted"]) if l["predicted"] else None)
+                for i, l in enumerate(layers)],
+    )
+    return out

@@ -1,0 +1,169 @@
+"""Setting up the memory tier (hi_na_moe.core.tier) for a model being enabled: which blocks it
+holds, their routers for prediction, the NUMA node, and `hi_na_moe.stats(model)`."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core import ops
+from ..core import tier as tier_mod
+from ..core.native import native_module
+from ..core.store import PackedStore
+
+# model -> TierState, while enabled
+_STATES: "weakref.WeakKeyDictionary[nn.Module, tier_mod.TierState]" = weakref.WeakKeyDictionary()
+_TOPK_NAMES = ("top_k", "num_experts_per_tok", "moe_top_k", "num_selected_experts", "k")
+
+
+def top_k_of(module: nn.Module) -> int | None:
+    """The experts a token routes to, from the block or its router's plain settings."""
+    for m in (module, *module.children()):
+        for name in _TOPK_NAMES:
+            v = getattr(m, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    cfg = getattr(module, "config", None)
+    v = getattr(cfg, "num_experts_per_tok", None)
+    return v if isinstance(v, int) and v > 0 else None
+
+
+def router_of(module: nn.Module, spec) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight [E, H], bias [E] or None) of the block's router when it is a plain linear map
+    of the hidden state (what prediction applies to an earlier layer's input); else None."""
+    E, H = spec.num_experts, spec.hidden
+    for name, m in module.named_modules():
+        if name.split(".")[0] in ("experts", "shared_expert", "shared_experts"):
+            continue
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and tuple(w.shape) == (E, H) and w.device.type == "cpu":
+            b = getattr(m, "bias", None)
+            b = b if isinstance(b, torch.Tensor) and tuple(b.shape) == (E,) else None
+            return w, b
+    return None
+
+
+def _near(model: nn.Module, name: str, module: nn.Module) -> list[nn.Module]:
+    """The block's module, then its parent (a transformers experts module's router is its sibling)."""
+    out = [module]
+    if "." in name:
+        try:
+            out.append(model.get_submodule(name.rsplit(".", 1)[0]))
+        except AttributeError:
+            pass
+    return out
+
+
+def _top_k(model: nn.Module, match) -> int | None:
+    for m in _near(model, match.name, match.module):
+        k = top_k_of(m)
+        if k is not None:
+            return k
+    return getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+
+
+def _router(model: nn.Module, match):
+    for m in _near(model, match.name, match.module):
+        found = router_of(m, match.spec)
+        if found is not None:
+            return found
+    return None
+
+
+def setup(model: nn.Module, plans: list, cfg) -> tier_mod.TierState | None:
+    """Before packing: plan the tier for the native expert blocks of `plans` ((match, choice)
+    pairs, in layer order) and, when the limit needs it, create it and hand it to the runners."""
+    limit = cfg.memory_limit_bytes() if getattr(cfg, "memory_limit", None) is not None else None
+    if limit is None:
+        return None
+    native, _ = native_module()
+    sizes, runners = [], []
+    for match, choice in plans:
+        r = choice.runner
+        if not isinstance(r, ops.NativeExperts):
+            continue
+        sizes.append(tier_mod.block_size(native, match.name, match.spec, r.isa, r.weights, r.group_size,
+                                         _top_k(model, match)))
+        runners.append((match, r))
+    p = tier_mod.plan(native, sizes, limit)
+    if p is None:
+        return None
+    state = tier_mod.TierState(None, p)
+    if not p.active:
+        _STATES[model] = state
+        return state
+    tier = tier_mod.make_tier(native, p, cfg, len(runners))
+    state.tier = tier
+    node = getattr(cfg, "numa_node", None)
+    if node is not None:
+        from ..core import numa
+        topo = numa.Topology.read()
+        numa.check_node(node, topo)
+        status = numa.bind(tier.pool_address, tier.pool_bytes, node, topo)
+        numa.pin_threads(node, topo)
+        state.numa = status
+    for _, r in runners:
+        if r.store is None:  # lossless blocks are packed in memory without a limit
+            if not cfg.cache:
+                raise tier_mod.TierConfigError(
+                    "memory_limit keeps the experts that do not fit in the packed-expert store: set cache=True "
+                    "(HINA_MOE_CACHE=1), or remove memory_limit")
+            r.store = PackedStore(cfg.store_root())
+        r.tier = tier
+    _STATES[model] = state
+    return state
+
+
+def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list) -> None:
+    """After packing: the routers prediction applies, by the layers the blocks were given."""
+    if state is None or state.tier is None:
+        return
+    for match, choice in plans:
+        r = choice.runner
+        if getattr(r, "tier_layer", None) is None:
+            continue
+        state.layer_names[r.tier_layer] = match.name
+        found = _router(model, match)
+        k = _top_k(model, match)
+        if found is None or k is None:
+            continue
+        w, b = found
+        w = w.detach()
+        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            continue
+        state.tier.set_router(r.tier_layer, w.contiguous(), None if b is None else b.detach().float().contiguous(), k)
+        state.predicting.add(r.tier_layer)
+
+
+def report_lines(state: tier_mod.TierState | None) -> list[str]:
+    if state is None:
+        return []
+    lines = [f"  memory tier: {state.plan.why}"]
+    if state.tier is not None:
+        t = state.tier
+        modes = {t.io_mode(i) for i in range(t.num_layers)}
+        lines.append(f"    eviction {t.policy}; reads: {', '.join(sorted(modes))}; prediction for "
+                     f"{len(state.predicting)} of {t.num_layers} layers")
+        if state.numa is not None:
+            from ..core import numa
+            lines.append("    " + numa.describe(t.pool_address, t.pool_bytes, state.numa))
+    return lines
+
+
+def drop(model: nn.Module) -> None:
+    _STATES.pop(model, None)
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """hi_na_moe.stats(model): the memory tier's counters (hits, misses, bytes_read,
+    prefetch_precision, prefetch_recall, io_wait_s, ...; per layer under "layers"), or
+    {"memory_tier": False, "why": ...} when the model runs without one."""
+    state = _STATES.get(model)
+    if state is None:
+        return {"memory_tier": False, "why": "no memory_limit set, or hi_na_moe is not enabled on this model"}
+    if state.tier is None:
+        return {"memory_tier": False, "why": state.plan.why}
+    return dict(memory_tier=True, **state.stats())
