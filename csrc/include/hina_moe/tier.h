@@ -103,9 +103,9 @@ class ExpertTier {
   int num_layers() const;
   int64_t experts(int layer) const;
 
-  // The router of `layer`, for prediction: logits = W x (+ bias), W [E, H] in `dt`, row-major,
-  // caller-owned and kept alive. k: the experts a token routes to. Without one, no prediction
-  // reads for that layer.
+  // The router of `layer`, for prediction: logits = W x (+ bias), W [E, H] in `dt`, row-major
+  // (copied, as fp32); bias (E floats) caller-owned and kept alive. k: the experts a token
+  // routes to. Without one, no prediction reads for that layer.
   void set_router(int layer, const void* w, DType dt, int64_t H, const float* bias, int k);
 
   // Makes experts[0..n) of `layer` resident and pinned (reading the missing ones, predicted
