@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "With a dynamic cache the hina arm under --scope all writes each new position in place; "
                         "the native arm, and the hina arm under --scope experts, copy the whole cache at every "
                         "step, which a static one avoids at long --seq-len (README 'Performance')")
+    p.add_argument("--memory-limit", default=None,
+                   help="the hina arm's memory_limit (8GiB, 50%%, bytes): packed experts beyond it are read from the "
+                        "store by the memory tier, and its counters (hit rate, bytes read, prediction precision and "
+                        "recall, I/O wait) are reported")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--json-file", help="also write the full results, raw samples included, here")
     p.set_defaults(func=cmd_bench)

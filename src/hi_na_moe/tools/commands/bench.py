@@ -19,6 +19,7 @@ from ...core.native import native_module
 from ...core.registry import decode_call_counts
 from ...integrate.adapters import _is_interface_experts, discover
 from ...integrate.patching import disable_for_model, enable_for_model
+from ...integrate.tiering import stats as hina_stats
 from ..plan import format_table, packed_expert_bytes, plan_for_model
 from ..quality import logits_agreement
 from . import common
@@ -143,8 +144,9 @@ def cmd_bench(args) -> int:
             raise UserError(f"--json-file {args.json_file!r} is a directory", "name a file to write")
         if not out.parent.is_dir():
             raise UserError(f"--json-file {args.json_file!r}: the directory {str(out.parent)!r} does not exist")
+    mem_limit = getattr(args, "memory_limit", None)
     _config_up_front({"weights": (args.weights, "--weights"), "group_size": (args.group_size, "--group-size"),
-                      "scope": (args.scope, "--scope")})
+                      "scope": (args.scope, "--scope"), **({"memory_limit": (mem_limit, "--memory-limit")} if mem_limit else {})})
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -200,7 +202,8 @@ def cmd_bench(args) -> int:
     results, tokens = {}, {}
     for arm in arms:
         report = enable_for_model(model, weights=args.weights, group_size=args.group_size,
-                                            **({"scope": args.scope} if args.scope else {})) \
+                                  **({"scope": args.scope} if args.scope else {}),
+                                  **({"memory_limit": mem_limit} if mem_limit else {})) \
             if arm == "hina" else None
         if report is not None and args.weights not in LOSSLESS_FORMATS:
             quality[arm] = _quality_vs_native(model, ids, native_logits, report)
@@ -225,6 +228,7 @@ def cmd_bench(args) -> int:
             decode += lat
             outs.append(out)
         tokens[arm] = outs[0]
+        tier_stats = hina_stats(model) if report is not None and mem_limit else None
         if report is not None:
             counts = decode_call_counts(model)
             # matched on the probe, yet every decode call at runtime took the module's own forward
@@ -251,6 +255,8 @@ def cmd_bench(args) -> int:
             "read_limit_gbs": limit,
             "read_limit_is_own_rate": own,
             "quality_vs_native": quality.get(arm),
+            # memory_limit: the memory tier's counters over the arm's runs, warm-up included (hi_na_moe.stats)
+            "memory_tier": tier_stats,
             "dense_layers": len(report.dense) if report is not None else 0,
             "attention_decode_calls": ({n: {"native": a, "own_forward": b} for n, (a, b) in counts.items()}
                                        if report is not None else None),
@@ -309,6 +315,17 @@ def cmd_bench(args) -> int:
                 print(f"note: {len(bad)} attention module(s) matched their probe at enable but took their own forward "
                       f"at every decode step of this run (e.g. {bad[0]}): a runtime argument the native path does "
                       "not take; please report it")
+        for arm, r in results.items():
+            t = r.get("memory_tier")
+            if t and t.get("memory_tier"):
+                runs = args.warmup + args.num_iters
+                pct = (lambda v: f"{100 * v:.1f} %" if v is not None else "-")
+                print(f"{arm} memory tier (memory_limit {mem_limit}): hit rate {pct(t['hit_rate'])}, "
+                      f"{t['bytes_read'] / 1e6 / max(1, runs * args.gen_tokens):.1f} MB read from the store per token, "
+                      f"prediction precision {pct(t['prefetch_precision'])} / recall {pct(t['prefetch_recall'])}, "
+                      f"{t['io_wait_s']:.2f} s waiting for reads over {runs} runs")
+            elif t:
+                print(f"{arm}: no memory tier ({t['why']})")
         if same is not None:
             print("greedy tokens: " + ("identical" if same else "DIFFERENT between native and hina")
                   + ("" if args.weights in LOSSLESS_FORMATS else f" (expected to differ with {args.weights} weights)"))

@@ -1,0 +1,287 @@
+"""Decode speed of a model whose packed experts exceed the memory it may use (issue 42).
+
+Every arm runs in a child process inside one memory cgroup (the v1 controller) whose limit is
+the same for every arm: `--overhead` (the non-expert weights, torch, Python) plus `--fraction`
+of the packed experts. The page cache is dropped before each arm; arms are interleaved and
+repeated.
+
+  tier      hi_na_moe.from_pretrained(..., memory_limit=fraction x packed experts): the memory tier
+  map       hi_na_moe.from_pretrained(..., memory="map"): every block through the store's mapping
+  llamacpp  llama.cpp (llama-cpp-python, use_mmap) on a GGUF of the same weights at the same width
+            (Q4_0 for int4, Q8_0 for int8), run with the llama.cpp venv's Python
+
+The disk's large-read bandwidth is measured in the same run (O_DIRECT reads of the store's files,
+1 thread x 4 MiB and 4 threads x 2 MiB); a step's disk-bound limit is the bytes it read from the
+disk (/proc/self/io read_bytes) divided by that bandwidth.
+
+Setup (once): the store must hold the checkpoint's packed experts in that format:
+    python benchmarks/bench_memory_tier.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 --build
+Run (root, for the cgroup and drop_caches):
+    python benchmarks/bench_memory_tier.py --ckpt /work/ckpt/olmoe-1b-7b --weights int4 \\
+        --fractions 0.5 --arms tier,map,llamacpp --gguf /work/ckpt/gguf/olmoe-1b-7b-q4_0.gguf --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+CG_ROOT = Path("/sys/fs/cgroup/memory")
+LLAMA_PY = "/work/venv-llamacpp/bin/python"
+
+
+def read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+# ---- workers (run inside the cgroup) -------------------------------------------------------------
+def worker_hina(args) -> dict:
+    import torch
+
+    import hi_na_moe
+    torch.set_num_threads(args.threads)
+    kw = dict(weights=args.weights, cache_dir=args.cache_dir, progress=False, dtype=torch.bfloat16)
+    if args.arm == "tier":
+        kw["memory_limit"] = args.memory_limit
+    else:
+        kw["memory"] = "map"
+    t0 = time.perf_counter()
+    model = hi_na_moe.from_pretrained(args.ckpt, **kw)
+    load_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=g)
+    times, reads = [], []
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        past = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        tokens = []
+        for _ in range(args.new_tokens):
+            r0, t = read_bytes(), time.perf_counter()
+            out = model(nxt, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t)
+            reads.append(read_bytes() - r0)
+            past = out.past_key_values
+            nxt = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(nxt))
+    res = dict(load_s=load_s, step_s=times, read_bytes=reads, tokens=tokens)
+    st = hi_na_moe.stats(model)
+    if st.get("memory_tier"):
+        res["stats"] = st
+    res["report_tier"] = hi_na_moe.report_for(model).memory_tier
+    return res
+
+
+def worker_llamacpp(args) -> dict:
+    import llama_cpp
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=args.prompt_len + args.new_tokens + 8, n_threads=args.threads,
+                          n_threads_batch=args.threads, use_mmap=True, verbose=False, n_batch=64)
+    load_s = time.perf_counter() - t0
+    import random
+    rnd = random.Random(args.seed)
+    prompt = [rnd.randrange(llm.n_vocab()) for _ in range(args.prompt_len)]
+    llm.eval(prompt)
+    times, reads = [], []
+    tok = int(max(range(llm.n_vocab()), key=lambda i: llm.scores[llm.n_tokens - 1][i]))
+    tokens = []
+    for _ in range(args.new_tokens):
+        r0, t = read_bytes(), time.perf_counter()
+        llm.eval([tok])
+        times.append(time.perf_counter() - t)
+        reads.append(read_bytes() - r0)
+        row = llm.scores[llm.n_tokens - 1]
+        tok = int(row.argmax())
+        tokens.append(tok)
+    return dict(load_s=load_s, step_s=times, read_bytes=reads, tokens=tokens)
+
+
+# ---- the parent --------------------------------------------------------------------------------------
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def disk_bandwidth(files: list[Path], nbytes: int = 1 << 30) -> dict:
+    """Large O_DIRECT reads of the store's files, page cache dropped first: 1 thread x 4 MiB and
+    4 threads x 2 MiB (the tier's pattern: experts of 1-3 MiB, 4 I/O threads)."""
+    import mmap
+    out = {}
+    for threads, chunk in ((1, 4 << 20), (4, 2 << 20)):
+        drop_caches()
+        jobs = []
+        for f in files:
+            size = f.stat().st_size
+            for off in range(0, size - chunk, chunk):
+                jobs.append((f, off))
+        jobs = jobs[: nbytes // chunk]
+        lock = threading.Lock()
+        done = [0]
+
+        def run():
+            buf = mmap.mmap(-1, chunk)
+            fds = {}
+            while True:
+                with lock:
+                    if not jobs:
+                        break
+                    f, off = jobs.pop()
+                fd = fds.get(f) or fds.setdefault(f, os.open(f, os.O_RDONLY | os.O_DIRECT))
+                n = os.preadv(fd, [buf], off)
+                with lock:
+                    done[0] += n
+            for fd in fds.values():
+                os.close(fd)
+
+        t = time.perf_counter()
+        ths = [threading.Thread(target=run) for _ in range(threads)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        out[f"{threads}x{chunk >> 20}MiB"] = done[0] / (time.perf_counter() - t) / 1e6
+    return out  # MB/s
+
+
+def run_arm(arm: str, args, limit_cg: int, memory_limit: int) -> dict:
+    cg = CG_ROOT / f"hina-bench-{os.getpid()}"
+    cg.mkdir(exist_ok=True)
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(limit_cg))
+        drop_caches()
+        py = LLAMA_PY if arm == "llamacpp" else sys.executable
+        cmd = [py, __file__, "--worker", arm, "--ckpt", args.ckpt, "--weights", args.weights, "--cache-dir",
+               args.cache_dir, "--memory-limit", str(memory_limit), "--threads", str(args.threads), "--new-tokens",
+               str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed)]
+        if args.gguf:
+            cmd += ["--gguf", args.gguf]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        wrapped = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", *cmd]
+        if args.chrt:
+            wrapped = ["chrt", "-f", "1", *wrapped]
+        p = subprocess.run(wrapped, capture_output=True, text=True, env=env)
+        res = {"arm": arm, "returncode": p.returncode}
+        if p.returncode == 0:
+            res.update(json.loads(p.stdout.strip().splitlines()[-1]))
+        else:
+            res["stderr"] = p.stderr[-3000:]
+        res["cgroup_limit"] = limit_cg
+        res["max_usage"] = int((cg / "memory.max_usage_in_bytes").read_text())
+        res["failcnt"] = int((cg / "memory.failcnt").read_text())
+        oom = dict(line.split() for line in (cg / "memory.oom_control").read_text().splitlines())
+        res["oom_kill"] = int(oom.get("oom_kill", 0))
+        return res
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def packed_experts_bytes(args) -> tuple[int, list[Path]]:
+    """Bytes of the packed experts in the store for this checkpoint and format, and their files."""
+    import hi_na_moe
+    from hi_na_moe.core.store import PackedStore
+    store = PackedStore(args.cache_dir)
+    src = str(Path(args.ckpt).resolve())
+    files, total = [], 0
+    for key in store.summary():
+        for f in key.entries:
+            if f.meta_value("source") == src and f.meta_value("weights") == args.weights and not f.file.endswith(".original.hnm"):
+                p = key.path / f.file
+                files.append(p)
+                total += p.stat().st_size
+    del hi_na_moe
+    return total, files
+
+
+def summarise(r: dict, bw: float) -> dict:
+    if r["returncode"] != 0:
+        return {"arm": r["arm"], "failed": r["returncode"], "oom_kill": r.get("oom_kill"), "failcnt": r.get("failcnt")}
+    steps = r["step_s"][2:]  # the first two steps fill the cache from cold
+    reads = r["read_bytes"][2:]
+    med = statistics.median(steps)
+    rb = statistics.mean(reads)
+    out = {"arm": r["arm"], "tok_s": 1 / med, "tok_s_mean": len(steps) / sum(steps), "median_step_s": med,
+           "read_MB_per_token": rb / 1e6, "disk_bound_tok_s": (bw * 1e6 / rb) if rb else None,
+           "load_s": r["load_s"], "max_usage_GiB": r["max_usage"] / 2**30, "cgroup_limit_GiB": r["cgroup_limit"] / 2**30,
+           "failcnt": r["failcnt"], "oom_kill": r["oom_kill"]}
+    if out["disk_bound_tok_s"]:
+        out["of_disk_bound"] = (len(steps) / sum(steps)) / out["disk_bound_tok_s"]
+    st = r.get("stats")
+    if st:
+        out.update(hit_rate=st["hit_rate"], prefetch_precision=st["prefetch_precision"],
+                   prefetch_recall=st["prefetch_recall"], io_wait_s=st["io_wait_s"],
+                   recall_per_layer=[l["recall"] for l in st["layers"]])
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--cache-dir", default="/work/ckpt/hina-cache/memory-tier")
+    ap.add_argument("--gguf")
+    ap.add_argument("--arms", default="tier,map")
+    ap.add_argument("--fractions", default="0.5")
+    ap.add_argument("--overhead", default="2GiB", help="cgroup limit beyond the experts' share (same for every arm)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chrt", action="store_true")
+    ap.add_argument("--build", action="store_true", help="pack the checkpoint's experts into the store and exit")
+    ap.add_argument("--json")
+    ap.add_argument("--worker")
+    ap.add_argument("--memory-limit", type=int)
+    args = ap.parse_args()
+    if args.worker:
+        args.arm = args.worker
+        res = worker_llamacpp(args) if args.worker == "llamacpp" else worker_hina(args)
+        print(json.dumps(res))
+        return 0
+    if args.build:
+        import hi_na_moe
+        hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, cache_dir=args.cache_dir, memory="map")
+        return 0
+    from hi_na_moe.core.limits import parse_bytes
+    from hi_na_moe.tools.capabilities import capabilities
+    total, files = packed_experts_bytes(args)
+    if not files:
+        sys.exit(f"no packed experts of {args.ckpt} in {args.cache_dir} ({args.weights}): run with --build first")
+    overhead = parse_bytes(args.overhead)
+    bw = disk_bandwidth(files)
+    cpu = capabilities().get("cpu", {}).get("brand") if isinstance(capabilities().get("cpu"), dict) else None
+    print(f"packed experts: {total / 2**30:.2f} GiB in {len(files)} files; disk (O_DIRECT) MB/s: {bw}", flush=True)
+    results = []
+    arms = args.arms.split(",")
+    for frac in [float(f) for f in args.fractions.split(",")]:
+        mem_limit = int(total * frac)
+        for rep in range(args.repeats):
+            for arm in (arms if rep % 2 == 0 else arms[::-1]):
+                r = run_arm(arm, args, overhead + mem_limit, mem_limit)
+                s = summarise(r, bw["4x2MiB"])
+                s.update(fraction=frac, repeat=rep)
+                results.append({"summary": s, "raw": r})
+                print(json.dumps(s), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "disk_MBps": bw,
+                                               "packed_experts_bytes": total, "args": vars(args), "results": results},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
