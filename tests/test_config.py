@@ -83,10 +83,11 @@ def test_unknown_env_var_warns_once_with_did_you_mean(monkeypatch):
                       r"\(did you mean HINA_MOE_BACKEND\?\); known: HINA_MOE_BACKEND, "):
         cfg = load_config()
     assert cfg.backend == "auto" and "backen" not in cfg.to_dict()  # ignored, not taken as a key
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a second warning would raise here
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
         load_config()
         hi_na_moe.capabilities()
+    assert [str(w.message) for w in again if "HINA_MOE_BACKEN" in str(w.message)] == []  # once a process
     monkeypatch.setenv("HINA_MOE_THREADS", "two")  # a known variable with a bad value still errors
     with pytest.raises(ConfigError, match=r"'threads' \(env HINA_MOE_THREADS\) has bad value 'two'"):
         load_config()
@@ -293,3 +294,262 @@ def test_choices_are_typed_and_keep_their_strings():
     assert json.dumps(cfg.to_dict()["weights"]) == '"int4"'
     assert "weights='int4'" in repr(cfg)
     assert Format("lossless12").lossless and not Format.INT8.lossless and Format.INT4.paired
+
+
+# ---- the memory tier's keys (issue 42) ----
+
+GiB = 1 << 30
+TIER_DEFAULTS = {"memory_limit": None, "prefetch": True, "prediction_window": 2, "io_threads": 4,
+                 "direct_io": "auto", "numa_node": None}
+
+
+def _config_file(monkeypatch, tmp_path, text: str):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(f))
+    return f
+
+
+def test_memory_tier_defaults_are_listed_with_their_sources():
+    cfg = load_config()
+    shown = cfg.to_dict()
+    assert {k: shown[k] for k in TIER_DEFAULTS} == TIER_DEFAULTS
+    assert all(cfg.sources[k] == "default" for k in TIER_DEFAULTS)
+    assert cfg.memory_limit_bytes() is None
+    assert HinaConfig() == load_config()
+
+
+def test_memory_tier_keys_from_the_environment(monkeypatch):
+    for name, value in (("MEMORY_LIMIT", "8GiB"), ("PREFETCH", "off"), ("PREDICTION_WINDOW", "8"),
+                        ("IO_THREADS", "64"), ("DIRECT_IO", "on"), ("NUMA_NODE", "1")):
+        monkeypatch.setenv(f"HINA_MOE_{name}", value)
+    cfg = load_config()
+    assert (cfg.memory_limit, cfg.prefetch, cfg.prediction_window, cfg.io_threads, cfg.direct_io, cfg.numa_node) == (
+        "8GiB", False, 8, 64, "on", 1)
+    assert cfg.sources["memory_limit"] == "env HINA_MOE_MEMORY_LIMIT"
+    assert cfg.memory_limit_bytes() == 8 * GiB
+    for text, want in (("1", True), ("0", False), ("true", True), ("false", False), ("on", True), ("off", False)):
+        monkeypatch.setenv("HINA_MOE_PREFETCH", text)
+        assert load_config().prefetch is want
+    for unset in ("none", "None", ""):  # an environment variable cannot hold null: these unset the key
+        monkeypatch.setenv("HINA_MOE_MEMORY_LIMIT", unset)
+        monkeypatch.setenv("HINA_MOE_NUMA_NODE", unset)
+        cfg = load_config()
+        assert cfg.memory_limit is None and cfg.numa_node is None
+    monkeypatch.setenv("HINA_MOE_MEMORY_LIMIT", "50%")
+    cfg = load_config()
+    assert cfg.memory_limit == "50%"  # kept as written, for reports
+    assert cfg.memory_limit_bytes(meminfo=lambda: 16 * GiB, cgroup=lambda: None) == 8 * GiB
+    assert cfg.memory_limit_bytes(meminfo=lambda: 16 * GiB, cgroup=lambda: 6 * GiB) == 3 * GiB
+    with pytest.raises(ConfigError, match=r"memory_limit '50%' \(env HINA_MOE_MEMORY_LIMIT\) is a share of the memory "
+                                          r"this process may use, which cannot be read here"):
+        cfg.memory_limit_bytes(meminfo=lambda: None, cgroup=lambda: None)
+
+
+def test_memory_limit_kwargs_keep_what_was_written():
+    assert load_config(memory_limit=8 * GiB).memory_limit_bytes() == 8 * GiB
+    assert load_config(memory_limit="1.5 GB").memory_limit_bytes() == 1_500_000_000
+    assert load_config(memory_limit="512MiB").to_dict()["memory_limit"] == "512MiB"
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("memory_limit", "12 parsecs", r"memory_limit '12 parsecs' \(keyword argument\) is not a size: write bytes with "
+                                   r"a unit \(8GiB, 512MB\) or a percentage \(50%\)"),
+    ("memory_limit", 0, r"memory_limit 0 \(keyword argument\) is 0 bytes"),
+    ("memory_limit", "-2GiB", r"memory_limit '-2GiB' \(keyword argument\) is below 0 bytes"),
+    ("memory_limit", "120%", r"memory_limit '120%' \(keyword argument\) is not a share of memory: a percentage must "
+                             r"be more than 0 and at most 100"),
+    ("memory_limit", 1.5, r"memory_limit 1.5 \(keyword argument\) is not a size"),
+    ("prefetch", "yes", r"'prefetch' \(keyword argument\) has bad value 'yes': expected true or false"),
+    ("prediction_window", 9, r"'prediction_window' \(keyword argument\) has bad value 9: expected a whole number "
+                             r"from 0 to 8"),
+    ("prediction_window", -1, r"'prediction_window' .* bad value -1: expected a whole number from 0 to 8"),
+    ("prediction_window", True, r"'prediction_window' .* bad value True"),
+    ("io_threads", 0, r"'io_threads' \(keyword argument\) has bad value 0: expected a whole number from 1 to 64"),
+    ("io_threads", 65, r"'io_threads' .* bad value 65: expected a whole number from 1 to 64"),
+    ("io_threads", "4", r"'io_threads' .* bad value '4'"),
+    ("direct_io", "of", r"'direct_io' \(keyword argument\) has bad value 'of': expected one of 'auto', 'on', 'off' "
+                        r"\(did you mean 'off'\?\)"),
+    ("direct_io", True, r"'direct_io' .* bad value True: expected one of 'auto', 'on', 'off'"),
+    ("numa_node", -1, r"'numa_node' \(keyword argument\) has bad value -1: expected a whole number from 0"),
+    ("numa_node", False, r"'numa_node' .* bad value False"),
+    ("numa_node", "0", r"'numa_node' .* bad value '0'"),
+    ("numa_node", 1.0, r"'numa_node' .* bad value 1.0"),
+])
+def test_memory_tier_bad_values_name_key_value_and_what_is_accepted(key, value, want):
+    with pytest.raises(ConfigError, match=want):
+        load_config(**{key: value})
+
+
+@pytest.mark.parametrize("name, value, want", [
+    ("MEMORY_LIMIT", "12 parsecs", r"memory_limit '12 parsecs' \(env HINA_MOE_MEMORY_LIMIT\) is not a size: write "
+                                   r"bytes with a unit \(8GiB, 512MB\) or a percentage \(50%\)"),
+    ("MEMORY_LIMIT", "0", r"memory_limit '0' \(env HINA_MOE_MEMORY_LIMIT\) is 0 bytes"),
+    ("PREFETCH", "sometimes", r"'prefetch' \(env HINA_MOE_PREFETCH\) has bad value 'sometimes': expected true or false"),
+    ("PREDICTION_WINDOW", "two", r"'prediction_window' \(env HINA_MOE_PREDICTION_WINDOW\) has bad value 'two': "
+                                 r"expected a whole number"),
+    ("PREDICTION_WINDOW", "12", r"'prediction_window' \(env HINA_MOE_PREDICTION_WINDOW\) has bad value 12"),
+    ("IO_THREADS", "0", r"'io_threads' \(env HINA_MOE_IO_THREADS\) has bad value 0: expected a whole number from 1 to 64"),
+    ("DIRECT_IO", "yes", r"'direct_io' \(env HINA_MOE_DIRECT_IO\) has bad value 'yes': expected one of 'auto', 'on', "
+                         r"'off'"),
+    ("NUMA_NODE", "-1", r"'numa_node' \(env HINA_MOE_NUMA_NODE\) has bad value -1"),
+    ("NUMA_NODE", "first", r"'numa_node' \(env HINA_MOE_NUMA_NODE\) has bad value 'first': expected a whole number"),
+])
+def test_memory_tier_bad_env_values_name_the_variable(monkeypatch, name, value, want):
+    monkeypatch.setenv(f"HINA_MOE_{name}", value)
+    with pytest.raises(ConfigError, match=want):
+        load_config()
+
+
+def test_nested_yaml_form(monkeypatch, tmp_path):
+    f = _config_file(monkeypatch, tmp_path, "memory: {limit: 8GiB, io_threads: 4, direct_io: auto}\n"
+                                            "prefetch: {enabled: true, prediction_window: 2}\n"
+                                            "numa: {node: 0}\n")
+    cfg = load_config()
+    assert (cfg.memory_limit, cfg.io_threads, cfg.direct_io, cfg.prefetch, cfg.prediction_window, cfg.numa_node) == (
+        "8GiB", 4, "auto", True, 2, 0)
+    assert cfg.memory == "auto" and cfg.sources["memory"] == "default"  # the section is not the flat key
+    assert cfg.sources["memory_limit"] == f"file {f}: memory.limit"
+    assert cfg.sources["numa_node"] == f"file {f}: numa.node"
+    _config_file(monkeypatch, tmp_path, "memory:\n  limit: 25%\n  io_threads: 16\n  direct_io: off\n"
+                                        "prefetch:\n  enabled: off\n  prediction_window: 0\nnuma:\n  node: 1\n")
+    cfg = load_config()
+    # YAML 1.1 reads a bare off as false: direct_io takes it as the 'off' it was written as
+    assert (cfg.memory_limit, cfg.io_threads, cfg.direct_io, cfg.prefetch, cfg.prediction_window, cfg.numa_node) == (
+        "25%", 16, "off", False, 0, 1)
+    monkeypatch.setenv("HINA_MOE_IO_THREADS", "2")  # the environment still overrides the file
+    assert load_config().io_threads == 2 and load_config(io_threads=3).io_threads == 3
+
+
+def test_flat_yaml_form_of_the_new_keys(monkeypatch, tmp_path):
+    _config_file(monkeypatch, tmp_path, "memory_limit: 8589934592\nprefetch: false\nprediction_window: 3\n"
+                                        "io_threads: 8\ndirect_io: 'on'\nnuma_node: 0\nmemory: map\n")
+    cfg = load_config()
+    assert (cfg.memory_limit, cfg.prefetch, cfg.prediction_window, cfg.io_threads, cfg.direct_io, cfg.numa_node,
+            cfg.memory) == (8589934592, False, 3, 8, "on", 0, "map")
+    _config_file(monkeypatch, tmp_path, "memory_limit: null\nnuma_node: ~\n")
+    cfg = load_config()
+    assert cfg.memory_limit is None and cfg.numa_node is None
+
+
+def test_memory_section_keeps_the_flat_memory_key(monkeypatch, tmp_path):
+    f = _config_file(monkeypatch, tmp_path, "memory: map\n")
+    assert load_config().memory == "map"  # a string: the existing key (where packed blocks live)
+    _config_file(monkeypatch, tmp_path, "memory: {mode: map, limit: 8GiB}\n")
+    cfg = load_config()
+    assert (cfg.memory, cfg.memory_limit) == ("map", "8GiB") and cfg.sources["memory"] == f"file {f}: memory.mode"
+    _config_file(monkeypatch, tmp_path, "memory: {mode: mapp}\n")
+    with pytest.raises(ConfigError, match=rf"'memory' \(file {f}: memory.mode\) has bad value 'mapp'.*did you mean "
+                                          r"'map'"):
+        load_config()
+    _config_file(monkeypatch, tmp_path, "memory: {limit: 12 parsecs}\n")
+    with pytest.raises(ConfigError, match=rf"memory_limit '12 parsecs' \(file {f}: memory.limit\) is not a size"):
+        load_config()
+
+
+@pytest.mark.parametrize("text, both", [
+    ("memory_limit: 4GiB\nmemory: {limit: 8GiB}\n", ("memory_limit", "memory.limit")),
+    ("memory: {limit: 8GiB}\nmemory_limit: 4GiB\n", ("memory.limit", "memory_limit")),
+    ("prediction_window: 1\nprefetch: {prediction_window: 2}\n", ("prediction_window", "prefetch.prediction_window")),
+    ("numa_node: 0\nnuma: {node: 1}\n", ("numa_node", "numa.node")),
+    ("io_threads: 2\nmemory: {io_threads: 2}\n", ("io_threads", "memory.io_threads")),
+])
+def test_a_key_given_flat_and_nested_is_an_error_naming_both(monkeypatch, tmp_path, text, both):
+    f = _config_file(monkeypatch, tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"config file '{f}' sets config key '\w+' twice, as '{both[0]}' and as "
+                                          rf"'{both[1]}'; keep one of them"):
+        load_config()
+
+
+@pytest.mark.parametrize("text, want", [
+    ("memory: {limt: 8GiB}\n", r"unknown config key 'memory.limt' \(file .*c.yaml\); known under 'memory': mode, "
+                               r"limit, io_threads, direct_io; did you mean 'memory.limit'\?"),
+    ("prefetch: {enable: true}\n", r"unknown config key 'prefetch.enable' .*did you mean 'prefetch.enabled'\?"),
+    ("prefetch: {window: 3}\n", r"unknown config key 'prefetch.window' .*known under 'prefetch': enabled, "
+                                r"prediction_window; did you mean 'prefetch.prediction_window'\?"),
+    ("memory: {memory_limit: 1GiB}\n", r"unknown config key 'memory.memory_limit' .*did you mean 'memory.limit'\?"),
+    ("numa: {nod: 0}\n", r"unknown config key 'numa.nod' .*did you mean 'numa.node'\?"),
+    ("numa: {cpus: 0-3}\n", r"unknown config key 'numa.cpus' .*known under 'numa': node$"),
+    ("numa: 0\n", r"config key 'numa' \(file .*c.yaml\) has bad value 0: expected a mapping of node "
+                  r"\(e.g. 'numa: \{node: ...\}'\), or the flat key 'numa_node'"),
+    ("numa: {node: -1}\n", r"'numa_node' \(file .*c.yaml: numa.node\) has bad value -1"),
+    ("prefetch: {prediction_window: 9}\n", r"'prediction_window' \(file .*: prefetch.prediction_window\) has bad "
+                                           r"value 9: expected a whole number from 0 to 8"),
+    ("memory: {direct_io: maybe}\n", r"'direct_io' \(file .*: memory.direct_io\) has bad value 'maybe'"),
+    ("memory: [map]\n", r"'memory' \(file .*c.yaml\) has bad value \['map'\]: expected a string"),
+])
+def test_nested_yaml_errors(monkeypatch, tmp_path, text, want):
+    _config_file(monkeypatch, tmp_path, text)
+    with pytest.raises(ConfigError, match=want):
+        load_config()
+
+
+def test_new_variables_are_known_and_do_not_warn(monkeypatch):
+    import warnings
+
+    from hi_na_moe.core import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_WARNED_ENV", set())
+    for name, value in (("MEMORY_LIMIT", "8GiB"), ("PREFETCH", "1"), ("PREDICTION_WINDOW", "2"),
+                        ("IO_THREADS", "4"), ("DIRECT_IO", "auto"), ("NUMA_NODE", "0"), ("PREFETCH_BYTES", "1024")):
+        monkeypatch.setenv(f"HINA_MOE_{name}", value)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        load_config()
+    assert [str(w.message) for w in seen if "HINA_MOE_" in str(w.message)] == []
+
+
+@pytest.mark.parametrize("typo, suggested", [
+    ("HINA_MOE_MEMORY_LIMT", "HINA_MOE_MEMORY_LIMIT"), ("HINA_MOE_PREFETCH_BYTE", "HINA_MOE_PREFETCH_BYTES"),
+    ("HINA_MOE_IOTHREADS", "HINA_MOE_IO_THREADS"), ("HINA_MOE_NUMA", "HINA_MOE_NUMA_NODE"),
+    ("HINA_MOE_CONFIG_FILE", "HINA_MOE_CONFIG"), ("HINA_MOE_XYZZY", None),
+])
+def test_unknown_variable_suggests_the_closest_known_one(monkeypatch, typo, suggested):
+    from hi_na_moe.core import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_WARNED_ENV", set())
+    monkeypatch.setenv(typo, "1")
+    hint = rf" \(did you mean {suggested}\?\)" if suggested else ""
+    with pytest.warns(UserWarning, match=rf"ignoring unknown environment variable {typo}{hint}; known: "):
+        cfg = load_config()
+    assert cfg == HinaConfig()  # ignored
+    if suggested is None:
+        with pytest.warns(UserWarning) as seen:
+            config_mod._WARNED_ENV.clear()
+            load_config()
+        assert "did you mean" not in str(seen[0].message)
+
+
+def test_unknown_variable_never_raises_even_with_warnings_as_errors(monkeypatch, capsys):
+    import warnings
+
+    from hi_na_moe.core import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_WARNED_ENV", set())
+    monkeypatch.setenv("HINA_MOE_MEMORY_LIMT", "8GiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config().memory_limit is None
+    assert "ignoring unknown environment variable HINA_MOE_MEMORY_LIMT (did you mean HINA_MOE_MEMORY_LIMIT?)" in (
+        capsys.readouterr().err)
+
+
+def test_every_hina_moe_variable_the_project_reads_or_documents_is_known():
+    """A variable read by the package, the native library, scripts or benchmarks, or named in the
+    docs, must never be warned about as unknown."""
+    import re
+    from pathlib import Path
+
+    from hi_na_moe.core.config import known_env
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("src/**/*.py"), *root.glob("csrc/**/*.[ch]*"), *root.glob("scripts/*"),
+             *root.glob("benchmarks/**/*.py"), *root.glob("benchmarks/**/*.md"), *root.glob("docs/*.md"),
+             root / "README.md", root / "CHANGELOG.md"]
+    name = re.compile(r"\bHINA_MOE_[A-Z0-9_]*[A-Z0-9]")
+    found = {n for f in files if f.is_file() for n in name.findall(f.read_text(errors="replace"))}
+    # tests may set any name (typos on purpose); the ones they read must be known too
+    read = re.compile(r"(?:environ\.get|getenv|environ\[)\(?\s*[\"'](HINA_MOE_[A-Z0-9_]+)")
+    found |= {n for f in root.glob("tests/*.py") for n in read.findall(f.read_text())}
+    assert {"HINA_MOE_PREFETCH_BYTES", "HINA_MOE_CACHE_DIR", "HINA_MOE_ISA", "HINA_MOE_CONFIG"} <= found
+    assert sorted(found - set(known_env())) == []

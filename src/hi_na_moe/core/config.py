@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 from .formats import Format, Isa, MemoryMode, Pool, Scope
+from .limits import LimitError, check_memory_limit, resolve_memory_limit
 from .native import native_module
 from .store import default_cache_dir
 
@@ -44,6 +46,21 @@ SCOPES = Scope.values()
 # limit (16-bit thread ids a region: csrc/include/hina_moe/thread_pool.h, kTidBits) and the C int
 # the binding takes, past which the value used to fail deep inside a kernel call.
 MAX_THREADS = 8192
+# The memory tier's keys (issue 42): the prediction window in MoE layers ahead, the I/O threads
+# that read experts from the store, and O_DIRECT for those reads.
+MAX_PREDICTION_WINDOW = 8
+IO_THREADS_RANGE = (1, 64)
+DIRECT_IO_MODES = ("auto", "on", "off")
+# The most NUMA nodes Linux supports: 2^CONFIG_NODES_SHIFT, at most 2^10 on x86-64; whether the
+# node exists on this machine is checked where it is used.
+MAX_NUMA_NODE = 1023
+# The YAML file's nested form: section -> {subkey: config key}. A section that is also a flat key
+# (memory, prefetch) keeps its flat meaning when given a scalar (`memory: map`).
+NESTED = {
+    "memory": {"mode": "memory", "limit": "memory_limit", "io_threads": "io_threads", "direct_io": "direct_io"},
+    "prefetch": {"enabled": "prefetch", "prediction_window": "prediction_window"},
+    "numa": {"node": "numa_node"},
+}
 
 
 class ConfigError(ValueError):
@@ -128,6 +145,19 @@ class HinaConfig:
         dense_fuse: with scope="all", sibling projections that read the same input (q/k/v,
             gate/up) run as one kernel call (default true; exact: the same outputs as one call
             per layer).
+        memory_limit: the most memory the memory tier may hold, as written (reports show it):
+            None (default: no limit), bytes as an int or a string with a unit ("8GiB", "8G",
+            "512MiB", "1.5 GB"; decimal units powers of 1000, binary of 1024), or a percentage
+            ("50%") of the memory this process may use (MemTotal, or the cgroup memory limit
+            when smaller). `memory_limit_bytes()` gives bytes (hi_na_moe.core.limits).
+        prefetch: if true (default), the memory tier reads ahead the experts it predicts the
+            next layers will use.
+        prediction_window: how many MoE layers ahead those predictions reach, 0 to 8 (default 2).
+        io_threads: threads reading experts from the store, 1 to 64 (default 4).
+        direct_io: whether those reads bypass the page cache (O_DIRECT): "auto" (default), "on"
+            or "off".
+        numa_node: the NUMA node whose memory the memory tier uses; None (default) leaves it to
+            the OS. Whether the node exists is checked where it is used.
     """
 
     backend: str = "auto"
@@ -146,6 +176,13 @@ class HinaConfig:
     dense_lossless: str = "lm_head"
     dense_exclude: str = ""
     dense_fuse: bool = True
+    # the memory tier's (hi_na_moe.integrate.tiering)
+    memory_limit: int | str | None = None
+    prefetch: bool = True
+    prediction_window: int = 2
+    io_threads: int = 4
+    direct_io: str = "auto"
+    numa_node: int | None = None
     # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
     # so that errors and reports can say it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -180,7 +217,24 @@ class HinaConfig:
             raise ConfigError(
                 f"config key 'cache_dir' ({src('cache_dir')}) has bad value {self.cache_dir!r}: expected a path"
             )
-        for key in ("strict", "keep_weights", "cache", "dense_fuse"):
+        try:
+            check_memory_limit(self.memory_limit, src("memory_limit"))
+        except LimitError as exc:
+            raise ConfigError(str(exc)) from None
+        for key, low, high, what in (
+                ("prediction_window", 0, MAX_PREDICTION_WINDOW, "MoE layers ahead"),
+                ("io_threads", *IO_THREADS_RANGE, "threads"),
+                ("numa_node", 0, MAX_NUMA_NODE, "a NUMA node's number; unset: the OS chooses")):
+            value = getattr(self, key)
+            if key == "numa_node" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(
+                    f"config key {key!r} ({src(key)}) has bad value {value!r}: expected a whole number "
+                    f"from {low} to {high} ({what})"
+                )
+        _check_choice("direct_io", self.direct_io, DIRECT_IO_MODES, src("direct_io"))
+        for key in ("strict", "keep_weights", "cache", "dense_fuse", "prefetch"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
                     f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected true or false"
@@ -214,6 +268,15 @@ class HinaConfig:
         """The packed-expert store's directory under this config."""
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
+    def memory_limit_bytes(self, *, meminfo=None, cgroup=None) -> int | None:
+        """memory_limit in bytes (None: no limit), a percentage taken of the memory this process
+        may use now; `meminfo` and `cgroup` as hi_na_moe.core.limits.resolve_memory_limit's."""
+        try:
+            return resolve_memory_limit(self.memory_limit, meminfo=meminfo, cgroup=cgroup,
+                                        source=self.sources.get("memory_limit", "argument"))
+        except LimitError as exc:
+            raise ConfigError(str(exc)) from None
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
 
@@ -240,7 +303,9 @@ def _checked_init(generated):
 HinaConfig.__init__ = _checked_init(HinaConfig.__init__)  # type: ignore[method-assign]
 _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weights": bool,
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
-          "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool}
+          "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool,
+          "memory_limit": "size", "prefetch": bool, "prediction_window": int, "io_threads": int,
+          "direct_io": str, "numa_node": "int or none"}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:
@@ -276,6 +341,15 @@ def _unknown_key(key: str, source: str, cls: type[ConfigError] = ConfigError) ->
 def _coerce(key: str, raw: Any, source: str) -> Any:
     """Turn a value from a text source (env var) or YAML into the key's type, or explain why not."""
     want = _TYPES[key]
+    if want in ("size", "int or none"):
+        # "" and "none" unset the key (an environment variable cannot hold YAML's null)
+        if raw is None or isinstance(raw, str) and raw.strip().lower() in ("", "none"):
+            return None
+        if want == "size":  # kept as written; HinaConfig says what is wrong with it
+            return raw.strip() if isinstance(raw, str) else raw
+        want = int
+    if key == "direct_io" and isinstance(raw, bool):
+        return "on" if raw else "off"  # YAML 1.1 reads a bare on / off as true / false
     if want is bool:
         if isinstance(raw, bool):
             return raw
@@ -344,6 +418,52 @@ def _read_file(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
+def _file_values(path: Path, data: Mapping[Any, Any]) -> dict[str, tuple[Any, str]]:
+    """key -> (value, source) for the keys a config file's mapping sets, flat (`memory_limit:
+    8GiB`) or nested (`memory: {limit: 8GiB}`, NESTED); a key set both ways is an error naming
+    both, as is a nested key that is none of its section's."""
+    out: dict[str, tuple[Any, str, str]] = {}
+
+    def put(key: str, raw: Any, written: str) -> None:
+        if key in out:
+            raise ConfigError(
+                f"config file {str(path)!r} sets config key {key!r} twice, as {out[key][2]!r} and as {written!r}; "
+                "keep one of them"
+            )
+        out[key] = (raw, f"file {path}" if written == key else f"file {path}: {written}", written)
+
+    for name, raw in data.items():
+        name = str(name)
+        section = NESTED.get(name)
+        if section is not None and isinstance(raw, dict):
+            for sub, value in raw.items():
+                if str(sub) not in section:
+                    raise _unknown_nested(name, str(sub), path)
+                put(section[str(sub)], value, f"{name}.{sub}")
+        elif name in KEYS:
+            put(name, raw, name)
+        elif section is not None:
+            flat = ", ".join(repr(k) for k in section.values())
+            raise ConfigError(
+                f"config key {name!r} (file {path}) has bad value {raw!r}: expected a mapping of "
+                f"{', '.join(section)} (e.g. '{name}: {{{next(iter(section))}: ...}}'), or the flat key {flat}"
+            )
+        else:
+            raise _unknown_key(name, f"file {path}")
+    return {key: (raw, source) for key, (raw, source, _) in out.items()}
+
+
+def _unknown_nested(name: str, sub: str, path: Path) -> ConfigError:
+    section = NESTED[name]
+    # close in spelling, else the flat key's name written inside the section, else a part of one
+    hint = (difflib.get_close_matches(sub, section, n=1) or [k for k, v in section.items() if v == sub]
+            or [k for k in section if len(sub) >= 3 and sub in k])
+    extra = f"; did you mean '{name}.{hint[0]}'?" if hint else ""
+    return ConfigError(
+        f"unknown config key '{name}.{sub}' (file {path}); known under '{name}': {', '.join(section)}{extra}"
+    )
+
+
 # the unknown HINA_MOE_* variables already warned about in this process
 _WARNED_ENV: set[str] = set()
 
@@ -355,12 +475,23 @@ def _warn_unknown_env(name: str, key: str) -> None:
     if name in _WARNED_ENV:
         return
     _WARNED_ENV.add(name)
-    hint = difflib.get_close_matches(key, KEYS, n=1)
-    extra = f" (did you mean {ENV_PREFIX + hint[0].upper()}?)" if hint else ""
-    warnings.warn(
-        f"hi_na_moe: ignoring unknown environment variable {name}{extra}; known: "
-        f"{', '.join(ENV_PREFIX + k.upper() for k in KEYS)}, {ENV_CONFIG_FILE}, {', '.join(ENV_NATIVE)}",
-        UserWarning, stacklevel=3)
+    known = known_env()
+    # matched without the prefix, which every name shares and would make any two look alike
+    by_suffix = {k[len(ENV_PREFIX):].lower(): k for k in known}
+    hint = difflib.get_close_matches(key, by_suffix, n=1)
+    extra = f" (did you mean {by_suffix[hint[0]]}?)" if hint else ""
+    message = f"hi_na_moe: ignoring unknown environment variable {name}{extra}; known: {', '.join(known)}"
+    try:
+        warnings.warn(message, UserWarning, stacklevel=3)
+    except Warning:
+        # under warnings-as-errors (-W error) too, a stray variable must not fail the call
+        sys.stderr.write(f"warning: {message}\n")
+
+
+def known_env() -> tuple[str, ...]:
+    """Every HINA_MOE_* variable hi_na_moe reads: one a config key, the config file's and the
+    native library's."""
+    return (*(ENV_PREFIX + k.upper() for k in KEYS), ENV_CONFIG_FILE, *ENV_NATIVE)
 
 
 def load_config(config: HinaConfig | None = None, *, where: Mapping[str, str] | None = None,
@@ -381,10 +512,7 @@ def load_config(config: HinaConfig | None = None, *, where: Mapping[str, str] | 
     else:
         env_file = os.environ.get(ENV_CONFIG_FILE)
         path = Path(env_file).expanduser() if env_file else default_config_file()
-        for key, raw in _read_file(path, required=bool(env_file)).items():
-            source = f"file {path}"
-            if key not in KEYS:
-                raise _unknown_key(str(key), source)
+        for key, (raw, source) in _file_values(path, _read_file(path, required=bool(env_file))).items():
             values[key] = _coerce(key, raw, source)
             sources[key] = source
         for name, raw in os.environ.items():
