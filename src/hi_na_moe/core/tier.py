@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .limits import format_bytes
+from .store import CorruptEntry
 
 # prediction reads top-k + PREDICTION_EXTRA experts of each layer ahead
 PREDICTION_EXTRA = 2
@@ -135,7 +136,6 @@ def load_tiered(native, entry, tier):
         E, gu, dn = int(info["E"]), int(info["gu_expert_bytes"]), int(info["down_expert_bytes"])
         rest = block[E * (gu + dn):]
         if int(native.crc32c(rest)) != int(crcs["rest"]):
-            from .store import CorruptEntry
             raise CorruptEntry(entry.path, "the block's bias region does not match its recorded CRC-32C")
         off = entry.offsets["block"]
         layer = tier.add_layer(str(entry.path), E, off, gu, off + E * gu, dn, crcs["gate_up"], crcs["down"])
@@ -153,7 +153,8 @@ class TierState:
     plan: TierPlan
     layer_names: dict[int, str] = field(default_factory=dict)
     predicting: set = field(default_factory=set)  # layers with a router registered
-    numa: str | None = None
+    numa: Any = None  # hi_na_moe.core.numa.BindStatus when numa_node is set
+    other_bytes: int | None = None  # the model's weights outside the tiered experts
 
     def stats(self) -> dict[str, Any]:
         return stats_dict(self.tier.stats(), self)

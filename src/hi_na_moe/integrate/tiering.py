@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import ops
+from ..core import numa, ops
 from ..core import tier as tier_mod
 from ..core.native import native_module
 from ..core.store import PackedStore
@@ -73,6 +73,25 @@ def _router(model: nn.Module, match):
     return None
 
 
+def _other_bytes(model: nn.Module, matches: list) -> int:
+    """Bytes of the model's parameters and buffers outside the tiered experts (dense weights,
+    embeddings, norms): what the process holds besides the limit, before any KV cache."""
+    experts = set()
+    for m in matches:
+        for t in m.spec.weight_tensors():
+            experts.add(t.untyped_storage().data_ptr() if not t.is_meta else id(t))
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_meta:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in experts or key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
 def setup(model: nn.Module, plans: list, cfg) -> tier_mod.TierState | None:
     """Before packing: plan the tier for the native expert blocks of `plans` ((match, choice)
     pairs, in layer order) and, when the limit needs it, create it and hand it to the runners."""
@@ -92,6 +111,7 @@ def setup(model: nn.Module, plans: list, cfg) -> tier_mod.TierState | None:
     if p is None:
         return None
     state = tier_mod.TierState(None, p)
+    state.other_bytes = _other_bytes(model, [m for m, _ in runners])
     if not p.active:
         _STATES[model] = state
         return state
@@ -99,7 +119,6 @@ def setup(model: nn.Module, plans: list, cfg) -> tier_mod.TierState | None:
     state.tier = tier
     node = getattr(cfg, "numa_node", None)
     if node is not None:
-        from ..core import numa
         topo = numa.Topology.read()
         numa.check_node(node, topo)
         status = numa.bind(tier.pool_address, tier.pool_bytes, node, topo)
@@ -142,13 +161,15 @@ def report_lines(state: tier_mod.TierState | None) -> list[str]:
     if state is None:
         return []
     lines = [f"  memory tier: {state.plan.why}"]
+    if state.other_bytes is not None:
+        lines.append(f"    besides the limit the process holds {tier_mod.format_bytes(state.other_bytes)} of other weights "
+                     "(dense layers, embeddings, norms), the KV cache (it grows with the context) and the runtime")
     if state.tier is not None:
         t = state.tier
         modes = {t.io_mode(i) for i in range(t.num_layers)}
         lines.append(f"    eviction {t.policy}; reads: {', '.join(sorted(modes))}; prediction for "
                      f"{len(state.predicting)} of {t.num_layers} layers")
         if state.numa is not None:
-            from ..core import numa
             lines.append("    " + numa.describe(t.pool_address, t.pool_bytes, state.numa))
     return lines
 
