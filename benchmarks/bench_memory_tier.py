@@ -83,24 +83,38 @@ def worker_hina(args) -> dict:
 
 def worker_llamacpp(args) -> dict:
     import llama_cpp
+    import numpy as np
+    # llama.cpp repacks Q4_0 weights into anonymous memory of its own by default (CPU_REPACK: the
+    # whole model, so an OOM kill under any limit below it); its mmap arm keeps the weights in the
+    # file mapping, which only use_extra_bufts=False gives (not an argument of Llama() in 0.3.36)
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default_params()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    llama_cpp.llama_model_default_params = params
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=args.prompt_len + args.new_tokens + 8, n_threads=args.threads,
-                          n_threads_batch=args.threads, use_mmap=True, verbose=False, n_batch=64)
+                          n_threads_batch=args.threads, use_mmap=True, logits_all=False, verbose=False, n_batch=64)
     load_s = time.perf_counter() - t0
-    import random
-    rnd = random.Random(args.seed)
-    prompt = [rnd.randrange(llm.n_vocab()) for _ in range(args.prompt_len)]
-    llm.eval(prompt)
-    times, reads = [], []
-    tok = int(max(range(llm.n_vocab()), key=lambda i: llm.scores[llm.n_tokens - 1][i]))
-    tokens = []
+    n_vocab = llm.n_vocab()
+
+    def last():  # the last position's logits, as benchmarks/bench_llamacpp.py reads them
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
+
+    rng = np.random.default_rng(args.seed)
+    llm.eval([int(x) for x in rng.integers(259, n_vocab, size=args.prompt_len)])
+    tok = last()
+    times, reads, tokens = [], [], []
     for _ in range(args.new_tokens):
         r0, t = read_bytes(), time.perf_counter()
         llm.eval([tok])
         times.append(time.perf_counter() - t)
         reads.append(read_bytes() - r0)
-        row = llm.scores[llm.n_tokens - 1]
-        tok = int(row.argmax())
+        tok = last()
         tokens.append(tok)
     return dict(load_s=load_s, step_s=times, read_bytes=reads, tokens=tokens)
 
@@ -198,7 +212,7 @@ def packed_experts_bytes(args) -> tuple[int, list[Path]]:
     files, total = [], 0
     for key in store.summary():
         for f in key.entries:
-            if f.meta_value("source") == src and f.meta_value("weights") == args.weights and not f.file.endswith(".original.hnm"):
+            if f.meta_value("source") == src and f.meta_value("format") == args.weights and not f.file.endswith(".original.hnm"):
                 p = key.path / f.file
                 files.append(p)
                 total += p.stat().st_size

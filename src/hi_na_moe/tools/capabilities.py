@@ -9,6 +9,7 @@ from typing import Any
 from ..core.formats import Isa
 
 from ..core.config import load_config
+from ..core.limits import format_bytes
 from ..core.memory import describe
 from ..core.native import native_module, pool_description, prefetch_description
 from ..core.ops import kernel_plan
@@ -42,7 +43,20 @@ def capabilities(config: Any = None) -> dict[str, Any]:
     info["pool"] = pool_description(cfg.kernel_pool())
     info["prefetch"] = prefetch_description()
     info["store_blocks"] = describe(cfg.memory)
+    info["memory_tier"] = _memory_tier(cfg)
     info["attention"] = math_kernel(info["selected_isa"])
     info["attention_prefill"] = prefill_math(info["selected_isa"])
     info["attention_latent"] = latent_math(info["selected_isa"])
     return info
+
+
+def _memory_tier(cfg) -> str:
+    """What memory_limit does on this machine (hi_na_moe.core.tier)."""
+    if cfg.memory_limit is None:
+        return "off (no memory_limit: every block's packed experts are held as memory= says)"
+    limit = cfg.memory_limit_bytes()
+    window = cfg.prediction_window if cfg.prefetch else 0
+    where = f", NUMA node {cfg.numa_node}" if cfg.numa_node is not None else ""
+    return (f"memory_limit {cfg.memory_limit!r} = {format_bytes(limit)}: packed experts beyond it stay in the store and "
+            f"are read by {cfg.io_threads} I/O threads (direct_io {cfg.direct_io}), "
+            + (f"predicted {window} layer(s) ahead" if window else "no prediction") + where)

@@ -17,6 +17,7 @@ _OPTIONAL_LINES = (
     ("pool", "kernel threads"),
     ("prefetch", "weight-stream prefetch"),
     ("store_blocks", "blocks from the packed-expert store"),
+    ("memory_tier", "memory tier"),
     ("attention", 'attention of decode steps (scope="all")'),
     ("attention_prefill", 'attention of prefill (scope="all")'),
     ("attention_latent", 'latent attention (MLA) of decode steps (scope="all")'),
