@@ -97,9 +97,10 @@ def plan(native, blocks: list[BlockSize], limit: int | None) -> TierPlan | None:
     minimum = biases + need_k * p.slot_bytes
     if limit < minimum:
         raise TierConfigError(
-            f"memory_limit {format_bytes(limit)} is too small for these experts: the memory tier needs at least "
-            f"{format_bytes(minimum)} (the {need_k} experts one token routes to in a layer, {format_bytes(p.slot_bytes)} "
-            f"a slot, plus {format_bytes(biases)} of biases); the packed experts take {format_bytes(total)} in all")
+            f"memory_limit {format_bytes(limit)} ({limit} bytes) is too small for these experts: the memory tier needs "
+            f"at least {format_bytes(minimum)} ({minimum} bytes: the {need_k} experts one token routes to in a layer, "
+            f"{format_bytes(p.slot_bytes)} a slot, plus {format_bytes(biases)} of biases); the packed experts take "
+            f"{format_bytes(total)} in all")
     p.num_slots = (limit - biases) // p.slot_bytes
     p.active = True
     p.why = (f"the packed experts ({format_bytes(total)}) exceed memory_limit ({format_bytes(limit)}): "
