@@ -20,6 +20,11 @@ uint64_t read_streams_avx2(const uint64_t* const* base, int streams, int64_t len
 }  // namespace hina::detail
 #endif
 
+// the memory tier (test_tier.cpp): declared here, where it is run, not in harness.h
+namespace tests_tier {
+void test_tier(const std::vector<Isa>& tiers);
+}  // namespace tests_tier
+
 using namespace tests_attention;
 using namespace tests_experts;
 using namespace tests_l12;
@@ -132,6 +137,7 @@ int main(int argc, char** argv) {
   test_attention_prefill(tiers);
   test_read_streams(tiers);
   test_fork_child();
+  tests_tier::test_tier(all);
   for (const auto& kv : g_worst)
     std::printf("worst %-48s %-9.3g (%d runs)\n", kv.first.c_str(), kv.second, g_compared[kv.first]);
   for (const auto& kv : g_min_sqnr) std::printf("lowest SQNR vs lossless %-30s %.1f dB\n", kv.first.c_str(), kv.second);
