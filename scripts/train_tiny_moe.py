@@ -168,11 +168,15 @@ def routing_stats(model, chunks: torch.Tensor, tok, batch: int = 16) -> dict:
     def overlap(a, b):  # |a ∩ b| per row, for index sets of shape (N, k)
         return (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).double()
 
+    # the variants read a copy of the batch's captures: calling a layer's norm below runs its hook,
+    # which overwrites that layer's ("mid", "x") (before 2026-12-07 they read cap, so columns A and B
+    # of layers >= 1 measured other inputs than they name)
+    snap = {}
     variants = {
-        "moe_input_l": lambda l: cap[("x", l)],
-        "mid_l_norm_next": lambda l: layers[l + 1].post_attention_layernorm(cap[("mid", l)]),
-        "in_l_norm_next": lambda l: layers[l + 1].post_attention_layernorm(cap[("in", l)]),
-        "in_next_norm_next": lambda l: layers[l + 1].post_attention_layernorm(cap[("in", l + 1)]),
+        "moe_input_l": lambda l: snap[("x", l)],
+        "mid_l_norm_next": lambda l: layers[l + 1].post_attention_layernorm(snap[("mid", l)]),
+        "in_l_norm_next": lambda l: layers[l + 1].post_attention_layernorm(snap[("in", l)]),
+        "in_next_norm_next": lambda l: layers[l + 1].post_attention_layernorm(snap[("in", l + 1)]),
     }
     load = torch.zeros(L, E, dtype=torch.float64)
     tok_router_H = torch.zeros(L, dtype=torch.float64)
@@ -188,6 +192,8 @@ def routing_stats(model, chunks: torch.Tensor, tok, batch: int = 16) -> dict:
             B, T = x.shape
             cap.clear()
             model(input_ids=x)
+            snap.clear()
+            snap.update(cap)
             ids_flat = x.reshape(-1)
             sel = [cap[("route", l)][2] for l in range(L)]  # (B*T, k)
             for l in range(L):
