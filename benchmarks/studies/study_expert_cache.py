@@ -89,6 +89,12 @@ def token_ids(tok, data: Path) -> torch.Tensor:
     return torch.tensor(tok(data.read_text(encoding="utf-8"), add_special_tokens=False).input_ids)
 
 
+def rel(p: Path) -> str:
+    """A path as the JSON records it: relative to the repository when inside it."""
+    p = p.resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
 def trace_path(out: Path, model: Path, tokens: int) -> Path:
     return out / f"trace-{model.name}-{tokens}.npz"
 
@@ -157,9 +163,9 @@ def section_trace(args, out: Path) -> dict:
                             seq_len=np.int32(args.seq_len), num_experts=np.int32(model.config.num_experts))
         cfg = model.config
         res[path.name] = {
-            "model": str(path), "file": str(dest.relative_to(REPO)) if dest.is_relative_to(REPO) else str(dest),
+            "model": rel(path), "file": rel(dest),
             "layers": idx.shape[0], "tokens": idx.shape[1], "top_k": idx.shape[2],
-            "num_experts": int(cfg.num_experts), "seq_len": args.seq_len, "data": str(args.data),
+            "num_experts": int(cfg.num_experts), "seq_len": args.seq_len, "data": rel(args.data),
             "recorded_from": prof.blocks[0]["recorded_from"], "seconds": round(time.perf_counter() - t0, 1),
             "decode_check": check,
         }
@@ -328,7 +334,7 @@ def section_predict(args, out: Path) -> dict:
                 row[v] = min(ok) if ok else None
             reach.append(row)
     res = {
-        "model": str(path), "tokens": rows, "windows": n_win, "seq_len": args.seq_len, "layers": L,
+        "model": rel(path), "data": rel(args.data), "tokens": rows, "windows": n_win, "seq_len": args.seq_len, "layers": L,
         "num_experts": E, "top_k": k, "extra": extra,
         "router": "OlmoeTopKRouter as transformers computes it: softmax(gate linear) in float32, top-(k+m)",
         "variants": {
