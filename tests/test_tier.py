@@ -516,10 +516,6 @@ def test_a_file_truncated_before_it_is_registered_is_refused(tmp_path):
         blk.register(_tier(blk, 2))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ExpertTier::add_layer accepts any file offset, and read_expert places each region at its offset "
-    "modulo 4096 in the slot, so an offset that is not a multiple of 64 hands the kernels misaligned "
-    "panels: the forward then dies of SIGSEGV (csrc/experts/tier.cpp); add_layer should refuse it"))
 def test_an_offset_the_kernels_cannot_take_is_refused_at_registration(tmp_path):
     blk = _block(tmp_path / "block.hnm", off=8192 + 100)
     with pytest.raises((ValueError, _native().TierError), match="offset"):
@@ -613,11 +609,6 @@ def test_a_corrupt_expert_on_disk_fails_until_it_is_repaired(tmp_path):
     assert torch.equal(_run_in_thread(lambda: _fwd(tp, x, idx, w)), _fwd(blk.pe, x, idx, w))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a failed acquire leaks the pins of its demanded reads not yet given a slot: ExpertTier::acquire's "
-    "error path unpins only the experts that have a slot then, and a worker that takes (or still waits "
-    "for a victim for) one of them later sets pins = 1 for an acquire that is gone; the slot stays "
-    "pinned forever and a later call needing every slot waits forever (csrc/experts/tier.cpp)"))
 def test_a_failed_call_gives_back_every_slot_it_asked_for(tmp_path):
     # Two slow predicted reads (8 MiB experts of another layer) hold two of the four slots while a
     # call demands four experts, the first corrupt: the call fails while some of its demanded reads

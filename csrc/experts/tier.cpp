@@ -195,6 +195,11 @@ int ExpertTier::add_layer(const std::string& path, int64_t E, uint64_t gu_offset
   if (E < 1) throw std::invalid_argument("memory tier: a layer needs E >= 1 experts");
   if (static_cast<int64_t>(crc_gu.size()) != E || static_cast<int64_t>(crc_down.size()) != E)
     throw std::invalid_argument("memory tier: one CRC per expert for gate/up and for down");
+  if (gu_offset % 64 || down_offset % 64 || gu_bytes % 64 || down_bytes % 64)
+    throw std::invalid_argument("memory tier: expert regions must start at file offsets that are 64-byte multiples and be "
+                                "64-byte multiples long (the kernels' alignment); got gate/up at " +
+                                std::to_string(gu_offset) + " + e x " + std::to_string(gu_bytes) + ", down at " +
+                                std::to_string(down_offset) + " + e x " + std::to_string(down_bytes));
   if (slot_bytes_for(gu_bytes, down_bytes) > opt_.slot_bytes)
     throw std::invalid_argument("memory tier: this layer's experts (" + std::to_string(gu_bytes + down_bytes) +
                                 " bytes) do not fit a slot of " + std::to_string(opt_.slot_bytes) + " bytes");
@@ -437,7 +442,7 @@ void ExpertTier::worker() {
     sl.layer = r.layer;
     sl.expert = r.expert;
     sl.state = kLoading;
-    sl.pins = r.demand ? 1 : 0;
+    sl.pins = r.demand && r.seq == active_seq_ ? 1 : 0;  // (a call that failed meanwhile pins nothing)
     sl.prefetched = !r.demand;
     sl.loaded = r.seq;
     L.slot_of[r.expert] = s;
@@ -458,15 +463,20 @@ void ExpertTier::worker() {
     --busy_;
     st_.read_s += dt;
     st_.retries += static_cast<uint64_t>(retried);
+    // the call this read was demanded for may have failed and returned meanwhile: then nothing
+    // waits for it (its pin, if any, is dropped) and an error is nobody's to see
+    const bool live = r.seq == active_seq_;
+    if (r.demand && !live) sl.pins = 0;
     if (ok) {
       ++st_.reads;
       st_.bytes_read += L.gu_bytes + L.dn_bytes;
       sl.state = kReady;
     } else {
       L.slot_of[r.expert] = -1;
-      const bool pinned = sl.pins > 0;
+      const bool pinned = sl.pins > 0;  // by the live call (an in-flight predicted read it waits for)
       sl = Slot{.base = sl.base};
-      if (r.demand || pinned) L.failed[r.expert] = "hi_na_moe memory tier: layer " + std::to_string(r.layer) + ", " + err;
+      if ((r.demand && live) || pinned)
+        L.failed[r.expert] = "hi_na_moe memory tier: layer " + std::to_string(r.layer) + ", " + err;
     }
     cv_done_.notify_all();
   }
@@ -549,6 +559,7 @@ void ExpertTier::acquire(int layer, const int32_t* experts, int n, const void* x
     }
   }
   ++tick_;
+  active_seq_ = tick_;
   ++L.acquires;
   ++st_.acquires;
   // predicted reads of this layer that have not started are dropped: its routing is known now
@@ -613,10 +624,21 @@ void ExpertTier::acquire(int layer, const int32_t* experts, int n, const void* x
     cv_done_.wait(lk);
   }
   if (!error.empty()) {
+    // give back everything this call holds or asked for: its queued reads are dropped, reads
+    // under way finish unpinned (the worker sees active_seq_ changed)
+    for (auto it = demand_q_.begin(); it != demand_q_.end();) {
+      if (it->seq == active_seq_) {
+        layers_[it->layer]->queued[it->expert] = 0;
+        it = demand_q_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     for (int i = 0; i < n; ++i) {
       const int64_t s = L.slot_of[experts[i]];
       if (s >= 0 && slots_[s].pins > 0) --slots_[s].pins;
     }
+    active_seq_ = 0;
     st_.io_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     cv_done_.notify_all();
     lk.unlock();
@@ -652,6 +674,7 @@ void ExpertTier::acquire(int layer, const int32_t* experts, int n, const void* x
 void ExpertTier::release(int layer, const int32_t* experts, int n) {
   {
     std::lock_guard<std::mutex> lk(mu_);
+    active_seq_ = 0;
     Layer& L = *layers_[layer];
     for (int i = 0; i < n; ++i) {
       const int64_t s = L.slot_of[experts[i]];

@@ -61,8 +61,9 @@ struct TierOptions {
   int prediction_window = 2;    // layers ahead; 0: no prediction
   int prediction_extra = 2;     // experts predicted beyond a router's top-k
   int prediction_max_rows = 8;  // calls with more rows predict nothing (a prefill reads most experts)
-  // test-only fault injection: every n-th read (1-based over the tier's life) is cut short /
-  // fails with EIO / has one byte flipped after the read; 0: never. `fault_times` reads in a row.
+  // test-only fault injection: every n-th region read (1-based over the tier's life; an expert
+  // is two, gate/up then down) is cut short / fails with EIO / has one byte flipped after the
+  // read; 0: never.
   int64_t fault_short_every = 0, fault_eio_every = 0, fault_flip_every = 0;
 };
 
@@ -164,6 +165,7 @@ class ExpertTier {
   bool stop_ = false;
   int busy_ = 0;
   uint64_t tick_ = 0;  // acquires so far (the policy's clock)
+  uint64_t active_seq_ = 0;  // tick_ of the acquire..release span under way, 0 when none
   std::atomic<int64_t> read_count_{0};
   std::mutex step_mu_;
   TierStats st_;
