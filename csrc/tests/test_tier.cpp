@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -31,9 +32,19 @@ uint32_t crc_bitwise(const uint8_t* p, size_t n, uint32_t crc = 0) {
   return ~c;
 }
 
-// The store files that exist now (the watchdog removes them before it ends the process).
+// The store files that exist now (removed before a hang ends the process).
 std::mutex g_files_mu;
 std::vector<std::string> g_files;
+
+// A tier call that hangs cannot be cancelled, nor its tier destroyed: a FAIL line, the store
+// files removed, and the runner ends.
+[[noreturn]] void fail_hung(const std::string& what) {
+  std::printf("FAIL %s\n", what.c_str());
+  std::fflush(stdout);
+  std::lock_guard<std::mutex> files(g_files_mu);
+  for (const auto& f : g_files) unlink(f.c_str());
+  std::_Exit(1);
+}
 
 // A store file under /tmp, removed when the test is done (also when it fails).
 struct StoreFile {
@@ -505,6 +516,44 @@ void test_faults() {
            tag + ": reads " + std::to_string(st.reads) + " retries " + std::to_string(st.retries) + " hits " +
                std::to_string(st.hits) + ", expected 2 1 1");
   }
+  // A failed call gives back every slot it asked for. Expert 1 corrupt on disk, one I/O thread,
+  // 4 slots, a call for {1, 0, 2, 3}: 1 fails twice, the thread takes 0, and the call returns its
+  // TierError while the reads of 2 and 3 are still queued. Before 7138447 the thread then read
+  // them pinned for a call that was gone: two slots pinned for good, and the next call of four
+  // other experts waited forever for a slot.
+  {
+    StoreFile bad;
+    const Stored sb = store_block(bad, *pe, kLead);
+    const std::vector<uint8_t> junk(64, 0x77);
+    bad.write_at(junk.data(), junk.size(), kLead + 1 * pe->header().gu_expert_bytes + 128);
+    TierOptions o = options_for(pe->header(), 4, 1);
+    o.prediction_window = 0;
+    ExpertTier t(o);
+    add_layer(t, bad, sb);
+    std::vector<const void*> gu(kE, nullptr), dn(kE, nullptr);
+    const int32_t first[4] = {1, 0, 2, 3}, second[4] = {4, 5, 6, 7};
+    const bool threw = throws_tier_error([&] {
+      t.acquire(0, first, 4, nullptr, 0, pe->dtype(), pe->H(), gu.data(), dn.data());
+      t.release(0, first, 4);
+    }, {"checksum mismatch", "expert 1's gate/up"}, &msg);
+    report(threw, "tier faults: expert 1 corrupt on disk -> TierError: " + msg);
+    t.drain();
+    auto next = std::async(std::launch::async, [&] {
+      t.acquire(0, second, 4, nullptr, 0, pe->dtype(), pe->H(), gu.data(), dn.data());
+      const PackedHeader& h = pe->header();
+      const uint8_t* b = static_cast<const uint8_t*>(pe->data());
+      bool same = true;
+      for (int32_t e : second)
+        same = same && std::memcmp(gu[e], b + e * h.gu_expert_bytes, h.gu_expert_bytes) == 0 &&
+               std::memcmp(dn[e], b + h.E * h.gu_expert_bytes + e * h.down_expert_bytes, h.down_expert_bytes) == 0;
+      t.release(0, second, 4);
+      return same;
+    });
+    if (next.wait_for(std::chrono::seconds(60)) != std::future_status::ready)
+      fail_hung("tier faults: after a failed call for 4 experts, a call for 4 others still waits for slots after 60 s "
+                "(the failed call left slots pinned)");
+    report(next.get(), "tier faults: after a failed call, a call for 4 other experts gets all 4 slots, the right bytes");
+  }
 }
 
 // The tier's threads wait on each other: a bug there hangs rather than fails. Past this, the
@@ -514,13 +563,8 @@ class Watchdog {
   explicit Watchdog(int seconds) {
     t_ = std::thread([this, seconds] {
       std::unique_lock<std::mutex> lk(m_);
-      if (!cv_.wait_for(lk, std::chrono::seconds(seconds), [this] { return done_; })) {
-        std::printf("FAIL tier tests not done within %d s: a hang in the memory tier\n", seconds);
-        std::fflush(stdout);
-        std::lock_guard<std::mutex> files(g_files_mu);
-        for (const auto& f : g_files) unlink(f.c_str());
-        std::_Exit(1);
-      }
+      if (!cv_.wait_for(lk, std::chrono::seconds(seconds), [this] { return done_; }))
+        fail_hung("tier tests not done within " + std::to_string(seconds) + " s: a hang in the memory tier");
     });
   }
   ~Watchdog() {
