@@ -61,7 +61,8 @@ quiet_kernels() { grep -v -e '^worst ' -e '^lowest SQNR' || true; }
 
 # The sanitizer runs. ci: the reduced set `test` runs (about 2-3 minutes on 2 cores): hina_tests
 # on one in 3 of its per-case runs and the pool tests under ASan+UBSan, a short fuzz-driver run,
-# the pool tests under TSan. full: every case under both, the fuzz driver longer.
+# the pool tests and the memory tier's tests (threads: its I/O workers and concurrent forwards)
+# under TSan. full: every case under both, the fuzz driver longer.
 run_sanitizers() {
   local mode="$1" t0=$SECONDS every=1 iters=20000 asan="$root/build/san-asan" tsan="$root/build/san-tsan"
   if [ "$mode" = ci ]; then every=3; iters=3000; fi
@@ -78,12 +79,11 @@ run_sanitizers() {
     echo "(compiler cannot link -fsanitize=address,undefined: ASan/UBSan runs skipped)"
   fi
   if san_available thread; then
-    local targets=(hina_pool_tests)
-    [ "$mode" = full ] && targets+=(hina_tests)
-    echo "[sanitize] TSan: ${targets[*]}"
+    local targets=(hina_pool_tests hina_tests)
+    echo "[sanitize] TSan: ${targets[*]}$([ "$mode" = full ] || echo ' (hina_tests: the memory tier)')"
     san_build "$tsan" thread "${targets[@]}"
     if [ -x "$tsan/hina_pool_tests" ]; then "$tsan/hina_pool_tests"; else echo "(compiler without OpenMP: pool tests not built)"; fi
-    if [ "$mode" = full ]; then "$tsan/hina_tests" | quiet_kernels; fi
+    if [ "$mode" = full ]; then "$tsan/hina_tests" | quiet_kernels; else "$tsan/hina_tests" tier | quiet_kernels; fi
   else
     echo "(compiler cannot link -fsanitize=thread: TSan runs skipped)"
   fi

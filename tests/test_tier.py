@@ -30,6 +30,7 @@ from tiny_models import build_tiny
 
 import hi_na_moe
 from hi_na_moe.core import limits
+from hi_na_moe.core import tier as tier_mod
 from hi_na_moe.core.native import native_kernels_available, native_module
 from hi_na_moe.core.registry import patched_experts
 from hi_na_moe.core.tier import TierConfigError
@@ -134,7 +135,7 @@ def test_outputs_through_the_tier_equal_the_all_in_memory_model(model, weights, 
         assert all(b.held == "tiered" for b in _blocks(m))
         text = str(report)
         assert "memory tier: the packed experts" in text and "10 expert slots" in text
-        assert "eviction lru" in text and f"prediction for {LAYERS} of {LAYERS} layers" in text
+        assert f"eviction {tier_mod.DEFAULT_POLICY}" in text and f"prediction for {LAYERS} of {LAYERS} layers" in text
         got = _outputs(m)
         s = hi_na_moe.stats(m)
     _assert_equal(got, want)
@@ -691,6 +692,7 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 import hi_na_moe
 from hi_na_moe.core import limits
+from hi_na_moe.core import tier as tier_mod
 from hi_na_moe.integrate import tiering
 from tiny_models import build_tiny
 kw = json.loads(sys.argv[3])

@@ -48,7 +48,7 @@ class TierError : public std::runtime_error {
 };
 
 enum class EvictionPolicy : int { kLru = 0, kLru2 = 1, kFreqDecay = 2, kLfu = 3 };
-const char* eviction_name(EvictionPolicy p);  // "lru" | "lru2" | "freq-decay" | "lfu"
+const char* eviction_name(EvictionPolicy p);  // "lru" | "lru-2" | "freq-decay" | "lfu"
 bool eviction_from_name(const char* name, EvictionPolicy* out);
 
 struct TierOptions {

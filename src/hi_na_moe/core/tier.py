@@ -24,13 +24,18 @@ from typing import Any
 from .limits import format_bytes
 from .store import CorruptEntry
 
-# prediction reads top-k + PREDICTION_EXTRA experts of each layer ahead
-PREDICTION_EXTRA = 2
-# freq-decay's half-life, in tokens (the tier's clock counts layers: times the layer count)
+# prediction reads top-k + PREDICTION_EXTRA experts of each layer ahead: on the real routing of
+# an OLMoE-granular model (E64 top-8, benchmarks/log/memory-tier.md, 2026-12-07) a later layer's
+# router applied to an earlier layer's MoE input reached 80 % recall one layer ahead with 0-8
+# extra experts depending on the layer, 4 covering two of three
+PREDICTION_EXTRA = 4
+# the eviction policy shipped: of lru, lfu, lru-2 and freq-decay, freq-decay came closest to
+# Belady's MIN at every pool size from 10 to 80 % of the experts on the replayed real routing of
+# both trained models (benchmarks/log/memory-tier.md, 2026-12-07); its half-life in tokens (the
+# tier's clock counts layers: times the layer count); 128 was within 0.4 points of 32, 8 and 512
+# lost up to 2.1
+DEFAULT_POLICY = "freq-decay"
 HALF_LIFE_TOKENS = 32.0
-# the eviction policy shipped (benchmarks/log/memory-tier.md: closest to Belady's MIN on the
-# replayed real routing)
-DEFAULT_POLICY = "lru"
 
 
 class TierConfigError(ValueError):
