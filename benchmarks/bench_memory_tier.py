@@ -49,7 +49,7 @@ def worker_hina(args) -> dict:
 
     import hi_na_moe
     torch.set_num_threads(args.threads)
-    kw = dict(weights=args.weights, cache_dir=args.cache_dir, progress=False, dtype=torch.bfloat16)
+    kw = dict(weights=args.weights, cache_dir=args.cache_dir, progress=False, dtype=torch.bfloat16, scope=args.scope)
     if args.arm == "tier":
         kw["memory_limit"] = args.memory_limit
     else:
@@ -74,6 +74,11 @@ def worker_hina(args) -> dict:
             nxt = out.logits[:, -1:].argmax(-1)
             tokens.append(int(nxt))
     res = dict(load_s=load_s, step_s=times, read_bytes=reads, tokens=tokens)
+    status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+              if line.split(":")[0] in ("RssAnon", "RssFile", "RssShmem", "VmHWM")}
+    from hi_na_moe.integrate import tiering
+    state = tiering._STATES.get(model)
+    res["memory"] = dict(status, pool_bytes=state.tier.pool_bytes if state is not None and state.tier is not None else 0)
     st = hi_na_moe.stats(model)
     if st.get("memory_tier"):
         res["stats"] = st
@@ -175,7 +180,7 @@ def run_arm(arm: str, args, limit_cg: int, memory_limit: int) -> dict:
         py = LLAMA_PY if arm == "llamacpp" else sys.executable
         cmd = [py, __file__, "--worker", arm, "--ckpt", args.ckpt, "--weights", args.weights, "--cache-dir",
                args.cache_dir, "--memory-limit", str(memory_limit), "--threads", str(args.threads), "--new-tokens",
-               str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed)]
+               str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed), "--scope", args.scope]
         if args.gguf:
             cmd += ["--gguf", args.gguf]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -212,7 +217,8 @@ def packed_experts_bytes(args) -> tuple[int, list[Path]]:
     files, total = [], 0
     for key in store.summary():
         for f in key.entries:
-            if f.meta_value("source") == src and f.meta_value("format") == args.weights and not f.file.endswith(".original.hnm"):
+            if (f.meta_value("source") == src and f.meta_value("format") == args.weights and f.meta
+                    and f.meta.get("up_only") is False and not f.file.endswith(".original.hnm")):  # experts, not dense layers
                 p = key.path / f.file
                 files.append(p)
                 total += p.stat().st_size
@@ -241,6 +247,43 @@ def summarise(r: dict, bw: float) -> dict:
     return out
 
 
+def table(path: str) -> str:
+    """Medians per (fraction, arm) of a --json file as a Markdown table, with the tier's ratios."""
+    data = json.loads(Path(path).read_text())
+    rows: dict = {}
+    for r in data["results"]:
+        s = r["summary"]
+        rows.setdefault((s["fraction"], s["arm"]), []).append(s)
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    out = [f"{data['date']}, {data['cpu']}, disk (O_DIRECT) {data['disk_MBps']['4x2MiB']:.0f} MB/s (4 x 2 MiB), "
+           f"packed experts {data['packed_experts_bytes'] / 2**30:.2f} GiB, cgroup limit = "
+           f"{data['overhead_bytes'] / 2**30:.2f} GiB + fraction x experts",
+           "", "| experts held | arm | tok/s | MB read/token | hit rate | pred. precision / recall | I/O wait ms/token | "
+           "peak cgroup GiB | failcnt | OOM | tier / arm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for frac in sorted({f for f, _ in rows}):
+        tier = med([s["tok_s_mean"] for s in rows.get((frac, "tier"), []) if "tok_s_mean" in s])
+        for arm in ("tier", "map", "llamacpp"):
+            ss = rows.get((frac, arm))
+            if not ss:
+                continue
+            ok = [s for s in ss if "tok_s_mean" in s]
+            if not ok:
+                out.append(f"| {100 * frac:.0f} % | {arm} | failed ({ss[0].get('failed')}) | | | | | | "
+                           f"{ss[0].get('failcnt')} | {ss[0].get('oom_kill')} | |")
+                continue
+            t = med([s["tok_s_mean"] for s in ok])
+            hit = med([s["hit_rate"] for s in ok if s.get("hit_rate") is not None])
+            pr = (f"{100 * med([s['prefetch_precision'] for s in ok]):.0f} / {100 * med([s['prefetch_recall'] for s in ok]):.0f} %"
+                  if ok[0].get("prefetch_recall") is not None else "-")
+            wait = (f"{1e3 * med([s['io_wait_s'] for s in ok]) / (data['args']['new_tokens'] + 1):.1f}"
+                    if ok[0].get("io_wait_s") is not None else "-")
+            out.append(f"| {100 * frac:.0f} % | {arm} | {t:.2f} | {med([s['read_MB_per_token'] for s in ok]):.1f} | "
+                       f"{'-' if hit is None else f'{100 * hit:.1f} %'} | {pr} | {wait} | "
+                       f"{max(s['max_usage_GiB'] for s in ok):.2f} | {max(s['failcnt'] for s in ok)} | "
+                       f"{max(s['oom_kill'] for s in ok)} | {'' if arm == 'tier' or not tier else f'{tier / t:.2f}x'} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True)
@@ -249,7 +292,14 @@ def main() -> int:
     ap.add_argument("--gguf")
     ap.add_argument("--arms", default="tier,map")
     ap.add_argument("--fractions", default="0.5")
-    ap.add_argument("--overhead", default="2GiB", help="cgroup limit beyond the experts' share (same for every arm)")
+    ap.add_argument("--overhead", default="auto",
+                    help="cgroup limit beyond the experts' share, the same for every arm; auto: hi_na_moe's process's "
+                         "anonymous memory besides its expert slots (RssAnon less the slot pool, measured in a first "
+                         "run of the tier arm without a cgroup limit) plus 512 MiB for the file pages it needs "
+                         "(libraries, the embedding table read in place); its other file pages (the checkpoint's "
+                         "mapping of weights packed since) are reclaimable and not counted")
+    ap.add_argument("--scope", default="all", help="hi_na_moe's scope: all (dense layers in the format too, the width "
+                    "llama.cpp's GGUF has) or experts")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=8)
@@ -258,9 +308,13 @@ def main() -> int:
     ap.add_argument("--chrt", action="store_true")
     ap.add_argument("--build", action="store_true", help="pack the checkpoint's experts into the store and exit")
     ap.add_argument("--json")
+    ap.add_argument("--table", help="print the Markdown table of a --json file and exit")
     ap.add_argument("--worker")
     ap.add_argument("--memory-limit", type=int)
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return 0
     if args.worker:
         args.arm = args.worker
         res = worker_llamacpp(args) if args.worker == "llamacpp" else worker_hina(args)
@@ -268,16 +322,25 @@ def main() -> int:
         return 0
     if args.build:
         import hi_na_moe
-        hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, cache_dir=args.cache_dir, memory="map")
+        hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, cache_dir=args.cache_dir, memory="map", scope=args.scope)
         return 0
     from hi_na_moe.core.limits import parse_bytes
     from hi_na_moe.tools.capabilities import capabilities
     total, files = packed_experts_bytes(args)
     if not files:
         sys.exit(f"no packed experts of {args.ckpt} in {args.cache_dir} ({args.weights}): run with --build first")
-    overhead = parse_bytes(args.overhead)
     bw = disk_bandwidth(files)
-    cpu = capabilities().get("cpu", {}).get("brand") if isinstance(capabilities().get("cpu"), dict) else None
+    if args.overhead == "auto":
+        cal = run_arm("tier", args, 64 << 30, int(total * 0.5))
+        if cal["returncode"] != 0:
+            sys.exit("the calibration run failed:\n" + cal.get("stderr", ""))
+        m = cal["memory"]
+        overhead = m["RssAnon"] - m["pool_bytes"] + (512 << 20)
+        print(f"overhead (hi_na_moe's process's anonymous memory besides its slots, + 512 MiB for the file pages it "
+              f"needs: libraries, the embedding table): {overhead / 2**30:.2f} GiB ({m})", flush=True)
+    else:
+        overhead = parse_bytes(args.overhead)
+    cpu = capabilities().get("brand")
     print(f"packed experts: {total / 2**30:.2f} GiB in {len(files)} files; disk (O_DIRECT) MB/s: {bw}", flush=True)
     results = []
     arms = args.arms.split(",")
@@ -292,6 +355,7 @@ def main() -> int:
                 print(json.dumps(s), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "disk_MBps": bw,
+                                               "overhead_bytes": overhead,
                                                "packed_experts_bytes": total, "args": vars(args), "results": results},
                                               indent=1))
     return 0

@@ -108,6 +108,7 @@ bool eviction_from_name(const char* name, EvictionPolicy* out) {
 // ---- state --------------------------------------------------------------------------------------
 namespace {
 constexpr size_t kAlign = 4096;
+constexpr size_t kPredictDepth = 4;  // predicted reads queued per I/O thread, at most
 size_t a4k(uint64_t n) { return static_cast<size_t>((n + kAlign - 1) / kAlign * kAlign); }
 enum : uint8_t { kEmpty = 0, kLoading = 1, kReady = 2 };
 std::string hex32(uint32_t v) {
@@ -393,6 +394,16 @@ void ExpertTier::enqueue(int layer, int32_t e, bool demand, int distance) {
     auto it = std::find_if(predict_q_.begin(), predict_q_.end(), [&](const Request& q) { return q.distance > distance; });
     predict_q_.insert(it, r);
     ++st_.prefetch_issued;
+    // A queue deeper than the I/O threads can read before the layers it predicts for run only
+    // takes the disk's time from demanded reads (its reads would arrive late, or be dropped
+    // unstarted): the farthest predictions go first.
+    const size_t cap = static_cast<size_t>(opt_.io_threads) * kPredictDepth;
+    while (predict_q_.size() > cap) {
+      const Request& last = predict_q_.back();
+      layers_[last.layer]->queued[last.expert] = 0;
+      predict_q_.pop_back();
+      ++st_.prefetch_dropped;
+    }
   }
 }
 
@@ -447,6 +458,7 @@ void ExpertTier::worker() {
     sl.loaded = r.seq;
     L.slot_of[r.expert] = s;
     ++busy_;
+    if (r.demand) ++busy_demand_;
     lk.unlock();
     std::string err;
     const auto t0 = std::chrono::steady_clock::now();
@@ -461,6 +473,7 @@ void ExpertTier::worker() {
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     lk.lock();
     --busy_;
+    if (r.demand) --busy_demand_;
     st_.read_s += dt;
     st_.retries += static_cast<uint64_t>(retried);
     // the call this read was demanded for may have failed and returned meanwhile: then nothing
@@ -487,10 +500,22 @@ void ExpertTier::queue_prediction(int layer, const void* x, int64_t T, DType dt,
   if (opt_.prediction_window <= 0 || x == nullptr || T < 1 || T > opt_.prediction_max_rows) return;
   std::vector<float> xf(static_cast<size_t>(H));
   const int nl = static_cast<int>(layers_.size());
-  for (int j = 1; j <= opt_.prediction_window && layer + j < nl; ++j) {
+  // When this call's demanded reads are still queued or under way, the disk is behind the
+  // kernels: a wrong guess then costs a demanded read its bandwidth, so only the next layer's
+  // top-k are read ahead. Measured on OLMoE-1B-7B int4, scope="all", 25 % of the experts held
+  // (benchmarks/log/memory-tier.md, 2026-12-07): steps of 168 ms without prediction, 197 ms
+  // with top-k + 4 two layers ahead, 164 ms with top-k one layer ahead.
+  bool behind;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    behind = !demand_q_.empty() || busy_demand_ > 0;
+  }
+  const int window = behind ? std::min(1, opt_.prediction_window) : opt_.prediction_window;
+  const int extra = behind ? 0 : opt_.prediction_extra;
+  for (int j = 1; j <= window && layer + j < nl; ++j) {
     Layer& N = *layers_[layer + j];
     if (N.rw.empty() || N.rH != H) continue;
-    const int want = std::min<int>(N.rk + opt_.prediction_extra, static_cast<int>(N.E));
+    const int want = std::min<int>(N.rk + extra, static_cast<int>(N.E));
     std::vector<int32_t> picked;
     logits_.resize(static_cast<size_t>(N.E));
     std::vector<int32_t> order(static_cast<size_t>(N.E));

@@ -15,7 +15,8 @@
 //
 // Prediction: with routers registered (set_router), acquire() of layer l first applies the
 // routers of layers l+1 .. l+window to layer l's input rows and queues reads of their top
-// experts (top-k + `extra`), nearer layers first. A demanded read always goes first; a
+// experts (top-k + `extra`), nearer layers first; while demanded reads are still outstanding
+// (the disk is behind), only the next layer's top-k. A demanded read always goes first; a
 // predicted read not yet started when its layer is acquired is dropped, never waited for.
 //
 // Concurrency: one acquire..release span at a time (the tier's step lock): concurrent forwards
@@ -163,7 +164,7 @@ class ExpertTier {
   std::deque<Request> demand_q_, predict_q_;
   std::vector<std::thread> threads_;
   bool stop_ = false;
-  int busy_ = 0;
+  int busy_ = 0, busy_demand_ = 0;  // reads under way; of them demanded
   uint64_t tick_ = 0;  // acquires so far (the policy's clock)
   uint64_t active_seq_ = 0;  // tick_ of the acquire..release span under way, 0 when none
   std::atomic<int64_t> read_count_{0};
