@@ -440,6 +440,11 @@ def test_prediction_reads_the_next_layers_top_experts(tmp_path):
     tier.set_router(l1, router, None, 1)  # top-1, plus prediction_extra
     _fwd(t0, x, idx, w)
     tier.drain()
+    # expert 0's demanded read was outstanding when the prediction ran (the disk behind): only
+    # the next layer's top-k is read ahead then
+    assert tier.resident(l1) == [6]
+    _fwd(t0, x, idx, w)  # expert 0 resident now: top-k + prediction_extra
+    tier.drain()
     assert tier.resident(l1) == [2, 6]
     s = tier.stats()
     assert s["prefetch_issued"] == 2 and s["layers"][1]["predicted"] == 2
