@@ -257,8 +257,10 @@ def table(path: str) -> str:
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     out = [f"{data['date']}, {data['cpu']}, disk (O_DIRECT) {data['disk_MBps']['4x2MiB']:.0f} MB/s (4 x 2 MiB), "
            f"packed experts {data['packed_experts_bytes'] / 2**30:.2f} GiB, cgroup limit = "
-           f"{data['overhead_bytes'] / 2**30:.2f} GiB + fraction x experts",
-           "", "| experts held | arm | tok/s | MB read/token | hit rate | pred. precision / recall | I/O wait ms/token | "
+           f"{data['overhead_bytes'] / 2**30:.2f} GiB + fraction x experts; tok/s and MB read/token over the "
+           f"decode steps after the first two, hit rate, precision/recall and I/O wait over the whole run (prompt "
+           f"included); medians of {data['args']['repeats']} interleaved repeats",
+           "", "| experts held | arm | tok/s | MB read/token | hit rate | pred. precision / recall | I/O wait s | "
            "peak cgroup GiB | failcnt | OOM | tier / arm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for frac in sorted({f for f, _ in rows}):
         tier = med([s["tok_s_mean"] for s in rows.get((frac, "tier"), []) if "tok_s_mean" in s])
@@ -275,7 +277,7 @@ def table(path: str) -> str:
             hit = med([s["hit_rate"] for s in ok if s.get("hit_rate") is not None])
             pr = (f"{100 * med([s['prefetch_precision'] for s in ok]):.0f} / {100 * med([s['prefetch_recall'] for s in ok]):.0f} %"
                   if ok[0].get("prefetch_recall") is not None else "-")
-            wait = (f"{1e3 * med([s['io_wait_s'] for s in ok]) / (data['args']['new_tokens'] + 1):.1f}"
+            wait = (f"{med([s['io_wait_s'] for s in ok]):.2f}"
                     if ok[0].get("io_wait_s") is not None else "-")
             out.append(f"| {100 * frac:.0f} % | {arm} | {t:.2f} | {med([s['read_MB_per_token'] for s in ok]):.1f} | "
                        f"{'-' if hit is None else f'{100 * hit:.1f} %'} | {pr} | {wait} | "
