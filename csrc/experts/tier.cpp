@@ -147,6 +147,11 @@ struct ExpertTier::Slot {
   uint64_t last = 0, prev = 0;  // acquire ticks of the last two uses (0: none)
   double freq = 0;              // kLfu: uses; kFreqDecay: log2 of sum 2^(t_use / half_life)
   uint8_t* base = nullptr;
+  void clear() {  // empty again; its memory stays
+    uint8_t* b = base;
+    *this = Slot{};
+    base = b;
+  }
 };
 
 size_t ExpertTier::slot_bytes_for(uint64_t gu_bytes, uint64_t down_bytes) {
@@ -317,7 +322,7 @@ void ExpertTier::evict(int64_t s) {
     ++st_.evictions;
     if (sl.prefetched && !sl.used) ++st_.prefetch_unused;
   }
-  sl = Slot{.base = sl.base};
+  sl.clear();
 }
 
 // ---- reads --------------------------------------------------------------------------------------
@@ -487,7 +492,7 @@ void ExpertTier::worker() {
     } else {
       L.slot_of[r.expert] = -1;
       const bool pinned = sl.pins > 0;  // by the live call (an in-flight predicted read it waits for)
-      sl = Slot{.base = sl.base};
+      sl.clear();
       if ((r.demand && live) || pinned)
         L.failed[r.expert] = "hi_na_moe memory tier: layer " + std::to_string(r.layer) + ", " + err;
     }
