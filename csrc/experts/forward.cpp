@@ -186,8 +186,9 @@ const char* PackedExperts::forward_tiered(const void* x, int64_t T, const void* 
     if (e >= E) throw std::invalid_argument("expert index " + std::to_string(e) + " >= E = " + std::to_string(E));
   }
   const size_t es = dtype_size(dtype()), ws = dtype_size(p.topk_w_dtype);
-  std::vector<uint8_t> seen(static_cast<size_t>(E), 0);
-  std::vector<int32_t> experts;
+  thread_local std::vector<uint8_t> seen;  // (per thread: a decode step calls this every layer)
+  thread_local std::vector<int32_t> experts;
+  seen.resize(static_cast<size_t>(E));
   int64_t t0 = 0;
   while (t0 < T || (T == 0 && t0 == 0)) {
     // rows [t0, t1) whose experts fit the pool together

@@ -436,10 +436,9 @@ void ExpertTier::worker() {
     Layer& L = *layers_[r.layer];
     L.queued[r.expert] = 0;
     if (L.slot_of[r.expert] >= 0) {  // resident or loading already
-      if (r.demand) {
-        Slot& sl = slots_[L.slot_of[r.expert]];
-        ++sl.pins;  // (cannot happen with one acquire at a time; kept safe)
-      }
+      // (not for a demanded read with one acquire at a time, which drops this layer's
+      // predicted reads first; if it were, only the live call may pin)
+      if (r.demand && r.seq == active_seq_) ++slots_[L.slot_of[r.expert]].pins;
       continue;
     }
     int64_t s = pick_victim(!r.demand);

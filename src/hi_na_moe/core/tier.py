@@ -65,7 +65,7 @@ class BlockSize:
 
 def block_size(native, name: str, spec, isa: str, weights: str, group_size: int, top_k: int | None) -> BlockSize:
     """What packing `spec` in `weights` gives, from the packed header alone (nothing is packed)."""
-    dtype = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}[str(spec.weight_dtype)]
+    dtype = str(spec.weight_dtype).removeprefix("torch.")
     has_gb = spec.gate_up_bias is not None
     h = native.PackedExperts.plan(dtype, spec.num_experts, spec.hidden, spec.intermediate, spec.has_gate,
                                   gate_bias=has_gb and spec.has_gate, up_bias=has_gb, down_bias=spec.down_bias is not None,
