@@ -1,6 +1,8 @@
 // The experts' part of the module: packed headers, the kernel table, PackedExperts and BoundForward.
 #include "binding/experts.h"
 
+#include <array>
+
 namespace hina_bind {
 
 namespace {
@@ -20,9 +22,46 @@ nb::dict kernel_table(const std::string& qdot) {
   }
   return d;
 }
+hina::RoutingTrim parse_trim(const std::string& mode, int64_t keep, float threshold, int64_t min_k, bool renorm) {
+  hina::RoutingTrim t;
+  if (mode == "full") t.mode = hina::RoutingTrim::Mode::kFull;
+  else if (mode == "fixed") t.mode = hina::RoutingTrim::Mode::kFixed;
+  else if (mode == "adaptive") t.mode = hina::RoutingTrim::Mode::kAdaptive;
+  else bad("routing trim: mode is 'full', 'fixed' or 'adaptive', not '" + mode + "'");
+  t.keep = keep;
+  t.threshold = threshold;
+  t.min_k = min_k;
+  t.renorm = renorm;
+  return t;
+}
+
+using IdxIn = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using WIn = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using IdxOut = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using WOut = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 }  // namespace
 
 void bind_experts(nb::module_& m) {
+  m.def(
+      "trim_routing",
+      [](IdxIn idx, WIn w, IdxOut idx_out, WOut w_out, int64_t E, const std::string& mode, int64_t keep,
+         float threshold, int64_t min_k, bool renorm) {
+        const int64_t T = static_cast<int64_t>(idx.shape(0)), K = static_cast<int64_t>(idx.shape(1));
+        for (const auto& shape : {std::array<size_t, 2>{w.shape(0), w.shape(1)},
+                                  std::array<size_t, 2>{idx_out.shape(0), idx_out.shape(1)},
+                                  std::array<size_t, 2>{w_out.shape(0), w_out.shape(1)}})
+          if (static_cast<int64_t>(shape[0]) != T || static_cast<int64_t>(shape[1]) != K)
+            bad("trim_routing: idx, w, idx_out and w_out must all be [T, K]");
+        hina::RoutingTrim t = parse_trim(mode, keep, threshold, min_k, renorm);
+        if (t.mode == hina::RoutingTrim::Mode::kFull) t.mode = hina::RoutingTrim::Mode::kFixed, t.keep = K;
+        return hina::trim_routing(t, idx.data(), 64, w.data(), hina::DType::kF32, T, K, E, idx_out.data(),
+                                  w_out.data());
+      },
+      nb::arg("idx"), nb::arg("w"), nb::arg("idx_out"), nb::arg("w_out"), nb::arg("E"), nb::arg("mode"),
+      nb::arg("keep") = 0, nb::arg("threshold") = 0.0f, nb::arg("min_k") = 1, nb::arg("renorm") = false,
+      "The routing trim PackedExperts.set_trim applies (RoutingTrim, hina_moe/experts.h) on int64 idx and "
+      "float32 w [T, K], into idx_out / w_out; returns the slots kept. For tests against "
+      "hi_na_moe.core.reference.trim_routing.");
   m.def("header_info", [](const nb::bytes& b) { return header_dict(header_from_bytes(b)); }, nb::arg("header"),
         "The fields of a packed header (bytes from PackedExperts.plan / .header) as a dict.");
   m.attr("PACKED_LAYOUT_VERSION") = hina::PackedHeader{}.version;
@@ -181,6 +220,33 @@ void bind_experts(nb::module_& m) {
            "uint8 [out, in / 2], group g of a row at bytes [g * group / 2, (g + 1) * group / 2), byte j holding "
            "q(g group + j) + 8 in its low nibble and q(g group + group/2 + j) + 8 in its high one, scales float32 "
            "[out, in / group]. W = scale * q. DLPack-capable.")
+      .def(
+          "set_trim",
+          [](PyPackedExperts& p, const std::string& mode, int64_t keep, float threshold, int64_t min_k, bool renorm) {
+            p.get_mut().set_trim(parse_trim(mode, keep, threshold, min_k, renorm));
+          },
+          nb::arg("mode"), nb::arg("keep") = 0, nb::arg("threshold") = 0.0f, nb::arg("min_k") = 1,
+          nb::arg("renorm") = false,
+          "Fewer experts a token than its router chose, on every later forward (RoutingTrim, "
+          "hina_moe/experts.h): mode 'full' (none), 'fixed' (the `keep` largest weights) or 'adaptive' "
+          "(weight >= threshold x the token's largest, and the min_k largest); renorm: the kept weights "
+          "scaled to the sum of the token's weights.")
+      .def_prop_ro("trim",
+                   [](const PyPackedExperts& p) {
+                     const hina::RoutingTrim& t = p.get().trim();
+                     static const char* names[] = {"full", "fixed", "adaptive"};
+                     return nb::make_tuple(names[static_cast<int>(t.mode)], t.keep, t.threshold, t.min_k, t.renorm);
+                   },
+                   "(mode, keep, threshold, min_k, renorm) of set_trim.")
+      .def("routing_counts",
+           [](PyPackedExperts& p, bool reset) {
+             auto r = nb::make_tuple(p.get().routed_tokens(), p.get().routed_slots());
+             if (reset) p.get_mut().reset_routing_counts();
+             return r;
+           },
+           nb::arg("reset") = false,
+           "(tokens, expert slots) forward() ran since the block was made or last reset: slots / tokens "
+           "is the experts a token used, after the trim.")
       .def_prop_ro("nbytes", [](const PyPackedExperts& p) { return p.get().nbytes(); })
       .def_prop_ro("isa", [](const PyPackedExperts& p) { return std::string(hina::isa_name(p.get().isa())); })
       .def_prop_ro("dtype", [](const PyPackedExperts& p) { return std::string(hina::dtype_name(p.get().dtype())); })

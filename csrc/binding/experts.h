@@ -223,6 +223,7 @@ class PyPackedExperts {
   }
 
   const hina::PackedExperts& get() const { return *pe_; }
+  hina::PackedExperts& get_mut() { return *pe_; }
 
  private:
   std::unique_ptr<hina::PackedExperts> pe_;

@@ -156,6 +156,46 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
   if (up_only()) throw std::invalid_argument("this block is a dense linear layer (up-only): run it with linear()");
   if (idx_bits != 32 && idx_bits != 64) throw std::invalid_argument("topk_idx must be int32 or int64");
   if (T < 0 || K < 0) throw std::invalid_argument("T and K must be >= 0");
+  if (trim_.mode != RoutingTrim::Mode::kFull && T * K > 0) {
+    if (!topk_idx || !topk_w) throw std::invalid_argument("null pointer argument");
+    // (per thread, as the scratch: a decode step calls this every layer; forward_selected and
+    // what it calls never come back here)
+    thread_local std::vector<int64_t> idx;
+    thread_local std::vector<float> w;
+    idx.resize(static_cast<size_t>(T * K));
+    w.resize(static_cast<size_t>(T * K));
+    const int64_t kept = trim_routing(trim_, topk_idx, idx_bits, topk_w, p.topk_w_dtype, T, K, hdr_.E, idx.data(), w.data());
+    routed_tokens_.fetch_add(T, std::memory_order_relaxed);
+    routed_slots_.fetch_add(kept, std::memory_order_relaxed);
+    MoeParams q = p;
+    q.topk_w_dtype = DType::kF32;
+    return forward_selected(x, T, idx.data(), 64, w.data(), K, out, q);
+  }
+  if (T * K > 0 && topk_idx) {
+    int64_t used = 0;
+    if (idx_bits == 32) {
+      for (int64_t i = 0; i < T * K; ++i) used += static_cast<const int32_t*>(topk_idx)[i] >= 0;
+    } else {
+      for (int64_t i = 0; i < T * K; ++i) used += static_cast<const int64_t*>(topk_idx)[i] >= 0;
+    }
+    routed_slots_.fetch_add(used, std::memory_order_relaxed);
+  }
+  routed_tokens_.fetch_add(T, std::memory_order_relaxed);
+  return forward_selected(x, T, topk_idx, idx_bits, topk_w, K, out, p);
+}
+
+void PackedExperts::set_trim(const RoutingTrim& t) {
+  if (t.mode == RoutingTrim::Mode::kFixed && t.keep < 1)
+    throw std::invalid_argument("routing trim: a fixed top-k keeps at least 1 expert (keep = " + std::to_string(t.keep) + ")");
+  if (t.mode == RoutingTrim::Mode::kAdaptive && (!(t.threshold >= 0.0f && t.threshold <= 1.0f) || t.min_k < 1))
+    throw std::invalid_argument("routing trim: adaptive needs 0 <= threshold <= 1 and min_k >= 1 (threshold = " +
+                                std::to_string(t.threshold) + ", min_k = " + std::to_string(t.min_k) + ")");
+  if (up_only()) throw std::invalid_argument("routing trim: this block is a dense linear layer (up-only): it has no routing");
+  trim_ = t;
+}
+
+const char* PackedExperts::forward_selected(const void* x, int64_t T, const void* topk_idx, int idx_bits,
+                                            const void* topk_w, int64_t K, void* out, const MoeParams& p) const {
   if (tier_) return forward_tiered(x, T, topk_idx, idx_bits, topk_w, K, out, p);
   MoePath path = p.path;
   if (path == MoePath::kAuto) {

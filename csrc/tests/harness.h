@@ -149,6 +149,7 @@ void test_threads_deterministic(const std::vector<Isa>& tiers);
 void test_split_deterministic(const std::vector<Isa>& tiers);
 void test_fork_child();
 void test_errors();
+void test_trim(const std::vector<Isa>& tiers);
 void test_create_view();
 }  // namespace tests_experts
 namespace tests_quant {

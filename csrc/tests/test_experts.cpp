@@ -156,6 +156,61 @@ void test_errors() {
 }
 
 
+// RoutingTrim: rows worked by hand (as tests/test_trim.py's oracle test), and a trimmed block's
+// outputs equal the untrimmed block's on the trimmed routing, bit for bit, on both paths.
+void test_trim(const std::vector<Isa>& tiers) {
+  if (!selected("trim")) return;
+  const int64_t idx[] = {4, 7, 1, 9, 2, 3, -1, 5, 0, 1, 2, 3};
+  const float w[] = {0.1f, 0.5f, 0.3f, 0.1f, 0.2f, 0.2f, 0.9f, 0.05f, 0.25f, 0.25f, 0.25f, 0.25f};
+  int64_t oi[12];
+  float ow[12];
+  RoutingTrim t;
+  t.mode = RoutingTrim::Mode::kAdaptive;
+  t.threshold = 0.5f;
+  int64_t kept = trim_routing(t, idx, 64, w, DType::kF32, 3, 4, 10, oi, ow);
+  const std::vector<int64_t> want_a = {-1, 7, 1, -1, 2, 3, -1, -1, 0, 1, 2, 3};
+  report(kept == 8 && std::vector<int64_t>(oi, oi + 12) == want_a, "trim adaptive 0.5 keeps the hand-worked slots");
+  t.mode = RoutingTrim::Mode::kFixed;
+  t.keep = 1;
+  t.renorm = true;
+  kept = trim_routing(t, idx, 64, w, DType::kF32, 3, 4, 10, oi, ow);
+  const std::vector<int64_t> want_f = {-1, 7, -1, -1, 2, -1, -1, -1, 0, -1, -1, -1};
+  report(kept == 3 && std::vector<int64_t>(oi, oi + 12) == want_f && ow[1] == 0.5f * (1.0f / 0.5f) &&
+             ow[4] == 0.2f * ((0.2f + 0.2f + 0.05f) / 0.2f),
+         "trim fixed 1 keeps the largest (equal weights: the earlier slot) and renormalises");
+  bool threw = false;
+  try {
+    trim_routing(t, idx, 64, w, DType::kF32, 3, 4, 9, oi, ow);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  report(threw, "trim refuses an index >= E");
+
+  Case c{9, 8, 5, 64, 48, true, false, false, Act::kSilu, 0, 0, false, "trim"};
+  const Problem p = make_problem(DType::kBF16, c, 11);
+  for (Isa isa : tiers) {
+    for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+      auto trimmed = PackedExperts::pack(weights_of(p), isa, 2);
+      auto plain = PackedExperts::pack(weights_of(p), isa, 2);
+      RoutingTrim a;
+      a.mode = RoutingTrim::Mode::kAdaptive;
+      a.threshold = 0.6f;
+      a.renorm = true;
+      trimmed->set_trim(a);
+      const std::vector<float> got = run(*trimmed, p, path, 2, nullptr);
+      std::vector<int64_t> ti(p.idx.size());
+      std::vector<float> tw(p.w.size());
+      const int64_t k = trim_routing(a, p.idx.data(), 32, p.w.data(), DType::kF32, c.T, c.K, c.E, ti.data(), tw.data());
+      Problem q = p;
+      for (size_t i = 0; i < ti.size(); ++i) q.idx[i] = static_cast<int32_t>(ti[i]);
+      q.w = tw;
+      const std::vector<float> want = run(*plain, q, path, 2, nullptr);
+      report(got == want && k < c.T * c.K && trimmed->routed_tokens() == c.T && trimmed->routed_slots() == k,
+             std::string("trimmed block == block on the trimmed routing, ") + isa_name(isa) + " " + path_name(path));
+    }
+  }
+}
+
 // The block can be built expert by expert into caller memory, and viewed read-only again.
 void test_create_view() {
   if (!selected("create/view")) return;

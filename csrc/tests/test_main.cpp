@@ -119,6 +119,7 @@ int main(int argc, char** argv) {
   test_threads_deterministic(all);
   test_split_deterministic(all);
   test_errors();
+  test_trim(all);
   test_linear(all);
   test_row_quant(all);
   test_paired_linear(all);

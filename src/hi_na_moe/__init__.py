@@ -21,8 +21,8 @@ from .integrate.patching import (
     inspect_model,
     is_enabled,
     report_for,
+    stats,
 )
-from .integrate.tiering import stats
 from .tools.capabilities import capabilities
 
 

@@ -57,6 +57,7 @@
 
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -80,6 +81,29 @@ struct ExpertWeights {
   const void* up_bias = nullptr;    // [E, I]
   const void* down_bias = nullptr;  // [E, H]
 };
+
+// Fewer experts a token than its router chose (HinaConfig.top_k; docs/adaptive-top-k.md).
+// forward() applies it to topk_idx / topk_w before anything else, so every path that runs the
+// block (decode, prefill, a memory tier's pieces, the one-call decode step) runs the same
+// selection. A token's "valid" slots are those whose index is >= 0; its largest weights are
+// ranked in descending order, equal weights by slot. A token with a NaN weight is left whole.
+struct RoutingTrim {
+  enum class Mode : int32_t { kFull = 0, kFixed = 1, kAdaptive = 2 };
+  Mode mode = Mode::kFull;
+  int64_t keep = 0;        // kFixed: the token keeps its `keep` largest weights
+  float threshold = 0.0f;  // kAdaptive: a slot stays while weight >= threshold x the token's largest,
+  int64_t min_k = 1;       //   and the min_k largest stay whatever their weight
+  // The kept weights scaled by (sum of the valid weights) / (sum of the kept ones), both summed
+  // in float32 in slot order: a router that normalises its k weights gives the same sum for
+  // fewer. Off: the weights as the router gave them.
+  bool renorm = false;
+};
+
+// `trim` applied to [T, K] routing: idx_out [T, K] (int64; a dropped slot -1), w_out [T, K]
+// float32. Returns how many slots stay (index >= 0). Throws std::invalid_argument on a bad trim.
+// E: the block's experts (an index >= E is an error, as in forward()).
+int64_t trim_routing(const RoutingTrim& trim, const void* topk_idx, int idx_bits, const void* topk_w, DType w_dt,
+                     int64_t T, int64_t K, int64_t E, int64_t* idx_out, float* w_out);
 
 struct MoeParams {
   Act act = Act::kSilu;
@@ -238,6 +262,18 @@ class PackedExperts {
   // (e.g. an expert index >= E) before touching out.
   const char* forward(const void* x, int64_t T, const void* topk_idx, int idx_bits,
                       const void* topk_w, int64_t K, void* out, const MoeParams& p) const;
+  // The selection forward() trims every call's routing with (RoutingTrim; default: none). Set it
+  // before the block runs: a call running meanwhile may see either.
+  void set_trim(const RoutingTrim& t);
+  const RoutingTrim& trim() const { return trim_; }
+  // What forward() has run since the block was made or reset_routing_counts(): rows (tokens) and
+  // the expert slots they used after the trim (their mean: experts a token).
+  int64_t routed_tokens() const { return routed_tokens_.load(std::memory_order_relaxed); }
+  int64_t routed_slots() const { return routed_slots_.load(std::memory_order_relaxed); }
+  void reset_routing_counts() {
+    routed_tokens_.store(0, std::memory_order_relaxed);
+    routed_slots_.store(0, std::memory_order_relaxed);
+  }
   // An up-only block's layer: out [T, I] = x [T, H] W^T (+ b), in dtype(), with the same
   // kernels as forward()'s gate/up pass (identity activation; p's act and limits are ignored;
   // fp32 accumulation, one rounding to dtype()). Throws std::invalid_argument on a block with
@@ -287,9 +323,14 @@ class PackedExperts {
   void bind_biases(uint8_t* b);
   const char* forward_tiered(const void* x, int64_t T, const void* topk_idx, int idx_bits, const void* topk_w,
                              int64_t K, void* out, const MoeParams& p) const;
+  // forward() after the trim: the path's kernels, or the tier's
+  const char* forward_selected(const void* x, int64_t T, const void* topk_idx, int idx_bits, const void* topk_w,
+                               int64_t K, void* out, const MoeParams& p) const;
   PackedHeader hdr_;
   std::shared_ptr<ExpertTier> tier_;  // a tiered block: where its experts live
   int tier_layer_ = -1;
+  RoutingTrim trim_;
+  mutable std::atomic<int64_t> routed_tokens_{0}, routed_slots_{0};
   mutable std::vector<const void*> tier_gu_, tier_dn_;  // the pinned experts' panels, during a forward
   void* mem_ = nullptr;  // one 64-byte aligned block: gate_up panels, down panels, biases
   bool owns_ = false;

@@ -54,12 +54,16 @@ DIRECT_IO_MODES = ("auto", "on", "off")
 # The most NUMA nodes Linux supports: 2^CONFIG_NODES_SHIFT, at most 2^10 on x86-64; whether the
 # node exists on this machine is checked where it is used.
 MAX_NUMA_NODE = 1023
+# Fewer experts a token (hi_na_moe.core.trim): top_k's words, top_k_renorm's modes
+TOP_K_WORDS = ("model", "adaptive")
+TOP_K_RENORM_MODES = ("auto", "on", "off")
 # The YAML file's nested form: section -> {subkey: config key}. A section that is also a flat key
 # (memory, prefetch) keeps its flat meaning when given a scalar (`memory: map`).
 NESTED = {
     "memory": {"mode": "memory", "limit": "memory_limit", "io_threads": "io_threads", "direct_io": "direct_io"},
     "prefetch": {"enabled": "prefetch", "prediction_window": "prediction_window"},
     "numa": {"node": "numa_node"},
+    "top_k": {"mode": "top_k", "threshold": "top_k_threshold", "min": "top_k_min", "renorm": "top_k_renorm"},
 }
 
 
@@ -158,6 +162,18 @@ class HinaConfig:
             or "off".
         numa_node: the NUMA node whose memory the memory tier uses; None (default) leaves it to
             the OS. Whether the node exists is checked where it is used.
+        top_k: how many of the experts its router chose a token uses (hi_na_moe.core.trim):
+            "model" (default: all of them, the model's own outputs), a whole number n >= 1 (the n
+            of largest weight), or "adaptive" (an expert stays while its weight is at least
+            top_k_threshold x the token's largest, and the top_k_min largest stay). Anything but
+            "model" changes the outputs, lossless weights included; the enable report,
+            `hi_na_moe.stats(model)` and `bench` give the experts a token used.
+        top_k_threshold: adaptive's threshold, from 0 (keep all) to 1 (keep the largest and
+            those equal to it); default 0.3.
+        top_k_min: the experts adaptive keeps whatever their weight, >= 1 (default 1).
+        top_k_renorm: whether the kept weights are scaled back to the sum of the token's weights:
+            "auto" (default: when the model's config says its router normalises, norm_topk_prob;
+            when the config does not say, they are), "on" or "off".
     """
 
     backend: str = "auto"
@@ -183,6 +199,11 @@ class HinaConfig:
     io_threads: int = 4
     direct_io: str = "auto"
     numa_node: int | None = None
+    # fewer experts a token (hi_na_moe.core.trim)
+    top_k: int | str = "model"
+    top_k_threshold: float = 0.3
+    top_k_min: int = 1
+    top_k_renorm: str = "auto"
     # Where each value came from ("default", "kwarg", "env HINA_MOE_ISA", "file ~/.config/..."),
     # so that errors and reports can say it.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -234,6 +255,24 @@ class HinaConfig:
                     f"from {low} to {high} ({what})"
                 )
         _check_choice("direct_io", self.direct_io, DIRECT_IO_MODES, src("direct_io"))
+        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 1
+                                                or self.top_k in TOP_K_WORDS):
+            raise ConfigError(
+                f"config key 'top_k' ({src('top_k')}) has bad value {self.top_k!r}: expected 'model' (the "
+                "router's own experts), 'adaptive', or a whole number >= 1 (the experts a token keeps)"
+            )
+        threshold = self.top_k_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ConfigError(
+                f"config key 'top_k_threshold' ({src('top_k_threshold')}) has bad value {threshold!r}: expected a "
+                "number from 0 to 1 (an expert stays while its weight is at least that times the token's largest)"
+            )
+        if isinstance(self.top_k_min, bool) or not isinstance(self.top_k_min, int) or self.top_k_min < 1:
+            raise ConfigError(
+                f"config key 'top_k_min' ({src('top_k_min')}) has bad value {self.top_k_min!r}: expected a whole "
+                "number >= 1 (the experts a token keeps whatever their weight)"
+            )
+        _check_choice("top_k_renorm", self.top_k_renorm, TOP_K_RENORM_MODES, src("top_k_renorm"))
         for key in ("strict", "keep_weights", "cache", "dense_fuse", "prefetch"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(
@@ -305,7 +344,8 @@ _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weig
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
           "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool,
           "memory_limit": "size", "prefetch": bool, "prediction_window": int, "io_threads": int,
-          "direct_io": str, "numa_node": "int or none"}
+          "direct_io": str, "numa_node": "int or none", "top_k": "int or word", "top_k_threshold": float,
+          "top_k_min": int, "top_k_renorm": str}
 
 
 def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -> None:
@@ -348,7 +388,19 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
         if want == "size":  # kept as written; HinaConfig says what is wrong with it
             return raw.strip() if isinstance(raw, str) else raw
         want = int
-    if key == "direct_io" and isinstance(raw, bool):
+    if want == "int or word":  # top_k: a whole number, or a word HinaConfig checks
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        text = str(raw).strip()
+        return int(text) if text.lstrip("+-").isdigit() else text
+    if want is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        try:
+            return float(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected a number") from None
+    if key in ("direct_io", "top_k_renorm") and isinstance(raw, bool):
         return "on" if raw else "off"  # YAML 1.1 reads a bare on / off as true / false
     if want is bool:
         if isinstance(raw, bool):

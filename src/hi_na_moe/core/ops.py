@@ -371,6 +371,9 @@ class NativeExperts:
         # memory_limit; the block's experts then live there (self.held == "tiered")
         self.tier = None
         self.tier_layer: int | None = None
+        # fewer experts a token (hi_na_moe.core.trim.Trim, HinaConfig.top_k): set before pack(); the
+        # native op applies it to every call once packed (blocks with identity experts: __call__)
+        self.trim = None
 
     @property
     def lossless(self) -> bool:
@@ -458,6 +461,7 @@ class NativeExperts:
             self._settle_format()
             self.expert_bytes = self.packed.nbytes // max(1, self.spec.num_experts)
             self.handle = torch_ops.register(self.packed, owner=self, qdot=self.qdot)
+            self._apply_trim()
             return
         if self.tier is not None and self.store is None:
             raise ValueError("hi_na_moe: memory_limit keeps experts in the packed-expert store: cache must be on")
@@ -471,6 +475,19 @@ class NativeExperts:
         self.handle = torch_ops.register(self.packed, owner=self, qdot=self.qdot)
         if not self.lossless:
             self.sqnr_db = self.measure_sqnr()
+        self._apply_trim()
+
+    def _apply_trim(self) -> None:
+        """Set self.trim on the packed block (after the SQNR probe, which compares full routing) and
+        start its routing counts from zero."""
+        if self.trim is not None and not self.spec.n_identity:
+            self.packed.set_trim(*self.trim.native_args())
+        self.packed.routing_counts(reset=True)
+
+    def routing_counts(self) -> tuple[int, int]:
+        """(tokens, expert slots) this block's kernels have run since it was packed: slots / tokens
+        is the experts a token used (after the trim). (0, 0) before pack()."""
+        return self.packed.routing_counts() if self.packed is not None else (0, 0)
 
     def measure_sqnr(self) -> float:
         """SQNR (dB) of this block's output against the original weights' output (the reference
@@ -817,6 +834,8 @@ class NativeExperts:
             x = x.detach()
         wf = w.detach() if w.requires_grad else w
         identity = None
+        if spec.n_identity and self.trim is not None:  # identity experts count as chosen: trimmed here
+            idx, wf = reference.trim_routing(idx, wf, self.trim)
         if spec.n_identity:
             is_id = idx >= spec.num_experts
             if bool(is_id.any()):

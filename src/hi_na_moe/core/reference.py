@@ -117,3 +117,41 @@ def experts_forward(
             y = expert_forward(spec, e, xs).float() * w.float()
         out.index_add_(0, t_idx, y)
     return out.to(hidden.dtype)
+
+
+def trim_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, trim) -> tuple[torch.Tensor, torch.Tensor]:
+    """`trim` (a hi_na_moe.core.trim.Trim) applied to [T, K] routing: (int64 indices with the dropped
+    slots -1, float32 weights). The oracle of the native RoutingTrim (csrc/experts/trim.cpp), with
+    the same float32 operations in the same order, so the two agree bit for bit.
+
+    A token's valid slots are those with an index >= 0, ranked by weight (descending; equal
+    weights by slot). "fixed" keeps the `keep` best; "adaptive" keeps a slot while its weight is
+    at least threshold x the token's largest, and the `min_k` best whatever their weight. With
+    renorm, the kept weights are scaled by (sum of the valid weights) / (sum of the kept ones),
+    summed in slot order. A token with a NaN weight is left whole."""
+    idx = top_k_index.to(torch.int64)
+    v = top_k_weights.float()
+    K = idx.shape[-1]
+    valid = idx >= 0
+    slot = torch.arange(K, device=idx.device)
+    # before[t, i, j]: valid slot i ranks before slot j
+    a_i, a_j = v.unsqueeze(-1), v.unsqueeze(-2)
+    before = ((a_i > a_j) | ((a_i == a_j) & (slot[:, None] < slot[None, :]))) & valid.unsqueeze(-1)
+    rank = before.sum(dim=-2)
+    if trim.mode == "fixed":
+        keep = rank < trim.keep
+    else:
+        top = torch.where(valid, v, torch.tensor(-torch.inf)).amax(dim=-1, keepdim=True)
+        keep = (v >= top * torch.tensor(trim.threshold, dtype=torch.float32)) | (rank < trim.min_k)
+    whole = (torch.isnan(v) & valid).any(dim=-1, keepdim=True)
+    keep = valid & (keep | whole)
+    if trim.renorm:
+        zero = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros(idx.shape[:-1], dtype=torch.float32)
+        kept = torch.zeros(idx.shape[:-1], dtype=torch.float32)
+        for j in range(K):  # in slot order, one float32 add at a time
+            total = total + torch.where(valid[..., j], v[..., j], zero)
+            kept = kept + torch.where(keep[..., j], v[..., j], zero)
+        scale = torch.where((kept != total) & ~whole.squeeze(-1), total / kept, torch.ones_like(total))
+        v = torch.where(keep, v * scale.unsqueeze(-1), v)
+    return torch.where(keep, idx, torch.full_like(idx, -1)), v

@@ -32,12 +32,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core import ops, reference
+from ..core import ops, reference, trim as trim_mod
 from ..core.config import HinaConfig, load_config
 from ..core.formats import Scope
 from ..core.memory import read_in_embeddings
 from ..core.native import native_module
 from ..core.registry import patched_runner
+from ..core.spec import check_routing
 from ..core.store import current_source, recording_source
 from ..fastpath import linear, norm, orchestrate
 from ..fastpath.attention import find_attention, math_kernel, prefill_math
@@ -254,6 +255,7 @@ class EnableReport:
     embeddings_read_s: float = 0.0
     # the memory tier (memory_limit; hi_na_moe.integrate.tiering): what the report says of it
     memory_tier: list = field(default_factory=list)
+    top_k: str | None = None  # HinaConfig.top_k other than "model": what the trim does (core.trim)
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -345,6 +347,8 @@ class EnableReport:
                          f"{by['copied'][0]} copied into memory ({by['copied'][1] / 2**20:.0f} MiB), "
                          f"{by['mapped'][0]} read through its file mapping ({by['mapped'][1] / 2**20:.0f} MiB)")
         lines.extend(self.memory_tier)
+        if self.top_k:
+            lines.append(f"  top_k={self.config.get('top_k')!r}: {self.top_k}; outputs differ from the model's")
         if self.dry_run and (self.norms or self.routers or self.attention or self.attention_latent
                              or self.routers_differ or self.mlps or self.layers):
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
@@ -452,12 +456,27 @@ def _block_report(match: adapters.BlockMatch, status: str, choice: ops.Choice | 
     return rep
 
 
-def _guarded(run: ops.Runner, module: nn.Module) -> ops.Runner:
+def _trimmed_reference(trim: trim_mod.Trim | None) -> ops.Runner:
+    """The reference path, with `trim` (HinaConfig.top_k) applied to its routing first."""
+    if trim is None:
+        return reference.experts_forward
+
+    def run(spec, hidden, idx, w):
+        check_routing(spec, hidden, idx, w)
+        return reference.experts_forward(spec, hidden, *reference.trim_routing(idx, w, trim))
+
+    run.reference = True
+    return run
+
+
+def _guarded(run: ops.Runner, module: nn.Module, trim: trim_mod.Trim | None = None) -> ops.Runner:
     """Native kernels do not do autograd. A module in training mode with autograd recording runs
-    the reference path instead (gradients flow as natively); in eval mode the kernels run and the
-    experts' output carries no autograd history, as with any inference kernel."""
-    if run is reference.experts_forward:
+    the reference path instead (gradients flow as natively; `trim` applied as the kernels apply
+    it); in eval mode the kernels run and the experts' output carries no autograd history, as with
+    any inference kernel."""
+    if run is reference.experts_forward or getattr(run, "reference", False):
         return run
+    fallback = _trimmed_reference(trim)
     ref = weakref.ref(module)
 
     def guarded(spec, hidden, idx, w):
@@ -470,7 +489,7 @@ def _guarded(run: ops.Runner, module: nn.Module) -> ops.Runner:
                     "the native kernels and released from the model; enable with keep_weights=True to train "
                     "(keeps both copies), or call hi_na_moe.disable_for_model(model) first"
                 )
-            return reference.experts_forward(spec, hidden, idx, w)
+            return fallback(spec, hidden, idx, w)
         return run(spec, hidden, idx, w)
 
     return guarded
@@ -544,7 +563,7 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
             choice = replace(choice, kernel=block.kernel)
             block.reason = f"{block.reason}; {runner.format_note}" if block.reason else runner.format_note
     state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
-    new_forward = match.make_forward(match, _guarded(choice.runner, m))
+    new_forward = match.make_forward(match, _guarded(choice.runner, m, getattr(choice.runner, "trim", None)))
     if isinstance(choice.runner, ops.NativeExperts) and match.make_forward is adapters.experts_forward_factory:
         new_forward = _fast_first(choice.runner, new_forward)
     m.forward = types.MethodType(_gated(gate, new_forward), m)
@@ -659,6 +678,8 @@ def enable_for_model(
             )
         matches = adapters.discover(model, router_name)
         report = EnableReport(type(model).__name__, cfg.to_dict())
+        trim = trim_mod.from_config(cfg, model)
+        report.top_k = trim.describe() if trim is not None else None
         plans = []
         for match in matches:
             if match.spec is None:
@@ -669,7 +690,13 @@ def enable_for_model(
                     f"block {match.name!r} is already accelerated through another enable_for_model call "
                     "(on a parent or child module); disable that one first"
                 )
-            plans.append((match, ops.choose(match.spec, cfg, name=match.name)))
+            choice = ops.choose(match.spec, cfg, name=match.name)
+            if trim is not None:
+                if isinstance(choice.runner, ops.NativeExperts):
+                    choice.runner.trim = trim
+                else:
+                    choice = replace(choice, runner=_trimmed_reference(trim))
+            plans.append((match, choice))
         if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
             ops.apply_pool(cfg)  # process-wide: here, not in choose (which only decides)
         tier_state = tiering.setup(model, plans, cfg)
@@ -753,10 +780,41 @@ def enable_for_model(
                 report.pool_hosted = native.openmp_runtime()
         if report.accelerated or report.dense:
             report.embeddings_read, report.embeddings_read_bytes, report.embeddings_read_s = read_in_embeddings(model)
+        for _, _, choice in patched:  # the counts start at the user's first call, not enable's probes
+            if isinstance(choice.runner, ops.NativeExperts) and choice.runner.packed is not None:
+                choice.runner.packed.routing_counts(reset=True)
         _ROOTS[model] = (patched, report)
         _GATES[model] = gate
         _DENSE[model] = dense_done
     return report
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """hi_na_moe.stats(model): what the enabled model's experts have run.
+
+    - "experts_per_token": the expert slots the native kernels ran per token, over every call of
+      every natively run block since enable (after HinaConfig.top_k's trim; the model's k when
+      top_k="model"), or None before any call; "routing": the same per block, with its tokens and
+      slots. Blocks on the PyTorch reference path are not counted.
+    - "top_k": the config's top_k.
+    - the memory tier's counters (hits, misses, bytes_read, prefetch_precision, prefetch_recall,
+      io_wait_s, ...; per layer under "layers") with "memory_tier": True, or "memory_tier": False
+      and "why" when the model runs without one.
+    """
+    out = tiering.stats(model)
+    entry = _ROOTS.get(model)
+    routing = {}
+    if entry is not None:
+        for _, match, choice in entry[0]:
+            if isinstance(choice.runner, ops.NativeExperts) and choice.runner.packed is not None:
+                tokens, slots = choice.runner.routing_counts()
+                routing[match.name] = {"tokens": tokens, "slots": slots,
+                                       "experts_per_token": slots / tokens if tokens else None}
+    tokens = sum(r["tokens"] for r in routing.values())
+    out["experts_per_token"] = sum(r["slots"] for r in routing.values()) / tokens if tokens else None
+    out["routing"] = routing
+    out["top_k"] = entry[1].config.get("top_k") if entry is not None else None
+    return out
 
 
 def disable_for_model(model: nn.Module) -> EnableReport:
