@@ -11,6 +11,7 @@ Importing the package also registers `experts_implementation="hi_na_moe"` with t
 """
 
 from .core.config import ConfigError, HinaConfig, load_config
+from .integrate.generate import GenerateFallbackWarning, generate
 from .integrate.interface import register_experts_interface
 from .integrate.loading import from_pretrained as _from_pretrained
 from .integrate.patching import (
@@ -37,11 +38,13 @@ __all__ = [
     "BlockReport",
     "ConfigError",
     "EnableReport",
+    "GenerateFallbackWarning",
     "HinaConfig",
     "capabilities",
     "disable_for_model",
     "enable_for_model",
     "from_pretrained",
+    "generate",
     "inspect_model",
     "is_enabled",
     "load_config",
