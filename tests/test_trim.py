@@ -72,8 +72,11 @@ def test_the_oracle_keeps_what_the_rules_say():
     """The oracle itself, on rows worked by hand."""
     idx = torch.tensor([[4, 7, 1, 9], [2, 3, -1, 5], [0, 1, 2, 3]])
     w = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.2, 0.2, 0.9, 0.05], [0.25, 0.25, 0.25, 0.25]])
-    i, v = trim_routing(idx, w, Trim("adaptive", threshold=0.5))
-    assert i.tolist() == [[-1, 7, 1, -1], [2, 3, -1, -1], [0, 1, 2, 3]]  # 0.3 >= 0.25; the -1 slot's 0.9 is no weight
+    i, v = trim_routing(idx, w, Trim("adaptive", threshold=0.5))  # weight >= 0.5 x 1/4
+    assert i.tolist() == [[-1, 7, 1, -1], [2, 3, -1, -1], [0, 1, 2, 3]]  # the -1 slot's 0.9 is no weight
+    i, v = trim_routing(idx, w, Trim("adaptive", threshold=1.0, renorm=True))  # >= the mean of the valid weights
+    assert i.tolist() == [[-1, 7, 1, -1], [2, 3, -1, -1], [0, 1, 2, 3]]
+    assert v[1, 0].item() == pytest.approx(0.225)  # 0.2 x 0.45 / 0.4
     i, v = trim_routing(idx, w, Trim("fixed", keep=1, renorm=True))
     assert i.tolist() == [[-1, 7, -1, -1], [2, -1, -1, -1], [0, -1, -1, -1]]  # equal weights: the earlier slot
     assert v[0, 1].item() == pytest.approx(1.0) and v[1, 0].item() == pytest.approx(0.45)
@@ -95,8 +98,10 @@ def test_a_bad_trim_or_index_is_refused_naming_it():
                               "auto", 0, "lossless", 32)
     with pytest.raises(ValueError, match="keeps at least 1 expert"):
         pe.set_trim("fixed", keep=0)
-    with pytest.raises(ValueError, match="0 <= threshold <= 1"):
-        pe.set_trim("adaptive", threshold=1.5)
+    with pytest.raises(ValueError, match="a finite threshold >= 0"):
+        pe.set_trim("adaptive", threshold=-0.5)
+    with pytest.raises(ValueError, match="a finite threshold >= 0"):
+        pe.set_trim("adaptive", threshold=float("inf"))
     assert pe.trim[0] == "full"
 
 
@@ -211,12 +216,15 @@ class _Capture:
 def test_adaptive_counts_the_slots_its_oracle_keeps_and_the_paths_agree():
     m = _olmoe(4, False, seed=3)
     x = _prompt(rows=2)
-    trim = Trim("adaptive", threshold=0.9, min_k=1)
-    with _enabled(m, backend="reference", top_k="adaptive", top_k_threshold=0.9) as report:
+    # (a random router's weights are nearly even: the threshold is set at one even share of them)
+    cfg = dict(top_k="adaptive", top_k_threshold=1.0, top_k_renorm="on")
+    trim = Trim("adaptive", threshold=1.0, min_k=1, renorm=True)
+    with _enabled(m, backend="reference", **cfg) as report:
         want = _logits(m, x)
         assert hi_na_moe.stats(m)["experts_per_token"] is None  # the reference path is not counted
-    assert "adaptive: an expert stays while its weight is >= 0.9 x the token's largest, at least 1" in str(report)
-    with _enabled(m, top_k="adaptive", top_k_threshold=0.9):
+    assert "adaptive: an expert stays while its weight is >= 1 x an even share of the token's routing weight, " \
+           "at least 1 a token; kept weights renormalised (top_k_renorm='on')" in str(report)
+    with _enabled(m, **cfg):
         cap = _Capture(m)
         try:
             got = _logits(m, x)
@@ -228,14 +236,14 @@ def test_adaptive_counts_the_slots_its_oracle_keeps_and_the_paths_agree():
     assert [r["slots"] for r in s["routing"].values()] == kept
     assert all(r["tokens"] == x.numel() for r in s["routing"].values())
     assert 1.0 <= s["experts_per_token"] < 4.0  # something was dropped, and every token kept one
-    with _enabled(m, top_k="adaptive", top_k_threshold=0.9, scope="all"):
+    with _enabled(m, scope="all", **cfg):
         torch.testing.assert_close(_logits(m, x), want, rtol=1e-5, atol=1e-5)
         assert hi_na_moe.stats(m)["experts_per_token"] == pytest.approx(s["experts_per_token"])
     # generate: the one-call decode step and batched rows trim as the per-block path does
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with torch.no_grad(), _enabled(m, top_k="adaptive", top_k_threshold=0.9):
+    with torch.no_grad(), _enabled(m, **cfg):
         seq_blocks = m.generate(x, attention_mask=torch.ones_like(x), **kw)
-    with torch.no_grad(), _enabled(m, top_k="adaptive", top_k_threshold=0.9, scope="all"):
+    with torch.no_grad(), _enabled(m, scope="all", **cfg):
         seq_all = m.generate(x, attention_mask=torch.ones_like(x), **kw)
     assert torch.equal(seq_blocks, seq_all)
 
@@ -258,7 +266,7 @@ def test_top_k_model_changes_nothing_and_counts_the_models_k():
 def test_a_trimmed_model_through_the_memory_tier_gives_the_trimmed_model_in_memory(tmp_path):
     m = _olmoe(4, False, torch.bfloat16)
     x = _prompt(20)
-    kw = dict(weights="int4", cache_dir=str(tmp_path), top_k="adaptive", top_k_threshold=0.8)
+    kw = dict(weights="int4", cache_dir=str(tmp_path), top_k="adaptive", top_k_threshold=1.0, top_k_renorm="on")
     with _enabled(m, **kw):
         want = _logits(m, x)
         block = patched_experts(m.model.layers[0].mlp.experts)
@@ -275,7 +283,8 @@ def test_a_trimmed_model_through_the_memory_tier_gives_the_trimmed_model_in_memo
 
 @pytest.mark.parametrize("kw,what", [
     (dict(top_k=0), "'top_k'"), (dict(top_k="greedy"), "'top_k'"), (dict(top_k=True), "'top_k'"),
-    (dict(top_k_threshold=1.5), "'top_k_threshold'"), (dict(top_k_threshold="x"), "'top_k_threshold'"),
+    (dict(top_k_threshold=-0.1), "'top_k_threshold'"), (dict(top_k_threshold="x"), "'top_k_threshold'"),
+    (dict(top_k_threshold=float("nan")), "'top_k_threshold'"),
     (dict(top_k_min=0), "'top_k_min'"), (dict(top_k_renorm="yes"), "'top_k_renorm'"),
 ])
 def test_bad_top_k_keys_are_refused_naming_them(kw, what):

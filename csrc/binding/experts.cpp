@@ -229,7 +229,7 @@ void bind_experts(nb::module_& m) {
           nb::arg("renorm") = false,
           "Fewer experts a token than its router chose, on every later forward (RoutingTrim, "
           "hina_moe/experts.h): mode 'full' (none), 'fixed' (the `keep` largest weights) or 'adaptive' "
-          "(weight >= threshold x the token's largest, and the min_k largest); renorm: the kept weights "
+          "(weight >= threshold x an even share of the token's routing weight, and the min_k largest); renorm: the kept weights "
           "scaled to the sum of the token's weights.")
       .def_prop_ro("trim",
                    [](const PyPackedExperts& p) {

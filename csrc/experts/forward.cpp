@@ -187,8 +187,8 @@ const char* PackedExperts::forward(const void* x, int64_t T, const void* topk_id
 void PackedExperts::set_trim(const RoutingTrim& t) {
   if (t.mode == RoutingTrim::Mode::kFixed && t.keep < 1)
     throw std::invalid_argument("routing trim: a fixed top-k keeps at least 1 expert (keep = " + std::to_string(t.keep) + ")");
-  if (t.mode == RoutingTrim::Mode::kAdaptive && (!(t.threshold >= 0.0f && t.threshold <= 1.0f) || t.min_k < 1))
-    throw std::invalid_argument("routing trim: adaptive needs 0 <= threshold <= 1 and min_k >= 1 (threshold = " +
+  if (t.mode == RoutingTrim::Mode::kAdaptive && (!(t.threshold >= 0.0f && std::isfinite(t.threshold)) || t.min_k < 1))
+    throw std::invalid_argument("routing trim: adaptive needs a finite threshold >= 0 and min_k >= 1 (threshold = " +
                                 std::to_string(t.threshold) + ", min_k = " + std::to_string(t.min_k) + ")");
   if (up_only()) throw std::invalid_argument("routing trim: this block is a dense linear layer (up-only): it has no routing");
   trim_ = t;

@@ -33,7 +33,6 @@ int64_t trim_routing(const RoutingTrim& trim, const void* topk_idx, int idx_bits
     int64_t* idx = idx_out + t * K;
     float* v = w_out + t * K;
     bool nan = false;
-    float mx = -INFINITY;
     for (int64_t j = 0; j < K; ++j) {
       const int64_t s = t * K + j;
       const int64_t e = idx_bits == 32 ? static_cast<const int32_t*>(topk_idx)[s] : static_cast<const int64_t*>(topk_idx)[s];
@@ -45,17 +44,19 @@ int64_t trim_routing(const RoutingTrim& trim, const void* topk_idx, int idx_bits
       v[j] = detail::load_elem(w_dt, topk_w, s);
       if (e < 0) continue;
       nan |= std::isnan(v[j]);
-      mx = v[j] > mx ? v[j] : mx;
     }
     if (nan) {  // left whole: the kernels give the NaN the router made
       for (int64_t j = 0; j < K; ++j) kept += idx[j] >= 0;
       continue;
     }
-    const float bar = trim.threshold * mx;
     float all = 0.0f, sum = 0.0f;
+    for (int64_t j = 0; j < K; ++j)
+      if (idx[j] >= 0) all += v[j];
+    // an even share of the token's routing weight: of the k weights' sum when they are
+    // renormalised, of the router's total (1: probabilities over every expert) when not
+    const float bar = (trim.threshold * (trim.renorm ? all : 1.0f)) / static_cast<float>(K);
     for (int64_t j = 0; j < K; ++j) {
       if (idx[j] < 0) continue;
-      all += v[j];
       bool keep = true;
       if (trim.mode == RoutingTrim::Mode::kFixed) {
         keep = rank_of(v, idx, K, j) < trim.keep;

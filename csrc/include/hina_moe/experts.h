@@ -91,8 +91,11 @@ struct RoutingTrim {
   enum class Mode : int32_t { kFull = 0, kFixed = 1, kAdaptive = 2 };
   Mode mode = Mode::kFull;
   int64_t keep = 0;        // kFixed: the token keeps its `keep` largest weights
-  float threshold = 0.0f;  // kAdaptive: a slot stays while weight >= threshold x the token's largest,
-  int64_t min_k = 1;       //   and the min_k largest stay whatever their weight
+  // kAdaptive: a slot stays while its weight >= threshold x an even share of the token's routing
+  // weight (renorm: the valid weights' sum / K; otherwise 1 / K, a router's probabilities over
+  // every expert summing to 1), and the min_k largest stay whatever their weight
+  float threshold = 0.0f;
+  int64_t min_k = 1;
   // The kept weights scaled by (sum of the valid weights) / (sum of the kept ones), both summed
   // in float32 in slot order: a router that normalises its k weights gives the same sum for
   // fewer. Off: the weights as the router gave them.

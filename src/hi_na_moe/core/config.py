@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import sys
 import warnings
@@ -165,11 +166,14 @@ class HinaConfig:
         top_k: how many of the experts its router chose a token uses (hi_na_moe.core.trim):
             "model" (default: all of them, the model's own outputs), a whole number n >= 1 (the n
             of largest weight), or "adaptive" (an expert stays while its weight is at least
-            top_k_threshold x the token's largest, and the top_k_min largest stay). Anything but
+            top_k_threshold x an even share of the token's routing weight, and the top_k_min
+            largest stay). Anything but
             "model" changes the outputs, lossless weights included; the enable report,
             `hi_na_moe.stats(model)` and `bench` give the experts a token used.
-        top_k_threshold: adaptive's threshold, from 0 (keep all) to 1 (keep the largest and
-            those equal to it); default 0.3.
+        top_k_threshold: adaptive's threshold, >= 0, in even shares: an expert stays while its
+            weight is at least threshold / k of the token's routing weight (the k weights' sum when
+            top_k_renorm renormalises them, else 1: a router's probabilities over every expert);
+            0 keeps all; default 0.3.
         top_k_min: the experts adaptive keeps whatever their weight, >= 1 (default 1).
         top_k_renorm: whether the kept weights are scaled back to the sum of the token's weights:
             "auto" (default: when the model's config says its router normalises, norm_topk_prob;
@@ -262,10 +266,12 @@ class HinaConfig:
                 "router's own experts), 'adaptive', or a whole number >= 1 (the experts a token keeps)"
             )
         threshold = self.top_k_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        if (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold)
+                or threshold < 0):
             raise ConfigError(
                 f"config key 'top_k_threshold' ({src('top_k_threshold')}) has bad value {threshold!r}: expected a "
-                "number from 0 to 1 (an expert stays while its weight is at least that times the token's largest)"
+                "number >= 0 (an expert stays while its weight is at least that many even shares of the token's "
+                "routing weight; 0 keeps all)"
             )
         if isinstance(self.top_k_min, bool) or not isinstance(self.top_k_min, int) or self.top_k_min < 1:
             raise ConfigError(

@@ -126,9 +126,10 @@ def trim_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, trim) -
 
     A token's valid slots are those with an index >= 0, ranked by weight (descending; equal
     weights by slot). "fixed" keeps the `keep` best; "adaptive" keeps a slot while its weight is
-    at least threshold x the token's largest, and the `min_k` best whatever their weight. With
-    renorm, the kept weights are scaled by (sum of the valid weights) / (sum of the kept ones),
-    summed in slot order. A token with a NaN weight is left whole."""
+    at least threshold x an even share of the token's routing weight (with renorm the valid
+    weights' sum / K, without 1 / K), and the `min_k` best whatever their weight. With renorm, the
+    kept weights are scaled by (sum of the valid weights) / (sum of the kept ones). Sums run in
+    slot order. A token with a NaN weight is left whole."""
     idx = top_k_index.to(torch.int64)
     v = top_k_weights.float()
     K = idx.shape[-1]
@@ -138,19 +139,21 @@ def trim_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, trim) -
     a_i, a_j = v.unsqueeze(-1), v.unsqueeze(-2)
     before = ((a_i > a_j) | ((a_i == a_j) & (slot[:, None] < slot[None, :]))) & valid.unsqueeze(-1)
     rank = before.sum(dim=-2)
+    zero = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros(idx.shape[:-1], dtype=torch.float32)
+    for j in range(K):  # in slot order, one float32 add at a time
+        total = total + torch.where(valid[..., j], v[..., j], zero)
     if trim.mode == "fixed":
         keep = rank < trim.keep
     else:
-        top = torch.where(valid, v, torch.tensor(-torch.inf)).amax(dim=-1, keepdim=True)
-        keep = (v >= top * torch.tensor(trim.threshold, dtype=torch.float32)) | (rank < trim.min_k)
+        ref = total if trim.renorm else torch.ones_like(total)
+        bar = (torch.tensor(trim.threshold, dtype=torch.float32) * ref) / torch.tensor(float(K), dtype=torch.float32)
+        keep = (v >= bar.unsqueeze(-1)) | (rank < trim.min_k)
     whole = (torch.isnan(v) & valid).any(dim=-1, keepdim=True)
     keep = valid & (keep | whole)
     if trim.renorm:
-        zero = torch.zeros((), dtype=torch.float32)
-        total = torch.zeros(idx.shape[:-1], dtype=torch.float32)
         kept = torch.zeros(idx.shape[:-1], dtype=torch.float32)
-        for j in range(K):  # in slot order, one float32 add at a time
-            total = total + torch.where(valid[..., j], v[..., j], zero)
+        for j in range(K):
             kept = kept + torch.where(keep[..., j], v[..., j], zero)
         scale = torch.where((kept != total) & ~whole.squeeze(-1), total / kept, torch.ones_like(total))
         v = torch.where(keep, v * scale.unsqueeze(-1), v)

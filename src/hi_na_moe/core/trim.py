@@ -1,12 +1,17 @@
 """Fewer experts a token than its router chose: HinaConfig.top_k (docs/adaptive-top-k.md).
 
 At the memory roofline a decode step's time is the bytes it reads, and most of those are the
-experts'. A token whose router puts nearly all its weight on one or two experts gains little from
-the rest; `top_k="adaptive"` drops them (a slot stays while its weight is at least
-`top_k_threshold` times the token's largest, and the `top_k_min` largest stay whatever their
-weight), and `top_k=<n>` keeps every token's n largest. The kept weights are renormalised as the
-model's router normalises its k (`top_k_renorm="auto"`), so a normalising router's weights still
-sum to what they summed to.
+experts'. An expert the router gives a small weight adds little to a token's output;
+`top_k="adaptive"` drops it: a slot stays while its weight is at least `top_k_threshold` times an
+even share of the token's routing weight (1/k of the k weights' sum when the router renormalises
+them, 1/k of the router's total of 1 when its weights are probabilities over every expert), and
+the `top_k_min` largest stay whatever their weight. `top_k=<n>` keeps every token's n largest.
+The kept weights are renormalised as the model's router normalises its k (`top_k_renorm="auto"`),
+so a normalising router's weights still sum to what they summed to.
+
+Why a share and not a fraction of the token's largest weight: on the trained 64-expert top-8
+model the fraction-of-the-largest rule was worse than a fixed lower k at the same experts a token
+(benchmarks/log/top-k.md, 2026-12-07); the share rule better, at every budget measured.
 
 The trim runs on the experts' inputs, inside the native op (RoutingTrim, csrc/experts/trim.cpp):
 every path that runs a block (per block, batched, prefill, the one-call decode step, the memory
@@ -43,8 +48,8 @@ class Trim:
 
     def describe(self) -> str:
         what = (f"each token keeps its {self.keep} largest-weight experts" if self.mode == "fixed" else
-                f"adaptive: an expert stays while its weight is >= {self.threshold:g} x the token's largest, "
-                f"at least {self.min_k} a token")
+                f"adaptive: an expert stays while its weight is >= {self.threshold:g} x an even share of the "
+                f"token's routing weight, at least {self.min_k} a token")
         norm = "kept weights renormalised" if self.renorm else "kept weights as the router gave them"
         return f"{what}; {norm} ({self.why_renorm})" if self.why_renorm else f"{what}; {norm}"
 
