@@ -133,11 +133,16 @@ def plot(results: list[dict], path: Path) -> None:
                            [r for r in res["rows"] if r["top_k"] == "adaptive" and r["renorm"] == renorm], "s-"))
         for ax, key, label in ((row[0], "perplexity_change", "perplexity change"), (row[1], "kl", "KL(full || arm), nats/token")):
             for name, rs, style in series:
-                rs = sorted(rs, key=lambda r: r["experts_per_token"])
+                # (KL on a log scale: the full arm's 0 is left out)
+                rs = sorted((r for r in rs if key != "kl" or r[key] > 0), key=lambda r: r["experts_per_token"])
                 ax.plot([r["experts_per_token"] for r in rs], [r[key] for r in rs], style, label=name)
             if key == "perplexity_change":
                 ax.axhline(0.01, color="grey", lw=0.8, ls="--", label="+1 %")
                 ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+                # the adaptive arms' range: the fixed k of one or two experts would flatten the rest
+                top = max(r[key] for _, rs, _ in series[1:] for r in rs) if len(series) > 1 else None
+                if top:
+                    ax.set_ylim(-0.05 * top, 1.15 * top)
             else:
                 ax.set_yscale("log")
             ax.set_xlabel("experts a token (mean)")
