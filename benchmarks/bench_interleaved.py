@@ -18,6 +18,11 @@ loop, as a user runs it: transformers' generate() (a streamer stamping each toke
 llama-cpp-python's Llama.generate (temp 0), each after one paired-probe read, nothing between
 tokens; the figures are the times between consecutive tokens.
 
+--top-k model,5,adaptive:0.3: more hi_na_moe engines on the one loaded model, each running its
+bursts with that HinaConfig.top_k (a fixed n, or adaptive at a threshold, optionally
+adaptive:T:on|off for top_k_renorm), switched on every block before its burst; each prints the
+experts a token its steps used (the kernels' counts) and its own ratio.
+
 --against transformers: the opponent is transformers' own model in this process instead
 (AutoModelForCausalLM.from_pretrained of --ckpt in bfloat16, not enabled), stepped as ours is
 (no --gguf then). Both models are resident: the checkpoint's bf16 weights twice in RAM.
@@ -91,6 +96,42 @@ class Llama:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
+
+
+class OursTopK:
+    """Ours's model with another HinaConfig.top_k (hi_na_moe.core.trim): the trim is set on every
+    block before each burst, and the kernels' routing counts give the experts a token it used."""
+
+    def __init__(self, ours: "Ours", spec: str):
+        from hi_na_moe.core import ops, trim
+        from hi_na_moe.core.config import HinaConfig
+        from hi_na_moe.integrate import patching
+
+        parts = spec.split(":")
+        kw = {"top_k": int(parts[0]) if parts[0].isdigit() else parts[0]}
+        if len(parts) > 1:
+            kw["top_k_threshold"] = float(parts[1])
+        if len(parts) > 2:
+            kw["top_k_renorm"] = parts[2]
+        t = trim.from_config(HinaConfig(**kw), ours.model)
+        self.args = t.native_args() if t is not None else ("full",)
+        self.ours, self.spec = ours, spec
+        self.runners = [c.runner for _, _, c in patching._ROOTS[ours.model][0] if isinstance(c.runner, ops.NativeExperts)]
+        self.tokens = self.slots = 0
+
+    def burst(self, n: int) -> tuple[list[float], list[float]]:
+        for r in self.runners:
+            r.packed.set_trim(*self.args)
+            r.packed.routing_counts(reset=True)
+        out = self.ours.burst(n)
+        for r in self.runners:
+            tokens, slots = r.packed.routing_counts()
+            self.tokens, self.slots = self.tokens + tokens, self.slots + slots
+        return out
+
+    @property
+    def experts_per_token(self) -> float | None:
+        return self.slots / self.tokens if self.tokens else None
 
 
 class Ours:
@@ -173,8 +214,13 @@ def main() -> int:
                     help="each burst one generation of --gen tokens by the engine's own loop (no probe between steps)")
     ap.add_argument("--gen", type=int, default=128, help="--generate's tokens a burst")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top-k", default="model",
+                    help="hi_na_moe engines by HinaConfig.top_k, comma-separated: model, a whole number, adaptive:T[:on|off]")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    specs = args.top_k.split(",")
+    if specs != ["model"] and args.generate:
+        raise SystemExit("--top-k runs bursts of steps; it does not go with --generate")
     if args.against == "llamacpp":
         if args.gguf is None or not args.gguf.is_file():
             raise SystemExit(f"--gguf {args.gguf}: no such file (benchmarks/make_gguf.py writes it)")
@@ -185,12 +231,15 @@ def main() -> int:
         other, them = Ours(args, native=True), "transformers"
     try:
         ours = Ours(args)
-        engines = {"hi_na_moe": ours, them: other}
+        engines = {("hi_na_moe" if s == "model" else f"hi_na_moe top_k={s}"): (OursTopK(ours, s) if specs != ["model"] else ours)
+                   for s in specs}
+        engines[them] = other
         ms = {e: [] for e in engines}
         gbs = {e: [] for e in engines}
         rounds = []  # per round: {engine: (median ms, median probe GB/s)}
         for r in range(args.rounds):
-            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
+            order = order if r % 2 == 0 else order[::-1]
             this = {}
             for e in order:
                 time.sleep(0.2)
@@ -206,14 +255,19 @@ def main() -> int:
             other.close()
     med = {e: statistics.median(ms[e]) for e in ms}
     probe = {e: statistics.median(gbs[e]) for e in gbs}
-    per_round = [x[them][0] / x["hi_na_moe"][0] for x in rounds]
+    ours_names = [e for e in engines if e != them]
+    per_round = [x[them][0] / x[ours_names[0]][0] for x in rounds]
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ckpt": args.ckpt, "weights": args.weights,
            "against": them, "gguf": str(args.gguf) if args.gguf else None, "rounds": args.rounds, "burst": args.burst, "threads": args.threads,
            "generate": args.generate, "gen": args.gen if args.generate else None,
            "engines": {e: {"median_ms": med[e], "probe_gbs": probe[e], "tok_s": 1e3 / med[e],
                            "tok_s_per_probe_gbs": 1e3 / med[e] / probe[e], "step_ms": ms[e], "probe": gbs[e]}
                        for e in ms},
-           "ratio_of_medians": med[them] / med["hi_na_moe"],
+           "ratio_of_medians": med[them] / med[ours_names[0]],
+           "top_k": {e: {"spec": engines[e].spec, "experts_per_token": engines[e].experts_per_token,
+                         "ratio_of_medians": med[them] / med[e],
+                         "median_round_ratio": statistics.median(x[them][0] / x[e][0] for x in rounds)}
+                     for e in ours_names if isinstance(engines[e], OursTopK)},
            "round_ratios": per_round, "median_round_ratio": statistics.median(per_round)}
     print(f"{args.ckpt}, {args.weights} scope all against {args.gguf.name if args.gguf else them}, {args.threads} threads, {args.rounds} "
           + (f"rounds of one {args.gen}-token generation an engine (its own loop), alternating" if args.generate
@@ -223,9 +277,15 @@ def main() -> int:
     for e in ms:
         x = res["engines"][e]
         print(f"| {e} | {x['median_ms']:.2f} | {x['tok_s']:.2f} | {x['probe_gbs']:.1f} | {x['tok_s_per_probe_gbs']:.3f} |")
-    print(f"hi_na_moe / {them} decode speed: {res['ratio_of_medians']:.3f}x (medians of all steps), "
+    print(f"{ours_names[0]} / {them} decode speed: {res['ratio_of_medians']:.3f}x (medians of all steps), "
           f"{res['median_round_ratio']:.3f}x (median of the rounds' ratios: "
           f"{min(per_round):.3f}-{max(per_round):.3f}x)")
+    if res["top_k"]:
+        print("| engine | experts a token | median ms a step | / llama.cpp (medians) | median of the rounds' ratios |")
+        print("|---|---|---|---|---|")
+        for e, x in res["top_k"].items():
+            ept = "-" if x["experts_per_token"] is None else f"{x['experts_per_token']:.3f}"
+            print(f"| {e} | {ept} | {med[e]:.2f} | {x['ratio_of_medians']:.3f}x | {x['median_round_ratio']:.3f}x |")
     if args.json:
         at = record.host()
         recs = [record.make(e, ms[e], threads=args.threads, probe_gbs=gbs[e], tool="bench_interleaved.py", at=at,

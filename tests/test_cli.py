@@ -85,6 +85,21 @@ def test_bench_builtin_json(tmp_path, capsys):
     assert json.loads(out_file.read_text())["arms"].keys() == data["arms"].keys()
 
 
+def test_bench_top_k_counts_the_experts_a_token_used_and_the_bytes_it_did_not_read(capsys):
+    rc = main(["bench", "--model", "builtin", "--gen-tokens", "4", "--num-iters", "1", "--warmup", "0",
+               "--seq-len", "8", "--output", "json", "--top-k", "1"])
+    assert rc == 0  # different greedy tokens are no failure with a trim
+    data = json.loads(capsys.readouterr().out)
+    native, hina = data["arms"]["native"], data["arms"]["hina"]
+    assert hina["top_k"] == 1 and hina["experts_per_token"] == 1.0 and native["experts_per_token"] == 2
+    assert hina["quality_vs_native"]["kl"] > 0
+    # 4 MoE layers, each reading one of its 2 experts: one float32 SwiGLU expert (hidden 256,
+    # intermediate 128) a layer not read
+    assert native["bytes_per_token"] - hina["bytes_per_step"] == 4 * 3 * 256 * 128 * 4
+    rc = main(["bench", "--model", "builtin", "--top-k", "adaptive", "--top-k-threshold", "-1"])
+    assert rc == 2 and "top_k_threshold" in capsys.readouterr().err
+
+
 def test_bench_counts_a_batch_step_as_the_union_of_its_rows_experts(capsys):
     """A decode step of 4 rows reads each expert any of its rows routes to once: more than one
     token's experts, at most 4 tokens' or all of them; GB/s is those bytes over the step."""

@@ -801,7 +801,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
       io_wait_s, ...; per layer under "layers") with "memory_tier": True, or "memory_tier": False
       and "why" when the model runs without one.
     """
-    out = tiering.stats(model)
+    out = tiering.tier_stats(model)
     entry = _ROOTS.get(model)
     routing = {}
     if entry is not None:

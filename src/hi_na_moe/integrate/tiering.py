@@ -178,8 +178,8 @@ def drop(model: nn.Module) -> None:
     _STATES.pop(model, None)
 
 
-def stats(model: nn.Module) -> dict[str, Any]:
-    """hi_na_moe.stats(model): the memory tier's counters (hits, misses, bytes_read,
+def tier_stats(model: nn.Module) -> dict[str, Any]:
+    """The memory tier's part of hi_na_moe.stats(model): its counters (hits, misses, bytes_read,
     prefetch_precision, prefetch_recall, io_wait_s, ...; per layer under "layers"), or
     {"memory_tier": False, "why": ...} when the model runs without one."""
     state = _STATES.get(model)

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the hina arm's memory_limit (8GiB, 50%%, bytes): packed experts beyond it are read from the "
                         "store by the memory tier, and its counters (hit rate, bytes read, prediction precision and "
                         "recall, I/O wait) are reported")
+    p.add_argument("--top-k", default=None,
+                   help="the hina arm's top_k: a whole number (each token's n largest-weight experts) or 'adaptive' "
+                        "(see --top-k-threshold); the table then gives the experts a token used and the quality cost")
+    p.add_argument("--top-k-threshold", type=float, default=None,
+                   help="--top-k adaptive's threshold in even shares of a token's routing weight (default: the config's)")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--json-file", help="also write the full results, raw samples included, here")
     p.set_defaults(func=cmd_bench)

@@ -19,7 +19,7 @@ from ...core.native import native_module
 from ...core.registry import decode_call_counts
 from ...integrate.adapters import _is_interface_experts, discover
 from ...integrate.patching import disable_for_model, enable_for_model
-from ...integrate.tiering import stats as hina_stats
+from ...integrate.patching import stats as hina_stats
 from ..plan import format_table, packed_expert_bytes, plan_for_model
 from ..quality import logits_agreement
 from . import common
@@ -145,8 +145,15 @@ def cmd_bench(args) -> int:
         if not out.parent.is_dir():
             raise UserError(f"--json-file {args.json_file!r}: the directory {str(out.parent)!r} does not exist")
     mem_limit = getattr(args, "memory_limit", None)
-    _config_up_front({"weights": (args.weights, "--weights"), "group_size": (args.group_size, "--group-size"),
-                      "scope": (args.scope, "--scope"), **({"memory_limit": (mem_limit, "--memory-limit")} if mem_limit else {})})
+    top_k = getattr(args, "top_k", None)
+    top_k = int(top_k) if top_k is not None and top_k.strip().isdigit() else top_k
+    trim_keys = {k: v for k, v in (("top_k", top_k), ("top_k_threshold", getattr(args, "top_k_threshold", None)))
+                 if v is not None}
+    cfg = _config_up_front({"weights": (args.weights, "--weights"), "group_size": (args.group_size, "--group-size"),
+                            "scope": (args.scope, "--scope"),
+                            **({"memory_limit": (mem_limit, "--memory-limit")} if mem_limit else {}),
+                            **{k: (v, "--" + k.replace("_", "-")) for k, v in trim_keys.items()}})
+    trimmed = cfg.top_k != "model"  # (the option, or HINA_MOE_TOP_K / the config file)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -196,16 +203,16 @@ def cmd_bench(args) -> int:
     step_native = _step_bytes(active, k, plan["report"], union, native_expert)
     quality: dict = {}
     native_logits = None
-    if args.weights not in LOSSLESS_FORMATS:
+    if args.weights not in LOSSLESS_FORMATS or trimmed:
         with torch.inference_mode():
             native_logits = model(ids).logits.float()
     results, tokens = {}, {}
     for arm in arms:
         report = enable_for_model(model, weights=args.weights, group_size=args.group_size,
                                   **({"scope": args.scope} if args.scope else {}),
-                                  **({"memory_limit": mem_limit} if mem_limit else {})) \
+                                  **({"memory_limit": mem_limit} if mem_limit else {}), **trim_keys) \
             if arm == "hina" else None
-        if report is not None and args.weights not in LOSSLESS_FORMATS:
+        if report is not None and (args.weights not in LOSSLESS_FORMATS or trimmed):
             quality[arm] = _quality_vs_native(model, ids, native_logits, report)
         if report is not None and report.dense and active_hina:
             # scope="all": the dense layers read their packed bytes instead of the model's own
@@ -229,6 +236,13 @@ def cmd_bench(args) -> int:
             outs.append(out)
         tokens[arm] = outs[0]
         tier_stats = hina_stats(model) if report is not None and mem_limit else None
+        # the experts a token used, counted by the kernels over the arm's runs (warm-up included)
+        ept = hina_stats(model)["experts_per_token"] if report is not None else None
+        if report is not None and trimmed and step_bytes and k:
+            # the bytes the trim did not read: a token's dropped experts (a batch step's union was
+            # counted at the model's own k: not known then)
+            step_bytes = (step_bytes - sum((k - ept) * hina_expert(b) for b in plan["report"].blocks if b.experts)
+                          if args.batch_size == 1 and ept is not None else None)
         if report is not None:
             counts = decode_call_counts(model)
             # matched on the probe, yet every decode call at runtime took the module's own forward
@@ -255,6 +269,8 @@ def cmd_bench(args) -> int:
             "read_limit_gbs": limit,
             "read_limit_is_own_rate": own,
             "quality_vs_native": quality.get(arm),
+            "experts_per_token": ept if report is not None else k,
+            "top_k": cfg.top_k if report is not None else None,
             # memory_limit: the memory tier's counters over the arm's runs, warm-up included (hi_na_moe.stats)
             "memory_tier": tier_stats,
             "dense_layers": len(report.dense) if report is not None else 0,
@@ -306,9 +322,15 @@ def cmd_bench(args) -> int:
                   f"{r['tg_tokens_per_s'] / base:.2f}x |")
         if any(r["read_limit_is_own_rate"] for r in results.values()):
             print(OWN_RATE_NOTE)
+        for arm, r in results.items():
+            if r["top_k"] is not None and r["top_k"] != "model" and r["experts_per_token"] is not None:
+                print(f"{arm} top_k={r['top_k']!r}: {r['experts_per_token']:.2f} experts a token of the model's {k}"
+                      + (f" ({1 - r['experts_per_token'] / k:.1%} fewer expert bytes)" if k else ""))
         for arm, q in quality.items():
-            print(f"{arm} ({args.weights}) vs native on the prompt: logits KL {q['kl']:.4f} nats/token, top-1 agreement "
-                  f"{100 * q['top1']:.1f} %, block SQNR {q['sqnr_min_db']:.1f}-{q['sqnr_max_db']:.1f} dB (random probe)")
+            sqnr = (f", block SQNR {q['sqnr_min_db']:.1f}-{q['sqnr_max_db']:.1f} dB (random probe)"
+                    if q["sqnr_min_db"] == q["sqnr_min_db"] else "")  # (lossless weights: no SQNR)
+            print(f"{arm} ({args.weights}{', top_k=' + repr(cfg.top_k) if trimmed else ''}) vs native on the prompt: "
+                  f"logits KL {q['kl']:.4f} nats/token, top-1 agreement {100 * q['top1']:.1f} %{sqnr}")
         for arm, r in results.items():
             if r["attention_refused_at_runtime"]:
                 bad = r["attention_refused_at_runtime"]
@@ -328,11 +350,13 @@ def cmd_bench(args) -> int:
                 print(f"{arm}: no memory tier ({t['why']})")
         if same is not None:
             print("greedy tokens: " + ("identical" if same else "DIFFERENT between native and hina")
-                  + ("" if args.weights in LOSSLESS_FORMATS else f" (expected to differ with {args.weights} weights)"))
+                  + ("" if args.weights in LOSSLESS_FORMATS and not trimmed else
+                     f" (expected to differ with {args.weights} weights)" if not trimmed else
+                     f" (top_k={cfg.top_k!r}: they may differ)"))
     if args.json_file:
         Path(args.json_file).write_text(json.dumps(data, indent=2))
     # lossless: any difference in greedy tokens is a failure; quantised: differences are expected
-    return 0 if same is not False or args.weights not in LOSSLESS_FORMATS else 1
+    return 0 if same is not False or args.weights not in LOSSLESS_FORMATS or trimmed else 1
 
 
 def _quality_vs_native(model, ids, native_logits, report) -> dict:
