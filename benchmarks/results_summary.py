@@ -216,6 +216,9 @@ def schema_records() -> list[dict]:
     return sorted(recs, key=lambda r: r["date"], reverse=True)
 
 
+INDEX_NEWEST = 3  # sections of each log file the index names
+
+
 def log_index() -> list[str]:
     out = []
     for f in sorted(LOG.glob("*.md")):
@@ -223,13 +226,17 @@ def log_index() -> list[str]:
         # no blank line under the heading: RESULTS.md has a line budget (tests/test_docs.py) and the
         # index grows a line with every log section
         out.append(f"### [{lines[0].lstrip('# ').strip()}](log/{f.name})")
+        sections = []
         for i, line in enumerate(lines):
             if line.startswith("## "):
                 run = lines[i + 2] if i + 2 < len(lines) else ""
-                m = re.match(r"\*(\S+) · recorded in (\w+) · ([^,(]+)", run)
+                m = re.match(r"\*(\S+) · recorded in (\w+) · ([^,(;]+)", run)
                 where = f"{m.group(1)}, {m.group(3).strip()}" if m else "?"
-                out.append(f"- {where}: {line[3:]}")
-        out.append("")
+                sections.append(f"- {where}: {line[3:]}")
+        # a topic's newest sections (a file grows at its end): the index stays within the line budget
+        if len(sections) > INDEX_NEWEST:
+            out.append(f"- {len(sections) - INDEX_NEWEST} earlier section(s) in the file, then:")
+        out += sections[-INDEX_NEWEST:] + [""]
     return out
 
 
