@@ -272,6 +272,48 @@ def test_api_errors_name_what_is_wrong(tiny):
         prm.profile_router(model, None, torch.tensor([3, 600]))
 
 
+def test_the_adaptive_top_k_advice_is_the_kl_an_enabled_model_measures(tiny):
+    """advise() runs the model per threshold on the native kernels; the KL it reports is what the
+    model enabled with that threshold gives against the model with its own top-k, and the model
+    is left as it was."""
+    pytest.importorskip("hi_na_moe._native")
+    import hi_na_moe
+    from hi_na_moe.tools import top_k_advice
+    from hi_na_moe.tools.quality import logits_agreement
+
+    model, ids = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    windows = _windows(ids)
+    wide = top_k_advice.advise(model, windows, budget=10.0)
+    assert [r["threshold"] for r in wide["rows"]] == sorted(top_k_advice.THRESHOLDS)  # nothing past the budget
+    assert wide["choice"] == wide["rows"][-1] and wide["tokens"] == ids.numel()
+    epts = [r["experts_per_token"] for r in wide["rows"]]
+    assert epts == sorted(epts, reverse=True) and 1.0 <= epts[-1] < epts[0] <= 2.0
+    assert not hi_na_moe.is_enabled(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    mid = wide["rows"][len(wide["rows"]) // 2]
+    budget = mid["kl"] * 1.0001
+    adv = top_k_advice.advise(model, windows, budget=budget)
+    c = adv["choice"]
+    assert c is not None and c["kl"] <= budget and adv["rows"][-1]["kl"] > budget
+    assert f"top_k_threshold={c['threshold']:g} keeps KL at" in adv["text"]
+
+    def logits(**kw):
+        hi_na_moe.enable_for_model(model, cache=False, **kw)
+        try:
+            with torch.inference_mode():
+                return torch.cat([model(input_ids=w[None], use_cache=False).logits.float()[0] for w in windows])
+        finally:
+            hi_na_moe.disable_for_model(model)
+
+    kl, top1 = logits_agreement(logits(), logits(top_k="adaptive", top_k_threshold=c["threshold"]))
+    assert kl == pytest.approx(c["kl"], rel=1e-3, abs=1e-7) and top1 == pytest.approx(c["top1"], abs=1 / ids.numel())
+    none = top_k_advice.advise(model, windows, budget=1e-12)
+    assert none["choice"] is None and "no threshold tried drops experts and keeps KL within" in none["text"]
+    with pytest.raises(prm.ProfileError, match="kl_budget must be > 0"):
+        prm.profile_router(model, None, ids, kl_budget=0)
+
+
 def test_cli_writes_the_report_of_the_shipped_model(tmp_path, capsys):
     out = tmp_path / "prof"
     assert main(["profile-router", "--model", "builtin", "--tokens", "300", "--out", str(out), "--json"]) == 0
@@ -280,6 +322,13 @@ def test_cli_writes_the_report_of_the_shipped_model(tmp_path, capsys):
     assert {p.name for p in out.iterdir()} >= {"profile.json", "expert_prior.json", "routing.safetensors",
                                                 "hit_rate.png", "load_heatmap.png", "prediction_recall.png"}
     assert all(b["router_standalone"] for b in d["blocks"])
+    tk = d["advice"]["top_k"]  # (--kl-budget's default)
+    assert tk["budget"] == 0.01 and tk["rows"] and (tk["choice"] is None or tk["choice"]["kl"] <= 0.01)
+    assert main(["profile-router", "--model", "builtin", "--tokens", "300", "--out", str(out), "--json",
+                 "--kl-budget", "0"]) == 0
+    assert "top_k" not in json.loads(capsys.readouterr().out)["advice"]
+    assert main(["profile-router", "--model", "builtin", "--kl-budget", "-1"]) == 2
+    assert "--kl-budget must be >= 0" in capsys.readouterr().err
 
 
 def _write(path, text):

@@ -1,6 +1,4 @@
-"""hi-na-moe command line: `check`, `bench`, `debug`, `demo`, `cache` and `profile-router`.
-
-(distill comes with its own issue.)
+"""hi-na-moe command line: `check`, `bench`, `debug`, `demo`, `cache`, `profile-router` and `distill`.
 
 User mistakes (missing path, not an MoE model, bad config) print one line and a hint and exit
 with status 2; a demo whose accelerated output disagrees with native exits with status 1.
@@ -23,6 +21,7 @@ from .commands.check import cmd_check
 from .commands.common import UserError, shipped_model_dir
 from .commands.debug import cmd_debug
 from .commands.demo import cmd_demo
+from .commands.distill import cmd_distill
 from .commands.profile import cmd_profile_router
 
 __all__ = ["UserError", "build_parser", "main", "shipped_model_dir"]
@@ -140,8 +139,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the weights in this dtype (default: the checkpoint's)")
     p.add_argument("--out", help="directory for profile.json, expert_prior.json, routing.safetensors and the plots "
                    "(default ./router-profile-<model directory name>)")
+    p.add_argument("--kl-budget", type=float, default=0.01,
+                   help="advise the adaptive top-k threshold whose logits KL against the full model stays within "
+                        "this many nats a token, measured by running the model again per threshold (default 0.01; "
+                        "0: not measured)")
     p.add_argument("--json", action="store_true", help="print the whole profile as JSON instead of the summary")
     p.set_defaults(func=cmd_profile_router)
+    p = sub.add_parser("distill", help="a smaller MoE: fewer experts a layer (and optionally a lower top-k), "
+                       "chosen on calibration text, written as a plain transformers checkpoint")
+    p.add_argument("--model", required=True, help="a local model directory (with its tokenizer), or 'builtin'")
+    p.add_argument("--experts", type=int, required=True, help="experts each MoE block keeps (fewer than it has)")
+    p.add_argument("--top-k", type=int, default=None, help="experts a token in the result (default: the model's, "
+                   "or --experts if smaller); only a lower top-k lowers the bytes a token reads")
+    p.add_argument("--method", choices=("prune", "merge"), default="prune",
+                   help="prune: drop the lowest-scored experts; merge: fold each into its most similar kept "
+                        "expert (frequency-weighted average). Default prune")
+    p.add_argument("--score", choices=("frequency", "saliency", "random"), default="frequency",
+                   help="how experts are ranked: routing frequency, REAP-style saliency (router weight x expert "
+                        "output norm), or random (a baseline). Default frequency")
+    p.add_argument("--data", default="builtin", help="calibration text: a text file, JSONL with a \"text\" field a "
+                   "line, or 'builtin' (data/heldout.txt; the default)")
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --score random (default 0)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="load (and write) the weights in this dtype (default: the checkpoint's)")
+    p.add_argument("--out", required=True, help="the directory to write (refused if not empty, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_distill)
     return parser
 
 

@@ -53,6 +53,7 @@ from ..core import cache_policy as cp
 from ..integrate.adapters import BlockMatch, discover
 from ..integrate.patching import inspect_model
 from .debug import _decoder_layers as layers
+from . import top_k_advice
 from .plan import packed_expert_bytes
 
 FORMAT = "hi_na_moe.router_profile"
@@ -381,13 +382,17 @@ def profile_router(model: nn.Module, tokenizer=None, data=None, tokens: int | No
                    seq_len: int | None = None, batch_size: int = 8, keep_hidden: bool = False,
                    add_special_tokens: bool = True, policies: Sequence[str] = tuple(cp.POLICIES),
                    fractions: Sequence[float] = SIZE_FRACTIONS, half_life: float = HALF_LIFE,
-                   progress: bool = False) -> RouterProfile:
+                   kl_budget: float | None = None, progress: bool = False) -> RouterProfile:
     """Profile the routing of `model` on `data` (a text, a list of texts, or a tensor of token
     ids), its first `tokens` tokens (None: all) in windows of `seq_len` (default: 256, or the
     model's max_position_embeddings if smaller), `batch_size` windows a forward. `keep_hidden`
     keeps every block's input states in the profile (tokens x hidden each). `policies` and
     `fractions`: the hit-rate curves' policies and cache sizes (fractions of all experts);
-    `half_life`: FreqDecay's, in tokens. `progress`: tqdm bars on stderr."""
+    `half_life`: FreqDecay's, in tokens. `kl_budget` (nats a token): also measure the adaptive top-k
+    threshold that keeps the logits' KL within it (hi_na_moe.tools.top_k_advice: runs the model
+    again per threshold; the profile's advice["top_k"]). `progress`: tqdm bars on stderr."""
+    if kl_budget is not None and not kl_budget > 0:
+        raise ProfileError(f"kl_budget must be > 0 nats a token (or None: not measured), got {kl_budget!r}")
     if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
         raise ProfileError(f"tokens must be a positive integer, got {tokens!r}")
     if batch_size < 1:
@@ -553,7 +558,10 @@ def profile_router(model: nn.Module, tokenizer=None, data=None, tokens: int | No
             notes.append(f"block {b.name}: routing not recorded: {b.error or 'it was never called'}")
     if not kept:
         raise ProfileError("no MoE block's routing could be recorded: " + "; ".join(notes))
-    return _build(model, kept, n_tokens, seq_len, keep_hidden, notes, policies, fractions, half_life, progress)
+    profile = _build(model, kept, n_tokens, seq_len, keep_hidden, notes, policies, fractions, half_life, progress)
+    if kl_budget is not None:
+        profile.figures["advice"]["top_k"] = top_k_advice.advise(model, windows, kl_budget, progress=progress)
+    return profile
 
 
 def _after_batch(blocks: list[_Block], resid: dict, n: int, keep_hidden: bool) -> None:
@@ -1017,6 +1025,13 @@ def format_summary(d: dict) -> str:
     for p in d["advice"]["pin"]["experts"][:8]:
         a(f"    block {p['block']} (L{p['layer']}) expert {p['expert']}: {100 * p['load_share']:.1f} % of its block's "
           f"routing, {100 * p['share_of_all_accesses']:.1f} % of all accesses")
+    if "top_k" in d["advice"]:
+        tk = d["advice"]["top_k"]
+        a("  " + tk["text"])
+        if tk["rows"]:
+            a("    threshold: experts a token, KL nats a token, top-1 % = " + "; ".join(
+                f"{r['threshold']:g}: {r['experts_per_token']:.2f}, {r['kl']:.4f}, {100 * r['top1']:.1f}"
+                for r in tk["rows"]))
     for n in d.get("notes", []):
         a("note: " + n)
     for b in d["blocks"]:

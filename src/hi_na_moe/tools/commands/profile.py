@@ -17,6 +17,9 @@ def cmd_profile_router(args) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    kl_budget = getattr(args, "kl_budget", None)
+    if kl_budget is not None and not kl_budget >= 0:
+        raise UserError(f"--kl-budget must be >= 0 nats a token, got {kl_budget}", "0 skips the adaptive top-k advice")
     path = shipped_model_dir() if args.model == "builtin" else args.model
     if path is None:
         raise UserError("--model builtin: the shipped model (models/hina-tiny-moe) is not in this installation",
@@ -42,7 +45,8 @@ def cmd_profile_router(args) -> int:
                         "save the model's tokenizer into the directory with tokenizer.save_pretrained")
     try:
         profile = profile_router(model, tokenizer, texts, tokens=args.tokens, seq_len=args.seq_len,
-                                 batch_size=args.batch_size, add_special_tokens=special, progress=True)
+                                 batch_size=args.batch_size, add_special_tokens=special, progress=True,
+                                 kl_budget=kl_budget or None)
     except ProfileError as exc:
         raise UserError(f"{str(path)!r}: {exc}") from None
     out = Path(args.out) if args.out else Path(f"router-profile-{Path(path).resolve().name}")
