@@ -1,0 +1,64 @@
+"""`hi-na-moe distill`: a smaller MoE (fewer experts a layer, optionally a lower top-k) written as a
+plain transformers checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..distill import DistillError, check_out, distill, model_card, save_distilled
+from ..profile_router import ProfileError, builtin_data, read_texts
+from . import common
+from .common import UserError, shipped_model_dir
+
+
+def cmd_distill(args) -> int:
+    """Check every option and the output directory, load, calibrate, distill, write."""
+    if args.experts < 1:
+        raise UserError(f"--experts must be >= 1, got {args.experts}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_k is not None and args.top_k > args.experts:
+        raise UserError(f"--top-k {args.top_k} is more than --experts {args.experts}",
+                        "a token cannot be routed to more experts than a layer keeps")
+    if args.tokens < 1:
+        raise UserError(f"--tokens must be >= 1, got {args.tokens}")
+    path = shipped_model_dir() if args.model == "builtin" else args.model
+    if path is None:
+        raise UserError("--model builtin: the shipped model (models/hina-tiny-moe) is not in this installation",
+                        "pass --model PATH")
+    # the output and the data before the model: a mistake in either is named without waiting for a load
+    try:
+        check_out(args.out, args.force)
+    except DistillError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        if args.data == "builtin":
+            data_path = builtin_data()
+            if data_path is None:
+                raise UserError("--data builtin: the project's held-out corpus (data/heldout.txt) is not in this "
+                                "installation", "pass --data FILE (text, or JSONL with a \"text\" field)")
+            texts, special = [data_path.read_text(encoding="utf-8")], False  # a stream with its own separators
+        else:
+            texts, special = read_texts(args.data), True
+    except ProfileError as exc:
+        raise UserError(str(exc), "pass a UTF-8 text file, JSONL with a \"text\" field a line, or builtin") from None
+    model, tokenizer = common._load(path, args.dtype)
+    if tokenizer is None:
+        raise UserError(f"{str(path)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)",
+                        "save the model's tokenizer into the directory with tokenizer.save_pretrained")
+    try:
+        small = distill(model, args.experts, top_k=args.top_k, method=args.method, score=args.score, data=texts,
+                        tokens=args.tokens, seed=args.seed, tokenizer=tokenizer, add_special_tokens=special,
+                        progress=args.output != "json")
+        out = save_distilled(small, args.out, force=args.force, tokenizer=tokenizer)
+    except DistillError as exc:
+        raise UserError(f"{str(path)!r}: {exc}") from None
+    report = small.distill_report
+    if args.output == "json":
+        print(json.dumps(dict(report.to_dict(), out=str(Path(out).resolve())), indent=1))
+    else:
+        print(model_card(report).rstrip())
+        print()
+        print(f"wrote {out}")
+    return 0

@@ -1,0 +1,539 @@
+"""A smaller MoE from a larger one: fewer experts a layer (and optionally a lower top-k), chosen on
+calibration text, written as a plain transformers checkpoint.
+
+`distill(model, experts=N, ...)` routes calibration tokens through the model, scores every
+expert of every MoE block, and returns a new model of the same class whose config says N experts
+(and the new top-k): the N best-scored experts of each block are kept, the rest dropped
+(method="prune") or folded into their most similar kept expert (method="merge"). Scores:
+
+- "frequency": how many (token, slot) routings chose the expert;
+- "saliency": REAP-style, the router weight times the norm of the expert's output, averaged over
+  the tokens routed to it (an expert chosen often but with small weight or small output scores
+  low);
+- "random": a seeded random order, the baseline the other two must beat.
+
+Blocks are found with `adapters.discover` (as enable does) and routers with the profile's
+`_router` (the one [experts, hidden] weight in the block outside its experts). Only the fused
+3-D expert layouts transformers 5 uses (OLMoE, Qwen-MoE, Mixtral, ...) are handled: the experts
+module's per-expert tensors and the router's per-expert rows, bias and correction bias are
+sliced; shared experts are not per-expert tensors of either module and stay as they are. Any
+other layout is refused with the block's class named.
+
+What it buys: fewer expert bytes in memory. The bytes a token reads fall only when top-k falls
+too (a token still runs k experts of the same size).
+
+`save_distilled(model, out)` writes the checkpoint atomically (built in a temp directory beside
+`out`, renamed at the end) with a model card (README.md) saying what was done and measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..integrate import patching
+from ..integrate.adapters import discover
+from ..integrate.families import EXPERT_COUNT_KEYS
+from .profile_router import ProfileError, _block_module, _experts_call, _router, _token_ids, _windows
+from .quality import logits_agreement
+
+METHODS = ("prune", "merge")
+SCORES = ("frequency", "saliency", "random")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_selected_experts")
+# tokens of each block's input kept for merge's output similarity (outputs of every expert on them)
+SIMILARITY_TOKENS = 512
+# calibration tokens the card's in-sample agreement (KL, top-1 vs the original) is measured on
+CARD_TOKENS = 2048
+
+
+class DistillError(ValueError):
+    """Input distill cannot work with (bad N, a layout it cannot slice, an unwritable output):
+    the message names it."""
+
+
+@dataclass
+class _Block:
+    name: str  # the experts module
+    block_name: str
+    experts: nn.Module
+    router_name: str
+    router: nn.Module
+    num_experts: int
+    freq: torch.Tensor  # [E] routings (token, slot) per expert
+    sal_sum: torch.Tensor  # [E] sum over routed tokens of weight * |output|
+    sample: list = field(default_factory=list)  # block inputs for merge's similarity
+
+
+@dataclass
+class DistillReport:
+    source: str
+    model_class: str
+    method: str
+    score: str
+    experts_before: int
+    experts_after: int
+    top_k_before: int
+    top_k_after: int
+    calibration_tokens: int
+    seed: int
+    layers: list[dict]  # per block: name, kept, scores, merged_into (merge)
+    param_bytes_before: int = 0
+    param_bytes_after: int = 0
+    expert_bytes_before: int = 0
+    expert_bytes_after: int = 0
+    agreement: dict[str, Any] | None = None  # in-sample KL / top-1 vs the original
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _text_config(cfg):
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _config_key(cfg, keys) -> str | None:
+    """The first of `keys` the config stores itself (not an attribute_map alias)."""
+    own = cfg.to_dict()
+    return next((k for k in keys if isinstance(own.get(k), int) and not isinstance(own.get(k), bool)), None)
+
+
+def _blocks(model: nn.Module) -> list[_Block]:
+    matches = discover(model)
+    if not matches:
+        raise DistillError(f"no MoE block found in {type(model).__name__}: nothing routes tokens to experts")
+    cfg = _text_config(model.config)
+    H = getattr(cfg, "hidden_size", None)
+    out = []
+    for m in matches:
+        cls = type(m.module).__name__
+        spec = m.spec
+        ok = m.adapter.startswith("experts") and spec is not None and not spec.members and not spec.n_identity
+        gu = getattr(m.module, "gate_up_proj", None)
+        if gu is None:
+            gu = getattr(m.module, "up_proj", None)
+        down = getattr(m.module, "down_proj", None)
+        if ok:
+            E = int(spec.num_experts)
+            ok = all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == E for t in (gu, down))
+        if not ok:
+            raise DistillError(
+                f"{m.name} ({cls}, {m.adapter}): distill slices fused 3-D expert weights (an experts module "
+                "holding gate_up_proj/down_proj [experts, ...], as OLMoE, Qwen-MoE and Mixtral in transformers 5); "
+                f"this layout is not one of them")
+        bname, bmod = _block_module(model, m)
+        found = _router(bname, bmod, m.module, E, int(spec.hidden if spec.hidden else H))
+        if found is None:
+            raise DistillError(f"{bname} ({type(bmod).__name__}): no router with one [{E}, hidden] weight beside "
+                               "its experts; distill cannot tell which rows to slice")
+        rname = found[0]
+        out.append(_Block(m.name, bname, m.module, rname, model.get_submodule(rname), E,
+                          torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64)))
+    counts = {b.num_experts for b in out}
+    if len(counts) > 1:
+        raise DistillError(f"the MoE blocks of {type(model).__name__} have different expert counts "
+                           f"({sorted(counts)}); distill keeps one count for all")
+    return out
+
+
+def _expert_output(b: _Block, x: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert e's output on rows x (weight 1), by the experts module's own forward."""
+    n = x.shape[0]
+    idx = torch.full((n, 1), e, dtype=torch.long)
+    w = torch.ones(n, 1, dtype=x.dtype)
+    return b.experts(x, idx, w)
+
+
+def _calibrate(model, blocks: list[_Block], windows: list[torch.Tensor], batch_size: int, saliency: bool,
+               similarity: bool, progress: bool) -> int:
+    busy = {"on": False}
+
+    def hook_for(b: _Block):
+        def hook(_mod, args, kwargs):
+            if busy["on"]:
+                return
+            h, idx, w = _experts_call(args, kwargs)
+            if h is None or idx is None:
+                raise DistillError(f"{b.name}: its experts were not called as (hidden_states, top_k_index, "
+                                   "top_k_weights)")
+            h = h.reshape(-1, h.shape[-1]).detach()
+            idx = idx.reshape(h.shape[0], -1)
+            valid = idx[(idx >= 0) & (idx < b.num_experts)]
+            b.freq += torch.bincount(valid, minlength=b.num_experts).double()
+            if similarity:
+                have = sum(s.shape[0] for s in b.sample)
+                if have < SIMILARITY_TOKENS:
+                    b.sample.append(h[:SIMILARITY_TOKENS - have].clone())
+            if saliency and w is not None:
+                w = w.reshape(h.shape[0], -1).detach()
+                busy["on"] = True
+                try:
+                    for e in valid.unique().tolist():
+                        tok, pos = torch.where(idx == e)
+                        norms = _expert_output(b, h[tok], e).float().norm(dim=-1)
+                        b.sal_sum[e] += float((w[tok, pos].float() * norms).sum())
+                finally:
+                    busy["on"] = False
+        return hook
+
+    handles = [b.experts.register_forward_pre_hook(hook_for(b), with_kwargs=True) for b in blocks]
+    n = 0
+    try:
+        batches = [windows[i:i + batch_size] for i in range(0, len(windows), batch_size)]
+        for batch in tqdm(batches, desc="calibration", unit="batch", disable=not progress, leave=False):
+            L = max(w.numel() for w in batch)
+            same = [w for w in batch if w.numel() == L]  # a short last window runs alone
+            rest = [w for w in batch if w.numel() != L]
+            for group in ([torch.stack(same)] if same else []) + [w.view(1, -1) for w in rest]:
+                with torch.no_grad():
+                    model(input_ids=group, use_cache=False)
+                n += group.numel()
+    finally:
+        for hd in handles:
+            hd.remove()
+    return n
+
+
+def _scores(b: _Block, score: str, seed: int, layer: int) -> torch.Tensor:
+    if score == "frequency":
+        return b.freq.clone()
+    if score == "saliency":
+        return torch.where(b.freq > 0, b.sal_sum / b.freq.clamp(min=1), torch.zeros_like(b.freq))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+    return torch.rand(b.num_experts, generator=g, dtype=torch.float64)
+
+
+def _per_expert(mod: nn.Module, E: int, router: bool, H: int | None):
+    """(name, tensor) of `mod`'s own per-expert parameters and persistent buffers: [E, ...] in an
+    experts module; [E, H] and [E] in a router."""
+    out = []
+    for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+        if t is None or t.dim() == 0 or t.shape[0] != E:
+            continue
+        if router and not (t.dim() == 1 or (t.dim() == 2 and t.shape[1] == H)):
+            continue
+        out.append((name, t))
+    return out
+
+
+def _similar(b: _Block, kept: list[int], dropped: list[int]) -> dict[int, int]:
+    """Each dropped expert's most similar kept one: cosine of their outputs on the sampled block
+    inputs (all experts run on the same tokens)."""
+    x = torch.cat(b.sample) if b.sample else None
+    if x is None or x.shape[0] == 0:
+        raise DistillError(f"{b.name}: no calibration tokens reached the block; merge needs its inputs")
+    with torch.no_grad():
+        outs = {e: _expert_output(b, x, e).float().reshape(-1) for e in kept + dropped}
+    into = {}
+    for d in dropped:
+        sims = [float(torch.nn.functional.cosine_similarity(outs[d], outs[k], dim=0)) for k in kept]
+        into[d] = kept[max(range(len(kept)), key=lambda i: sims[i])]
+    return into
+
+
+def distill(model: nn.Module, experts: int, *, top_k: int | None = None, method: str = "prune",
+            score: str = "frequency", data=None, tokens: int | None = 8192, seed: int = 0, tokenizer=None,
+            seq_len: int = 256, batch_size: int = 8, add_special_tokens: bool = False,
+            progress: bool = False) -> nn.Module:
+    """A new model of `model`'s class with `experts` experts a MoE block and top-k `top_k`
+    (default: the model's, or `experts` if that is smaller); `model` is left as it was.
+    `data`: calibration text (a string, a list of strings; `tokenizer` needed) or a tensor of
+    token ids, its first `tokens` tokens in windows of `seq_len`. The result's `distill_report`
+    (DistillReport) says what was kept, merged and measured."""
+    if method not in METHODS:
+        raise DistillError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if score not in SCORES:
+        raise DistillError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise DistillError(f"experts must be a whole number >= 1, got {experts!r}")
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+        raise DistillError(f"tokens must be a whole number >= 1, got {tokens!r}")
+    if seq_len < 1 or batch_size < 1:
+        raise DistillError(f"seq_len and batch_size must be >= 1, got {seq_len} and {batch_size}")
+    if patching.is_enabled(model):
+        raise DistillError("the model is enabled for hi_na_moe; distill reads its own weights: call "
+                           "hi_na_moe.disable_for_model(model) first")
+    if getattr(model, "config", None) is None:
+        raise DistillError(f"{type(model).__name__} has no transformers config to write the new expert count to")
+    blocks = _blocks(model)
+    E = blocks[0].num_experts
+    cfg = _text_config(model.config)
+    e_key, k_key = _config_key(cfg, EXPERT_COUNT_KEYS), _config_key(cfg, TOP_K_KEYS)
+    if e_key is None or k_key is None:
+        raise DistillError(f"{type(cfg).__name__} has no {'expert count' if e_key is None else 'top-k'} key "
+                           f"distill knows ({', '.join(EXPERT_COUNT_KEYS if e_key is None else TOP_K_KEYS)})")
+    if getattr(cfg, e_key) != E:
+        raise DistillError(f"{type(cfg).__name__}.{e_key} is {getattr(cfg, e_key)} but the MoE blocks hold {E} "
+                           "experts")
+    K = int(getattr(cfg, k_key))
+    if experts >= E:
+        raise DistillError(f"experts must be fewer than the model's {E} (got {experts})")
+    k_new = min(K, experts) if top_k is None else top_k
+    if not isinstance(k_new, int) or isinstance(k_new, bool) or k_new < 1:
+        raise DistillError(f"top_k must be a whole number >= 1, got {top_k!r}")
+    if k_new > experts:
+        raise DistillError(f"top_k {k_new} is more than the {experts} experts kept")
+    n_group = getattr(cfg, "n_group", None)
+    if isinstance(n_group, int) and n_group > 1 and experts % n_group:
+        # grouped routing (DeepSeek V3, ...) splits a block's experts into n_group equal groups
+        raise DistillError(f"experts must be a multiple of {type(cfg).__name__}.n_group ({n_group}) for its "
+                           f"grouped routing, got {experts}")
+    if data is None:
+        raise DistillError("data is needed: calibration text (with tokenizer=) or a tensor of token ids")
+    try:
+        ids = _token_ids(tokenizer, data, add_special_tokens)
+    except ProfileError as exc:
+        raise DistillError(str(exc)) from None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if isinstance(vocab, int) and int(ids.max()) >= vocab:
+        raise DistillError(f"token id {int(ids.max())} is past the model's {vocab} input embeddings: the "
+                           "tokenizer does not belong to this model")
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and 0 < max_pos < seq_len:
+        seq_len = max_pos
+    windows = _windows(ids, seq_len, tokens)
+
+    was_training = model.training
+    model.eval()
+    try:
+        n_tokens = _calibrate(model, blocks, windows, batch_size, saliency=score == "saliency",
+                              similarity=method == "merge", progress=progress)
+    finally:
+        model.train(was_training)
+
+    sd = model.state_dict()
+    H = int(getattr(cfg, "hidden_size", 0) or 0)
+    layers = []
+    expert_bytes_before = expert_bytes_after = 0
+    for j, b in enumerate(blocks):
+        s = _scores(b, score, seed, j)
+        order = torch.argsort(-s, stable=True)
+        kept = sorted(order[:experts].tolist())
+        dropped = sorted(order[experts:].tolist())
+        info = dict(block=b.block_name, router=b.router_name, kept=kept, dropped=dropped,
+                    scores=[round(float(v), 6) for v in s], routings=[int(v) for v in b.freq])
+        groups = {k: [k] for k in kept}
+        if method == "merge":
+            into = _similar(b, kept, dropped)
+            for d, k in into.items():
+                groups[k].append(d)
+            info["merged_into"] = {str(d): k for d, k in into.items()}
+        keep_idx = torch.tensor(kept)
+        for prefix, mod, is_router in ((b.name, b.experts, False), (b.router_name, b.router, True)):
+            for pname, t in _per_expert(mod, E, is_router, H):
+                key = f"{prefix}.{pname}"
+                if key not in sd:  # a non-persistent buffer: the new model computes its own
+                    continue
+                src = sd[key].detach()
+                if not is_router:
+                    expert_bytes_before += src.numel() * src.element_size()
+                if method == "merge" and not is_router:
+                    rows = []
+                    for k in kept:
+                        members = groups[k]
+                        f = b.freq[members]
+                        wts = f / f.sum() if float(f.sum()) > 0 else torch.full((len(members),), 1 / len(members),
+                                                                                 dtype=torch.float64)
+                        acc = sum(float(wt) * src[m].double() for wt, m in zip(wts, members))
+                        rows.append(acc.to(src.dtype))
+                    new = torch.stack(rows)
+                else:  # the router's rows of a kept expert stay as they were, merged or not
+                    new = src.index_select(0, keep_idx).clone()
+                sd[key] = new
+                if not is_router:
+                    expert_bytes_after += new.numel() * new.element_size()
+        layers.append(info)
+
+    new_config = copy.deepcopy(model.config)
+    new_cfg = _text_config(new_config)
+    setattr(new_cfg, e_key, experts)
+    setattr(new_cfg, k_key, k_new)
+    try:
+        new = type(model)._from_config(new_config, dtype=model.dtype)
+    except Exception as exc:
+        raise DistillError(f"{type(model).__name__} cannot be built with {e_key}={experts}, {k_key}={k_new}: "
+                           f"{exc}") from None
+    missing, unexpected = [], []
+    try:
+        res = new.load_state_dict(sd, strict=False)
+        missing, unexpected = list(res.missing_keys), list(res.unexpected_keys)
+    except RuntimeError as exc:  # a shape mismatch: some per-expert tensor distill did not slice
+        first = str(exc).strip().splitlines()
+        raise DistillError(f"{type(model).__name__}: the sliced weights do not fit the {experts}-expert model "
+                           f"({first[1].strip() if len(first) > 1 else first[0]}); distill does not know this "
+                           "family's per-expert tensors") from None
+    if missing or unexpected:
+        raise DistillError(f"{type(model).__name__}: the {experts}-expert model's weights differ from the "
+                           f"original's (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    new.eval()
+    if getattr(model, "generation_config", None) is not None:
+        new.generation_config = copy.deepcopy(model.generation_config)
+
+    def nbytes(m):
+        return sum(p.numel() * p.element_size() for p in m.state_dict().values())
+
+    report = DistillReport(
+        source=str(getattr(model.config, "_name_or_path", "") or type(model).__name__), model_class=type(model).__name__,
+        method=method, score=score, experts_before=E, experts_after=experts, top_k_before=K, top_k_after=k_new,
+        calibration_tokens=n_tokens, seed=seed, layers=layers, param_bytes_before=nbytes(model),
+        param_bytes_after=nbytes(new), expert_bytes_before=expert_bytes_before, expert_bytes_after=expert_bytes_after)
+    try:
+        report.agreement = _agreement(model, new, windows)
+    except Exception as exc:  # the written config would not run: refuse it rather than write it
+        raise DistillError(f"the {experts}-expert {type(model).__name__} does not run ({type(exc).__name__}: "
+                           f"{exc}); distill does not know this family's constraints on the expert count") from None
+    new.distill_report = report
+    return new
+
+
+def _agreement(ref: nn.Module, new: nn.Module, windows: list[torch.Tensor]) -> dict | None:
+    """KL and top-1 of `new` against `ref` on the first calibration tokens (in-sample: the tokens
+    the experts were scored on)."""
+    take, n = [], 0
+    for w in windows:
+        if n >= CARD_TOKENS:
+            break
+        take.append(w)
+        n += w.numel()
+    if not take:
+        return None
+    kls, tops, count = 0.0, 0.0, 0
+    with torch.no_grad():
+        for w in take:
+            a = ref(input_ids=w.view(1, -1), use_cache=False).logits[0].float()
+            b = new(input_ids=w.view(1, -1), use_cache=False).logits[0].float()
+            kl, top1 = logits_agreement(a, b)
+            kls += kl * w.numel()
+            tops += top1 * w.numel()
+            count += w.numel()
+    return dict(tokens=count, kl=kls / count, top1=tops / count)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+def check_out(out: str | Path, force: bool = False) -> Path:
+    """`out` as a directory distill may write: refused when it is a file, or a non-empty
+    directory without `force`, or when nothing can be created beside it. Leaves nothing behind."""
+    p = Path(out).expanduser()
+    if p.exists() and not p.is_dir():
+        raise DistillError(f"--out {str(out)!r} is a file, not a directory")
+    if p.is_dir() and any(p.iterdir()) and not force:
+        raise DistillError(f"--out {str(out)!r} is not empty (--force, or force=True, replaces it)")
+    parent = p.resolve().parent
+    if not parent.is_dir():  # not created here: a failure later would leave it behind
+        raise DistillError(f"--out {str(out)!r}: its parent directory {str(parent)!r} does not exist (create it first)")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{p.name}.distill-", dir=parent)
+    except OSError as exc:
+        raise DistillError(f"--out {str(out)!r}: cannot write in {str(parent)!r} ({exc.strerror or exc})") from None
+    os.rmdir(probe)
+    return p
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def model_card(report: DistillReport) -> str:
+    r = report
+    how = ("each block's lowest-scored experts dropped, the router's rows (and per-expert bias) of the kept ones "
+           "sliced out" if r.method == "prune" else
+           "each dropped expert folded into the kept expert whose outputs on calibration tokens are most similar "
+           "(cosine), weight matrices averaged by routing frequency; the kept experts' router rows unchanged, the "
+           "dropped experts' rows removed")
+    score = {"frequency": "routing frequency (token-slot routings per expert)",
+             "saliency": "REAP-style saliency (router weight x expert output norm, averaged over the tokens routed "
+                         "to the expert)",
+             "random": f"random (seed {r.seed}), a baseline"}[r.score]
+    lines = [
+        "# Distilled MoE (hi-na-moe distill)", "",
+        f"Made from `{r.source}` ({r.model_class}) by `hi_na_moe.tools.distill`: {r.experts_before} -> "
+        f"{r.experts_after} experts a MoE block, top-k {r.top_k_before} -> {r.top_k_after}. "
+        "A plain transformers checkpoint: `AutoModelForCausalLM.from_pretrained` loads it without hi_na_moe.", "",
+        "## What was done", "",
+        f"- method: {r.method} ({how})",
+        f"- expert score: {score}",
+        f"- calibration: {r.calibration_tokens} tokens", "",
+        "| block | kept experts | dropped | merged into |", "|---|---|---|---|"]
+    for L in r.layers:
+        merged = ", ".join(f"{d}->{k}" for d, k in L.get("merged_into", {}).items()) or "-"
+        lines.append(f"| {L['block']} | {L['kept']} | {L['dropped']} | {merged} |")
+    lines += ["", "## What was measured", "",
+              f"- parameters: {_gib(r.param_bytes_before)} -> {_gib(r.param_bytes_after)}; routed-expert weights "
+              f"{_gib(r.expert_bytes_before)} -> {_gib(r.expert_bytes_after)}",
+              f"- expert bytes a token reads: x{r.top_k_after / r.top_k_before:.2f} (top-k {r.top_k_before} -> "
+              f"{r.top_k_after}; fewer experts at the same top-k read the same bytes a token)"]
+    if r.agreement:
+        a = r.agreement
+        lines.append(f"- against the original on {a['tokens']} calibration tokens (in-sample, not held-out): mean "
+                     f"KL {a['kl']:.4f} nats/token, top-1 agreement {a['top1']:.1%}")
+    lines += ["- held-out quality was not measured by this command; benchmarks/quality_distill.py measures it",
+              "", "Per-block scores and routing counts: distill.json."]
+    return "\n".join(lines) + "\n"
+
+
+def save_distilled(model: nn.Module, out: str | Path, *, force: bool = False, tokenizer=None) -> Path:
+    """Write `model` (a distill() result) to `out`: safetensors and config by save_pretrained, the
+    tokenizer if given, README.md (the model card) and distill.json. Built in a temp directory
+    beside `out` and renamed into place; on any failure nothing is left behind and an existing
+    `out` (replaced only with `force`) is untouched."""
+    import json
+
+    from transformers.utils import logging as hf_logging
+
+    report = getattr(model, "distill_report", None)
+    if not isinstance(report, DistillReport):
+        raise DistillError("save_distilled writes a distill() result (the model has no distill_report)")
+    p = check_out(out, force)
+    parent = p.resolve().parent
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{p.name}.distill-", dir=parent))
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp's 0700 is for a temp dir, not for a model others read
+    except OSError as exc:
+        raise DistillError(f"--out {str(out)!r}: cannot write in {str(parent)!r} ({exc.strerror or exc})") from None
+    old = None
+    try:
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        (tmp / "README.md").write_text(model_card(report), encoding="utf-8")
+        (tmp / "distill.json").write_text(json.dumps(report.to_dict(), indent=1), encoding="utf-8")
+        if p.exists():
+            old = parent / f".{p.name}.replaced-{os.getpid()}"
+            p.rename(old)
+        tmp.rename(p)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not p.exists():
+            old.rename(p)
+        if isinstance(exc, OSError):
+            raise DistillError(f"--out {str(out)!r}: writing failed ({exc.strerror or exc}); nothing was left "
+                               "behind") from None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return p
+
+
+__all__ = ["DistillError", "DistillReport", "METHODS", "SCORES", "check_out", "distill", "model_card",
+           "save_distilled"]
+

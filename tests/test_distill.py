@@ -1,0 +1,275 @@
+"""hi_na_moe.tools.distill and `hi-na-moe distill`: the written checkpoint's shapes and config, that
+it loads in plain transformers and under enable_for_model, that pruning experts the router never
+chooses leaves the outputs as they were (constructed cases), merge's arithmetic, and the error
+paths (nothing half-written left behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import hi_na_moe
+from hi_na_moe.tools import distill as dm
+from hi_na_moe.tools.cli import main
+
+from tiny_models import build_tiny, olmoe
+
+IDS = torch.randint(3, 512, (256,), generator=torch.Generator().manual_seed(1))
+
+
+def _ids(vocab: int, n: int = 200, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return olmoe(layers=2, dtype=torch.float32)
+
+
+def _leftovers(parent: Path, name: str) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_written_checkpoint_has_the_new_counts_and_sliced_tensors(family, tmp_path):
+    t = build_tiny(family)
+    cfg = t.config
+    E = next(getattr(cfg, k) for k in ("n_routed_experts", "num_local_experts", "num_experts") if hasattr(cfg, k))
+    small = dm.distill(t.model, 2, top_k=1, data=_ids(t.vocab_size), seq_len=50)
+    out = dm.save_distilled(small, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    key = next(k for k in ("n_routed_experts", "num_local_experts", "num_experts") if k in config)
+    assert config[key] == 2 and config["num_experts_per_tok"] == 1
+    rows = {}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            rows[k] = tuple(f.get_slice(k).get_shape())
+    # save_pretrained writes the family's checkpoint format: fused [experts, ...] tensors, or one
+    # tensor an expert (OLMoE, Mixtral: experts.<e>.<proj>.weight) that loading fuses again
+    fused = [k for k in rows if re.search(r"experts\.(gate_up|down|up)_proj", k) and "shared" not in k]
+    numbered = {int(m.group(1)) for k in rows for m in [re.search(r"experts\.(\d+)\.", k)] if m}
+    assert fused or numbered
+    assert all(rows[k][0] == 2 for k in fused) and numbered in (set(), {0, 1})
+    before = t.model.state_dict()
+    loaded = type(t.model).from_pretrained(out, dtype=torch.float32).state_dict()
+    for b in small.distill_report.layers:  # router rows, bias and correction bias: one per kept expert
+        router = [k for k in loaded if k.startswith(b["router"] + ".")]
+        assert router and all(loaded[k].shape[0] == 2 and before[k].shape[0] == E for k in router)
+        assert loaded[f"{b['router']}.weight"].equal(before[f"{b['router']}.weight"][b["kept"]])
+    shared = [k for k in loaded if "shared" in k]
+    assert all(loaded[k].equal(before[k]) for k in shared)  # shared experts untouched
+    assert (out / "README.md").read_text().startswith("# Distilled MoE")
+
+
+def test_loads_in_plain_transformers_and_under_enable(tiny, tmp_path):
+    small = dm.distill(tiny, 4, data=IDS, seq_len=64)
+    out = dm.save_distilled(small, tmp_path / "d")
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}); "
+            "assert 'hi_na_moe' not in sys.modules; "
+            "print(m.config.num_experts, tuple(m.model.layers[0].mlp.experts.gate_up_proj.shape))")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[0] == "4"
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(IDS[None, :64]).logits
+        want_small = small(IDS[None, :64]).logits
+        report = hi_na_moe.enable_for_model(model)
+        try:
+            got = model(IDS[None, :64]).logits
+        finally:
+            hi_na_moe.disable_for_model(model)
+    assert len(report.blocks) == 2 and all(b.status in ("accelerated", "reference") for b in report.blocks)
+    torch.testing.assert_close(want, want_small, rtol=0, atol=0)  # what was written is what distill returned
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _never_route(model, dropped: list[int], c: int = 0):
+    """Make `dropped` experts unreachable in every block of an OLMoE: residual coordinate c holds
+    the embedding's constant 0.1 at every layer (nothing writes to it), so after the norm it is
+    positive for every token; the dropped experts' router rows are -1000 there and 0 elsewhere,
+    their logits far below any other (softmax gives them exactly 0). The other rows are scaled up
+    so that every kept expert is chosen by some token."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, c] = 0.1
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[c, :] = 0
+            layer.mlp.experts.down_proj[:, c, :] = 0
+            layer.post_attention_layernorm.weight[c] = 1.0
+            gate = layer.mlp.gate.weight
+            gate.mul_(20)
+            gate[:, c] = 0
+            gate[dropped] = 0
+            gate[dropped, c] = -1000.0
+
+
+def test_pruning_experts_never_routed_to_leaves_the_outputs_equal():
+    model = olmoe(layers=2, dtype=torch.float32)
+    dropped = [1, 4, 6]
+    _never_route(model, dropped)
+    small = dm.distill(model, 5, data=IDS, seq_len=64)
+    for b in small.distill_report.layers:
+        assert b["dropped"] == dropped and all(b["routings"][d] == 0 for d in dropped)
+    with torch.no_grad():
+        want = model(IDS[None]).logits
+        got = small(IDS[None]).logits
+    # equal up to rounding: the router's matmul over 5 rows may round differently from over 8
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the check can fail: pruning an expert the router does choose changes the outputs
+    other = dm.distill(model, 5, score="random", seed=3, data=IDS, seq_len=64)
+    assert any(b["dropped"] != dropped for b in other.distill_report.layers)
+    with torch.no_grad():
+        assert not torch.allclose(other(IDS[None]).logits, want, rtol=1e-5, atol=1e-6)
+
+
+def test_pruning_with_a_router_bias_leaves_the_outputs_equal():
+    """GPT-OSS's router has a bias (and its experts biases): a dropped expert's bias of -1e4 keeps
+    it out of every token's top-k; the softmax over the top-k then sees the same values."""
+    t = build_tiny("gpt_oss")
+    model = t.model
+    dropped = [0, 3]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.bias[dropped] = -1e4
+    ids = _ids(t.vocab_size)
+    small = dm.distill(model, 2, data=ids, seq_len=50)
+    assert all(b["dropped"] == dropped for b in small.distill_report.layers)
+    with torch.no_grad():
+        want = model(ids[None, :50]).logits
+        got = small(ids[None, :50]).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # up to the router matmul's rounding
+
+
+def test_merge_averages_by_frequency_and_keeps_router_rows(tiny):
+    small = dm.distill(tiny, 5, method="merge", data=IDS, seq_len=64)
+    for j, info in enumerate(small.distill_report.layers):
+        src, dst = tiny.model.layers[j].mlp, small.model.layers[j].mlp
+        f = torch.tensor(info["routings"], dtype=torch.float64)
+        for new_i, k in enumerate(info["kept"]):
+            members = [k] + [int(d) for d, kk in info["merged_into"].items() if kk == k]
+            wts = f[members] / f[members].sum()
+            want = sum(w * src.experts.gate_up_proj[m].double() for w, m in zip(wts, members)).float()
+            torch.testing.assert_close(dst.experts.gate_up_proj[new_i], want, rtol=1e-6, atol=1e-7)
+            assert torch.equal(dst.gate.weight[new_i], src.gate.weight[k])
+        assert sorted(int(d) for d in info["merged_into"]) == info["dropped"]
+
+
+def test_scores_rank_differently_and_saliency_follows_its_definition(tiny):
+    freq = dm.distill(tiny, 4, score="frequency", data=IDS, seq_len=64).distill_report
+    sal = dm.distill(tiny, 4, score="saliency", data=IDS, seq_len=64).distill_report
+    assert freq.layers[0]["routings"] == sal.layers[0]["routings"]
+    assert freq.layers[0]["scores"] == [float(v) for v in freq.layers[0]["routings"]]
+    # saliency by hand for block 0: router weight x |expert output|, averaged over its tokens
+    mlp = tiny.model.layers[0].mlp
+    captured = {}
+    h = mlp.register_forward_pre_hook(lambda m, a: captured.update(x=a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        tiny(IDS[None, :64])
+        h.remove()
+        x = captured["x"]
+        _, w, idx = mlp.gate(x)
+        E = mlp.experts.num_experts
+        sums, counts = torch.zeros(E, dtype=torch.float64), torch.zeros(E)
+        for e in range(E):
+            tok, pos = torch.where(idx == e)
+            gu = x[tok] @ mlp.experts.gate_up_proj[e].T
+            g, u = gu.chunk(2, -1)
+            y = (torch.nn.functional.silu(g) * u) @ mlp.experts.down_proj[e].T
+            sums[e] = float((w[tok, pos] * y.norm(dim=-1)).sum())
+            counts[e] = len(tok)
+    one = dm.distill(tiny, 4, score="saliency", data=IDS[:64], seq_len=64).distill_report
+    want = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+    torch.testing.assert_close(torch.tensor(one.layers[0]["scores"], dtype=torch.float64), want, rtol=1e-4, atol=1e-6)
+
+
+def test_api_errors_name_what_is_wrong(tiny, tmp_path):
+    with pytest.raises(dm.DistillError, match="fewer than the model's 8"):
+        dm.distill(tiny, 8, data=IDS)
+    with pytest.raises(dm.DistillError, match="experts must be a whole number >= 1"):
+        dm.distill(tiny, 0, data=IDS)
+    with pytest.raises(dm.DistillError, match="top_k 3 is more than the 2 experts"):
+        dm.distill(tiny, 2, top_k=3, data=IDS)
+    with pytest.raises(dm.DistillError, match="method must be one of"):
+        dm.distill(tiny, 2, method="fold", data=IDS)
+    with pytest.raises(dm.DistillError, match="data is needed"):
+        dm.distill(tiny, 2)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    dense = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    with pytest.raises(dm.DistillError, match="no MoE block found in LlamaForCausalLM"):
+        dm.distill(dense, 2, data=IDS % 64)
+    sw = build_tiny("jetmoe")
+    with pytest.raises(dm.DistillError, match=r"JetMoeMoE.*fused 3-D expert weights"):
+        dm.distill(sw.model, 2, data=_ids(sw.vocab_size))
+
+
+def test_a_failed_write_leaves_nothing_and_an_existing_out_untouched(tiny, tmp_path, monkeypatch):
+    small = dm.distill(tiny, 4, data=IDS, seq_len=64)
+    out = tmp_path / "out"
+    calls = []
+
+    def broken(self, path, **kw):
+        (Path(path) / "model.safetensors").write_bytes(b"partial")
+        calls.append(path)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(small), "save_pretrained", broken)
+    with pytest.raises(dm.DistillError, match="writing failed .No space left on device.; nothing was left behind"):
+        dm.save_distilled(small, out)
+    assert calls and not out.exists() and _leftovers(tmp_path, "out") == []
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(dm.DistillError, match="is not empty"):
+        dm.save_distilled(small, out)
+    with pytest.raises(dm.DistillError, match="writing failed"):
+        dm.save_distilled(small, out, force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and _leftovers(tmp_path, "out") == []
+    monkeypatch.undo()
+    dm.save_distilled(small, out, force=True)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert _leftovers(tmp_path, "out") == []
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    with pytest.raises(dm.DistillError, match="is a file"):
+        dm.save_distilled(small, f)
+    with pytest.raises(dm.DistillError, match="parent directory .* does not exist"):
+        dm.save_distilled(small, f / "sub")
+
+
+def test_cli_json_and_errors(tmp_path, capsys):
+    out = tmp_path / "small"
+    rc = main(["distill", "--model", "builtin", "--experts", "6", "--tokens", "256", "--score", "saliency",
+               "--out", str(out), "--output", "json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    d = json.loads(captured.out)
+    assert (d["experts_before"], d["experts_after"], d["top_k_after"], d["score"]) == (8, 6, 2, "saliency")
+    assert d["calibration_tokens"] == 256 and d["out"] == str(out.resolve())
+    assert len(d["layers"]) == 4 and all(len(b["kept"]) == 6 for b in d["layers"])
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 6
+    assert (out / "tokenizer.json").is_file()
+    cases = [
+        (["--experts", "0"], "--experts must be >= 1"),
+        (["--experts", "4", "--top-k", "5"], "--top-k 5 is more than --experts 4"),
+        (["--experts", "8"], "experts must be fewer than the model's 8"),
+        (["--experts", "4", "--data", str(tmp_path / "nope.txt")], "nope.txt' does not exist"),
+        (["--experts", "4", "--out", str(out)], "is not empty"),
+        (["--experts", "4", "--out", str(tmp_path / "no" / "such")], "does not exist"),
+    ]
+    for extra, msg in cases:
+        args = ["distill", "--model", "builtin", "--tokens", "64", "--out", str(tmp_path / "x")] + extra
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+        assert not (tmp_path / "x").exists() and _leftovers(tmp_path, "x") == []
