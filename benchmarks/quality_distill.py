@@ -8,11 +8,13 @@ the standard library; seeded windows of it) and evaluated on data/heldout.txt, t
 split, in chunks of --seq tokens as benchmarks/quality_top_k.py chunks it. Per arm: perplexity,
 its change, mean KL(original || arm) nats per token and top-1 agreement with the original
 (hi_na_moe.tools.quality.logits_agreement), the bytes of the written checkpoint
-(model.safetensors) and the distill time. Everything runs in transformers (no hi_na_moe kernels),
+(model.safetensors) and the distill time; with --repair-steps also each arm after
+hi_na_moe.tools.distill.repair (its time in the seconds column). Everything runs in transformers (no hi_na_moe kernels),
 float32.
 
     python benchmarks/quality_distill.py [--experts 6,4] [--methods prune,merge]
-        [--scores frequency,saliency,random] [--top-k model,1] [--calib-tokens 8192] [--chunks 112] [--seq 256] [--json OUT]
+        [--scores frequency,saliency,random] [--top-k model,1] [--repair-steps 200 [--train-experts]]
+        [--calib-tokens 8192] [--chunks 112] [--seq 256] [--json OUT]
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hi_na_moe.tools import quality
-from hi_na_moe.tools.distill import distill, save_distilled
+from hi_na_moe.tools.distill import distill, repair, save_distilled
 from lib import record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +74,9 @@ def main() -> int:
     ap.add_argument("--scores", default="frequency,saliency,random")
     ap.add_argument("--top-k", default="model", help="top-k values of the distilled arms, comma-separated "
                     "('model': the original's); each lower k also gets an arm of the original at that k")
+    ap.add_argument("--repair-steps", type=int, default=0, help="also each arm after this many steps of router "
+                    "repair (the original as teacher, on the calibration tokens); 0: none")
+    ap.add_argument("--train-experts", action="store_true", help="the repair trains the routed experts too")
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--chunks", type=int, default=112)
     ap.add_argument("--seq", type=int, default=256)
@@ -119,13 +124,23 @@ def main() -> int:
                              bytes=(out / "model.safetensors").stat().st_size, seconds=seconds,
                              kept=[b["kept"] for b in small.distill_report.layers],
                              merged_into=[b.get("merged_into") for b in small.distill_report.layers]))
+            if args.repair_steps:
+                t0 = time.perf_counter()
+                repair(small, model, calib, steps=args.repair_steps, seq_len=args.seq, seed=args.seed,
+                       train_experts=args.train_experts)
+                seconds = time.perf_counter() - t0
+                nll, logits = _nll_logits(small, chunks)
+                kl, top1 = quality.logits_agreement(base, logits)
+                rows.append(dict(rows[-1], arm=rows[-1]["arm"] + f" +repair {args.repair_steps}",
+                                 perplexity=math.exp(nll), kl=kl, top1=top1, seconds=seconds,
+                                 repair=small.distill_report.repair))
             del small, logits
     for r in rows:
         r["perplexity_change"] = r["perplexity"] / rows[0]["perplexity"] - 1
     head = (f"{args.model.name} (E={E}, top-{K}), float32; calibration {calib.numel()} tokens of the training split "
             f"(seed {args.seed}); evaluation {n} x {args.seq} held-out tokens (data/heldout.txt)")
     lines = [head, "", "| arm | experts | top-k | perplexity | change | KL nats/token | top-1 | checkpoint bytes | "
-             "distill s |", "|---|---|---|---|---|---|---|---|---|"]
+             "seconds |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['experts']} | {r['top_k']} | {r['perplexity']:.3f} | "
                      f"{r['perplexity_change']:+.2%} | {r['kl']:.4f} | {r['top1']:.1%} | {r['bytes']:,} | "

@@ -273,3 +273,18 @@ def test_cli_json_and_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, err
         assert not (tmp_path / "x").exists() and _leftovers(tmp_path, "x") == []
+
+
+def test_repair_trains_only_the_routers_and_lowers_the_kl(tiny):
+    small = dm.distill(tiny, 2, data=IDS, seq_len=64)
+    before = {k: v.clone() for k, v in small.state_dict().items()}
+    dm.repair(small, tiny, IDS, steps=15, lr=1e-3, seq_len=64, batch_size=2)
+    rep = small.distill_report.repair
+    assert rep["steps"] == 15 and rep["kl_after"] < rep["kl_before"]
+    changed = {k for k, v in small.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {f"{b['router']}.weight" for b in small.distill_report.layers}
+    assert all(p.requires_grad for p in small.parameters()) and all(p.grad is None for p in small.parameters())
+    with pytest.raises(dm.DistillError, match="repair steps must be a whole number >= 1"):
+        dm.repair(small, tiny, IDS, steps=0)
+    with pytest.raises(dm.DistillError, match="fewer than one window of 256"):
+        dm.repair(small, tiny, IDS[:100], steps=1)

@@ -160,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="builtin", help="calibration text: a text file, JSONL with a \"text\" field a "
                    "line, or 'builtin' (data/heldout.txt; the default)")
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --score random (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --score random and of the repair's batches (default 0)")
+    p.add_argument("--repair-steps", type=int, default=0, help="then fine-tune the routers this many steps with the "
+                   "original as teacher (KL on the logits, on the calibration tokens; ~0.4 s a step on the shipped "
+                   "model, one thread). Default 0: no repair")
+    p.add_argument("--repair-lr", type=float, default=1e-3, help="the repair's Adam learning rate (default 1e-3)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="load (and write) the weights in this dtype (default: the checkpoint's)")
     p.add_argument("--out", required=True, help="the directory to write (refused if not empty, unless --force)")

@@ -91,6 +91,7 @@ class DistillReport:
     expert_bytes_before: int = 0
     expert_bytes_after: int = 0
     agreement: dict[str, Any] | None = None  # in-sample KL / top-1 vs the original
+    repair: dict[str, Any] | None = None  # repair(): steps, seconds, KL before and after
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -319,7 +320,7 @@ def distill(model: nn.Module, experts: int, *, top_k: int | None = None, method:
         order = torch.argsort(-s, stable=True)
         kept = sorted(order[:experts].tolist())
         dropped = sorted(order[experts:].tolist())
-        info = dict(block=b.block_name, router=b.router_name, kept=kept, dropped=dropped,
+        info = dict(block=b.block_name, router=b.router_name, experts=b.name, kept=kept, dropped=dropped,
                     scores=[round(float(v), 6) for v in s], routings=[int(v) for v in b.freq])
         groups = {k: [k] for k in kept}
         if method == "merge":
@@ -419,6 +420,81 @@ def _agreement(ref: nn.Module, new: nn.Module, windows: list[torch.Tensor]) -> d
 
 
 # ---------------------------------------------------------------------------------------------
+# Repair: the routers fine-tuned with the original model as teacher
+# ---------------------------------------------------------------------------------------------
+
+def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: int = 200, lr: float = 1e-3,
+           seq_len: int = 256, batch_size: int = 4, seed: int = 0, max_seconds: float | None = None,
+           train_experts: bool = False, progress: bool = False) -> nn.Module:
+    """Fine-tune the routers of `model` (a distill() result) in place for at most `steps` Adam
+    steps (and `max_seconds`): each step a seeded batch of `seq_len`-token windows of `data`
+    (token ids), loss the mean KL(teacher || model) of the next-token distributions. Only the
+    router weights and biases distill sliced learn (and the routed experts' weights with
+    `train_experts`); attention, norms, embeddings and shared experts stay as written. The report's `repair` gets the steps run, the seconds, and the KL on the first
+    batch before and after."""
+    import time
+
+    report = getattr(model, "distill_report", None)
+    if not isinstance(report, DistillReport):
+        raise DistillError("repair takes a distill() result (the model has no distill_report)")
+    if not isinstance(steps, int) or steps < 1:
+        raise DistillError(f"repair steps must be a whole number >= 1, got {steps!r}")
+    if not isinstance(data, torch.Tensor) or data.dtype not in (torch.int32, torch.int64):
+        raise DistillError("repair data must be a tensor of token ids")
+    ids = data.reshape(-1).long()
+    n = ids.numel() // seq_len
+    if n < 1:
+        raise DistillError(f"repair data has {ids.numel()} tokens, fewer than one window of {seq_len}")
+    windows = ids[: n * seq_len].view(n, seq_len)
+    mods = [model.get_submodule(L["router"]) for L in report.layers]
+    if train_experts:
+        mods += [model.get_submodule(L["experts"]) for L in report.layers]
+    train = list({id(p): p for m in mods for p in m.parameters(recurse=False)}.values())
+    was = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in train:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(train, lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    fixed = windows[torch.randperm(n, generator=g)[:batch_size]]
+
+    def kl(batch):
+        with torch.no_grad():
+            t = teacher(input_ids=batch, use_cache=False).logits.float().log_softmax(-1)
+        s_ = model(input_ids=batch, use_cache=False).logits.float().log_softmax(-1)
+        return (t.exp() * (t - s_)).sum(-1).mean()
+
+    start = time.perf_counter()
+    done = 0
+    try:
+        with torch.no_grad():
+            before = float(kl(fixed))
+        bar = tqdm(range(steps), desc="repair", unit="step", disable=not progress, leave=False)
+        for _ in bar:
+            if max_seconds is not None and time.perf_counter() - start > max_seconds:
+                break
+            batch = windows[torch.randint(0, n, (batch_size,), generator=g)]
+            loss = kl(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            done += 1
+            bar.set_postfix(kl=f"{loss.item():.4f}")
+        with torch.no_grad():
+            after = float(kl(fixed))
+    finally:
+        for p, r in was.items():
+            p.requires_grad_(r)
+        for p in train:
+            p.grad = None
+    report.agreement = _agreement(teacher, model, list(windows))  # the card's figures: after the repair
+    report.repair = dict(steps=done, trained="routers and experts" if train_experts else "routers", lr=lr, batch=batch_size, seq_len=seq_len, tokens=int(n * seq_len),
+                         seconds=round(time.perf_counter() - start, 1), kl_before=before, kl_after=after)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
 
@@ -478,6 +554,14 @@ def model_card(report: DistillReport) -> str:
         a = r.agreement
         lines.append(f"- against the original on {a['tokens']} calibration tokens (in-sample, not held-out): mean "
                      f"KL {a['kl']:.4f} nats/token, top-1 agreement {a['top1']:.1%}")
+    if r.repair:
+        rp = r.repair
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("- calibration:")) + 1
+        lines.insert(at,
+                     f"- repair: the {rp['trained']} fine-tuned for {rp['steps']} steps (Adam, lr {rp['lr']:g}, "
+                     f"{rp['batch']} x {rp['seq_len']} tokens a step, {rp['seconds']:.0f} s) with the original as "
+                     f"teacher (KL on the logits); KL on a fixed calibration batch {rp['kl_before']:.4f} -> "
+                     f"{rp['kl_after']:.4f}")
     lines += ["- held-out quality was not measured by this command; benchmarks/quality_distill.py measures it",
               "", "Per-block scores and routing counts: distill.json."]
     return "\n".join(lines) + "\n"
@@ -534,6 +618,6 @@ def save_distilled(model: nn.Module, out: str | Path, *, force: bool = False, to
     return p
 
 
-__all__ = ["DistillError", "DistillReport", "METHODS", "SCORES", "check_out", "distill", "model_card",
+__all__ = ["DistillError", "DistillReport", "METHODS", "SCORES", "check_out", "distill", "model_card", "repair",
            "save_distilled"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..distill import DistillError, check_out, distill, model_card, save_distilled
-from ..profile_router import ProfileError, builtin_data, read_texts
+from ..distill import DistillError, check_out, distill, model_card, repair, save_distilled
+from ..profile_router import ProfileError, _token_ids, builtin_data, read_texts
 from . import common
 from .common import UserError, shipped_model_dir
 
@@ -23,6 +23,10 @@ def cmd_distill(args) -> int:
                         "a token cannot be routed to more experts than a layer keeps")
     if args.tokens < 1:
         raise UserError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.repair_steps < 0:
+        raise UserError(f"--repair-steps must be >= 0, got {args.repair_steps}")
+    if not args.repair_lr > 0:
+        raise UserError(f"--repair-lr must be > 0, got {args.repair_lr}")
     path = shipped_model_dir() if args.model == "builtin" else args.model
     if path is None:
         raise UserError("--model builtin: the shipped model (models/hina-tiny-moe) is not in this installation",
@@ -48,9 +52,15 @@ def cmd_distill(args) -> int:
         raise UserError(f"{str(path)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)",
                         "save the model's tokenizer into the directory with tokenizer.save_pretrained")
     try:
-        small = distill(model, args.experts, top_k=args.top_k, method=args.method, score=args.score, data=texts,
-                        tokens=args.tokens, seed=args.seed, tokenizer=tokenizer, add_special_tokens=special,
-                        progress=args.output != "json")
+        ids = _token_ids(tokenizer, texts, special)[: args.tokens]
+    except ProfileError as exc:
+        raise UserError(f"--data: {exc}") from None
+    try:
+        small = distill(model, args.experts, top_k=args.top_k, method=args.method, score=args.score, data=ids,
+                        tokens=args.tokens, seed=args.seed, progress=args.output != "json")
+        if args.repair_steps:
+            repair(small, model, ids, steps=args.repair_steps, lr=args.repair_lr, seed=args.seed,
+                   progress=args.output != "json")
         out = save_distilled(small, args.out, force=args.force, tokenizer=tokenizer)
     except DistillError as exc:
         raise UserError(f"{str(path)!r}: {exc}") from None
