@@ -209,6 +209,11 @@ def test_api_errors_name_what_is_wrong(tiny, tmp_path):
                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
     with pytest.raises(dm.DistillError, match="no MoE block found in LlamaForCausalLM"):
         dm.distill(dense, 2, data=IDS % 64)
+    dead = olmoe(layers=1, dtype=torch.float32)
+    with torch.no_grad():
+        dead.model.layers[0].mlp.experts.down_proj.zero_()
+    with pytest.raises(dm.DistillError, match="saliency cannot rank its experts"):
+        dm.distill(dead, 2, score="saliency", data=IDS, seq_len=64)
     sw = build_tiny("jetmoe")
     with pytest.raises(dm.DistillError, match=r"JetMoeMoE.*fused 3-D expert weights"):
         dm.distill(sw.model, 2, data=_ids(sw.vocab_size))

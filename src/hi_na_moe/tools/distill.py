@@ -311,6 +311,10 @@ def distill(model: nn.Module, experts: int, *, top_k: int | None = None, method:
     finally:
         model.train(was_training)
 
+    silent = [b.name for b in blocks if score == "saliency" and float(b.freq.sum()) > 0 and float(b.sal_sum.sum()) == 0]
+    if silent:  # no routing weights reached the experts: every score would be 0 and the kept set arbitrary
+        raise DistillError(f"{silent[0]}: no routing weights were seen (or every expert output was zero), so "
+                           "saliency cannot rank its experts; use score='frequency'")
     sd = model.state_dict()
     H = int(getattr(cfg, "hidden_size", 0) or 0)
     layers = []
