@@ -189,6 +189,84 @@ def test_a_limit_the_experts_fit_makes_no_tier(model, tmp_path):
         assert hi_na_moe.stats(m)["memory_tier"] is True
 
 
+def _prior(path, blocks, fmt="hi_na_moe.expert_prior"):
+    path.write_text(json.dumps({"format": fmt, "version": 1, "blocks": [
+        {"block": name, "layer": i, "num_experts": len(f), "top_k": K_MODEL, "counts": f, "frequency": f}
+        for i, (name, f) in enumerate(blocks)]}))
+    return path
+
+
+def test_a_profile_fills_the_pool_with_its_most_frequent_experts(model, tmp_path):
+    """profile=: the pool starts with the prior's most frequent experts over all layers, the
+    counters start at zero, and the outputs stay the all-in-memory model's."""
+    m, _ = model
+    names = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+    with _enabled(m, weights="int4", cache_dir=tmp_path):
+        want = _outputs(m)
+        slot = _slot_bytes(m)
+    # layer 0 favours experts 3 and 9, layer 1 expert 15 above all, layer 2 nothing above 0.05
+    freq = [[0.01] * E_MODEL for _ in range(LAYERS)]
+    freq[0][3], freq[0][9], freq[1][15], freq[1][2] = 0.4, 0.3, 0.5, 0.2
+    freq[2] = [0.05] * E_MODEL
+    prior = _prior(tmp_path / "expert_prior.json", list(zip(names, freq)))
+    with _enabled(m, weights="int4", cache_dir=tmp_path, memory_limit=4 * slot, profile=str(tmp_path)) as report:
+        tier = tiering._STATES[m].tier
+        assert sorted(tier.resident(0)) == [3, 9] and sorted(tier.resident(1)) == [2, 15] and tier.resident(2) == []
+        s = hi_na_moe.stats(m)
+        assert s["reads"] == 0 and s["hits"] == 0 and s["misses"] == 0
+        assert "the pool starts with the prior's 4 most frequent experts" in str(report)
+        first = hi_na_moe.stats(m)
+        got = _outputs(m)
+        assert hi_na_moe.stats(m)["hits"] > first["hits"]
+    _assert_equal(got, want)
+    # the same file by name, and a real profile-router prior of this model
+    with _enabled(m, weights="int4", cache_dir=tmp_path, memory_limit=4 * slot, profile=str(prior)):
+        assert sorted(tiering._STATES[m].tier.resident(0)) == [3, 9]
+    from hi_na_moe.tools import profile_router as prm
+
+    prm.profile_router(m, None, torch.randint(3, 256, (96,), generator=torch.Generator().manual_seed(2)),
+                       seq_len=32).save(tmp_path / "prof", plots=False)
+    with _enabled(m, weights="int4", cache_dir=tmp_path, memory_limit=6 * slot, profile=str(tmp_path / "prof")) as r:
+        assert "the pool starts with the prior's 6 most frequent experts" in str(r)
+        assert sum(len(tiering._STATES[m].tier.resident(i)) for i in range(LAYERS)) == 6
+
+
+@pytest.mark.parametrize("case,want", [
+    ("missing", "no such file"), ("dir", "no expert_prior.json in that directory"), ("json", "cannot be read as JSON"),
+    ("format", "is not an expert prior"), ("model", "has no block 'model.layers.0.mlp.experts'"),
+    ("experts", "has 8 experts there, 16 in this model"),
+])
+def test_a_profile_that_does_not_fit_the_model_is_refused_naming_it(model, tmp_path, case, want):
+    m, _ = model
+    with _enabled(m, weights="int4", cache_dir=tmp_path):
+        slot = _slot_bytes(m)
+    names = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+    path = tmp_path / "p.json"
+    if case == "missing":
+        path = tmp_path / "nope.json"
+    elif case == "dir":
+        path = tmp_path / "d"
+        path.mkdir()
+    elif case == "json":
+        path.write_text("{not json")
+    elif case == "format":
+        _prior(path, [(n, [0.1] * E_MODEL) for n in names], fmt="something.else")
+    elif case == "model":
+        _prior(path, [(f"other.{i}", [0.1] * E_MODEL) for i in range(LAYERS)])
+    else:
+        _prior(path, [(n, [0.1] * 8) for n in names])
+    with pytest.raises(TierConfigError, match=re.escape(want)):
+        hi_na_moe.enable_for_model(m, weights="int4", cache_dir=str(tmp_path), memory_limit=4 * slot, profile=str(path))
+    assert not hi_na_moe.is_enabled(m)
+
+
+def test_a_profile_without_a_tier_is_reported_unused(model, tmp_path):
+    m, _ = model
+    prior = _prior(tmp_path / "p.json", [(f"model.layers.{i}.mlp.experts", [0.1] * E_MODEL) for i in range(LAYERS)])
+    with _enabled(m, weights="int4", cache_dir=tmp_path, memory_limit="100GiB", profile=str(prior)) as report:
+        assert f"profile {str(prior)!r} not used: no memory tier" in str(report)
+
+
 def test_a_percentage_is_of_the_memory_the_process_may_use(model, tmp_path, monkeypatch):
     m, _ = model
     with _enabled(m, weights="int4", cache_dir=tmp_path):
@@ -408,6 +486,34 @@ def test_lru_counts_hits_misses_and_evictions_of_a_known_pattern(tmp_path):
     tier.reset_stats()
     s = tier.stats()
     assert s["hits"] == s["misses"] == s["reads"] == s["evictions"] == 0 and s["layers"][0]["demanded"] == 0
+
+
+def test_warm_reads_in_order_and_drain_returns_after_a_dropped_prediction(tmp_path):
+    blk = _block(tmp_path / "block.hnm")
+    tier = _tier(blk, 2)
+    tp, layer = blk.tiered(tier)
+    tier.warm([layer, layer, layer], [1, 4, 6])  # the third evicts the least recently used, 1
+    assert tier.resident(layer) == [4, 6]
+    _touch(tp, blk, [7])  # evicts 4
+    assert tier.resident(layer) == [6, 7]
+    _fwd(tp, *_problem(1, 2, blk.E, 7, experts=[6, 7]))
+    # both slots were used in the last acquire: a predicted read has no slot, is dropped, and
+    # drain() still returns (it once waited forever for a request settled without a read)
+    tier.reset_stats()
+    done = threading.Event()
+
+    def prefetch_and_drain():
+        tier.prefetch(layer, [2])
+        tier.drain()
+        done.set()
+
+    threading.Thread(target=prefetch_and_drain, daemon=True).start()
+    assert done.wait(20), "drain() did not return after a dropped prediction"
+    assert tier.stats()["prefetch_dropped"] == 1 and tier.resident(layer) == [6, 7]
+    with pytest.raises(ValueError, match="no layer 5"):
+        tier.warm([5], [0])
+    with pytest.raises(ValueError, match="one length"):
+        tier.warm([layer], [0, 1])
 
 
 @pytest.mark.parametrize("policy,half_life,kept", [

@@ -111,6 +111,15 @@ void bind_tier(nb::module_& m) {
              self.t->prefetch(layer, experts.data(), static_cast<int>(experts.size()));
            },
            nb::arg("layer"), nb::arg("experts"), "Queues reads of these experts as predicted ones.")
+      .def("warm",
+           [](PyTier& self, const std::vector<int32_t>& layers, const std::vector<int32_t>& experts) {
+             if (layers.size() != experts.size()) bad("warm: layers and experts must be of one length");
+             nb::gil_scoped_release r;
+             self.t->warm(layers.data(), experts.data(), static_cast<int>(layers.size()));
+           },
+           nb::arg("layers"), nb::arg("experts"),
+           "Reads (layers[i], experts[i]) into the pool in that order as demanded reads would (the last the "
+           "most recently used): a frequency prior at start-up, least frequent first. Blocks until resident.")
       .def("drain", [](PyTier& self) { nb::gil_scoped_release r; self.t->drain(); },
            "Waits until no read is queued or under way.")
       .def("stats", [](const PyTier& self) { return stats_dict(self.t->stats()); },

@@ -439,6 +439,7 @@ void ExpertTier::worker() {
       // (not for a demanded read with one acquire at a time, which drops this layer's
       // predicted reads first; if it were, only the live call may pin)
       if (r.demand && r.seq == active_seq_) ++slots_[L.slot_of[r.expert]].pins;
+      cv_done_.notify_all();  // (a request settled without a read: drain() may be waiting for it)
       continue;
     }
     int64_t s = pick_victim(!r.demand);
@@ -450,6 +451,7 @@ void ExpertTier::worker() {
       if (stop_) return;
     } else if (s < 0) {
       ++st_.prefetch_dropped;
+      cv_done_.notify_all();
       continue;
     }
     evict(s);
@@ -562,6 +564,20 @@ void ExpertTier::prefetch(int layer, const int32_t* experts, int n) {
     if (L.slot_of[experts[i]] < 0) enqueue(layer, experts[i], false, opt_.prediction_window + 1);
   }
   cv_work_.notify_all();
+}
+
+void ExpertTier::warm(const int32_t* layers, const int32_t* ids, int n) {
+  std::vector<const void*> gu, dn;
+  for (int i = 0; i < n;) {
+    const int layer = layers[i];
+    int j = i;
+    while (j < n && layers[j] == layer && j - i < opt_.num_slots) ++j;
+    gu.assign(static_cast<size_t>(experts(layer)), nullptr);  // (throws on a bad layer)
+    dn.assign(gu.size(), nullptr);
+    acquire(layer, ids + i, j - i, nullptr, 0, DType::kF32, 0, gu.data(), dn.data());
+    release(layer, ids + i, j - i);
+    i = j;
+  }
 }
 
 // ---- acquire / release --------------------------------------------------------------------------

@@ -118,8 +118,13 @@ class ExpertTier {
   void acquire(int layer, const int32_t* experts, int n, const void* x, int64_t T, DType dt, int64_t H,
                const void** gu, const void** dn);
   void release(int layer, const int32_t* experts, int n);
-  // Queues reads of these experts as predicted ones (e.g. a frequency prior at start-up).
+  // Queues reads of these experts as predicted ones.
   void prefetch(int layer, const int32_t* experts, int n);
+  // Reads (layers[i], experts[i]) for i in [0, n) into the pool in that order, as demanded reads
+  // would (evicting by the policy; each run of one layer acquired and released), so that the
+  // last ones are the most recently used: a frequency prior at start-up, its least frequent
+  // first. Blocks until they are resident; throws as acquire() does.
+  void warm(const int32_t* layers, const int32_t* ids, int n);
   // Blocks until no read is queued or under way (tests, and clean measurements).
   void drain();
   // Most experts one acquire() can pin.

@@ -163,6 +163,9 @@ class HinaConfig:
             or "off".
         numa_node: the NUMA node whose memory the memory tier uses; None (default) leaves it to
             the OS. Whether the node exists is checked where it is used.
+        profile: a `hi-na-moe profile-router --out` directory (or its expert_prior.json): the
+            memory tier's pool starts with that prior's most frequent experts, read at enable;
+            "" (default): it starts empty. Unused without a memory tier (the report says so).
         top_k: how many of the experts its router chose a token uses (hi_na_moe.core.trim):
             "model" (default: all of them, the model's own outputs), a whole number n >= 1 (the n
             of largest weight), or "adaptive" (an expert stays while its weight is at least
@@ -203,6 +206,7 @@ class HinaConfig:
     io_threads: int = 4
     direct_io: str = "auto"
     numa_node: int | None = None
+    profile: str = ""
     # fewer experts a token (hi_na_moe.core.trim)
     top_k: int | str = "model"
     top_k_threshold: float = 0.3
@@ -238,6 +242,14 @@ class HinaConfig:
                     f"config key {key!r} ({src(key)}) has bad value {getattr(self, key)!r}: expected a "
                     "comma-separated list of module-name patterns, e.g. 'lm_head,*.self_attn.*'"
                 )
+        for key in ("cache_dir", "profile"):  # a pathlib.Path is a path too
+            if isinstance(getattr(self, key), os.PathLike):
+                object.__setattr__(self, key, os.fspath(getattr(self, key)))
+        if not isinstance(self.profile, str):
+            raise ConfigError(
+                f"config key 'profile' ({src('profile')}) has bad value {self.profile!r}: expected a path (a "
+                "profile-router --out directory or its expert_prior.json), or '' for none"
+            )
         if not isinstance(self.cache_dir, str):
             raise ConfigError(
                 f"config key 'cache_dir' ({src('cache_dir')}) has bad value {self.cache_dir!r}: expected a path"
@@ -350,7 +362,7 @@ _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weig
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
           "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool,
           "memory_limit": "size", "prefetch": bool, "prediction_window": int, "io_threads": int,
-          "direct_io": str, "numa_node": "int or none", "top_k": "int or word", "top_k_threshold": float,
+          "direct_io": str, "numa_node": "int or none", "profile": str, "top_k": "int or word", "top_k_threshold": float,
           "top_k_min": int, "top_k_renorm": str}
 
 

@@ -18,7 +18,9 @@ the entry, whose every byte the store's full verification checks then).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .limits import format_bytes
@@ -164,6 +166,7 @@ class TierState:
     predicting: set = field(default_factory=set)  # layers with a router registered
     numa: Any = None  # hi_na_moe.core.numa.BindStatus when numa_node is set
     other_bytes: int | None = None  # the model's weights outside the tiered experts
+    prior_note: str | None = None  # what the profile (HinaConfig.profile) did, for the report
 
     def stats(self) -> dict[str, Any]:
         return stats_dict(self.tier.stats(), self)
@@ -192,3 +195,50 @@ def stats_dict(raw: dict, state: TierState | None = None) -> dict[str, Any]:
                 for i, l in enumerate(layers)],
     )
     return out
+
+
+PRIOR_FORMAT = "hi_na_moe.expert_prior"  # profile-router's expert_prior.json (tools/profile_router.py)
+
+
+def read_prior(path: str) -> dict[str, list[float]]:
+    """{block name: each expert's share of its block's routed slots} from `path`: profile-router's
+    output directory or its expert_prior.json. TierConfigError names the file and what is wrong."""
+    p = Path(path).expanduser()
+    f = p / "expert_prior.json" if p.is_dir() else p
+    if not f.is_file():
+        raise TierConfigError(f"profile {str(path)!r}: no {'expert_prior.json in that directory' if p.is_dir() else 'such file'}"
+                              " (hi-na-moe profile-router --out DIR writes DIR/expert_prior.json)")
+    try:
+        d = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TierConfigError(f"profile {str(f)!r} cannot be read as JSON ({exc})") from None
+    if not isinstance(d, dict) or d.get("format") != PRIOR_FORMAT or not isinstance(d.get("blocks"), list):
+        raise TierConfigError(f"profile {str(f)!r} is not an expert prior (format {PRIOR_FORMAT!r}, written by "
+                              "hi-na-moe profile-router)")
+    out = {}
+    for b in d["blocks"]:
+        freq = b.get("frequency") if isinstance(b, dict) else None
+        if not isinstance(b, dict) or not isinstance(b.get("block"), str) or not isinstance(freq, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in freq):
+            raise TierConfigError(f"profile {str(f)!r}: a block entry without a name and a list of frequencies >= 0")
+        out[b["block"]] = [float(v) for v in freq]
+    return out
+
+
+def warm_order(prior: dict[str, list[float]], layers: dict[int, str], experts: dict[int, int], slots: int,
+               source: str) -> list[tuple[int, int]]:
+    """The (tier layer, expert) pairs a pool of `slots` starts with: the prior's most frequent
+    experts over all layers, the least frequent of them first (so that a recency policy keeps the
+    most frequent longest). `layers`: tier layer -> block name; `experts`: tier layer -> E."""
+    picks = []
+    for layer, name in layers.items():
+        freq = prior.get(name)
+        if freq is None:
+            raise TierConfigError(f"profile {source!r} has no block {name!r}: it was written for another model "
+                                  f"(its blocks: {', '.join(list(prior)[:3])}{', ...' if len(prior) > 3 else ''})")
+        if len(freq) != experts[layer]:
+            raise TierConfigError(f"profile {source!r}: block {name!r} has {len(freq)} experts there, "
+                                  f"{experts[layer]} in this model")
+        picks += [(v, layer, e) for e, v in enumerate(freq) if v > 0]
+    picks.sort(key=lambda t: (-t[0], t[1], t[2]))
+    return [(layer, e) for _, layer, e in reversed(picks[:slots])]

@@ -718,7 +718,7 @@ def enable_for_model(
                 for _, _, done in patched[:-1]:  # the originals a block released, once the next is packed
                     if isinstance(done.runner, ops.NativeExperts):
                         done.runner.bury()
-            tiering.finish(model, tier_state, plans)
+            tiering.finish(model, tier_state, plans, cfg)
             report.memory_tier = tiering.report_lines(tier_state)
             if cfg.scope == Scope.ALL:
                 if native_module()[0] is None:

@@ -3,6 +3,7 @@ holds, their routers for prediction, the NUMA node, and `hi_na_moe.stats(model)`
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -136,9 +137,13 @@ def setup(model: nn.Module, plans: list, cfg) -> tier_mod.TierState | None:
     return state
 
 
-def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list) -> None:
-    """After packing: the routers prediction applies, by the layers the blocks were given."""
+def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list, cfg=None) -> None:
+    """After packing: the routers prediction applies, by the layers the blocks were given; with
+    cfg.profile, the pool filled from that expert prior (warm)."""
+    profile = getattr(cfg, "profile", "") if cfg is not None else ""
     if state is None or state.tier is None:
+        if profile and state is not None:
+            state.prior_note = f"profile {profile!r} not used: no memory tier ({state.plan.why})"
         return
     for match, choice in plans:
         r = choice.runner
@@ -155,6 +160,29 @@ def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list) -> N
             continue
         state.tier.set_router(r.tier_layer, w.contiguous(), None if b is None else b.detach().float().contiguous(), k)
         state.predicting.add(r.tier_layer)
+    if profile:
+        experts = {}
+        for match, choice in plans:
+            if getattr(choice.runner, "tier_layer", None) is not None:
+                experts[choice.runner.tier_layer] = match.spec.num_experts
+        warm(state, profile, experts)
+
+
+def warm(state: tier_mod.TierState, profile: str, experts: dict[int, int]) -> None:
+    """Fill the pool with the most frequent experts of profile-router's prior `profile` (the
+    least frequent first, as demanded reads: the most frequent end up the most recently used),
+    then zero the counters: the first tokens find them resident. The report says how many, how
+    many bytes and how long."""
+    tier = state.tier
+    order = tier_mod.warm_order(tier_mod.read_prior(profile), state.layer_names, experts, tier.num_slots, profile)
+    tier.drain()  # (nothing of enable's own reads still under way)
+    tier.reset_stats()
+    t0 = time.perf_counter()
+    tier.warm([layer for layer, _ in order], [e for _, e in order])
+    read = tier.stats()["bytes_read"]
+    tier.reset_stats()
+    state.prior_note = (f"profile {profile!r}: the pool starts with the prior's {len(order)} most frequent experts "
+                        f"({tier_mod.format_bytes(read)} read at enable in {time.perf_counter() - t0:.2f} s)")
 
 
 def report_lines(state: tier_mod.TierState | None) -> list[str]:
@@ -171,6 +199,8 @@ def report_lines(state: tier_mod.TierState | None) -> list[str]:
                      f"{len(state.predicting)} of {t.num_layers} layers")
         if state.numa is not None:
             lines.append("    " + numa.describe(t.pool_address, t.pool_bytes, state.numa))
+    if state.prior_note:
+        lines.append("    " + state.prior_note)
     return lines
 
 
