@@ -20,7 +20,7 @@ tokens; the figures are the times between consecutive tokens.
 
 --top-k model,5,adaptive:0.3: more hi_na_moe engines on the one loaded model, each running its
 bursts with that HinaConfig.top_k (a fixed n, or adaptive at a threshold, optionally
-adaptive:T:on|off for top_k_renorm), switched on every block before its burst; each prints the
+adaptive:T:on|off for top_k_renorm), set by hi_na_moe.set_top_k before its burst; each prints the
 experts a token its steps used (the kernels' counts) and its own ratio.
 
 --against transformers: the opponent is transformers' own model in this process instead
@@ -99,34 +99,27 @@ class Llama:
 
 
 class OursTopK:
-    """Ours's model with another HinaConfig.top_k (hi_na_moe.core.trim): the trim is set on every
-    block before each burst, and the kernels' routing counts give the experts a token it used."""
+    """Ours's model with another HinaConfig.top_k (hi_na_moe.set_top_k before each burst); the
+    kernels' routing counts give the experts a token it used."""
 
     def __init__(self, ours: "Ours", spec: str):
-        from hi_na_moe.core import ops, trim
-        from hi_na_moe.core.config import HinaConfig
-        from hi_na_moe.integrate import patching
-
         parts = spec.split(":")
-        kw = {"top_k": int(parts[0]) if parts[0].isdigit() else parts[0]}
+        self.kw = {"top_k": int(parts[0]) if parts[0].isdigit() else parts[0]}
         if len(parts) > 1:
-            kw["top_k_threshold"] = float(parts[1])
+            self.kw["threshold"] = float(parts[1])
         if len(parts) > 2:
-            kw["top_k_renorm"] = parts[2]
-        t = trim.from_config(HinaConfig(**kw), ours.model)
-        self.args = t.native_args() if t is not None else ("full",)
+            self.kw["renorm"] = parts[2]
         self.ours, self.spec = ours, spec
-        self.runners = [c.runner for _, _, c in patching._ROOTS[ours.model][0] if isinstance(c.runner, ops.NativeExperts)]
         self.tokens = self.slots = 0
 
     def burst(self, n: int) -> tuple[list[float], list[float]]:
-        for r in self.runners:
-            r.packed.set_trim(*self.args)
-            r.packed.routing_counts(reset=True)
+        import hi_na_moe
+
+        hi_na_moe.set_top_k(self.ours.model, **self.kw)  # (the counts start at zero)
         out = self.ours.burst(n)
-        for r in self.runners:
-            tokens, slots = r.packed.routing_counts()
-            self.tokens, self.slots = self.tokens + tokens, self.slots + slots
+        routing = hi_na_moe.stats(self.ours.model)["routing"].values()
+        self.tokens += sum(r["tokens"] for r in routing)
+        self.slots += sum(r["slots"] for r in routing)
         return out
 
     @property

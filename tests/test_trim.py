@@ -279,6 +279,50 @@ def test_a_trimmed_model_through_the_memory_tier_gives_the_trimmed_model_in_memo
     assert torch.equal(got, want)
 
 
+@native_only
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_set_top_k_switches_an_enabled_model_as_enabling_with_it_would(backend):
+    m = _olmoe(4, False)
+    x = _prompt()
+    with _enabled(m, backend=backend, top_k=2):
+        want2 = _logits(m, x)
+    with _enabled(m, backend=backend):
+        want = _logits(m, x)
+    with _enabled(m, backend=backend) as report:
+        text = hi_na_moe.set_top_k(m, 2)
+        assert "each token keeps its 2 largest-weight experts" in text and report.top_k == text
+        assert torch.equal(_logits(m, x), want2)
+        s = hi_na_moe.stats(m)
+        assert s["top_k"] == 2 and s["experts_per_token"] == (2.0 if backend == "auto" else None)
+        hi_na_moe.set_top_k(m, "adaptive", threshold=1.0, renorm="on")
+        assert hi_na_moe.stats(m)["top_k"] == "adaptive"
+        with pytest.raises(ConfigError, match="top_k_threshold"):
+            hi_na_moe.set_top_k(m, "adaptive", threshold=-1.0)
+        assert hi_na_moe.stats(m)["top_k"] == "adaptive"  # (a refused value changes nothing)
+        hi_na_moe.set_top_k(m)  # back to the router's own experts, bit for bit
+        assert torch.equal(_logits(m, x), want) and report.top_k is None
+    with pytest.raises(RuntimeError, match="not enabled"):
+        hi_na_moe.set_top_k(m, 2)
+
+
+@native_only
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_the_experts_interface_applies_the_configs_top_k(backend, monkeypatch):
+    """experts_implementation="hi_na_moe" (no enable_for_model) reads top_k from the environment as
+    enable does: OLMoE with top_k=2 is the model with k=2."""
+    big, small = _olmoe(4, False), _olmoe(2, False)
+    small.load_state_dict(big.state_dict())
+    x = _prompt()
+    want = _logits(small, x)
+    monkeypatch.setenv("HINA_MOE_TOP_K", "2")
+    monkeypatch.setenv("HINA_MOE_BACKEND", backend)
+    big.set_experts_implementation("hi_na_moe")
+    try:
+        torch.testing.assert_close(_logits(big, x), want, rtol=1e-5, atol=1e-6)
+    finally:
+        big.set_experts_implementation("eager")
+
+
 # ---- configuration ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,what", [

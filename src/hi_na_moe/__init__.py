@@ -22,6 +22,7 @@ from .integrate.patching import (
     inspect_model,
     is_enabled,
     report_for,
+    set_top_k,
     stats,
 )
 from .tools.capabilities import capabilities
@@ -49,6 +50,7 @@ __all__ = [
     "is_enabled",
     "load_config",
     "report_for",
+    "set_top_k",
     "stats",
 ]
 

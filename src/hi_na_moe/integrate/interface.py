@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from ..core import ops
+from ..core import trim as trim_mod
 from ..core.config import load_config
 from . import adapters
-from .patching import _guarded
+from .patching import _guarded, _TrimHolder, _trimmed_reference
 
 # ---------------------------------------------------------------------------------------------
 # transformers' own switch: experts_implementation="hi_na_moe"
@@ -35,9 +37,14 @@ def interface_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k
             raise RuntimeError(f"hi_na_moe cannot run {type(self).__name__}: {why}")
         cfg = load_config()
         choice = ops.choose(spec, cfg)
+        # top_k: the config's, as enable_for_model applies it (renorm from this module's config)
+        trim = trim_mod.from_config(cfg, self)
         if isinstance(choice.runner, ops.NativeExperts):
             ops.apply_pool(cfg)
+            choice.runner.trim = trim
             choice.runner.pack()  # the model keeps its own weights here (no release on this path)
+        elif trim is not None:
+            choice = replace(choice, runner=_trimmed_reference(_TrimHolder(trim)))
         cached = (key, choice, spec)
         _SPECS[self] = cached
     _, choice, spec = cached

@@ -456,12 +456,25 @@ def _block_report(match: adapters.BlockMatch, status: str, choice: ops.Choice | 
     return rep
 
 
-def _trimmed_reference(trim: trim_mod.Trim | None) -> ops.Runner:
-    """The reference path, with `trim` (HinaConfig.top_k) applied to its routing first."""
-    if trim is None:
-        return reference.experts_forward
+class _TrimHolder:
+    """The trim (HinaConfig.top_k) an enabled model's reference-path blocks read at each call;
+    set_top_k changes it (the native blocks hold theirs in the packed block)."""
+
+    def __init__(self, trim: trim_mod.Trim | None):
+        self.trim = trim
+
+
+# root passed to enable_for_model -> its _TrimHolder
+_TRIMS: "weakref.WeakKeyDictionary[nn.Module, _TrimHolder]" = weakref.WeakKeyDictionary()
+
+
+def _trimmed_reference(holder: _TrimHolder) -> ops.Runner:
+    """The reference path, with the holder's trim (HinaConfig.top_k) applied to its routing first."""
 
     def run(spec, hidden, idx, w):
+        trim = holder.trim
+        if trim is None:
+            return reference.experts_forward(spec, hidden, idx, w)
         check_routing(spec, hidden, idx, w)
         return reference.experts_forward(spec, hidden, *reference.trim_routing(idx, w, trim))
 
@@ -469,14 +482,14 @@ def _trimmed_reference(trim: trim_mod.Trim | None) -> ops.Runner:
     return run
 
 
-def _guarded(run: ops.Runner, module: nn.Module, trim: trim_mod.Trim | None = None) -> ops.Runner:
+def _guarded(run: ops.Runner, module: nn.Module, holder: _TrimHolder | None = None) -> ops.Runner:
     """Native kernels do not do autograd. A module in training mode with autograd recording runs
-    the reference path instead (gradients flow as natively; `trim` applied as the kernels apply
-    it); in eval mode the kernels run and the experts' output carries no autograd history, as with
+    the reference path instead (gradients flow as natively; the holder's trim applied as the
+    kernels apply it); in eval mode the kernels run and the experts' output carries no autograd history, as with
     any inference kernel."""
     if run is reference.experts_forward or getattr(run, "reference", False):
         return run
-    fallback = _trimmed_reference(trim)
+    fallback = _trimmed_reference(holder if holder is not None else _TrimHolder(getattr(run, "trim", None)))
     ref = weakref.ref(module)
 
     def guarded(spec, hidden, idx, w):
@@ -541,7 +554,7 @@ def _gated(gate: _Gate, forward):
 
 
 def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig, gate: _Gate, patched: list,
-                 prepare=None, holders: dict | None = None) -> BlockReport:
+                 prepare=None, holders: dict | None = None, holder: _TrimHolder | None = None) -> BlockReport:
     """Patch one block; it joins `patched` as soon as its forward is replaced, so that a failure
     after that point (releasing its weights) is undone with the others. `holders`
     (ops.storage_holders of the model, taken before any block was released): a block whose
@@ -563,7 +576,7 @@ def _patch_block(match: adapters.BlockMatch, choice: ops.Choice, cfg: HinaConfig
             choice = replace(choice, kernel=block.kernel)
             block.reason = f"{block.reason}; {runner.format_note}" if block.reason else runner.format_note
     state = _PatchState(m.__dict__.get("forward", _MISSING), m.__dict__.get("extra_repr", _MISSING))
-    new_forward = match.make_forward(match, _guarded(choice.runner, m, getattr(choice.runner, "trim", None)))
+    new_forward = match.make_forward(match, _guarded(choice.runner, m, holder))
     if isinstance(choice.runner, ops.NativeExperts) and match.make_forward is adapters.experts_forward_factory:
         new_forward = _fast_first(choice.runner, new_forward)
     m.forward = types.MethodType(_gated(gate, new_forward), m)
@@ -679,6 +692,7 @@ def enable_for_model(
         matches = adapters.discover(model, router_name)
         report = EnableReport(type(model).__name__, cfg.to_dict())
         trim = trim_mod.from_config(cfg, model)
+        trim_holder = _TrimHolder(trim)
         report.top_k = trim.describe() if trim is not None else None
         plans = []
         for match in matches:
@@ -691,11 +705,10 @@ def enable_for_model(
                     "(on a parent or child module); disable that one first"
                 )
             choice = ops.choose(match.spec, cfg, name=match.name)
-            if trim is not None:
-                if isinstance(choice.runner, ops.NativeExperts):
-                    choice.runner.trim = trim
-                else:
-                    choice = replace(choice, runner=_trimmed_reference(trim))
+            if isinstance(choice.runner, ops.NativeExperts):
+                choice.runner.trim = trim
+            else:  # (reads the holder at each call: set_top_k can change it)
+                choice = replace(choice, runner=_trimmed_reference(trim_holder))
             plans.append((match, choice))
         if any(isinstance(c.runner, ops.NativeExperts) for _, c in plans):
             ops.apply_pool(cfg)  # process-wide: here, not in choose (which only decides)
@@ -714,7 +727,7 @@ def enable_for_model(
         try:
             holders = ops.storage_holders(model) if not cfg.keep_weights else None
             for match, choice in bar:
-                report.blocks.append(_patch_block(match, choice, cfg, gate, patched, _prepare, holders))
+                report.blocks.append(_patch_block(match, choice, cfg, gate, patched, _prepare, holders, trim_holder))
                 for _, _, done in patched[:-1]:  # the originals a block released, once the next is packed
                     if isinstance(done.runner, ops.NativeExperts):
                         done.runner.bury()
@@ -786,7 +799,46 @@ def enable_for_model(
         _ROOTS[model] = (patched, report)
         _GATES[model] = gate
         _DENSE[model] = dense_done
+        _TRIMS[model] = trim_holder
     return report
+
+
+def set_top_k(model: nn.Module, top_k: int | str = "model", *, threshold: float | None = None,
+              min_k: int | None = None, renorm: str | None = None) -> str:
+    """Change how many experts a token uses (HinaConfig's top_k, top_k_threshold, top_k_min,
+    top_k_renorm; unset keyword: the enable's value) on an enabled model, without re-enabling:
+    every block's trim is switched between forwards (they wait at the model's gate meanwhile), and
+    the routing counts behind stats()'s experts_per_token start again at zero. Returns what the
+    trim now does. ConfigError for a bad value; RuntimeError when the model is not enabled."""
+    with _LOCK:
+        if model not in _ROOTS:
+            raise RuntimeError(f"hi_na_moe is not enabled on this {type(model).__name__}: set_top_k changes an "
+                               "enabled model (enable_for_model(model, top_k=...) enables with one)")
+        patched, report = _ROOTS[model]
+        keys = {k: v for k, v in (("top_k", top_k), ("top_k_threshold", threshold), ("top_k_min", min_k),
+                                  ("top_k_renorm", renorm)) if v is not None}
+        cfg = HinaConfig(**{**{k: report.config[k] for k in ("top_k", "top_k_threshold", "top_k_min", "top_k_renorm")},
+                            **keys})
+        trim = trim_mod.from_config(cfg, model)
+        gate = _GATES[model]
+        gate.acquire_write(DRAIN_TIMEOUT_S, "set_top_k")
+        try:
+            for _, _, choice in patched:
+                r = choice.runner
+                if isinstance(r, ops.NativeExperts):
+                    r.trim = trim
+                    if r.packed is not None and not r.spec.n_identity:
+                        r.packed.set_trim(*(trim.native_args() if trim is not None else ("full",)))
+                    if r.packed is not None:
+                        r.packed.routing_counts(reset=True)
+            holder = _TRIMS.get(model)
+            if holder is not None:
+                holder.trim = trim
+            report.config.update({k: getattr(cfg, k) for k in ("top_k", "top_k_threshold", "top_k_min", "top_k_renorm")})
+            report.top_k = trim.describe() if trim is not None else None
+        finally:
+            gate.release_write()
+    return report.top_k or "top_k='model': every expert the router chose"
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -857,6 +909,7 @@ def disable_for_model(model: nn.Module) -> EnableReport:
             del _ROOTS[model]
             del _GATES[model]
             _DENSE.pop(model, None)
+            _TRIMS.pop(model, None)
             tiering.drop(model)
             gate.active = False
         finally:
