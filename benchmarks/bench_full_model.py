@@ -32,6 +32,12 @@ Arms (each is `--arm X --child` of this script; the driver runs it):
   benchmarks/make_gguf.py writes from the same checkpoint). Its JSON is read back and its raw samples
   go through the same formulas as the other arms. Flash attention off (llama-cpp-python's
   default) unless --llamacpp-flash-attn.
+- `ikllamacpp-<type>`: ik_llama.cpp, the fastest CPU fork of llama.cpp, through its own
+  llama-bench (--ik-bench; built as benchmarks/LLAMACPP.md says) on the same GGUF with fused MoE
+  and run-time repacking (`-fmoe 1 -rtr 1`): prefill of --prefill tokens and --new-tokens decode
+  steps, --repeats runs each. llama-bench reports each run's total, not its steps: the arm's
+  "steps" are its runs' ms a token, its load time is the whole llama-bench run, and it has no
+  paired probe. ik_llama.cpp has no OLMoE architecture: use the Qwen3-30B-A3B shape.
 
 Definitions (the same for every arm; --threads 2 by default: torch.set_num_threads and the
 hi_na_moe kernels in the torch arms, n_threads/n_threads_batch in llama.cpp):
@@ -134,7 +140,7 @@ HINA_FORMATS = ("lossless", "lossless12", "int8", "int4", "int4g32", "int4g64")
 FORMAT_CONFIG = {"int4g32": ("int4", 32), "int4g64": ("int4", 64)}
 LLAMA_TYPES = ("bf16", "q8_0", "q4_0")
 ARMS = (("transformers",) + tuple(f"hina-{f}" for f in HINA_FORMATS) + tuple(f"hina-{f}-all" for f in HINA_FORMATS)
-        + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES))
+        + tuple(f"llamacpp-{t}" for t in LLAMA_TYPES) + tuple(f"ikllamacpp-{t}" for t in LLAMA_TYPES))
 OWNER_MARK = ".bench_full_model-owned"
 GIB = 1 << 30
 PROBE_BYTES = 1 << 30  # the paired probe's buffer
@@ -542,10 +548,57 @@ def run_llamacpp_arm(args) -> dict:
     return res
 
 
+def run_ik_arm(args) -> dict:
+    """ik_llama.cpp's own llama-bench (--ik-bench) on the arm's GGUF, with its fused MoE (-fmoe 1)
+    and run-time repacking (-rtr 1): pp<prefill> and tg<new-tokens>, --repeats runs each. It
+    reports each run's total time, not its steps: a run's ms a token stands in for its steps."""
+    import resource
+
+    typ = args.arm.split("-", 1)[1]
+    gguf = Path(args.gguf_pattern.format(type=typ))
+    if not gguf.is_file():
+        raise SystemExit(f"{args.arm}: no GGUF file {gguf} (benchmarks/make_gguf.py writes it; see LLAMACPP.md)")
+    if not Path(args.ik_bench).is_file():
+        raise SystemExit(f"{args.arm}: no ik_llama.cpp llama-bench at {args.ik_bench} (see LLAMACPP.md)")
+    reps = max(args.repeats, args.prefill_reps)
+    cmd = [args.ik_bench, "-m", str(gguf), "-p", str(args.prefill), "-n", str(args.new_tokens), "-t", str(args.threads),
+           "-r", str(reps), "-fmoe", "1", "-rtr", "1", "-o", "json"]
+    res: dict = {"arm": args.arm, "phase": args.phase, "engine": "ik_llama.cpp", "gguf": str(gguf),
+                 "command": " ".join(cmd), "host_start": host_facts()}
+    res["bytes_per_token"] = gguf_bytes_per_token(args.llamacpp_python, gguf)
+    kv = kv_bytes_per_token(Path(args.ckpt), args.prompt_len, args.new_tokens)
+    res["bytes_per_token"]["kv_cache"] = kv
+    res["bytes_per_token"]["total"] = res["bytes_per_token"].pop("bytes_per_token") + (kv or 0)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{args.arm}: llama-bench exited with {proc.returncode}")
+    rows = json.loads(proc.stdout)
+    tg = next(r for r in rows if r["n_gen"] == args.new_tokens and r["n_prompt"] == 0)
+    pp = next(r for r in rows if r["n_prompt"] == args.prefill and r["n_gen"] == 0)
+    tg_ms = [ns / 1e6 / args.new_tokens for ns in tg["samples_ns"]]  # a run's ms a token
+    res["decode"] = {"rounds": len(tg_ms), "tokens_per_s": 1e3 / statistics.median(tg_ms),
+                     "median_ms": statistics.median(tg_ms), "p90_ms": max(tg_ms), "prompt_ms": None,
+                     "step_ms": [[round(x, 3)] for x in tg_ms], "per_run": "ms a token of each run (llama-bench)",
+                     "new_tokens": args.new_tokens, "prompt_len": 0, "tokens": None}
+    res["prefill"] = prefill_summary([ns / 1e6 for ns in pp["samples_ns"]], args.prefill)
+    # (the child's peak: llama-bench's, the only child this process ran)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    res["load_s"] = wall  # (the whole llama-bench run: it does not report its load)
+    res["memory"] = {"rss_after_load_bytes": None, "peak_rss_bytes": peak}
+    res["threads"] = args.threads
+    res["build"] = {k: tg.get(k) for k in ("build_commit", "build_number", "cpu_info", "model_type", "type_k")}
+    res["host_end"] = host_facts()
+    return res
+
+
 def child_main(args) -> int:
     if args.arm not in ARMS:
         raise SystemExit(f"unknown arm {args.arm!r}; known: {', '.join(ARMS)}")
-    res = run_llamacpp_arm(args) if args.arm.startswith("llamacpp-") else run_torch_arm(args)
+    res = (run_llamacpp_arm(args) if args.arm.startswith("llamacpp-") else run_ik_arm(args)
+           if args.arm.startswith("ikllamacpp-") else run_torch_arm(args))
     text = json.dumps(res, indent=1)
     if args.result:
         Path(args.result).write_text(text)
@@ -648,7 +701,8 @@ def ratio_table(results: list[dict]) -> str:
     rows = []
     for a in hina:
         fmt = a[len("hina-"):].removesuffix("-all")
-        for other in (LLAMACPP_WIDTH.get(fmt), "transformers"):
+        ik = LLAMACPP_WIDTH.get(fmt, "").replace("llamacpp-", "ikllamacpp-") or None
+        for other in (LLAMACPP_WIDTH.get(fmt), ik, "transformers"):
             got = [by[(s, a)] / by[(s, other)] for s in series if (s, a) in by and (s, other) in by]
             if got:
                 rows.append(f"| {a} / {other} | {' / '.join(f'{x:.2f}x' for x in got)} | "
@@ -677,7 +731,9 @@ def driver_main(args) -> int:
     if not (ckpt / "config.json").is_file():
         raise SystemExit(f"--ckpt {ckpt}: no config.json")
     for a in arms:
-        if a.startswith("llamacpp-"):
+        if a.startswith("ikllamacpp-") and not Path(args.ik_bench).is_file():
+            raise SystemExit(f"{a}: no ik_llama.cpp llama-bench at {args.ik_bench} (--ik-bench; see LLAMACPP.md)")
+        if a.startswith(("llamacpp-", "ikllamacpp-")):
             g = Path(args.gguf_pattern.format(type=a.split("-", 1)[1]))
             if not g.is_file():
                 raise SystemExit(f"{a}: no GGUF file {g} (see benchmarks/LLAMACPP.md)")
@@ -724,7 +780,7 @@ def driver_main(args) -> int:
               "--prompt-len", str(args.prompt_len), "--prefill", str(args.prefill), "--repeats", str(args.repeats),
               "--prefill-reps", str(args.prefill_reps), "--seed", str(args.seed), "--cache-dir", str(cache_dir),
               "--gguf-pattern", args.gguf_pattern, "--llamacpp-python", args.llamacpp_python,
-              "--dense-lossless", args.dense_lossless] + (["--paired-probe"] if args.paired_probe else []) \
+              "--dense-lossless", args.dense_lossless, "--ik-bench", args.ik_bench] + (["--paired-probe"] if args.paired_probe else []) \
         + (["--llamacpp-flash-attn"] if args.llamacpp_flash_attn else [])
     results = []
     competitor = None
@@ -814,6 +870,8 @@ def main(argv=None) -> int:
                     help="GGUF file of the llamacpp-<type> arms; {type} is bf16, q8_0 or q4_0 "
                          "(default /work/ckpt/gguf/<checkpoint name>-{type}.gguf)")
     ap.add_argument("--llamacpp-python", default="/work/venv-llamacpp/bin/python")
+    ap.add_argument("--ik-bench", default="/work/ik/build/bin/llama-bench",
+                    help="ik_llama.cpp's llama-bench, for the ikllamacpp-<type> arms (run with -fmoe 1 -rtr 1)")
     ap.add_argument("--llamacpp-flash-attn", action="store_true",
                     help="llama.cpp arms with flash_attn=True (llama-cpp-python's default is False)")
     ap.add_argument("--compete", action="store_true",
