@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <future>
@@ -338,6 +339,43 @@ void test_eviction() {
   }
 }
 
+// warm() reads in order as demanded reads (the last the most recently used); drain() returns after
+// the I/O threads settle a predicted read without reading it (dropped: no slot a prediction may take).
+void test_warm_and_drain() {
+  const Case c{1, kE, 2, kH, kI, true, false, false, Act::kSilu, 0, 0, false, "tier warm"};
+  const Problem p = make_problem(DType::kBF16, c, 37);
+  auto pe = PackedExperts::pack(weights_of(p), resolve_isa("auto"), 1);
+  StoreFile f;
+  const Stored s = store_block(f, *pe, kLead);
+  TierOptions o = options_for(pe->header(), 2, 2);
+  o.prediction_window = 0;
+  ExpertTier t(o);
+  add_layer(t, f, s);
+  const int32_t layers[] = {0, 0, 0};
+  const int32_t ids[] = {1, 4, 6};
+  t.warm(layers, ids, 3);  // 6 evicts 1, the least recently used
+  report(t.resident(0) == std::vector<int32_t>({4, 6}), "tier warm: resident " + str(t.resident(0)));
+  // both slots used by the last acquire: a prediction finds no slot and is dropped
+  std::vector<const void*> gu(kE, nullptr), dn(kE, nullptr);
+  const int32_t both[] = {4, 6};
+  t.acquire(0, both, 2, nullptr, 0, pe->dtype(), pe->H(), gu.data(), dn.data());
+  t.release(0, both, 2);
+  t.reset_stats();
+  const int32_t seven = 7;
+  t.prefetch(0, &seven, 1);
+  std::atomic<bool> done{false};
+  std::thread waiter([&] {
+    t.drain();
+    done = true;
+  });
+  for (int i = 0; i < 2000 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const bool returned = done.load();
+  if (!returned) t.prefetch(0, &seven, 0);  // (nothing wakes it: the watchdog ends the run)
+  waiter.join();
+  report(returned && t.stats().prefetch_dropped == 1 && t.resident(0) == std::vector<int32_t>({4, 6}),
+         "tier drain returns after a dropped prediction");
+}
+
 // ---- 4. concurrent forwards on one tier ---------------------------------------------------------
 void test_concurrent() {
   // two layers in one file, each a block of its own weights; prediction on (layer 0 predicts 1)
@@ -590,6 +628,7 @@ void test_tier(const std::vector<Isa>& tiers) {
   guarded("tier crc32c", test_crc32c);
   guarded("tier forward", [&] { test_tiered_forward(tiers); });
   guarded("tier eviction", test_eviction);
+  guarded("tier warm", test_warm_and_drain);
   guarded("tier threads", test_concurrent);
   guarded("tier faults", test_faults);
 }
