@@ -553,3 +553,47 @@ def test_every_hina_moe_variable_the_project_reads_or_documents_is_known():
     found |= {n for f in root.glob("tests/*.py") for n in read.findall(f.read_text())}
     assert {"HINA_MOE_PREFETCH_BYTES", "HINA_MOE_CACHE_DIR", "HINA_MOE_ISA", "HINA_MOE_CONFIG"} <= found
     assert sorted(found - set(known_env())) == []
+
+
+def test_every_experimental_switch_names_a_boolean_of_its_module():
+    import importlib
+
+    from hi_na_moe.core.config import EXPERIMENTAL
+
+    for name, (module, attr) in EXPERIMENTAL.items():
+        assert isinstance(getattr(importlib.import_module(module), attr), bool), name
+
+
+def test_experimental_switches_are_set_at_enable_and_named_in_the_report(tmp_path, monkeypatch):
+    import torch
+
+    import hi_na_moe
+    from hi_na_moe.fastpath import linear, stack
+    from tiny_models import build_tiny
+
+    m = build_tiny("olmoe", dtype=torch.float32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                   hidden_size=64, intermediate_size=32).model
+    x = torch.randint(3, 100, (1, 8))
+    hi_na_moe.enable_for_model(m, scope="all")
+    try:
+        with torch.no_grad():
+            want = m.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    finally:
+        hi_na_moe.disable_for_model(m)
+    monkeypatch.setattr(stack, "ONE_CALL", True)  # (restored after the test)
+    monkeypatch.setattr(linear, "PAIRED", True)
+    f = tmp_path / "c.yaml"
+    f.write_text("experimental: {stack.one_call: off}\n")
+    monkeypatch.setenv("HINA_MOE_CONFIG", str(f))
+    report = hi_na_moe.enable_for_model(m, scope="all")
+    try:
+        assert stack.ONE_CALL is False and linear.PAIRED is True  # a switch not named keeps its value
+        assert "experimental switches (process-wide, for A/B runs): stack.one_call=off" in str(report)
+        with torch.no_grad():
+            assert torch.equal(m.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0), want)
+    finally:
+        hi_na_moe.disable_for_model(m)
+    with pytest.raises(ConfigError, match="did you mean 'stack.one_call'"):
+        HinaConfig(experimental="stack.onecall=off")
+    with pytest.raises(ConfigError, match="expected on or off"):
+        HinaConfig(experimental="stack.one_call=2")

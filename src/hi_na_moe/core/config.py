@@ -55,6 +55,27 @@ DIRECT_IO_MODES = ("auto", "on", "off")
 # The most NUMA nodes Linux supports: 2^CONFIG_NODES_SHIFT, at most 2^10 on x86-64; whether the
 # node exists on this machine is checked where it is used.
 MAX_NUMA_NODE = 1023
+# The `experimental` key's switches: name -> (module, attribute). Each turns one scope="all" native
+# path off for the whole process (its module's own code runs: outputs stay exact either way), for
+# A/B measurements (docs/configuration.md, "experimental").
+EXPERIMENTAL = {
+    "linear.paired": ("hi_na_moe.fastpath.linear", "PAIRED"),
+    "linear.reuse_unpaired": ("hi_na_moe.fastpath.linear", "REUSE_UNPAIRED"),
+    "routers.native_select": ("hi_na_moe.fastpath.routers", "NATIVE_SELECT"),
+    "attention.prefill": ("hi_na_moe.fastpath.attention", "PREFILL"),
+    "mla.quant_weight": ("hi_na_moe.fastpath.mla", "QUANT_WEIGHT"),
+    "layers.fuse_experts": ("hi_na_moe.fastpath.layers", "FUSE_EXPERTS"),
+    "layers.fuse_shared": ("hi_na_moe.fastpath.layers", "FUSE_SHARED"),
+    "layers.hold_plan_args": ("hi_na_moe.fastpath.layers", "HOLD_PLAN_ARGS"),
+    "stack.one_call": ("hi_na_moe.fastpath.stack", "ONE_CALL"),
+    "stack.final_norm": ("hi_na_moe.fastpath.stack", "FINAL_NORM"),
+    "stack.rope_table": ("hi_na_moe.fastpath.stack", "ROPE_TABLE"),
+    "stack.causal_lm": ("hi_na_moe.fastpath.stack", "CAUSAL_LM"),
+    "stack.head_in_call": ("hi_na_moe.fastpath.stack", "HEAD_IN_CALL"),
+    "kv_cache.in_place": ("hi_na_moe.fastpath.kv_cache", "IN_PLACE"),
+    "kv_cache.group": ("hi_na_moe.fastpath.kv_cache", "GROUP"),
+}
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Fewer experts a token (hi_na_moe.core.trim): top_k's words, top_k_renorm's modes
 TOP_K_WORDS = ("model", "adaptive")
 TOP_K_RENORM_MODES = ("auto", "on", "off")
@@ -163,6 +184,10 @@ class HinaConfig:
             or "off".
         numa_node: the NUMA node whose memory the memory tier uses; None (default) leaves it to
             the OS. Whether the node exists is checked where it is used.
+        experimental: switches of single scope="all" native paths, for A/B measurements:
+            comma-separated `name=on|off` (names: EXPERIMENTAL, e.g. "stack.one_call=off"); ""
+            (default) changes none. Process-wide, set when a model is enabled; a switch not named
+            keeps its value. Outputs stay exact either way (the module's own code runs).
         profile: a `hi-na-moe profile-router --out` directory (or its expert_prior.json): the
             memory tier's pool starts with that prior's most frequent experts, read at enable;
             "" (default): it starts empty. Unused without a memory tier (the report says so).
@@ -207,6 +232,7 @@ class HinaConfig:
     direct_io: str = "auto"
     numa_node: int | None = None
     profile: str = ""
+    experimental: str = ""
     # fewer experts a token (hi_na_moe.core.trim)
     top_k: int | str = "model"
     top_k_threshold: float = 0.3
@@ -245,6 +271,7 @@ class HinaConfig:
         for key in ("cache_dir", "profile"):  # a pathlib.Path is a path too
             if isinstance(getattr(self, key), os.PathLike):
                 object.__setattr__(self, key, os.fspath(getattr(self, key)))
+        self.experimental_switches()  # (a bad name or value: ConfigError naming it)
         if not isinstance(self.profile, str):
             raise ConfigError(
                 f"config key 'profile' ({src('profile')}) has bad value {self.profile!r}: expected a path (a "
@@ -309,6 +336,28 @@ class HinaConfig:
         for key, kind in (("weights", Format), ("isa", Isa), ("scope", Scope), ("pool", Pool), ("memory", MemoryMode)):
             object.__setattr__(self, key, kind(getattr(self, key)))
 
+    def experimental_switches(self) -> dict[str, bool]:
+        """`experimental` parsed: {name: on}. ConfigError names a bad entry, an unknown name (with
+        a "did you mean") or a bad value."""
+        src = self.sources.get("experimental", "argument")
+        if not isinstance(self.experimental, str):
+            raise ConfigError(f"config key 'experimental' ({src}) has bad value {self.experimental!r}: expected "
+                              "comma-separated name=on|off, e.g. 'stack.one_call=off'")
+        out: dict[str, bool] = {}
+        for part in filter(None, (p.strip() for p in self.experimental.split(","))):
+            name, eq, value = (t.strip() for t in part.partition("="))
+            if not eq or not name:
+                raise ConfigError(f"config key 'experimental' ({src}): {part!r} is not name=on|off")
+            if name not in EXPERIMENTAL:
+                hint = difflib.get_close_matches(name, EXPERIMENTAL, n=1)
+                raise ConfigError(f"config key 'experimental' ({src}): unknown switch {name!r}"
+                                  + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                  + f"; known: {', '.join(EXPERIMENTAL)}")
+            if value.lower() not in _ON + _OFF:
+                raise ConfigError(f"config key 'experimental' ({src}): {name}={value!r}: expected on or off")
+            out[name] = value.lower() in _ON
+        return out
+
     def kernel_pool(self) -> str:
         """The thread pool backend `pool` asks for (native set_pool_backend): "auto" is "mixed"
         under scope="all": the own workers, whose decode step is one native call (on OpenMP's
@@ -362,7 +411,7 @@ _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weig
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
           "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool,
           "memory_limit": "size", "prefetch": bool, "prediction_window": int, "io_threads": int,
-          "direct_io": str, "numa_node": "int or none", "profile": str, "top_k": "int or word", "top_k_threshold": float,
+          "direct_io": str, "numa_node": "int or none", "profile": str, "experimental": str, "top_k": "int or word", "top_k_threshold": float,
           "top_k_min": int, "top_k_renorm": str}
 
 
@@ -418,6 +467,8 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
             return float(str(raw).strip())
         except ValueError:
             raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected a number") from None
+    if key == "experimental" and isinstance(raw, Mapping):  # YAML: {stack.one_call: off, ...}
+        return ",".join(f"{k}={'on' if v is True else 'off' if v is False else v}" for k, v in raw.items())
     if key in ("direct_io", "top_k_renorm") and isinstance(raw, bool):
         return "on" if raw else "off"  # YAML 1.1 reads a bare on / off as true / false
     if want is bool:

@@ -19,6 +19,7 @@ releases nothing.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import threading
@@ -33,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..core import ops, reference, trim as trim_mod
-from ..core.config import HinaConfig, load_config
+from ..core.config import EXPERIMENTAL, HinaConfig, load_config
 from ..core.formats import Scope
 from ..core.memory import read_in_embeddings
 from ..core.native import native_module
@@ -256,6 +257,7 @@ class EnableReport:
     # the memory tier (memory_limit; hi_na_moe.integrate.tiering): what the report says of it
     memory_tier: list = field(default_factory=list)
     top_k: str | None = None  # HinaConfig.top_k other than "model": what the trim does (core.trim)
+    experimental: str | None = None  # HinaConfig.experimental's switches as set
 
     @property
     def accelerated(self) -> list[BlockReport]:
@@ -349,6 +351,8 @@ class EnableReport:
         lines.extend(self.memory_tier)
         if self.top_k:
             lines.append(f"  top_k={self.config.get('top_k')!r}: {self.top_k}; outputs differ from the model's")
+        if self.experimental:
+            lines.append(f"  experimental switches (process-wide, for A/B runs): {self.experimental}")
         if self.dry_run and (self.norms or self.routers or self.attention or self.attention_latent
                              or self.routers_differ or self.mlps or self.layers):
             left = f"; {len(self.routers_differ)} router(s) left to PyTorch" if self.routers_differ else ""
@@ -691,6 +695,11 @@ def enable_for_model(
             )
         matches = adapters.discover(model, router_name)
         report = EnableReport(type(model).__name__, cfg.to_dict())
+        switches = cfg.experimental_switches()
+        for name, on in switches.items():  # process-wide, before any part is patched
+            module, attr = EXPERIMENTAL[name]
+            setattr(importlib.import_module(module), attr, on)
+        report.experimental = ", ".join(f"{n}={'on' if v else 'off'}" for n, v in switches.items()) or None
         trim = trim_mod.from_config(cfg, model)
         trim_holder = _TrimHolder(trim)
         report.top_k = trim.describe() if trim is not None else None
