@@ -271,6 +271,8 @@ def test_cli_json_and_errors(tmp_path, capsys):
         (["--experts", "4", "--data", str(tmp_path / "nope.txt")], "nope.txt' does not exist"),
         (["--experts", "4", "--out", str(out)], "is not empty"),
         (["--experts", "4", "--out", str(tmp_path / "no" / "such")], "does not exist"),
+        (["--experts", "4", "--repair-experts"], "--repair-experts needs --repair-steps"),
+        (["--experts", "4", "--repair-steps", "-1"], "--repair-steps must be >= 0"),
     ]
     for extra, msg in cases:
         args = ["distill", "--model", "builtin", "--tokens", "64", "--out", str(tmp_path / "x")] + extra
@@ -289,6 +291,12 @@ def test_repair_trains_only_the_routers_and_lowers_the_kl(tiny):
     changed = {k for k, v in small.state_dict().items() if not torch.equal(v, before[k])}
     assert changed == {f"{b['router']}.weight" for b in small.distill_report.layers}
     assert all(p.requires_grad for p in small.parameters()) and all(p.grad is None for p in small.parameters())
+    both = dm.distill(tiny, 2, data=IDS, seq_len=64)
+    dm.repair(both, tiny, IDS, steps=2, seq_len=64, batch_size=2, train_experts=True)
+    changed = {k for k, v in both.state_dict().items() if not torch.equal(v, before[k])}
+    want = {f"{b['router']}.weight" for b in both.distill_report.layers}
+    want |= {f"{b['experts']}.{n}" for b in both.distill_report.layers for n in ("gate_up_proj", "down_proj")}
+    assert changed == want and both.distill_report.repair["trained"] == "routers and experts"
     with pytest.raises(dm.DistillError, match="repair steps must be a whole number >= 1"):
         dm.repair(small, tiny, IDS, steps=0)
     with pytest.raises(dm.DistillError, match="fewer than one window of 256"):

@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "original as teacher (KL on the logits, on the calibration tokens; ~0.4 s a step on the shipped "
                    "model, one thread). Default 0: no repair")
     p.add_argument("--repair-lr", type=float, default=1e-3, help="the repair's Adam learning rate (default 1e-3)")
+    p.add_argument("--repair-experts", action="store_true", help="the repair trains the routed experts' weights "
+                   "too, not only the routers")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="load (and write) the weights in this dtype (default: the checkpoint's)")
     p.add_argument("--out", required=True, help="the directory to write (refused if not empty, unless --force)")

@@ -27,6 +27,8 @@ def cmd_distill(args) -> int:
         raise UserError(f"--repair-steps must be >= 0, got {args.repair_steps}")
     if not args.repair_lr > 0:
         raise UserError(f"--repair-lr must be > 0, got {args.repair_lr}")
+    if args.repair_experts and not args.repair_steps:
+        raise UserError("--repair-experts needs --repair-steps N (N >= 1)")
     path = shipped_model_dir() if args.model == "builtin" else args.model
     if path is None:
         raise UserError("--model builtin: the shipped model (models/hina-tiny-moe) is not in this installation",
@@ -60,7 +62,7 @@ def cmd_distill(args) -> int:
                         tokens=args.tokens, seed=args.seed, progress=args.output != "json")
         if args.repair_steps:
             repair(small, model, ids, steps=args.repair_steps, lr=args.repair_lr, seed=args.seed,
-                   progress=args.output != "json")
+                   train_experts=args.repair_experts, progress=args.output != "json")
         out = save_distilled(small, args.out, force=args.force, tokenizer=tokenizer)
     except DistillError as exc:
         raise UserError(f"{str(path)!r}: {exc}") from None
