@@ -29,9 +29,11 @@ too (a token still runs k experts of the same size).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers.utils import logging as hf_logging
 
 from ..integrate import patching
 from ..integrate.adapters import discover
@@ -436,7 +439,6 @@ def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: i
     router weights and biases distill sliced learn (and the routed experts' weights with
     `train_experts`); attention, norms, embeddings and shared experts stay as written. The report's `repair` gets the steps run, the seconds, and the KL on the first
     batch before and after."""
-    import time
 
     report = getattr(model, "distill_report", None)
     if not isinstance(report, DistillReport):
@@ -576,10 +578,6 @@ def save_distilled(model: nn.Module, out: str | Path, *, force: bool = False, to
     tokenizer if given, README.md (the model card) and distill.json. Built in a temp directory
     beside `out` and renamed into place; on any failure nothing is left behind and an existing
     `out` (replaced only with `force`) is untouched."""
-    import json
-
-    from transformers.utils import logging as hf_logging
-
     report = getattr(model, "distill_report", None)
     if not isinstance(report, DistillReport):
         raise DistillError("save_distilled writes a distill() result (the model has no distill_report)")
