@@ -439,7 +439,6 @@ def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: i
     router weights and biases distill sliced learn (and the routed experts' weights with
     `train_experts`); attention, norms, embeddings and shared experts stay as written. The report's `repair` gets the steps run, the seconds, and the KL on the first
     batch before and after."""
-
     report = getattr(model, "distill_report", None)
     if not isinstance(report, DistillReport):
         raise DistillError("repair takes a distill() result (the model has no distill_report)")
