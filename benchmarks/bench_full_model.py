@@ -494,6 +494,16 @@ def paired_summary(bytes_per_token: float, step_ms_rounds: list[list[float]], pr
             "share": statistics.median(bytes_per_token / s / 1e9 / g for s, g in zip(steps_s, probe_gbs))}
 
 
+def gguf_step_bytes(args, gguf: Path) -> dict:
+    """The bytes a decode token of a llama.cpp engine reads: the GGUF's (gguf_bytes_per_token) and
+    its KV cache's, with their total."""
+    out = gguf_bytes_per_token(args.llamacpp_python, gguf)
+    kv = kv_bytes_per_token(Path(args.ckpt), args.prompt_len, args.new_tokens)
+    out["kv_cache"] = kv
+    out["total"] = out.pop("bytes_per_token") + (kv or 0)
+    return out
+
+
 def run_llamacpp_arm(args) -> dict:
     typ = args.arm.split("-", 1)[1]
     gguf = Path(args.gguf_pattern.format(type=typ))
@@ -511,10 +521,7 @@ def run_llamacpp_arm(args) -> dict:
         cmd += ["--paired-probe-native", importlib.util.find_spec("hi_na_moe._native").origin]
     res: dict = {"arm": args.arm, "phase": args.phase, "engine": "llama.cpp", "gguf": str(gguf),
                  "command": " ".join(cmd), "host_start": host_facts()}
-    res["bytes_per_token"] = gguf_bytes_per_token(args.llamacpp_python, gguf)
-    kv = kv_bytes_per_token(Path(args.ckpt), args.prompt_len, args.new_tokens)
-    res["bytes_per_token"]["kv_cache"] = kv
-    res["bytes_per_token"]["total"] = res["bytes_per_token"].pop("bytes_per_token") + (kv or 0)
+    res["bytes_per_token"] = gguf_step_bytes(args, gguf)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
@@ -565,10 +572,7 @@ def run_ik_arm(args) -> dict:
            "-r", str(reps), "-fmoe", "1", "-rtr", "1", "-o", "json"]
     res: dict = {"arm": args.arm, "phase": args.phase, "engine": "ik_llama.cpp", "gguf": str(gguf),
                  "command": " ".join(cmd), "host_start": host_facts()}
-    res["bytes_per_token"] = gguf_bytes_per_token(args.llamacpp_python, gguf)
-    kv = kv_bytes_per_token(Path(args.ckpt), args.prompt_len, args.new_tokens)
-    res["bytes_per_token"]["kv_cache"] = kv
-    res["bytes_per_token"]["total"] = res["bytes_per_token"].pop("bytes_per_token") + (kv or 0)
+    res["bytes_per_token"] = gguf_step_bytes(args, gguf)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0

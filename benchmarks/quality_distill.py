@@ -55,17 +55,6 @@ def _calibration(tok, tokens: int, seq: int, seed: int) -> torch.Tensor:
     return ids[: n * seq].view(n, seq)[pick.sort().values].reshape(-1)
 
 
-def _nll_logits(model, chunks: torch.Tensor, batch: int = 8):
-    nll, logits = 0.0, []
-    for i in range(0, len(chunks), batch):
-        part = chunks[i:i + batch]
-        with torch.no_grad():
-            lg = model(input_ids=part).logits.float()[:, :-1]
-        nll += float(-torch.log_softmax(lg, -1).gather(-1, part[:, 1:, None]).sum())
-        logits.append(lg)
-    return nll / (chunks.shape[0] * (chunks.shape[1] - 1)), torch.cat(logits)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=MODEL)
@@ -93,7 +82,7 @@ def main() -> int:
     calib = _calibration(tok, args.calib_tokens, args.seq, args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     E, K = int(model.config.num_experts), int(model.config.num_experts_per_tok)
-    base_nll, base = _nll_logits(model, chunks)
+    base_nll, base = quality.nll_and_logits(model, chunks, batch=8)
     rows = [dict(arm="original", experts=E, top_k=K, method="-", score="-", perplexity=math.exp(base_nll),
                  kl=0.0, top1=1.0, bytes=(args.model / "model.safetensors").stat().st_size, seconds=0.0)]
     ks = [K if k == "model" else int(k) for k in args.top_k.split(",")]
@@ -103,7 +92,7 @@ def main() -> int:
             cfg.num_experts_per_tok = k
             low = type(model)._from_config(cfg, dtype=torch.float32).eval()
             low.load_state_dict(model.state_dict())
-            nll, logits = _nll_logits(low, chunks)
+            nll, logits = quality.nll_and_logits(low, chunks, batch=8)
             kl, top1 = quality.logits_agreement(base, logits)
             rows.append(dict(arm=f"original k={k}", experts=E, top_k=k, method="-", score="-",
                              perplexity=math.exp(nll), kl=kl, top1=top1, bytes=rows[0]["bytes"], seconds=0.0))
@@ -117,7 +106,7 @@ def main() -> int:
                             seed=args.seed)
             seconds = time.perf_counter() - t0
             out = save_distilled(small, Path(tmp) / f"{N}-{k}-{method}-{score}")
-            nll, logits = _nll_logits(small, chunks)
+            nll, logits = quality.nll_and_logits(small, chunks, batch=8)
             kl, top1 = quality.logits_agreement(base, logits)
             rows.append(dict(arm=f"{method} {score} N={N}" + (f" k={k}" if k != K else ""), experts=N, top_k=small.config.num_experts_per_tok,
                              method=method, score=score, perplexity=math.exp(nll), kl=kl, top1=top1,
@@ -129,7 +118,7 @@ def main() -> int:
                 repair(small, model, calib, steps=args.repair_steps, seq_len=args.seq, seed=args.seed,
                        train_experts=args.train_experts)
                 seconds = time.perf_counter() - t0
-                nll, logits = _nll_logits(small, chunks)
+                nll, logits = quality.nll_and_logits(small, chunks, batch=8)
                 kl, top1 = quality.logits_agreement(base, logits)
                 rows.append(dict(rows[-1], arm=rows[-1]["arm"] + f" +repair {args.repair_steps}",
                                  perplexity=math.exp(nll), kl=kl, top1=top1, seconds=seconds,

@@ -37,22 +37,11 @@ MODELS = [ROOT / "models" / "hina-tiny-moe", ROOT / "models" / "hina-moe-e64"]
 THRESHOLDS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 
-def _nll_logits(model, chunks: torch.Tensor, batch: int = 8):
-    nll, logits = 0.0, []
-    for i in range(0, len(chunks), batch):
-        part = chunks[i:i + batch]
-        with torch.no_grad():
-            lg = model(input_ids=part).logits.float()[:, :-1]
-        nll += float(-torch.log_softmax(lg, -1).gather(-1, part[:, 1:, None]).sum())
-        logits.append(lg)
-    return nll / (chunks.shape[0] * (chunks.shape[1] - 1)), torch.cat(logits)
-
-
 def _arm(model, chunks, label: str, base_logits, **kw) -> dict:
     hi_na_moe.enable_for_model(model, **kw)
     try:
         t0 = time.perf_counter()
-        nll, logits = _nll_logits(model, chunks)
+        nll, logits = quality.nll_and_logits(model, chunks, batch=8)
         seconds = time.perf_counter() - t0
         ept = hi_na_moe.stats(model)["experts_per_token"]
     finally:

@@ -40,12 +40,18 @@ def _runners(model) -> list[ops.NativeExperts]:
     return [c.runner for _, _, c in patched if isinstance(c.runner, ops.NativeExperts)]
 
 
-def _nll_and_logits(model, chunks: torch.Tensor):
-    with torch.no_grad():
-        logits = model(input_ids=chunks).logits.float()[:, :-1]
-    logp = torch.log_softmax(logits, dim=-1)
-    nll = -logp.gather(-1, chunks[:, 1:, None]).squeeze(-1)
-    return float(nll.mean()), logits
+def nll_and_logits(model, chunks: torch.Tensor, batch: int | None = None):
+    """(mean next-token NLL over `chunks` [N, L], float32 logits [N, L - 1, V]), the chunks run
+    `batch` at a time (None: all in one forward)."""
+    batch = batch or len(chunks)
+    nll, logits = 0.0, []
+    for i in range(0, len(chunks), batch):
+        part = chunks[i:i + batch]
+        with torch.no_grad():
+            lg = model(input_ids=part).logits.float()[:, :-1]
+        nll += float(-torch.log_softmax(lg, dim=-1).gather(-1, part[:, 1:, None]).sum())
+        logits.append(lg)
+    return nll / (chunks.shape[0] * (chunks.shape[1] - 1)), torch.cat(logits)
 
 
 def measure(model, chunks: torch.Tensor, formats: Iterable[tuple[str, int]], progress=None,
@@ -64,7 +70,7 @@ def measure(model, chunks: torch.Tensor, formats: Iterable[tuple[str, int]], pro
     try:
         for r in _runners(model):
             r.recorder = record
-        base_nll, base_logits = _nll_and_logits(model, chunks)
+        base_nll, base_logits = nll_and_logits(model, chunks)
     finally:
         for r in _runners(model):
             r.recorder = None
@@ -75,7 +81,7 @@ def measure(model, chunks: torch.Tensor, formats: Iterable[tuple[str, int]], pro
             progress(weights, group)
         rep = patching.enable_for_model(model, weights=weights, group_size=group, **config)
         try:
-            nll, logits = _nll_and_logits(model, chunks)
+            nll, logits = nll_and_logits(model, chunks)
             kl, top1 = logits_agreement(base_logits, logits)
             sq: dict[str, float] = {}
             with torch.no_grad():

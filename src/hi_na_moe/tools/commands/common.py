@@ -13,6 +13,7 @@ from ...core.config import (
     load_config,
 )
 from ...core.native import native_module
+from ..profile_router import ProfileError, builtin_data, read_texts
 
 
 class UserError(Exception):
@@ -124,3 +125,19 @@ def _bandwidth(threads: int) -> float:
     """Best of a few ~1 GiB read passes (GB/s), NaN without the native library."""
     native, _ = native_module()
     return native.measure_read_bandwidth(1 << 30, threads, 3)["best_gbs"] if native is not None else float("nan")
+
+
+def read_data(data: str) -> tuple[list[str], bool]:
+    """--data of profile-router and distill: (texts, whether the tokenizer adds its special tokens).
+    "builtin" is the project's held-out corpus, one stream with its own separators; anything else
+    a text file or JSONL with a "text" field a line. UserError names what is wrong."""
+    try:
+        if data == "builtin":
+            path = builtin_data()
+            if path is None:
+                raise UserError("--data builtin: the project's held-out corpus (data/heldout.txt) is not in this "
+                                "installation", "pass --data FILE (text, or JSONL with a \"text\" field)")
+            return [path.read_text(encoding="utf-8")], False
+        return read_texts(data), True
+    except ProfileError as exc:
+        raise UserError(str(exc), "pass a UTF-8 text file, JSONL with a \"text\" field a line, or builtin") from None

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..distill import DistillError, check_out, distill, model_card, repair, save_distilled
-from ..profile_router import ProfileError, _token_ids, builtin_data, read_texts
+from ..profile_router import ProfileError, _token_ids
 from . import common
 from .common import UserError, shipped_model_dir
 
@@ -38,17 +38,7 @@ def cmd_distill(args) -> int:
         check_out(args.out, args.force)
     except DistillError as exc:
         raise UserError(str(exc)) from None
-    try:
-        if args.data == "builtin":
-            data_path = builtin_data()
-            if data_path is None:
-                raise UserError("--data builtin: the project's held-out corpus (data/heldout.txt) is not in this "
-                                "installation", "pass --data FILE (text, or JSONL with a \"text\" field)")
-            texts, special = [data_path.read_text(encoding="utf-8")], False  # a stream with its own separators
-        else:
-            texts, special = read_texts(args.data), True
-    except ProfileError as exc:
-        raise UserError(str(exc), "pass a UTF-8 text file, JSONL with a \"text\" field a line, or builtin") from None
+    texts, special = common.read_data(args.data)
     model, tokenizer = common._load(path, args.dtype)
     if tokenizer is None:
         raise UserError(f"{str(path)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)",

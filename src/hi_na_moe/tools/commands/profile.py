@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ...integrate.adapters import discover
-from ..profile_router import ProfileError, builtin_data, profile_router, read_texts
+from ..profile_router import ProfileError, profile_router
 from . import common
 from .common import UserError, shipped_model_dir
 
@@ -25,17 +25,7 @@ def cmd_profile_router(args) -> int:
         raise UserError("--model builtin: the shipped model (models/hina-tiny-moe) is not in this installation",
                         "pass --model PATH")
     # the data before the model: a bad file is named without waiting for a load
-    try:
-        if args.data == "builtin":
-            data_path = builtin_data()
-            if data_path is None:
-                raise UserError("--data builtin: the project's held-out corpus (data/heldout.txt) is not in this "
-                                "installation", "pass --data FILE (text, or JSONL with a \"text\" field)")
-            texts, special = [data_path.read_text(encoding="utf-8")], False  # a stream with its own separators
-        else:
-            texts, special = read_texts(args.data), True
-    except ProfileError as exc:
-        raise UserError(str(exc), "pass a UTF-8 text file, JSONL with a \"text\" field a line, or builtin") from None
+    texts, special = common.read_data(args.data)
     model, tokenizer = common._load(path, args.dtype)
     if not discover(model):
         raise UserError(f"no MoE block found in {str(path)!r} ({type(model).__name__})",
