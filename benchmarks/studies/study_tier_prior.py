@@ -22,7 +22,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import hi_na_moe
-from hi_na_moe.core import ops
 from hi_na_moe.integrate import patching
 from hi_na_moe.tools import profile_router as prm
 
@@ -62,8 +61,7 @@ def main() -> int:
         prof = prm.profile_router(model, None, ids[: args.profile_tokens])
         prof.save(Path(tmp) / "prof", plots=False)
         hi_na_moe.enable_for_model(model, weights=args.weights, cache_dir=tmp)
-        experts = sum(c.runner.packed.nbytes for _, _, c in patching._ROOTS[model][0]
-                      if isinstance(c.runner, ops.NativeExperts))
+        experts = sum(r.packed.nbytes for _, r in patching.native_runners(model))
         hi_na_moe.disable_for_model(model)
         limit = int(experts * args.fraction)
         totals = {arm: {m: [0, 0] for m in marks} for arm in ("cold", "warm")}

@@ -75,6 +75,7 @@ EXPERIMENTAL = {
     "kv_cache.in_place": ("hi_na_moe.fastpath.kv_cache", "IN_PLACE"),
     "kv_cache.group": ("hi_na_moe.fastpath.kv_cache", "GROUP"),
 }
+# the words a true / false value may be written as (environment, YAML, `experimental`)
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Fewer experts a token (hi_na_moe.core.trim): top_k's words, top_k_renorm's modes
 TOP_K_WORDS = ("model", "adaptive")
@@ -475,9 +476,9 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
+        if text in _ON:
             return True
-        if text in ("0", "false", "no", "off"):
+        if text in _OFF:
             return False
         raise ConfigError(f"config key {key!r} ({source}) has bad value {raw!r}: expected true or false")
     if want is int:

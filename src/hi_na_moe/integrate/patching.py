@@ -850,6 +850,16 @@ def set_top_k(model: nn.Module, top_k: int | str = "model", *, threshold: float 
     return report.top_k or "top_k='model': every expert the router chose"
 
 
+def native_runners(model: nn.Module) -> list[tuple[str, ops.NativeExperts]]:
+    """(block name, runner) of the enabled model's blocks packed for the native kernels, in
+    discovery order; [] when the model is not enabled."""
+    entry = _ROOTS.get(model)
+    if entry is None:
+        return []
+    return [(match.name, c.runner) for _, match, c in entry[0]
+            if isinstance(c.runner, ops.NativeExperts) and c.runner.packed is not None]
+
+
 def stats(model: nn.Module) -> dict[str, Any]:
     """hi_na_moe.stats(model): what the enabled model's experts have run.
 
@@ -865,12 +875,9 @@ def stats(model: nn.Module) -> dict[str, Any]:
     out = tiering.tier_stats(model)
     entry = _ROOTS.get(model)
     routing = {}
-    if entry is not None:
-        for _, match, choice in entry[0]:
-            if isinstance(choice.runner, ops.NativeExperts) and choice.runner.packed is not None:
-                tokens, slots = choice.runner.routing_counts()
-                routing[match.name] = {"tokens": tokens, "slots": slots,
-                                       "experts_per_token": slots / tokens if tokens else None}
+    for name, runner in native_runners(model):
+        tokens, slots = runner.routing_counts()
+        routing[name] = {"tokens": tokens, "slots": slots, "experts_per_token": slots / tokens if tokens else None}
     tokens = sum(r["tokens"] for r in routing.values())
     out["experts_per_token"] = sum(r["slots"] for r in routing.values()) / tokens if tokens else None
     out["routing"] = routing

@@ -36,8 +36,7 @@ def logits_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[fl
 
 
 def _runners(model) -> list[ops.NativeExperts]:
-    patched, _ = patching._ROOTS[model]
-    return [c.runner for _, _, c in patched if isinstance(c.runner, ops.NativeExperts)]
+    return [r for _, r in patching.native_runners(model)]
 
 
 def nll_and_logits(model, chunks: torch.Tensor, batch: int | None = None):

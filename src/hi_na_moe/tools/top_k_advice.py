@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core import ops
 from ..core import trim as trim_mod
 from ..core.config import HinaConfig
 from ..core.native import native_module
@@ -28,11 +27,6 @@ THRESHOLDS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.8)
 DEFAULT_KL_BUDGET = 0.01  # nats a token: +0.9 % perplexity on the trained 64-expert model (benchmarks/log/top-k.md)
 MAX_TOKENS = 8192  # the runs' tokens: enough for the advice, bounded for a large model
 BATCH = 8  # windows a forward
-
-
-def _runners(model: nn.Module) -> list[ops.NativeExperts]:
-    patched, _ = patching._ROOTS[model]
-    return [c.runner for _, _, c in patched if isinstance(c.runner, ops.NativeExperts) and c.runner.packed is not None]
 
 
 def _run(model, windows: list[torch.Tensor], runners, args: tuple) -> tuple[torch.Tensor, float]:
@@ -74,7 +68,7 @@ def advise(model: nn.Module, windows: Sequence[torch.Tensor], budget: float = DE
     enabled_here = not patching.is_enabled(model)
     if enabled_here:
         patching.enable_for_model(model, weights="lossless", cache=False, scope="experts", top_k="model")
-    runners = _runners(model)
+    runners = [r for _, r in patching.native_runners(model)]
     before = [r.packed.trim for r in runners]
     bar = tqdm(total=len(thresholds) + 1, desc="profile-router: adaptive top-k", unit="run", leave=False,
                disable=not progress)
