@@ -56,7 +56,7 @@ def main() -> int:
     ids = torch.tensor(tok((ROOT / "data" / "heldout.txt").read_text(encoding="utf-8"),
                            add_special_tokens=False).input_ids)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    marks = tuple(sorted({8, 32, args.tokens}))
+    marks = tuple(sorted({m for m in (8, 32) if m < args.tokens} | {args.tokens}))
     with tempfile.TemporaryDirectory() as tmp:
         prof = prm.profile_router(model, None, ids[: args.profile_tokens])
         prof.save(Path(tmp) / "prof", plots=False)
