@@ -54,6 +54,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
+from synthetic_tokenizer import synthetic_tokens  # this script's folder is on sys.path
+
 ARCHS = {
     "OlmoeForCausalLM": gguf.MODEL_ARCH.OLMOE,
     "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
@@ -231,11 +233,8 @@ def convert(p: Planned, bar) -> np.ndarray:
 
 def synthetic_vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     """SentencePiece-shaped: llama.cpp's SPM loader wants <unk>/<s>/</s> and the byte tokens."""
-    if n < 3 + 256:
-        raise ValueError(f"vocab_size {n} too small for a synthetic SPM vocabulary")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens = synthetic_tokens(n)  # synthetic_tokenizer.py writes the same list as a transformers tokenizer
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    tokens += [f"\u2581t{i}" for i in range(n - len(tokens))]
     types += [gguf.TokenType.NORMAL] * (n - len(types))
     scores = [0.0] * 259 + [-float(i) for i in range(n - 259)]
     return tokens, scores, [int(t) for t in types]
