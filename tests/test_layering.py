@@ -1,6 +1,6 @@
 """The package's layers, read from its source with `ast` (nothing is imported):
 
-    core < fastpath < integrate < tools < the package root (hi_na_moe/__init__.py, __main__.py)
+    core < fastpath < integrate < serve < tools < the package root (hi_na_moe/__init__.py, __main__.py)
 
 A module imports only from its own layer or lower ones; no import cycle among modules, counting
 imports inside functions too; every import sits at module top unless a comment on it names a
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "hi_na_moe"
-LAYERS = ("core", "fastpath", "integrate", "tools")
+LAYERS = ("core", "fastpath", "integrate", "serve", "tools")
 ROOT_RANK = len(LAYERS)  # __init__ and __main__: above every layer
 EXCUSES = ("import cost", "optional")
 EXTENSIONS = ("_native",)  # the compiled core: below every layer

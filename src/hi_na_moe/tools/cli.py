@@ -1,4 +1,4 @@
-"""hi-na-moe command line: `check`, `bench`, `debug`, `demo`, `cache`, `profile-router` and `distill`.
+"""hi-na-moe command line: `check`, `bench`, `debug`, `demo`, `cache`, `profile-router`, `distill` and `serve`.
 
 User mistakes (missing path, not an MoE model, bad config) print one line and a hint and exit
 with status 2; a demo whose accelerated output disagrees with native exits with status 1.
@@ -23,6 +23,7 @@ from .commands.debug import cmd_debug
 from .commands.demo import cmd_demo
 from .commands.distill import cmd_distill
 from .commands.profile import cmd_profile_router
+from .commands.serve import add_parser as add_serve_parser
 
 __all__ = ["UserError", "build_parser", "main", "shipped_model_dir"]
 
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.set_defaults(func=cmd_distill)
+    add_serve_parser(sub, WEIGHT_FORMATS)
     return parser
 
 
