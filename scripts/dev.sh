@@ -30,6 +30,13 @@ setup() {
     python -m pip install -q -r requirements-dev.txt
     touch "$stamp"
   fi
+  # tests/test_serve_page.py drives the chat page in the system's Chromium (it skips, naming the fix, without it)
+  if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Chromium with apt-get (for tests/test_serve_page.py)"
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; } ||
+      echo "[setup] warning: apt-get could not install chromium: tests/test_serve_page.py will skip" >&2
+  fi
   echo "[setup] building the native core (scikit-build-core + CMake + nanobind)"
   python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
   python -c "import hi_na_moe, sys; from hi_na_moe.core.native import native_module; m, why = native_module(); sys.exit(0 if m else f'native core failed to load: {why}')"
