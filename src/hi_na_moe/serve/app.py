@@ -239,7 +239,7 @@ async def _respond(server: Server, request: Request, req: Completion, prompts: l
     created = int(time.time())
     name = server.model_name
     if req.stream:
-        return StreamingResponse(_stream(req, seqs, queue, rid, created, name), media_type="text/event-stream",
+        return StreamingResponse(_stream(req, prompts, seqs, queue, rid, created, name), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     texts = [[] for _ in seqs]
     finish: list = [None] * len(seqs)
@@ -282,17 +282,20 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream(req: Completion, seqs, queue: asyncio.Queue, rid: str, created: int, name: str):
+async def _stream(req: Completion, prompts: list[list[int]], seqs, queue: asyncio.Queue, rid: str, created: int,
+                  name: str):
     chat = req.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices, usage=None):
         out = {"id": rid, "object": obj, "created": created, "model": name, "choices": choices}
-        if usage is not None or req.include_usage:
+        if usage is not None or req.include_usage or req.continuous_usage:
             out["usage"] = usage
         return _sse(out)
 
     prompt_tokens = completion_tokens = 0
+    counts = [0] * len(seqs)  # tokens so far, a choice (continuous_usage_stats)
+    lengths = [len(p) for p in prompts]
     try:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -304,16 +307,19 @@ async def _stream(req: Completion, seqs, queue: asyncio.Queue, rid: str, created
                 yield _sse(RequestError(f"generation failed: {ev.error}", status=500, kind="server_error").body())
                 left -= 1
                 continue
-            if ev.text:
-                delta = {"content": ev.text} if chat else None
-                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None} if chat else
-                             {"index": i, "text": ev.text, "logprobs": None, "finish_reason": None}])
+            counts[i] += ev.tokens
+            running = _usage(lengths[i], counts[i]) if req.continuous_usage else None
+            if ev.text or (running is not None and ev.tokens):
+                yield chunk([{"index": i, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None}
+                             if chat else {"index": i, "text": ev.text, "logprobs": None, "finish_reason": None}],
+                            running)
             if ev.finish is not None:
                 left -= 1
                 prompt_tokens += ev.prompt_tokens
                 completion_tokens += ev.completion_tokens
+                done = _usage(ev.prompt_tokens, ev.completion_tokens) if req.continuous_usage else None
                 yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": ev.finish} if chat else
-                             {"index": i, "text": "", "logprobs": None, "finish_reason": ev.finish}])
+                             {"index": i, "text": "", "logprobs": None, "finish_reason": ev.finish}], done)
         if req.include_usage:
             yield chunk([], _usage(prompt_tokens, completion_tokens))
         yield b"data: [DONE]\n\n"

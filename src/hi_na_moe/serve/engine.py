@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+_log = logging.getLogger("hi_na_moe.serve")
 
 __all__ = ["Engine", "EngineError", "QueueFull", "Sequence", "SamplingParams", "Event"]
 
@@ -65,8 +68,9 @@ class SamplingParams:
 
 @dataclass
 class Event:
-    """What a sequence reports to its caller: `text` new since the last event (and `tokens`, how
-    many new tokens produced it); a last event has `finish` set ("stop", "length", "cancelled",
+    """What a sequence reports to its caller, once a token: `text` new since the last event (empty
+    while a token's characters are incomplete or may begin a stop string) and `tokens`, the new
+    tokens (1, or 0 for an end-of-sequence token); a last event has `finish` set ("stop", "length", "cancelled",
     or "error" with `error` saying why)."""
 
     text: str = ""
@@ -225,9 +229,12 @@ class Engine:
                 raise EngineError(f"the engine stopped after an error: {self.failure}")
             if not self._accepting:
                 raise EngineError("the server is shutting down")
-            if len(self._queue) >= self.max_queue:
+            # the places free in the batch take requests too (they wait only for the loop's next turn)
+            room = self.max_queue + max(0, self.max_batch - len(self._prefilling) - len(self._rows))
+            if len(self._queue) >= room:
                 self.counters.rejected += 1
-                raise QueueFull(f"{len(self._queue)} requests are already queued (max_queue {self.max_queue})")
+                raise QueueFull(f"the batch ({self.max_batch} sequences) and the queue (max_queue {self.max_queue}) "
+                                "are full")
             self._queue.append(seq)
             self.counters.requests += 1
             self._cond.notify()
@@ -322,7 +329,7 @@ class Engine:
                 self._cache = self._mask = None
             for s in waiting:
                 self._finish(s, "error", error=why)
-            raise
+            _log.exception("the engine stopped: %s", why)
 
     def _turn(self) -> None:
         # cancelled prompts leave before their next chunk
@@ -434,7 +441,7 @@ class Engine:
             self._finish(seq, "stop", text=text, tokens=0 if eos else 1)
         elif length:
             self._finish(seq, "length", text=text, tokens=1)
-        elif text:
+        else:  # (also without text: a token held back or without characters still counts, for usage)
             self._emit(seq, Event(text=text, tokens=1))
         return seq.done
 

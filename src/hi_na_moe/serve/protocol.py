@@ -45,6 +45,7 @@ class Completion:
     stream: bool
     include_usage: bool
     model: str | None
+    continuous_usage: bool = False
     chat: bool = False
     messages: list | None = None
 
@@ -126,8 +127,11 @@ def _common(body: dict, limits: Limits, default_max: int, max_key: str = "max_to
         if not stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
         include_usage = opts.get("include_usage", False)
-        if type(include_usage) is not bool:
-            raise RequestError("stream_options.include_usage must be true or false", "stream_options")
+        continuous = opts.get("continuous_usage_stats", False)
+        if type(include_usage) is not bool or type(continuous) is not bool:
+            raise RequestError("stream_options.include_usage and continuous_usage_stats must be true or false",
+                               "stream_options")
+        include_usage = (include_usage, continuous)
     seed = body.get("seed")
     if seed is not None and type(seed) is not int:
         raise RequestError(f"seed must be an integer, got {seed!r}", "seed")
@@ -163,7 +167,7 @@ def parse_completion(body: Any, limits: Limits) -> Completion:
     if len(prompts) > limits.max_prompts:
         raise RequestError(f"prompt holds {len(prompts)} prompts, at most {limits.max_prompts} are allowed", "prompt")
     params, stream, usage, model = _common(body, limits, 16)
-    return Completion(prompts, params, stream, usage, model)
+    return Completion(prompts, params, stream, bool(usage and usage[0]), model, continuous_usage=bool(usage and usage[1]))
 
 
 def parse_chat(body: Any, limits: Limits) -> Completion:
@@ -192,4 +196,5 @@ def parse_chat(body: Any, limits: Limits) -> Completion:
         raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     params, stream, usage, model = _common(body, limits, limits.default_max_tokens, key)
-    return Completion([], params, stream, usage, model, chat=True, messages=out)
+    return Completion([], params, stream, bool(usage and usage[0]), model, chat=True, messages=out,
+                      continuous_usage=bool(usage and usage[1]))
