@@ -30,6 +30,7 @@ from .protocol import Completion, Limits, RequestError, parse_chat, parse_comple
 __all__ = ["create_app", "Server"]
 
 WARMING, READY, FAILED = "warming", "ok", "failed"
+ROUTES = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
 
 
 class Server:
@@ -112,7 +113,8 @@ def create_app(engine: Engine, *, model_name: str, limits: Limits | None = None,
     @app.middleware("http")
     async def count(request: Request, call_next):
         response = await call_next(request)
-        key = (request.url.path, response.status_code)
+        path = request.url.path
+        key = (path if path in ROUTES else "other", response.status_code)  # (bounded: not by what clients send)
         server.http[key] = server.http.get(key, 0) + 1
         return response
 

@@ -1,0 +1,230 @@
+"""A bounded soak of `hi-na-moe serve`: many requests mixed with disconnects, oversized and
+malformed ones; checks that nothing crashes, no response is lost or mixed up, and the server's
+memory stays flat after warm-up.
+
+    .venv/bin/python benchmarks/soak_serve.py [--requests 10000] [--concurrency 32] [--max-batch 16]
+        [--model builtin] [--weights lossless] [--url http://127.0.0.1:PORT --pid PID]
+
+Without --url it starts the server itself (the shipped model unless --model). Each request is one of:
+- ok: a greedy completion of one of --prompts fixed prompts (streaming or not, at random), whose
+  text must equal what that prompt gave alone before the soak (so a response given to the wrong
+  request, or cut short, is caught);
+- disconnect: a long streaming request closed after its first chunk (the server frees its row);
+- oversized: a body larger than the server's limit (413);
+- malformed: a body that is not JSON (400);
+- bad-field: an unknown field or a max_tokens out of range (400 naming the field);
+- long-prompt: more prompt tokens than the server takes (400).
+The server's resident memory (VmRSS) is read every --rss-every requests; "flat" compares the last
+reading with the one after the first tenth of the requests.
+
+Exit status 1 when any check fails. Prints a markdown summary (date, commit, CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {"ok": 0.70, "disconnect": 0.10, "oversized": 0.05, "malformed": 0.05, "bad-field": 0.05, "long-prompt": 0.05}
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "to", "school", "with", "her", "dog",
+         "once", "upon", "time", "little", "house", "morning", "went", "saw", "big", "tree")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def text_of(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, stream: bool) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        r = await client.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+    parts = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    raise RuntimeError(obj["error"]["message"])
+                parts.extend(c["text"] for c in obj["choices"])
+    return "".join(parts)
+
+
+async def soak(args, url: str, pid: int | None) -> int:
+    rng = random.Random(args.seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) for _ in range(args.prompts)]
+    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        expected = {p: await text_of(client, url, p, args.max_tokens, False) for p in prompts}  # each alone
+        counts, failures = Counter(), []
+        rss: list[tuple[int, float]] = []
+        done = 0
+        kinds = list(KINDS)
+        weights = [KINDS[k] for k in kinds]
+        t0 = time.monotonic()
+
+        async def one(i: int) -> None:
+            kind = rng.choices(kinds, weights)[0]
+            try:
+                if kind == "ok":
+                    p = rng.choice(prompts)
+                    got = await text_of(client, url, p, args.max_tokens, rng.random() < 0.5)
+                    if got != expected[p]:
+                        failures.append(f"request {i}: mixed up or cut: {p!r} gave {got!r}, alone {expected[p]!r}")
+                elif kind == "disconnect":
+                    body = {"prompt": rng.choice(prompts), "max_tokens": 200, "stream": True, "ignore_eos": True}
+                    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                        async for _ in r.aiter_lines():
+                            break  # close after the first line
+                elif kind == "oversized":
+                    r = await client.post(url + "/v1/completions", content=b'{"prompt": "' + b"x" * args.oversize + b'"}',
+                                          headers={"content-type": "application/json"})
+                    if r.status_code != 413:
+                        failures.append(f"request {i}: oversized body answered {r.status_code}")
+                elif kind == "malformed":
+                    r = await client.post(url + "/v1/completions", content=b'{"prompt": "unterminated',
+                                          headers={"content-type": "application/json"})
+                    if r.status_code != 400 or "not valid JSON" not in r.json()["error"]["message"]:
+                        failures.append(f"request {i}: malformed JSON answered {r.status_code} {r.text[:200]}")
+                elif kind == "bad-field":
+                    field, body = rng.choice([("frobnicate", {"prompt": "x", "frobnicate": 1}),
+                                              ("max_tokens", {"prompt": "x", "max_tokens": -5})])
+                    r = await client.post(url + "/v1/completions", json=body)
+                    if r.status_code != 400 or r.json()["error"]["param"] != field:
+                        failures.append(f"request {i}: bad {field} answered {r.status_code} {r.text[:200]}")
+                elif kind == "long-prompt":
+                    r = await client.post(url + "/v1/completions", json={"prompt": [5] * args.long_prompt})
+                    if r.status_code != 400 or r.json()["error"]["param"] != "prompt":
+                        failures.append(f"request {i}: long prompt answered {r.status_code} {r.text[:200]}")
+            except Exception as exc:  # a transport error, a 5xx: counted as a failure, the soak goes on
+                failures.append(f"request {i} ({kind}): {type(exc).__name__}: {exc}")
+            counts[kind] += 1
+
+        queue: asyncio.Queue = asyncio.Queue()
+        for i in range(args.requests):
+            queue.put_nowait(i)
+
+        async def worker() -> None:
+            nonlocal done
+            while not queue.empty():
+                i = queue.get_nowait()
+                await one(i)
+                done += 1
+                if pid is not None and done % args.rss_every == 0:
+                    rss.append((done, rss_mb(pid)))
+                if done % 1000 == 0:
+                    print(f"  {done} requests, {len(failures)} failures, {time.monotonic() - t0:.0f} s", flush=True)
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        elapsed = time.monotonic() - t0
+        # the server afterwards: healthy, nothing left running
+        await asyncio.sleep(2.0)
+        health = (await client.get(url + "/health")).json()
+        metrics = (await client.get(url + "/metrics")).text
+    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+              if line.startswith(("hina_moe_batch_size", "hina_moe_queue_depth", "hina_moe_prefilling"))}
+    if health.get("status") != "ok":
+        failures.append(f"/health after the soak: {health}")
+    if any(gauges.values()):
+        failures.append(f"rows left after the soak: {gauges}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    print(f"\n## soak_serve: {args.requests} requests, {args.concurrency} concurrent "
+          f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, {cpu_model()})\n")
+    print("| kind | requests |\n|---|---|")
+    for k in kinds:
+        print(f"| {k} | {counts[k]} |")
+    print(f"\n{elapsed:.0f} s, {args.requests / elapsed:.1f} requests/s; failures: {len(failures)}")
+    for f in failures[:20]:
+        print("  -", f)
+    flat = True
+    if rss:
+        base = next((m for n, m in rss if n >= args.requests // 10), rss[0][1])
+        last = rss[-1][1]
+        flat = last - base <= args.rss_slack_mb
+        print(f"\nserver RSS (MB) by requests done: " + ", ".join(f"{n}: {m:.0f}" for n, m in rss))
+        print(f"after the first tenth {base:.0f} MB, at the end {last:.0f} MB: "
+              f"{'flat' if flat else 'GROWING'} (slack {args.rss_slack_mb} MB)")
+    return 0 if not failures and flat else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=10000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=24, help="distinct prompts of the ok requests")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--weights", default="lossless")
+    ap.add_argument("--url", help="a running server (with --pid for its memory)")
+    ap.add_argument("--pid", type=int)
+    ap.add_argument("--oversize", type=int, default=2 << 20, help="bytes of the oversized bodies (default 2 MiB)")
+    ap.add_argument("--long-prompt", type=int, default=9000, help="tokens of the too-long prompts")
+    ap.add_argument("--rss-every", type=int, default=500)
+    ap.add_argument("--rss-slack-mb", type=float, default=32.0)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.url:
+        return asyncio.run(soak(args, args.url.rstrip("/"), args.pid))
+    port = free_port()
+    cmd = [str(ROOT / ".venv/bin/hi-na-moe"), "serve", "--model", args.model, "--weights", args.weights,
+           "--port", str(port), "--max-batch", str(args.max_batch), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                print(proc.stderr.read()[-3000:], file=sys.stderr)
+                return 1
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        return asyncio.run(soak(args, url, proc.pid))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if proc.returncode not in (0, -signal.SIGTERM, None):
+            print(f"the server exited with {proc.returncode}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
