@@ -19,7 +19,7 @@ os.environ.setdefault("HINA_CHECK_RAW", "1")  # raw bindings check their ranges 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "vendor_tables: the test sees attention.kernel_tiers() of this CPU's vendor")
-    config.addinivalue_line("markers", "ray_cluster: starts a two-node Ray cluster on this machine (tests/test_serve_ray.py)")
+    config.addinivalue_line("markers", "ray_cluster: starts a two-node Ray cluster here (tests/test_serve_ray.py)")
 
 
 @pytest.fixture(autouse=True)
