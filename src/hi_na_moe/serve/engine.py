@@ -172,6 +172,7 @@ class Counters:
     rejected: int = 0
     step_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    cache_seconds: float = 0.0  # rows joining and leaving the batch's cache (copies)
     ttft: list = field(default_factory=list)  # (recent) seconds from arrival to first token
     tokens_window: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
@@ -347,7 +348,9 @@ class Engine:
             if logits is not None:  # the prompt is in: its first token
                 self._prefilling.pop(0)
                 if not self._accept(s, self._sample(s, logits[0])):
+                    t0 = time.perf_counter()
                     self._join(s)
+                    self.counters.cache_seconds += time.perf_counter() - t0
         if self._rows:
             self._decode()
         gone = [i for i, s in enumerate(self._rows) if s.done or s.cancelled]
@@ -355,7 +358,9 @@ class Engine:
             for i in gone:
                 if not self._rows[i].done:
                     self._finish(self._rows[i], "cancelled")
+            t0 = time.perf_counter()
             self._leave(gone)
+            self.counters.cache_seconds += time.perf_counter() - t0
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:
         """The whole prompt at once (warm-up)."""
@@ -400,11 +405,13 @@ class Engine:
         c.step_seconds += time.perf_counter() - t0
         c.steps += 1
         c.step_rows += B
+        # greedy rows' tokens in one call (a row's argmax as _sample takes it)
+        greedy = logits.argmax(-1).tolist() if any(s.params.temperature == 0 for s in rows) else None
         for i, s in enumerate(rows):
             s.length += 1
             if s.cancelled:
                 continue
-            self._accept(s, self._sample(s, logits[i]))
+            self._accept(s, greedy[i] if s.params.temperature == 0 else self._sample(s, logits[i]))
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params

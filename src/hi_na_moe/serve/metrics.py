@@ -48,6 +48,8 @@ def render_metrics(server) -> str:
     metric("decode_seconds_total", "counter", "Seconds in decode steps", [({}, round(c.step_seconds, 6))])
     metric("prefill_chunks_total", "counter", "Prefill chunks run", [({}, c.prefill_chunks)])
     metric("prefill_seconds_total", "counter", "Seconds in prefill chunks", [({}, round(c.prefill_seconds, 6))])
+    metric("cache_seconds_total", "counter", "Seconds copying the batch's cache as rows join and leave",
+           [({}, round(c.cache_seconds, 6))])
     metric("prompt_tokens_total", "counter", "Prompt tokens prefilled", [({}, c.prompt_tokens)])
     metric("generation_tokens_total", "counter", "Tokens generated", [({}, c.completion_tokens)])
     now = time.monotonic()

@@ -33,6 +33,16 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..core import numa
+from ..core.checkpoint import safetensors_only
+from ..integrate.loading import from_pretrained
+from . import ray_proxy
+from .engine import Engine
+from .protocol import Limits
+
 __all__ = ["RAY_EXTRA", "RayMissing", "ReplicaSpec", "application", "choose_numa_node", "import_ray", "run"]
 
 RAY_EXTRA = "pip install 'hi_na_moe[ray]'"
@@ -47,8 +57,8 @@ class RayMissing(ImportError):
 def import_ray():
     """(ray, ray.serve), or RayMissing naming the install command."""
     try:
-        import ray
-        from ray import serve
+        import ray  # optional: the ray extra
+        from ray import serve  # optional: the ray extra
     except ImportError as exc:
         raise RayMissing(f"replicas on Ray Serve need Ray Serve, which is not installed ({exc}); "
                          f"install it with: {RAY_EXTRA}") from None
@@ -58,7 +68,6 @@ def import_ray():
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What every replica loads and serves (plain values: it travels to the replicas pickled)."""
-
     model: str  # an absolute path, the same on every node
     tokenizer: str
     weights: str  # a packed format, or "off" (plain transformers)
@@ -98,8 +107,6 @@ def _pin_process(cpus: set[int]) -> None:
 
 def _place_on_numa_node(local_rank: int) -> str:
     """Pin this replica to its NUMA node when there is a choice; a line saying what was done."""
-    from ..core import numa
-
     if not hasattr(os, "sched_getaffinity"):
         return "NUMA: not Linux, not pinned"
     allowed = os.sched_getaffinity(0)
@@ -113,7 +120,7 @@ def _place_on_numa_node(local_rank: int) -> str:
 
 
 def _local_rank() -> int:
-    from ray import serve
+    from ray import serve  # optional: the ray extra
 
     try:
         rank = serve.get_replica_context().rank
@@ -124,17 +131,12 @@ def _local_rank() -> int:
 
 def _load(spec: ReplicaSpec):
     """(model, tokenizer) as `hi-na-moe serve` loads them."""
-    import torch
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer)
-    if spec.weights == "off":
-        from ..tools.commands.common import _load as load_plain
-
-        model, _ = load_plain(spec.model, spec.dtype)
+    if spec.weights == "off":  # plain transformers, as the command loads it (safetensors only)
+        with safetensors_only():
+            model = AutoModelForCausalLM.from_pretrained(
+                spec.model, dtype=getattr(torch, spec.dtype) if spec.dtype else "auto", use_safetensors=True)
     else:
-        from ..integrate.loading import from_pretrained
-
         kw = {"scope": spec.scope, "threads": spec.threads, "progress": False}
         if spec.dtype:
             kw["dtype"] = getattr(torch, spec.dtype)
@@ -146,12 +148,7 @@ class Replica:
     """One replica's state: the model, its Engine and the app. Serve wraps this class with
     serve.ingress (see `application`); `__serve_build_asgi_app__` hands Serve the app, whose
     lifespan Serve runs after the constructor."""
-
     def __init__(self, spec: ReplicaSpec):
-        import torch
-
-        from .engine import Engine
-
         self.spec = spec
         self.numa = _place_on_numa_node(_local_rank())
         torch.set_num_threads(spec.threads)
@@ -170,16 +167,13 @@ class Replica:
     @staticmethod
     def _replica_id() -> str:
         try:
-            from ray import serve
-
+            from ray import serve  # optional: the ray extra
             return serve.get_replica_context().replica_id.unique_id
         except Exception:
             return "replica"
 
     def __serve_build_asgi_app__(self):
-        from .app import create_app
-        from .protocol import Limits
-
+        from .app import create_app  # optional: the serve extra (FastAPI)
         spec = self.spec
         limits = Limits(max_tokens=spec.max_tokens, max_prompt_tokens=spec.max_prompt_tokens,
                         default_max_tokens=min(256, spec.max_tokens))
@@ -257,7 +251,6 @@ def run(spec: ReplicaSpec, *, replicas: int, address: str | None, host: str, por
     serve them on host:port through Serve's HTTP proxy until interrupted, then delete the
     application."""
     ray, serve = import_ray()
-    from . import ray_proxy
 
     if address is None and not os.environ.get("RAY_ADDRESS"):
         # a local cluster ray.init starts (when `ray start` left none to join) inherits this
@@ -299,36 +292,3 @@ def run(spec: ReplicaSpec, *, replicas: int, address: str | None, host: str, por
         except Exception:  # nothing was deployed, or the cluster is gone
             pass
         ray.shutdown()
-
-
-def serve_on_ray(args, path, tok_dir, api_key: str | None) -> int:
-    """`hi-na-moe serve --ray-replicas N`: the command's options, checked, handed to `run`."""
-    from ..tools.commands.common import UserError
-
-    if args.ray_replicas < 1:
-        raise UserError(f"--ray-replicas must be >= 1, got {args.ray_replicas}")
-    if getattr(args, "threads", None) is not None:  # this process runs no kernels: it would be ignored
-        raise UserError("--threads sets this process's kernel threads; with --ray-replicas each replica has "
-                        "--ray-threads threads", "pass --ray-threads instead")
-    if args.ray_threads < 1:
-        raise UserError(f"--ray-threads must be >= 1, got {args.ray_threads}")
-    try:
-        import_ray()
-    except RayMissing as exc:
-        raise UserError(f"hi-na-moe serve --ray-replicas: {exc}", RAY_EXTRA) from None
-    spec = ReplicaSpec(model=str(path.resolve()), tokenizer=str(tok_dir.resolve()), weights=args.weights,
-                       scope=args.scope, dtype=args.dtype, model_name=args.served_model_name or path.resolve().name,
-                       threads=args.ray_threads, max_batch=args.max_batch, max_queue=args.max_queue,
-                       prefill_chunk=args.prefill_chunk, max_context=args.max_context, max_tokens=args.max_tokens,
-                       max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-                       api_key=api_key, warm_up=not args.no_warm_up)
-    try:
-        run(spec, replicas=args.ray_replicas, address=args.ray_address, host=args.host, port=args.port,
-            proxy_location=args.ray_proxy_location)
-    except ConnectionError as exc:  # no cluster at --ray-address
-        raise UserError(f"--ray-address {args.ray_address!r}: cannot join the Ray cluster: {exc}",
-                        "start one with `ray start --head`, or leave --ray-address out for a local one") from None
-    except DeployFailed as exc:
-        raise UserError(f"the replicas on Ray Serve did not start: {exc}",
-                        "the replicas' logs are in the Ray session directory (logs/serve/)") from None
-    return 0

@@ -71,6 +71,6 @@ class ReplicaLoss:
 
 def middlewares():
     """Ray Serve's proxy callback (CALLBACK_ENV): the middlewares to wrap the proxy with."""
-    from starlette.middleware import Middleware
+    from starlette.middleware import Middleware  # optional: the serve extra (Starlette, under FastAPI)
 
     return [Middleware(ReplicaLoss)]

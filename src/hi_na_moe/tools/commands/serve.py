@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -27,6 +28,22 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _check_port(host: str, port: int) -> None:
+    """A UserError when host:port cannot be listened on (in use, not this machine's address)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host!r} cannot be resolved: {exc}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                            "choose another --port, or stop what listens there") from None
+
+
 def cmd_serve(args) -> int:
     """Check the options, load (packing the experts), then serve until interrupted."""
     try:
@@ -35,6 +52,8 @@ def cmd_serve(args) -> int:
         import uvicorn  # noqa: F401  optional: the serve extra
     except ImportError as exc:
         raise UserError(f"hi-na-moe serve needs FastAPI and uvicorn ({exc})", SERVE_EXTRA) from None
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
     for name in ("max_batch", "prefill_chunk", "max_tokens", "max_prompt_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -57,9 +76,8 @@ def cmd_serve(args) -> int:
         raise UserError(f"{str(tok_dir)!r} has no tokenizer (tokenizer.json / tokenizer_config.json)",
                         "pass --tokenizer DIR, a directory a tokenizer was saved into")
     if args.ray_replicas is not None:  # the replicas load the model, not this process
-        from ...serve.ray_app import serve_on_ray
-
         return serve_on_ray(args, path, tok_dir, api_key)
+    _check_port(args.host, args.port)  # before a load that may take minutes
     from transformers import AutoTokenizer  # import cost: 0.27 s (measured 2026-12-07)
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
@@ -67,6 +85,8 @@ def cmd_serve(args) -> int:
         model, _ = common._load(path, args.dtype)
     else:
         kw = {"scope": args.scope}
+        if args.threads is not None:
+            kw["threads"] = args.threads
         if args.dtype:
             kw["dtype"] = getattr(torch, args.dtype)
         try:
@@ -94,6 +114,41 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def serve_on_ray(args, path, tok_dir, api_key: str | None) -> int:
+    """`hi-na-moe serve --ray-replicas N`: the command's options, checked, handed to ray_app.run."""
+    # import cost: transformers, through the engine (0.26 s), paid only by `serve --ray-replicas`
+    from ...serve.ray_app import RAY_EXTRA, DeployFailed, RayMissing, ReplicaSpec, import_ray
+    from ...serve.ray_app import run as run_on_ray  # import cost: as above
+
+    if args.ray_replicas < 1:
+        raise UserError(f"--ray-replicas must be >= 1, got {args.ray_replicas}")
+    if getattr(args, "threads", None) is not None:  # this process runs no kernels: it would be ignored
+        raise UserError("--threads sets this process's kernel threads; with --ray-replicas each replica has "
+                        "--ray-threads threads", "pass --ray-threads instead")
+    if args.ray_threads < 1:
+        raise UserError(f"--ray-threads must be >= 1, got {args.ray_threads}")
+    try:
+        import_ray()
+    except RayMissing as exc:
+        raise UserError(f"hi-na-moe serve --ray-replicas: {exc}", RAY_EXTRA) from None
+    spec = ReplicaSpec(model=str(path.resolve()), tokenizer=str(tok_dir.resolve()), weights=args.weights,
+                       scope=args.scope, dtype=args.dtype, model_name=args.served_model_name or path.resolve().name,
+                       threads=args.ray_threads, max_batch=args.max_batch, max_queue=args.max_queue,
+                       prefill_chunk=args.prefill_chunk, max_context=args.max_context, max_tokens=args.max_tokens,
+                       max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+                       api_key=api_key, warm_up=not args.no_warm_up)
+    try:
+        run_on_ray(spec, replicas=args.ray_replicas, address=args.ray_address, host=args.host, port=args.port,
+            proxy_location=args.ray_proxy_location)
+    except ConnectionError as exc:  # no cluster at --ray-address
+        raise UserError(f"--ray-address {args.ray_address!r}: cannot join the Ray cluster: {exc}",
+                        "start one with `ray start --head`, or leave --ray-address out for a local one") from None
+    except DeployFailed as exc:
+        raise UserError(f"the replicas on Ray Serve did not start: {exc}",
+                        "the replicas' logs are in the Ray session directory (logs/serve/)") from None
+    return 0
+
+
 def add_parser(sub, weight_formats) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming) with "
                        "continuous batching; needs the serve extra")
@@ -105,6 +160,8 @@ def add_parser(sub, weight_formats) -> None:
                    help="all (default): the whole decode step natively; experts: the MoE experts only")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="load the weights in this dtype (default: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=None, help="threads of hi_na_moe's kernels (default: the config's: "
+                   "every core this process may use)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
                    "only; another address without an API key draws a warning)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
