@@ -359,3 +359,23 @@ def test_a_static_cache_made_in_inference_mode_is_not_written_outside_it():
     assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is None
     with torch.inference_mode():
         assert kv_cache.static_slot(cache, 0, 2, 2, 8, torch.bfloat16) is not None
+
+
+def test_a_cache_dropped_after_in_place_appends_is_freed():
+    """A cache its owner dropped goes, with its layers and the buffers their appends took: the
+    slot kept for a layer must not keep the layer alive (it did until 2026-12-07, one cache's
+    buffers for good per generate call, which ran a server out of memory)."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(3)
+    refs = []
+    for _ in range(3):
+        cache, _ = _caches(gen)
+        for i in range(2):
+            kv_cache.append(cache, i, *_kv(gen))
+        assert kv_cache._SLOTS.get(cache.layers[0]) is not None  # (the appends went in place)
+        refs.append(weakref.ref(cache.layers[0]))
+        del cache
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -66,15 +66,23 @@ class Slot:
     layer holds (kview, vview), and t: the next append writes position base + t. base stays 0 but
     for a sliding-window layer (window: its window, else 0), whose view moves on once full."""
 
-    __slots__ = ("layer", "k", "v", "kview", "vview", "t", "cap", "form", "base", "window", "group", "gi", "_layout")
+    __slots__ = ("_layer", "k", "v", "kview", "vview", "t", "cap", "form", "base", "window", "group", "gi", "_layout")
 
     def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int, window: int = 0):
-        self.layer, self.k, self.v, self.t, self.cap = layer, k, v, t, k.shape[2]
+        # the layer weakly: _SLOTS maps the layer to this Slot, and a strong reference back would
+        # keep every cache's layers, and their buffers, alive for good (a leak a cache a generate
+        # call, 2026-12-07)
+        self._layer = weakref.ref(layer)
+        self.k, self.v, self.t, self.cap = k, v, t, k.shape[2]
         self.form = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype)
         self.kview = self.vview = None
         self.base, self.window = 0, window
         self.group, self.gi = None, -1  # (slots(): the _Group holding k and v, and its member index)
         self._layout = None  # (base, layout()) last computed
+
+    @property
+    def layer(self):
+        return self._layer()
 
     def strides(self) -> tuple[int, int]:
         """Elements between batch rows and between heads of k (and of v when Dv == D, as for the
