@@ -45,9 +45,6 @@ from transformers.cache_utils import DynamicLayer
 
 _log = logging.getLogger("hi_na_moe.serve")
 
-# with no row decoding, a turn prefills up to this many prefill_chunk's worth of prompt tokens
-IDLE_PREFILL_CHUNKS = 8
-
 __all__ = ["Engine", "EngineError", "QueueFull", "Sequence", "SamplingParams", "Event"]
 
 
@@ -340,32 +337,17 @@ class Engine:
         for s in [s for s in self._prefilling if s.cancelled]:
             self._prefilling.remove(s)
             self._finish(s, "cancelled")
-        # prompt tokens this turn: a chunk of a long prompt, or several whole short prompts in one
-        # forward (the experts' weights read once for all of them); with no row decoding nobody
-        # waits on the prefill, so more at once
-        budget = self.prefill_chunk if self._rows else self.prefill_chunk * IDLE_PREFILL_CHUNKS
+        budget = self.prefill_chunk  # prompt tokens this turn: several short prompts, or one chunk of a long one
         while self._prefilling and budget > 0:
-            group, room = [], budget
-            for s in self._prefilling:
-                if s.prefilled or len(s.prompt) > room:
-                    break
-                group.append(s)
-                room -= len(s.prompt)
+            s = self._prefilling[0]
             t0 = time.perf_counter()
-            if len(group) > 1:
-                logits = self._prefill_group(group)
-                budget = room
-            else:
-                group = [self._prefilling[0]]
-                n, logits = self._prefill_chunk(group[0], budget)
-                budget -= n
+            n, logits = self._prefill_chunk(s, budget)
+            budget -= n
             self.counters.prefill_seconds += time.perf_counter() - t0
             self.counters.prefill_chunks += 1
-            if logits is None:
-                continue
-            for i, s in enumerate(group):  # the prompts are in: their first tokens
-                self._prefilling.remove(s)
-                if not self._accept(s, self._sample(s, logits[i])):
+            if logits is not None:  # the prompt is in: its first token
+                self._prefilling.pop(0)
+                if not self._accept(s, self._sample(s, logits[0])):
                     t0 = time.perf_counter()
                     self._join(s)
                     self.counters.cache_seconds += time.perf_counter() - t0
@@ -403,32 +385,6 @@ class Engine:
             return b - a, None
         self._check_cache(seq.cache)
         return b - a, out.logits[:, -1].float()
-
-    def _prefill_group(self, group: list[Sequence]) -> torch.Tensor:
-        """Whole prompts in one forward, padded on the left as the batch's rows are; each
-        sequence then gets its own cache (its row, without the padding). The logits of each
-        prompt's last token, [len(group), vocab]."""
-        n, L = len(group), max(len(s.prompt) for s in group)
-        ids = torch.empty(n, L, dtype=torch.long)
-        mask = torch.zeros(n, L, dtype=torch.long)
-        for i, s in enumerate(group):
-            pad = L - len(s.prompt)
-            ids[i, :pad] = s.prompt[0]  # (any id: masked, and its positions are never read)
-            ids[i, pad:] = torch.tensor(s.prompt, dtype=torch.long)
-            mask[i, pad:] = 1
-        kw = {}
-        if not bool(mask.all()):
-            kw = {"attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp_(min=0)}
-        cache = DynamicCache()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kw)
-        self._check_cache(cache)
-        for i, s in enumerate(group):
-            own, start = DynamicCache(), L - len(s.prompt)
-            for li, layer in enumerate(cache.layers):
-                own.update(layer.keys[i:i + 1, :, start:].contiguous(), layer.values[i:i + 1, :, start:].contiguous(), li)
-            s.cache, s.prefilled, s.length = own, len(s.prompt), len(s.prompt)
-            self.counters.prompt_tokens += len(s.prompt)
-        return out.logits[:, -1].float()
 
     def _decode(self) -> None:
         rows = self._rows
