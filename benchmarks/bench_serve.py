@@ -34,7 +34,7 @@ and ITL p50/p99 over all requests and gaps of the run. The table gives medians o
 
 Arms (--arm, each started per round and concurrency with slots = N, on --threads threads, its log
 in --log-dir; /health polled until 200, stopped with SIGTERM after the run):
-  hina-int4, hina-bf16    hi-na-moe serve --model M [--tokenizer] --weights W --scope all
+  hina-int4, hina-bf16    hi-na-moe serve --model M [--tokenizer] --weights int4|lossless --scope all
                           --max-batch N (OMP_NUM_THREADS=--threads; hi_na_moe's own pool takes the
                           CPUs of its affinity mask: add --hina-arg for another count)
   llamaserver-<type>      llama-server -m <--gguf-pattern with type> -t T -tb T -np N -cb
@@ -308,7 +308,9 @@ def gguf_for(args, arm: str) -> Path:
 def server_cmd(args, arm: str, n: int, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if arm.startswith("hina-"):
-        cmd = [args.hina, "serve", "--model", args.model, "--weights", arm.split("-", 1)[1], "--scope", "all",
+        # hina-bf16: the lossless format, the bf16 weights bit for bit
+        weights = {"bf16": "lossless"}.get(arm.split("-", 1)[1], arm.split("-", 1)[1])
+        cmd = [args.hina, "serve", "--model", args.model, "--weights", weights, "--scope", "all",
                "--max-batch", str(n), "--host", "127.0.0.1", "--port", str(port)]
         if args.tokenizer:
             cmd += ["--tokenizer", args.tokenizer]
