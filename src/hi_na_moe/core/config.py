@@ -30,6 +30,8 @@ ENV_CONFIG_FILE = "HINA_MOE_CONFIG"
 # Read by the native library when it loads, not a config key: the kernels' prefetch distance
 # (hi_na_moe._native.prefetch_distance; csrc/moe/prefetch.h).
 ENV_NATIVE = ("HINA_MOE_PREFETCH_BYTES",)
+# read by a command, not a config key: `hi-na-moe serve`'s API key (kept out of the process list)
+ENV_COMMANDS = ("HINA_MOE_API_KEY",)
 
 BACKENDS = ("auto", "native", "reference")
 ISA_TIERS = Isa.values()
@@ -611,9 +613,9 @@ def _warn_unknown_env(name: str, key: str) -> None:
 
 
 def known_env() -> tuple[str, ...]:
-    """Every HINA_MOE_* variable hi_na_moe reads: one a config key, the config file's and the
-    native library's."""
-    return (*(ENV_PREFIX + k.upper() for k in KEYS), ENV_CONFIG_FILE, *ENV_NATIVE)
+    """Every HINA_MOE_* variable hi_na_moe reads: one a config key, the config file's, the
+    native library's and the commands' own."""
+    return (*(ENV_PREFIX + k.upper() for k in KEYS), ENV_CONFIG_FILE, *ENV_NATIVE, *ENV_COMMANDS)
 
 
 def load_config(config: HinaConfig | None = None, *, where: Mapping[str, str] | None = None,
