@@ -13,11 +13,13 @@ expert of every MoE block, and returns a new model of the same class whose confi
 - "random": a seeded random order, the baseline the other two must beat.
 
 Blocks are found with `adapters.discover` (as enable does) and routers with the profile's
-`_router` (the one [experts, hidden] weight in the block outside its experts). Only the fused
-3-D expert layouts transformers 5 uses (OLMoE, Qwen-MoE, Mixtral, ...) are handled: the experts
-module's per-expert tensors and the router's per-expert rows, bias and correction bias are
-sliced; shared experts are not per-expert tensors of either module and stay as they are. Any
-other layout is refused with the block's class named.
+`_router` (the one [experts, hidden] weight in the block outside its experts). The layouts are
+the ones hi_na_moe's adapters describe: fused [experts, ...] tensors (OLMoE, Qwen-MoE, Mixtral,
+...), flat [experts x intermediate, hidden] rows (DBRX), and one module an expert (Switch
+Transformers, NLLB-MoE: the spec's members; the routing their experts compute is the adapter's).
+The experts' tensors (or modules, renumbered) and the router's per-expert rows, bias and
+correction bias are sliced; shared experts are not per-expert tensors of either module and stay
+as they are. Other blocks are refused with the block's class named and why.
 
 What it buys: fewer expert bytes in memory. The bytes a token reads fall only when top-k falls
 too (a token still runs k experts of the same size).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -44,14 +47,14 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from ..integrate import patching
-from ..integrate.adapters import discover
+from ..integrate.adapters import _nllb_checked_routing, _switch_routing, discover
 from ..integrate.families import EXPERT_COUNT_KEYS
 from .profile_router import ProfileError, _block_module, _experts_call, _router, _token_ids, _windows
 from .quality import logits_agreement
 
 METHODS = ("prune", "merge")
 SCORES = ("frequency", "saliency", "random")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_selected_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "top_k", "num_selected_experts")
 # tokens of each block's input kept for merge's output similarity (outputs of every expert on them)
 SIMILARITY_TOKENS = 512
 # calibration tokens the card's in-sample agreement (KL, top-1 vs the original) is measured on
@@ -74,6 +77,14 @@ class _Block:
     freq: torch.Tensor  # [E] routings (token, slot) per expert
     sal_sum: torch.Tensor  # [E] sum over routed tokens of weight * |output|
     sample: list = field(default_factory=list)  # block inputs for merge's similarity
+    # "fused": [E, ...] tensors of the experts module; "flat": [E * inter, ...] tensors (DBRX);
+    # "members": one module an expert (`keys`: expert e's child name in the experts module)
+    layout: str = "fused"
+    keys: list = field(default_factory=list)
+    inter: int = 0
+    # the experts module's call (args, kwargs) -> (hidden [T, H], top_k_index [T, k], top_k_weights)
+    decode: Any = None
+    top_k: int = 0  # the widest top_k_index seen in calibration
 
 
 @dataclass
@@ -104,10 +115,60 @@ def _text_config(cfg):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def _config_key(cfg, keys) -> str | None:
-    """The first of `keys` the config stores itself (not an attribute_map alias)."""
-    own = cfg.to_dict()
-    return next((k for k in keys if isinstance(own.get(k), int) and not isinstance(own.get(k), bool)), None)
+def _config_key(cfg, keys) -> tuple[str, str] | None:
+    """(path, key): the first of `keys` the config, or a sub-config of it (DBRX's ffn_config), stores
+    itself (not an attribute_map alias); path is the sub-config's attribute ('' for cfg)."""
+    subs = [""] + [k for k in (getattr(cfg, "sub_configs", None) or {}) if getattr(cfg, k, None) is not None]
+    for path in subs:
+        holder = getattr(cfg, path) if path else cfg
+        own = holder.to_dict() if hasattr(holder, "to_dict") else {}
+        key = next((k for k in keys if isinstance(own.get(k), int) and not isinstance(own.get(k), bool)), None)
+        if key is not None:
+            return path, key
+    return None
+
+
+def _holder(cfg, path: str):
+    return getattr(cfg, path) if path else cfg
+
+
+# Block classes distill refuses although hi_na_moe runs them, and why (the others it refuses are
+# the layouts hi_na_moe itself does not recognise: their enable report's reason is quoted).
+_REFUSED = {
+    "Llama4TextMoe": "its experts weight each expert's input, not its output, by the router score (merge's and "
+                     "saliency's arithmetic assume the output)",
+    "JetMoeMoE": "JetMoE's attention experts (JetMoeMoA) share num_local_experts with these, and distill does "
+                 "not slice attention experts",
+    "DogeCDMoE": "product-key experts: its router scores num_keys x num_keys key pairs, not experts one by one, "
+                 "so single experts cannot be dropped",
+}
+
+
+def _member_keys(experts: nn.Module, spec) -> list[str] | None:
+    """Expert e's child name in a per-expert module layout (ModuleDict 'expert_{e}', ModuleList
+    '{e}'), found from the spec's member weights (the adapter's knowledge of the layout)."""
+    owner = {id(p): name for name, child in experts.named_children() for p in child.parameters()}
+    keys = [owner.get(id(w)) for w in spec.members.get("up", ())]
+    ok = len(keys) == spec.num_experts and all(
+        k is not None and (m := re.fullmatch(r"(\D*)(\d+)", k)) and int(m.group(2)) == e for e, k in enumerate(keys))
+    return keys if ok else None
+
+
+def _members_decode(block: nn.Module):
+    """(args, kwargs) of a per-expert module layout's experts call -> (hidden, top_k_index,
+    top_k_weights): the routing hi_na_moe's adapter found the experts module computes."""
+    cls = type(block).__name__
+    if cls == "SwitchTransformersSparseMLP":
+        return lambda args, kwargs: (args[0], *_switch_routing(args[1], args[2]))
+    if cls == "NllbMoeSparseMLP":
+        routing = _nllb_checked_routing(block)
+        if routing is not None:
+            return lambda args, kwargs: (args[0], *routing(args[1], args[2]))
+    return None
+
+
+def _refuse(m, cls: str, why: str) -> DistillError:
+    return DistillError(f"{m.name} ({cls}, {m.adapter}): distill cannot shrink this block: {why}")
 
 
 def _blocks(model: nn.Module) -> list[_Block]:
@@ -120,27 +181,47 @@ def _blocks(model: nn.Module) -> list[_Block]:
     for m in matches:
         cls = type(m.module).__name__
         spec = m.spec
-        ok = m.adapter.startswith("experts") and spec is not None and not spec.members and not spec.n_identity
-        gu = getattr(m.module, "gate_up_proj", None)
-        if gu is None:
-            gu = getattr(m.module, "up_proj", None)
-        down = getattr(m.module, "down_proj", None)
-        if ok:
-            E = int(spec.num_experts)
-            ok = all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == E for t in (gu, down))
-        if not ok:
-            raise DistillError(
-                f"{m.name} ({cls}, {m.adapter}): distill slices fused 3-D expert weights (an experts module "
-                "holding gate_up_proj/down_proj [experts, ...], as OLMoE, Qwen-MoE and Mixtral in transformers 5); "
-                f"this layout is not one of them")
+        if spec is None:
+            raise _refuse(m, cls, f"hi_na_moe does not recognise its experts ({m.reason})")
+        if cls in _REFUSED:
+            raise _refuse(m, cls, _REFUSED[cls])
+        if spec.n_identity:
+            raise _refuse(m, cls, f"{spec.n_identity} identity ('zero') experts beside the routed ones share its "
+                                  "router, and distill does not slice them")
+        E = int(spec.num_experts)
+        experts, layout, keys, inter, decode = m.module, "fused", [], 0, _experts_call_decode
+        if spec.members:  # one module an expert, in a block the adapter mirrors (Switch, NLLB-MoE)
+            experts, layout = getattr(m.module, "experts", None), "members"
+            keys = _member_keys(experts, spec) if isinstance(experts, nn.Module) else None
+            decode = _members_decode(m.module)
+            if keys is None or decode is None:
+                raise _refuse(m, cls, "its per-expert modules or their routing are not the ones distill knows "
+                                      "(Switch Transformers' and NLLB-MoE's in transformers 5.23)")
+        elif not m.adapter.startswith("experts"):
+            raise _refuse(m, cls, "its block mixes routing and experts in one forward, in a way distill does not "
+                                  "know")
+        else:
+            gu = getattr(m.module, "gate_up_proj", None)
+            if gu is None:
+                gu = getattr(m.module, "up_proj", None)
+            down = getattr(m.module, "down_proj", None)
+            if not all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == E for t in (gu, down)):
+                # DBRX: per-expert rows stacked flat, [E * intermediate, hidden] (the adapter views them so)
+                flat = [p for p in m.module.parameters() if p.dim() >= 1 and p.shape[0] == E * int(spec.intermediate)]
+                if not flat or spec.intermediate < 2:
+                    raise _refuse(m, cls, "its experts module holds neither [experts, ...] tensors nor flat "
+                                          "[experts x intermediate, ...] ones")
+                layout, inter = "flat", int(spec.intermediate)
         bname, bmod = _block_module(model, m)
-        found = _router(bname, bmod, m.module, E, int(spec.hidden if spec.hidden else H))
+        found = _router(bname, bmod, experts, E, int(spec.hidden if spec.hidden else H))
         if found is None:
             raise DistillError(f"{bname} ({type(bmod).__name__}): no router with one [{E}, hidden] weight beside "
                                "its experts; distill cannot tell which rows to slice")
         rname = found[0]
-        out.append(_Block(m.name, bname, m.module, rname, model.get_submodule(rname), E,
-                          torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64)))
+        ename = m.name if layout != "members" else f"{m.name}.experts"
+        out.append(_Block(ename, bname, experts, rname, model.get_submodule(rname), E,
+                          torch.zeros(E, dtype=torch.float64), torch.zeros(E, dtype=torch.float64),
+                          layout=layout, keys=keys, inter=inter, decode=decode))
     counts = {b.num_experts for b in out}
     if len(counts) > 1:
         raise DistillError(f"the MoE blocks of {type(model).__name__} have different expert counts "
@@ -148,12 +229,35 @@ def _blocks(model: nn.Module) -> list[_Block]:
     return out
 
 
+def _experts_call_decode(args, kwargs):
+    return _experts_call(args, kwargs)
+
+
 def _expert_output(b: _Block, x: torch.Tensor, e: int) -> torch.Tensor:
-    """Expert e's output on rows x (weight 1), by the experts module's own forward."""
+    """Expert e's output on rows x (weight 1), by the experts module's own code: [rows, hidden]."""
     n = x.shape[0]
+    if b.layout == "members":
+        return b.experts[b.keys[e]](x)
     idx = torch.full((n, 1), e, dtype=torch.long)
     w = torch.ones(n, 1, dtype=x.dtype)
-    return b.experts(x, idx, w)
+    return b.experts(x, idx, w).reshape(n, -1)
+
+
+def _forward(model: nn.Module, ids: torch.Tensor):
+    """The model on token ids [B, L]; an encoder-decoder gets them as the decoder's input too
+    (both stacks' experts see the text)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return model(input_ids=ids, decoder_input_ids=ids, use_cache=False)
+    return model(input_ids=ids, use_cache=False)
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = _forward(model, ids)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise DistillError(f"{type(model).__name__} gives no logits (a base model without its language-model "
+                           "head): load it with its *ForCausalLM / *ForConditionalGeneration class")
+    return logits
 
 
 def _calibrate(model, blocks: list[_Block], windows: list[torch.Tensor], batch_size: int, saliency: bool,
@@ -164,12 +268,13 @@ def _calibrate(model, blocks: list[_Block], windows: list[torch.Tensor], batch_s
         def hook(_mod, args, kwargs):
             if busy["on"]:
                 return
-            h, idx, w = _experts_call(args, kwargs)
+            h, idx, w = b.decode(args, kwargs)
             if h is None or idx is None:
                 raise DistillError(f"{b.name}: its experts were not called as (hidden_states, top_k_index, "
                                    "top_k_weights)")
             h = h.reshape(-1, h.shape[-1]).detach()
             idx = idx.reshape(h.shape[0], -1)
+            b.top_k = max(b.top_k, idx.shape[1])
             valid = idx[(idx >= 0) & (idx < b.num_experts)]
             b.freq += torch.bincount(valid, minlength=b.num_experts).double()
             if similarity:
@@ -198,7 +303,7 @@ def _calibrate(model, blocks: list[_Block], windows: list[torch.Tensor], batch_s
             rest = [w for w in batch if w.numel() != L]
             for group in ([torch.stack(same)] if same else []) + [w.view(1, -1) for w in rest]:
                 with torch.no_grad():
-                    model(input_ids=group, use_cache=False)
+                    _forward(model, group)
                 n += group.numel()
     finally:
         for hd in handles:
@@ -270,21 +375,32 @@ def distill(model: nn.Module, experts: int, *, top_k: int | None = None, method:
     blocks = _blocks(model)
     E = blocks[0].num_experts
     cfg = _text_config(model.config)
-    e_key, k_key = _config_key(cfg, EXPERT_COUNT_KEYS), _config_key(cfg, TOP_K_KEYS)
-    if e_key is None or k_key is None:
-        raise DistillError(f"{type(cfg).__name__} has no {'expert count' if e_key is None else 'top-k'} key "
-                           f"distill knows ({', '.join(EXPERT_COUNT_KEYS if e_key is None else TOP_K_KEYS)})")
-    if getattr(cfg, e_key) != E:
-        raise DistillError(f"{type(cfg).__name__}.{e_key} is {getattr(cfg, e_key)} but the MoE blocks hold {E} "
-                           "experts")
-    K = int(getattr(cfg, k_key))
+    e_slot = _config_key(cfg, EXPERT_COUNT_KEYS)
+    if e_slot is None:
+        raise DistillError(f"{type(cfg).__name__} has no expert count key distill knows "
+                           f"({', '.join(EXPERT_COUNT_KEYS)})")
+    e_holder = _holder(cfg, e_slot[0])
+    e_key = e_slot[1]
+    # the top-k beside the expert count; none: the router's code fixes it (Switch top-1, NLLB-MoE top-2)
+    k_slot = _config_key(e_holder, TOP_K_KEYS)
+    k_key = k_slot[1] if k_slot is not None and not k_slot[0] else None
+    e_name = f"{type(e_holder).__name__}.{e_key}"
+    if getattr(e_holder, e_key) != E:
+        raise DistillError(f"{e_name} is {getattr(e_holder, e_key)} but the MoE blocks hold {E} experts")
     if experts >= E:
         raise DistillError(f"experts must be fewer than the model's {E} (got {experts})")
-    k_new = min(K, experts) if top_k is None else top_k
-    if not isinstance(k_new, int) or isinstance(k_new, bool) or k_new < 1:
-        raise DistillError(f"top_k must be a whole number >= 1, got {top_k!r}")
-    if k_new > experts:
-        raise DistillError(f"top_k {k_new} is more than the {experts} experts kept")
+    if k_key is None:
+        if top_k is not None:
+            raise DistillError(f"top_k cannot change: {type(e_holder).__name__} has no top-k key, its router's "
+                               "code fixes it; leave top_k unset")
+        K = k_new = 0  # known after calibration: the width of the routing the experts get
+    else:
+        K = int(getattr(e_holder, k_key))
+        k_new = min(K, experts) if top_k is None else top_k
+        if not isinstance(k_new, int) or isinstance(k_new, bool) or k_new < 1:
+            raise DistillError(f"top_k must be a whole number >= 1, got {top_k!r}")
+        if k_new > experts:
+            raise DistillError(f"top_k {k_new} is more than the {experts} experts kept")
     n_group = getattr(cfg, "n_group", None)
     if isinstance(n_group, int) and n_group > 1 and experts % n_group:
         # grouped routing (DeepSeek V3, ...) splits a block's experts into n_group equal groups
@@ -314,6 +430,10 @@ def distill(model: nn.Module, experts: int, *, top_k: int | None = None, method:
     finally:
         model.train(was_training)
 
+    if k_key is None:
+        K = k_new = max(b.top_k for b in blocks)
+        if experts < K:
+            raise DistillError(f"experts must be at least the router's fixed top-k {K} (got {experts})")
     silent = [b.name for b in blocks if score == "saliency" and float(b.freq.sum()) > 0 and float(b.sal_sum.sum()) == 0]
     if silent:  # no routing weights reached the experts: every score would be 0 and the kept set arbitrary
         raise DistillError(f"{silent[0]}: no routing weights were seen (or every expert output was zero), so "
@@ -335,40 +455,62 @@ def distill(model: nn.Module, experts: int, *, top_k: int | None = None, method:
             for d, k in into.items():
                 groups[k].append(d)
             info["merged_into"] = {str(d): k for d, k in into.items()}
-        keep_idx = torch.tensor(kept)
-        for prefix, mod, is_router in ((b.name, b.experts, False), (b.router_name, b.router, True)):
-            for pname, t in _per_expert(mod, E, is_router, H):
-                key = f"{prefix}.{pname}"
-                if key not in sd:  # a non-persistent buffer: the new model computes its own
-                    continue
-                src = sd[key].detach()
-                if not is_router:
-                    expert_bytes_before += src.numel() * src.element_size()
-                if method == "merge" and not is_router:
-                    rows = []
-                    for k in kept:
-                        members = groups[k]
-                        f = b.freq[members]
-                        wts = f / f.sum() if float(f.sum()) > 0 else torch.full((len(members),), 1 / len(members),
-                                                                                 dtype=torch.float64)
-                        acc = sum(float(wt) * src[m].double() for wt, m in zip(wts, members))
-                        rows.append(acc.to(src.dtype))
-                    new = torch.stack(rows)
-                else:  # the router's rows of a kept expert stay as they were, merged or not
-                    new = src.index_select(0, keep_idx).clone()
-                sd[key] = new
-                if not is_router:
-                    expert_bytes_after += new.numel() * new.element_size()
+
+        def combine(per, merge: bool) -> list[torch.Tensor]:
+            """The kept experts' tensors from `per` (expert e's tensor at [e]): each kept one's own,
+            or with merge its group's average weighted by routing frequency."""
+            if not merge:
+                return [per[k].clone() for k in kept]
+            rows = []
+            for k in kept:
+                members = groups[k]
+                f = b.freq[members]
+                wts = f / f.sum() if float(f.sum()) > 0 else torch.full((len(members),), 1 / len(members),
+                                                                         dtype=torch.float64)
+                rows.append(sum(float(wt) * per[m].double() for wt, m in zip(wts, members)).to(per[k].dtype))
+            return rows
+
+        units = [(f"{b.router_name}.{n}", t, True) for n, t in _per_expert(b.router, E, True, H)]
+        if b.layout == "fused":
+            units += [(f"{b.name}.{n}", t, False) for n, t in _per_expert(b.experts, E, False, H)]
+        elif b.layout == "flat":
+            units += [(f"{b.name}.{n}", t, False) for n, t in b.experts.named_parameters()
+                      if t.dim() >= 1 and t.shape[0] == E * b.inter]
+        for key, _t, is_router in units:
+            if key not in sd:  # a non-persistent buffer: the new model computes its own
+                continue
+            src = sd[key].detach()
+            per = src.view(E, b.inter, *src.shape[1:]) if b.layout == "flat" and not is_router else src
+            # the router's rows of a kept expert stay as they were, merged or not
+            new = torch.stack(combine(per, method == "merge" and not is_router))
+            sd[key] = new.reshape(-1, *src.shape[1:]) if per is not src else new
+            if not is_router:
+                expert_bytes_before += src.numel() * src.element_size()
+                expert_bytes_after += new.numel() * new.element_size()
+        if b.layout == "members":  # expert e's module -> its tensors; the kept ones renumbered 0..N-1
+            heads = [f"{b.name}.{k}." for k in b.keys]
+            suffixes = [key[len(heads[0]):] for key in sd if key.startswith(heads[0])]
+            olds = {sfx: [sd[h + sfx].detach() for h in heads] for sfx in suffixes}
+            for h in heads:
+                for key in [key for key in sd if key.startswith(h)]:
+                    expert_bytes_before += sd[key].numel() * sd[key].element_size()
+                    del sd[key]
+            stem = re.fullmatch(r"(\D*)\d+", b.keys[0]).group(1)
+            for sfx, per in olds.items():
+                for i, t in enumerate(combine(per, method == "merge")):
+                    sd[f"{b.name}.{stem}{i}.{sfx}"] = t
+                    expert_bytes_after += t.numel() * t.element_size()
         layers.append(info)
 
     new_config = copy.deepcopy(model.config)
     new_cfg = _text_config(new_config)
-    setattr(new_cfg, e_key, experts)
-    setattr(new_cfg, k_key, k_new)
+    setattr(_holder(new_cfg, e_slot[0]), e_key, experts)
+    if k_key is not None:
+        setattr(_holder(new_cfg, e_slot[0]), k_key, k_new)
     try:
         new = type(model)._from_config(new_config, dtype=model.dtype)
     except Exception as exc:
-        raise DistillError(f"{type(model).__name__} cannot be built with {e_key}={experts}, {k_key}={k_new}: "
+        raise DistillError(f"{type(model).__name__} cannot be built with {e_key}={experts}, top-k {k_new}: "
                            f"{exc}") from None
     missing, unexpected = [], []
     try:
@@ -416,9 +558,11 @@ def _agreement(ref: nn.Module, new: nn.Module, windows: list[torch.Tensor]) -> d
         return None
     kls, tops, count = 0.0, 0.0, 0
     with torch.no_grad():
+        if getattr(_forward(ref, take[0][:2].view(1, -1)), "logits", None) is None:
+            return None  # a base model without its head: nothing to compare
         for w in take:
-            a = ref(input_ids=w.view(1, -1), use_cache=False).logits[0].float()
-            b = new(input_ids=w.view(1, -1), use_cache=False).logits[0].float()
+            a = _logits(ref, w.view(1, -1))[0].float()
+            b = _logits(new, w.view(1, -1))[0].float()
             kl, top1 = logits_agreement(a, b)
             kls += kl * w.numel()
             tops += top1 * w.numel()
@@ -451,10 +595,10 @@ def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: i
     if n < 1:
         raise DistillError(f"repair data has {ids.numel()} tokens, fewer than one window of {seq_len}")
     windows = ids[: n * seq_len].view(n, seq_len)
-    mods = [model.get_submodule(L["router"]) for L in report.layers]
-    if train_experts:
-        mods += [model.get_submodule(L["experts"]) for L in report.layers]
-    train = list({id(p): p for m in mods for p in m.parameters(recurse=False)}.values())
+    train = [p for L in report.layers for p in model.get_submodule(L["router"]).parameters(recurse=False)]
+    if train_experts:  # every weight of the experts module: one submodule an expert, or DBRX's mlp
+        train += [p for L in report.layers for p in model.get_submodule(L["experts"]).parameters()]
+    train = list({id(p): p for p in train}.values())
     was = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
@@ -466,8 +610,8 @@ def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: i
 
     def kl(batch):
         with torch.no_grad():
-            t = teacher(input_ids=batch, use_cache=False).logits.float().log_softmax(-1)
-        s_ = model(input_ids=batch, use_cache=False).logits.float().log_softmax(-1)
+            t = _logits(teacher, batch).float().log_softmax(-1)
+        s_ = _logits(model, batch).float().log_softmax(-1)
         return (t.exp() * (t - s_)).sum(-1).mean()
 
     start = time.perf_counter()
