@@ -31,6 +31,7 @@ too (a token still runs k experts of the same size).
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
@@ -135,8 +136,9 @@ def _holder(cfg, path: str):
 # Block classes distill refuses although hi_na_moe runs them, and why (the others it refuses are
 # the layouts hi_na_moe itself does not recognise: their enable report's reason is quoted).
 _REFUSED = {
-    "Llama4TextMoe": "its experts weight each expert's input, not its output, by the router score (merge's and "
-                     "saliency's arithmetic assume the output)",
+    "Llama4TextMoe": "its experts scale their input by the router score, not their output (the adapter's "
+                     "weight_on_input): distill's saliency and merge assume output weighting, and its calibration "
+                     "does not read this block's routing",
     "JetMoeMoE": "JetMoE's attention experts (JetMoeMoA) share num_local_experts with these, and distill does "
                  "not slice attention experts",
     "DogeCDMoE": "product-key experts: its router scores num_keys x num_keys key pairs, not experts one by one, "
@@ -574,20 +576,80 @@ def _agreement(ref: nn.Module, new: nn.Module, windows: list[torch.Tensor]) -> d
 # Repair: the routers fine-tuned with the original model as teacher
 # ---------------------------------------------------------------------------------------------
 
+# Repair state: a file in the directory the caller names, replaced whole at every save
+STATE_FILE = "repair_state.pt"
+STATE_FORMAT = "hi_na_moe.distill_repair_state"
+# steps between saves of the repair state (a save of the shipped model's routers and experts and
+# their Adam moments writes about 40 MB)
+SAVE_EVERY = 25
+
+
+def _run_identity(report: DistillReport, ids: torch.Tensor, **options) -> dict:
+    """What makes two repair runs the same run: the distilled model (its report's choices), the
+    data and the options a step depends on. `steps` and `max_seconds` are not in it: a longer run
+    continues a shorter one's steps."""
+    return dict(source=report.source, model_class=report.model_class, method=report.method, score=report.score,
+                experts=report.experts_after, top_k=report.top_k_after, distill_seed=report.seed,
+                calibration_tokens=report.calibration_tokens, kept=[L["kept"] for L in report.layers],
+                merged_into=[L.get("merged_into") for L in report.layers],
+                data_sha256=hashlib.sha256(ids.numpy().tobytes()).hexdigest(), **options)
+
+
+def _save_state(path: Path, state: dict) -> None:
+    """Written beside, then renamed over the last one: a kill mid-write leaves the previous state."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise DistillError(f"repair state {str(path)!r}: writing failed ({exc.strerror or exc})") from None
+
+
+def _load_state(path: Path, identity: dict) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        st = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # not one torch.save wrote whole: os.replace never leaves a partial file
+        raise DistillError(f"repair state {str(path)!r} cannot be read ({type(exc).__name__}: {exc}); remove it "
+                           "to start the repair over") from None
+    if not isinstance(st, dict) or st.get("format") != STATE_FORMAT:
+        raise DistillError(f"repair state {str(path)!r} is not a distill repair state; remove it")
+    was = st.get("identity", {})
+    differs = [k for k in identity if was.get(k) != identity[k]]
+    if differs:
+        raise DistillError(f"repair state {str(path)!r} belongs to another run ({', '.join(differs[:3])} "
+                           "differ); remove it to start over, or repeat that run's options")
+    return st
+
+
 def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: int = 200, lr: float = 1e-3,
            seq_len: int = 256, batch_size: int = 4, seed: int = 0, max_seconds: float | None = None,
-           train_experts: bool = False, progress: bool = False) -> nn.Module:
+           train_experts: bool = False, progress: bool = False, state: str | Path | None = None,
+           save_every: int | None = None) -> nn.Module:
     """Fine-tune the routers of `model` (a distill() result) in place for at most `steps` Adam
     steps (and `max_seconds`): each step a seeded batch of `seq_len`-token windows of `data`
     (token ids), loss the mean KL(teacher || model) of the next-token distributions. Only the
     router weights and biases distill sliced learn (and the routed experts' weights with
-    `train_experts`); attention, norms, embeddings and shared experts stay as written. The report's `repair` gets the steps run, the seconds, and the KL on the first
-    batch before and after."""
+    `train_experts`); attention, norms, embeddings and shared experts stay as written. The
+    report's `repair` gets the steps run, the seconds, and the KL on the first batch before and
+    after.
+
+    `state` (a directory): the run is resumable. Every `save_every` steps (default SAVE_EVERY) and at the end, the
+    trainable weights, Adam's state, the step, the batch generator's (the data position) and
+    torch's RNG state are saved there (repair_state.pt, replaced whole). A call finding a state
+    there continues from its step and ends as the uninterrupted run would; a state of another
+    run (other model, data or options) is an error. The caller removes the directory when the
+    result is written."""
     report = getattr(model, "distill_report", None)
     if not isinstance(report, DistillReport):
         raise DistillError("repair takes a distill() result (the model has no distill_report)")
     if not isinstance(steps, int) or steps < 1:
         raise DistillError(f"repair steps must be a whole number >= 1, got {steps!r}")
+    save_every = SAVE_EVERY if save_every is None else save_every
+    if not isinstance(save_every, int) or save_every < 1:
+        raise DistillError(f"save_every must be a whole number >= 1, got {save_every!r}")
     if not isinstance(data, torch.Tensor) or data.dtype not in (torch.int32, torch.int64):
         raise DistillError("repair data must be a tensor of token ids")
     ids = data.reshape(-1).long()
@@ -599,14 +661,34 @@ def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: i
     if train_experts:  # every weight of the experts module: one submodule an expert, or DBRX's mlp
         train += [p for L in report.layers for p in model.get_submodule(L["experts"]).parameters()]
     train = list({id(p): p for p in train}.values())
-    was = {p: p.requires_grad for p in model.parameters()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in train:
-        p.requires_grad_(True)
+    names = {id(p): name for name, p in model.named_parameters()}
+    trained = "routers and experts" if train_experts else "routers"
+    identity = _run_identity(report, ids, lr=lr, batch=batch_size, seq_len=seq_len, seed=seed, trained=trained,
+                             params=[names[id(p)] for p in train])
+    path = None
+    if state is not None:
+        sdir = Path(state).expanduser()
+        try:
+            sdir.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise DistillError(f"repair state directory {str(sdir)!r} cannot be made ({exc.strerror or exc})") from None
+        path = sdir / STATE_FILE
     opt = torch.optim.Adam(train, lr=lr)
     g = torch.Generator().manual_seed(seed)
     fixed = windows[torch.randperm(n, generator=g)[:batch_size]]
+    done, spent, before = 0, 0.0, None
+    saved = _load_state(path, identity) if path is not None else None
+    if saved is not None:
+        if saved["step"] > steps:
+            raise DistillError(f"repair state {str(path)!r} is at step {saved['step']}, past steps={steps}; ask "
+                               "for at least that many, or remove it to start over")
+        with torch.no_grad():
+            for p in train:
+                p.copy_(saved["params"][names[id(p)]])
+        opt.load_state_dict(saved["optimizer"])
+        g.set_state(saved["generator"])
+        torch.set_rng_state(saved["torch_rng"])
+        done, spent, before = int(saved["step"]), float(saved["seconds"]), float(saved["kl_before"])
 
     def kl(batch):
         with torch.no_grad():
@@ -614,22 +696,40 @@ def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: i
         s_ = _logits(model, batch).float().log_softmax(-1)
         return (t.exp() * (t - s_)).sum(-1).mean()
 
+    def save():
+        _save_state(path, dict(format=STATE_FORMAT, identity=identity, step=done, kl_before=before,
+                               seconds=spent + time.perf_counter() - start,
+                               params={names[id(p)]: p.detach().clone() for p in train},
+                               optimizer=opt.state_dict(), generator=g.get_state(), torch_rng=torch.get_rng_state()))
+
+    was = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in train:
+        p.requires_grad_(True)
     start = time.perf_counter()
-    done = 0
     try:
-        with torch.no_grad():
-            before = float(kl(fixed))
-        bar = tqdm(range(steps), desc="repair", unit="step", disable=not progress, leave=False)
-        for _ in bar:
-            if max_seconds is not None and time.perf_counter() - start > max_seconds:
-                break
-            batch = windows[torch.randint(0, n, (batch_size,), generator=g)]
-            loss = kl(batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            done += 1
-            bar.set_postfix(kl=f"{loss.item():.4f}")
+        if before is None:
+            with torch.no_grad():
+                before = float(kl(fixed))
+        last_saved = done if saved is not None else -1
+        with tqdm(total=steps, initial=done, desc="repair", unit="step", disable=not progress, leave=False) as bar:
+            while done < steps:
+                if max_seconds is not None and spent + time.perf_counter() - start > max_seconds:
+                    break
+                batch = windows[torch.randint(0, n, (batch_size,), generator=g)]
+                loss = kl(batch)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                done += 1
+                bar.update(1)
+                bar.set_postfix(kl=f"{loss.item():.4f}")
+                if path is not None and done % save_every == 0:
+                    save()
+                    last_saved = done
+        if path is not None and last_saved != done:
+            save()
         with torch.no_grad():
             after = float(kl(fixed))
     finally:
@@ -638,8 +738,8 @@ def repair(model: nn.Module, teacher: nn.Module, data: torch.Tensor, *, steps: i
         for p in train:
             p.grad = None
     report.agreement = _agreement(teacher, model, list(windows))  # the card's figures: after the repair
-    report.repair = dict(steps=done, trained="routers and experts" if train_experts else "routers", lr=lr, batch=batch_size, seq_len=seq_len, tokens=int(n * seq_len),
-                         seconds=round(time.perf_counter() - start, 1), kl_before=before, kl_after=after)
+    report.repair = dict(steps=done, trained=trained, lr=lr, batch=batch_size, seq_len=seq_len, tokens=int(n * seq_len),
+                         seconds=round(spent + time.perf_counter() - start, 1), kl_before=before, kl_after=after)
     return model
 
 

@@ -4,12 +4,21 @@ plain transformers checkpoint."""
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
-from ..distill import DistillError, check_out, distill, model_card, repair, save_distilled
+from ..distill import STATE_FILE, DistillError, check_out, distill, model_card, repair, save_distilled
 from ..profile_router import ProfileError, _token_ids
 from . import common
 from .common import UserError, shipped_model_dir
+
+
+def repair_state_dir(out) -> Path:
+    """Where `hi-na-moe distill --out OUT --repair-steps N` keeps its repair's state: .OUT.repair-state
+    beside OUT."""
+    p = Path(out).expanduser()
+    return p.resolve().parent / f".{p.name}.repair-state"
 
 
 def cmd_distill(args) -> int:
@@ -51,9 +60,16 @@ def cmd_distill(args) -> int:
         small = distill(model, args.experts, top_k=args.top_k, method=args.method, score=args.score, data=ids,
                         tokens=args.tokens, seed=args.seed, progress=args.output != "json")
         if args.repair_steps:
+            # the repair's last saved step, beside --out: the same command run again after a kill
+            # continues from it; removed once the checkpoint is written
+            state = repair_state_dir(args.out)
+            if (state / STATE_FILE).is_file():
+                print(f"repair: continuing from the state saved in {state}", file=sys.stderr)
             repair(small, model, ids, steps=args.repair_steps, lr=args.repair_lr, seed=args.seed,
-                   train_experts=args.repair_experts, progress=args.output != "json")
+                   train_experts=args.repair_experts, progress=args.output != "json", state=state)
         out = save_distilled(small, args.out, force=args.force, tokenizer=tokenizer)
+        if args.repair_steps:
+            shutil.rmtree(state, ignore_errors=True)
     except DistillError as exc:
         raise UserError(f"{str(path)!r}: {exc}") from None
     report = small.distill_report
