@@ -133,8 +133,9 @@ def _holder(cfg, path: str):
     return getattr(cfg, path) if path else cfg
 
 
-# Block classes distill refuses although hi_na_moe runs them, and why (the others it refuses are
-# the layouts hi_na_moe itself does not recognise: their enable report's reason is quoted).
+# Block classes distill refuses although hi_na_moe runs them, and why (_blocks names the other
+# refusals: blocks hi_na_moe does not recognise, quoting the enable report's reason, and
+# identity experts).
 _REFUSED = {
     "Llama4TextMoe": "its experts scale their input by the router score, not their output (the adapter's "
                      "weight_on_input): distill's saliency and merge assume output weighting, and its calibration "
@@ -191,7 +192,7 @@ def _blocks(model: nn.Module) -> list[_Block]:
             raise _refuse(m, cls, f"{spec.n_identity} identity ('zero') experts beside the routed ones share its "
                                   "router, and distill does not slice them")
         E = int(spec.num_experts)
-        experts, layout, keys, inter, decode = m.module, "fused", [], 0, _experts_call_decode
+        experts, layout, keys, inter, decode = m.module, "fused", [], 0, _experts_call
         if spec.members:  # one module an expert, in a block the adapter mirrors (Switch, NLLB-MoE)
             experts, layout = getattr(m.module, "experts", None), "members"
             keys = _member_keys(experts, spec) if isinstance(experts, nn.Module) else None
@@ -229,10 +230,6 @@ def _blocks(model: nn.Module) -> list[_Block]:
         raise DistillError(f"the MoE blocks of {type(model).__name__} have different expert counts "
                            f"({sorted(counts)}); distill keeps one count for all")
     return out
-
-
-def _experts_call_decode(args, kwargs):
-    return _experts_call(args, kwargs)
 
 
 def _expert_output(b: _Block, x: torch.Tensor, e: int) -> torch.Tensor:
