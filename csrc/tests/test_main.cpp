@@ -124,6 +124,7 @@ int main(int argc, char** argv) {
   test_row_quant(all);
   test_paired_linear(all);
   test_qdot_int16_bound(all);
+  test_qdot_rows();
   for (const Case& c : kCases) test_l12_case(c, seed++, all);
   test_l12_rows(all);
   test_l12_format(all);

@@ -406,8 +406,9 @@ void test_int4_layout(const std::vector<Isa>& tiers) {
 // The integer-dot kernels at the extremes of their int16 intermediates: weights and activations
 // that quantise to the largest magnitudes, so the avx2dot kernel's vpmaddubsw pair sums reach
 // 2 * 127 * 127 = 32258 (int8, one below saturation's 32767 by 509) and 2 * 15 * 127 (int4, with
-// the low and high nibble sums added in int16: 7620). Every tier's integer dot == genericdot,
-// bit for bit, and equal to the exact result; fp32 and bf16 models.
+// the low and high nibble sums added in int16: 7620; its prefill tiles add a 32-k block's 8 such
+// products in int16: 30480). Every tier's integer dot == genericdot, bit for bit, and equal to
+// the exact result; fp32 and bf16 models, one row (decode) and 5 rows (a 4-row tile + 1).
 void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
   if (!selected("qdot int16 bound")) return;
   constexpr int64_t O = 16, In = 64;
@@ -421,10 +422,13 @@ void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
       for (int64_t o = 0; o < O; ++o)
         for (int64_t g = 0; g < In; g += 32) wv[static_cast<size_t>(o * In + g)] = 1.0f;
     const float exact = i4 ? -0.875f * (In - In / 32) + In / 32 : -1.0f * In;
-    std::vector<uint8_t> w(wv.size() * dtype_size(dt)), x(xv.size() * dtype_size(dt));
+    constexpr int64_t kRows = 5;
+    std::vector<uint8_t> w(wv.size() * dtype_size(dt)), x(xv.size() * kRows * dtype_size(dt));
     for (size_t i = 0; i < wv.size(); ++i) store_elem(dt, w.data(), static_cast<int64_t>(i), wv[i]);
-    for (size_t i = 0; i < xv.size(); ++i) store_elem(dt, x.data(), static_cast<int64_t>(i), xv[i]);
-    const std::string tag = std::string("qdot int16 bound: ") + wformat_name(wf) + " " + dtype_short(dt) + " ";
+    for (int64_t i = 0; i < In * kRows; ++i) store_elem(dt, x.data(), i, xv[static_cast<size_t>(i % In)]);
+    for (const int64_t rows : {int64_t{1}, kRows}) {
+    const std::string tag = std::string("qdot int16 bound: ") + wformat_name(wf) + " " + dtype_short(dt) + " T=" +
+                            std::to_string(rows) + " ";
     auto run_tier = [&](Isa isa, std::string* name) {
       auto pe = PackedExperts::pack_linear(dt, O, In, w.data(), nullptr, isa, 1, {wf, 32});
       std::vector<uint8_t> wq(w.size());
@@ -432,24 +436,61 @@ void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
       bool same = true;  // the weights are exactly representable: the packing keeps them
       for (int64_t i = 0; i < O * In; ++i) same = same && load_elem(dt, wq.data(), i) == wv[static_cast<size_t>(i)];
       report(same, tag + isa_name(isa) + " packs the extreme weights exactly");
-      std::vector<uint8_t> out(static_cast<size_t>(O) * dtype_size(dt), 0xff);
+      std::vector<uint8_t> out(static_cast<size_t>(O * rows) * dtype_size(dt), 0xff);
       MoeParams p;
       p.num_threads = 1;
       p.qdot = QDot::kInt;
-      *name = pe->linear(x.data(), 1, out.data(), p);
+      p.path = rows > 1 ? MoePath::kPrefill : MoePath::kDecode;
+      *name = pe->linear(x.data(), rows, out.data(), p);
       return out;
     };
     std::string gname, name;
     const std::vector<uint8_t> want = run_tier(Isa::kGeneric, &gname);
     bool all_exact = true;
-    for (int64_t o = 0; o < O; ++o) all_exact = all_exact && load_elem(dt, want.data(), o) == exact;
+    for (int64_t o = 0; o < O * rows; ++o) all_exact = all_exact && load_elem(dt, want.data(), o) == exact;
     report(all_exact, tag + gname + " = " + std::to_string(exact));
     for (Isa isa : tiers) {
       if (isa == Isa::kGeneric) continue;
       const std::vector<uint8_t> got = run_tier(isa, &name);
       report(got == want, tag + name + " == " + gname);
     }
+    }
   }
+}
+
+// The 256-bit integer-dot kernels (each build this CPU can run, forced, whatever the selection
+// prefers) vs genericdot at every row count an expert's rows can end in: 1..9 (4-row tiles and
+// their 3-, 2- and 1-row remainders, decode's blocks), 17, 33 and 512; int8 and int4 in groups
+// of 32 / 64 / 128; gated and up-only; all rows routed to one expert, so the kernels see exactly
+// T rows; both paths.
+void test_qdot_rows() {
+  if (!selected("qdot rows")) return;
+  const CpuFeatures& f = cpu_features();
+  struct Forced { const char* kname; bool (*get)(WFormat, detail::KernelImpl*); bool ok; };
+  const Forced builds[] = {{"avx2dot", &detail::get_qdot_kernels_avx2, isa_supported(f, Isa::kAvx2)},
+                           {"avxvnni", &detail::get_qdot_kernels_avxvnni, isa_supported(f, Isa::kAvx2) && f.avx_vnni}};
+  uint32_t seed = 71;
+  for (const QFmt& q : kQFmts)
+    for (const int64_t T : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 512})
+      for (const bool gated : {true, false}) {
+        if (!gated && T != 3 && T != 6 && T != 33) continue;  // up-only: G = 1 tiles and remainders
+        // H = 256: 8 activation blocks, 2..8 int4 groups; I = 80: 5 panels, down's k padded
+        const Case c{T, 2, 1, 256, 80, gated, T % 2 == 1, false, Act::kSilu, 0, 1, false, "qdot rows"};
+        Problem p = make_problem(DType::kF32, c, seed++);
+        p.params.qdot = QDot::kInt;
+        auto gen = PackedExperts::pack(weights_of(p), Isa::kGeneric, 1, {q.fmt, q.group});
+        for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+          const std::vector<float> ref = run(*gen, p, path, 2, nullptr);
+          for (const Forced& fk : builds) {
+            detail::KernelImpl k;
+            if (!fk.ok || !fk.get(q.fmt, &k)) continue;
+            const std::string kn = std::string("moe_") + path_name(path) + "_" + q.name + "_" + fk.kname;
+            const double e = rel_err(run(*gen, p, path, 2, nullptr, &k, kn.c_str()), ref);
+            report(e <= 5e-5, std::string("qdot rows: ") + kn + (gated ? " gated" : " up-only") + " T=" +
+                                  std::to_string(T) + " vs genericdot: rel err " + std::to_string(e));
+          }
+        }
+      }
 }
 
 // A paired linear layer (pack_linear's paired: the rows' two halves as one gated expert's gate and

@@ -39,15 +39,18 @@ inline __m256 q4_steps8(const uint8_t* codes) {
   return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_xor_si256(_mm256_castps_si256(mag), sign), a));
 }
 
-// Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M (M <= 2),
-// then a last single row.
+// Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M (M <= 4),
+// then one block of the rest.
 template <int M, class Fn>
 inline void row_blocks(int64_t nt, Fn&& f) {
-  static_assert(M >= 1 && M <= 2, "AVX2 quantised kernels share a weight pass over at most 2 rows");
+  static_assert(M >= 1 && M <= 4, "AVX2 quantised kernels share a weight pass over at most 4 rows");
   int64_t r0 = 0;
   for (; r0 + M <= nt; r0 += M) f(std::integral_constant<int, M>{}, r0);
-  if constexpr (M > 1) {
-    if (r0 < nt) f(std::integral_constant<int, 1>{}, r0);
+  switch (nt - r0) {
+    case 3: if constexpr (M > 3) f(std::integral_constant<int, 3>{}, r0); break;
+    case 2: if constexpr (M > 2) f(std::integral_constant<int, 2>{}, r0); break;
+    case 1: if constexpr (M > 1) f(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
   }
 }
 
