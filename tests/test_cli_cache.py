@@ -140,7 +140,7 @@ def test_list_text_rows_totals_and_problems(store, capsys):
     assert "cache clear --stale" in out
 
 
-def test_entries_record_their_source_and_clear_selects_by_it(tmp_path, capsys):
+def test_entries_record_their_source_and_clear_selects_by_it(tmp_path, capsys, monkeypatch):
     # two models' entries (written inside recording_source, as enable_for_model and
     # from_pretrained write them) and one written before sources were recorded
     s = PackedStore(tmp_path / "store")
@@ -166,7 +166,7 @@ def test_entries_record_their_source_and_clear_selects_by_it(tmp_path, capsys):
     src = json.loads(out)["total"]["by_source"]
     assert src[str(ckpt.resolve())]["keys"] == 2 and src[str(ckpt.resolve())]["formats"] == ["int4"]
     # --source takes the path as given (here relative to the working directory) or absolute
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # (undone after the test: its directory is deleted then)
     rc, out, _ = run(["cache", "clear", "--cache-dir", str(s.root), "--source", "ckpt-a", "--yes"], capsys)
     assert rc == 0 and "removed 2 files" in out
     assert not (s.root / K_INT4_0).exists() and not (s.root / K_INT4_1).exists()
