@@ -296,6 +296,11 @@ void test_eviction() {
   //   freq-decay [0 0 0 1 2], score log2 sum 2^(t / half_life): half-life 64, 0 scores
   //              log2(2^(1/64) + 2^(2/64) + 2^(3/64)) = 1.63 and 1 scores 4/64, so 1 goes;
   //              half-life 0.5, 0 scores log2(2^2 + 2^4 + 2^6) = 6.39 and 1 scores 8, so 0 goes (as lru)
+  //   [0 0 1 2 1 3]: 2 evicts 1, 1 evicts 2, then 3 must choose between 0 (uses 1, 2) and 1
+  //              (uses 3, 5, the first before it was evicted). An expert's uses count while it is
+  //              out of the pool, so 0 goes under lfu (2 uses each, 0's last older), lru-2
+  //              (second-last use 1 < 3) and freq-decay (2^(1/64) + 2^(2/64) < 2^(3/64) + 2^(5/64));
+  //              forgetting them at eviction made 1 look new and evicted it instead
   struct Seq {
     EvictionPolicy policy;
     double half_life;
@@ -314,6 +319,10 @@ void test_eviction() {
       {EvictionPolicy::kLru, 64, {0, 0, 0, 1, 2}, {1, 2}, 2},
       {EvictionPolicy::kFreqDecay, 64, {0, 0, 0, 1, 2}, {0, 2}, 2},
       {EvictionPolicy::kFreqDecay, 0.5, {0, 0, 0, 1, 2}, {1, 2}, 2},
+      {EvictionPolicy::kLfu, 64, {0, 0, 1, 2, 1, 3}, {1, 3}, 1},
+      {EvictionPolicy::kLru2, 64, {0, 0, 1, 2, 1, 3}, {1, 3}, 1},
+      {EvictionPolicy::kFreqDecay, 64, {0, 0, 1, 2, 1, 3}, {1, 3}, 1},
+      {EvictionPolicy::kLru, 64, {0, 0, 1, 2, 1, 3}, {1, 3}, 2},
   };
   for (const Seq& q : seqs) {
     TierOptions o = options_for(pe->header(), 2, 1);

@@ -33,6 +33,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "hina_moe/types.h"
@@ -157,7 +158,7 @@ class ExpertTier {
   bool read_expert(int64_t slot, const Layer& L, int32_t e, std::string* err);
   void queue_prediction(int layer, const void* x, int64_t T, DType dt, int64_t H);
   void enqueue(int layer, int32_t e, bool demand, int distance);
-  double score(const Slot& s) const;
+  std::pair<double, uint64_t> score(const Slot& s) const;  // eviction order: smallest first
 
   TierOptions opt_;
   uint8_t* pool_ = nullptr;
@@ -170,7 +171,8 @@ class ExpertTier {
   std::vector<std::thread> threads_;
   bool stop_ = false;
   int busy_ = 0, busy_demand_ = 0;  // reads under way; of them demanded
-  uint64_t tick_ = 0;  // acquires so far (the policy's clock)
+  uint64_t tick_ = 0;  // acquires so far (freq-decay's clock)
+  uint64_t uses_ = 0;  // expert uses so far (the recency policies' clock)
   uint64_t active_seq_ = 0;  // tick_ of the acquire..release span under way, 0 when none
   std::atomic<int64_t> read_count_{0};
   std::mutex step_mu_;
