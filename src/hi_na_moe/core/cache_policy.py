@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Hashable, Iterable, Sequence
@@ -509,6 +510,63 @@ def hit_rate_curve(trace: Trace, sizes: Iterable[int], policies: Iterable[str] =
             if progress:
                 progress(name, c)
         out[name] = row
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay on the native tier
+# ---------------------------------------------------------------------------------------------
+
+def replay_hits(trace: Trace, policy: CachePolicy, times: Sequence[float] | None = None) -> list[tuple[bool, ...]]:
+    """Per step of `trace`, per key in the step's order: whether it was a hit, replaying the steps
+    through `policy` at `times` (by default the trace's token indices)."""
+    times = trace.times if times is None else times
+    if len(times) != len(trace.steps):
+        raise ValueError(f"replay_hits: {len(times)} times for {len(trace.steps)} steps")
+    out = []
+    for keys, t in zip(trace.steps, times):
+        hit = set(policy.step(keys, t).hits)
+        out.append(tuple(k in hit for k in keys))
+    return out
+
+
+def tier_clock(trace: Trace, half_life_tokens: float) -> tuple[list[int], float]:
+    """The native tier's freq-decay clock for `trace`: its steps' times counted in acquires (1, 2,
+    ...: the tier ticks once an acquire, i.e. once a layer a token) and the half-life in those
+    units (core/tier.py gives the tier half_life_tokens x layers). Replaying the simulator at these
+    times gives the tier's decisions exactly; at the token times, a use in a later layer of the same
+    token is no more recent than one in the first (tests/test_tier_policy_replay.py measures what
+    that changes)."""
+    return list(range(1, len(trace.steps) + 1)), half_life_tokens * max(1, trace.num_layers)
+
+
+def replay_on_tier(native, trace: Trace, capacity: int, policy: str, half_life_tokens: float, workdir,
+                   num_experts: int | None = None) -> list[tuple[bool, ...]]:
+    """Replay `trace` on the native ExpertTier's slot pool (`native`: hi_na_moe._native) with
+    `capacity` slots: one layer of `num_experts` tiny experts (64-byte panels, random bytes, their
+    CRCs recorded) a trace layer, in one file written under `workdir`; prediction off, one I/O
+    thread; each step is one acquire..release of its experts in the step's order (ExpertTier.warm
+    of one layer). Returns, like replay_hits, per step and key whether the expert was resident
+    before the step."""
+    E = num_experts if num_experts is not None else 1 + max((k[1] for k in trace.keys()), default=0)
+    if trace.max_step > capacity:
+        raise ValueError(f"a step of the trace uses {trace.max_step} experts but the tier has {capacity} slots")
+    L, gu = max(1, trace.num_layers), 64
+    data = np.random.default_rng(0).integers(0, 256, size=L * E * 2 * gu, dtype=np.uint8)
+    path = os.path.join(os.fspath(workdir), f"tier-replay-{L}x{E}.bin")
+    data.tofile(path)
+    tier = native.ExpertTier(int(native.tier_slot_bytes(gu, gu)), int(capacity), io_threads=1, direct_io=False,
+                             policy=policy, half_life=tier_clock(trace, half_life_tokens)[1], prediction_window=0)
+    for layer in range(L):
+        base = layer * E * 2 * gu
+        crc = [int(native.crc32c(data[base + i * gu:base + (i + 1) * gu])) for i in range(2 * E)]
+        tier.add_layer(path, E, base, gu, base + E * gu, gu, crc[:E], crc[E:])
+    out = []
+    for keys, layer in zip(trace.steps, trace.layers):
+        ids = [e for _, e in keys]
+        resident = set(tier.resident(layer))
+        out.append(tuple(e in resident for e in ids))
+        tier.warm([layer] * len(ids), ids)
     return out
 
 
