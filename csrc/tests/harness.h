@@ -161,6 +161,7 @@ void test_quant_packing(const std::vector<Isa>& tiers);
 void test_int4_layout(const std::vector<Isa>& tiers);
 void test_qdot_int16_bound(const std::vector<Isa>& tiers);
 void test_qdot_rows();
+void test_avx2_row_blocks();
 void test_paired_linear(const std::vector<Isa>& tiers);
 void test_row_quant(const std::vector<Isa>& tiers);
 void test_linear(const std::vector<Isa>& tiers);

@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
   test_paired_linear(all);
   test_qdot_int16_bound(all);
   test_qdot_rows();
+  test_avx2_row_blocks();
   for (const Case& c : kCases) test_l12_case(c, seed++, all);
   test_l12_rows(all);
   test_l12_format(all);

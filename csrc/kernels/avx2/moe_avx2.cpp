@@ -10,6 +10,10 @@
 //   | x / h rows     | fp32, [nt][Hk] / [nt][Ik]                  |
 // Register plan: NT <= 2 rows x {gate, up} x {lo, hi} = 8 ymm accumulators, 4 weight ymm,
 // broadcasts from memory; bf16 pairs split by shift (even k) / mask (odd k) as on AVX-512.
+// bf16 prefill (bf16_tile, row blocks of 4 and a remainder of 3): 4 rows over both matrices
+// would need 16 accumulators, so a tile walks one matrix (both halves) at a time: 4 rows x
+// {lo, hi} = 8 accumulators, the 4 split weight vectors, 2 broadcasts; each weight load and
+// split feeds 4 rows instead of 2. The FMA chain of every element is unchanged (bit for bit).
 // Epilogue: bias, limits, activation (vec_avx2.h: the AVX-512 build's vector exp/erfc, 8 columns
 // at a time; the scalar libm one cost 2-4 % of an OLMoE-shaped prefill at T = 512) and the column
 // mask, per 8-column half.
@@ -86,6 +90,34 @@ inline void gateup_block(const void* panel, int64_t Hk, const float* const* x, _
   }
 }
 
+// One matrix gi (both halves) of a bf16 panel for NT rows: acc[r][half]. Each weight vector
+// feeds NT = 3-4 rows (gateup_block / down_block: 1-2), and each element's FMA chain is theirs
+// (the same k order), so the result is the same bit for bit. Kept out of line: inlined into the
+// row loops, GCC holds the accumulators on the stack.
+template <int G, int NT>
+__attribute__((noinline)) void bf16_tile(const uint16_t* panel, int gi, int64_t Kk, const float* const* x,
+                                         __m256 (*acc)[2]) {
+  __m256 a[NT][2];
+  for (int r = 0; r < NT; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  const uint16_t* w = panel + gi * 32;
+  const int64_t ahead = pf::bytes();
+  for (int64_t k = 0; k < Kk; k += 2, w += G * 32) {
+    prefetch(reinterpret_cast<const char*>(w) + ahead);
+    __m256 e0, o0, e1, o1;
+    bf16_pair(w, e0, o0);
+    bf16_pair(w + 16, e1, o1);
+    for (int r = 0; r < NT; ++r) {
+      const __m256 x0 = _mm256_broadcast_ss(&x[r][k]), x1 = _mm256_broadcast_ss(&x[r][k + 1]);
+      a[r][0] = _mm256_fmadd_ps(o0, x1, _mm256_fmadd_ps(e0, x0, a[r][0]));
+      a[r][1] = _mm256_fmadd_ps(o1, x1, _mm256_fmadd_ps(e1, x0, a[r][1]));
+    }
+  }
+  for (int r = 0; r < NT; ++r) {
+    acc[r][0] = a[r][0];
+    acc[r][1] = a[r][1];
+  }
+}
+
 template <DType D, int NT>
 inline void down_block(const void* panel, int64_t Ik, const float* h, int64_t hs, __m256 acc[][2]) {
   for (int r = 0; r < NT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -117,12 +149,29 @@ inline void down_block(const void* panel, int64_t Ik, const float* h, int64_t hs
   }
 }
 
+// bf16 row blocks of this many rows and more run bf16_tile (prefill); fewer (decode) the blocks
+// of both matrices.
+constexpr int kTileRows = 3, kTileMax = 4;
+
 template <DType D, bool Gated, int NT>
 inline void gateup_rows(const GateUpJob& j, const void* panel, int64_t r0, int64_t col0) {
   const float* xr[NT];
   for (int r = 0; r < NT; ++r) xr[r] = static_cast<const float*>(j.x[r0 + r]);
   __m256 acc[NT][4];
-  gateup_block<D, Gated, NT>(panel, j.L->Hk, xr, acc);
+  if constexpr (D == DType::kBF16 && NT >= kTileRows) {
+    constexpr int G = Gated ? 2 : 1;
+    __m256 t[NT][2];
+    for (int gi = 0; gi < G; ++gi) {
+      bf16_tile<G, NT>(static_cast<const uint16_t*>(panel), gi, j.L->Hk, xr, t);
+      const int at = gi == G - 1 ? 2 : 0;  // acc: gate lo, gate hi, up lo, up hi
+      for (int r = 0; r < NT; ++r) {
+        acc[r][at] = t[r][0];
+        acc[r][at + 1] = t[r][1];
+      }
+    }
+  } else {
+    gateup_block<D, Gated, NT>(panel, j.L->Hk, xr, acc);
+  }
   float* h = static_cast<float*>(j.h);
   for (int half = 0; half < 2; ++half) {
     const int64_t c = col0 + half * 8;
@@ -142,6 +191,13 @@ void gateup_avx2(const GateUpJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const void* panel = static_cast<const char*>(j.w) + p * panel_bytes;
     int64_t r0 = 0;
+    if constexpr (D == DType::kBF16) {
+      for (; r0 + kTileMax <= j.nt; r0 += kTileMax) gateup_rows<D, Gated, kTileMax>(j, panel, r0, p * kPanelN);
+      if (j.nt - r0 == 3) {
+        gateup_rows<D, Gated, 3>(j, panel, r0, p * kPanelN);
+        continue;
+      }
+    }
     for (; r0 + kMaxRows <= j.nt; r0 += kMaxRows) gateup_rows<D, Gated, 2>(j, panel, r0, p * kPanelN);
     if (r0 < j.nt) gateup_rows<D, Gated, 1>(j, panel, r0, p * kPanelN);
   }
@@ -150,7 +206,13 @@ void gateup_avx2(const GateUpJob& j) {
 template <DType D, int NT>
 inline void down_rows(const DownJob& j, const void* panel, int64_t r0, int64_t col0) {
   __m256 acc[NT][2];
-  down_block<D, NT>(panel, j.L->Ik, static_cast<const float*>(j.h) + r0 * j.h_stride, j.h_stride, acc);
+  if constexpr (D == DType::kBF16 && NT >= kTileRows) {
+    const float* hr[NT];
+    for (int r = 0; r < NT; ++r) hr[r] = static_cast<const float*>(j.h) + (r0 + r) * j.h_stride;
+    bf16_tile<1, NT>(static_cast<const uint16_t*>(panel), 0, j.L->Ik, hr, acc);
+  } else {
+    down_block<D, NT>(panel, j.L->Ik, static_cast<const float*>(j.h) + r0 * j.h_stride, j.h_stride, acc);
+  }
   const __m256 bl = j.bias ? _mm256_load_ps(j.bias + col0) : _mm256_setzero_ps();
   const __m256 bh = j.bias ? _mm256_load_ps(j.bias + col0 + 8) : _mm256_setzero_ps();
   for (int r = 0; r < NT; ++r) {
@@ -168,6 +230,13 @@ void down_avx2(const DownJob& j) {
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const void* panel = static_cast<const char*>(j.w) + p * panel_bytes;
     int64_t r0 = 0;
+    if constexpr (D == DType::kBF16) {
+      for (; r0 + kTileMax <= j.nt; r0 += kTileMax) down_rows<D, kTileMax>(j, panel, r0, p * kPanelN);
+      if (j.nt - r0 == 3) {
+        down_rows<D, 3>(j, panel, r0, p * kPanelN);
+        continue;
+      }
+    }
     for (; r0 + kMaxRows <= j.nt; r0 += kMaxRows) down_rows<D, 2>(j, panel, r0, p * kPanelN);
     if (r0 < j.nt) down_rows<D, 1>(j, panel, r0, p * kPanelN);
   }
