@@ -5,9 +5,9 @@ and miss on the same accesses, for every policy, at two pool sizes and two freq-
 
 The tier's freq-decay ages by acquires (one a layer a token), the simulator by the time it is given:
 replayed at the tier's clock (cache_policy.tier_clock) the two must agree access by access. Before
-2026-12-07 they did not: the tier forgot an expert's uses when it evicted it (LFU, LRU-2 and
+b351109 they did not: the tier forgot an expert's uses when it evicted it (LFU, LRU-2 and
 freq-decay then saw a returning expert as new) and broke ties by slot index. The token clock's own
-effect is measured here too, and is small."""
+effect is measured here too, and is small (benchmarks/log/memory-tier.md, 2026-12-07)."""
 
 from __future__ import annotations
 
