@@ -2,6 +2,12 @@
 // kernels against their generic emulation, the packed layout, linear layers and their row form.
 #include "tests/harness.h"
 
+#ifdef HINA_QDOT_VNNI_EMULATED_BUILT
+namespace hina::detail {
+bool get_qdot_kernels_avxvnni_emulated(WFormat wf, KernelImpl* k);  // csrc/tests/qdot_vnni_emulated.cpp
+}  // namespace hina::detail
+#endif
+
 namespace tests_quant {
 
 // The quantisation written out again from the contract in experts.h (independent of experts/packing.cpp):
@@ -492,7 +498,7 @@ void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
 }
 
 // The 256-bit integer-dot kernels (each build this CPU can run, forced, whatever the selection
-// prefers) vs genericdot at every row count an expert's rows can end in: 1..9 (4-row tiles and
+// prefers, and the avxvnni code with vpdpbusd emulated) vs genericdot at every row count an expert's rows can end in: 1..9 (4-row tiles and
 // their 3-, 2- and 1-row remainders, decode's blocks), 17, 33 and 512; int8 and int4 in groups
 // of 32 / 64 / 128; gated and up-only; all rows routed to one expert, so the kernels see exactly
 // T rows; both paths.
@@ -500,8 +506,13 @@ void test_qdot_rows() {
   if (!selected("qdot rows")) return;
   const CpuFeatures& f = cpu_features();
   struct Forced { const char* kname; bool (*get)(WFormat, detail::KernelImpl*); bool ok; };
-  const Forced builds[] = {{"avx2dot", &detail::get_qdot_kernels_avx2, isa_supported(f, Isa::kAvx2)},
-                           {"avxvnni", &detail::get_qdot_kernels_avxvnni, isa_supported(f, Isa::kAvx2) && f.avx_vnni}};
+  const Forced builds[] = {
+      {"avx2dot", &detail::get_qdot_kernels_avx2, isa_supported(f, Isa::kAvx2)},
+      {"avxvnni", &detail::get_qdot_kernels_avxvnni, isa_supported(f, Isa::kAvx2) && f.avx_vnni},
+#ifdef HINA_QDOT_VNNI_EMULATED_BUILT  // the avxvnni code on any AVX2 CPU
+      {"avxvnni-emulated", &detail::get_qdot_kernels_avxvnni_emulated, isa_supported(f, Isa::kAvx2)},
+#endif
+  };
   uint32_t seed = 71;
   for (const QFmt& q : kQFmts)
     for (const int64_t T : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 512})

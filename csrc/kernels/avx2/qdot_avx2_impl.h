@@ -68,10 +68,17 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// vpdpbusd ymm (AVX-VNNI) in the TU built with -mavxvnni; never called elsewhere.
+// vpdpbusd ymm (AVX-VNNI) in the TU built with -mavxvnni; never called elsewhere, except in the
+// tests' build of the Vnni code (HINA_QDOT_EMULATED_VNNI: csrc/tests/qdot_vnni_emulated.cpp),
+// which computes the same int32 sums with AVX2 so that code runs on CPUs without AVX-VNNI.
 inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#elif defined(HINA_QDOT_EMULATED_VNNI)
+  // bytes 0, 2 and 1, 3 of each lane widened to int16 (u zero-, s sign-extended): exact products
+  const __m256i ue = _mm256_and_si256(u8, _mm256_set1_epi16(0x00ff)), uo = _mm256_srli_epi16(u8, 8);
+  const __m256i se = _mm256_srai_epi16(_mm256_slli_epi16(s8, 8), 8), so = _mm256_srai_epi16(s8, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
 #else
   (void)u8;
   (void)s8;
