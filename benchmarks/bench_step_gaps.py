@@ -1,7 +1,7 @@
 """Where a scope="all" decode step spends its time between the native kernels.
 
 Timestamps every native call a decode step makes on the decoder layers' short path
-(hi_na_moe.fastpath.layers: layer_decode_pre, layer_decode_post, the experts' kernel; or the stack's one
+(hi_na_moe.fastpath.layers: a layer's partial StepPlan's layer_pre and layer_post, the experts' kernel; or the stack's one
 native call for all layers, "one", hi_na_moe.fastpath.stack) and prints, per
 step (median over --steps), the time inside each kind of call and the time between each pair of
 consecutive events ("exp -> pre": from the end of one layer's experts call to the start of the
@@ -73,26 +73,37 @@ def main() -> int:
     events: list[tuple[str, float]] = []
     now = time.perf_counter
 
-    class Timed:  # the runner's native module, with layer_decode_pre/post timestamped
-        def __init__(self, native):
-            self.native = native
+    class TimedLayer:  # a layer's partial StepPlan, its two calls (layer_pre, layer_post) timestamped
+        def __init__(self, plan):
+            self.plan = plan
 
         def __getattr__(self, name):
-            fn = getattr(self.native, name)
-            if name not in ("layer_decode_pre_raw", "layer_decode_post_raw"):
+            fn = getattr(self.plan, name)
+            if name not in ("layer_pre", "layer_post"):
                 return fn
-            tag = name.split("_")[2]
+            tag = name.split("_")[1]
 
-            def timed(*a):
+            def timed(*a, **kw):
                 events.append((tag, now()))
-                out = fn(*a)
+                out = fn(*a, **kw)
                 events.append(("/" + tag, now()))
                 return out
 
             return timed
 
+    class Timed:  # the runner's native module, the partial StepPlans it makes timestamped
+        def __init__(self, native):
+            self.native = native
+
+        def __getattr__(self, name):
+            fn = getattr(self.native, name)
+            if name != "StepPlan":
+                return fn
+            return lambda *a, **kw: TimedLayer(fn(*a, **kw))
+
     for r in layers:
         r.native = Timed(r.native)
+        r._call_held = None  # (a plan the warm-up made would not be timed)
     call_bound = torch_ops.call_bound
 
     def experts(*a):

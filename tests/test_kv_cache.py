@@ -252,7 +252,7 @@ def _count_commits(monkeypatch, sink: list) -> None:
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("path", ["one-native-call", "two-native-calls", "per-module-attention"])
 def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(path, rows, monkeypatch):
-    from hi_na_moe.fastpath import stack
+    from hi_na_moe.fastpath import layers, stack
 
     monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)  # the tiny projections packed: the layers' two native calls
     # the stack's one native call (decode_layers writes at the slots' positions itself), or its loop
@@ -264,10 +264,10 @@ def test_a_model_decodes_to_the_same_logits_with_and_without_in_place_appends(pa
         if path == "per-module-attention":  # a hook on the attention: the layers step aside to calling it
             hooks = [layer.self_attn.register_forward_hook(lambda *a: None) for layer in model.model.layers]
         appends, direct = [], []
-        offset = kv_cache.Slot.offset
+        slot_of = layers._slot_of
         _count_commits(monkeypatch, appends)
-        # the layers' first native call writes k and v at the slot's offset; append() copies them
-        monkeypatch.setattr(kv_cache.Slot, "offset", lambda s: direct.append(1) or offset(s))
+        # the layers' first native call writes k and v at the slot's next position; append() copies them
+        monkeypatch.setattr(layers, "_slot_of", lambda s: direct.append(1) or slot_of(s))
         ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3]][:rows])
         got, c_got = greedy_decode(model, ids, 264)  # past the buffers' room (7 + 256)
         assert len(appends) == 264 * 2

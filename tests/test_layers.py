@@ -179,6 +179,40 @@ def test_quantised_experts_and_linears_decode_in_the_two_native_calls_bit_for_bi
         hi_na_moe.disable_for_model(model)
 
 
+def test_a_layers_partial_plan_checks_its_scratch_and_runs_only_its_two_calls():
+    model = olmoe(layers=2, kv_heads=2, hidden=512, heads=8)
+    hi_na_moe.enable_for_model(model, scope="all")
+    try:
+        runner = patched_runner(model.model.layers[0])
+        dt, B = runner.attn.dtype, 2
+        weights = runner._norm_weights(dt)
+        plan, parts, nbytes, regions = runner._layer_call(dt, B, weights)
+        assert parts == (True, True, True, False)  # the logits, the selection, the experts; no dense MLP
+        assert nbytes == plan.scratch_bytes(B) == regions["total"]
+        assert all(regions[n] % 64 == 0 and regions[n] < nbytes for n in ("q", "normed", "logits", "w", "idx"))
+        assert runner._layer_call(dt, B, weights)[0] is plan  # held while nothing it holds changes
+        x = torch.zeros(B, runner.hidden, dtype=dt)
+        small = torch.empty(nbytes - 1, dtype=torch.uint8)
+        kv = (x.data_ptr(), x.data_ptr(), 0, 0, 0, 1, 0, 0, 0)
+        with pytest.raises(ValueError, match=rf"layer_pre: scratch of {nbytes - 1} bytes, the layer needs {nbytes}"):
+            plan.layer_pre(B, x.data_ptr(), 0, 0, 0, kv, small.data_ptr(), small.numel())
+        with pytest.raises(ValueError, match="layer_post: scratch of"):
+            plan.layer_post(B, x.data_ptr(), kv, 0, 0, small.data_ptr(), small.numel(), x.data_ptr())
+        with pytest.raises(ValueError, match="a partial plan runs its layer's two calls apart"):
+            plan.run(B, *([0] * 9))
+        native = runner.native
+        with pytest.raises(ValueError, match="only a partial plan"):
+            native.StepPlan(1).layer_pre(B, x.data_ptr(), 0, 0, 0, kv, small.data_ptr(), small.numel())
+        with pytest.raises(ValueError, match="holds one layer"):
+            native.StepPlan(2, partial=True)
+        args = dict(runner._layer_args(dt, B, weights, False)[1], experts=None, shared=())
+        with pytest.raises(ValueError, match="needs its selection .* and experts"):  # the stack's plan: the whole block
+            native.StepPlan(1).set_layer(0, **args)
+        native.StepPlan(1, partial=True).set_layer(0, **args)  # a partial one: the experts left to the caller
+    finally:
+        hi_na_moe.disable_for_model(model)
+
+
 def test_below_the_attention_kernels_tiers_sdpa_does_the_math_between_the_two_native_calls(monkeypatch):
     from hi_na_moe.fastpath import attention
 

@@ -1,5 +1,9 @@
 // The model's part of the module: the checked ops (arrays in, their shapes and dtypes checked), the
 // latent attention settings, and StepPlan (a decode step through L decoder layers in one call).
+#include <nanobind/stl/array.h>
+
+#include <array>
+
 #include "binding/experts.h"
 
 namespace hina_bind {
@@ -9,8 +13,10 @@ namespace hina_bind {
 // them changes; the BoundForwards it was given are kept alive here.
 class StepPlan {
  public:
-  explicit StepPlan(int64_t L) : layers_(static_cast<size_t>(L)), owners_(static_cast<size_t>(L)) {
+  explicit StepPlan(int64_t L, bool partial = false)
+      : layers_(static_cast<size_t>(L)), owners_(static_cast<size_t>(L)), partial_(partial) {
     if (L < 1) bad("StepPlan: need at least one layer");
+    if (partial && L != 1) bad("StepPlan: a partial plan (partial=True) holds one layer, got " + std::to_string(L));
   }
   void set_layer(int64_t i, int dtype, int64_t H, uintptr_t ln1_w, float ln1_eps, nb::object qkv, int64_t Hq,
                  int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
@@ -24,8 +30,14 @@ class StepPlan {
     if (shared.size() != 0 && shared.size() != 3 && shared.size() != 4)
       bad("StepPlan.set_layer: shared must be () or (gate_up, down, I[, gate]) of a shared expert");
     const bool dense = router.is_none();
-    if (dense != (mlp.size() == 3) || (mlp.size() != 0 && mlp.size() != 3))
+    // (a partial plan's layer may leave its MLP block, the router's selection or the experts to
+    // the caller: no router and no mlp, sel_k 0, experts None)
+    if ((dense != (mlp.size() == 3) && !(partial_ && dense)) || (mlp.size() != 0 && mlp.size() != 3))
       bad("StepPlan.set_layer: a layer has a router and experts (mlp ()), or none and mlp (gate_up, down, I)");
+    if (!partial_ && !dense && (experts.is_none() || sel_k < 1))
+      bad("StepPlan.set_layer: a layer with a router needs its selection (sel_k >= 1) and experts");
+    if (!experts.is_none() && sel_k < 1) bad("StepPlan.set_layer: experts need the router's selection (sel_k >= 1)");
+    if (shared.size() != 0 && experts.is_none()) bad("StepPlan.set_layer: a shared expert runs with the experts");
     const auto& bq = nb::cast<const BoundForward&>(qkv);
     const auto& bo = nb::cast<const BoundForward&>(o);
     const auto dt = static_cast<hina::DType>(dtype);
@@ -73,12 +85,11 @@ class StepPlan {
       m.down_params = bd.params();
       return m;
     };
-    if (dense) {
+    if (dense && mlp.size() == 3) {
       d.post.mlp = gated_mlp(mlp);
       owners.push_back(mlp);
-    } else {
+    } else if (!dense) {
       const auto& br = nb::cast<const BoundForward&>(router);
-      const auto& be = nb::cast<const BoundForward&>(experts);
       d.post.router = br.packed();
       d.post.router_params = br.params();
       if (router_dtype >= 0 && router_dtype != dtype) {
@@ -86,23 +97,27 @@ class StepPlan {
         d.post.router_cast = true;
         d.post.router_dtype = static_cast<hina::DType>(router_dtype);
       }
+      if (E < 1) bad("StepPlan.set_layer: a router needs E >= 1 logits");
       d.post.select.E = E;
       d.post.select.k = sel_k;
       d.post.select.form = static_cast<hina::RouterForm>(sel_form);
       d.post.select.renorm = sel_renorm;
       d.post.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
-      check_select("StepPlan.set_layer", sel_form, E, sel_k, sel_groups, sel_topk_group, sel_bias);
+      if (sel_k > 0) check_select("StepPlan.set_layer", sel_form, E, sel_k, sel_groups, sel_topk_group, sel_bias);
       d.post.select.sel_bias = reinterpret_cast<const float*>(sel_bias);  // kept alive by the caller (plan_args)
       d.post.select.norm_min = norm_min;
       d.post.select.groups = sel_groups;
       d.post.select.topk_group = sel_topk_group;
       d.post.select.scale = sel_scale;
       d.post.select.eps = sel_eps;
-      d.post.experts = be.packed();
-      d.post.experts_params = be.params();
-      d.post.experts_threads = experts_threads;
+      if (!experts.is_none()) {
+        const auto& be = nb::cast<const BoundForward&>(experts);
+        d.post.experts = be.packed();
+        d.post.experts_params = be.params();
+        d.post.experts_threads = experts_threads;
+        owners.push_back(std::move(experts));
+      }
       owners.push_back(std::move(router));
-      owners.push_back(std::move(experts));
       if (shared.size() >= 3) {
         d.post.shared_mlp = gated_mlp(shared);
         if (shared.size() == 4) {
@@ -137,6 +152,7 @@ class StepPlan {
   nb::list run(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t mask,
                int64_t mask_bstride, uintptr_t kv, uintptr_t scratch, uintptr_t out, uintptr_t norm_w, float norm_eps,
                uintptr_t normed, uintptr_t q_scale, uintptr_t logits) const {
+    if (partial_) bad("StepPlan.run: a partial plan runs its layer's two calls apart (layer_pre, layer_post)");
     for (const auto& o : owners_)
       if (o.empty()) bad("StepPlan.run: a layer was never set");
     if (logits != 0) {
@@ -164,10 +180,70 @@ class StepPlan {
   }
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
+  // A partial plan's layer, its two calls apart (hina::decode_layer_pre / _post). kv: 9 int64
+  // as run()'s per layer (the post call's may be another cache than the pre call's: the one the
+  // cache's own update returned). scratch: its address and size, checked against
+  // scratch_bytes(B) at every call, since the layer's parts decide the size.
+  const hina::DecodeLayer& partial_layer(const char* fn, int64_t B, uintptr_t scratch, int64_t scratch_size) const {
+    if (!partial_) bad(std::string("StepPlan.") + fn + ": only a partial plan (partial=True) runs a layer's calls apart");
+    if (owners_[0].empty()) bad(std::string("StepPlan.") + fn + ": the layer was never set");
+    if (B < 0) bad(std::string("StepPlan.") + fn + ": B must be >= 0");
+    const size_t need = hina::decode_layer_scratch(layers_[0], B);
+    if (scratch == 0 || scratch_size < 0 || static_cast<size_t>(scratch_size) < need)
+      bad(std::string("StepPlan.") + fn + ": scratch of " + std::to_string(scratch_size) + " bytes, the layer needs " +
+          std::to_string(need) + " for " + std::to_string(B) + " rows (scratch_bytes(B))");
+    return layers_[0];
+  }
+  static hina::DecodeKV kv_of(const char* fn, const std::array<int64_t, 9>& kv) {
+    hina::DecodeKV c{kv[0], kv[1], kv[2], kv[3], kv[4], kv[5], kv[6], kv[7], kv[8]};
+    if (c.k == 0 || c.v == 0 || c.S < 0 || c.pos < 0)
+      bad(std::string("StepPlan.") + fn + ": kv must be (k, v, bstride, hstride, sstride, S, pos, v_bstride, "
+          "v_sstride) with non-null buffers");
+    return c;
+  }
+  void layer_pre(int64_t B, uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t cos_bstride,
+                 const std::array<int64_t, 9>& kv, uintptr_t scratch, int64_t scratch_size, uintptr_t q_scale) const {
+    const hina::DecodeLayer& d = partial_layer("layer_pre", B, scratch, scratch_size);
+    const hina::DecodeKV c = kv_of("layer_pre", kv);
+    nb::gil_scoped_release release;
+    hina::decode_layer_pre(d, c, B, reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(cos),
+                           reinterpret_cast<const void*>(sin), cos_bstride, reinterpret_cast<const void*>(q_scale),
+                           reinterpret_cast<void*>(scratch));
+  }
+  nb::object layer_post(int64_t B, uintptr_t x, const std::array<int64_t, 9>& kv, uintptr_t mask,
+                        int64_t mask_bstride, uintptr_t scratch, int64_t scratch_size, uintptr_t sum,
+                        uintptr_t heads) const {
+    const hina::DecodeLayer& d = partial_layer("layer_post", B, scratch, scratch_size);
+    // (heads given: the attention ran outside and kv is not read)
+    const hina::DecodeKV c = heads != 0 ? hina::DecodeKV{} : kv_of("layer_post", kv);
+    const char* name;
+    {
+      nb::gil_scoped_release release;
+      name = hina::decode_layer_post(d, c, B, reinterpret_cast<const void*>(x),
+                                     reinterpret_cast<const uint8_t*>(mask), mask_bstride,
+                                     reinterpret_cast<void*>(scratch), reinterpret_cast<void*>(sum),
+                                     reinterpret_cast<void*>(heads));
+    }
+    if (name == nullptr) return nb::none();
+    return nb::str(name);
+  }
+  nb::dict layer_regions(int64_t B) const {
+    const hina::DecodeRegions r = hina::decode_layer_regions(layers_[0], B);
+    nb::dict out;
+    out["q"] = r.q;
+    out["normed"] = r.normed;
+    out["logits"] = r.logits;
+    out["w"] = r.w;
+    out["idx"] = r.idx;
+    out["total"] = r.total;
+    return out;
+  }
+
  private:
   std::vector<hina::DecodeLayer> layers_;
   // per layer: its qkv, o, router, experts and shared-expert BoundForwards
   std::vector<std::vector<nb::object>> owners_;
+  bool partial_ = false;  // one layer run in two calls apart (layer_pre, layer_post)
   nb::object head_owner_;  // the head's BoundForward (set_head), or invalid
   const hina::PackedExperts* head_ = nullptr;
   hina::MoeParams head_params_{};
@@ -323,8 +399,11 @@ void bind_model(nb::module_& m) {
       "(with norm_w): also logits [B, out_features] = the head's linear of normed, the head a BoundForward of a "
       "pack_linear block of the layers' hidden size and dtype given to set_head(head, num_threads) (None: none), "
       "the causal LM's lm_head. "
-      "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer.")
-      .def(nb::init<int64_t>(), nb::arg("layers"))
+      "UNCHECKED addresses: wrong ones crash. Returns the experts' kernel names per layer. "
+      "StepPlan(1, partial=True): one decoder layer whose two calls run apart (layer_pre, layer_post; "
+      "not run), for hi_na_moe.fastpath.layers; its layer may leave the MLP block (no router, mlp ()), "
+      "the selection (sel_k 0) or the experts (None) to the caller.")
+      .def(nb::init<int64_t, bool>(), nb::arg("layers"), nb::arg("partial") = false)
       .def("set_layer", &StepPlan::set_layer, nb::arg("i"), nb::arg("dtype"), nb::arg("H"), nb::arg("ln1_w"),
            nb::arg("ln1_eps"), nb::arg("qkv"), nb::arg("Hq"), nb::arg("Hkv"), nb::arg("D"), nb::arg("qk_norm"),
            nb::arg("qn_w"), nb::arg("kn_w"), nb::arg("qn_eps"), nb::arg("kn_eps"), nb::arg("scale"), nb::arg("isa"),
@@ -343,6 +422,18 @@ void bind_model(nb::module_& m) {
            nb::arg("out"), nb::arg("norm_w") = 0, nb::arg("norm_eps") = 0.f, nb::arg("normed") = 0,
            nb::arg("q_scale") = 0, nb::arg("logits") = 0)
       .def("set_head", &StepPlan::set_head, nb::arg("head").none(), nb::arg("num_threads") = 0)
+      .def("layer_pre", &StepPlan::layer_pre, nb::arg("B"), nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
+           nb::arg("cos_bstride"), nb::arg("kv"), nb::arg("scratch"), nb::arg("scratch_size"), nb::arg("q_scale") = 0,
+           "A partial plan's layer, its first call (hina::decode_layer_pre): kv as run()'s 9 values of a layer, "
+           "the position pos written; scratch of scratch_bytes(B) bytes (checked).")
+      .def("layer_post", &StepPlan::layer_post, nb::arg("B"), nb::arg("x"), nb::arg("kv"), nb::arg("mask"),
+           nb::arg("mask_bstride"), nb::arg("scratch"), nb::arg("scratch_size"), nb::arg("sum"), nb::arg("heads") = 0,
+           "Its second call (hina::decode_layer_post) on the same scratch: the attention over kv's [0, S) (heads "
+           "non-zero: the heads' outputs [B, Hq Dv] already there, kv unread), o_proj, sum = x + o and its norm, "
+           "and what of the MLP block the layer was set with. Returns the experts' kernel name, or None.")
+      .def("layer_regions", &StepPlan::layer_regions, nb::arg("B"),
+           "Where a partial plan's calls leave, in the scratch of B rows, the queries, the normed sum, the "
+           "router's logits and its selection's weights and indices: byte offsets (and the total).")
       .def("__len__", &StepPlan::size);
 }
 

@@ -340,235 +340,34 @@ void bind_raw(nb::module_& m) {
         "+ t*mask_tstride + j; sinks 0 for none, else Hq float32 sink logits. Returns False, writing nothing, where the kernel does not apply (no AVX512-BF16, "
         "a tier below avx512, an unsupported D). Raw addresses, nothing checked: for hi_na_moe.attention, "
         "which checked the tensors itself. Wrong addresses crash unless set_raw_checks(True).");
-  m.def("layer_decode_pre_raw",
-        [](int dtype, int64_t B, int64_t H, uintptr_t x, uintptr_t ln1_w, float ln1_eps, const BoundForward& qkv,
-           int64_t Hq, int64_t Hkv, int64_t D, int qk_norm, uintptr_t qn_w, uintptr_t kn_w, float qn_eps, float kn_eps,
-           uintptr_t cos, uintptr_t sin, int64_t cos_bstride, uintptr_t h, uintptr_t qkv_out, uintptr_t qk_tmp,
-           uintptr_t q, uintptr_t k, uintptr_t v, int64_t kv_bstride, int64_t kv_hstride, int num_threads,
-           bool half_table, bool interleaved_f32, int64_t rot, nb::tuple mla, int64_t mla_v_bstride,
-           const std::string& isa) {
-          {  // the checking mode
-            const RawCheck c("layer_decode_pre_raw");
-            const int64_t es = static_cast<int64_t>(c.dtype("dtype", dtype));
-            c.sizes({{"B", B}, {"H", H}, {"Hq", Hq}, {"Hkv", Hkv}, {"D", D}});
-            c.bytes("x", x, B * H * es);
-            c.bytes("h", h, B * H * es);
-            c.bytes("ln1_w", ln1_w, B > 0 ? H * es : 0);
-            if (mla.size() == 0) {
-              c.bytes("q", q, B * Hq * D * es);
-              c.strided("k", k, static_cast<size_t>(es), {{B, kv_bstride}, {Hkv, kv_hstride}}, D);
-              c.strided("v", v, static_cast<size_t>(es), {{B, kv_bstride}, {Hkv, kv_hstride}}, D);
-            }
-          }
-          hina::LayerPreArgs a{static_cast<hina::DType>(dtype), B, H, reinterpret_cast<const void*>(x),
-                               reinterpret_cast<const void*>(ln1_w), ln1_eps, qkv.packed(), qkv.params(), Hq, Hkv, D,
-                               qk_norm, reinterpret_cast<const void*>(qn_w), reinterpret_cast<const void*>(kn_w),
-                               qn_eps, kn_eps, reinterpret_cast<const void*>(cos), reinterpret_cast<const void*>(sin),
-                               cos_bstride, reinterpret_cast<void*>(h), reinterpret_cast<void*>(qkv_out),
-                               reinterpret_cast<void*>(qk_tmp), reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
-                               reinterpret_cast<void*>(v), kv_bstride, kv_hstride, half_table, interleaved_f32, rot};
-          std::vector<nb::object> owners;
-          if (mla.size() != 0) {
-            latent_pre_args("layer_decode_pre_raw", mla, &a.mla, &owners);
-            a.mla.v_bstride = mla_v_bstride;
-          }
-          const hina::Isa tier = hina::resolve_isa(isa.c_str());
-          nb::gil_scoped_release release;
-          hina::layer_decode_pre(a, num_threads, tier);
-        },
-        "layer_decode_pre() (moe.h) with raw addresses, nothing checked (dtype: 0 float32, 1 bfloat16, 2 float16; "
-        "qkv: the BoundForward of an up-only block; kv_bstride/kv_hstride: the elements between k's and v's batch rows "
-        "and heads; half_table: cos/sin rows of D/2 values; interleaved_f32: ERNIE's rotation on float32 cos/sin; rot: "
-        "rope_rotate_half's partial rotary dims, 0: D; mla: latent attention's (rope, Dn, Dr, L, q_lora, q_b, qa_w, "
-        "qa_eps, kv_w, kv_eps), k then the latent cache's slot and v the rope key's, mla_v_bstride v's elements between "
-        "rows, qk_tmp [B, q_lora + Hq (Dn + Dr)], q [B, Hq, Dn + Dr]); isa: the rotary kernel's tier (the same bits at "
-        "every tier). For hi_na_moe.layers, which checked the tensors. "
-        "Wrong addresses crash unless set_raw_checks(True).");
-  m.def("layer_decode_post_raw",
-        [](int dtype, int64_t B, int64_t H, uintptr_t q, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, uintptr_t k,
-           int64_t ks0, int64_t ks1, int64_t ks2, uintptr_t v, int64_t vs0, int64_t vs1, int64_t vs2, float scale,
-           uintptr_t mask, int64_t mask_bstride, const std::string& isa, uintptr_t attn_out, const BoundForward& o,
-           uintptr_t o_out, uintptr_t x, uintptr_t ln2_w, float ln2_eps, uintptr_t sum, uintptr_t normed,
-           const BoundForward* router, uintptr_t logits, int num_threads, int sel_form, int64_t sel_E, int64_t sel_k,
-           bool sel_renorm, int sel_w_dtype, uintptr_t sel_w, uintptr_t sel_idx, const BoundForward* experts,
-           int experts_threads, uintptr_t experts_out, const BoundForward* shared_gu, const BoundForward* shared_down,
-           int64_t shared_I, const BoundForward* shared_gate, uintptr_t shared_scratch_gu, uintptr_t shared_scratch_m,
-           uintptr_t shared_out, uintptr_t shared_logit, uintptr_t sinks, int router_dtype, uintptr_t router_in,
-           uintptr_t sel_bias, float norm_min, const BoundForward* mlp_gate_up, const BoundForward* mlp_down,
-           int64_t mlp_I, uintptr_t mlp_gu, uintptr_t mlp_m, uintptr_t mlp_out, int64_t sel_groups,
-           int64_t sel_topk_group, float sel_scale, float sel_eps, nb::tuple mla) -> nb::object {
-          {  // the checking mode
-            const RawCheck c("layer_decode_post_raw");
-            const int64_t es = static_cast<int64_t>(c.dtype("dtype", dtype));
-            c.sizes({{"B", B}, {"H", H}, {"Hq", Hq}, {"Hkv", Hkv}, {"S", S}, {"D", D}});
-            for (auto [name, addr] : {std::pair{"x", x}, {"o_out", o_out}, {"sum", sum}, {"normed", normed}})
-              c.bytes(name, addr, B * H * es);
-            c.bytes("ln2_w", ln2_w, B > 0 ? H * es : 0);
-            if (mla.size() == 0) c.bytes("attn_out", attn_out, B * Hq * D * es);
-            if (mla.size() == 0 && q != 0) {  // (q = 0: the attention ran elsewhere; attn_out holds it)
-              c.bytes("q", q, B * Hq * D * es);
-              c.strided("k", k, static_cast<size_t>(es), {{B, ks0}, {Hkv, ks1}, {S, ks2}}, D);
-              c.strided("v", v, static_cast<size_t>(es), {{B, vs0}, {Hkv, vs1}, {S, vs2}}, D);
-            }
-            if (mask) c.strided("mask", mask, 1, {{B, mask_bstride}}, S);
-            c.optional("sinks", sinks, Hq * 4);
-          }
-          const auto dt = static_cast<hina::DType>(dtype);
-          hina::LayerPostArgs a{dt, B, H,
-                                hina::AttnDecodeArgs{dt, reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
-                                                     reinterpret_cast<const void*>(v), reinterpret_cast<void*>(attn_out),
-                                                     B, Hq, Hkv, S, D, {ks0, ks1, ks2}, {vs0, vs1, vs2}, scale,
-                                                     reinterpret_cast<const uint8_t*>(mask), mask_bstride},
-                                o.packed(), o.params(), reinterpret_cast<void*>(o_out), reinterpret_cast<const void*>(x),
-                                reinterpret_cast<const void*>(ln2_w), ln2_eps, reinterpret_cast<void*>(sum),
-                                reinterpret_cast<void*>(normed)};
-          a.attn.sinks = reinterpret_cast<const float*>(sinks);
-          if (mla.size() != 0) {  // latent attention: mla_decode on the queries latent_pre left in q
-            if (mla.size() != 11)
-              bad("layer_decode_post_raw: mla must be (w, Dn, Dr, L, Dv, latent, cs0, cs1, k_rope, krs0, krs1)");
-            hina::MlaDecodeArgs& m = a.mla;
-            auto at = [&](size_t i) { return nb::cast<int64_t>(mla[i]); };
-            m.dtype = dt;
-            m.B = B;
-            m.H = Hq;
-            m.S = S;
-            m.Dn = at(1);
-            m.Dr = at(2);
-            m.L = at(3);
-            m.Dv = at(4);
-            mla_weight("layer_decode_post_raw", mla[0], &m);
-            const int64_t hd = m.Dn + m.Dr;
-            m.q_nope = reinterpret_cast<const void*>(q);
-            m.q_rope = reinterpret_cast<const char*>(q) + m.Dn * static_cast<int64_t>(hina::dtype_size(dt));
-            m.qn_strides[0] = m.qr_strides[0] = Hq * hd;
-            m.qn_strides[1] = m.qr_strides[1] = hd;
-            m.latent = reinterpret_cast<const void*>(static_cast<uintptr_t>(at(5)));
-            m.c_strides[0] = at(6);
-            m.c_strides[1] = at(7);
-            m.k_rope = reinterpret_cast<const void*>(static_cast<uintptr_t>(at(8)));
-            m.kr_strides[0] = at(9);
-            m.kr_strides[1] = at(10);
-            m.scale = scale;
-            m.mask = reinterpret_cast<const uint8_t*>(mask);
-            m.mask_bstride = mask_bstride;
-          }
-          if (router != nullptr) {
-            a.router = router->packed();
-            a.router_params = router->params();
-            a.logits = reinterpret_cast<void*>(logits);
-            if (router_dtype >= 0 && router_dtype != dtype) {
-              if (router_dtype > 2 || router_in == 0)
-                bad("layer_decode_post_raw: router_dtype must be a dtype code (0, 1, 2) with router_in scratch");
-              a.router_cast = true;
-              a.router_dtype = static_cast<hina::DType>(router_dtype);
-              a.router_in = reinterpret_cast<void*>(router_in);
-            }
-            a.select.sel_bias = reinterpret_cast<const float*>(sel_bias);
-            a.select.norm_min = norm_min;
-            a.select.groups = sel_groups;
-            a.select.topk_group = sel_topk_group;
-            a.select.scale = sel_scale;
-            a.select.eps = sel_eps;
-            if (sel_w != 0) {
-              check_select("layer_decode_post_raw", sel_form, sel_E, sel_k, sel_groups, sel_topk_group, sel_bias);
-              a.select.E = sel_E;
-              a.select.k = sel_k;
-              a.select.form = static_cast<hina::RouterForm>(sel_form);
-              a.select.renorm = sel_renorm;
-              a.select.w_dtype = static_cast<hina::DType>(sel_w_dtype);
-              a.select.w = reinterpret_cast<void*>(sel_w);
-              a.select.idx = reinterpret_cast<int64_t*>(sel_idx);
-              if (experts != nullptr) {
-                a.experts = experts->packed();
-                a.experts_params = experts->params();
-                a.experts_threads = experts_threads;
-                a.experts_out = reinterpret_cast<void*>(experts_out);
-                if (shared_gu != nullptr) {
-                  if (shared_down == nullptr) bad("layer_decode_post_raw: shared_gu needs shared_down");
-                  a.shared_mlp = hina::GatedMlpArgs{dt, B, shared_I, shared_gu->packed(), shared_gu->params(),
-                                                    shared_down->packed(), shared_down->params(), nullptr,
-                                                    reinterpret_cast<void*>(shared_scratch_gu),
-                                                    reinterpret_cast<void*>(shared_scratch_m),
-                                                    reinterpret_cast<void*>(shared_out)};
-                  if (shared_gate != nullptr) {  // (none: added as it is)
-                    a.shared_gate = shared_gate->packed();
-                    a.shared_gate_params = shared_gate->params();
-                    a.shared_logit = reinterpret_cast<void*>(shared_logit);
-                  }
-                }
-              }
-            }
-          } else if (mlp_gate_up != nullptr) {
-            if (mlp_down == nullptr || mlp_gu == 0 || mlp_m == 0 || mlp_out == 0)
-              bad("layer_decode_post_raw: mlp_gate_up needs mlp_down and the mlp_gu, mlp_m and mlp_out scratch");
-            a.mlp = hina::GatedMlpArgs{dt, B, mlp_I, mlp_gate_up->packed(), mlp_gate_up->params(), mlp_down->packed(),
-                                       mlp_down->params(), nullptr, reinterpret_cast<void*>(mlp_gu),
-                                       reinterpret_cast<void*>(mlp_m), reinterpret_cast<void*>(mlp_out)};
-          }
-          const hina::Isa tier = hina::resolve_isa(isa.c_str());
-          const char* name;
-          {
-            nb::gil_scoped_release release;
-            name = hina::layer_decode_post(a, num_threads, tier);
-          }
-          if (name == nullptr) return nb::none();
-          return nb::str(name);
-        },
-        nb::arg("dtype"), nb::arg("B"), nb::arg("H"), nb::arg("q"), nb::arg("Hq"), nb::arg("Hkv"), nb::arg("S"),
-        nb::arg("D"), nb::arg("k"), nb::arg("ks0"), nb::arg("ks1"), nb::arg("ks2"), nb::arg("v"), nb::arg("vs0"),
-        nb::arg("vs1"), nb::arg("vs2"), nb::arg("scale"), nb::arg("mask"), nb::arg("mask_bstride"), nb::arg("isa"),
-        nb::arg("attn_out"), nb::arg("o"), nb::arg("o_out"), nb::arg("x"), nb::arg("ln2_w"), nb::arg("ln2_eps"),
-        nb::arg("sum"), nb::arg("normed"), nb::arg("router").none(), nb::arg("logits"), nb::arg("num_threads"),
-        nb::arg("sel_form") = 0, nb::arg("sel_E") = 0, nb::arg("sel_k") = 0, nb::arg("sel_renorm") = false, nb::arg("sel_w_dtype") = 0,
-        nb::arg("sel_w") = 0, nb::arg("sel_idx") = 0, nb::arg("experts").none() = nb::none(),
-        nb::arg("experts_threads") = 0, nb::arg("experts_out") = 0, nb::arg("shared_gu").none() = nb::none(),
-        nb::arg("shared_down").none() = nb::none(), nb::arg("shared_I") = 0, nb::arg("shared_gate").none() = nb::none(),
-        nb::arg("shared_scratch_gu") = 0, nb::arg("shared_scratch_m") = 0, nb::arg("shared_out") = 0,
-        nb::arg("shared_logit") = 0, nb::arg("sinks") = 0, nb::arg("router_dtype") = -1, nb::arg("router_in") = 0,
-        nb::arg("sel_bias") = 0, nb::arg("norm_min") = 0.f, nb::arg("mlp_gate_up").none() = nb::none(),
-        nb::arg("mlp_down").none() = nb::none(), nb::arg("mlp_I") = 0, nb::arg("mlp_gu") = 0, nb::arg("mlp_m") = 0,
-        nb::arg("mlp_out") = 0, nb::arg("sel_groups") = 1, nb::arg("sel_topk_group") = 1, nb::arg("sel_scale") = 1.0f,
-        nb::arg("sel_eps") = 1e-20f, nb::arg("mla") = nb::tuple(),
-        "layer_decode_post() (moe.h) with raw addresses, nothing checked (q = 0: the attention's heads are already "
-        "in attn_out; sinks != 0: float32 [Hq], the heads' attention sinks; router None: no logits; sel_w != 0: the router's selection too, router_select() with "
-        "sel_form 0 softmax-topk / 1 topk-softmax over sel_E logits into sel_w [B, sel_k] of dtype sel_w_dtype and int64 sel_idx; "
-        "with it, experts (a BoundForward): the experts on that selection with experts_threads, scratch experts_out "
-        "[B, H], added into sum; with shared_gu, shared_down (BoundForwards of a gated MLP's up-only blocks, I = "
-        "shared_I) and shared_gate (of its 1-output gate, or None: added as it is), the shared expert combined into "
-        "experts_out first, scratch shared_scratch_gu [B, 2 I], shared_scratch_m [B, I], shared_out [B, H], "
-        "shared_logit [B]); router_dtype (a code other than dtype's, -1: dtype): the router's, normed converted "
-        "to it in router_in [B, H] for its linear, the logits of it; sel_bias: float32 [sel_E], the top k of "
-        "softmax + sel_bias choose and the renormalising sum is at least norm_min (sel_form 2: router_select's "
-        "grouped sigmoid form with sel_groups, sel_topk_group, sel_scale and sel_eps); router None and mlp_gate_up, "
-        "mlp_down (I = mlp_I): a dense layer, sum += its gated MLP on normed (scratch mlp_gu [B, 2 I], mlp_m "
-        "[B, I], mlp_out [B, H]); mla (w, Dn, Dr, L, Dv, latent, cs0, cs1, k_rope, krs0, krs1): latent attention, "
-        "mla_decode() over the latent and rope-key caches at those element strides (rows, positions) with q the "
-        "queries layer_decode_pre_raw left [B, Hq, Dn + Dr], into attn_out [B, Hq Dv] (w as mla_decode_raw "
-        "takes it: an address or a quantised form's tuple). For hi_na_moe.layers. Returns the experts' kernel name, or None. Wrong "
-        "addresses crash unless set_raw_checks(True).");
   m.def("gated_mlp_raw",
         [](int dtype, int64_t B, int64_t I, uintptr_t x, const BoundForward& gate_up, const BoundForward& down,
-           uintptr_t gu, uintptr_t mid, uintptr_t out, int num_threads) {
+           uintptr_t scratch, int64_t scratch_size, uintptr_t out, int num_threads) {
+          const size_t es = dtype >= 0 && dtype <= 2 ? hina::dtype_size(static_cast<hina::DType>(dtype)) : 0;
+          // (the scratch is carved here, so its size is checked in every mode: the caller only allocates it)
+          if (es == 0 || B < 0 || I < 0) bad("gated_mlp_raw: dtype codes are 0, 1 or 2, and B, I >= 0");
+          const int64_t need = B * 3 * I * static_cast<int64_t>(es);
+          if (scratch_size < need)
+            bad("gated_mlp_raw: scratch of " + std::to_string(scratch_size) + " bytes, " + std::to_string(B) +
+                " rows of I = " + std::to_string(I) + " need " + std::to_string(need) + " (B * 3 * I elements)");
           {  // the checking mode
             const RawCheck c("gated_mlp_raw");
-            const int64_t es = static_cast<int64_t>(c.dtype("dtype", dtype));
-            c.sizes({{"B", B}, {"I", I}});
             const int64_t Hx = gate_up.packed()->header().H;
-            c.bytes("x", x, B * Hx * es);
-            c.bytes("gu", gu, B * 2 * I * es);
-            c.bytes("mid", mid, B * I * es);
-            c.bytes("out", out, B * Hx * es);
+            c.bytes("x", x, B * Hx * static_cast<int64_t>(es));
+            c.bytes("scratch", scratch, need);
+            c.bytes("out", out, B * Hx * static_cast<int64_t>(es));
           }
+          char* gu = reinterpret_cast<char*>(scratch);
           hina::GatedMlpArgs a{static_cast<hina::DType>(dtype), B, I, gate_up.packed(), gate_up.params(),
-                               down.packed(), down.params(), reinterpret_cast<const void*>(x),
-                               reinterpret_cast<void*>(gu), reinterpret_cast<void*>(mid), reinterpret_cast<void*>(out)};
+                               down.packed(), down.params(), reinterpret_cast<const void*>(x), gu,
+                               gu + B * 2 * I * static_cast<int64_t>(es), reinterpret_cast<void*>(out)};
           nb::gil_scoped_release release;
           hina::gated_mlp_decode(a, num_threads);
         },
         nb::arg("dtype"), nb::arg("B"), nb::arg("I"), nb::arg("x"), nb::arg("gate_up"), nb::arg("down"),
-        nb::arg("gu"), nb::arg("mid"), nb::arg("out"), nb::arg("num_threads"),
-        "gated_mlp_decode() (moe.h) with raw addresses, nothing checked: x [B, H], scratch gu [B, 2 I] and mid "
-        "[B, I], out [B, H], all of dtype (0 float32, 1 bfloat16, 2 float16); gate_up and down: BoundForwards of "
+        nb::arg("scratch"), nb::arg("scratch_size"), nb::arg("out"), nb::arg("num_threads"),
+        "gated_mlp_decode() (moe.h) with raw addresses: x [B, H], out [B, H], all of dtype (0 float32, 1 bfloat16, "
+        "2 float16); scratch of scratch_size >= B * 3 * I elements (checked); gate_up and down: BoundForwards of "
         "up-only blocks. For hi_na_moe.mlp, which checked the tensors. Wrong addresses crash unless set_raw_checks(True).");
   m.def("silu_mul_raw",
         [](int dtype, const std::string& isa, uintptr_t g, uintptr_t u, int64_t n, uintptr_t out) {

@@ -356,6 +356,100 @@ size_t decode_layers_scratch(const DecodeLayer* layers, int64_t L, int64_t B) {
 
 namespace {
 
+// Layer d's first call of a step: its fixed arguments, the step's (B, x, the rotary tables, the
+// query scale), its scratch regions and the cache position it writes (c). One place for
+// decode_layers and decode_layer_pre.
+LayerPreArgs pre_args(const DecodeLayer& d, const DecodeKV& c, const StepScratch& s, char* base, int64_t B,
+                      const void* x, const void* cos, const void* sin, int64_t cos_bstride, const void* q_scale) {
+  const size_t es = dtype_size(d.pre.dtype);
+  LayerPreArgs p = d.pre;
+  p.B = B;
+  p.x = x;
+  p.cos = cos;
+  p.sin = sin;
+  p.cos_bstride = cos_bstride;
+  p.h = base + s.h;
+  p.qkv_out = base + s.qkv;
+  p.qk_tmp = base + s.qk_tmp;
+  p.q = base + s.q;
+  p.k = reinterpret_cast<char*>(c.k) + c.pos * c.sstride * es;
+  p.v = reinterpret_cast<char*>(c.v) + c.pos * c.v_sstride * es;
+  p.kv_bstride = c.bstride;
+  p.kv_hstride = c.hstride;
+  p.mla.v_bstride = c.v_bstride;
+  if (p.mla.rope != LatentRope::kNone) p.mla.q_scale = q_scale;
+  return p;
+}
+
+// Layer d's second call: the attention over positions [0, c.S) of the cache c (heads: when
+// non-null, the heads' outputs are already there and the attention does not run), the rest as
+// decode_layers and decode_layer_post describe. One place for both.
+LayerPostArgs post_args(const DecodeLayer& d, const DecodeKV& c, const StepScratch& s, char* base, int64_t B,
+                        const void* x, const uint8_t* mask, int64_t mask_bstride, void* sum, void* heads) {
+  const size_t es = dtype_size(d.pre.dtype);
+  LayerPostArgs a = d.post;
+  a.B = B;
+  a.attn.B = B;
+  a.attn.out = heads != nullptr ? heads : base + s.attn;
+  if (heads != nullptr) {  // attention_decode skips a null q; mla_decode runs only with a weight
+    a.attn.q = nullptr;
+    a.mla = MlaDecodeArgs{};
+  } else if (d.pre.mla.rope != LatentRope::kNone) {  // the queries as latent_pre left them, the caches
+    MlaDecodeArgs& m = a.mla;
+    const int64_t hd = m.Dn + m.Dr;
+    m.B = B;
+    m.q_nope = base + s.q;
+    m.q_rope = base + s.q + m.Dn * es;
+    m.qn_strides[0] = m.qr_strides[0] = m.H * hd;
+    m.qn_strides[1] = m.qr_strides[1] = hd;
+    m.latent = reinterpret_cast<const void*>(c.k);
+    m.c_strides[0] = c.bstride;
+    m.c_strides[1] = c.sstride;
+    m.k_rope = reinterpret_cast<const void*>(c.v);
+    m.kr_strides[0] = c.v_bstride;
+    m.kr_strides[1] = c.v_sstride;
+    m.S = c.S;
+    m.mask = mask;
+    m.mask_bstride = mask_bstride;
+  } else {
+    a.attn.q = base + s.q;
+    a.attn.k = reinterpret_cast<const void*>(c.k);
+    a.attn.v = reinterpret_cast<const void*>(c.v);
+    a.attn.S = c.S;
+    a.attn.k_strides[0] = c.bstride;
+    a.attn.k_strides[1] = c.hstride;
+    a.attn.k_strides[2] = c.sstride;
+    a.attn.v_strides[0] = c.v_bstride;
+    a.attn.v_strides[1] = c.hstride;
+    a.attn.v_strides[2] = c.v_sstride;
+    a.attn.mask = mask;
+    a.attn.mask_bstride = mask_bstride;
+  }
+  a.o_out = base + s.o_out;
+  a.x = x;
+  a.sum = sum;
+  a.normed = base + s.normed;
+  a.logits = base + s.logits;
+  a.router_in = base + s.router_in;
+  if (a.select.k > 0) {  // (k 0: the router's logits alone, its selection left to the caller)
+    a.select.w = base + s.w;
+    a.select.idx = reinterpret_cast<int64_t*>(base + s.idx);
+  }
+  a.experts_out = base + s.experts_out;
+  if (a.shared_mlp.gate_up != nullptr) {
+    a.shared_mlp.gu = base + s.shared_gu;
+    a.shared_mlp.m = base + s.shared_m;
+    a.shared_mlp.out = base + s.shared_out;
+    a.shared_logit = base + s.shared_logit;
+  }
+  if (a.mlp.gate_up != nullptr) {
+    a.mlp.gu = base + s.shared_gu;
+    a.mlp.m = base + s.shared_m;
+    a.mlp.out = base + s.shared_out;
+  }
+  return a;
+}
+
 // decode_layers on the calling thread (its regions on whichever threads the pool gives)
 void step_through(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int64_t B, const void* x, const void* cos,
                   const void* sin, int64_t cos_bstride, const uint8_t* mask, int64_t mask_bstride, void* scratch,
@@ -368,82 +462,11 @@ void step_through(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int6
   for (int64_t l = 0; l < L; ++l) {
     trace_layer(static_cast<int32_t>(l));
     const DecodeLayer& d = layers[l];
-    const size_t es = dtype_size(d.pre.dtype);
-    const DecodeKV& c = kv[l];
-    char* k_at = reinterpret_cast<char*>(c.k) + c.pos * c.sstride * es;
-    char* v_at = reinterpret_cast<char*>(c.v) + c.pos * c.v_sstride * es;
-    const bool latent = d.pre.mla.rope != LatentRope::kNone;
-    LayerPreArgs p = d.pre;
-    p.B = B;
-    p.x = cur;
-    p.cos = cos;
-    p.sin = sin;
-    p.cos_bstride = cos_bstride;
-    p.h = base + s.h;
-    p.qkv_out = base + s.qkv;
-    p.qk_tmp = base + s.qk_tmp;
-    p.q = base + s.q;
-    p.k = k_at;
-    p.v = v_at;
-    p.kv_bstride = c.bstride;
-    p.kv_hstride = c.hstride;
-    p.mla.v_bstride = c.v_bstride;
-    if (latent) p.mla.q_scale = q_scale;
-    layer_decode_pre(p, d.num_threads, d.attn_isa);
-
-    LayerPostArgs a = d.post;
-    a.B = B;
-    a.attn.B = B;
-    a.attn.q = base + s.q;
-    a.attn.k = reinterpret_cast<const void*>(c.k);
-    a.attn.v = reinterpret_cast<const void*>(c.v);
-    a.attn.S = c.S;
-    a.attn.k_strides[0] = a.attn.v_strides[0] = c.bstride;
-    a.attn.k_strides[1] = a.attn.v_strides[1] = c.hstride;
-    a.attn.k_strides[2] = a.attn.v_strides[2] = c.sstride;
-    a.attn.mask = mask;
-    a.attn.mask_bstride = mask_bstride;
-    a.attn.out = base + s.attn;
-    if (latent) {  // the queries as latent_pre left them, the latent and rope-key caches
-      MlaDecodeArgs& m = a.mla;
-      const int64_t hd = m.Dn + m.Dr;
-      m.B = B;
-      m.q_nope = base + s.q;
-      m.q_rope = base + s.q + m.Dn * es;
-      m.qn_strides[0] = m.qr_strides[0] = m.H * hd;
-      m.qn_strides[1] = m.qr_strides[1] = hd;
-      m.latent = reinterpret_cast<const void*>(c.k);
-      m.c_strides[0] = c.bstride;
-      m.c_strides[1] = c.sstride;
-      m.k_rope = reinterpret_cast<const void*>(c.v);
-      m.kr_strides[0] = c.v_bstride;
-      m.kr_strides[1] = c.v_sstride;
-      m.S = c.S;
-      m.mask = mask;
-      m.mask_bstride = mask_bstride;
-    }
-    a.o_out = base + s.o_out;
-    a.x = cur;
-    a.sum = l == L - 1 ? out : base + (l % 2 == 0 ? s.x0 : s.x1);
-    a.normed = base + s.normed;
-    a.logits = base + s.logits;
-    a.router_in = base + s.router_in;
-    a.select.w = base + s.w;
-    a.select.idx = reinterpret_cast<int64_t*>(base + s.idx);
-    a.experts_out = base + s.experts_out;
-    if (a.shared_mlp.gate_up != nullptr) {
-      a.shared_mlp.gu = base + s.shared_gu;
-      a.shared_mlp.m = base + s.shared_m;
-      a.shared_mlp.out = base + s.shared_out;
-      a.shared_logit = base + s.shared_logit;
-    }
-    if (a.mlp.gate_up != nullptr) {
-      a.mlp.gu = base + s.shared_gu;
-      a.mlp.m = base + s.shared_m;
-      a.mlp.out = base + s.shared_out;
-    }
-    names[l] = layer_decode_post(a, d.num_threads, d.attn_isa);
-    cur = a.sum;
+    layer_decode_pre(pre_args(d, kv[l], s, base, B, cur, cos, sin, cos_bstride, q_scale), d.num_threads, d.attn_isa);
+    void* sum = l == L - 1 ? out : base + (l % 2 == 0 ? s.x0 : s.x1);
+    names[l] = layer_decode_post(post_args(d, kv[l], s, base, B, cur, mask, mask_bstride, sum, nullptr),
+                                 d.num_threads, d.attn_isa);
+    cur = sum;
   }
   if (norm_w != nullptr && L > 0) {
     trace_layer(-1);
@@ -478,6 +501,27 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
     step_through(layers, kv, L, B, x, cos, sin, cos_bstride, mask, mask_bstride, scratch, out, names, norm_w, norm_eps,
                  normed, q_scale, head, head_params, logits);
   });
+}
+
+size_t decode_layer_scratch(const DecodeLayer& d, int64_t B) { return step_scratch(&d, 1, B).total; }
+
+DecodeRegions decode_layer_regions(const DecodeLayer& d, int64_t B) {
+  const StepScratch s = step_scratch(&d, 1, B);
+  return DecodeRegions{s.q, s.normed, s.logits, s.w, s.idx, s.total};
+}
+
+void decode_layer_pre(const DecodeLayer& d, const DecodeKV& kv, int64_t B, const void* x, const void* cos,
+                      const void* sin, int64_t cos_bstride, const void* q_scale, void* scratch) {
+  const StepScratch s = step_scratch(&d, 1, B);
+  layer_decode_pre(pre_args(d, kv, s, static_cast<char*>(scratch), B, x, cos, sin, cos_bstride, q_scale),
+                   d.num_threads, d.attn_isa);
+}
+
+const char* decode_layer_post(const DecodeLayer& d, const DecodeKV& kv, int64_t B, const void* x, const uint8_t* mask,
+                              int64_t mask_bstride, void* scratch, void* sum, void* heads) {
+  const StepScratch s = step_scratch(&d, 1, B);
+  return layer_decode_post(post_args(d, kv, s, static_cast<char*>(scratch), B, x, mask, mask_bstride, sum, heads),
+                           d.num_threads, d.attn_isa);
 }
 
 }  // namespace hina

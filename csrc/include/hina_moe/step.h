@@ -169,6 +169,29 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
                    void* normed = nullptr, const void* q_scale = nullptr, const PackedExperts* head = nullptr,
                    const MoeParams* head_params = nullptr, void* logits = nullptr);
 
+// One layer of decode_layers by itself, its two calls apart, for a caller that runs something
+// of the layer between or after them (hi_na_moe.fastpath.layers: the attention in PyTorch where
+// the kernel does not apply, experts or a shared expert outside the call). The same argument
+// filling as decode_layers, so the same kernels on the same values. Parts decode_layers requires
+// are optional here: with no router and no post.mlp, the second call ends after the residual add
+// and norm; with a router and post.select.k = 0, after the router's logits; with a selection and
+// no experts, after the selection. kv: as decode_layers' (pre writes position kv.pos; post reads
+// [0, kv.S), and may be given another cache than pre, as a cache's own update returns it).
+// heads non-null: the heads' outputs [B, Hq Dv] are already there (the attention does not run).
+// scratch: at least decode_layer_scratch(d, B) bytes; decode_layer_regions says where in it the
+// caller finds what the calls leave: the queries (pre: [B, Hq, D], latent attention's
+// [B, Hq, Dn + Dr]), normed [B, H], the logits [B, E] and the selection's weights and indices.
+struct DecodeRegions {
+  size_t q, normed, logits, w, idx, total;  // byte offsets into the scratch; total its size
+};
+size_t decode_layer_scratch(const DecodeLayer& d, int64_t B);
+DecodeRegions decode_layer_regions(const DecodeLayer& d, int64_t B);
+void decode_layer_pre(const DecodeLayer& d, const DecodeKV& kv, int64_t B, const void* x, const void* cos,
+                      const void* sin, int64_t cos_bstride, const void* q_scale, void* scratch);
+// Returns the experts' kernel name, or null when no experts ran.
+const char* decode_layer_post(const DecodeLayer& d, const DecodeKV& kv, int64_t B, const void* x, const uint8_t* mask,
+                              int64_t mask_bstride, void* scratch, void* sum, void* heads);
+
 // The timeline of decode_layers, op by op, in a tuning build (HINA_PREFETCH_TUNING; a release
 // build records nothing and step_trace_compiled() is false). Each event is one op of one layer:
 // its span [t0, t1) in nanoseconds of steady_clock on the calling thread, the ops following each

@@ -84,34 +84,20 @@ class Slot:
     def layer(self):
         return self._layer()
 
-    def strides(self) -> tuple[int, int]:
-        """Elements between batch rows and between heads of k (and of v when Dv == D, as for the
-        stack's layers, the only callers)."""
-        s = self.k.stride()
-        return s[0], s[1]
-
-    def start(self) -> int:
-        """Bytes from k's (and v's) start to position base of row 0, head 0: the first position the
-        attention of the next append reads."""
-        return self.base * self.k.stride(2) * self.k.element_size()
-
-    def offset(self) -> int:
-        """Bytes from k's (and v's) start to position base + t of row 0, head 0 (the next append's)."""
-        return (self.base + self.t) * self.k.stride(2) * self.k.element_size()
-
     def layout(self) -> tuple[int, int, int, int, int, int, int]:
         """(address of k at position base, of v at position base, k's batch, head and position
-        element strides, v's batch and position strides): what the stack's one call reads the
-        cache by besides the positions; made again only when base moves (the buffers never change)."""
+        element strides, v's batch and position strides): what the native calls read the cache by
+        besides the positions; made again only when base moves (the buffers never change)."""
         lay = self._layout
         if lay is None or lay[0] != self.base:
-            lay = self._layout = (self.base, _layout(self.k, self.v, self.start()))
+            lay = self._layout = (self.base, _layout(self.k, self.v, self.base))
         return lay[1]
 
 
-def _layout(k: torch.Tensor, v: torch.Tensor, off: int) -> tuple[int, int, int, int, int, int, int]:
+def _layout(k: torch.Tensor, v: torch.Tensor, base: int) -> tuple[int, int, int, int, int, int, int]:
     st, sv = k.stride(), v.stride()
-    return k.data_ptr() + off, v.data_ptr() + off // st[2] * sv[2], st[0], st[1], st[2], sv[0], sv[2]
+    # (the views' addresses: position base of row 0, head 0)
+    return k[:, :, base:].data_ptr(), v[:, :, base:].data_ptr(), st[0], st[1], st[2], sv[0], sv[2]
 
 
 IN_PLACE = True
@@ -303,9 +289,6 @@ class StaticSlot:
 
     def __init__(self, layer, k: torch.Tensor, v: torch.Tensor, t: int):
         self.layer, self.k, self.v, self.t = layer, k, v, t
-
-    def start(self) -> int:  # the attention reads the buffers from position 0 (Slot.start)
-        return 0
 
     def layout(self) -> tuple[int, int, int, int, int, int, int]:  # (Slot.layout's; a StaticSlot lives one step)
         return _layout(self.k, self.v, 0)

@@ -73,10 +73,35 @@ FUSE_EXPERTS = True
 # with them, a shared expert on the native MLP call (hi_na_moe.fastpath.mlp) and its gate too; False: the
 # shared expert runs as modules after the call (and the stack keeps its loop)
 FUSE_SHARED = True
-# plan_args returns the last step's arguments (the same dict) while nothing they hold changed
+# plan_args returns the last step's arguments (the same dict) while nothing they hold changed, and
+# a layer keeps its partial StepPlan (_layer_call) as long
 HOLD_PLAN_ARGS = True
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _region(scratch: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """The tensor of dtype and shape at byte offset (StepPlan.layer_regions': 64-byte aligned) in a
+    partial plan's scratch."""
+    n = torch.Size(shape).numel() * dtype.itemsize
+    return scratch[offset:offset + n].view(dtype).view(shape)
+
+
+def _cache_of(k: torch.Tensor, v: torch.Tensor, S: int) -> tuple:
+    """StepPlan's 9 values of a cache (k, v [B, heads, positions, D or Dv], the heads' stride k's):
+    the first call writes position 0 and the second reads [0, S)."""
+    ks, vs = k.stride(), v.stride()
+    return k.data_ptr(), v.data_ptr(), ks[0], ks[1], ks[2], S, 0, vs[0], vs[2]
+
+
+def _slot_of(slot) -> tuple:
+    """StepPlan's 9 values of a cache slot (kv_cache.Slot): the first call writes its next
+    position, the second reads up to it."""
+    a = slot.layout()
+    return a[0], a[1], a[2], a[3], a[4], slot.t + 1, slot.t, a[5], a[6]
+
+
+_NO_CACHE = (0,) * 9  # (the second call's cache when PyTorch ran the attention: not read)
 
 
 def find_layers(model: nn.Module, exclude: str) -> list[tuple[str, nn.Module]]:
@@ -102,7 +127,8 @@ class NativeLayer:
         self.ready = False
         self.mla = False  # the attention is latent attention (hi_na_moe.fastpath.mla)
         self.step = self.latent_step = None  # what the native calls run (_native_step, _latent_native)
-        self._plan_held = None  # (key, arguments) of _plan_args' last step
+        self._plan_held = None  # (key, arguments, parts) of plan_args' last step (_layer_args)
+        self._call_held = None  # (key, arguments, parts, plan, scratch size, regions): _layer_call's last
 
     # -- the parts ----------------------------------------------------------------------------
     def _prepare(self) -> bool:
@@ -379,217 +405,124 @@ class NativeLayer:
         return weights
 
     def _native_fast(self, x: torch.Tensor, cos, sin: torch.Tensor | None, cache, mask, qs=None):
-        """The step in two native calls around the cache update: with the router's native
-        selection (routers.NATIVE_SELECT) the second one also runs the selection, the experts and
-        the last residual add (FUSE_EXPERTS; not with a shared expert, run as modules after it),
-        else the form runs in PyTorch on the call's logits and the experts' kernel after it; None,
-        with nothing run, when a weight is not as the kernels read it (then the per-module path
-        runs). Latent attention (self.mla) takes its position embeddings as `cos` (sin None)."""
+        """The step in two native calls around the cache update, through this layer's partial
+        StepPlan (_layer_call): with the router's native selection (routers.NATIVE_SELECT) the
+        second one also runs the selection, the experts and the last residual add (FUSE_EXPERTS;
+        a shared expert not on them makes the whole MoE block run as modules after it), else the
+        form runs in PyTorch on the call's logits and the experts' kernel after it; None, with
+        nothing run, when a weight is not as the kernels read it (then the per-module path runs).
+        Latent attention (self.mla) takes its position embeddings as `cos` (sin None)."""
         weights = self._norm_weights(x.dtype)
         if weights is None:
             return None
+        plan, parts, nbytes, regions = self._layer_call(x.dtype, x.shape[0], weights)
+        scratch = torch.empty(nbytes, dtype=torch.uint8)
         if self.mla:
-            pre = self._latent_pre(x, cos, cache, mask, weights, qs)
+            pre = self._latent_pre(x, cos, cache, mask, plan, scratch, regions, qs)
             if pre is None:
                 return None
         else:
-            pre = self._attention_pre(x, cos, sin, cache, mask, weights)
-        return self._post(x, weights[1], *pre)
+            pre = self._attention_pre(x, cos, sin, cache, mask, plan, scratch, regions)
+        return self._post(x, plan, parts, scratch, regions, *pre)
 
-    def _attention_pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask, weights) -> tuple:
-        """The first native call (layer_decode_pre) and the cache update of a layer of
-        hi_na_moe.fastpath.attention: (o_proj's runner, the threads, the attention's arguments to the second
-        call, the tensors they point into)."""
-        qkv, o, qk, qn, kn = self.step
+    def _attention_pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask, plan, scratch,
+                       regions: dict) -> tuple:
+        """The first native call (StepPlan.layer_pre) and the cache update of a layer of
+        hi_na_moe.fastpath.attention: (the cache the second call's attention reads, the mask it
+        applies, the heads' outputs when PyTorch's SDPA computed them instead (None: the kernel
+        does), the tensors the call's addresses point into)."""
         at, dt = self.attn, x.dtype
-        w1 = weights[0]
-        B, H, D, Hq, Hkv = x.shape[0], self.hidden, at.D, at.Hq, at.Hkv
-        es, code = x.element_size(), _DTYPE_CODES[dt]
-        nq, nkv = Hq * D, Hkv * D
+        B, D, Hq, Hkv = x.shape[0], at.D, at.Hq, at.Hkv
         cos, sin = cos.contiguous(), sin.contiguous()
-        half = at.half_table  # GPT-OSS's tables: D/2 values a row
-        width = at.table_width()
-        interleaved = at.rope == "interleaved_f32"  # ERNIE's: float32 tables
-        threads = qkv.threads or torch.get_num_threads()
-        # scratch: h [B, H], q|k|v [B, nq + 2 nkv], normed q|k [B, nq + nkv], attention heads
-        # [B, nq], o_proj's output [B, H]
-        scratch = torch.empty(B * (2 * H + 3 * nq + 3 * nkv) * es, dtype=torch.uint8)
-        h_p = scratch.data_ptr()
-        qkv_p = h_p + B * H * es
-        tmp_p = qkv_p + B * (nq + 2 * nkv) * es
-        attn_p = tmp_p + B * (nq + nkv) * es
-        o_p = attn_p + B * nq * es
-        qr = torch.empty(B, Hq, D, dtype=dt)
+        width = at.table_width()  # a row of the tables (half: GPT-OSS's)
         # k and v go straight into the cache's buffers when it can grow in place (kv_cache)
         slot = None if cache is None else kv_cache.slot(cache, self.attn_mod.layer_idx, B, Hkv, D, dt)
         if slot is None:
             k, v = torch.empty(B, Hkv, 1, D, dtype=dt), torch.empty(B, Hkv, 1, D, dtype=dt)
-            k_p, v_p, kv_bs, kv_hs = k.data_ptr(), v.data_ptr(), nkv, D
+            kv = _cache_of(k, v, 0)
         else:
-            off = slot.offset()
-            k_p, v_p = slot.k.data_ptr() + off, slot.v.data_ptr() + off
-            kv_bs, kv_hs = slot.strides()
-        self.native.layer_decode_pre_raw(
-            code, B, H, x.data_ptr(), w1.data_ptr(), self.norm1.eps, qkv.bound, Hq, Hkv, D, qk,
-            0 if not qk else weights[2].data_ptr(), 0 if not qk else weights[3].data_ptr(),
-            0.0 if not qk else qn.eps, 0.0 if not qk else kn.eps, cos.data_ptr(), sin.data_ptr(),
-            width if cos.numel() == B * width else 0, h_p, qkv_p, tmp_p, qr.data_ptr(), k_p, v_p, kv_bs, kv_hs,
-            threads, half, interleaved, at.rot, (), 0, at.isa)
+            kv = _slot_of(slot)
+        plan.layer_pre(B, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), width if cos.numel() == B * width else 0, kv,
+                       scratch.data_ptr(), scratch.numel())
         if slot is not None:
             keys, values = kv_cache.commit(slot)
         else:
             keys, values = (k, v) if cache is None else cache.update(k, v, self.attn_mod.layer_idx)
+        # (the kernel takes one head stride for keys and values)
+        if at.kernel_fits(keys, values, mask, B) and keys.stride(1) == values.stride(1):
+            return _cache_of(keys, values, keys.shape[2]), mask, None, (keys, values, cos, sin)
+        # SDPA does the attention math (attention.math_kernel); the second call then skips its own
         m = self.attn_mod
         sinks = at._sink_logits(m)
-        heads = None
-        if at.kernel_fits(keys, values, mask, B):
-            ks, vs = keys.stride(), values.stride()
-            attn = dict(q=qr.data_ptr(), S=keys.shape[2], k=keys.data_ptr(), ks0=ks[0], ks1=ks[1], ks2=ks[2],
-                        v=values.data_ptr(), vs0=vs[0], vs1=vs[1], vs2=vs[2],
-                        mask=0 if mask is None else mask.data_ptr(),
-                        mask_bstride=0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
-                        sinks=0 if sinks is None else sinks.data_ptr())
-        else:  # SDPA does the attention math (attention.math_kernel); the call then skips its own
-            heads = torch.empty(B, 1, nq, dtype=dt)
-            at.sdpa(m, qr, keys, values, mask, heads, sinks)
-            attn_p = heads.data_ptr()
-            attn = dict(q=0, S=0, k=0, ks0=0, ks1=0, ks2=0, v=0, vs0=0, vs1=0, vs2=0, mask=0, mask_bstride=0, sinks=0)
-        attn.update(Hq=Hq, Hkv=Hkv, D=D, scale=m.scaling, isa=at.isa, attn_out=attn_p, o_out=o_p)
-        return o, threads, attn, (scratch, qr, keys, values, mask, sinks, heads)
+        heads = torch.empty(B, 1, Hq * D, dtype=dt)
+        at.sdpa(m, _region(scratch, regions["q"], dt, (B, Hq, D)), keys, values, mask, heads, sinks)
+        return _NO_CACHE, None, heads, (keys, values, cos, sin, sinks)
 
-    def _latent_pre(self, x: torch.Tensor, pe, cache, mask, weights, qs=None) -> tuple | None:
+    def _latent_pre(self, x: torch.Tensor, pe, cache, mask, plan, scratch, regions: dict, qs=None) -> tuple | None:
         """_attention_pre for latent attention (hi_na_moe.fastpath.mla): the first native call makes the
         queries and writes the latent and rope key into the cache's buffers, and the second runs
-        the absorbed attention kernel on them; None, with nothing run, when kv_b_proj's weight or
-        the rotary tables are not as the kernels read them."""
-        group, o, q_b, qa, kv, form = self.latent_step
+        the absorbed attention kernel on them; None, with nothing run, when the rotary tables are
+        not as the kernels read them."""
         at, dt = self.attn, x.dtype
-        w = at._weight()
-        B, H, heads = x.shape[0], self.hidden, at.H
-        Dn, Dr, L, Dv = at.Dn, at.Dr, at.L, at.Dv
-        lora = 0 if q_b is None else qa.n
-        nqf = heads * (Dn + Dr)
-        es, code = x.element_size(), _DTYPE_CODES[dt]
+        B, heads, Dn, Dr, L = x.shape[0], at.H, at.Dn, at.Dr, at.L
         tables = at.native_tables(pe)
         if tables is None:
             return None
         (tab, tab_s), width = tables, Dr
-        threads = group.threads or torch.get_num_threads()
-        nqa = lora or nqf
-        # scratch: h [B, H], the q / kv_a output [B, nqa + L + Dr], q_a normed and q_b's output
-        # [B, lora + nqf], the heads' outputs [B, heads Dv], o_proj's [B, H]
-        sizes = (H, nqa + L + Dr, lora + nqf, heads * Dv, H)
-        scratch = torch.empty(B * sum(sizes) * es, dtype=torch.uint8)
-        ptrs, p = [], scratch.data_ptr()
-        for n in sizes:
-            ptrs.append(p)
-            p += B * n * es
-        h_p, y_p, tmp_p, attn_p, o_p = ptrs
-        q = torch.empty(B, heads, 1, Dn + Dr, dtype=dt)  # the queries, their rope parts rotated
-        q_p = q.data_ptr()
         idx = self.attn_mod.layer_idx
         slot = None if cache is None else kv_cache.slot(cache, idx, B, 1, L, dt, Dr)
         if slot is None:
             k, v = torch.empty(B, 1, 1, L, dtype=dt), torch.empty(B, 1, 1, Dr, dtype=dt)
-            k_p, v_p, k_bs, v_bs = k.data_ptr(), v.data_ptr(), L, Dr
+            kv = _cache_of(k, v, 0)
         else:
-            at_pos = slot.base + slot.t
-            k_p = slot.k.data_ptr() + at_pos * slot.k.stride(2) * es
-            v_p = slot.v.data_ptr() + at_pos * slot.v.stride(2) * es
-            k_bs, v_bs = slot.k.stride(0), slot.v.stride(0)
-        mla = (form, Dn, Dr, L, lora, q_b.bound if q_b is not None else None,
-               weights[2].data_ptr() if lora else 0, qa.eps if lora else 0.0, weights[-1].data_ptr(), kv.eps)
+            kv = _slot_of(slot)
         if qs is not None:  # a query scale: one value a row
             qs = qs.reshape(-1).expand(B).contiguous()
-            mla += (qs.data_ptr(),)
-        self.native.layer_decode_pre_raw(
-            code, B, H, x.data_ptr(), weights[0].data_ptr(), self.norm1.eps, group.bound, heads, 1, Dn + Dr, 0, 0, 0,
-            0.0, 0.0, tab.data_ptr(), tab_s.data_ptr(), width if tab.numel() == B * width else 0, h_p, y_p, tmp_p,
-            q_p, k_p, v_p, k_bs, 0, threads, False, False, 0, mla, v_bs, at.isa)
+        plan.layer_pre(B, x.data_ptr(), tab.data_ptr(), tab_s.data_ptr(), width if tab.numel() == B * width else 0, kv,
+                       scratch.data_ptr(), scratch.numel(), 0 if qs is None else qs.data_ptr())
         if slot is not None:
             latent, k_pe = kv_cache.commit(slot)
         else:
             latent, k_pe = (k, v) if cache is None else cache.update(k, v, idx)
+        q = _region(scratch, regions["q"], dt, (B, heads, 1, Dn + Dr))  # the queries, their rope parts rotated
         q_nope, q_pe = q[..., :Dn], q[..., Dn:]
-        m = self.attn_mod
+        keep = (tab, tab_s, latent, k_pe, qs)
         if at._kernel_fits(q_nope, q_pe, latent, k_pe, mask, B):
-            ls, ks = latent.stride(), k_pe.stride()
-            attn = dict(q=q_p, S=latent.shape[2], mask=0 if mask is None else mask.data_ptr(),
-                        mask_bstride=0 if mask is None or mask.shape[0] == 1 else mask.stride(0),
-                        mla=(native_weight(w), Dn, Dr, L, Dv, latent.data_ptr(), ls[0], ls[2], k_pe.data_ptr(), ks[0],
-                             ks[2]))
-        else:  # the kernel's computation in PyTorch ops (NativeMLA._absorbed_torch)
-            heads_out = torch.empty(B, 1, heads * Dv, dtype=dt)
-            at._absorbed_torch(q_nope, q_pe, w, latent, k_pe, mask, m.scaling, heads_out)
-            attn_p = heads_out.data_ptr()
-            attn = dict(q=0, S=0, mask=0, mask_bstride=0)
-            scratch = (scratch, heads_out)
-        attn.update(k=0, ks0=0, ks1=0, ks2=0, v=0, vs0=0, vs1=0, vs2=0, sinks=0, Hq=heads, Hkv=1, D=Dn + Dr,
-                    scale=m.scaling, isa=at.isa, attn_out=attn_p, o_out=o_p)
-        return o, threads, attn, (scratch, q, w, tab, tab_s, latent, k_pe, mask, qs)
+            return _cache_of(latent, k_pe, latent.shape[2]), mask, None, keep
+        # the kernel's computation in PyTorch ops (NativeMLA._absorbed_torch)
+        heads_out = torch.empty(B, 1, heads * at.Dv, dtype=dt)
+        at._absorbed_torch(q_nope, q_pe, at._weight(), latent, k_pe, mask, self.attn_mod.scaling, heads_out)
+        return _NO_CACHE, None, heads_out, keep
 
-    def _post(self, x: torch.Tensor, w2: torch.Tensor, o, threads: int, attn: dict, keep: tuple) -> torch.Tensor:
-        """The second native call (layer_decode_post) after _attention_pre or _latent_pre: the
-        attention, o_proj, the residual add and norm, and what of the MLP block it can run."""
+    def _post(self, x: torch.Tensor, plan, parts: tuple, scratch: torch.Tensor, regions: dict, kv: tuple, mask,
+              heads: torch.Tensor | None, keep: tuple) -> torch.Tensor:
+        """The second native call (StepPlan.layer_post) after _attention_pre or _latent_pre: the
+        attention, o_proj, the residual add and norm, and what of the MLP block the layer's plan
+        holds (parts: _layer_call's); the rest of the block after it, on the call's outputs."""
         dt = x.dtype
-        B, H = x.shape[0], self.hidden
-        es, code = x.element_size(), _DTYPE_CODES[dt]
+        B = x.shape[0]
+        s = torch.empty_like(x)
+        name = plan.layer_post(B, x.data_ptr(), kv, 0 if mask is None else mask.data_ptr(),
+                               0 if mask is None or mask.shape[0] == 1 else mask.stride(0), scratch.data_ptr(),
+                               scratch.numel(), s.data_ptr(), 0 if heads is None else heads.data_ptr())
+        logits_ran, selected, fused, dense = parts
         moe = self.moe
-        router = moe.router if moe is not None else None
-        use_router, bias = self._router_ready(moe, dt, B) if router is not None else (False, None)
-        # a router whose form casts its input (float32 logits: ERNIE 4.5, DeepSeek-V2/V3, ...) takes
-        # a converted copy
-        cast = router is not None and router.dtype is not dt
-        extra = {}
-        if use_router:
-            logits = torch.empty(B, router.experts, dtype=router.dtype)
-            if cast:
-                router_in = torch.empty(B, H, dtype=router.dtype)
-                extra.update(router_dtype=_DTYPE_CODES[router.dtype], router_in=router_in.data_ptr())
-        else:
-            logits = None
-        chosen, fused = None, None
-        if use_router and router.select is not None and routers.NATIVE_SELECT:
-            form, k, renorm = router.select[:3]
-            wdt = router.weights_dtype(dt)
-            extra.update(router.select_settings(bias))
-            chosen = (torch.empty(B, k, dtype=wdt), torch.empty(B, k, dtype=torch.int64))
-            extra.update(sel_form=form, sel_E=router.experts, sel_k=k, sel_renorm=renorm,
-                         sel_w_dtype=_DTYPE_CODES[wdt], sel_w=chosen[0].data_ptr(), sel_idx=chosen[1].data_ptr())
-            # the experts, a shared expert (on the native MLP call, with its gate if any) and the
-            # last residual add in the same call; a shared expert not on them runs as modules after it
-            shared = self._shared_args(moe, dt, B) if moe.shared else ()
-            fused = (None if not FUSE_EXPERTS or shared is None
-                     else moe.experts.bound_for(dt, H, B * k))
-            if fused is not None:
-                eo = torch.empty_like(x)
-                extra.update(experts=fused[0], experts_threads=fused[1], experts_out=eo.data_ptr())
-                if shared:
-                    inter = shared[2]
-                    sc = torch.empty(B * (3 * inter + H + 32) * es, dtype=torch.uint8)
-                    p = sc.data_ptr()
-                    extra.update(shared_gu=shared[0], shared_down=shared[1], shared_I=inter,
-                                 shared_gate=shared[3] if len(shared) == 4 else None, shared_scratch_gu=p,
-                                 shared_scratch_m=p + 2 * B * inter * es, shared_out=p + 3 * B * inter * es,
-                                 shared_logit=p + (3 * inter + H) * B * es)
-        dense = self._dense_args(dt, B) if moe is None else None
-        if dense is not None:  # a dense layer's MLP and last residual add in the call
-            gu, down, inter = dense
-            sc = torch.empty(B * (3 * inter + H) * es, dtype=torch.uint8)
-            p = sc.data_ptr()
-            extra.update(mlp_gate_up=gu, mlp_down=down, mlp_I=inter, mlp_gu=p, mlp_m=p + 2 * B * inter * es,
-                         mlp_out=p + 3 * B * inter * es)
-        s, n2 = torch.empty_like(x), torch.empty_like(x)
-        name = self.native.layer_decode_post_raw(
-            dtype=code, B=B, H=H, o=o.bound, x=x.data_ptr(), ln2_w=w2.data_ptr(), ln2_eps=self.norm2.eps,
-            sum=s.data_ptr(), normed=n2.data_ptr(), router=router.bound if use_router else None,
-            logits=0 if logits is None else logits.data_ptr(), num_threads=threads, **attn, **extra)
-        if fused is not None:
+        if fused:
             _LAST_KERNEL[moe.experts.handle] = name
             return s
-        if dense is not None:
+        if dense:
             return s
+        code = _DTYPE_CODES[dt]
+        n2 = _region(scratch, regions["normed"], dt, tuple(x.shape))
         if moe is not None:
+            router = moe.router
+            logits = chosen = None
+            if logits_ran:  # (in the router's dtype: a router that casts its input gives its own)
+                logits = _region(scratch, regions["logits"], router.dtype, (B, router.experts))
+            if selected:
+                k = router.select[1]
+                chosen = (_region(scratch, regions["w"], router.weights_dtype(dt), (B, k)),
+                          _region(scratch, regions["idx"], torch.int64, (B, k)))
             return self._residual(s, moe(n2, logits, chosen), code)
         out = self.mlp(n2)
         return self._residual(s, out[0] if type(out) is tuple else out, code)  # (GPT-OSS's block: _fast)
@@ -655,91 +588,102 @@ class NativeLayer:
         if (self.one_call_blocker() is not None or not FUSE_EXPERTS or not routers.NATIVE_SELECT
                 or self.attn.dtype is not dt or B > DECODE_MAX_ROWS or B > ROUTER_MAX_ROWS):
             return None
-        moe = self.moe
         weights = self._norm_weights(dt)
         if weights is None:
             return None
-        if not self.mla:
-            return self._plan_args(dt, B, moe, weights)
-        ptrs = [w.data_ptr() for w in weights]
-        at = self.attn
-        group, o, q_b, qa, kv, form = self.latent_step
-        lora = 0 if q_b is None else qa.n
-        w = at._weight()  # kept by the attention runner while kv_b_proj's forward stays
-        args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=group.bound,
-                    Hq=at.H, Hkv=1, D=at.Dn + at.Dr, qk_norm=0, qn_w=0, kn_w=0, qn_eps=0.0, kn_eps=0.0,
-                    scale=self.attn_mod.scaling, isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps,
-                    num_threads=group.threads or torch.get_num_threads(),
-                    mla=(form, at.Dn, at.Dr, at.L, lora, None if q_b is None else q_b.bound,
-                         ptrs[2] if lora else 0, qa.eps if lora else 0.0, ptrs[-1], kv.eps),
-                    mla_w=native_weight(w), mla_Dv=at.Dv)
-        if moe is None:  # a dense layer
-            dense = self._dense_args(dt, B)
-            return None if dense is None else {**args, "mlp": dense}
-        ready, bias = self._router_ready(moe, dt, B)
-        if not ready:
-            return None
-        router = moe.router
-        form, k, renorm = router.select[:3]
-        fused = moe.experts.bound_for(dt, self.hidden, B * k)
-        shared = self._shared_args(moe, dt, B) if moe.shared else ()
-        if fused is None or shared is None:
-            return None
-        return {**args, "router": router.bound, "E": router.experts, "sel_form": form, "sel_k": k, "sel_renorm": renorm,
-                "sel_w_dtype": _DTYPE_CODES[router.weights_dtype(dt)], "experts": fused[0], "experts_threads": fused[1],
-                "shared": shared, "router_dtype": _DTYPE_CODES[router.dtype] if router.dtype is not dt else -1,
-                **router.select_settings(bias)}
+        held = self._layer_args(dt, B, weights, True)
+        return None if held is None else held[1]
 
-    def _plan_args(self, dt: torch.dtype, B: int, moe, weights: list[torch.Tensor]) -> dict | None:
-        """plan_args of a layer of Llama-like attention. Everything its arguments are made of that
-        can change between steps is read first, into a key: while the key equals the last step's,
-        the last step's arguments (the same dict) are returned (building them took about half of
-        the 7 us a layer plan_args takes warm; the stack then compares them by identity). The rest
-        is fixed at enable (the runners' sizes, forms and groups)."""
-        qkv, o, qk, qn, kn = self.step
-        at = self.attn
-        sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
-        threads = qkv.threads or torch.get_num_threads()
-        key = [dt, B, *[w.data_ptr() for w in weights], self.norm1.eps, self.norm2.eps, qn.eps if qk else 0.0,
-               kn.eps if qk else 0.0, self.attn_mod.scaling, threads, 0 if sinks is None else sinks.data_ptr(),
-               qkv.bound, o.bound]
+    def _layer_call(self, dt: torch.dtype, B: int, weights: list[torch.Tensor]) -> tuple:
+        """The partial StepPlan (one layer, its two calls apart) of this step of B rows in dtype dt,
+        with what its second call runs (_layer_args' parts), its scratch's size and where in it the
+        calls leave what the rest of the layer reads (StepPlan.layer_regions): made again only when
+        the layer's arguments change."""
+        held = self._layer_args(dt, B, weights, False)
+        if len(held) == 3:
+            key, args, parts = held
+            plan = self.native.StepPlan(1, partial=True)
+            plan.set_layer(0, **args)
+            held = self._call_held = (key, args, parts, plan, plan.scratch_bytes(B), plan.layer_regions(B))
+        return held[3:4] + held[2:3] + held[4:]
+
+    def _layer_args(self, dt: torch.dtype, B: int, weights: list[torch.Tensor], full: bool) -> tuple | None:
+        """StepPlan.set_layer's keyword arguments of this layer for a step of B rows in dtype dt, and
+        parts: (the router's logits, its selection, the experts with the last residual add, a dense
+        MLP with it) as the second call runs them. full (the stack's one call): the whole MLP block
+        in the call, else None; else (the layer's own partial plan) what can run there now.
+        Everything the arguments are made of that can change between steps is read first, into a
+        key: while it equals the last step's, the last step's (key, arguments, parts[, the partial
+        plan's]) are returned, the arguments the same dict (building them took about half of the
+        7 us a layer plan_args takes warm; the stack then compares them by identity). The rest is
+        fixed at enable (the runners' sizes, forms and groups)."""
+        moe, at = self.moe, self.attn
+        ptrs = [w.data_ptr() for w in weights]
+        if self.mla:
+            group, o, q_b, qa, kv, form = self.latent_step
+            mla_w = native_weight(at._weight())  # kept by the attention runner while kv_b_proj's forward stays
+            sinks, threads = None, group.threads or torch.get_num_threads()
+            key = [dt, B, *ptrs, self.norm1.eps, self.norm2.eps, qa.eps if q_b is not None else 0.0, kv.eps,
+                   self.attn_mod.scaling, threads, group.bound, o.bound, None if q_b is None else q_b.bound, mla_w]
+        else:
+            qkv, o, qk, qn, kn = self.step
+            sinks = at._sink_logits(self.attn_mod)  # kept by the attention runner until the parameter changes
+            threads = qkv.threads or torch.get_num_threads()
+            key = [dt, B, *ptrs, self.norm1.eps, self.norm2.eps, qn.eps if qk else 0.0, kn.eps if qk else 0.0,
+                   self.attn_mod.scaling, threads, 0 if sinks is None else sinks.data_ptr(), qkv.bound, o.bound]
+        dense = fused = shared = settings = None
+        logits_ran = selected = False
         if moe is None:  # a dense layer
             dense = self._dense_args(dt, B)
-            if dense is None:
+            if dense is None and full:
                 return None
             key.append(dense)
         else:
-            ready, bias = self._router_ready(moe, dt, B)
-            if not ready:
-                return None
+            logits_ran, bias = self._router_ready(moe, dt, B)
             router = moe.router
-            fused = moe.experts.bound_for(dt, self.hidden, B * router.select[1])
-            shared = self._shared_args(moe, dt, B) if moe.shared else ()
-            if fused is None or shared is None:
+            selected = logits_ran and router.select is not None and routers.NATIVE_SELECT
+            if selected:
+                shared = self._shared_args(moe, dt, B) if moe.shared else ()
+                if FUSE_EXPERTS and shared is not None:
+                    fused = moe.experts.bound_for(dt, self.hidden, B * router.select[1])
+                settings = router.select_settings(bias)
+            if full and fused is None:
                 return None
-            settings = router.select_settings(bias)
-            key += [router.bound, router.select, router.experts, router.dtype, fused, shared, settings]
+            key += [logits_ran, router.bound, router.select, router.experts, router.dtype, selected, fused, shared,
+                    settings]
         key = tuple(key)
-        held = self._plan_held
+        held = self._plan_held if full else self._call_held
         if HOLD_PLAN_ARGS and held is not None and held[0] == key:
-            return held[1]
-        ptrs = key[2:2 + len(weights)]
-        args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, qkv=qkv.bound,
-                    Hq=at.Hq, Hkv=at.Hkv, D=at.D, qk_norm=qk, qn_w=ptrs[2] if qk else 0, kn_w=ptrs[3] if qk else 0,
-                    qn_eps=qn.eps if qk else 0.0, kn_eps=kn.eps if qk else 0.0, scale=self.attn_mod.scaling,
-                    isa=at.isa, o=o.bound, ln2_w=ptrs[1], ln2_eps=self.norm2.eps, num_threads=threads,
-                    sinks=0 if sinks is None else sinks.data_ptr(), half_table=at.half_table,
-                    interleaved_f32=at.rope == "interleaved_f32", rot=at.rot)
-        if moe is None:
-            args["mlp"] = dense
+            return held
+        args = dict(dtype=_DTYPE_CODES[dt], H=self.hidden, ln1_w=ptrs[0], ln1_eps=self.norm1.eps, o=o.bound,
+                    ln2_w=ptrs[1], ln2_eps=self.norm2.eps, scale=self.attn_mod.scaling, isa=at.isa,
+                    num_threads=threads)
+        if self.mla:
+            lora = 0 if q_b is None else qa.n
+            args.update(qkv=group.bound, Hq=at.H, Hkv=1, D=at.Dn + at.Dr, qk_norm=0, qn_w=0, kn_w=0, qn_eps=0.0,
+                        kn_eps=0.0, mla=(form, at.Dn, at.Dr, at.L, lora, None if q_b is None else q_b.bound,
+                                         ptrs[2] if lora else 0, qa.eps if lora else 0.0, ptrs[-1], kv.eps),
+                        mla_w=mla_w, mla_Dv=at.Dv)
         else:
-            form, k, renorm = router.select[:3]
-            args.update({"router": router.bound, "E": router.experts, "sel_form": form, "sel_k": k,
-                         "sel_renorm": renorm, "sel_w_dtype": _DTYPE_CODES[router.weights_dtype(dt)],
-                         "experts": fused[0], "experts_threads": fused[1], "shared": shared,
-                         "router_dtype": _DTYPE_CODES[router.dtype] if router.dtype is not dt else -1, **settings})
-        self._plan_held = (key, args)
-        return args
+            args.update(qkv=qkv.bound, Hq=at.Hq, Hkv=at.Hkv, D=at.D, qk_norm=qk, qn_w=ptrs[2] if qk else 0,
+                        kn_w=ptrs[3] if qk else 0, qn_eps=qn.eps if qk else 0.0, kn_eps=kn.eps if qk else 0.0,
+                        sinks=0 if sinks is None else sinks.data_ptr(), half_table=at.half_table,
+                        interleaved_f32=at.rope == "interleaved_f32", rot=at.rot)
+        if dense is not None:
+            args["mlp"] = dense
+        elif logits_ran:
+            args.update(router=router.bound, E=router.experts,
+                        router_dtype=_DTYPE_CODES[router.dtype] if router.dtype is not dt else -1)
+            if selected:
+                form, k, renorm = router.select[:3]
+                args.update(sel_form=form, sel_k=k, sel_renorm=renorm,
+                            sel_w_dtype=_DTYPE_CODES[router.weights_dtype(dt)], **settings)
+                if fused is not None:
+                    args.update(experts=fused[0], experts_threads=fused[1], shared=shared)
+        held = (key, args, (logits_ran, selected, fused is not None, dense is not None))
+        if full:
+            self._plan_held = held
+        return held
 
     def _router_ready(self, moe, dt: torch.dtype, B: int) -> tuple[bool, torch.Tensor | None]:
         """(whether the native calls can compute the MoE block's router for B rows of dtype dt now,

@@ -169,12 +169,10 @@ class NativeMLP:
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         dt, I = self.dtype, self.inter
         B = x.numel() // self.hidden
-        es = x.element_size()
         out = torch.empty(x.shape, dtype=dt)
-        scratch = torch.empty(B * 3 * I * es, dtype=torch.uint8)
-        p = scratch.data_ptr()
-        self.native.gated_mlp_raw(_DTYPE_CODES[dt], B, I, x.data_ptr(), self.gate_up.bound, self.down.bound, p,
-                                  p + B * 2 * I * es, out.data_ptr(), self.threads())
+        scratch = torch.empty(B * 3 * I, dtype=dt)  # (gate/up's outputs and their product: the call carves it)
+        self.native.gated_mlp_raw(_DTYPE_CODES[dt], B, I, x.data_ptr(), self.gate_up.bound, self.down.bound,
+                                  scratch.data_ptr(), scratch.nbytes, out.data_ptr(), self.threads())
         return out
 
     def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:

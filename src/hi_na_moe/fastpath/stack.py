@@ -522,7 +522,7 @@ class NativeStack:
             if (S is None or (not latent and at.kernel_keys is not None and S > at.kernel_keys)
                     or (mask is not None and mask.shape[-1] != S)):
                 return None
-            # (a sliding-window layer's view starts later: Slot.start)
+            # (a sliding-window layer's view starts later: Slot.base)
             a = s.layout()
             slots.append(s)
             kv += (a[0], a[1], a[2], a[3], a[4], S, s.t, a[5], a[6])
