@@ -493,6 +493,50 @@ def test_full_queue_answers_429_and_disconnect_frees_the_row(server):
     assert eng.batch_size() == 0 and eng.counters.finished["cancelled"] >= before + eng.max_batch
 
 
+def test_finished_requests_leave_nothing_behind(server, monkeypatch):
+    """The soak's "memory flat" target at the level of objects: once its response is over, no
+    request's Sequence (its prompt, tokens, generator, cache, emit closure over the route's
+    queue) is still reachable, whichever way it ended: non-streaming, streaming, a chat with stop
+    strings, or a stream its client closed."""
+    import gc
+    import weakref
+
+    r, eng = server
+    refs = []
+    submit = eng.submit
+
+    def tracked(*a, **kw):
+        seq = submit(*a, **kw)
+        refs.append(weakref.ref(seq))
+        return seq
+
+    monkeypatch.setattr(eng, "submit", tracked)
+    with httpx.Client(timeout=60) as client:
+        for i in range(3):
+            ok = client.post(r.url + "/v1/completions", json={"prompt": f"Once {i}", "max_tokens": 3})
+            assert ok.status_code == 200
+            with client.stream("POST", r.url + "/v1/completions",
+                               json={"prompt": "The dog", "max_tokens": 3, "stream": True}) as s:
+                assert s.status_code == 200 and list(s.iter_lines())[-2:] == ["data: [DONE]", ""]
+            stop = client.post(r.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                     "max_tokens": 4, "stop": ["a", "e", " "]})
+            assert stop.status_code == 200
+            with client.stream("POST", r.url + "/v1/completions",
+                               json={"prompt": "Once", "max_tokens": 400, "stream": True, "ignore_eos": True}) as s:
+                next(s.iter_lines())  # its first token, then the client goes
+    deadline = time.monotonic() + 60
+    while (eng.batch_size() or eng.queue_depth() or eng.prefilling()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(refs) == 12
+    left = len(refs)
+    while left and time.monotonic() < deadline:  # (the route of the closed stream ends at its next event)
+        gc.collect()
+        left = sum(ref() is not None for ref in refs)  # (no strong reference kept across the collect)
+        time.sleep(0.05)
+    assert left == 0, (f"{left} of {len(refs)} finished requests still reachable, e.g. from "
+                       f"{[type(o).__name__ for o in gc.get_referrers(next(w() for w in refs if w() is not None))]}")
+
+
 def test_health_metrics_and_api_key(shipped):
     model, tok = shipped
     eng = Engine(model, tok, max_batch=2)
