@@ -136,6 +136,7 @@ def test_outputs_through_the_tier_equal_the_all_in_memory_model(model, weights, 
         text = str(report)
         assert "memory tier: the packed experts" in text and "10 expert slots" in text
         assert f"eviction {tier_mod.DEFAULT_POLICY}" in text and f"prediction for {LAYERS} of {LAYERS} layers" in text
+        assert hi_na_moe.stats(m)["acquires"] == 0  # (enable's own probe forwards are not counted)
         got = _outputs(m)
         s = hi_na_moe.stats(m)
     _assert_equal(got, want)
@@ -531,6 +532,19 @@ def test_the_eviction_policies_choose_their_victim(tmp_path, policy, half_life, 
     _touch(tp, blk, [3, 3, 3, 5, 6])
     assert tier.resident(layer) == kept
     assert tier.stats()["evictions"] == 1
+
+
+def test_forget_uses_keeps_the_pool_but_not_the_policys_record(tmp_path):
+    """enable forgets its probe forwards' uses (tiering.settle): the experts stay resident, and
+    the policy ranks them by the uses after it alone."""
+    blk = _block(tmp_path / "block.hnm")
+    tier = _tier(blk, 2, policy="lfu")
+    tp, layer = blk.tiered(tier)
+    _touch(tp, blk, [3, 3, 3, 3, 5])
+    tier.forget_uses()
+    assert tier.resident(layer) == [3, 5]
+    _touch(tp, blk, [5, 6])  # 5 used once since, 3 never: 3 goes (remembered, 5 would: 4 uses to 2)
+    assert tier.resident(layer) == [5, 6]
 
 
 def test_prediction_reads_the_next_layers_top_experts(tmp_path):

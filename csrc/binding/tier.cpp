@@ -125,6 +125,8 @@ void bind_tier(nb::module_& m) {
       .def("stats", [](const PyTier& self) { return stats_dict(self.t->stats()); },
            "Counters since creation or reset_stats(), and per layer.")
       .def("reset_stats", [](PyTier& self) { self.t->reset_stats(); })
+      .def("forget_uses", [](PyTier& self) { self.t->forget_uses(); },
+           "Forgets every expert's uses so far (the eviction policy's records); what is resident stays.")
       .def("resident", [](const PyTier& self, int layer) { return self.t->resident(layer); }, nb::arg("layer"))
       .def("io_mode", [](const PyTier& self, int layer) { return self.t->io_mode(layer); }, nb::arg("layer"))
       .def_prop_ro("num_layers", [](const PyTier& self) { return self.t->num_layers(); })

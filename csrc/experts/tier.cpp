@@ -768,6 +768,16 @@ void ExpertTier::reset_stats() {
   for (auto& L : layers_) L->st = TierLayerStats{};
 }
 
+void ExpertTier::forget_uses() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& L : layers_) {
+    std::fill(L->use_last.begin(), L->use_last.end(), 0);
+    std::fill(L->use_prev.begin(), L->use_prev.end(), 0);
+    std::fill(L->uses.begin(), L->uses.end(), 0);
+    std::fill(L->decay.begin(), L->decay.end(), 0.0);
+  }
+}
+
 std::vector<int32_t> ExpertTier::resident(int layer) const {
   std::lock_guard<std::mutex> lk(mu_);
   if (layer < 0 || layer >= static_cast<int>(layers_.size())) throw std::invalid_argument("memory tier: no layer " + std::to_string(layer));

@@ -137,6 +137,9 @@ class ExpertTier {
   std::string io_mode(int layer) const;
   TierStats stats() const;
   void reset_stats();
+  // Forgets every expert's uses so far (the policies' records; what is resident stays), so the
+  // uses of enable's probe forwards do not weigh against a user's first tokens.
+  void forget_uses();
   // Experts of `layer` resident now (for tests and reports).
   std::vector<int32_t> resident(int layer) const;
   const TierOptions& options() const { return opt_; }

@@ -33,12 +33,12 @@ from .store import CorruptEntry
 PREDICTION_EXTRA = 4
 # the eviction policy shipped: lru. On the replayed real routing of the trained models
 # (benchmarks/log/memory-tier.md, 2026-12-07) freq-decay (half-life 32 tokens) came closest to
-# Belady's MIN at every pool size, 6-10 points above lru at 30-50 % of the experts in the steady
-# state of 8192 tokens; but in the tier itself, on OLMoE-1B-7B int4 decoding 20 tokens after an
-# 8-token prompt with half its experts held, freq-decay hit 67 % (half-life 32 tokens) and 69 %
-# (8) where lru hit 98 % (2 tokens: 98 %): a working set that moves keeps being evicted by experts
-# counted earlier. lru is the policy that never fell far behind; freq-decay stays built (half-life
-# below) for the comparison.
+# Belady's MIN at every pool size, 6-18 points above lru in the steady state of 8192 tokens. In
+# the tier itself it once hit 67 % where lru hit 98 % (OLMoE-1B-7B int4, 20 tokens, half the
+# experts held): mostly a tier bug, fixed in b351109 (an evicted expert's uses were forgotten),
+# the rest enable's probe forwards counted as uses, forgotten at enable's end since
+# (integrate/tiering.settle). freq-decay has not been measured in the tier on OLMoE-1B-7B since:
+# until it is, lru, which never fell far behind, stays the default.
 DEFAULT_POLICY = "lru"
 HALF_LIFE_TOKENS = 32.0
 

@@ -740,8 +740,7 @@ def enable_for_model(
                 for _, _, done in patched[:-1]:  # the originals a block released, once the next is packed
                     if isinstance(done.runner, ops.NativeExperts):
                         done.runner.bury()
-            tiering.finish(model, tier_state, plans, cfg)
-            report.memory_tier = tiering.report_lines(tier_state)
+            tiering.finish(model, tier_state, plans)
             if cfg.scope == Scope.ALL:
                 if native_module()[0] is None:
                     raise RuntimeError(f"hi_na_moe: scope='all' needs the native kernels: {native_module()[1]}")
@@ -776,6 +775,8 @@ def enable_for_model(
                     report.attention_prefill = [n for n in report.attention
                                                 if getattr(patched_runner(mods[n]), "prefill", False)]
                     report.attention_prefill_math = prefill_math(ops._isa_name(cfg))
+            tiering.settle(tier_state, plans, cfg)  # (after every probe forward)
+            report.memory_tier = tiering.report_lines(tier_state)
         except BaseException:
             # leave the model exactly as it was (a block that cannot be restored stays enabled,
             # so that disable_for_model can be tried again)

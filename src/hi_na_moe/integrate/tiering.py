@@ -137,13 +137,9 @@ def setup(model: nn.Module, plans: list, cfg) -> tier_mod.TierState | None:
     return state
 
 
-def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list, cfg=None) -> None:
-    """After packing: the routers prediction applies, by the layers the blocks were given; with
-    cfg.profile, the pool filled from that expert prior (warm)."""
-    profile = getattr(cfg, "profile", "") if cfg is not None else ""
+def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list) -> None:
+    """After packing: the routers prediction applies, by the layers the blocks were given."""
     if state is None or state.tier is None:
-        if profile and state is not None:
-            state.prior_note = f"profile {profile!r} not used: no memory tier ({state.plan.why})"
         return
     for match, choice in plans:
         r = choice.runner
@@ -160,6 +156,21 @@ def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list, cfg=
             continue
         state.tier.set_router(r.tier_layer, w.contiguous(), None if b is None else b.detach().float().contiguous(), k)
         state.predicting.add(r.tier_layer)
+
+
+def settle(state: tier_mod.TierState | None, plans: list, cfg=None) -> None:
+    """The end of enable, after every probe forward: their uses forgotten and the counters zeroed
+    (a user's first tokens are not weighed against them, and stats() counts the user's calls);
+    then, with cfg.profile, the pool filled from that expert prior (warm)."""
+    profile = getattr(cfg, "profile", "") if cfg is not None else ""
+    if state is None or state.tier is None:
+        if profile and state is not None:
+            state.prior_note = f"profile {profile!r} not used: no memory tier ({state.plan.why})"
+        return
+    tier = state.tier
+    tier.drain()  # (no probe's read still under way)
+    tier.forget_uses()
+    tier.reset_stats()
     if profile:
         experts = {}
         for match, choice in plans:
@@ -175,8 +186,6 @@ def warm(state: tier_mod.TierState, profile: str, experts: dict[int, int]) -> No
     many bytes and how long."""
     tier = state.tier
     order = tier_mod.warm_order(tier_mod.read_prior(profile), state.layer_names, experts, tier.num_slots, profile)
-    tier.drain()  # (nothing of enable's own reads still under way)
-    tier.reset_stats()
     t0 = time.perf_counter()
     tier.warm([layer for layer, _ in order], [e for _, e in order])
     read = tier.stats()["bytes_read"]
