@@ -24,14 +24,20 @@ Why a fitted line, not the last reading less one early one: RSS under this load 
 not the memory in use. glibc's malloc raises its mmap threshold to the size of any mmapped block
 freed (up to 32 MiB), so afterwards the large blocks (activations, the batch's KV rows and their
 join/leave copies, request bodies) come from the arenas, and what they free is kept there for
-reuse: RSS follows the recent peak of memory in use, up and down. Measured on 2026-12-07 (the
-serve code of 2cac6c6, the shipped model, 32 clients, 1,000 soak requests a pass, the server
-in-process with glibc's mallinfo2 and gc read while idle between passes; benchmarks/log/serving.md,
-the soak section): over 8,265 engine requests the heap in use stayed at 133.1-133.3 MB and the
+reuse: RSS counts those kept pages, moves with the load's peaks and creeps up as more of them get
+touched, towards the arenas' size. Measured on 2026-12-07 (the serve code of 2cac6c6, the shipped
+model, 32 clients, passes of 1,000 or 2,000 soak requests, the server in-process with glibc's
+mallinfo2 and gc read while idle between passes; benchmarks/log/serving.md, the soak section):
+with 1 OpenMP thread, over 8,265 engine requests the heap in use stayed at 133.1-133.3 MB and the
 Python objects at 391,074-391,077, while RSS moved between 484 and 530 MB with the arenas' free
 bytes (97-178 MB); malloc_trim(0) brought it to 434-457 MB; with MALLOC_MMAP_THRESHOLD_=131072
-(a fixed threshold) idle RSS was 420.5 MB after every pass. The earlier judgement, two single
-readings 9,000 requests apart, read that noise as growth of 2.8 KB a request.
+(a fixed threshold) idle RSS was 420.5 MB after every pass. With 2 OpenMP threads the arenas
+stopped growing by 4,862 engine requests (297.9 MB mapped, 164 MB of it free when idle, 133.7 MB
+in use) while RSS still crept from 533 to 544 MB by 8,112. So a 10,000-request run at glibc's
+defaults can show RSS growth beyond the slack that is not memory in use: --malloc-mmap-threshold
+131072 runs the server with the fixed threshold, where RSS follows what is in use and a leak of
+ours still shows. (The earlier judgement, two single readings 9,000 requests apart, read this as
+2.8 KB a request.)
 
 Exit status 1 when any check fails. Prints a markdown summary (date, commit, CPU).
 """
@@ -230,15 +236,23 @@ def main() -> int:
     ap.add_argument("--long-prompt", type=int, default=9000, help="tokens of the too-long prompts")
     ap.add_argument("--rss-every", type=int, default=250)
     ap.add_argument("--rss-slack-mb", type=float, default=32.0)
+    ap.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                    help="start the server with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: freed large "
+                         "blocks go back to the system, so RSS follows the memory in use; see above)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.url:
+        if args.malloc_mmap_threshold is not None:
+            ap.error("--malloc-mmap-threshold applies to a server this script starts: give it without --url")
         return asyncio.run(soak(args, args.url.rstrip("/"), args.pid))
     port = free_port()
     cmd = [str(ROOT / ".venv/bin/hi-na-moe"), "serve", "--model", args.model, "--weights", args.weights,
            "--port", str(port), "--max-batch", str(args.max_batch), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if args.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
