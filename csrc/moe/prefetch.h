@@ -39,7 +39,13 @@
 // compare settings round by round in one process. Never in a release build.
 #pragma once
 
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#define HINA_PF(p, x86_hint, locality) _mm_prefetch((p), x86_hint)
+#else
+// other architectures (aarch64): the same distances through the compiler's portable prefetch
+#define HINA_PF(p, x86_hint, locality) __builtin_prefetch((p), 0, locality)
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -75,10 +81,10 @@ inline int rows_bytes(bool many) { return many ? g_many_bytes : g_few_bytes; }
 inline int amx_mode() { return g_amx; }
 inline void line(const void* p) {
   const char* c = static_cast<const char*>(p);
-  if (g_hint == 0) _mm_prefetch(c, _MM_HINT_T0);
-  else if (g_hint == 1) _mm_prefetch(c, _MM_HINT_T1);
-  else if (g_hint == 2) _mm_prefetch(c, _MM_HINT_T2);
-  else _mm_prefetch(c, _MM_HINT_NTA);
+  if (g_hint == 0) HINA_PF(c, _MM_HINT_T0, 3);
+  else if (g_hint == 1) HINA_PF(c, _MM_HINT_T1, 2);
+  else if (g_hint == 2) HINA_PF(c, _MM_HINT_T2, 1);
+  else HINA_PF(c, _MM_HINT_NTA, 0);
 }
 #else
 inline const int g_bytes_at_load = load_prefetch_distance();
@@ -88,7 +94,7 @@ inline void reload() {}
 inline int bytes() { return g_bytes_at_load; }
 inline int rows_bytes(bool many) { return many ? g_many_bytes_at_load : g_few_bytes_at_load; }
 constexpr int amx_mode() { return 2; }
-inline void line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+inline void line(const void* p) { HINA_PF(static_cast<const char*>(p), _MM_HINT_T1, 2); }
 #endif
 
 // The distance an int8 / int4 job of `rows` rows prefetches its weights at (0: none).
