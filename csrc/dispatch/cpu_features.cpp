@@ -16,7 +16,6 @@
 #include <unistd.h>
 #endif
 #if defined(__aarch64__) && defined(__linux__)
-#include <asm/hwcap.h>
 #include <sys/auxv.h>
 #endif
 
@@ -29,12 +28,13 @@ const char* isa_name(Isa isa) {
     case Isa::kAvx512: return "avx512";
     case Isa::kAmx: return "amx";
     case Isa::kNeon: return "neon";
+    case Isa::kDotprod: return "dotprod";
   }
   return "unknown";
 }
 
 bool isa_from_name(const char* name, Isa* out) {
-  static const Isa all[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon};
+  static const Isa all[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod};
   for (Isa isa : all) {
     if (std::strcmp(name, isa_name(isa)) == 0) {
       *out = isa;
@@ -133,11 +133,15 @@ void detect_arm(CpuFeatures& f) {
   std::strcpy(f.arch, "aarch64");
   f.neon = true;  // Advanced SIMD is mandatory in AArch64
 #if defined(__linux__)
-  const unsigned long hw = getauxval(AT_HWCAP);
-#if defined(HWCAP_SVE)
-  f.sve = (hw & HWCAP_SVE) != 0;
-#endif
-  (void)hw;
+  // The bits are the kernel's ABI (arch/arm64/include/uapi/asm/hwcap.h); spelled out for
+  // toolchains whose headers predate them.
+  constexpr unsigned long kAsimddp = 1ul << 20, kSve = 1ul << 22;  // AT_HWCAP
+  constexpr unsigned long kI8mm = 1ul << 13, kBf16 = 1ul << 14;    // AT_HWCAP2
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f.asimddp = (hw & kAsimddp) != 0;
+  f.sve = (hw & kSve) != 0;
+  f.i8mm = (hw2 & kI8mm) != 0;
+  f.bf16 = (hw2 & kBf16) != 0;
 #endif
 }
 #endif
@@ -193,12 +197,13 @@ bool isa_supported(const CpuFeatures& f, Isa isa) {
     case Isa::kAmx:
       return avx512 && ((f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permission) || amx_software_tiles());
     case Isa::kNeon: return f.neon;
+    case Isa::kDotprod: return f.neon && f.asimddp;
   }
   return false;
 }
 
 Isa best_isa(const CpuFeatures& f) {
-  if (f.neon) return Isa::kNeon;
+  if (f.neon) return f.asimddp ? Isa::kDotprod : Isa::kNeon;
   for (Isa isa : {Isa::kAmx, Isa::kAvx512, Isa::kAvx2}) {
     if (isa_supported(f, isa)) return isa;
   }

@@ -16,8 +16,11 @@ namespace detail {
 std::string cpu_summary() {
   const CpuFeatures& f = cpu_features();
   std::string s = "best tier here: '";
-  Isa best = best_isa(f);
-  s += isa_name(best == Isa::kNeon ? Isa::kGeneric : best);
+  s += isa_name(best_isa(f));
+  if (f.neon) {
+    return s + "'; cpu: " + f.arch + " neon=1 asimddp=" + std::to_string(f.asimddp) + " i8mm=" +
+           std::to_string(f.i8mm) + " bf16=" + std::to_string(f.bf16) + " sve=" + std::to_string(f.sve);
+  }
   s += "'; cpu: avx2=" + std::to_string(f.avx2) + " fma=" + std::to_string(f.fma) +
        " f16c=" + std::to_string(f.f16c) + " avx512f=" + std::to_string(f.avx512f) +
        " avx512bw=" + std::to_string(f.avx512bw) + " avx512vl=" + std::to_string(f.avx512vl) +
@@ -37,6 +40,9 @@ const char* kind_name(int kind) {
     case kKindAvx512Vnni: return "avx512vnni";
     case kKindAvxVnni: return "avxvnni";
     case kKindAvx512Bf16: return "avx512bf16";
+    case kKindNeon: return "neon";
+    case kKindNeonDot: return "neondot";
+    case kKindDotprod: return "dotprod";
     default: return isa_name(static_cast<Isa>(kind));
   }
 }
@@ -54,8 +60,30 @@ static bool bf16dot_prefill(Isa tier, MoePath path) {
   return true;
 }
 
+// The Arm kernels exist only in aarch64 builds (kernels/neon/); elsewhere the Arm tiers never
+// pass check_tier, and these say so to the ladders below.
+#if defined(HINA_HAVE_NEON_KERNELS)
+bool neon_kernels(DType dt, KernelImpl* k) { return get_kernels_neon(dt, k); }
+static bool neon_qdot(WFormat wf, KernelImpl* k) { return get_qdot_kernels_neon(wf, k); }
+static bool dotprod_qdot(WFormat wf, KernelImpl* k) {
+  return cpu_features().asimddp && get_qdot_kernels_dotprod(wf, k);
+}
+#else
+bool neon_kernels(DType, KernelImpl*) { return false; }
+static bool neon_qdot(WFormat, KernelImpl*) { return false; }
+static bool dotprod_qdot(WFormat, KernelImpl*) { return false; }
+#endif
+
 // The integer-dot kernels for this tier (false: the tier has no SIMD integer-dot kernel).
 static bool select_qdot(Isa tier, WFormat wf, Selected* s) {
+  if (tier == Isa::kDotprod && dotprod_qdot(wf, &s->k)) {
+    s->kind = kKindDotprod;
+    return true;
+  }
+  if ((tier == Isa::kNeon || tier == Isa::kDotprod) && neon_qdot(wf, &s->k)) {
+    s->kind = kKindNeonDot;
+    return true;
+  }
   const bool x86 = tier == Isa::kAvx2 || tier == Isa::kAvx512 || tier == Isa::kAmx;
   if ((tier == Isa::kAvx512 || tier == Isa::kAmx) && cpu_features().avx512vnni &&
       get_qdot_kernels_avx512vnni(wf, &s->k)) {
@@ -104,6 +132,8 @@ static Selected select_l12(Isa tier, MoePath path) {
     s.kind = static_cast<int>(Isa::kAvx512);
   } else if (tier == Isa::kAvx2 && l12_wrapped_kernels(Plain::kAvx2, &s.k)) {
     s.kind = static_cast<int>(Isa::kAvx2);
+  } else if ((tier == Isa::kNeon || tier == Isa::kDotprod) && l12_wrapped_kernels(Plain::kNeon, &s.k)) {
+    s.kind = kKindNeon;
   } else {
     l12_wrapped_kernels(Plain::kGeneric, &s.k);
     s.kind = static_cast<int>(Isa::kGeneric);
@@ -143,6 +173,11 @@ Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
     ok = q ? get_qkernels_avx2(wf, &s.k) : get_kernels_avx2(dt, &s.k);
     s.kind = static_cast<int>(Isa::kAvx2);
   }
+  // the Arm tiers' FMA kernels (lossless weights; quantised ones expand on the generic kernels)
+  if (!ok && !q && (tier == Isa::kNeon || tier == Isa::kDotprod)) {
+    ok = neon_kernels(dt, &s.k);
+    s.kind = kKindNeon;
+  }
   if (!ok) {
     if (q) get_qkernels_generic(wf, false, &s.k);
     else get_kernels_generic(dt, false, &s.k);
@@ -152,7 +187,6 @@ Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
 }
 
 void check_tier(Isa isa) {
-  if (isa == Isa::kNeon) throw std::invalid_argument("isa 'neon' has no MoE kernels yet");
   if (!isa_supported(cpu_features(), isa)) {
     throw std::invalid_argument(std::string("isa '") + isa_name(isa) +
                                 "' is not supported on this machine (" + cpu_summary() + ")");
@@ -203,17 +237,13 @@ Isa resolve_isa(const char* name) {
     if (env && *env && std::strcmp(env, "auto") != 0) {
       n = env;
     } else {
-      const Isa best = best_isa(f);
-      return best == Isa::kNeon ? Isa::kGeneric : best;
+      return best_isa(f);
     }
   }
   Isa isa;
   if (!isa_from_name(n.c_str(), &isa)) {
     throw std::invalid_argument("isa '" + n +
-                                "' is unknown; expected auto, generic, avx2, avx512 or amx");
-  }
-  if (isa == Isa::kNeon) {
-    throw std::invalid_argument("isa 'neon' has no MoE kernels yet; use 'generic'");
+                                "' is unknown; expected auto, generic, avx2, avx512, amx, neon or dotprod");
   }
   if (!isa_supported(f, isa)) {
     throw std::invalid_argument("isa '" + n + "' is not supported on this machine (" +

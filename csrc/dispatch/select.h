@@ -17,9 +17,12 @@ namespace hina::detail {
 
 // ---- the experts op ----
 // `kind` is the <kernel> part of a kernel's name: an Isa (0..3), one of the integer-dot kinds,
-// or the bf16 dot-product prefill (avx512bf16).
+// the bf16 dot-product prefill (avx512bf16), or an Arm build: neon (the FMA kernels of tiers
+// neon and dotprod), neondot (integer dot with widening multiplies, tier neon), dotprod (SDOT,
+// tier dotprod).
 enum KernelKind : int {
-  kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kKindAvx512Bf16 = 8, kNumKinds = 9
+  kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kKindAvx512Bf16 = 8,
+  kKindNeon = 9, kKindNeonDot = 10, kKindDotprod = 11, kNumKinds = 12
 };
 const char* kind_name(int kind);
 struct Selected {
@@ -32,9 +35,11 @@ Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd);
 // use_amx_software_tiles(true) the same code on software tiles (moe_amx_sw.cpp).
 bool amx_kernels(DType dt, KernelImpl* k);
 bool amx_qkernels(WFormat wf, KernelImpl* k);
+// The Arm tiers' FMA kernels (kernels/neon/moe_neon.cpp); false in builds without them.
+bool neon_kernels(DType dt, KernelImpl* k);
 // lossless12 (bf16 only) runs a tier's plain bf16 kernels on decompressed panels, except the
 // fused AVX-512 decode kernels: which plain kernels (experts/codecs.cpp wraps them).
-enum class Plain : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx };
+enum class Plain : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx, kNeon };
 bool l12_wrapped_kernels(Plain p, KernelImpl* k);  // experts/codecs.cpp
 
 // ---- tiers ----

@@ -262,7 +262,7 @@ std::unique_ptr<PackedExperts> PackedExperts::view(const PackedHeader& h, const 
     throw std::invalid_argument("packed layout version " + std::to_string(h.version) +
                                 " is not this build's version " + std::to_string(PackedHeader{}.version));
   }
-  if (h.dtype > 2 || h.wfmt > 3 || h.isa > 4) throw std::invalid_argument("packed header has an unknown dtype, format or tier");
+  if (h.dtype > 2 || h.wfmt > 3 || std::strcmp(isa_name(static_cast<Isa>(h.isa)), "unknown") == 0) throw std::invalid_argument("packed header has an unknown dtype, format or tier");
   if (h.nbytes != mem_bytes) {
     throw std::invalid_argument("packed block is " + std::to_string(mem_bytes) +
                                 " bytes; its header says " + std::to_string(h.nbytes));

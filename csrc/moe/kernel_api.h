@@ -284,6 +284,12 @@ bool get_qdot_kernels_generic(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avx512vnni(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avx2(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_avxvnni(WFormat wf, KernelImpl* k);  // needs AVX-VNNI at run time
+// The Arm tiers (kernels/neon/; aarch64 builds only, false elsewhere): the FMA kernels of
+// lossless weights (tiers neon and dotprod), the integer dot with widening multiplies (neon) and
+// with SDOT (dotprod: needs FEAT_DotProd at run time).
+bool get_kernels_neon(DType dt, KernelImpl* k);
+bool get_qdot_kernels_neon(WFormat wf, KernelImpl* k);
+bool get_qdot_kernels_dotprod(WFormat wf, KernelImpl* k);
 
 // lossless12 panels (PackedHeader) <-> plain bf16 panels of plain_bytes bytes. Compressing is
 // portable code only (packing); it writes every byte of the panel and returns the number of

@@ -33,6 +33,9 @@ void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& t
       const double e = rel_err(got, ref);
       report(e <= tol(dt), tag + " " + name + " vs generic: rel err " + std::to_string(e));
       note(std::string(name) + " vs generic", e);
+      // the Arm tiers run their own FMA kernels for every lossless dtype (not the generic ones)
+      if (isa == Isa::kNeon || isa == Isa::kDotprod)
+        report(ends_with(name, "_neon"), tag + " " + isa_name(isa) + " runs the neon kernels: " + name);
       // the bf16-tile (AMX) and bf16-dot kernels round x and h to bf16: also against the twin
       // that rounds where they do; the dot kernel at 2e-3 (it measured <= 4e-5 on the AMD EPYC
       // of 2026-11-30, a3f9ea6: summation order and denormals only), the AMX one at the plain tolerance

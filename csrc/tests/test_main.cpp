@@ -68,6 +68,41 @@ static void test_read_streams(const std::vector<Isa>& tiers) {
 #endif
 }
 
+// The Arm tiers' detection and refusals (aarch64; under qemu-user the -cpu model decides what
+// the hwcaps say): the best tier is dotprod exactly when the CPU reports asimddp, a tier the CPU
+// lacks is refused naming what it has, and the tier names parse back.
+static void test_arm_tiers() {
+#if defined(__aarch64__)
+  if (!selected("arm tiers")) return;
+  const CpuFeatures& f = cpu_features();
+  report(f.neon && std::strcmp(f.arch, "aarch64") == 0, "arm tiers: aarch64 with neon");
+  report(best_isa(f) == (f.asimddp ? Isa::kDotprod : Isa::kNeon),
+         std::string("arm tiers: best tier ") + isa_name(best_isa(f)) + " with asimddp=" + std::to_string(f.asimddp));
+  for (Isa isa : {Isa::kNeon, Isa::kDotprod}) {
+    Isa back = Isa::kGeneric;
+    report(isa_from_name(isa_name(isa), &back) && back == isa, std::string("arm tiers: name ") + isa_name(isa) + " parses back");
+  }
+  auto refusal = [](const char* name) {
+    try {
+      resolve_isa(name);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  report(resolve_isa("neon") == Isa::kNeon, "arm tiers: neon resolves");
+  if (f.asimddp) {
+    report(resolve_isa("dotprod") == Isa::kDotprod, "arm tiers: dotprod resolves with asimddp");
+  } else {
+    const std::string msg = refusal("dotprod");
+    report(msg.find("'dotprod' is not supported") != std::string::npos && msg.find("asimddp=0") != std::string::npos,
+           "arm tiers: dotprod refused without asimddp: " + msg);
+  }
+  const std::string msg = refusal("avx2");
+  report(msg.find("'avx2' is not supported") != std::string::npos, "arm tiers: avx2 refused: " + msg);
+#endif
+}
+
 int main(int argc, char** argv) {
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--every") == 0 && a + 1 < argc) {
@@ -88,11 +123,16 @@ int main(int argc, char** argv) {
                       amx_software_tiles_built() && !g_hardware_only;
   if (amx_sw) use_amx_software_tiles(true);
   std::vector<Isa> tiers;
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAmx}) {
+#if defined(__aarch64__)
+  const Isa candidates[] = {Isa::kNeon, Isa::kDotprod};  // (under qemu-user: the -cpu model's)
+#else
+  const Isa candidates[] = {Isa::kAvx2, Isa::kAvx512, Isa::kAmx};
+#endif
+  for (Isa isa : candidates) {
     if (isa_supported(f, isa)) tiers.push_back(isa);
     else std::printf("skip tier %s: not supported on this machine\n", isa_name(isa));
   }
-  std::printf("cpu: %s; tiers:", f.brand);
+  std::printf("cpu: %s; tiers:", f.brand[0] ? f.brand : f.arch);
   for (Isa isa : tiers) std::printf(" %s", isa_name(isa));
   std::printf(amx_sw ? " (amx on software tiles: this CPU has no AMX)\n" : "\n");
   uint32_t seed = 1;
@@ -139,6 +179,7 @@ int main(int argc, char** argv) {
   test_latent_layer_step(tiers);
   test_attention_prefill(tiers);
   test_read_streams(tiers);
+  test_arm_tiers();
   test_fork_child();
   tests_tier::test_tier(all);
   for (const auto& kv : g_worst)

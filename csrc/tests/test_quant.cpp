@@ -239,12 +239,15 @@ void test_qdot_selection(const std::vector<Isa>& tiers) {
     for (WFormat wf : {WFormat::kInt8, WFormat::kInt4}) {
       const std::string fmt = wformat_name(wf);
       detail::KernelImpl probe;
-      const bool avx2dot = detail::get_qdot_kernels_avx2(wf, &probe);
-      const std::string exp = isa == Isa::kAmx ? "avx512" : isa_name(isa);
-      const bool vnni = isa != Isa::kAvx2 && f.avx512vnni;
-      const bool avxvnni = f.avx_vnni && detail::get_qdot_kernels_avxvnni(wf, &probe);
-      const std::string dot = vnni ? "avx512vnni" : avxvnni ? "avxvnni" : avx2dot ? "avx2dot" : "genericdot";
-      const std::string adot = vnni || avxvnni || avx2dot ? dot : exp;  // auto: expansion without a SIMD dot
+      const bool arm = isa == Isa::kNeon || isa == Isa::kDotprod;
+      const bool avx2dot = !arm && detail::get_qdot_kernels_avx2(wf, &probe);
+      // the Arm tiers have no expansion kernels of their own: quantised expansion runs the generic ones
+      const std::string exp = isa == Isa::kAmx ? "avx512" : arm ? "generic" : isa_name(isa);
+      const bool vnni = !arm && isa != Isa::kAvx2 && f.avx512vnni;
+      const bool avxvnni = !arm && f.avx_vnni && detail::get_qdot_kernels_avxvnni(wf, &probe);
+      const std::string dot = isa == Isa::kDotprod ? "dotprod" : isa == Isa::kNeon ? "neondot"
+                              : vnni ? "avx512vnni" : avxvnni ? "avxvnni" : avx2dot ? "avx2dot" : "genericdot";
+      const std::string adot = arm || vnni || avxvnni || avx2dot ? dot : exp;  // auto: expansion without a SIMD dot
       auto name = [&](DType dt, MoePath path, QDot qd) { return std::string(moe_kernel_name(isa, dt, path, wf, qd)); };
       report(name(DType::kBF16, MoePath::kDecode, QDot::kAuto) == "moe_decode_" + fmt + "_" + adot,
              "qdot selection: " + std::string(isa_name(isa)) + " " + fmt + " decode auto = " + name(DType::kBF16, MoePath::kDecode, QDot::kAuto));
@@ -498,7 +501,7 @@ void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
 }
 
 // The 256-bit integer-dot kernels (each build this CPU can run, forced, whatever the selection
-// prefers, and the avxvnni code with vpdpbusd emulated) vs genericdot at every row count an expert's rows can end in: 1..9 (4-row tiles and
+// prefers, and the avxvnni code with vpdpbusd emulated; on aarch64 neondot and dotprod) vs genericdot at every row count an expert's rows can end in: 1..9 (4-row tiles and
 // their 3-, 2- and 1-row remainders, decode's blocks), 17, 33 and 512; int8 and int4 in groups
 // of 32 / 64 / 128; gated and up-only; all rows routed to one expert, so the kernels see exactly
 // T rows; both paths.
@@ -511,6 +514,10 @@ void test_qdot_rows() {
       {"avxvnni", &detail::get_qdot_kernels_avxvnni, isa_supported(f, Isa::kAvx2) && f.avx_vnni},
 #ifdef HINA_QDOT_VNNI_EMULATED_BUILT  // the avxvnni code on any AVX2 CPU
       {"avxvnni-emulated", &detail::get_qdot_kernels_avxvnni_emulated, isa_supported(f, Isa::kAvx2)},
+#endif
+#if defined(__aarch64__)  // the Arm builds (kernels/neon/; one row at a time for now, at every count)
+      {"neondot", &detail::get_qdot_kernels_neon, isa_supported(f, Isa::kNeon)},
+      {"dotprod", &detail::get_qdot_kernels_dotprod, isa_supported(f, Isa::kDotprod)},
 #endif
   };
   uint32_t seed = 71;

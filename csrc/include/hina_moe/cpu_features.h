@@ -14,10 +14,11 @@ enum class Isa : int {
   kAvx512 = 2,   // AVX-512 F/BW/VL (+BF16/FP16/VNNI used when present)
   kAmx = 3,      // AVX-512 tier + AMX tile/bf16 with the kernel's permission granted
   kNeon = 10,    // aarch64 Advanced SIMD (separate family; not ordered against x86 tiers)
+  kDotprod = 11, // neon + SDOT/UDOT (FEAT_DotProd, Armv8.2-A and later: Graviton 2/3/4, Altra, Grace)
 };
 
 const char* isa_name(Isa isa);
-// Parses "generic" | "avx2" | "avx512" | "amx" | "neon"; returns false on an unknown name.
+// Parses "generic" | "avx2" | "avx512" | "amx" | "neon" | "dotprod"; returns false on an unknown name.
 bool isa_from_name(const char* name, Isa* out);
 
 struct CpuFeatures {
@@ -29,7 +30,9 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vbmi = false, avx512vnni = false, avx512bf16 = false, avx512fp16 = false, avx_vnni = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
-  bool neon = false, sve = false;
+  // aarch64, from the Linux hwcaps (AT_HWCAP / AT_HWCAP2), named as /proc/cpuinfo names them:
+  // asimddp = SDOT/UDOT, i8mm = SMMLA/USMMLA, bf16 = BFDOT/BFMMLA/BFCVT, sve = SVE (any length).
+  bool neon = false, asimddp = false, i8mm = false, bf16 = false, sve = false;
   // What the OS enables (XCR0 bits) and grants (AMX needs a per-process permission on Linux).
   uint64_t xcr0 = 0;
   bool os_avx = false, os_avx512 = false, os_amx = false;

@@ -1,0 +1,168 @@
+// [NOTE] moe_decode_<fmt>_neon / moe_prefill_<fmt>_neon (fmt: f32, bf16, f16): the experts of
+// lossless weights on Advanced SIMD, tiers neon and dotprod (the dot-product extension adds
+// nothing to fp32 FMAs). Flags: -march=armv8-a (every aarch64 CPU); aarch64 builds only.
+//
+// Data layout: the x86 tiers' packed panels unchanged (PackedHeader; moe_generic.cpp's table):
+//   | array          | shape                                      |
+//   |----------------|--------------------------------------------|
+//   | gate/up panel  | bf16 [Hk/2][G][16][2], f32/f16 [Hk][G][16] |
+//   | down panel     | bf16 [Ik/2][16][2],    f32/f16 [Ik][16]    |
+//   | x / h rows     | fp32, [nt][Hk] / [nt][Ik]                  |
+// One 16-column panel row is four q registers (columns 4q .. 4q + 3); a bf16 k pair of 16
+// columns (64 bytes) is four 32-bit-lane vectors whose low halves are the even k and high halves
+// the odd k: the even k widen by a shift left of 16, the odd k by masking the low half (exact).
+// Register plan (one row): G x 4 accumulators for the even k and as many for the odd k (16 of 32
+// for a gated panel), summed once at the end: two independent FMA chains per column, so the
+// 4-cycle FMA latency of Neoverse N1/V1 hides behind 8 (down: 4 x 2) chains in flight. x comes
+// two k at a time in a d register and feeds the FMAs by lane (fmla by element).
+// Epilogue: bias, limits and activation per column in scalar code (h_scalar, the oracle's own:
+// 16 columns a panel against Hk x 16 x G FMAs, and it keeps the Arm tiers' h as close to the
+// generic kernels as possible); the routing-weighted scatter-add with one fused multiply-add.
+// Prefill: for now each row runs the decode loop alone (the panel stays in L2 for the expert's
+// other rows); register-blocked prefill tiles are the next step on Arm.
+// Known limits: never run on Arm hardware; tested under qemu-user, speed estimated with llvm-mca
+// (benchmarks/log/arm.md).
+#if !defined(__aarch64__)
+#error "kernels/neon is built for aarch64 only (CMakeLists.txt)"
+#endif
+#include <arm_neon.h>
+
+#include <cmath>
+
+#include "moe/kernel_api.h"
+#include "moe/prefetch.h"
+
+namespace hina::detail {
+namespace {
+
+// Four columns of row k of a f32 / f16 panel matrix as fp32.
+template <DType D>
+inline float32x4_t load4(const void* base, int64_t elem) {
+  if constexpr (D == DType::kF32) {
+    return vld1q_f32(static_cast<const float*>(base) + elem);
+  } else {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(static_cast<const uint16_t*>(base) + elem)));
+  }
+}
+
+// out[gi][0..15]: matrix gi of one panel (reduction length Kp, G matrices) dotted with fp32 x.
+template <DType D, int G>
+inline void dot_panel(const void* panel, int64_t Kp, const float* x, int64_t ahead, float (*out)[kPanelN]) {
+  float32x4_t ae[G][4], ao[G][4];
+  for (int gi = 0; gi < G; ++gi)
+    for (int q = 0; q < 4; ++q) ae[gi][q] = ao[gi][q] = vdupq_n_f32(0.0f);
+  if constexpr (D == DType::kBF16) {
+    const uint32x4_t odd_mask = vdupq_n_u32(0xffff0000u);
+    const uint8_t* w = static_cast<const uint8_t*>(panel);
+    for (int64_t k = 0; k < Kp; k += 2, w += 64 * G) {
+      if (ahead) {
+        pf::line(w + ahead);
+        if (G == 2) pf::line(w + ahead + 64);
+      }
+      const float32x2_t xv = vld1_f32(x + k);
+      for (int gi = 0; gi < G; ++gi)
+        for (int q = 0; q < 4; ++q) {
+          const uint32x4_t v = vld1q_u32(reinterpret_cast<const uint32_t*>(w + gi * 64 + q * 16));
+          ae[gi][q] = vfmaq_lane_f32(ae[gi][q], vreinterpretq_f32_u32(vshlq_n_u32(v, 16)), xv, 0);
+          ao[gi][q] = vfmaq_lane_f32(ao[gi][q], vreinterpretq_f32_u32(vandq_u32(v, odd_mask)), xv, 1);
+        }
+    }
+  } else {
+    constexpr int64_t esz = D == DType::kF32 ? 4 : 2;
+    const char* wb = static_cast<const char*>(panel);
+    for (int64_t k = 0; k < Kp; k += 2) {
+      if (ahead)
+        for (int64_t o = 0; o < 2 * G * kPanelN * esz; o += 64) pf::line(wb + k * G * kPanelN * esz + o + ahead);
+      const float32x2_t xv = vld1_f32(x + k);
+      for (int gi = 0; gi < G; ++gi)
+        for (int q = 0; q < 4; ++q) {
+          const int64_t e = (k * G + gi) * kPanelN + q * 4;
+          ae[gi][q] = vfmaq_lane_f32(ae[gi][q], load4<D>(panel, e), xv, 0);
+          ao[gi][q] = vfmaq_lane_f32(ao[gi][q], load4<D>(panel, e + G * kPanelN), xv, 1);
+        }
+    }
+  }
+  for (int gi = 0; gi < G; ++gi)
+    for (int q = 0; q < 4; ++q) vst1q_f32(out[gi] + q * 4, vaddq_f32(ae[gi][q], ao[gi][q]));
+}
+
+template <DType D, bool Gated>
+void gateup(const GateUpJob& j) {
+  pf::reload();
+  constexpr int G = Gated ? 2 : 1;
+  const Layout& L = *j.L;
+  const int64_t pbytes = gu_panel_bytes(L), ahead = pf::bytes();
+  float* h = static_cast<float*>(j.h);
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    for (int64_t r = 0; r < j.nt; ++r) {
+      alignas(16) float acc[G][kPanelN];
+      dot_panel<D, G>(panel, L.Hk, static_cast<const float*>(j.x[r]), ahead, acc);
+      float* hr = h + r * j.h_stride;
+      for (int n = 0; n < kPanelN; ++n) {
+        const int64_t col = p * kPanelN + n;
+        float hv = 0.0f, hu = 0.0f;  // (hu: a paired linear layer's up half, j.pair on)
+        if (col < L.I) {
+          float g = Gated ? acc[0][n] : 0.0f, u = acc[G - 1][n];
+          if (j.bias_g) g += j.bias_g[col];
+          if (j.bias_u) u += j.bias_u[col];
+          if (Gated && j.pair) hv = g, hu = u;
+          else hv = h_scalar(*j.act, Gated, g, u);
+        }
+        hr[col] = hv;
+        if (Gated && j.pair) hr[col + j.pair] = hu;
+      }
+    }
+  }
+}
+
+template <DType D>
+void down(const DownJob& j) {
+  pf::reload();
+  const Layout& L = *j.L;
+  const int64_t pbytes = down_panel_bytes(L), ahead = pf::bytes();
+  for (int64_t p = j.p0; p < j.p1; ++p) {
+    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
+    for (int64_t r = 0; r < j.nt; ++r) {
+      alignas(16) float y[1][kPanelN];
+      dot_panel<D, 1>(panel, L.Ik, static_cast<const float*>(j.h) + r * j.h_stride, ahead, y);
+      for (int n = 0; n < kPanelN; ++n) {
+        const int64_t col = p * kPanelN + n;
+        if (col >= L.H) break;
+        float yv = y[0][n];
+        if (j.bias) yv += j.bias[col];
+        j.acc[r][col] = std::fma(j.wt[r], yv, j.acc[r][col]);
+      }
+    }
+  }
+}
+
+template <DType D>
+void gateup_dispatch(const GateUpJob& j) {
+  if (j.L->G == 2) gateup<D, true>(j);
+  else gateup<D, false>(j);
+}
+
+template <DType D>
+void set(KernelImpl* k) {
+  k->gateup = &gateup_dispatch<D>;
+  k->down = &down<D>;
+}
+
+}  // namespace
+
+bool get_kernels_neon(DType dt, KernelImpl* k) {
+  switch (dt) {
+    case DType::kF32: set<DType::kF32>(k); break;
+    case DType::kBF16: set<DType::kBF16>(k); break;
+    case DType::kF16: set<DType::kF16>(k); break;
+    default: return false;
+  }
+  k->x_bf16 = k->h_bf16 = false;
+  k->row_slack = 0;
+  k->uses_w_next = false;
+  k->qdot = false;
+  return true;
+}
+
+}  // namespace hina::detail
