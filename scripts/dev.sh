@@ -4,7 +4,8 @@
 #   bash scripts/dev.sh test [args]   the whole test suite (C++ kernel tests + pytest)
 #   bash scripts/dev.sh setup         only the set-up
 #   bash scripts/dev.sh test-aarch64  the C++ kernel tests cross-compiled for aarch64, run under
-#                                     qemu (needs g++-aarch64-linux-gnu and qemu-user)
+#                                     qemu-user for a CPU model with and one without dotprod
+#                                     (needs g++-aarch64-linux-gnu and qemu-user)
 #   bash scripts/dev.sh sanitize      the C++ runners under ASan+UBSan and under TSan (full sets)
 #   bash scripts/dev.sh fuzz          the packed-header fuzz target: gcc driver under ASan+UBSan,
 #                                     then libFuzzer (clang; installed with apt-get when missing)
@@ -237,8 +238,12 @@ run_pytest() {
   if [ $rc -ne 0 ]; then exit $rc; fi
 }
 
-# The C++ core cross-compiled for aarch64 (generic kernels: no NEON tier yet) and its test runner
-# run under qemu-user, so the ARM build is checked from an x86 machine.
+# The C++ core cross-compiled for aarch64 and its test runner run under qemu-user, so the Arm
+# build and its tiers are checked from an x86 machine: once per qemu CPU model in
+# HINA_AARCH64_CPUS, by default one with the dot-product extension (neoverse-n1: tiers neon and
+# dotprod) and one without (cortex-a57: tier neon, dotprod refused), so dispatch and both tiers'
+# kernels run. Not part of `test`: on the 2-core machine of 2026-12-07 each model's run took
+# several minutes under qemu.
 run_aarch64_tests() {
   for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
     if ! command -v "$tool" >/dev/null 2>&1; then
@@ -254,9 +259,18 @@ set(CMAKE_SYSTEM_PROCESSOR aarch64)
 set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
 set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
 TC
-  cmake -S . -B "$build" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_TOOLCHAIN_FILE="$tc" >/dev/null
-  cmake --build "$build" --target hina_tests >/dev/null
-  qemu-aarch64 -L /usr/aarch64-linux-gnu "$build/hina_tests" "$@"
+  # (the toolchain file only on the first configure: CMake warns that a configured tree ignores it)
+  local tcarg=()
+  [ -f "$build/CMakeCache.txt" ] || tcarg=(-DCMAKE_TOOLCHAIN_FILE="$tc")
+  cmake -S . -B "$build" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release "${tcarg[@]}" >/dev/null
+  cmake --build "$build" -j "$jobs" --target hina_tests >/dev/null
+  local cpu t0
+  for cpu in ${HINA_AARCH64_CPUS:-neoverse-n1 cortex-a57}; do
+    t0=$SECONDS
+    echo "[test-aarch64] hina_tests under qemu-aarch64 -cpu $cpu"
+    qemu-aarch64 -cpu "$cpu" -L /usr/aarch64-linux-gnu "$build/hina_tests" "$@" | quiet_kernels
+    echo "[test-aarch64] -cpu $cpu: $((SECONDS - t0)) s"
+  done
 }
 
 cmd="${1:-}"
