@@ -24,7 +24,8 @@ nb::dict features_dict() {
   HINA_FLAG(sse42); HINA_FLAG(avx); HINA_FLAG(avx2); HINA_FLAG(fma); HINA_FLAG(f16c);
   HINA_FLAG(avx512f); HINA_FLAG(avx512bw); HINA_FLAG(avx512vl); HINA_FLAG(avx512dq);
   HINA_FLAG(avx512vbmi); HINA_FLAG(avx512vnni); HINA_FLAG(avx512bf16); HINA_FLAG(avx512fp16); HINA_FLAG(avx_vnni);
-  HINA_FLAG(amx_tile); HINA_FLAG(amx_bf16); HINA_FLAG(amx_int8); HINA_FLAG(neon); HINA_FLAG(sve);
+  HINA_FLAG(amx_tile); HINA_FLAG(amx_bf16); HINA_FLAG(amx_int8); HINA_FLAG(neon); HINA_FLAG(asimddp);
+  HINA_FLAG(i8mm); HINA_FLAG(bf16); HINA_FLAG(sve);
 #undef HINA_FLAG
   d["cpu"] = cpu;
   nb::dict os;

@@ -112,7 +112,8 @@ class HinaConfig:
             to enable a block that has no native kernel; "reference" always uses the pure-PyTorch
             reference path (the oracle the kernels are tested against).
         isa: kernel tier for native kernels: "auto" (the best this CPU and OS allow) or one of
-            "generic", "avx2", "avx512", "amx". Asking for a tier the CPU lacks is an error.
+            "generic", "avx2", "avx512", "amx" (x86), "neon", "dotprod" (aarch64). Asking for a
+            tier the CPU lacks is an error.
         threads: threads for the native kernels, 0 to MAX_THREADS (8192); 0 means
             `torch.get_num_threads()`.
         strict: if true, `enable_for_model` raises when any MoE block found in the model would be

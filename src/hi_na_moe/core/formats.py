@@ -57,6 +57,8 @@ class Isa(_Choice):
     AVX2 = "avx2"
     AVX512 = "avx512"
     AMX = "amx"
+    NEON = "neon"  # aarch64 (every CPU)
+    DOTPROD = "dotprod"  # aarch64 with the dot-product extension (asimddp)
 
 
 class Scope(_Choice):
