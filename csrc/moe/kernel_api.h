@@ -439,6 +439,28 @@ static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
   return a * (u + p.up_offset);
 }
 
+// A gate/up panel's epilogue for one row in scalar code (the Arm tiers' kernels): the sums of
+// panel p (acc: [G][kPanelN] fp32, G = 2 gated, 1 not) with the biases, through the activation
+// into the row hr of h (fp32), or for a paired linear layer (j.pair) g and u as they are into its
+// two halves; columns >= I written as 0.
+template <bool Gated>
+static inline void gateup_row_scalar(const GateUpJob& j, int64_t p, const float* acc, float* hr) {
+  constexpr int G = Gated ? 2 : 1;
+  for (int n = 0; n < kPanelN; ++n) {
+    const int64_t col = p * kPanelN + n;
+    float hv = 0.0f, hu = 0.0f;  // (hu: a paired linear layer's up half, j.pair on)
+    if (col < j.L->I) {
+      float g = Gated ? acc[n] : 0.0f, u = acc[(G - 1) * kPanelN + n];
+      if (j.bias_g) g += j.bias_g[col];
+      if (j.bias_u) u += j.bias_u[col];
+      if (Gated && j.pair) hv = g, hu = u;
+      else hv = h_scalar(*j.act, Gated, g, u);
+    }
+    hr[col] = hv;
+    if (Gated && j.pair) hr[col + j.pair] = hu;
+  }
+}
+
 // Layout v3-v5 quantised panels: 4 consecutive k of one output row share a 32-bit lane (the
 // operand shape of vpdpbusd / vpmaddubsw+vpmaddwd / sdot), 16 lanes (64 bytes) per k step.
 // int8: byte of (k, gi, n) after the [G][16] fp32 scales: quad k/4, matrix gi, lane n, byte k%4.

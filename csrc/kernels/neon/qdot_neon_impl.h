@@ -247,20 +247,7 @@ void gateup(const GateUpJob& j) {
     for (int64_t r = 0; r < j.nt; ++r) {
       alignas(16) float acc[G][kPanelN];
       qdot_panel<Sdot, F, G>(panel, L.Hk, L.group, ahead, j.x[r], acc);
-      float* hr = h + r * j.h_stride;
-      for (int n = 0; n < kPanelN; ++n) {
-        const int64_t col = p * kPanelN + n;
-        float hv = 0.0f, hu = 0.0f;  // (hu: a paired linear layer's up half, j.pair on)
-        if (col < L.I) {
-          float g = Gated ? acc[0][n] : 0.0f, u = acc[G - 1][n];
-          if (j.bias_g) g += j.bias_g[col];
-          if (j.bias_u) u += j.bias_u[col];
-          if (Gated && j.pair) hv = g, hu = u;
-          else hv = h_scalar(*j.act, Gated, g, u);
-        }
-        hr[col] = hv;
-        if (Gated && j.pair) hr[col + j.pair] = hu;
-      }
+      gateup_row_scalar<Gated>(j, p, &acc[0][0], h + r * j.h_stride);
     }
   }
 }
