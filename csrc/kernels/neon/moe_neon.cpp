@@ -27,8 +27,7 @@
 #endif
 #include <arm_neon.h>
 
-#include <cmath>
-
+#include "kernels/neon/panel_loops_neon.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
 
@@ -86,69 +85,29 @@ inline void dot_panel(const void* panel, int64_t Kp, const float* x, int64_t ahe
     for (int q = 0; q < 4; ++q) vst1q_f32(out[gi] + q * 4, vaddq_f32(ae[gi][q], ao[gi][q]));
 }
 
-template <DType D, bool Gated>
-void gateup(const GateUpJob& j) {
-  pf::reload();
-  constexpr int G = Gated ? 2 : 1;
-  const Layout& L = *j.L;
-  const int64_t pbytes = gu_panel_bytes(L), ahead = pf::bytes();
-  float* h = static_cast<float*>(j.h);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    for (int64_t r = 0; r < j.nt; ++r) {
-      alignas(16) float acc[G][kPanelN];
-      dot_panel<D, G>(panel, L.Hk, static_cast<const float*>(j.x[r]), ahead, acc);
-      gateup_row_scalar<Gated>(j, p, &acc[0][0], h + r * j.h_stride);
-    }
+// The family of kernels/neon/panel_loops_neon.h: one row at a time.
+template <DType D>
+struct Lossless {
+  static constexpr bool kQdot = false;
+  static constexpr int kRows = 1;
+  template <int G, int NT>
+  static void dot(const uint8_t* panel, int64_t Kp, int, int64_t ahead, const void* const* rows,
+                  float (*out)[G][kPanelN]) {
+    static_assert(NT == 1);
+    dot_panel<D, G>(panel, Kp, static_cast<const float*>(rows[0]), ahead, out[0]);
   }
-}
-
-template <DType D>
-void down(const DownJob& j) {
-  pf::reload();
-  const Layout& L = *j.L;
-  const int64_t pbytes = down_panel_bytes(L), ahead = pf::bytes();
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    for (int64_t r = 0; r < j.nt; ++r) {
-      alignas(16) float y[1][kPanelN];
-      dot_panel<D, 1>(panel, L.Ik, static_cast<const float*>(j.h) + r * j.h_stride, ahead, y);
-      for (int n = 0; n < kPanelN; ++n) {
-        const int64_t col = p * kPanelN + n;
-        if (col >= L.H) break;
-        float yv = y[0][n];
-        if (j.bias) yv += j.bias[col];
-        j.acc[r][col] = std::fma(j.wt[r], yv, j.acc[r][col]);
-      }
-    }
-  }
-}
-
-template <DType D>
-void gateup_dispatch(const GateUpJob& j) {
-  if (j.L->G == 2) gateup<D, true>(j);
-  else gateup<D, false>(j);
-}
-
-template <DType D>
-void set(KernelImpl* k) {
-  k->gateup = &gateup_dispatch<D>;
-  k->down = &down<D>;
-}
+  static const void* down_row(const DownJob& j, int64_t r) { return static_cast<const float*>(j.h) + r * j.h_stride; }
+};
 
 }  // namespace
 
 bool get_kernels_neon(DType dt, KernelImpl* k) {
   switch (dt) {
-    case DType::kF32: set<DType::kF32>(k); break;
-    case DType::kBF16: set<DType::kBF16>(k); break;
-    case DType::kF16: set<DType::kF16>(k); break;
+    case DType::kF32: loops_neon::set_kernels<Lossless<DType::kF32>>(k); break;
+    case DType::kBF16: loops_neon::set_kernels<Lossless<DType::kBF16>>(k); break;
+    case DType::kF16: loops_neon::set_kernels<Lossless<DType::kF16>>(k); break;
     default: return false;
   }
-  k->x_bf16 = k->h_bf16 = false;
-  k->row_slack = 0;
-  k->uses_w_next = false;
-  k->qdot = false;
   return true;
 }
 

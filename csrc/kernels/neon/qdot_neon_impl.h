@@ -36,9 +36,9 @@
 #endif
 #include <arm_neon.h>
 
-#include <cmath>
 #include <cstring>
 
+#include "kernels/neon/panel_loops_neon.h"
 #include "moe/kernel_api.h"
 #include "moe/prefetch.h"
 
@@ -235,67 +235,27 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int64_t ahea
   }
 }
 
-template <bool Sdot, WFormat F, bool Gated>
-void gateup(const GateUpJob& j) {
-  pf::reload();
-  constexpr int G = Gated ? 2 : 1;
-  const Layout& L = *j.L;
-  const int64_t pbytes = gu_panel_bytes(L), ahead = pf::bytes();
-  float* h = static_cast<float*>(j.h);
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    for (int64_t r = 0; r < j.nt; ++r) {
-      alignas(16) float acc[G][kPanelN];
-      qdot_panel<Sdot, F, G>(panel, L.Hk, L.group, ahead, j.x[r], acc);
-      gateup_row_scalar<Gated>(j, p, &acc[0][0], h + r * j.h_stride);
-    }
-  }
-}
-
+// The family of kernels/neon/panel_loops_neon.h: one row at a time.
 template <bool Sdot, WFormat F>
-void down(const DownJob& j) {
-  pf::reload();
-  const Layout& L = *j.L;
-  const int64_t pbytes = down_panel_bytes(L), ahead = pf::bytes();
-  for (int64_t p = j.p0; p < j.p1; ++p) {
-    const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
-    for (int64_t r = 0; r < j.nt; ++r) {
-      alignas(16) float y[1][kPanelN];
-      qdot_panel<Sdot, F, 1>(panel, L.Ik, L.group, ahead, static_cast<const uint8_t*>(j.h) + r * j.h_stride, y);
-      for (int n = 0; n < kPanelN; ++n) {
-        const int64_t col = p * kPanelN + n;
-        if (col >= L.H) break;
-        float yv = y[0][n];
-        if (j.bias) yv += j.bias[col];
-        j.acc[r][col] = std::fma(j.wt[r], yv, j.acc[r][col]);
-      }
-    }
+struct QDot {
+  static constexpr bool kQdot = true;
+  static constexpr int kRows = 1;
+  template <int G, int NT>
+  static void dot(const uint8_t* panel, int64_t Kp, int group, int64_t ahead, const void* const* rows,
+                  float (*out)[G][kPanelN]) {
+    static_assert(NT == 1);
+    qdot_panel<Sdot, F, G>(panel, Kp, group, ahead, rows[0], out[0]);
   }
-}
-
-template <bool Sdot, WFormat F>
-void gateup_dispatch(const GateUpJob& j) {
-  if (j.L->G == 2) gateup<Sdot, F, true>(j);
-  else gateup<Sdot, F, false>(j);
-}
+  static const void* down_row(const DownJob& j, int64_t r) { return static_cast<const uint8_t*>(j.h) + r * j.h_stride; }
+};
 
 template <bool Sdot>
 bool get_kernels(WFormat wf, KernelImpl* k) {
   switch (wf) {
-    case WFormat::kInt8:
-      k->gateup = &gateup_dispatch<Sdot, WFormat::kInt8>;
-      k->down = &down<Sdot, WFormat::kInt8>;
-      break;
-    case WFormat::kInt4:
-      k->gateup = &gateup_dispatch<Sdot, WFormat::kInt4>;
-      k->down = &down<Sdot, WFormat::kInt4>;
-      break;
+    case WFormat::kInt8: loops_neon::set_kernels<QDot<Sdot, WFormat::kInt8>>(k); break;
+    case WFormat::kInt4: loops_neon::set_kernels<QDot<Sdot, WFormat::kInt4>>(k); break;
     default: return false;
   }
-  k->x_bf16 = k->h_bf16 = false;
-  k->row_slack = 0;
-  k->uses_w_next = false;
-  k->qdot = true;
   return true;
 }
 
