@@ -194,6 +194,29 @@ def test_isa_above_cpu_is_refused(monkeypatch):
         load_config(isa="amx")
 
 
+@pytest.mark.parametrize(
+    ("tiers", "best", "asked", "arch", "listed"),
+    [(("generic", "avx2", "avx512"), "avx512", "dotprod", "aarch64", "'generic', 'avx2', 'avx512'"),
+     (("generic", "neon", "dotprod"), "dotprod", "avx2", "x86-64", "'generic', 'neon', 'dotprod'")],
+)
+def test_isa_of_another_architecture_is_refused_as_such(monkeypatch, tiers, best, asked, arch, listed):
+    # An Arm tier on an x86 CPU (and the reverse) is not a tier "too high" for it: the refusal
+    # names the tier's architecture and the tiers this CPU has, never "pick a lower tier".
+    import types
+
+    from hi_na_moe.core import config as config_mod
+
+    fake = types.SimpleNamespace(isa_supported=lambda t: t in tiers, best_isa=lambda: best)
+    monkeypatch.setattr(config_mod, "native_module", lambda: (fake, None))
+    monkeypatch.setenv("HINA_MOE_ISA", asked)
+    with pytest.raises(ConfigError) as e:
+        load_config()
+    msg = str(e.value)
+    assert f"'isa' (env HINA_MOE_ISA) asks for {asked!r}, a tier of {arch} CPUs" in msg, msg
+    assert f"this CPU's tiers: {listed}" in msg, msg
+    assert "lower tier" not in msg, msg
+
+
 def test_isa_without_native_library_is_refused(monkeypatch):
     from hi_na_moe.core import config as config_mod
 

@@ -246,8 +246,17 @@ Isa resolve_isa(const char* name) {
                                 "' is unknown; expected auto, generic, avx2, avx512, amx, neon or dotprod");
   }
   if (!isa_supported(f, isa)) {
-    throw std::invalid_argument("isa '" + n + "' is not supported on this machine (" +
-                                detail::cpu_summary() + ")");
+    // An Arm tier on an x86 CPU (or the reverse) is not a tier too high for it: say whose it is
+    // and which tiers this CPU has.
+    const bool arm = isa == Isa::kNeon || isa == Isa::kDotprod;
+    std::string have;
+    for (Isa t : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod})
+      if (isa_supported(f, t)) have += std::string(have.empty() ? "" : ", ") + isa_name(t);
+    const std::string other = isa != Isa::kGeneric && arm != f.neon
+                                  ? std::string(", a tier of ") + (arm ? "aarch64" : "x86-64") + " CPUs,"
+                                  : "";
+    throw std::invalid_argument("isa '" + n + "'" + other + " is not supported on this machine (this CPU's tiers: " +
+                                have + "; " + detail::cpu_summary() + ")");
   }
   return isa;
 }

@@ -99,7 +99,21 @@ static void test_arm_tiers() {
            "arm tiers: dotprod refused without asimddp: " + msg);
   }
   const std::string msg = refusal("avx2");
-  report(msg.find("'avx2' is not supported") != std::string::npos, "arm tiers: avx2 refused: " + msg);
+  report(msg.find("'avx2', a tier of x86-64 CPUs, is not supported") != std::string::npos &&
+             msg.find(f.asimddp ? "tiers: generic, neon, dotprod;" : "tiers: generic, neon;") != std::string::npos,
+         "arm tiers: avx2 refused as another architecture's, naming this CPU's tiers: " + msg);
+#else
+  // and on x86: an Arm tier is refused as another architecture's, not as one too high
+  if (!selected("arm tiers")) return;
+  std::string msg;
+  try {
+    resolve_isa("dotprod");
+  } catch (const std::invalid_argument& e) {
+    msg = e.what();
+  }
+  report(msg.find("'dotprod', a tier of aarch64 CPUs, is not supported") != std::string::npos &&
+             msg.find("tiers: generic") != std::string::npos && msg.find("neon") == std::string::npos,
+         "arm tiers: dotprod refused on x86 as another architecture's, naming this CPU's tiers: " + msg);
 #endif
 }
 

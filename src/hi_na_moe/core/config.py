@@ -429,6 +429,12 @@ def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -
         )
 
 
+# The architecture of each SIMD tier ("generic" runs everywhere), in ascending order per
+# architecture; a tier of another architecture than this CPU's is refused as such.
+ISA_ARCH = {"generic": None, "avx2": "x86-64", "avx512": "x86-64", "amx": "x86-64",
+            "neon": "aarch64", "dotprod": "aarch64"}
+
+
 def _check_isa_available(isa: str, source: str) -> None:
     native, why = native_module()
     if native is None:
@@ -437,9 +443,18 @@ def _check_isa_available(isa: str, source: str) -> None:
             "use isa='auto' or rebuild the package"
         )
     if not native.isa_supported(isa):
+        have = [t for t in ISA_ARCH if native.isa_supported(t)]
+        listed = ", ".join(repr(t) for t in have)
+        arch = ISA_ARCH.get(isa)
+        if arch and not any(native.isa_supported(t) for t, a in ISA_ARCH.items() if a == arch):
+            # not a tier too high for this CPU: one of another architecture's
+            raise ConfigError(
+                f"config key 'isa' ({source}) asks for {isa!r}, a tier of {arch} CPUs, and this CPU is not "
+                f"one; this CPU's tiers: {listed} (best: {native.best_isa()!r}); use one of those or 'auto'"
+            )
         raise ConfigError(
             f"config key 'isa' ({source}) asks for {isa!r}, which this CPU/OS does not support "
-            f"(best available: {native.best_isa()!r}); pick a lower tier or 'auto'"
+            f"(best available: {native.best_isa()!r}; this CPU's tiers: {listed}); pick a lower tier or 'auto'"
         )
 
 
