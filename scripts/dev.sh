@@ -193,13 +193,18 @@ run_tests() {
   # skips these; a HINA_MOE_ISA already set runs that tier alone). PyTorch is held to the build
   # such a CPU would run (ATEN_CPU_CAPABILITY): its AVX2 and baseline kernels round differently
   # from its AVX-512 ones, and tests that compare with its arithmetic must hold there too. An
-  # ATEN_CPU_CAPABILITY the caller set is kept.
+  # ATEN_CPU_CAPABILITY the caller set is kept. On aarch64 the tiers are the Arm ones, and every
+  # CPU whose best tier is a lower one runs PyTorch's default build (its aarch64 builds take only
+  # default and sve256, and 256-bit SVE CPUs have every Arm tier).
   if [ "${HINA_TEST_LOWER_TIERS:-1}" != 0 ] && [ -z "${HINA_MOE_ISA:-}" ]; then
-    local tiers cap torch_cap
-    tiers="$(python -c 'from hi_na_moe import _native as n; best = n.resolve_isa(); order = ("generic", "avx2", "avx512", "amx"); print(" ".join(t for t in order[:order.index(best)] if n.isa_supported(t)))')"
+    local tiers cap torch_cap arm=0 order='("generic", "avx2", "avx512", "amx")'
+    case "$(uname -m)" in aarch64 | arm64) arm=1; order='("generic", "neon", "dotprod")' ;; esac
+    tiers="$(python -c "from hi_na_moe import _native as n; best = n.resolve_isa(); order = $order; print(' '.join(t for t in order[:order.index(best)] if n.isa_supported(t)))")"
     for tier in $tiers; do
       if [ -n "${ATEN_CPU_CAPABILITY:-}" ]; then
         cap="$ATEN_CPU_CAPABILITY"
+      elif [ $arm = 1 ]; then
+        cap=default
       else
         case "$tier" in generic) cap=default ;; *) cap="$tier" ;; esac
       fi
@@ -219,7 +224,7 @@ torch_capability() {
   if [ "$got" != "$(echo "$1" | tr a-z A-Z)" ]; then
     echo "ATEN_CPU_CAPABILITY=$1 did not take effect: torch.backends.cpu.get_cpu_capability() gave '$got', so" \
       "pytest would test another PyTorch build than the one meant (the values torch takes: default, avx2," \
-      "avx512, in lower case, up to what the CPU has)" >&2
+      "avx512, in lower case, up to what the CPU has; on aarch64 default, and sve256 on CPUs with 256-bit SVE)" >&2
     exit 1
   fi
   echo "$got"
