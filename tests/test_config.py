@@ -323,7 +323,7 @@ def test_choices_are_typed_and_keep_their_strings():
 
 GiB = 1 << 30
 TIER_DEFAULTS = {"memory_limit": None, "prefetch": True, "prediction_window": 2, "io_threads": 4,
-                 "direct_io": "auto", "numa_node": None}
+                 "direct_io": "auto", "eviction": "auto", "numa_node": None}
 
 
 def _config_file(monkeypatch, tmp_path, text: str):
@@ -344,11 +344,11 @@ def test_memory_tier_defaults_are_listed_with_their_sources():
 
 def test_memory_tier_keys_from_the_environment(monkeypatch):
     for name, value in (("MEMORY_LIMIT", "8GiB"), ("PREFETCH", "off"), ("PREDICTION_WINDOW", "8"),
-                        ("IO_THREADS", "64"), ("DIRECT_IO", "on"), ("NUMA_NODE", "1")):
+                        ("IO_THREADS", "64"), ("DIRECT_IO", "on"), ("NUMA_NODE", "1"), ("EVICTION", "freq-decay")):
         monkeypatch.setenv(f"HINA_MOE_{name}", value)
     cfg = load_config()
-    assert (cfg.memory_limit, cfg.prefetch, cfg.prediction_window, cfg.io_threads, cfg.direct_io, cfg.numa_node) == (
-        "8GiB", False, 8, 64, "on", 1)
+    assert (cfg.memory_limit, cfg.prefetch, cfg.prediction_window, cfg.io_threads, cfg.direct_io, cfg.numa_node,
+            cfg.eviction) == ("8GiB", False, 8, 64, "on", 1, "freq-decay")
     assert cfg.sources["memory_limit"] == "env HINA_MOE_MEMORY_LIMIT"
     assert cfg.memory_limit_bytes() == 8 * GiB
     for text, want in (("1", True), ("0", False), ("true", True), ("false", False), ("on", True), ("off", False)):
@@ -394,6 +394,8 @@ def test_memory_limit_kwargs_keep_what_was_written():
     ("direct_io", "of", r"'direct_io' \(keyword argument\) has bad value 'of': expected one of 'auto', 'on', 'off' "
                         r"\(did you mean 'off'\?\)"),
     ("direct_io", True, r"'direct_io' .* bad value True: expected one of 'auto', 'on', 'off'"),
+    ("eviction", "lru2", r"'eviction' \(keyword argument\) has bad value 'lru2': expected one of 'auto', 'lru', 'lfu', "
+                         r"'lru-2', 'freq-decay' \(did you mean 'lru-2'\?\)"),
     ("numa_node", -1, r"'numa_node' \(keyword argument\) has bad value -1: expected a whole number from 0"),
     ("numa_node", False, r"'numa_node' .* bad value False"),
     ("numa_node", "0", r"'numa_node' .* bad value '0'"),
@@ -425,12 +427,13 @@ def test_memory_tier_bad_env_values_name_the_variable(monkeypatch, name, value, 
 
 
 def test_nested_yaml_form(monkeypatch, tmp_path):
-    f = _config_file(monkeypatch, tmp_path, "memory: {limit: 8GiB, io_threads: 4, direct_io: auto}\n"
+    f = _config_file(monkeypatch, tmp_path, "memory: {limit: 8GiB, io_threads: 4, direct_io: auto, eviction: lfu}\n"
                                             "prefetch: {enabled: true, prediction_window: 2}\n"
                                             "numa: {node: 0}\n")
     cfg = load_config()
     assert (cfg.memory_limit, cfg.io_threads, cfg.direct_io, cfg.prefetch, cfg.prediction_window, cfg.numa_node) == (
         "8GiB", 4, "auto", True, 2, 0)
+    assert cfg.eviction == "lfu" and cfg.sources["eviction"] == f"file {f}: memory.eviction"
     assert cfg.memory == "auto" and cfg.sources["memory"] == "default"  # the section is not the flat key
     assert cfg.sources["memory_limit"] == f"file {f}: memory.limit"
     assert cfg.sources["numa_node"] == f"file {f}: numa.node"
@@ -486,7 +489,7 @@ def test_a_key_given_flat_and_nested_is_an_error_naming_both(monkeypatch, tmp_pa
 
 @pytest.mark.parametrize("text, want", [
     ("memory: {limt: 8GiB}\n", r"unknown config key 'memory.limt' \(file .*c.yaml\); known under 'memory': mode, "
-                               r"limit, io_threads, direct_io; did you mean 'memory.limit'\?"),
+                               r"limit, io_threads, direct_io, eviction; did you mean 'memory.limit'\?"),
     ("prefetch: {enable: true}\n", r"unknown config key 'prefetch.enable' .*did you mean 'prefetch.enabled'\?"),
     ("prefetch: {window: 3}\n", r"unknown config key 'prefetch.window' .*known under 'prefetch': enabled, "
                                 r"prediction_window; did you mean 'prefetch.prediction_window'\?"),

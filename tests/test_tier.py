@@ -150,6 +150,22 @@ def test_outputs_through_the_tier_equal_the_all_in_memory_model(model, weights, 
     assert hi_na_moe.stats(m)["memory_tier"] is False
 
 
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "lru-2", "freq-decay"])
+def test_the_eviction_key_chooses_the_policy_and_never_the_outputs(model, eviction, tmp_path):
+    """A policy decides which experts stay resident, never what a step computes."""
+    m, _ = model
+    with _enabled(m, weights="int4", scope="all", cache_dir=tmp_path):
+        want = _outputs(m)
+        slot = _slot_bytes(m)
+    with _enabled(m, weights="int4", scope="all", cache_dir=tmp_path, memory_limit=10 * slot,
+                  eviction=eviction) as report:
+        assert f"eviction {eviction};" in str(report)
+        got = _outputs(m)
+        s = hi_na_moe.stats(m)
+    _assert_equal(got, want)
+    assert s["evictions"] > 0  # (the pool was too small to keep everything: the policy chose)
+
+
 @pytest.mark.parametrize("weights,scope", [("int4", "experts"), ("lossless12", "all")])
 def test_the_minimum_limit_holds_one_tokens_experts_and_a_prefill_runs_in_pieces(model, weights, scope, tmp_path):
     m, _ = model

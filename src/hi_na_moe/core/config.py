@@ -54,6 +54,9 @@ MAX_THREADS = 8192
 MAX_PREDICTION_WINDOW = 8
 IO_THREADS_RANGE = (1, 64)
 DIRECT_IO_MODES = ("auto", "on", "off")
+# the memory tier's eviction policies (csrc/experts/tier.cpp); auto: the one the project ships
+# (hi_na_moe.core.tier.DEFAULT_POLICY, named in the enable report)
+EVICTION_POLICIES = ("auto", "lru", "lfu", "lru-2", "freq-decay")
 # The most NUMA nodes Linux supports: 2^CONFIG_NODES_SHIFT, at most 2^10 on x86-64; whether the
 # node exists on this machine is checked where it is used.
 MAX_NUMA_NODE = 1023
@@ -85,7 +88,8 @@ TOP_K_RENORM_MODES = ("auto", "on", "off")
 # The YAML file's nested form: section -> {subkey: config key}. A section that is also a flat key
 # (memory, prefetch) keeps its flat meaning when given a scalar (`memory: map`).
 NESTED = {
-    "memory": {"mode": "memory", "limit": "memory_limit", "io_threads": "io_threads", "direct_io": "direct_io"},
+    "memory": {"mode": "memory", "limit": "memory_limit", "io_threads": "io_threads", "direct_io": "direct_io",
+               "eviction": "eviction"},
     "prefetch": {"enabled": "prefetch", "prediction_window": "prediction_window"},
     "numa": {"node": "numa_node"},
     "top_k": {"mode": "top_k", "threshold": "top_k_threshold", "min": "top_k_min", "renorm": "top_k_renorm"},
@@ -186,6 +190,9 @@ class HinaConfig:
         io_threads: threads reading experts from the store, 1 to 64 (default 4).
         direct_io: whether those reads bypass the page cache (O_DIRECT): "auto" (default), "on"
             or "off".
+        eviction: which resident expert the memory tier's pool gives up for a read: "auto"
+            (default: the policy the project ships, named in the enable report), "lru", "lfu",
+            "lru-2" or "freq-decay" (a use's weight halves every 32 tokens).
         numa_node: the NUMA node whose memory the memory tier uses; None (default) leaves it to
             the OS. Whether the node exists is checked where it is used.
         experimental: switches of single scope="all" native paths, for A/B measurements:
@@ -234,6 +241,7 @@ class HinaConfig:
     prediction_window: int = 2
     io_threads: int = 4
     direct_io: str = "auto"
+    eviction: str = "auto"
     numa_node: int | None = None
     profile: str = ""
     experimental: str = ""
@@ -302,6 +310,7 @@ class HinaConfig:
                     f"from {low} to {high} ({what})"
                 )
         _check_choice("direct_io", self.direct_io, DIRECT_IO_MODES, src("direct_io"))
+        _check_choice("eviction", self.eviction, EVICTION_POLICIES, src("eviction"))
         if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and self.top_k >= 1
                                                 or self.top_k in TOP_K_WORDS):
             raise ConfigError(
@@ -415,7 +424,7 @@ _TYPES = {"backend": str, "isa": str, "threads": int, "strict": bool, "keep_weig
           "weights": str, "group_size": int, "qdot": str, "cache": bool, "cache_dir": str,
           "memory": str, "pool": str, "scope": str, "dense_lossless": str, "dense_exclude": str, "dense_fuse": bool,
           "memory_limit": "size", "prefetch": bool, "prediction_window": int, "io_threads": int,
-          "direct_io": str, "numa_node": "int or none", "profile": str, "experimental": str, "top_k": "int or word", "top_k_threshold": float,
+          "direct_io": str, "eviction": str, "numa_node": "int or none", "profile": str, "experimental": str, "top_k": "int or word", "top_k_threshold": float,
           "top_k_min": int, "top_k_renorm": str}
 
 

@@ -118,12 +118,18 @@ def plan(native, blocks: list[BlockSize], limit: int | None) -> TierPlan | None:
     return p
 
 
+def policy_of(cfg) -> str:
+    """The eviction policy config key `eviction` names; its "auto" is DEFAULT_POLICY."""
+    name = getattr(cfg, "eviction", "auto")
+    return DEFAULT_POLICY if name == "auto" else name
+
+
 def make_tier(native, p: TierPlan, cfg, num_layers: int, fault: dict | None = None):
     """The native ExpertTier for an active plan."""
     direct = {"auto": True, "on": True, "off": False}[getattr(cfg, "direct_io", "auto")]
     window = getattr(cfg, "prediction_window", 2) if getattr(cfg, "prefetch", True) else 0
     return native.ExpertTier(p.slot_bytes, p.num_slots, io_threads=getattr(cfg, "io_threads", 4), direct_io=direct,
-                             policy=DEFAULT_POLICY, half_life=HALF_LIFE_TOKENS * max(1, num_layers),
+                             policy=policy_of(cfg), half_life=HALF_LIFE_TOKENS * max(1, num_layers),
                              prediction_window=window, prediction_extra=PREDICTION_EXTRA, **(fault or {}))
 
 
