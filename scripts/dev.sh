@@ -4,7 +4,7 @@
 #   bash scripts/dev.sh test [args]   the whole test suite (C++ kernel tests + pytest)
 #   bash scripts/dev.sh setup         only the set-up
 #   bash scripts/dev.sh test-aarch64  the C++ kernel tests cross-compiled for aarch64, run under
-#                                     qemu-user for a CPU model with and one without dotprod
+#                                     qemu-user for CPU models without dotprod, with it, with i8mm
 #                                     (needs g++-aarch64-linux-gnu and qemu-user)
 #   bash scripts/dev.sh sanitize      the C++ runners under ASan+UBSan and under TSan (full sets)
 #   bash scripts/dev.sh fuzz          the packed-header fuzz target: gcc driver under ASan+UBSan,
@@ -198,7 +198,7 @@ run_tests() {
   # default and sve256, and 256-bit SVE CPUs have every Arm tier).
   if [ "${HINA_TEST_LOWER_TIERS:-1}" != 0 ] && [ -z "${HINA_MOE_ISA:-}" ]; then
     local tiers cap torch_cap arm=0 order='("generic", "avx2", "avx512", "amx")'
-    case "$(uname -m)" in aarch64 | arm64) arm=1; order='("generic", "neon", "dotprod")' ;; esac
+    case "$(uname -m)" in aarch64 | arm64) arm=1; order='("generic", "neon", "dotprod", "i8mm")' ;; esac
     tiers="$(python -c "from hi_na_moe import _native as n; best = n.resolve_isa(); order = $order; print(' '.join(t for t in order[:order.index(best)] if n.isa_supported(t)))")"
     for tier in $tiers; do
       if [ -n "${ATEN_CPU_CAPABILITY:-}" ]; then
@@ -246,9 +246,10 @@ run_pytest() {
 # The C++ core cross-compiled for aarch64 and its test runner run under qemu-user, so the Arm
 # build and its tiers are checked from an x86 machine: once per qemu CPU model in
 # HINA_AARCH64_CPUS, by default one with the dot-product extension (neoverse-n1: tiers neon and
-# dotprod) and one without (cortex-a57: tier neon, dotprod refused), so dispatch and both tiers'
-# kernels run. Not part of `test`: on the 2-core machine of 2026-12-07 each model's run took
-# several minutes under qemu.
+# dotprod, i8mm refused), one without (cortex-a57: tier neon, dotprod refused) and one with i8mm
+# (neoverse-v1, or max where qemu has no neoverse-v1 model, as Debian 12's qemu 7.2: all three
+# tiers), so dispatch and every tier's kernels run. Not part of `test`: on the 2-core machine of
+# 2026-12-07 each model's run took several minutes under qemu.
 run_aarch64_tests() {
   for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
     if ! command -v "$tool" >/dev/null 2>&1; then
@@ -269,8 +270,9 @@ TC
   [ -f "$build/CMakeCache.txt" ] || tcarg=(-DCMAKE_TOOLCHAIN_FILE="$tc")
   cmake -S . -B "$build" -G Ninja -DHINA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release "${tcarg[@]}" >/dev/null
   cmake --build "$build" -j "$jobs" --target hina_tests >/dev/null
-  local cpu t0
-  for cpu in ${HINA_AARCH64_CPUS:-neoverse-n1 cortex-a57}; do
+  local cpu t0 v1=neoverse-v1
+  qemu-aarch64 -cpu help | grep -qw neoverse-v1 || v1=max
+  for cpu in ${HINA_AARCH64_CPUS:-neoverse-n1 cortex-a57 $v1}; do
     t0=$SECONDS
     echo "[test-aarch64] hina_tests under qemu-aarch64 -cpu $cpu"
     qemu-aarch64 -cpu "$cpu" -L /usr/aarch64-linux-gnu "$build/hina_tests" "$@" | quiet_kernels

@@ -29,12 +29,13 @@ const char* isa_name(Isa isa) {
     case Isa::kAmx: return "amx";
     case Isa::kNeon: return "neon";
     case Isa::kDotprod: return "dotprod";
+    case Isa::kI8mm: return "i8mm";
   }
   return "unknown";
 }
 
 bool isa_from_name(const char* name, Isa* out) {
-  static const Isa all[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod};
+  static const Isa all[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod, Isa::kI8mm};
   for (Isa isa : all) {
     if (std::strcmp(name, isa_name(isa)) == 0) {
       *out = isa;
@@ -198,12 +199,13 @@ bool isa_supported(const CpuFeatures& f, Isa isa) {
       return avx512 && ((f.amx_tile && f.amx_bf16 && f.os_amx && f.amx_permission) || amx_software_tiles());
     case Isa::kNeon: return f.neon;
     case Isa::kDotprod: return f.neon && f.asimddp;
+    case Isa::kI8mm: return f.neon && f.asimddp && f.i8mm;
   }
   return false;
 }
 
 Isa best_isa(const CpuFeatures& f) {
-  if (f.neon) return f.asimddp ? Isa::kDotprod : Isa::kNeon;
+  if (f.neon) return !f.asimddp ? Isa::kNeon : f.i8mm ? Isa::kI8mm : Isa::kDotprod;
   for (Isa isa : {Isa::kAmx, Isa::kAvx512, Isa::kAvx2}) {
     if (isa_supported(f, isa)) return isa;
   }

@@ -43,6 +43,7 @@ const char* kind_name(int kind) {
     case kKindNeon: return "neon";
     case kKindNeonDot: return "neondot";
     case kKindDotprod: return "dotprod";
+    case kKindI8mm: return "i8mm";
     default: return isa_name(static_cast<Isa>(kind));
   }
 }
@@ -60,6 +61,8 @@ static bool bf16dot_prefill(Isa tier, MoePath path) {
   return true;
 }
 
+static bool arm_tier(Isa t) { return t == Isa::kNeon || t == Isa::kDotprod || t == Isa::kI8mm; }
+
 // The Arm kernels exist only in aarch64 builds (kernels/neon/); elsewhere the Arm tiers never
 // pass check_tier, and these say so to the ladders below.
 #if defined(HINA_HAVE_NEON_KERNELS)
@@ -68,19 +71,27 @@ static bool neon_qdot(WFormat wf, KernelImpl* k) { return get_qdot_kernels_neon(
 static bool dotprod_qdot(WFormat wf, KernelImpl* k) {
   return cpu_features().asimddp && get_qdot_kernels_dotprod(wf, k);
 }
+static bool i8mm_qdot(WFormat wf, KernelImpl* k) {
+  return cpu_features().asimddp && cpu_features().i8mm && get_qdot_kernels_i8mm(wf, k);
+}
 #else
 bool neon_kernels(DType, KernelImpl*) { return false; }
 static bool neon_qdot(WFormat, KernelImpl*) { return false; }
 static bool dotprod_qdot(WFormat, KernelImpl*) { return false; }
+static bool i8mm_qdot(WFormat, KernelImpl*) { return false; }
 #endif
 
 // The integer-dot kernels for this tier (false: the tier has no SIMD integer-dot kernel).
 static bool select_qdot(Isa tier, WFormat wf, Selected* s) {
-  if (tier == Isa::kDotprod && dotprod_qdot(wf, &s->k)) {
+  if (tier == Isa::kI8mm && i8mm_qdot(wf, &s->k)) {
+    s->kind = kKindI8mm;
+    return true;
+  }
+  if ((tier == Isa::kDotprod || tier == Isa::kI8mm) && dotprod_qdot(wf, &s->k)) {
     s->kind = kKindDotprod;
     return true;
   }
-  if ((tier == Isa::kNeon || tier == Isa::kDotprod) && neon_qdot(wf, &s->k)) {
+  if (arm_tier(tier) && neon_qdot(wf, &s->k)) {
     s->kind = kKindNeonDot;
     return true;
   }
@@ -132,7 +143,7 @@ static Selected select_l12(Isa tier, MoePath path) {
     s.kind = static_cast<int>(Isa::kAvx512);
   } else if (tier == Isa::kAvx2 && l12_wrapped_kernels(Plain::kAvx2, &s.k)) {
     s.kind = static_cast<int>(Isa::kAvx2);
-  } else if ((tier == Isa::kNeon || tier == Isa::kDotprod) && l12_wrapped_kernels(Plain::kNeon, &s.k)) {
+  } else if (arm_tier(tier) && l12_wrapped_kernels(Plain::kNeon, &s.k)) {
     s.kind = kKindNeon;
   } else {
     l12_wrapped_kernels(Plain::kGeneric, &s.k);
@@ -174,7 +185,7 @@ Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
     s.kind = static_cast<int>(Isa::kAvx2);
   }
   // the Arm tiers' FMA kernels (lossless weights; quantised ones expand on the generic kernels)
-  if (!ok && !q && (tier == Isa::kNeon || tier == Isa::kDotprod)) {
+  if (!ok && !q && arm_tier(tier)) {
     ok = neon_kernels(dt, &s.k);
     s.kind = kKindNeon;
   }
@@ -243,14 +254,14 @@ Isa resolve_isa(const char* name) {
   Isa isa;
   if (!isa_from_name(n.c_str(), &isa)) {
     throw std::invalid_argument("isa '" + n +
-                                "' is unknown; expected auto, generic, avx2, avx512, amx, neon or dotprod");
+                                "' is unknown; expected auto, generic, avx2, avx512, amx, neon, dotprod or i8mm");
   }
   if (!isa_supported(f, isa)) {
     // An Arm tier on an x86 CPU (or the reverse) is not a tier too high for it: say whose it is
     // and which tiers this CPU has.
-    const bool arm = isa == Isa::kNeon || isa == Isa::kDotprod;
+    const bool arm = detail::arm_tier(isa);
     std::string have;
-    for (Isa t : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod})
+    for (Isa t : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod, Isa::kI8mm})
       if (isa_supported(f, t)) have += std::string(have.empty() ? "" : ", ") + isa_name(t);
     const std::string other = isa != Isa::kGeneric && arm != f.neon
                                   ? std::string(", a tier of ") + (arm ? "aarch64" : "x86-64") + " CPUs,"

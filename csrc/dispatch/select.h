@@ -18,11 +18,11 @@ namespace hina::detail {
 // ---- the experts op ----
 // `kind` is the <kernel> part of a kernel's name: an Isa (0..3), one of the integer-dot kinds,
 // the bf16 dot-product prefill (avx512bf16), or an Arm build: neon (the FMA kernels of tiers
-// neon and dotprod), neondot (integer dot with widening multiplies, tier neon), dotprod (SDOT,
-// tier dotprod).
+// neon, dotprod and i8mm), neondot (integer dot with widening multiplies, tier neon), dotprod (SDOT,
+// tier dotprod), i8mm (SMMLA row pairs, tier i8mm).
 enum KernelKind : int {
   kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kKindAvx512Bf16 = 8,
-  kKindNeon = 9, kKindNeonDot = 10, kKindDotprod = 11, kNumKinds = 12
+  kKindNeon = 9, kKindNeonDot = 10, kKindDotprod = 11, kKindI8mm = 12, kNumKinds = 13
 };
 const char* kind_name(int kind);
 struct Selected {

@@ -290,6 +290,8 @@ bool get_qdot_kernels_avxvnni(WFormat wf, KernelImpl* k);  // needs AVX-VNNI at 
 bool get_kernels_neon(DType dt, KernelImpl* k);
 bool get_qdot_kernels_neon(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_dotprod(WFormat wf, KernelImpl* k);
+// SMMLA row pairs on the dotprod kernels' layout and contract (i8mm: needs FEAT_I8MM at run time).
+bool get_qdot_kernels_i8mm(WFormat wf, KernelImpl* k);
 
 // lossless12 panels (PackedHeader) <-> plain bf16 panels of plain_bytes bytes. Compressing is
 // portable code only (packing); it writes every byte of the panel and returns the number of

@@ -34,7 +34,7 @@ void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& t
       report(e <= tol(dt), tag + " " + name + " vs generic: rel err " + std::to_string(e));
       note(std::string(name) + " vs generic", e);
       // the Arm tiers run their own FMA kernels for every lossless dtype (not the generic ones)
-      if (isa == Isa::kNeon || isa == Isa::kDotprod)
+      if (isa == Isa::kNeon || isa == Isa::kDotprod || isa == Isa::kI8mm)
         report(ends_with(name, "_neon"), tag + " " + isa_name(isa) + " runs the neon kernels: " + name);
       // the bf16-tile (AMX) and bf16-dot kernels round x and h to bf16: also against the twin
       // that rounds where they do; the dot kernel at 2e-3 (it measured <= 4e-5 on the AMD EPYC

@@ -69,16 +69,17 @@ static void test_read_streams(const std::vector<Isa>& tiers) {
 }
 
 // The Arm tiers' detection and refusals (aarch64; under qemu-user the -cpu model decides what
-// the hwcaps say): the best tier is dotprod exactly when the CPU reports asimddp, a tier the CPU
-// lacks is refused naming what it has, and the tier names parse back.
+// the hwcaps say): the best tier is i8mm when the CPU reports asimddp and i8mm, else dotprod with
+// asimddp, else neon; a tier the CPU lacks is refused naming what it has, and the names parse back.
 static void test_arm_tiers() {
 #if defined(__aarch64__)
   if (!selected("arm tiers")) return;
   const CpuFeatures& f = cpu_features();
   report(f.neon && std::strcmp(f.arch, "aarch64") == 0, "arm tiers: aarch64 with neon");
-  report(best_isa(f) == (f.asimddp ? Isa::kDotprod : Isa::kNeon),
-         std::string("arm tiers: best tier ") + isa_name(best_isa(f)) + " with asimddp=" + std::to_string(f.asimddp));
-  for (Isa isa : {Isa::kNeon, Isa::kDotprod}) {
+  report(best_isa(f) == (!f.asimddp ? Isa::kNeon : f.i8mm ? Isa::kI8mm : Isa::kDotprod),
+         std::string("arm tiers: best tier ") + isa_name(best_isa(f)) + " with asimddp=" + std::to_string(f.asimddp) +
+             " i8mm=" + std::to_string(f.i8mm));
+  for (Isa isa : {Isa::kNeon, Isa::kDotprod, Isa::kI8mm}) {
     Isa back = Isa::kGeneric;
     report(isa_from_name(isa_name(isa), &back) && back == isa, std::string("arm tiers: name ") + isa_name(isa) + " parses back");
   }
@@ -98,9 +99,18 @@ static void test_arm_tiers() {
     report(msg.find("'dotprod' is not supported") != std::string::npos && msg.find("asimddp=0") != std::string::npos,
            "arm tiers: dotprod refused without asimddp: " + msg);
   }
+  if (f.asimddp && f.i8mm) {
+    report(resolve_isa("i8mm") == Isa::kI8mm, "arm tiers: i8mm resolves with asimddp and i8mm");
+  } else {
+    const std::string msg = refusal("i8mm");
+    report(msg.find("'i8mm' is not supported") != std::string::npos && msg.find("i8mm=0") != std::string::npos,
+           "arm tiers: i8mm refused without i8mm: " + msg);
+  }
   const std::string msg = refusal("avx2");
+  const char* have = !f.asimddp ? "tiers: generic, neon;" : f.i8mm ? "tiers: generic, neon, dotprod, i8mm;"
+                                                                   : "tiers: generic, neon, dotprod;";
   report(msg.find("'avx2', a tier of x86-64 CPUs, is not supported") != std::string::npos &&
-             msg.find(f.asimddp ? "tiers: generic, neon, dotprod;" : "tiers: generic, neon;") != std::string::npos,
+             msg.find(have) != std::string::npos,
          "arm tiers: avx2 refused as another architecture's, naming this CPU's tiers: " + msg);
 #else
   // and on x86: an Arm tier is refused as another architecture's, not as one too high
@@ -138,7 +148,7 @@ int main(int argc, char** argv) {
   if (amx_sw) use_amx_software_tiles(true);
   std::vector<Isa> tiers;
 #if defined(__aarch64__)
-  const Isa candidates[] = {Isa::kNeon, Isa::kDotprod};  // (under qemu-user: the -cpu model's)
+  const Isa candidates[] = {Isa::kNeon, Isa::kDotprod, Isa::kI8mm};  // (under qemu-user: the -cpu model's)
 #else
   const Isa candidates[] = {Isa::kAvx2, Isa::kAvx512, Isa::kAmx};
 #endif

@@ -176,7 +176,8 @@ void test_qdot_case(DType dt, const QFmt& q, const Case& c, uint32_t seed, const
       const std::vector<float> got = run(*packed[i], p, path, 2, &name);
       const double e = rel_err(got, ref);
       report(e <= dtol && std::string(name).find("_int") != std::string::npos &&
-                 (std::string(name).find("dot") != std::string::npos || std::string(name).find("vnni") != std::string::npos),
+                 (std::string(name).find("dot") != std::string::npos || std::string(name).find("vnni") != std::string::npos ||
+                  std::string(name).find("i8mm") != std::string::npos),
              tag + " " + name + " vs genericdot: rel err " + std::to_string(e));
       note(std::string(name) + " vs genericdot", e);
     }
@@ -239,13 +240,13 @@ void test_qdot_selection(const std::vector<Isa>& tiers) {
     for (WFormat wf : {WFormat::kInt8, WFormat::kInt4}) {
       const std::string fmt = wformat_name(wf);
       detail::KernelImpl probe;
-      const bool arm = isa == Isa::kNeon || isa == Isa::kDotprod;
+      const bool arm = isa == Isa::kNeon || isa == Isa::kDotprod || isa == Isa::kI8mm;
       const bool avx2dot = !arm && detail::get_qdot_kernels_avx2(wf, &probe);
       // the Arm tiers have no expansion kernels of their own: quantised expansion runs the generic ones
       const std::string exp = isa == Isa::kAmx ? "avx512" : arm ? "generic" : isa_name(isa);
       const bool vnni = !arm && isa != Isa::kAvx2 && f.avx512vnni;
       const bool avxvnni = !arm && f.avx_vnni && detail::get_qdot_kernels_avxvnni(wf, &probe);
-      const std::string dot = isa == Isa::kDotprod ? "dotprod" : isa == Isa::kNeon ? "neondot"
+      const std::string dot = isa == Isa::kI8mm ? "i8mm" : isa == Isa::kDotprod ? "dotprod" : isa == Isa::kNeon ? "neondot"
                               : vnni ? "avx512vnni" : avxvnni ? "avxvnni" : avx2dot ? "avx2dot" : "genericdot";
       const std::string adot = arm || vnni || avxvnni || avx2dot ? dot : exp;  // auto: expansion without a SIMD dot
       auto name = [&](DType dt, MoePath path, QDot qd) { return std::string(moe_kernel_name(isa, dt, path, wf, qd)); };
@@ -501,10 +502,11 @@ void test_qdot_int16_bound(const std::vector<Isa>& tiers) {
 }
 
 // The 256-bit integer-dot kernels (each build this CPU can run, forced, whatever the selection
-// prefers, and the avxvnni code with vpdpbusd emulated; on aarch64 neondot and dotprod) vs genericdot at every row count an expert's rows can end in: 1..9 (4-row tiles and
-// their 3-, 2- and 1-row remainders, decode's blocks), 17, 33 and 512; int8 and int4 in groups
-// of 32 / 64 / 128; gated and up-only; all rows routed to one expert, so the kernels see exactly
-// T rows; both paths.
+// prefers, and the avxvnni code with vpdpbusd emulated; on aarch64 neondot, dotprod and i8mm) vs genericdot at every row count an expert's rows can end in: 1..9 (4-row tiles and
+// their 3-, 2- and 1-row remainders, decode's blocks; i8mm's row pairs and odd last row), 17, 33
+// and 512; int8 and int4 in groups of 32 / 64 / 128; gated and up-only; all rows routed to one
+// expert, so the kernels see exactly T rows; both paths. i8mm's SMMLA row pairs equal the dotprod
+// build's rows, bit for bit (the same contract, int32 sums exact in both).
 void test_qdot_rows() {
   if (!selected("qdot rows")) return;
   const CpuFeatures& f = cpu_features();
@@ -515,9 +517,10 @@ void test_qdot_rows() {
 #ifdef HINA_QDOT_VNNI_EMULATED_BUILT  // the avxvnni code on any AVX2 CPU
       {"avxvnni-emulated", &detail::get_qdot_kernels_avxvnni_emulated, isa_supported(f, Isa::kAvx2)},
 #endif
-#if defined(__aarch64__)  // the Arm builds (kernels/neon/; one row at a time for now, at every count)
+#if defined(__aarch64__)  // the Arm builds (kernels/neon/; one row at a time but i8mm's row pairs)
       {"neondot", &detail::get_qdot_kernels_neon, isa_supported(f, Isa::kNeon)},
       {"dotprod", &detail::get_qdot_kernels_dotprod, isa_supported(f, Isa::kDotprod)},
+      {"i8mm", &detail::get_qdot_kernels_i8mm, isa_supported(f, Isa::kI8mm)},
 #endif
   };
   uint32_t seed = 71;
@@ -532,13 +535,19 @@ void test_qdot_rows() {
         auto gen = PackedExperts::pack(weights_of(p), Isa::kGeneric, 1, {q.fmt, q.group});
         for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
           const std::vector<float> ref = run(*gen, p, path, 2, nullptr);
+          std::vector<float> dotprod;  // the dotprod build's output (aarch64 with asimddp)
           for (const Forced& fk : builds) {
             detail::KernelImpl k;
             if (!fk.ok || !fk.get(q.fmt, &k)) continue;
             const std::string kn = std::string("moe_") + path_name(path) + "_" + q.name + "_" + fk.kname;
-            const double e = rel_err(run(*gen, p, path, 2, nullptr, &k, kn.c_str()), ref);
-            report(e <= 5e-5, std::string("qdot rows: ") + kn + (gated ? " gated" : " up-only") + " T=" +
-                                  std::to_string(T) + " vs genericdot: rel err " + std::to_string(e));
+            const std::vector<float> got = run(*gen, p, path, 2, nullptr, &k, kn.c_str());
+            const double e = rel_err(got, ref);
+            const std::string tag = std::string("qdot rows: ") + kn + (gated ? " gated" : " up-only") + " T=" + std::to_string(T);
+            report(e <= 5e-5, tag + " vs genericdot: rel err " + std::to_string(e));
+            if (std::strcmp(fk.kname, "dotprod") == 0) dotprod = got;
+            if (std::strcmp(fk.kname, "i8mm") == 0)
+              report(!dotprod.empty() && std::memcmp(got.data(), dotprod.data(), got.size() * sizeof(float)) == 0,
+                     tag + " == dotprod, bit for bit");
           }
         }
       }
@@ -703,7 +712,8 @@ void test_linear(const std::vector<Isa>& tiers) {
               std::vector<float> got(ref.size());
               for (size_t i = 0; i < got.size(); ++i) got[i] = load_elem(dt, out.data(), static_cast<int64_t>(i));
               // the integer dot also quantises x per token (8 bits, blocks of 32)
-              const bool qdot_kernel = name.find("dot") != std::string::npos || name.find("vnni") != std::string::npos;
+              const bool qdot_kernel = name.find("dot") != std::string::npos || name.find("vnni") != std::string::npos ||
+                                       name.find("i8mm") != std::string::npos;
               const double lim = qdot_kernel ? 3e-2 : tol(dt);
               const double err = rel_err(got, ref);
               note("linear " + name, err);

@@ -28,15 +28,14 @@
 namespace hina::detail::loops_neon {
 namespace {  // internal linkage: each including TU (each with its own -march) keeps its copy
 
-// Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M, then one
-// block of the rest (M <= 2: the Arm families pass one or two rows).
+// Calls f(std::integral_constant<int, NT>{}, r0) over rows [0, nt) in blocks of M, then the
+// rest as one block (fewer than M rows: the largest block that fits, recursively).
 template <int M, class Fn>
 inline void row_blocks(int64_t nt, Fn&& f) {
-  static_assert(M == 1 || M == 2, "the Arm kernels share a panel pass over at most 2 rows");
   int64_t r0 = 0;
   for (; r0 + M <= nt; r0 += M) f(std::integral_constant<int, M>{}, r0);
-  if constexpr (M == 2)
-    if (r0 < nt) f(std::integral_constant<int, 1>{}, r0);
+  if constexpr (M > 1)
+    if (r0 < nt) row_blocks<M - 1>(nt - r0, [&](auto nt_c, int64_t r) { f(nt_c, r0 + r); });
 }
 
 template <class Fam, bool Gated>

@@ -25,8 +25,9 @@
 //   group's B); int4: one fma with the group's steps (decoded 4 lanes at a time: the table's
 //   magnitudes by tbl, the sign and the exponent shift by integer ops, q4_step bit for bit) and
 //   the row factor at the end; int8 the row scale at the end.
-// Prefill: for now each row runs the decode loop alone (the panel stays in L2 for the expert's
-// other rows); SMMLA (i8mm) prefill tiles are the next step on Arm.
+// Prefill: each row runs the decode loop alone (the panel stays in L2 for the expert's other
+// rows); tier i8mm runs row pairs with SMMLA (moe_qdot_i8mm.cpp, which includes this file for
+// its single rows).
 // Known limits: never run on Arm hardware; tested under qemu-user, speed estimated with llvm-mca
 // (benchmarks/log/arm.md).
 #pragma once

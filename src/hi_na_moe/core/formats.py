@@ -59,6 +59,7 @@ class Isa(_Choice):
     AMX = "amx"
     NEON = "neon"  # aarch64 (every CPU)
     DOTPROD = "dotprod"  # aarch64 with the dot-product extension (asimddp)
+    I8MM = "i8mm"  # aarch64 with dotprod and the int8 matrix multiply (i8mm: SMMLA)
 
 
 class Scope(_Choice):
