@@ -597,6 +597,47 @@ def test_prediction_reads_the_next_layers_top_experts(tmp_path):
         tier.set_router(l1, router[:4], None, 1)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_read_ahead_that_went_unused_is_not_repeated_until_the_expert_is_used(tmp_path, skip):
+    """A router that keeps predicting an expert its layer does not choose must not make the tier
+    read it again at every token (lfu ranks a never-used expert last and evicts it at once);
+    skip_unused_reads=False (experimental tier.skip_unused_reads=off) reads it again."""
+    blk = _block(tmp_path / "block.hnm")
+    tier = _tier(blk, 2, policy="lfu", prediction_window=1, prediction_extra=0, prediction_max_rows=1,
+                 skip_unused_reads=skip)
+    t0, _ = blk.tiered(tier)
+    t1, l1 = blk.tiered(tier)
+    x, idx, w = _problem(1, 1, blk.E, 9, experts=[0])
+    router = (torch.randn(blk.E, H, generator=torch.Generator().manual_seed(10)) * 0.01).bfloat16()
+    router[6] = x[0]  # layer 1's router picks 6 for x
+    tier.set_router(l1, router, None, 1)
+    _fwd(t0, x, idx, w)
+    tier.drain()
+    assert tier.resident(l1) == [6] and tier.stats()["prefetch_issued"] == 1
+    _touch(t1, blk, [1, 2])  # layer 1 chooses others: 6 is evicted unused
+    assert 6 not in tier.resident(l1)
+    s = tier.stats()
+    assert s["prefetch_unused"] == 1 and s["prefetch_skipped"] == 0
+    _fwd(t0, x, idx, w)  # predicted again, not read again
+    tier.drain()
+    s = tier.stats()
+    if not skip:
+        assert 6 in tier.resident(l1) and s["prefetch_issued"] == 2 and s["prefetch_skipped"] == 0
+        return
+    assert 6 not in tier.resident(l1) and s["prefetch_issued"] == 1 and s["prefetch_skipped"] == 1
+    assert s["layers"][1]["predicted"] == 2  # (recall and precision still count the prediction)
+    _touch(t1, blk, [6, 3, 4])  # used once (which lifts the rule), then evicted
+    assert 6 not in tier.resident(l1)
+    _fwd(t0, x, idx, w)
+    tier.drain()
+    assert tier.stats()["prefetch_issued"] == 2 and 6 in tier.resident(l1)
+    _touch(t1, blk, [1, 2])  # unused again
+    tier.forget_uses()  # forgets that too
+    _fwd(t0, x, idx, w)
+    tier.drain()
+    assert tier.stats()["prefetch_issued"] == 3 and 6 in tier.resident(l1)
+
+
 def test_prefetch_queues_reads_and_bad_ids_are_refused(tmp_path):
     blk = _block(tmp_path / "block.hnm")
     tier = _tier(blk, 3)

@@ -19,7 +19,8 @@ nb::dict stats_dict(const hina::TierStats& s) {
   nb::dict d;
   put_fields(d, "acquires", s.acquires, "hits", s.hits, "misses", s.misses, "inflight_hits", s.inflight_hits, "reads",
              s.reads, "bytes_read", s.bytes_read, "retries", s.retries, "prefetch_issued", s.prefetch_issued,
-             "prefetch_dropped", s.prefetch_dropped, "prefetch_unused", s.prefetch_unused, "predicted", s.predicted,
+             "prefetch_dropped", s.prefetch_dropped, "prefetch_unused", s.prefetch_unused,
+             "prefetch_skipped", s.prefetch_skipped, "predicted", s.predicted,
              "predicted_used", s.predicted_used, "demanded", s.demanded, "evictions", s.evictions, "io_wait_s",
              s.io_wait_s, "read_s", s.read_s);
   nb::list layers;
@@ -53,7 +54,7 @@ void bind_tier(nb::module_& m) {
       .def("__init__",
            [](PyTier* self, size_t slot_bytes, int64_t num_slots, int io_threads, bool direct_io,
               const std::string& policy, double half_life, int window, int extra, int max_rows,
-              int64_t fault_short_every, int64_t fault_eio_every, int64_t fault_flip_every) {
+              bool skip_unused_reads, int64_t fault_short_every, int64_t fault_eio_every, int64_t fault_flip_every) {
              hina::TierOptions o;
              o.slot_bytes = slot_bytes;
              o.num_slots = num_slots;
@@ -65,6 +66,7 @@ void bind_tier(nb::module_& m) {
              o.prediction_window = window;
              o.prediction_extra = extra;
              o.prediction_max_rows = max_rows;
+             o.skip_unused_reads = skip_unused_reads;
              o.fault_short_every = fault_short_every;
              o.fault_eio_every = fault_eio_every;
              o.fault_flip_every = fault_flip_every;
@@ -72,7 +74,8 @@ void bind_tier(nb::module_& m) {
            },
            nb::arg("slot_bytes"), nb::arg("num_slots"), nb::arg("io_threads") = 4, nb::arg("direct_io") = true,
            nb::arg("policy") = "lru", nb::arg("half_life") = 64.0, nb::arg("prediction_window") = 2,
-           nb::arg("prediction_extra") = 2, nb::arg("prediction_max_rows") = 8, nb::arg("fault_short_every") = 0,
+           nb::arg("prediction_extra") = 2, nb::arg("prediction_max_rows") = 8,
+           nb::arg("skip_unused_reads") = true, nb::arg("fault_short_every") = 0,
            nb::arg("fault_eio_every") = 0, nb::arg("fault_flip_every") = 0,
            "slot_bytes from tier_slot_bytes() of the largest layer; the fault_* arguments are for tests only "
            "(every n-th read cut short, failing with EIO, or with a flipped byte).")
@@ -126,7 +129,8 @@ void bind_tier(nb::module_& m) {
            "Counters since creation or reset_stats(), and per layer.")
       .def("reset_stats", [](PyTier& self) { self.t->reset_stats(); })
       .def("forget_uses", [](PyTier& self) { self.t->forget_uses(); },
-           "Forgets every expert's uses so far (the eviction policy's records); what is resident stays.")
+           "Forgets every expert's uses so far (the eviction policy's records, and which read-aheads went "
+           "unused); what is resident stays.")
       .def("resident", [](const PyTier& self, int layer) { return self.t->resident(layer); }, nb::arg("layer"))
       .def("io_mode", [](const PyTier& self, int layer) { return self.t->io_mode(layer); }, nb::arg("layer"))
       .def_prop_ro("num_layers", [](const PyTier& self) { return self.t->num_layers(); })

@@ -128,6 +128,13 @@ struct ExpertTier::Layer {
   std::vector<int64_t> slot_of;      // the slot holding (or loading) expert e, or -1
   std::vector<uint8_t> queued;       // a read of e is queued
   std::vector<uint64_t> pred_mark;   // e was predicted for this layer's acquire number pred_mark[e]
+  // A read ahead of e was evicted before any use, and e has not been used since: prediction does
+  // not read it again until it is. Routers keep predicting the same wrong experts while the hidden
+  // state changes little, and a policy that ranks a never-used expert last (lfu, lru-2,
+  // freq-decay) evicts it at once, so each token read it again: on OLMoE-1B-7B int4 with half the
+  // experts held, freq-decay read 3-5x lru's bytes a token at the same hit rate and decoded
+  // 1.3-1.4x slower (benchmarks/log/memory-tier.md, 2026-12-07).
+  std::vector<uint8_t> wasted;
   std::vector<std::string> failed;   // a demanded read of e failed twice: the message
   // The policy's record of each expert's uses, kept while it is out of the pool as well: LFU counts
   // every use since the start, LRU-2 the second-to-last use and freq-decay the decayed count of
@@ -249,6 +256,7 @@ int ExpertTier::add_layer(const std::string& path, int64_t E, uint64_t gu_offset
   L->slot_of.assign(static_cast<size_t>(E), -1);
   L->queued.assign(static_cast<size_t>(E), 0);
   L->pred_mark.assign(static_cast<size_t>(E), 0);
+  L->wasted.assign(static_cast<size_t>(E), 0);
   L->failed.assign(static_cast<size_t>(E), std::string());
   L->use_last.assign(static_cast<size_t>(E), 0);
   L->use_prev.assign(static_cast<size_t>(E), 0);
@@ -342,7 +350,10 @@ void ExpertTier::evict(int64_t s) {
   if (sl.layer >= 0) {
     layers_[sl.layer]->slot_of[sl.expert] = -1;
     ++st_.evictions;
-    if (sl.prefetched && !sl.used) ++st_.prefetch_unused;
+    if (sl.prefetched && !sl.used) {
+      ++st_.prefetch_unused;
+      layers_[sl.layer]->wasted[sl.expert] = 1;
+    }
   }
   sl.clear();
 }
@@ -572,7 +583,12 @@ void ExpertTier::queue_prediction(int layer, const void* x, int64_t T, DType dt,
       N.pred_mark[e] = N.acquires + 1;
       ++N.st.predicted;
       ++st_.predicted;
-      if (N.slot_of[e] < 0) enqueue(layer + j, e, false, j);
+      if (N.slot_of[e] >= 0) continue;
+      if (N.wasted[e] && opt_.skip_unused_reads) {
+        ++st_.prefetch_skipped;
+        continue;
+      }
+      enqueue(layer + j, e, false, j);
     }
   }
   cv_work_.notify_all();
@@ -720,6 +736,7 @@ void ExpertTier::acquire(int layer, const int32_t* experts, int n, const void* x
     // a use: the policy's clocks
     sl.last = tick_;
     sl.used = true;
+    L.wasted[e] = 0;
     L.use_prev[e] = L.use_last[e];
     L.use_last[e] = ++uses_;
     if (opt_.policy == EvictionPolicy::kFreqDecay) {
@@ -775,6 +792,7 @@ void ExpertTier::forget_uses() {
     std::fill(L->use_prev.begin(), L->use_prev.end(), 0);
     std::fill(L->uses.begin(), L->uses.end(), 0);
     std::fill(L->decay.begin(), L->decay.end(), 0.0);
+    std::fill(L->wasted.begin(), L->wasted.end(), 0);
   }
 }
 

@@ -63,6 +63,7 @@ struct TierOptions {
   int prediction_window = 2;    // layers ahead; 0: no prediction
   int prediction_extra = 2;     // experts predicted beyond a router's top-k
   int prediction_max_rows = 8;  // calls with more rows predict nothing (a prefill reads most experts)
+  bool skip_unused_reads = true;  // no read ahead of an expert whose last one went unused, until it is used
   // test-only fault injection: every n-th region read (1-based over the tier's life; an expert
   // is two, gate/up then down) is cut short / fails with EIO / has one byte flipped after the
   // read; 0: never.
@@ -79,6 +80,7 @@ struct TierStats {
   uint64_t acquires = 0, hits = 0, misses = 0, inflight_hits = 0;  // inflight: a predicted read already under way
   uint64_t reads = 0, bytes_read = 0, retries = 0;
   uint64_t prefetch_issued = 0, prefetch_dropped = 0, prefetch_unused = 0;  // unused: evicted before any use
+  uint64_t prefetch_skipped = 0;  // predicted, not read: its last read ahead went unused and it has not been used since
   uint64_t predicted = 0, predicted_used = 0, demanded = 0;
   uint64_t evictions = 0;
   double io_wait_s = 0, read_s = 0;  // time acquire() waited for reads; time the I/O threads spent reading

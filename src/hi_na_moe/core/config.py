@@ -79,6 +79,7 @@ EXPERIMENTAL = {
     "stack.head_in_call": ("hi_na_moe.fastpath.stack", "HEAD_IN_CALL"),
     "kv_cache.in_place": ("hi_na_moe.fastpath.kv_cache", "IN_PLACE"),
     "kv_cache.group": ("hi_na_moe.fastpath.kv_cache", "GROUP"),
+    "tier.skip_unused_reads": ("hi_na_moe.core.tier", "SKIP_UNUSED_READS"),
 }
 # the words a true / false value may be written as (environment, YAML, `experimental`)
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

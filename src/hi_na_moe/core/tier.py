@@ -31,16 +31,19 @@ from .store import CorruptEntry
 # router applied to an earlier layer's MoE input reached 80 % recall one layer ahead with 0-8
 # extra experts depending on the layer, 4 covering two of three
 PREDICTION_EXTRA = 4
-# the eviction policy shipped: lru. On the replayed real routing of the trained models
-# (benchmarks/log/memory-tier.md, 2026-12-07) freq-decay (half-life 32 tokens) came closest to
-# Belady's MIN at every pool size, 6-18 points above lru in the steady state of 8192 tokens. In
-# the tier itself it once hit 67 % where lru hit 98 % (OLMoE-1B-7B int4, 20 tokens, half the
-# experts held): mostly a tier bug, fixed in b351109 (an evicted expert's uses were forgotten),
-# the rest enable's probe forwards counted as uses, forgotten at enable's end since
-# (integrate/tiering.settle). freq-decay has not been measured in the tier on OLMoE-1B-7B since:
-# until it is, lru, which never fell far behind, stays the default.
-DEFAULT_POLICY = "lru"
+# the eviction policy shipped: freq-decay (a use weighs half after HALF_LIFE_TOKENS tokens). In the
+# tier, inside the trained E64 model decoding held-out text with prediction on
+# (benchmarks/studies/study_tier_trained.py; benchmarks/log/memory-tier.md, 2026-12-07), it hit
+# 90.9 / 76.1 / 49.4 % of demanded experts with 50 / 30 / 10 % of them held, where lru hit 87.0 /
+# 70.4 / 36.1 %, and read 35 / 22 / 14 % fewer experts a token; lfu was level with it, lru-2
+# between. On random-weight OLMoE-1B-7B (int4, 25 and 50 % held) it decoded 1.10-1.13x slower than
+# lru: such routers pick nearly the same experts at every token, recency's best case, which
+# trained routers are not.
+DEFAULT_POLICY = "freq-decay"
 HALF_LIFE_TOKENS = 32.0
+# an expert whose last read ahead was evicted unused is not read ahead again until it is used
+# (csrc/experts/tier.cpp, Layer::wasted); experimental "tier.skip_unused_reads=off" reads it again
+SKIP_UNUSED_READS = True
 
 
 class TierConfigError(ValueError):
@@ -130,7 +133,8 @@ def make_tier(native, p: TierPlan, cfg, num_layers: int, fault: dict | None = No
     window = getattr(cfg, "prediction_window", 2) if getattr(cfg, "prefetch", True) else 0
     return native.ExpertTier(p.slot_bytes, p.num_slots, io_threads=getattr(cfg, "io_threads", 4), direct_io=direct,
                              policy=policy_of(cfg), half_life=HALF_LIFE_TOKENS * max(1, num_layers),
-                             prediction_window=window, prediction_extra=PREDICTION_EXTRA, **(fault or {}))
+                             prediction_window=window, prediction_extra=PREDICTION_EXTRA,
+                             skip_unused_reads=SKIP_UNUSED_READS, **(fault or {}))
 
 
 def expert_crcs(native, block, info: dict) -> dict[str, Any]:
