@@ -6,6 +6,8 @@ of the packed experts. The page cache is dropped before each arm; arms are inter
 repeated.
 
   tier      hi_na_moe.from_pretrained(..., memory_limit=fraction x packed experts): the memory tier
+  tier-P    the same with the eviction policy P (lru, lfu, lru-2, freq-decay: the `eviction` key)
+  tier...:S the same with the `experimental` switches S (e.g. tier-lru:tier.skip_unused_reads=off)
   map       hi_na_moe.from_pretrained(..., memory="map"): every block through the store's mapping
   llamacpp  llama.cpp (llama-cpp-python, use_mmap) on a GGUF of the same weights at the same width
             (Q4_0 for int4, Q8_0 for int8), run with the llama.cpp venv's Python
@@ -50,8 +52,13 @@ def worker_hina(args) -> dict:
     import hi_na_moe
     torch.set_num_threads(args.threads)
     kw = dict(weights=args.weights, cache_dir=args.cache_dir, progress=False, dtype=torch.bfloat16, scope=args.scope)
-    if args.arm == "tier":
+    if args.arm.startswith("tier"):
         kw["memory_limit"] = args.memory_limit
+        base, _, switches = args.arm.partition(":")
+        if base.startswith("tier-"):
+            kw["eviction"] = base[len("tier-"):]
+        if switches:
+            kw["experimental"] = switches
     else:
         kw["memory"] = "map"
     t0 = time.perf_counter()
@@ -262,9 +269,13 @@ def table(path: str) -> str:
            f"included); medians of {data['args']['repeats']} interleaved repeats",
            "", "| experts held | arm | tok/s | MB read/token | hit rate | pred. precision / recall | I/O wait s | "
            "peak cgroup GiB | failcnt | OOM | tier / arm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    arms = list(dict.fromkeys(s["arm"] for r in data["results"] for s in [r["summary"]]))
+    first = next((a for a in arms if a.startswith("tier")), None)  # the arm the last column compares with
+    if first is not None:
+        out[-2] = out[-2].replace("tier / arm", f"{first} / arm")
     for frac in sorted({f for f, _ in rows}):
-        tier = med([s["tok_s_mean"] for s in rows.get((frac, "tier"), []) if "tok_s_mean" in s])
-        for arm in ("tier", "map", "llamacpp"):
+        tier = med([s["tok_s_mean"] for s in rows.get((frac, first), []) if "tok_s_mean" in s])
+        for arm in arms:
             ss = rows.get((frac, arm))
             if not ss:
                 continue
@@ -282,7 +293,7 @@ def table(path: str) -> str:
             out.append(f"| {100 * frac:.0f} % | {arm} | {t:.2f} | {med([s['read_MB_per_token'] for s in ok]):.1f} | "
                        f"{'-' if hit is None else f'{100 * hit:.1f} %'} | {pr} | {wait} | "
                        f"{max(s['max_usage_GiB'] for s in ok):.2f} | {max(s['failcnt'] for s in ok)} | "
-                       f"{max(s['oom_kill'] for s in ok)} | {'' if arm == 'tier' or not tier else f'{tier / t:.2f}x'} |")
+                       f"{max(s['oom_kill'] for s in ok)} | {'' if arm == first or not tier else f'{tier / t:.2f}x'} |")
     return "\n".join(out)
 
 
@@ -346,6 +357,10 @@ def main() -> int:
     print(f"packed experts: {total / 2**30:.2f} GiB in {len(files)} files; disk (O_DIRECT) MB/s: {bw}", flush=True)
     results = []
     arms = args.arms.split(",")
+    bad = [a for a in arms if a not in ("tier", "map", "llamacpp")
+           and a.partition(":")[0].removeprefix("tier-") not in ("tier", "lru", "lfu", "lru-2", "freq-decay")]
+    if bad:
+        sys.exit(f"--arms: unknown {bad}; known: tier, tier-lru, tier-lfu, tier-lru-2, tier-freq-decay, map, llamacpp")
     for frac in [float(f) for f in args.fractions.split(",")]:
         mem_limit = int(total * frac)
         for rep in range(args.repeats):

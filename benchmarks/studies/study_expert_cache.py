@@ -23,6 +23,9 @@ predict  For --predict-model (the E64 model), in transformers alone (forward hoo
          top-(k+m)) applied to
            moe_input:  x[l], layer l's MoE input (post_attention_layernorm[l]'s output, what
                        layer l's own router sees), available when layer l routes;
+           mid_target: h_mid[l], the residual stream that post_attention_layernorm[l] normalises,
+                       through post_attention_layernorm[l+j] (the target layer's norm weights
+                       in place of layer l's), available when layer l routes;
            residual:   the residual stream before layer l+1's attention (layer l's output)
                        through post_attention_layernorm[l+j], available when layer l is done,
          against the k experts layer l+j chooses: recall |pred & actual| / k and precision
@@ -64,6 +67,7 @@ ONLINE = ("lru", "lfu", "lru-2", "freq-decay")
 TARGET_OF_MIN = 0.9
 EXTRA = (0, 2, 4, 8)
 RECALL_TARGET = 0.8
+VARIANTS = ("moe_input", "mid_target", "residual")  # the hidden states prediction may start from
 
 
 def fail(msg: str) -> None:
@@ -264,7 +268,7 @@ def section_predict(args, out: Path) -> dict:
     hs = []
     for l, layer in enumerate(layers):
         hs.append(layer.post_attention_layernorm.register_forward_hook(
-            lambda m, a, o, l=l: cap.__setitem__(("x", l), o.detach())))
+            lambda m, a, o, l=l: cap.update({("x", l): o.detach(), ("mid", l): a[0].detach()}) and None))
         hs.append(layer.register_forward_hook(
             lambda m, a, o, l=l: cap.__setitem__(("out", l), (o[0] if isinstance(o, tuple) else o).detach())))
         hs.append(layer.mlp.gate.register_forward_hook(
@@ -280,7 +284,7 @@ def section_predict(args, out: Path) -> dict:
     def overlap(pred: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
         return (pred.unsqueeze(-1) == actual.unsqueeze(-2)).any(-1).sum(-1)
 
-    variants = ("moe_input", "residual")
+    variants = VARIANTS
     hits = {(v, l, j, m): 0 for v in variants for l in range(L) for j in range(1, L - l) for m in extra}
     self_agree = [0] * L
     use = torch.zeros(L, E, dtype=torch.float64)
@@ -302,6 +306,7 @@ def section_predict(args, out: Path) -> dict:
                 for j in range(1, L - l):
                     t = l + j
                     srcs = {"moe_input": got[("x", l)],
+                            "mid_target": layers[t].post_attention_layernorm(got[("mid", l)]),
                             "residual": layers[t].post_attention_layernorm(got[("out", l)])}
                     for v, h in srcs.items():
                         order = ranked(t, h)
@@ -340,6 +345,8 @@ def section_predict(args, out: Path) -> dict:
         "variants": {
             "moe_input": "layer (l+j)'s router on x[l] = post_attention_layernorm[l](h_mid[l]), layer l's MoE "
                          "input (what layer l's own router sees); known when layer l routes",
+            "mid_target": "layer (l+j)'s router on post_attention_layernorm[l+j](h_mid[l]), layer l's MoE input "
+                          "normalised with the target layer's norm weights; known when layer l routes",
             "residual": "layer (l+j)'s router on post_attention_layernorm[l+j](h_in[l+1]), the residual stream "
                         "before layer l+1's attention (layer l's output); known when layer l is done",
         },
@@ -354,7 +361,7 @@ def section_predict(args, out: Path) -> dict:
     print(f"predict {path.name}: {rows} tokens; self-check {[round(a / rows, 4) for a in self_agree]}", flush=True)
     for r in reach:
         print(f"  L{r['layer']} -> L{r['target_layer']} (j={r['distance']}): smallest m reaching "
-              f"{100 * RECALL_TARGET:.0f} % recall: moe_input {r['moe_input']}, residual {r['residual']}", flush=True)
+              f"{100 * RECALL_TARGET:.0f} % recall: " + ", ".join(f"{v} {r[v]}" for v in variants), flush=True)
     return res
 
 
@@ -406,11 +413,12 @@ def plot_predict(res: dict, dest: Path) -> None:
     import matplotlib.pyplot as plt
 
     k = res["top_k"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9), dpi=110, sharey="row")
+    variants = [v for v in VARIANTS if v in res["variants"]]
+    fig, axes = plt.subplots(2, len(variants), figsize=(6 * len(variants), 9), dpi=110, sharey="row")
     pairs = sorted({(r["layer"], r["distance"]) for r in res["table"]}, key=lambda p: (p[1], p[0]))
     colors = {1: "tab:blue", 2: "tab:orange", 3: "tab:green"}
     marks = {0: "o", 1: "s", 2: "^"}
-    for c, v in enumerate(("moe_input", "residual")):
+    for c, v in enumerate(variants):
         for (l, j) in pairs:
             rows = [r for r in res["table"] if r["variant"] == v and r["layer"] == l and r["distance"] == j]
             xs = [r["predicted"] for r in rows]
