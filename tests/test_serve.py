@@ -313,6 +313,32 @@ def test_stop_drains_the_requests_in_flight(model):
         eng.submit(PROMPTS[0], SamplingParams(max_tokens=1), lambda e: None)
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_the_heap_is_trimmed_when_the_engine_runs_out_of_work(model, trim):
+    """malloc_trim hands freed heap pages back between requests, once per idle spell, never
+    while a sequence waits or runs."""
+    eng = Engine(model, Tok(), max_batch=2, trim_when_idle=trim)
+    if trim:
+        assert eng._trim is not None  # (glibc: every Linux the project supports)
+        real, busy = eng._trim, []
+        eng._trim = lambda pad: busy.append(len(eng._queue) + len(eng._prefilling) + len(eng._rows)) or real(pad)
+    eng.start()
+    try:
+        for rounds in (1, 2):
+            c = Collector()
+            for i in range(2):
+                eng.submit(PROMPTS[i], SamplingParams(max_tokens=NEW, temperature=0.0), c.emitter(i))
+            c.wait()
+            deadline = time.monotonic() + 60
+            while trim and eng.counters.idle_trims < rounds and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert eng.counters.idle_trims == (rounds if trim else 0)
+        if trim:
+            assert busy == [0, 0]
+    finally:
+        eng.stop()
+
+
 def test_warm_up_runs_every_batch_size(model):
     eng = Engine(model, Tok(), max_batch=3, prefill_chunk=4)
     seen = []

@@ -32,6 +32,7 @@ directly.
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
 import logging
 import threading
@@ -173,6 +174,8 @@ class Counters:
     step_seconds: float = 0.0
     prefill_seconds: float = 0.0
     cache_seconds: float = 0.0  # rows joining and leaving the batch's cache (copies)
+    idle_trims: int = 0  # malloc_trim calls when the engine ran out of work (see Engine.trim_when_idle)
+    trim_seconds: float = 0.0
     ttft: list = field(default_factory=list)  # (recent) seconds from arrival to first token
     tokens_window: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
 
@@ -183,7 +186,8 @@ class Engine:
     in its own thread, `stop` ends it (after the sequences in flight when drain=True)."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 16, max_queue: int | None = None,
-                 prefill_chunk: int = 64, max_context: int | None = None, eos_token_ids=None):
+                 prefill_chunk: int = 64, max_context: int | None = None, eos_token_ids=None,
+                 trim_when_idle: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -209,6 +213,12 @@ class Engine:
         self._stopping = False
         self._accepting = True
         self.failure: str | None = None  # why the loop died, if it did
+        # glibc keeps the heap pages a burst of requests freed; handing them back when the queue
+        # empties keeps an idle server's RSS at its working set (benchmarks/log/serving.md: the
+        # soak's idle RSS fell 50-70 MB with malloc_trim). Only ever between requests, never in a
+        # step; None where the C library has no malloc_trim (not glibc).
+        self._trim = _malloc_trim() if trim_when_idle else None
+        self._worked = False  # a step ran since the last trim
 
     # -- the caller's side ----------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, emit: Callable[[Event], None]) -> Sequence:
@@ -307,6 +317,14 @@ class Engine:
             with torch.inference_mode():
                 while True:
                     with self._cond:
+                        idle = not (self._queue or self._prefilling or self._rows or self._stopping)
+                    if idle and self._worked and self._trim is not None:
+                        t0 = time.perf_counter()
+                        self._trim(0)
+                        self.counters.trim_seconds += time.perf_counter() - t0
+                        self.counters.idle_trims += 1
+                        self._worked = False
+                    with self._cond:
                         while not (self._queue or self._prefilling or self._rows or self._stopping):
                             self._cond.wait()
                         if self._stopping and not (self._queue or self._prefilling or self._rows):
@@ -319,6 +337,7 @@ class Engine:
                     for s in cancelled:
                         self._finish(s, "cancelled")
                     self._turn()
+                    self._worked = True
         except BaseException as exc:  # the model raised: every request in flight gets the error
             why = f"{type(exc).__name__}: {exc}"
             with self._cond:
@@ -503,6 +522,16 @@ class Engine:
         for layer in self._cache.layers:
             layer.keys = layer.keys.index_select(0, index)[:, :, first:].contiguous()
             layer.values = layer.values.index_select(0, index)[:, :, first:].contiguous()
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
 
 
 def _stack_left(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
