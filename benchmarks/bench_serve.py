@@ -37,6 +37,7 @@ in --log-dir; /health polled until 200, stopped with SIGTERM after the run):
   hina-int4, hina-bf16    hi-na-moe serve --model M [--tokenizer] --weights int4|lossless --scope all
                           --max-batch N (OMP_NUM_THREADS=--threads; hi_na_moe's own pool takes the
                           CPUs of its affinity mask: add --hina-arg for another count)
+  hina-int4@chunkC        the same with --prefill-chunk C (arms of several chunk sizes side by side)
   llamaserver-<type>      llama-server -m <--gguf-pattern with type> -t T -tb T -np N -cb
                           -c N*ctx (ctx = prompt + max tokens + 8, rounded up to 256: each slot
                           has ctx) --cache-ram 0 (no host prompt cache) --no-webui
@@ -144,8 +145,11 @@ def parse_args(argv=None):
     if bool(args.url) == bool(args.arm):
         ap.error("give either --url (a running server) or one or more --arm")
     for a in args.arm:
-        if not (a in ("hina-int4", "hina-bf16") or (a.startswith("llamaserver-") and len(a) > 12)):
-            ap.error(f"--arm {a!r}: expected hina-int4, hina-bf16 or llamaserver-<type> (llamaserver-q4_0)")
+        base, _, chunk = a.partition("@chunk")
+        if not ((base in ("hina-int4", "hina-bf16") and (not _ or chunk.isdigit() and int(chunk) > 0))
+                or (a.startswith("llamaserver-") and len(a) > 12)):
+            ap.error(f"--arm {a!r}: expected hina-int4, hina-bf16 (either with @chunk<N>: --prefill-chunk N) or "
+                     "llamaserver-<type> (llamaserver-q4_0)")
     if args.prompt_len < 1 or args.max_tokens < 1 or args.requests < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--prompt-len, --max-tokens, --requests, --rounds and --threads must be >= 1")
     try:
@@ -308,10 +312,13 @@ def gguf_for(args, arm: str) -> Path:
 def server_cmd(args, arm: str, n: int, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if arm.startswith("hina-"):
+        base, _, chunk = arm.partition("@chunk")
         # hina-bf16: the lossless format, the bf16 weights bit for bit
-        weights = {"bf16": "lossless"}.get(arm.split("-", 1)[1], arm.split("-", 1)[1])
+        weights = {"bf16": "lossless"}.get(base.split("-", 1)[1], base.split("-", 1)[1])
         cmd = [args.hina, "serve", "--model", args.model, "--weights", weights, "--scope", "all",
                "--max-batch", str(n), "--host", "127.0.0.1", "--port", str(port)]
+        if chunk:
+            cmd += ["--prefill-chunk", chunk]
         if args.tokenizer:
             cmd += ["--tokenizer", args.tokenizer]
         env["OMP_NUM_THREADS"] = str(args.threads)
