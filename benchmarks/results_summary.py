@@ -217,6 +217,7 @@ def schema_records() -> list[dict]:
 
 
 INDEX_NEWEST = 3  # sections of each log file the index names
+NEWEST_RECORDS = 10  # rows of the newest result-file records (RESULTS.md has a line budget: tests/test_docs.py)
 
 
 def log_index() -> list[str]:
@@ -257,7 +258,7 @@ def render() -> str:
     if recs:
         out += ["### Newest records in the result-file schema", "",
                 "| date | commit | CPU | tool | arm | threads | median | probe GB/s | file |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in recs[:12]:
+        for r in recs[:NEWEST_RECORDS]:
             out.append(f"| {r['date']} | {r['commit']} | {r['cpu_model']} | {r['tool']} | {r['arm']} | {r['threads']} | "
                        f"{fmt(r['median'])} {r['unit']} | {fmt(r['probe_gbs'])} | `{r['file']}` |")
         out.append("")
