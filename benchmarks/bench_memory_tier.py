@@ -337,6 +337,12 @@ def main() -> int:
         import hi_na_moe
         hi_na_moe.from_pretrained(args.ckpt, weights=args.weights, cache_dir=args.cache_dir, memory="map", scope=args.scope)
         return 0
+    from hi_na_moe.core.config import EVICTION_POLICIES
+    arms = args.arms.split(",")
+    tiers = ["tier"] + [f"tier-{p}" for p in EVICTION_POLICIES if p != "auto"]
+    bad = [a for a in arms if a not in ("map", "llamacpp") and a.partition(":")[0] not in tiers]
+    if bad:
+        sys.exit(f"--arms: unknown {bad}; known: {', '.join(tiers)} (each with :<experimental switches>), map, llamacpp")
     from hi_na_moe.core.limits import parse_bytes
     from hi_na_moe.tools.capabilities import capabilities
     total, files = packed_experts_bytes(args)
@@ -356,11 +362,6 @@ def main() -> int:
     cpu = capabilities().get("brand")
     print(f"packed experts: {total / 2**30:.2f} GiB in {len(files)} files; disk (O_DIRECT) MB/s: {bw}", flush=True)
     results = []
-    arms = args.arms.split(",")
-    bad = [a for a in arms if a not in ("tier", "map", "llamacpp")
-           and a.partition(":")[0].removeprefix("tier-") not in ("tier", "lru", "lfu", "lru-2", "freq-decay")]
-    if bad:
-        sys.exit(f"--arms: unknown {bad}; known: tier, tier-lru, tier-lfu, tier-lru-2, tier-freq-decay, map, llamacpp")
     for frac in [float(f) for f in args.fractions.split(",")]:
         mem_limit = int(total * frac)
         for rep in range(args.repeats):

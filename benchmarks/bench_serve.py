@@ -145,8 +145,8 @@ def parse_args(argv=None):
     if bool(args.url) == bool(args.arm):
         ap.error("give either --url (a running server) or one or more --arm")
     for a in args.arm:
-        base, _, chunk = a.partition("@chunk")
-        if not ((base in ("hina-int4", "hina-bf16") and (not _ or chunk.isdigit() and int(chunk) > 0))
+        base, sep, chunk = a.partition("@chunk")
+        if not ((base in ("hina-int4", "hina-bf16") and (not sep or chunk.isdigit() and int(chunk) > 0))
                 or (a.startswith("llamaserver-") and len(a) > 12)):
             ap.error(f"--arm {a!r}: expected hina-int4, hina-bf16 (either with @chunk<N>: --prefill-chunk N) or "
                      "llamaserver-<type> (llamaserver-q4_0)")

@@ -36,8 +36,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lib import record  # noqa: E402
 
+from hi_na_moe.core.config import EVICTION_POLICIES  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
-POLICIES = ("lru", "lfu", "lru-2", "freq-decay")
+POLICIES = tuple(p for p in EVICTION_POLICIES if p != "auto")
 
 
 def fail(msg: str) -> None:

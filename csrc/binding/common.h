@@ -237,10 +237,7 @@ inline nb::dict header_dict(const hina::PackedHeader& h) {
   d["magic"] = h.magic;
   d["version"] = h.version;
   d["dtype"] = h.dtype <= 2 ? std::string(hina::dtype_name(static_cast<hina::DType>(h.dtype))) : std::string("unknown");
-  // the x86 tiers are 0-3, the Arm family 10-12 (cpu_features.h)
-  const bool known_isa = h.isa <= static_cast<int>(hina::Isa::kAmx) ||
-                         (h.isa >= static_cast<int>(hina::Isa::kNeon) && h.isa <= static_cast<int>(hina::Isa::kI8mm));
-  d["isa"] = known_isa ? std::string(hina::isa_name(static_cast<hina::Isa>(h.isa))) : std::string("unknown");
+  d["isa"] = std::string(hina::isa_name(static_cast<hina::Isa>(h.isa)));  // "unknown" for no tier
   d["weights"] = h.wfmt <= 3 ? std::string(hina::wformat_name(static_cast<hina::WFormat>(h.wfmt))) : std::string("unknown");
   d["group_size"] = h.group;
   d["has_gate"] = h.has_gate != 0;

@@ -215,8 +215,8 @@ class Engine:
         self.failure: str | None = None  # why the loop died, if it did
         # glibc keeps the heap pages a burst of requests freed; handing them back when the queue
         # empties keeps an idle server's RSS at its working set (benchmarks/log/serving.md: the
-        # soak's idle RSS fell 50-70 MB with malloc_trim). Only ever between requests, never in a
-        # step; None where the C library has no malloc_trim (not glibc).
+        # soak's idle RSS, 484-530 MB, was 434-457 MB after malloc_trim). Only ever between
+        # requests, never in a step; None where the C library has no malloc_trim (not glibc).
         self._trim = _malloc_trim() if trim_when_idle else None
         self._worked = False  # a step ran since the last trim
 
