@@ -141,9 +141,14 @@ def test_outputs_through_the_tier_equal_the_all_in_memory_model(model, weights, 
         s = hi_na_moe.stats(m)
     _assert_equal(got, want)
     _check_counters(s, expert_bytes)
-    # decode steps (one row, and two) predicted the next layers' experts
+    # decode steps (one row, and two) predicted the next layers' experts, at acquire and, with
+    # scope="experts", again from each layer's output (a hook on the decoder layer); this model's
+    # layers are too small for scope="all"'s native layer step, which would do it there
     assert s["predicted"] > 0 and s["prefetch_issued"] > 0
     assert all(l["predicted"] > 0 for l in s["layers"][1:])
+    refined = LAYERS - 1 if scope == "experts" else 0
+    assert (s["refined"] > 0) == (refined > 0)
+    assert f"refined from the layer before's output for {refined} of {LAYERS} layers" in text
     # disable gives the model's own weights back, bit for bit
     assert not hi_na_moe.is_enabled(m)
     assert all(torch.equal(v, original[k]) for k, v in m.state_dict().items())
@@ -595,6 +600,135 @@ def test_prediction_reads_the_next_layers_top_experts(tmp_path):
     assert tier.stats()["predicted"] == 0
     with pytest.raises(ValueError, match="router weight"):
         tier.set_router(l1, router[:4], None, 1)
+
+
+def _rms(x, w, eps):
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+def _top(router, x, n):
+    logits = (x.float() @ router.float().t()).reshape(-1)  # (one row)
+    return sorted(torch.topk(logits, n).indices.tolist())
+
+
+def test_refine_reads_the_experts_the_next_routers_pick_from_the_normed_output(tmp_path):
+    """layer_done(l, residual): layer l+j's router on layer l's output through layer l+j's
+    RMSNorm, top-k + 4 one layer ahead and + 8 two ahead; when layer l's acquire found the disk
+    behind, only the next layer's top-k."""
+    E = 16
+    blk = _block(tmp_path / "block.hnm", E=E)
+    tier = _tier(blk, 3 * E, prediction_window=2, prediction_max_rows=1, io_threads=4)
+    (t0, l0), (_, l1), (_, l2) = (blk.tiered(tier) for _ in range(3))
+    g = torch.Generator().manual_seed(21)
+    routers = [(torch.randn(E, H, generator=g) * 0.1).bfloat16() for _ in range(2)]
+    norms = [(torch.rand(H, generator=g) * 3 + 0.05).bfloat16() for _ in range(2)]
+    eps = [1e-6, 1e-2]
+    for layer, r, w, e in zip((l1, l2), routers, norms, eps):
+        tier.set_router(layer, r, None, 1)  # top-1
+        tier.set_norm(layer, w, e)
+    res = (torch.randn(1, H, generator=g) * 2 + 0.3).bfloat16()
+    want = [_top(r, _rms(res, w, e), 1 + m) for r, w, e, m in zip(routers, norms, eps, (4, 8))]
+    # (the norm's weights matter: without them the routers would pick other experts)
+    assert all(_top(r, res, len(p)) != p for r, p in zip(routers, want))
+    tier.layer_done(l0, res)
+    tier.drain()
+    assert [tier.resident(l1), tier.resident(l2)] == want
+    s = tier.stats()
+    assert s["refined"] == s["predicted"] == 5 + 9 and s["prefetch_issued"] == 5 + 9
+    assert [l["predicted"] for l in s["layers"]] == [0, 5, 9]
+    # a prediction repeated before its layer's acquire is counted once
+    tier.layer_done(l0, res)
+    assert tier.stats()["refined"] == 5 + 9
+    # more rows than prediction_max_rows: nothing
+    tier.reset_stats()
+    tier.layer_done(l0, torch.cat([res, res]))
+    assert tier.stats()["predicted"] == 0
+
+    # behind: layer 0's acquire had to read its expert; then only layer 1's top-1
+    tier2 = _tier(blk, 3 * E, prediction_window=2, prediction_extra=0, prediction_max_rows=1)
+    (t0, l0), (_, l1), (_, l2) = (blk.tiered(tier2) for _ in range(3))
+    tier2.set_router(l1, routers[0], None, 1)
+    tier2.set_norm(l1, norms[0], eps[0])
+    x, idx, w = _problem(1, 1, E, 9, experts=[0])
+    _fwd(t0, x, idx, w)  # (its own prediction: layer 1's top-1 from x; layer 2 has no router yet)
+    tier2.drain()
+    tier2.set_router(l2, routers[1], None, 1)
+    tier2.set_norm(l2, norms[1], eps[1])
+    tier2.layer_done(l0, res)
+    tier2.drain()
+    assert tier2.resident(l1) == sorted(set(_top(routers[0], x, 1) + _top(routers[0], _rms(res, norms[0], eps[0]), 1)))
+    assert tier2.resident(l2) == []
+    with pytest.raises(ValueError, match=r"norm weight must be \[H\]"):
+        tier2.set_norm(l1, norms[0][:4].reshape(2, 2), 1e-6)
+    with pytest.raises(ValueError, match="layer 1's norm weight has 4 values, its router's hidden size is 128"):
+        tier2.set_norm(l1, norms[0][:4], 1e-6)
+    with pytest.raises(ValueError, match="no router: set_router first"):
+        tier2.set_norm(l0, norms[0], 1e-6)
+    with pytest.raises(ValueError, match="layer_done residual has dtype int64"):
+        tier2.layer_done(l0, torch.zeros(1, H, dtype=torch.int64))
+
+
+def test_refine_off_predicts_only_at_acquire(tmp_path):
+    E = 16
+    blk = _block(tmp_path / "block.hnm", E=E)
+    tier = _tier(blk, 3 * E, prediction_window=2, prediction_max_rows=1, refine=False)
+    (_, l0), (_, l1), (_, l2) = (blk.tiered(tier) for _ in range(3))
+    for layer in (l1, l2):
+        tier.set_router(layer, torch.randn(E, H).bfloat16(), None, 1)
+        tier.set_norm(layer, torch.ones(H).bfloat16(), 1e-6)
+    tier.layer_done(l0, torch.randn(1, H).bfloat16())
+    tier.drain()
+    assert tier.stats()["predicted"] == 0 and tier.resident(l1) == tier.resident(l2) == []
+
+
+def test_refine_applies_only_a_plain_rms_norm():
+    m = build_tiny("olmoe", **TINY).model
+    norm = m.model.layers[0].post_attention_layernorm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+    got = tiering.rms_norm_of(norm, TINY["hidden_size"])
+    assert got is not None and torch.equal(got[0], norm.weight) and got[1] == norm.variance_epsilon
+
+    class OnePlus(torch.nn.Module):  # Gemma's: x / rms * (1 + weight)
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.zeros(TINY["hidden_size"])), 1e-6
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+    assert tiering.rms_norm_of(OnePlus(), TINY["hidden_size"]) is None
+    ln = torch.nn.LayerNorm(TINY["hidden_size"], eps=1e-5)
+    assert tiering.rms_norm_of(ln, TINY["hidden_size"]) is None
+    assert tiering.rms_norm_of(norm, TINY["hidden_size"] * 2) is None
+
+
+@pytest.mark.parametrize("scope", ["experts", "all"])
+def test_the_refine_switch_turns_it_off_and_the_outputs_stay_exact(model, scope, tmp_path, monkeypatch):
+    from hi_na_moe.fastpath import linear
+
+    monkeypatch.setattr(linear, "MIN_WEIGHTS", 0)  # scope="all": the layers' decode steps in the native calls
+    m, _ = model
+    with _enabled(m, weights="int4", scope=scope, cache_dir=tmp_path):
+        want = _outputs(m)
+        slot = _slot_bytes(m)
+    layers = list(m.model.layers)
+    for refine in (True, False):
+        with _enabled(m, weights="int4", scope=scope, cache_dir=tmp_path, memory_limit=10 * slot,
+                      experimental="" if refine else "tier.refine=off") as report:
+            # scope="experts": a forward hook on each decoder layer; "all": the native step calls it
+            assert sum(len(l._forward_hooks) for l in layers) == (LAYERS if refine and scope == "experts" else 0)
+            got = _outputs(m)
+            s = hi_na_moe.stats(m)
+        _assert_equal(got, want)
+        assert all(not l._forward_hooks for l in layers)  # (removed on disable)
+        assert (s["refined"] > 0) == refine
+        if refine:
+            assert f"refined from the layer before's output for {LAYERS - 1} of {LAYERS} layers" in str(report)
+        else:
+            assert "refined from the layer before's output for none (experimental tier.refine=off)" in str(report)
+    tier_mod.REFINE = True  # (the switch is process-wide)
 
 
 @pytest.mark.parametrize("skip", [True, False])

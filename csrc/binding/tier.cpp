@@ -20,7 +20,7 @@ nb::dict stats_dict(const hina::TierStats& s) {
   put_fields(d, "acquires", s.acquires, "hits", s.hits, "misses", s.misses, "inflight_hits", s.inflight_hits, "reads",
              s.reads, "bytes_read", s.bytes_read, "retries", s.retries, "prefetch_issued", s.prefetch_issued,
              "prefetch_dropped", s.prefetch_dropped, "prefetch_unused", s.prefetch_unused,
-             "prefetch_skipped", s.prefetch_skipped, "predicted", s.predicted,
+             "prefetch_skipped", s.prefetch_skipped, "predicted", s.predicted, "refined", s.refined,
              "predicted_used", s.predicted_used, "demanded", s.demanded, "evictions", s.evictions, "io_wait_s",
              s.io_wait_s, "read_s", s.read_s);
   nb::list layers;
@@ -54,7 +54,7 @@ void bind_tier(nb::module_& m) {
       .def("__init__",
            [](PyTier* self, size_t slot_bytes, int64_t num_slots, int io_threads, bool direct_io,
               const std::string& policy, double half_life, int window, int extra, int max_rows,
-              bool skip_unused_reads, int64_t fault_short_every, int64_t fault_eio_every, int64_t fault_flip_every) {
+              bool skip_unused_reads, bool refine, int64_t fault_short_every, int64_t fault_eio_every, int64_t fault_flip_every) {
              hina::TierOptions o;
              o.slot_bytes = slot_bytes;
              o.num_slots = num_slots;
@@ -67,6 +67,7 @@ void bind_tier(nb::module_& m) {
              o.prediction_extra = extra;
              o.prediction_max_rows = max_rows;
              o.skip_unused_reads = skip_unused_reads;
+             o.refine = refine;
              o.fault_short_every = fault_short_every;
              o.fault_eio_every = fault_eio_every;
              o.fault_flip_every = fault_flip_every;
@@ -75,7 +76,7 @@ void bind_tier(nb::module_& m) {
            nb::arg("slot_bytes"), nb::arg("num_slots"), nb::arg("io_threads") = 4, nb::arg("direct_io") = true,
            nb::arg("policy") = "lru", nb::arg("half_life") = 64.0, nb::arg("prediction_window") = 2,
            nb::arg("prediction_extra") = 2, nb::arg("prediction_max_rows") = 8,
-           nb::arg("skip_unused_reads") = true, nb::arg("fault_short_every") = 0,
+           nb::arg("skip_unused_reads") = true, nb::arg("refine") = true, nb::arg("fault_short_every") = 0,
            nb::arg("fault_eio_every") = 0, nb::arg("fault_flip_every") = 0,
            "slot_bytes from tier_slot_bytes() of the largest layer; the fault_* arguments are for tests only "
            "(every n-th read cut short, failing with EIO, or with a flipped byte).")
@@ -109,6 +110,34 @@ void bind_tier(nb::module_& m) {
            nb::arg("layer"), nb::arg("weight"), nb::arg("bias").none() = nb::none(), nb::arg("k"),
            "The layer's router for prediction: weight [E, H] (kept alive), bias [E] float32 or None, "
            "k experts a token routes to.")
+      .def("set_norm",
+           [](PyTier& self, int layer, nb::object weight, float eps) {
+             InArray w = nb::cast<InArray>(weight);
+             if (w.ndim() != 1) bad("norm weight must be [H]");
+             check_array("norm weight", w, {-1});
+             const auto dt = to_dtype(w.dtype());
+             if (!dt) bad("norm weight has dtype " + dtype_str(w.dtype()) + "; supported: float32, bfloat16, float16");
+             if (!(eps >= 0)) bad("norm eps must be >= 0, got " + std::to_string(eps));
+             self.t->set_norm(layer, w.data(), *dt, static_cast<int64_t>(w.shape(0)), eps);
+           },
+           nb::arg("layer"), nb::arg("weight"), nb::arg("eps"),
+           "The RMSNorm in front of the layer's router (weight [H], copied; eps), for refine: layer_done() "
+           "of an earlier layer applies it and the router to that layer's output.")
+      .def("layer_done",
+           [](PyTier& self, int layer, nb::object residual) {
+             InArray x = nb::cast<InArray>(residual);
+             if (x.ndim() < 1) bad("layer_done: the residual must be [..., H]");
+             check_array("layer_done residual", x, std::vector<int64_t>(x.ndim(), -1));
+             const auto dt = to_dtype(x.dtype());
+             if (!dt) bad("layer_done residual has dtype " + dtype_str(x.dtype()) + "; supported: float32, bfloat16, float16");
+             const int64_t H = static_cast<int64_t>(x.shape(x.ndim() - 1));
+             const int64_t T = H > 0 ? static_cast<int64_t>(x.size()) / H : 0;
+             nb::gil_scoped_release r;
+             self.t->layer_done(layer, x.data(), T, *dt, H);
+           },
+           nb::arg("layer"), nb::arg("residual"),
+           "Layer `layer` is done and residual [..., H] is its output: queues predicted reads of the next "
+           "layers' experts from it (refine; never waits for a read).")
       .def("prefetch",
            [](PyTier& self, int layer, const std::vector<int32_t>& experts) {
              self.t->prefetch(layer, experts.data(), static_cast<int>(experts.size()));

@@ -109,6 +109,13 @@ bool eviction_from_name(const char* name, EvictionPolicy* out) {
 namespace {
 constexpr size_t kAlign = 4096;
 constexpr size_t kPredictDepth = 4;  // predicted reads queued per I/O thread, at most
+// Refine's experts beyond a router's top-k, one and two layers ahead (layer_done). Layer l+j's
+// router on layer l's output through layer l+j's pre-router norm, on the trained E64 model's
+// routing (top-8 of 64, all 28,672 held-out tokens; benchmarks/log/memory-tier.md, "The expert
+// pool's policy and read prediction on real routing", 2026-12-07): top-8 + 4 one layer ahead
+// recalls 83.8-96.2 % of each layer's choice, + 8 two layers ahead 84.4 and 89.7 %, the fewest
+// extras that reach 80 % in every layer (+ 2: 78.7 % in layer 2; + 4 two ahead: 76.2 %).
+constexpr int kRefineExtra[2] = {4, 8};
 size_t a4k(uint64_t n) { return static_cast<size_t>((n + kAlign - 1) / kAlign * kAlign); }
 enum : uint8_t { kEmpty = 0, kLoading = 1, kReady = 2 };
 std::string hex32(uint32_t v) {
@@ -150,6 +157,9 @@ struct ExpertTier::Layer {
   int64_t rH = 0;
   const float* rbias = nullptr;
   int rk = 0;
+  std::vector<float> nw;  // the router's input RMSNorm weight [rH] in fp32, for refine (empty: none)
+  float neps = 0;
+  bool behind = false;  // demanded reads were queued or under way at this layer's last acquire
   TierLayerStats st;
 };
 
@@ -297,6 +307,20 @@ void ExpertTier::set_router(int layer, const void* w, DType dt, int64_t H, const
   L.rH = H;
   L.rbias = bias;
   L.rk = std::min<int>(k, static_cast<int>(L.E));
+}
+
+void ExpertTier::set_norm(int layer, const void* w, DType dt, int64_t H, float eps) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (layer < 0 || layer >= static_cast<int>(layers_.size())) throw std::invalid_argument("memory tier: no layer " + std::to_string(layer));
+  if (H < 1 || !(eps >= 0)) throw std::invalid_argument("memory tier: a norm needs H >= 1 and eps >= 0");
+  Layer& L = *layers_[layer];
+  if (L.rw.empty() || H != L.rH)
+    throw std::invalid_argument("memory tier: layer " + std::to_string(layer) + "'s norm weight has " + std::to_string(H) +
+                                " values, its router's hidden size is " + std::to_string(L.rH) +
+                                (L.rw.empty() ? " (no router: set_router first)" : ""));
+  L.nw.resize(static_cast<size_t>(H));
+  for (int64_t i = 0; i < H; ++i) L.nw[i] = detail::load_elem(dt, w, i);
+  L.neps = eps;
 }
 
 // ---- policy -------------------------------------------------------------------------------------
@@ -536,9 +560,52 @@ void ExpertTier::worker() {
 }
 
 // ---- prediction ---------------------------------------------------------------------------------
+uint64_t ExpertTier::predict_layer(int target, int distance, const float* x, int64_t T, int64_t H, int extra) {
+  Layer& N = *layers_[target];
+  const int want = std::min<int>(N.rk + extra, static_cast<int>(N.E));
+  std::vector<int32_t> picked;
+  std::vector<float> logits(static_cast<size_t>(N.E));
+  std::vector<int32_t> order(static_cast<size_t>(N.E));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xf = x + t * H;
+    for (int64_t e = 0; e < N.E; ++e) {
+      const float* wr = N.rw.data() + e * H;
+      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums: the compiler's vectors (baseline flags)
+      int64_t h = 0;
+      for (; h + 8 <= H; h += 8)
+        for (int j = 0; j < 8; ++j) part[j] += wr[h + j] * xf[h + j];
+      float acc = 0.0f;
+      for (; h < H; ++h) acc += wr[h] * xf[h];
+      for (int j = 0; j < 8; ++j) acc += part[j];
+      logits[e] = acc + (N.rbias ? N.rbias[e] : 0.0f);
+    }
+    for (int64_t e = 0; e < N.E; ++e) order[e] = static_cast<int32_t>(e);
+    std::partial_sort(order.begin(), order.begin() + want, order.end(),
+                      [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+    picked.insert(picked.end(), order.begin(), order.begin() + want);
+  }
+  uint64_t fresh = 0;
+  std::lock_guard<std::mutex> lk(mu_);
+  for (int32_t e : picked) {
+    if (N.pred_mark[e] == N.acquires + 1) continue;  // (predicted for that acquire already: counted once)
+    N.pred_mark[e] = N.acquires + 1;
+    ++fresh;
+    ++N.st.predicted;
+    ++st_.predicted;
+    if (N.slot_of[e] >= 0) continue;
+    if (N.wasted[e] && opt_.skip_unused_reads) {
+      ++st_.prefetch_skipped;
+      continue;
+    }
+    enqueue(target, e, false, distance);
+  }
+  return fresh;
+}
+
 void ExpertTier::queue_prediction(int layer, const void* x, int64_t T, DType dt, int64_t H) {
   if (opt_.prediction_window <= 0 || x == nullptr || T < 1 || T > opt_.prediction_max_rows) return;
-  std::vector<float> xf(static_cast<size_t>(H));
+  std::vector<float> xf(static_cast<size_t>(T * H));
+  for (int64_t i = 0; i < T * H; ++i) xf[i] = detail::load_elem(dt, x, i);
   const int nl = static_cast<int>(layers_.size());
   // When this call's demanded reads are still queued or under way, the disk is behind the
   // kernels: a wrong guess then costs a demanded read its bandwidth, so only the next layer's
@@ -553,43 +620,46 @@ void ExpertTier::queue_prediction(int layer, const void* x, int64_t T, DType dt,
   const int window = behind ? std::min(1, opt_.prediction_window) : opt_.prediction_window;
   const int extra = behind ? 0 : opt_.prediction_extra;
   for (int j = 1; j <= window && layer + j < nl; ++j) {
-    Layer& N = *layers_[layer + j];
+    const Layer& N = *layers_[layer + j];
     if (N.rw.empty() || N.rH != H) continue;
-    const int want = std::min<int>(N.rk + extra, static_cast<int>(N.E));
-    std::vector<int32_t> picked;
-    logits_.resize(static_cast<size_t>(N.E));
-    std::vector<int32_t> order(static_cast<size_t>(N.E));
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t h = 0; h < H; ++h) xf[h] = detail::load_elem(dt, x, t * H + h);
-      for (int64_t e = 0; e < N.E; ++e) {
-        const float* wr = N.rw.data() + e * H;
-        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums: the compiler's vectors (baseline flags)
-        int64_t h = 0;
-        for (; h + 8 <= H; h += 8)
-          for (int j = 0; j < 8; ++j) part[j] += wr[h + j] * xf[h + j];
-        float acc = 0.0f;
-        for (; h < H; ++h) acc += wr[h] * xf[h];
-        for (int j = 0; j < 8; ++j) acc += part[j];
-        logits_[e] = acc + (N.rbias ? N.rbias[e] : 0.0f);
+    predict_layer(layer + j, j, xf.data(), T, H, extra);
+  }
+  cv_work_.notify_all();
+}
+
+void ExpertTier::layer_done(int layer, const void* residual, int64_t T, DType dt, int64_t H) {
+  if (!opt_.refine || opt_.prediction_window <= 0 || residual == nullptr || T < 1 || T > opt_.prediction_max_rows) return;
+  try {
+    bool behind;
+    int nl;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      nl = static_cast<int>(layers_.size());
+      if (layer < 0 || layer >= nl) return;
+      behind = layers_[layer]->behind;
+    }
+    // The rule of queue_prediction: when layer l's acquire found the disk behind, only the next
+    // layer's top-k (its reads are done by now, but the disk is likely to be behind again).
+    const int window = std::min({behind ? 1 : opt_.prediction_window, 2, nl - 1 - layer});
+    std::vector<float> x(static_cast<size_t>(T * H)), xn(x.size());
+    for (int64_t i = 0; i < T * H; ++i) x[i] = detail::load_elem(dt, residual, i);
+    uint64_t fresh = 0;
+    for (int j = 1; j <= window; ++j) {
+      const Layer& N = *layers_[layer + j];
+      if (N.rw.empty() || N.nw.empty() || N.rH != H) continue;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* r = x.data() + t * H;
+        double ss = 0;
+        for (int64_t h = 0; h < H; ++h) ss += static_cast<double>(r[h]) * r[h];
+        const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(H)) + N.neps);
+        for (int64_t h = 0; h < H; ++h) xn[t * H + h] = r[h] * inv * N.nw[h];
       }
-      for (int64_t e = 0; e < N.E; ++e) order[e] = static_cast<int32_t>(e);
-      std::partial_sort(order.begin(), order.begin() + want, order.end(),
-                        [&](int32_t a, int32_t b) { return logits_[a] > logits_[b] || (logits_[a] == logits_[b] && a < b); });
-      picked.insert(picked.end(), order.begin(), order.begin() + want);
+      fresh += predict_layer(layer + j, j, xn.data(), T, H, behind ? 0 : kRefineExtra[j - 1]);
     }
     std::lock_guard<std::mutex> lk(mu_);
-    for (int32_t e : picked) {
-      if (N.pred_mark[e] == N.acquires + 1) continue;
-      N.pred_mark[e] = N.acquires + 1;
-      ++N.st.predicted;
-      ++st_.predicted;
-      if (N.slot_of[e] >= 0) continue;
-      if (N.wasted[e] && opt_.skip_unused_reads) {
-        ++st_.prefetch_skipped;
-        continue;
-      }
-      enqueue(layer + j, e, false, j);
-    }
+    st_.refined += fresh;
+  } catch (...) {
+    // prediction only ever saves time; a failure there must not fail the step
   }
   cv_work_.notify_all();
 }
@@ -684,6 +754,7 @@ void ExpertTier::acquire(int layer, const int32_t* experts, int n, const void* x
       enqueue(layer, e, true, 0);
     }
   }
+  L.behind = !demand_q_.empty() || busy_demand_ > 0;
   cv_work_.notify_all();
   lk.unlock();
   try {

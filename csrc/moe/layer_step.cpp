@@ -9,6 +9,7 @@
 
 #include "hina_moe/step.h"
 #include "hina_moe/thread_pool.h"
+#include "hina_moe/tier.h"
 #include "kernel_api.h"
 #include "step_trace.h"
 
@@ -270,6 +271,8 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
         }
         add(a.dtype, a.sum, a.experts_out, a.B * a.H, a.sum);
         detail::lap(StepOp::kAdd);
+        // the layer's output predicts the next layers' experts better than its MoE input (tier.h)
+        if (ExpertTier* t = a.experts->tier()) t->layer_done(a.experts->tier_layer(), a.sum, a.B, a.dtype, a.H);
         return name;
       }
     }

@@ -18,6 +18,10 @@
 // experts (top-k + `extra`), nearer layers first; while demanded reads are still outstanding
 // (the disk is behind), only the next layer's top-k. A demanded read always goes first; a
 // predicted read not yet started when its layer is acquired is dropped, never waited for.
+// Refine: with the next layers' pre-router RMSNorms registered too (set_norm), layer_done() of
+// layer l applies them and the routers of l+1 and l+2 to layer l's output (the residual stream
+// after its MoE add), which predicts them better than layer l's MoE input, and queues their top
+// experts in the same way.
 //
 // Concurrency: one acquire..release span at a time (the tier's step lock): concurrent forwards
 // on tiered blocks take turns, so pinned slots of two calls can never wait on each other. The
@@ -64,6 +68,7 @@ struct TierOptions {
   int prediction_extra = 2;     // experts predicted beyond a router's top-k
   int prediction_max_rows = 8;  // calls with more rows predict nothing (a prefill reads most experts)
   bool skip_unused_reads = true;  // no read ahead of an expert whose last one went unused, until it is used
+  bool refine = true;             // layer_done() predicts again from each layer's output
   // test-only fault injection: every n-th region read (1-based over the tier's life; an expert
   // is two, gate/up then down) is cut short / fails with EIO / has one byte flipped after the
   // read; 0: never.
@@ -82,6 +87,7 @@ struct TierStats {
   uint64_t prefetch_issued = 0, prefetch_dropped = 0, prefetch_unused = 0;  // unused: evicted before any use
   uint64_t prefetch_skipped = 0;  // predicted, not read: its last read ahead went unused and it has not been used since
   uint64_t predicted = 0, predicted_used = 0, demanded = 0;
+  uint64_t refined = 0;  // of predicted: made by layer_done(), the acquire-time prediction had not
   uint64_t evictions = 0;
   double io_wait_s = 0, read_s = 0;  // time acquire() waited for reads; time the I/O threads spent reading
   std::vector<TierLayerStats> layers;
@@ -112,6 +118,15 @@ class ExpertTier {
   // (copied, as fp32); bias (E floats) caller-owned and kept alive. k: the experts a token
   // routes to. Without one, no prediction reads for that layer.
   void set_router(int layer, const void* w, DType dt, int64_t H, const float* bias, int k);
+  // The RMSNorm in front of `layer`'s router (x / sqrt(mean(x^2) + eps) * w; w [H] in dt, copied
+  // as fp32; after set_router, of its H), for refine. Without one, layer_done() predicts nothing
+  // for that layer.
+  void set_norm(int layer, const void* w, DType dt, int64_t H, float eps);
+  // Layer `layer` is done: residual [T, H] in dt is its output. Queues predicted reads of the
+  // next layers' experts from it (refine: tier.h's header comment); never blocks on a read, and
+  // never throws (prediction only ever saves time). Nothing with refine off, no window, or more
+  // than prediction_max_rows rows.
+  void layer_done(int layer, const void* residual, int64_t T, DType dt, int64_t H);
 
   // Makes experts[0..n) of `layer` resident and pinned (reading the missing ones, predicted
   // reads first queued for the next layers from x [T, H] in dt when x is given) and writes their
@@ -162,6 +177,7 @@ class ExpertTier {
   void evict(int64_t s);
   bool read_expert(int64_t slot, const Layer& L, int32_t e, std::string* err);
   void queue_prediction(int layer, const void* x, int64_t T, DType dt, int64_t H);
+  uint64_t predict_layer(int target, int distance, const float* x, int64_t T, int64_t H, int extra);
   void enqueue(int layer, int32_t e, bool demand, int distance);
   std::pair<double, uint64_t> score(const Slot& s) const;  // eviction order: smallest first
 
@@ -182,7 +198,6 @@ class ExpertTier {
   std::atomic<int64_t> read_count_{0};
   std::mutex step_mu_;
   TierStats st_;
-  std::vector<float> logits_;
 };
 
 }  // namespace hina

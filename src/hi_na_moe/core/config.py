@@ -80,6 +80,7 @@ EXPERIMENTAL = {
     "kv_cache.in_place": ("hi_na_moe.fastpath.kv_cache", "IN_PLACE"),
     "kv_cache.group": ("hi_na_moe.fastpath.kv_cache", "GROUP"),
     "tier.skip_unused_reads": ("hi_na_moe.core.tier", "SKIP_UNUSED_READS"),
+    "tier.refine": ("hi_na_moe.core.tier", "REFINE"),
 }
 # the words a true / false value may be written as (environment, YAML, `experimental`)
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

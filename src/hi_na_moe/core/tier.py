@@ -44,6 +44,11 @@ HALF_LIFE_TOKENS = 32.0
 # an expert whose last read ahead was evicted unused is not read ahead again until it is used
 # (csrc/experts/tier.cpp, Layer::wasted); experimental "tier.skip_unused_reads=off" reads it again
 SKIP_UNUSED_READS = True
+# refine: each layer's output (the residual stream after its MoE add) through the next layers'
+# pre-router RMSNorms predicts their experts again (ExpertTier.layer_done); on the E64 model's
+# routing that recalls >= 80 % of every layer's choice where the MoE input alone gave 64-82 %
+# (benchmarks/log/memory-tier.md, 2026-12-07); experimental "tier.refine=off" predicts only at acquire
+REFINE = True
 
 
 class TierConfigError(ValueError):
@@ -134,7 +139,7 @@ def make_tier(native, p: TierPlan, cfg, num_layers: int, fault: dict | None = No
     return native.ExpertTier(p.slot_bytes, p.num_slots, io_threads=getattr(cfg, "io_threads", 4), direct_io=direct,
                              policy=policy_of(cfg), half_life=HALF_LIFE_TOKENS * max(1, num_layers),
                              prediction_window=window, prediction_extra=PREDICTION_EXTRA,
-                             skip_unused_reads=SKIP_UNUSED_READS, **(fault or {}))
+                             skip_unused_reads=SKIP_UNUSED_READS, refine=REFINE, **(fault or {}))
 
 
 def expert_crcs(native, block, info: dict) -> dict[str, Any]:
@@ -174,6 +179,11 @@ class TierState:
     plan: TierPlan
     layer_names: dict[int, str] = field(default_factory=dict)
     predicting: set = field(default_factory=set)  # layers with a router registered
+    refining: set = field(default_factory=set)  # of them, layers with their pre-router RMSNorm too (refine)
+    # tier layer -> the decoder layer whose output is its residual stream (refine's forward hooks)
+    decoder_layers: dict = field(default_factory=dict)
+    hooks: list = field(default_factory=list)  # refine's forward hook handles, removed on disable
+    refine_sources: set = field(default_factory=set)  # layers whose output is handed to layer_done
     numa: Any = None  # hi_na_moe.core.numa.BindStatus when numa_node is set
     other_bytes: int | None = None  # the model's weights outside the tiered experts
     prior_note: str | None = None  # what the profile (HinaConfig.profile) did, for the report

@@ -12,8 +12,13 @@ from torch import nn
 
 from ..core import numa, ops
 from ..core import tier as tier_mod
+from ..core.formats import Scope
 from ..core.native import native_module
+from ..core.registry import patched_runner
 from ..core.store import PackedStore
+from ..fastpath import layers as layers_mod
+from ..fastpath import routers as routers_mod
+from ..fastpath.layers import NativeLayer
 
 # model -> TierState, while enabled
 _STATES: "weakref.WeakKeyDictionary[nn.Module, tier_mod.TierState]" = weakref.WeakKeyDictionary()
@@ -72,6 +77,45 @@ def _router(model: nn.Module, match):
         if found is not None:
             return found
     return None
+
+
+def _decoder_layer(model: nn.Module, name: str) -> nn.Module | None:
+    """The decoder layer holding the block `name`: its nearest ancestor with a
+    post_attention_layernorm (the norm in front of the block's router)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            m = model.get_submodule(".".join(parts[:i]))
+        except AttributeError:
+            continue
+        if isinstance(getattr(m, "post_attention_layernorm", None), nn.Module):
+            return m
+    return None
+
+
+def rms_norm_of(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, float] | None:
+    """(weight [H], eps) when `norm` computes x / sqrt(mean(x^2) + eps) * weight, what the tier
+    applies for refine; None for anything else (a norm with 1 + weight, a LayerNorm's mean, no
+    weight). Checked on an input of nonzero mean, at the weight's precision."""
+    w = getattr(norm, "weight", None)
+    eps = next((v for v in (getattr(norm, "variance_epsilon", None), getattr(norm, "eps", None))
+                if isinstance(v, float) and not isinstance(v, bool)), None)
+    if (eps is None or not isinstance(w, torch.Tensor) or tuple(w.shape) != (hidden,) or w.device.type != "cpu"
+            or w.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    x = (torch.randn(4, hidden, generator=torch.Generator().manual_seed(0)) * 2 + 0.5).to(w.dtype)
+    try:
+        with torch.no_grad():
+            got = norm(x)
+    except Exception:  # (a norm that cannot take [T, H] rows is not one the tier can apply)
+        return None
+    xf = x.float()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.detach().float()
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return None
+    if not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+        return None
+    return w.detach(), eps
 
 
 def _other_bytes(model: nn.Module, matches: list) -> int:
@@ -156,6 +200,52 @@ def finish(model: nn.Module, state: tier_mod.TierState | None, plans: list) -> N
             continue
         state.tier.set_router(r.tier_layer, w.contiguous(), None if b is None else b.detach().float().contiguous(), k)
         state.predicting.add(r.tier_layer)
+        layer = _decoder_layer(model, match.name)
+        if layer is None:
+            continue
+        state.decoder_layers[r.tier_layer] = layer
+        norm = rms_norm_of(layer.post_attention_layernorm, match.spec.hidden)
+        if norm is not None:
+            state.tier.set_norm(r.tier_layer, norm[0].contiguous(), norm[1])
+            state.refining.add(r.tier_layer)
+
+
+def _refine_hook(tier, layer: int, hidden: int):
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, (tuple, list)) else output
+        if (isinstance(h, torch.Tensor) and h.dim() >= 1 and h.shape[-1] == hidden and h.device.type == "cpu"
+                and h.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            tier.layer_done(layer, h.detach().contiguous())
+    return hook
+
+
+def _native_step_with_experts(decoder_layer: nn.Module) -> bool:
+    """Whether scope="all" runs the layer's decode steps in the native layer step with its
+    experts inside, which hands the layer's output to layer_done (csrc/moe/layer_step.cpp)."""
+    runner = patched_runner(decoder_layer)
+    return (isinstance(runner, NativeLayer) and runner.moe is not None and runner.one_call_blocker() is None
+            and layers_mod.FUSE_EXPERTS and routers_mod.NATIVE_SELECT)
+
+
+def hook_layers(state: tier_mod.TierState | None, plans: list, cfg) -> None:
+    """Where refine gets each layer's output from. scope="experts": a forward hook on each tiered
+    block's decoder layer hands its output, the residual stream, to ExpertTier.layer_done.
+    scope="all": the native layer step calls it, and a hook on a layer would send the decoder
+    stack's steps through the modules' own forwards (hi_na_moe.fastpath.stack), so none is added;
+    a layer that does not run its experts in that step gives refine nothing."""
+    if state is None or state.tier is None or not tier_mod.REFINE:
+        return
+    if getattr(cfg, "scope", None) == Scope.ALL:
+        state.refine_sources = {layer for layer, m in state.decoder_layers.items() if _native_step_with_experts(m)}
+        return
+    if not any(layer + j in state.refining for layer in state.decoder_layers for j in (1, 2)):
+        return
+    for match, choice in plans:
+        layer = getattr(choice.runner, "tier_layer", None)
+        if layer in state.decoder_layers:
+            state.hooks.append(state.decoder_layers[layer].register_forward_hook(
+                _refine_hook(state.tier, layer, match.spec.hidden)))
+            state.refine_sources.add(layer)
 
 
 def settle(state: tier_mod.TierState | None, plans: list, cfg=None) -> None:
@@ -168,6 +258,7 @@ def settle(state: tier_mod.TierState | None, plans: list, cfg=None) -> None:
             state.prior_note = f"profile {profile!r} not used: no memory tier ({state.plan.why})"
         return
     tier = state.tier
+    hook_layers(state, plans, cfg)
     tier.drain()  # (no probe's read still under way)
     tier.forget_uses()
     tier.reset_stats()
@@ -205,7 +296,8 @@ def report_lines(state: tier_mod.TierState | None) -> list[str]:
         t = state.tier
         modes = {t.io_mode(i) for i in range(t.num_layers)}
         lines.append(f"    eviction {t.policy}; reads: {', '.join(sorted(modes))}; prediction for "
-                     f"{len(state.predicting)} of {t.num_layers} layers")
+                     f"{len(state.predicting)} of {t.num_layers} layers, refined from the layer before's output "
+                     f"for {_refined(state)}")
         if state.numa is not None:
             lines.append("    " + numa.describe(t.pool_address, t.pool_bytes, state.numa))
     if state.prior_note:
@@ -213,8 +305,21 @@ def report_lines(state: tier_mod.TierState | None) -> list[str]:
     return lines
 
 
+def _refined(state: tier_mod.TierState) -> str:
+    """For how many layers refine runs, or why it does not."""
+    if not tier_mod.REFINE:
+        return "none (experimental tier.refine=off)"
+    n = sum(1 for layer in state.refining if layer - 1 in state.refine_sources)
+    why = "" if n == sum(1 for layer in state.predicting if layer > 0) else (
+        " (the others: a layer without a router or a plain RMSNorm as its decoder layer's "
+        "post_attention_layernorm, or after a layer whose experts do not run in scope='all''s native layer step)")
+    return f"{n} of {state.tier.num_layers} layers{why}"
+
+
 def drop(model: nn.Module) -> None:
-    _STATES.pop(model, None)
+    state = _STATES.pop(model, None)
+    for h in state.hooks if state is not None else ():
+        h.remove()
 
 
 def tier_stats(model: nn.Module) -> dict[str, Any]:
