@@ -382,6 +382,24 @@ void bind_model(nb::module_& m) {
           return hina::attention_prefill_supported(a, hina::resolve_isa(isa.c_str()));
         },
         "Whether attention_prefill_raw has a kernel for head size D and Hq/Hkv heads at tier isa on this CPU.");
+  // routing replay (hina::set_route_replay), for hi_na_moe.fastpath.replay: benchmarks and tests only
+  m.def("set_route_replay",
+        [](uintptr_t ids, int64_t layers, int64_t rows, int64_t k, uintptr_t chosen) {
+          if (ids != 0 && (layers < 1 || rows < 1 || k < 1))
+            bad("set_route_replay: layers, rows and k must be >= 1 with ids set");
+          hina::set_route_replay(reinterpret_cast<const int32_t*>(ids), layers, rows, k,
+                                 reinterpret_cast<int64_t*>(chosen));
+        },
+        nb::arg("ids"), nb::arg("layers") = 0, nb::arg("rows") = 0, nb::arg("k") = 0, nb::arg("chosen") = 0,
+        "Test-only routing replay: every router of layer_decode_post (the native decode step) takes the next "
+        "layer of int32 ids [layers, rows, k] at address ids as its choice (graded logits: 0.125 (k - j) at the "
+        "j-th id, -1e4 elsewhere); chosen non-zero: int64 [layers, rows, k] receives router_select's choice. "
+        "Resets the cursor and the error count; ids 0 turns it off. UNCHECKED addresses, kept alive by the caller.");
+  m.def("route_replay_cursor", &hina::route_replay_cursor, "The next layer of the replayed ids a router takes.");
+  m.def("set_route_replay_cursor", &hina::set_route_replay_cursor, nb::arg("layer"),
+        "Sets the next layer of the replayed ids (after a router that ran outside the native step).");
+  m.def("route_replay_errors", &hina::route_replay_errors,
+        "Router calls the replay could not serve since set_route_replay (they kept their own logits).");
   nb::class_<StepPlan>(m, "StepPlan",
       "A decode step through L decoder layers in one native call (decode_layers() in moe.h), for "
       "hi_na_moe.stack. set_layer(i, ...) fixes layer i's arguments (addresses of its norm weights, its "

@@ -196,6 +196,38 @@ void layer_decode_pre(const LayerPreArgs& a, int num_threads, Isa isa) {
 
 namespace {
 
+// set_route_replay's state (step.h)
+struct RouteReplay {
+  const int32_t* ids = nullptr;
+  int64_t layers = 0, rows = 0, k = 0, cursor = 0, errors = 0;
+  int64_t* chosen = nullptr;
+} g_replay;
+
+// the replayed logits of B rows of E experts for a selection of k (0: the caller's); the layer of
+// ids served, or -1 (an error counted)
+int64_t replay_logits(DType dt, void* logits, int64_t B, int64_t E, int64_t k) {
+  RouteReplay& r = g_replay;
+  const int64_t l = r.cursor++;
+  if (l >= r.layers || B > r.rows || (k > 0 && k != r.k)) {
+    ++r.errors;
+    return -1;
+  }
+  const int32_t* ids = r.ids + l * r.rows * r.k;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < r.k; ++j)
+      if (ids[b * r.k + j] < 0 || ids[b * r.k + j] >= E) {
+        ++r.errors;
+        return -1;
+      }
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t e = 0; e < E; ++e) detail::store_elem(dt, logits, b * E + e, -1e4f);
+    // graded, so the order of the chosen is defined; exact in bfloat16 and float16 for k <= 256
+    for (int64_t j = 0; j < r.k; ++j)
+      detail::store_elem(dt, logits, b * E + ids[b * r.k + j], 0.125f * static_cast<float>(r.k - j));
+  }
+  return l;
+}
+
 // dst[i] = src[i] in another dtype (the router's input: bfloat16 or float16 to float32 is exact)
 void convert(DType from, const void* src, DType to, void* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) detail::store_elem(to, dst, i, detail::load_elem(from, src, i));
@@ -243,6 +275,7 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
     const DType ldt = a.router_cast ? a.router_dtype : a.dtype;  // the logits'
     if (a.router_cast) convert(a.dtype, a.normed, ldt, a.router_in, a.B * a.H);
     a.router->linear(a.router_cast ? a.router_in : a.normed, a.B, a.logits, r);
+    const int64_t replayed = g_replay.ids != nullptr ? replay_logits(ldt, a.logits, a.B, a.select.E, a.select.k) : -1;
     detail::lap(StepOp::kRouter);
     if (a.select.w != nullptr) {
       RouterSelectArgs s = a.select;
@@ -250,6 +283,8 @@ const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_
       s.logits = a.logits;
       s.B = a.B;
       router_select(s);
+      if (replayed >= 0 && g_replay.chosen != nullptr)
+        std::memcpy(g_replay.chosen + replayed * g_replay.rows * s.k, s.idx, static_cast<size_t>(a.B * s.k) * 8);
       detail::lap(StepOp::kSelect);
       if (a.experts != nullptr) {
         MoeParams e = a.experts_params;
@@ -505,6 +540,13 @@ void decode_layers(const DecodeLayer* layers, const DecodeKV* kv, int64_t L, int
                  normed, q_scale, head, head_params, logits);
   });
 }
+
+void set_route_replay(const int32_t* ids, int64_t layers, int64_t rows, int64_t k, int64_t* chosen) {
+  g_replay = RouteReplay{ids, layers, rows, k, 0, 0, chosen};
+}
+int64_t route_replay_cursor() { return g_replay.cursor; }
+void set_route_replay_cursor(int64_t layer) { g_replay.cursor = layer; }
+int64_t route_replay_errors() { return g_replay.errors; }
 
 size_t decode_layer_scratch(const DecodeLayer& d, int64_t B) { return step_scratch(&d, 1, B).total; }
 

@@ -128,6 +128,18 @@ struct LayerPostArgs {
   // attention_decode(attn), its out set here to attn.out ([B, H Dv]; attn's other fields unused)
   MlaDecodeArgs mla{};
 };
+// Routing replay, for benchmarks and tests only (hi_na_moe.fastpath.replay): while ids is set,
+// each router layer_decode_post runs takes the next layer of ids [layers, rows, k] (a cursor, one
+// layer per router call, reset by set_route_replay) and its logits become 0.125 (k - j) at row
+// b's j-th id and -1e4 elsewhere, so the selection after them picks exactly those experts in
+// that order. chosen (null: none) [layers, rows, k] receives what router_select then chose. A
+// call it cannot serve (cursor past layers, more rows than rows, an id outside [0, E)) keeps the
+// router's own logits and counts an error the caller must check. One step at a time: not for
+// concurrent steps. ids null: off, one null check a router call.
+void set_route_replay(const int32_t* ids, int64_t layers, int64_t rows, int64_t k, int64_t* chosen);
+int64_t route_replay_cursor();
+void set_route_replay_cursor(int64_t layer);
+int64_t route_replay_errors();
 // Returns the name of the experts' kernel that ran (forward()'s), or null when none ran.
 const char* layer_decode_post(const LayerPostArgs& a, int num_threads, Isa attn_isa);
 
