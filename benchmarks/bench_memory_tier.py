@@ -12,6 +12,15 @@ repeated.
   llamacpp  llama.cpp (llama-cpp-python, use_mmap) on a GGUF of the same weights at the same width
             (Q4_0 for int4, Q8_0 for int8), run with the llama.cpp venv's Python
 
+--replay <trace.npz>: every arm's routing comes from a recorded trace (hi_na_moe.fastpath.replay:
+MoE layer l replays trace layer l mod its layers, each layer through a seeded permutation of the
+expert ids), so the tier is judged on real routing at this shape. Prediction is off in the tier
+arms then: it applies routers to hidden states that did not produce the replayed routing, so it
+cannot be judged here (study_tier_trained.py judges it inside the trained model). Beside each tier
+arm's hit rate, Belady's MIN (hi_na_moe.core.cache_policy) on the exact access sequence the run
+replayed (per forward and MoE layer, the experts its tokens chose), with the tier's slot count.
+llama.cpp cannot replay (its routers have no hook): --replay refuses the llamacpp arm.
+
 The disk's large-read bandwidth is measured in the same run (O_DIRECT reads of the store's files,
 1 thread x 4 MiB and 4 threads x 2 MiB); a step's disk-bound limit is the bytes it read from the
 disk (/proc/self/io read_bytes) divided by that bandwidth.
@@ -25,6 +34,7 @@ Run (root, for the cgroup and drop_caches):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -54,6 +64,8 @@ def worker_hina(args) -> dict:
     kw = dict(weights=args.weights, cache_dir=args.cache_dir, progress=False, dtype=torch.bfloat16, scope=args.scope)
     if args.arm.startswith("tier"):
         kw["memory_limit"] = args.memory_limit
+        if args.replay:
+            kw["prefetch"] = False  # (module docstring)
         base, _, switches = args.arm.partition(":")
         if base.startswith("tier-"):
             kw["eviction"] = base[len("tier-"):]
@@ -67,7 +79,20 @@ def worker_hina(args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=g)
     times, reads = [], []
-    with torch.inference_mode():
+    replay = contextlib.nullcontext()
+    if args.replay:
+        from hi_na_moe.fastpath.replay import replay_routing
+        replay = replay_routing(model, args.replay, cycle_layers=True, seed=args.seed)
+    from hi_na_moe.integrate import tiering
+    state = tiering._STATES.get(model)
+    initial = None
+    with torch.inference_mode(), replay as rp:
+        if rp is not None and state is not None and state.tier is not None:
+            # the experts the pool holds before the first token (enable's probes'), per replayed
+            # MoE layer, matched by decoder layer ("model.layers.3" of ...mlp.gate and ...mlp.experts)
+            held = {name.rsplit(".", 2)[0]: sorted(map(int, state.tier.resident(i)))
+                    for i, name in state.layer_names.items()}
+            initial = [held.get(name.rsplit(".", 2)[0], []) for name, *_ in rp.routers]
         out = model(ids, use_cache=True)
         past = out.past_key_values
         nxt = out.logits[:, -1:].argmax(-1)
@@ -81,11 +106,14 @@ def worker_hina(args) -> dict:
             nxt = out.logits[:, -1:].argmax(-1)
             tokens.append(int(nxt))
     res = dict(load_s=load_s, step_s=times, read_bytes=reads, tokens=tokens)
+    if rp is not None:
+        res["replay_accesses"] = [[list(map(int, layer)) for layer in f] for f in rp.accesses]
+        res["replay_initial"] = initial
     status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
               if line.split(":")[0] in ("RssAnon", "RssFile", "RssShmem", "VmHWM")}
-    from hi_na_moe.integrate import tiering
-    state = tiering._STATES.get(model)
     res["memory"] = dict(status, pool_bytes=state.tier.pool_bytes if state is not None and state.tier is not None else 0)
+    if state is not None and state.tier is not None:
+        res["slots"] = state.tier.num_slots
     st = hi_na_moe.stats(model)
     if st.get("memory_tier"):
         res["stats"] = st
@@ -188,6 +216,8 @@ def run_arm(arm: str, args, limit_cg: int, memory_limit: int) -> dict:
         cmd = [py, __file__, "--worker", arm, "--ckpt", args.ckpt, "--weights", args.weights, "--cache-dir",
                args.cache_dir, "--memory-limit", str(memory_limit), "--threads", str(args.threads), "--new-tokens",
                str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed), "--scope", args.scope]
+        if args.replay:
+            cmd += ["--replay", args.replay]
         if args.gguf:
             cmd += ["--gguf", args.gguf]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -233,6 +263,26 @@ def packed_experts_bytes(args) -> tuple[int, list[Path]]:
     return total, files
 
 
+def belady_hit_rate(accesses: list, slots: int, initial: list | None = None) -> float:
+    """MIN's hit rate on a replayed run's access sequence (per forward, per MoE layer, its experts:
+    one step, in forward order) with `slots` slots, starting with `initial` (per MoE layer, the
+    experts the tier's pool held before the first token) or empty."""
+    from hi_na_moe.core.cache_policy import Trace, simulate
+    steps, times, layers = [], [], []
+    start = [(l, e) for l, experts in enumerate(initial or []) for e in experts]
+    if start:  # one step loading the starting pool, its misses not counted; MIN then evicts by next use
+        steps.append(tuple(start))
+        times.append(-1)
+        layers.append(0)
+    for f, per_layer in enumerate(accesses):
+        for l, experts in enumerate(per_layer):
+            steps.append(tuple((l, e) for e in experts))
+            times.append(f)
+            layers.append(l)
+    r = simulate(Trace(steps, times, layers, len(accesses[0])), slots, "belady")
+    return r.hits / (r.hits + r.misses - len(start))
+
+
 def summarise(r: dict, bw: float) -> dict:
     if r["returncode"] != 0:
         return {"arm": r["arm"], "failed": r["returncode"], "oom_kill": r.get("oom_kill"), "failcnt": r.get("failcnt")}
@@ -251,6 +301,12 @@ def summarise(r: dict, bw: float) -> dict:
         out.update(hit_rate=st["hit_rate"], prefetch_precision=st["prefetch_precision"],
                    prefetch_recall=st["prefetch_recall"], io_wait_s=st["io_wait_s"],
                    recall_per_layer=[l["recall"] for l in st["layers"]])
+    if r.get("replay_accesses") and r.get("slots"):
+        out["slots"] = r["slots"]
+        out["min_hit_rate"] = belady_hit_rate(r["replay_accesses"], r["slots"], r.get("replay_initial"))
+        out["min_hit_rate_empty"] = belady_hit_rate(r["replay_accesses"], r["slots"])
+        if out.get("hit_rate") is not None:
+            out["of_min"] = out["hit_rate"] / out["min_hit_rate"]
     return out
 
 
@@ -270,6 +326,12 @@ def table(path: str) -> str:
            "", "| experts held | arm | tok/s | MB read/token | hit rate | pred. precision / recall | I/O wait s | "
            "peak cgroup GiB | failcnt | OOM | tier / arm |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     arms = list(dict.fromkeys(s["arm"] for r in data["results"] for s in [r["summary"]]))
+    # a --replay run: MIN's hit rate on each run's replayed accesses, and the tier's share of it
+    replayed = any("min_hit_rate" in r["summary"] for r in data["results"])
+    if replayed:
+        out[0] += f"; routing replayed from {data['args']['replay']}, prediction off"
+        out[-2] = out[-2].replace("| hit rate |", "| hit rate | MIN hit rate (slots) | of MIN |")
+        out[-1] += "---|---|"
     first = next((a for a in arms if a.startswith("tier")), None)  # the arm the last column compares with
     if first is not None:
         out[-2] = out[-2].replace("tier / arm", f"{first} / arm")
@@ -281,17 +343,24 @@ def table(path: str) -> str:
                 continue
             ok = [s for s in ss if "tok_s_mean" in s]
             if not ok:
-                out.append(f"| {100 * frac:.0f} % | {arm} | failed ({ss[0].get('failed')}) | | | | | | "
+                out.append(f"| {100 * frac:.0f} % | {arm} | failed ({ss[0].get('failed')}) | | | {'| | ' if replayed else ''}| | | "
                            f"{ss[0].get('failcnt')} | {ss[0].get('oom_kill')} | |")
                 continue
             t = med([s["tok_s_mean"] for s in ok])
             hit = med([s["hit_rate"] for s in ok if s.get("hit_rate") is not None])
             pr = (f"{100 * med([s['prefetch_precision'] for s in ok]):.0f} / {100 * med([s['prefetch_recall'] for s in ok]):.0f} %"
-                  if ok[0].get("prefetch_recall") is not None else "-")
+                  if ok[0].get("prefetch_recall") is not None and ok[0].get("prefetch_precision") is not None
+                  else "off" if replayed and arm.startswith("tier") else "-")
             wait = (f"{med([s['io_wait_s'] for s in ok]):.2f}"
                     if ok[0].get("io_wait_s") is not None else "-")
+            mins = ""
+            if replayed:
+                mn = med([s["min_hit_rate"] for s in ok if "min_hit_rate" in s])
+                of = med([s["of_min"] for s in ok if "of_min" in s])
+                mins = ("- | - | " if mn is None else
+                        f"{100 * mn:.1f} % ({ok[0]['slots']}) | {'-' if of is None else f'{100 * of:.1f} %'} | ")
             out.append(f"| {100 * frac:.0f} % | {arm} | {t:.2f} | {med([s['read_MB_per_token'] for s in ok]):.1f} | "
-                       f"{'-' if hit is None else f'{100 * hit:.1f} %'} | {pr} | {wait} | "
+                       f"{'-' if hit is None else f'{100 * hit:.1f} %'} | {mins}{pr} | {wait} | "
                        f"{max(s['max_usage_GiB'] for s in ok):.2f} | {max(s['failcnt'] for s in ok)} | "
                        f"{max(s['oom_kill'] for s in ok)} | {'' if arm == first or not tier else f'{tier / t:.2f}x'} |")
     return "\n".join(out)
@@ -320,6 +389,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chrt", action="store_true")
     ap.add_argument("--build", action="store_true", help="pack the checkpoint's experts into the store and exit")
+    ap.add_argument("--replay", help="a routing trace (.npz, top_k_index [layers, tokens, k]) every arm's routing "
+                    "replays; prediction off in the tier arms (module docstring)")
     ap.add_argument("--json")
     ap.add_argument("--table", help="print the Markdown table of a --json file and exit")
     ap.add_argument("--worker")
@@ -343,6 +414,10 @@ def main() -> int:
     bad = [a for a in arms if a not in ("map", "llamacpp") and a.partition(":")[0] not in tiers]
     if bad:
         sys.exit(f"--arms: unknown {bad}; known: {', '.join(tiers)} (each with :<experimental switches>), map, llamacpp")
+    if args.replay and "llamacpp" in arms:
+        sys.exit("--replay: llama.cpp cannot replay a routing trace (its routers have no hook); drop llamacpp from --arms")
+    if args.replay and not Path(args.replay).is_file():
+        sys.exit(f"--replay: no such file {args.replay!r} (an .npz with top_k_index [layers, tokens, k])")
     from hi_na_moe.core.limits import parse_bytes
     from hi_na_moe.tools.capabilities import capabilities
     total, files = packed_experts_bytes(args)
