@@ -143,7 +143,6 @@ def test_every_layer_selects_the_replayed_experts(_plain, scope, weights, rows, 
     # where the decode steps' routing ran: scope="all" takes the one-call native step
     decode = {s for f in rp.served_by[1:] for s in f}
     assert decode == ({"native"} if scope == "all" else {"python"})
-    assert set(rp.served_by[0]) == {"python"}  # the prefill's routers run in Python in both scopes
 
 
 @pytest.mark.parametrize("scope", ["all", "experts"])
