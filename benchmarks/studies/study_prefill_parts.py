@@ -6,10 +6,11 @@ only, as bench_full_model.py's prefill-N), with forward hooks that take each mod
 time (a part's children are subtracted from it), as bench_decode_breakdown.py does for decode
 steps. Parts: experts (the experts module: hi_na_moe's native call, which quantises the rows,
 runs gate/up, quantises h, runs down and scatter-adds), attention projections (q/k/v/o linears),
-router (the MoE gate's linear), lm_head, attention (the attention modules minus their linears:
-q/k norms, RoPE, the KV-cache update, SDPA), moe glue (the MoE block minus experts and router:
-softmax, top-k, renormalisation), norms (the layers' RMSNorms), rest (embedding, residual adds,
-the model's Python, the hooks). Per part the median over rounds and its share of the forward.
+router (the MoE block's gate module: its logits and, in transformers 5's routers, softmax and
+top-k), lm_head, attention (the attention modules minus their linears: q/k norms, RoPE, the
+KV-cache update, SDPA), moe glue (the MoE block minus experts and router: reshapes and the
+routing weights' handling), norms (the layers' RMSNorms), rest (embedding, residual adds, the
+model's Python, the hooks). Per part the median over rounds and its share of the forward.
 
 The floor column: the part's multiply-adds at --macs-per-cycle (per core; default 52, the rate
 of independent vpmaddubsw + vpaddw chains that study_avx2_prefill.cpp measured on the Zen 4 of
