@@ -5,6 +5,7 @@
 #   bash scripts/dev.sh setup         only the set-up
 #   bash scripts/dev.sh test-aarch64  the C++ kernel tests cross-compiled for aarch64, run under
 #                                     qemu-user for CPU models without dotprod, with it, with i8mm
+#                                     and bf16
 #                                     (needs g++-aarch64-linux-gnu and qemu-user)
 #   bash scripts/dev.sh sanitize      the C++ runners under ASan+UBSan and under TSan (full sets)
 #   bash scripts/dev.sh fuzz          the packed-header fuzz target: gcc driver under ASan+UBSan,
@@ -198,7 +199,7 @@ run_tests() {
   # default and sve256, and 256-bit SVE CPUs have every Arm tier).
   if [ "${HINA_TEST_LOWER_TIERS:-1}" != 0 ] && [ -z "${HINA_MOE_ISA:-}" ]; then
     local tiers cap torch_cap arm=0 order='("generic", "avx2", "avx512", "amx")'
-    case "$(uname -m)" in aarch64 | arm64) arm=1; order='("generic", "neon", "dotprod", "i8mm")' ;; esac
+    case "$(uname -m)" in aarch64 | arm64) arm=1; order='("generic", "neon", "dotprod", "i8mm", "bf16")' ;; esac
     tiers="$(python -c "from hi_na_moe import _native as n; best = n.resolve_isa(); order = $order; print(' '.join(t for t in order[:order.index(best)] if n.isa_supported(t)))")"
     for tier in $tiers; do
       if [ -n "${ATEN_CPU_CAPABILITY:-}" ]; then
@@ -246,10 +247,10 @@ run_pytest() {
 # The C++ core cross-compiled for aarch64 and its test runner run under qemu-user, so the Arm
 # build and its tiers are checked from an x86 machine: once per qemu CPU model in
 # HINA_AARCH64_CPUS, by default one with the dot-product extension (neoverse-n1: tiers neon and
-# dotprod, i8mm refused), one without (cortex-a57: tier neon, dotprod refused) and one with i8mm
-# (neoverse-v1, or max where qemu has no neoverse-v1 model, as Debian 12's qemu 7.2: all three
-# tiers), so dispatch and every tier's kernels run. Not part of `test`: on the 2-core machine of
-# 2026-12-07 each model's run took several minutes under qemu.
+# dotprod, i8mm and bf16 refused), one without (cortex-a57: tier neon, dotprod refused) and one
+# with i8mm and bf16 (neoverse-v1, or max where qemu has no neoverse-v1 model, as Debian 12's
+# qemu 7.2: every Arm tier), so dispatch and every tier's kernels run. Not part of `test`: on
+# the 2-core machine of 2026-12-07 each model's run took several minutes under qemu.
 run_aarch64_tests() {
   for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
     if ! command -v "$tool" >/dev/null 2>&1; then

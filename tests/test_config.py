@@ -197,7 +197,8 @@ def test_isa_above_cpu_is_refused(monkeypatch):
 @pytest.mark.parametrize(
     ("tiers", "best", "asked", "arch", "listed"),
     [(("generic", "avx2", "avx512"), "avx512", "dotprod", "aarch64", "'generic', 'avx2', 'avx512'"),
-     (("generic", "neon", "dotprod"), "dotprod", "avx2", "x86-64", "'generic', 'neon', 'dotprod'")],
+     (("generic", "neon", "dotprod"), "dotprod", "avx2", "x86-64", "'generic', 'neon', 'dotprod'"),
+     (("generic", "avx2", "avx512"), "avx512", "bf16", "aarch64", "'generic', 'avx2', 'avx512'")],
 )
 def test_isa_of_another_architecture_is_refused_as_such(monkeypatch, tiers, best, asked, arch, listed):
     # An Arm tier on an x86 CPU (and the reverse) is not a tier "too high" for it: the refusal
@@ -215,6 +216,19 @@ def test_isa_of_another_architecture_is_refused_as_such(monkeypatch, tiers, best
     assert f"'isa' (env HINA_MOE_ISA) asks for {asked!r}, a tier of {arch} CPUs" in msg, msg
     assert f"this CPU's tiers: {listed}" in msg, msg
     assert "lower tier" not in msg, msg
+
+
+def test_arm_bf16_tier_above_cpu_is_refused(monkeypatch):
+    # An Arm CPU with i8mm but no BF16 (the hwcaps without bf16): tier bf16 is refused as too high.
+    import types
+
+    from hi_na_moe.core import config as config_mod
+
+    fake = types.SimpleNamespace(isa_supported=lambda t: t in ("generic", "neon", "dotprod", "i8mm"),
+                                 best_isa=lambda: "i8mm")
+    monkeypatch.setattr(config_mod, "native_module", lambda: (fake, None))
+    with pytest.raises(ConfigError, match=r"'isa' \(keyword argument\) asks for 'bf16'.*does not support.*best available: 'i8mm'"):
+        load_config(isa="bf16")
 
 
 def test_isa_without_native_library_is_refused(monkeypatch):

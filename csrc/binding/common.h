@@ -33,7 +33,7 @@ inline hina::Isa parse_isa(const std::string& name) {
   hina::Isa isa;
   if (!hina::isa_from_name(name.c_str(), &isa)) {
     throw nb::value_error(("unknown ISA tier '" + name +
-                           "'; expected one of generic, avx2, avx512, amx, neon, dotprod, i8mm").c_str());
+                           "'; expected one of generic, avx2, avx512, amx, neon, dotprod, i8mm, bf16").c_str());
   }
   return isa;
 }

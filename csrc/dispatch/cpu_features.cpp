@@ -30,12 +30,13 @@ const char* isa_name(Isa isa) {
     case Isa::kNeon: return "neon";
     case Isa::kDotprod: return "dotprod";
     case Isa::kI8mm: return "i8mm";
+    case Isa::kBf16: return "bf16";
   }
   return "unknown";
 }
 
 bool isa_from_name(const char* name, Isa* out) {
-  static const Isa all[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod, Isa::kI8mm};
+  static const Isa all[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod, Isa::kI8mm, Isa::kBf16};
   for (Isa isa : all) {
     if (std::strcmp(name, isa_name(isa)) == 0) {
       *out = isa;
@@ -200,12 +201,16 @@ bool isa_supported(const CpuFeatures& f, Isa isa) {
     case Isa::kNeon: return f.neon;
     case Isa::kDotprod: return f.neon && f.asimddp;
     case Isa::kI8mm: return f.neon && f.asimddp && f.i8mm;
+    case Isa::kBf16: return f.neon && f.asimddp && f.i8mm && f.bf16;
   }
   return false;
 }
 
 Isa best_isa(const CpuFeatures& f) {
-  if (f.neon) return !f.asimddp ? Isa::kNeon : f.i8mm ? Isa::kI8mm : Isa::kDotprod;
+  if (f.neon) {
+    if (!f.asimddp) return Isa::kNeon;
+    return !f.i8mm ? Isa::kDotprod : f.bf16 ? Isa::kBf16 : Isa::kI8mm;
+  }
   for (Isa isa : {Isa::kAmx, Isa::kAvx512, Isa::kAvx2}) {
     if (isa_supported(f, isa)) return isa;
   }

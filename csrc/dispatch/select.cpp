@@ -44,6 +44,7 @@ const char* kind_name(int kind) {
     case kKindNeonDot: return "neondot";
     case kKindDotprod: return "dotprod";
     case kKindI8mm: return "i8mm";
+    case kKindNeonBf16: return "neonbf16";
     default: return isa_name(static_cast<Isa>(kind));
   }
 }
@@ -61,7 +62,9 @@ static bool bf16dot_prefill(Isa tier, MoePath path) {
   return true;
 }
 
-static bool arm_tier(Isa t) { return t == Isa::kNeon || t == Isa::kDotprod || t == Isa::kI8mm; }
+static bool arm_tier(Isa t) {
+  return t == Isa::kNeon || t == Isa::kDotprod || t == Isa::kI8mm || t == Isa::kBf16;
+}
 
 // The Arm kernels exist only in aarch64 builds (kernels/neon/); elsewhere the Arm tiers never
 // pass check_tier, and these say so to the ladders below.
@@ -74,20 +77,25 @@ static bool dotprod_qdot(WFormat wf, KernelImpl* k) {
 static bool i8mm_qdot(WFormat wf, KernelImpl* k) {
   return cpu_features().asimddp && cpu_features().i8mm && get_qdot_kernels_i8mm(wf, k);
 }
+bool neonbf16_kernels(DType dt, KernelImpl* k) {
+  const CpuFeatures& f = cpu_features();
+  return f.asimddp && f.i8mm && f.bf16 && get_kernels_neonbf16(dt, k);
+}
 #else
 bool neon_kernels(DType, KernelImpl*) { return false; }
 static bool neon_qdot(WFormat, KernelImpl*) { return false; }
 static bool dotprod_qdot(WFormat, KernelImpl*) { return false; }
 static bool i8mm_qdot(WFormat, KernelImpl*) { return false; }
+bool neonbf16_kernels(DType, KernelImpl*) { return false; }
 #endif
 
 // The integer-dot kernels for this tier (false: the tier has no SIMD integer-dot kernel).
 static bool select_qdot(Isa tier, WFormat wf, Selected* s) {
-  if (tier == Isa::kI8mm && i8mm_qdot(wf, &s->k)) {
+  if ((tier == Isa::kI8mm || tier == Isa::kBf16) && i8mm_qdot(wf, &s->k)) {
     s->kind = kKindI8mm;
     return true;
   }
-  if ((tier == Isa::kDotprod || tier == Isa::kI8mm) && dotprod_qdot(wf, &s->k)) {
+  if ((tier == Isa::kDotprod || tier == Isa::kI8mm || tier == Isa::kBf16) && dotprod_qdot(wf, &s->k)) {
     s->kind = kKindDotprod;
     return true;
   }
@@ -143,6 +151,8 @@ static Selected select_l12(Isa tier, MoePath path) {
     s.kind = static_cast<int>(Isa::kAvx512);
   } else if (tier == Isa::kAvx2 && l12_wrapped_kernels(Plain::kAvx2, &s.k)) {
     s.kind = static_cast<int>(Isa::kAvx2);
+  } else if (tier == Isa::kBf16 && l12_wrapped_kernels(Plain::kNeonBf16, &s.k)) {
+    s.kind = kKindNeonBf16;
   } else if (arm_tier(tier) && l12_wrapped_kernels(Plain::kNeon, &s.k)) {
     s.kind = kKindNeon;
   } else {
@@ -183,6 +193,12 @@ Selected select_kernels(Isa tier, DType dt, MoePath path, WFormat wf, QDot qd) {
   if (!ok && tier == Isa::kAvx2) {
     ok = q ? get_qkernels_avx2(wf, &s.k) : get_kernels_avx2(dt, &s.k);
     s.kind = static_cast<int>(Isa::kAvx2);
+  }
+  // tier bf16: BFDOT / BFMMLA on bf16 models, both paths (false for fp32 / fp16 models: they keep
+  // fp32 x and h on the FMA kernels below)
+  if (!ok && !q && tier == Isa::kBf16) {
+    ok = neonbf16_kernels(dt, &s.k);
+    s.kind = kKindNeonBf16;
   }
   // the Arm tiers' FMA kernels (lossless weights; quantised ones expand on the generic kernels)
   if (!ok && !q && arm_tier(tier)) {
@@ -254,14 +270,14 @@ Isa resolve_isa(const char* name) {
   Isa isa;
   if (!isa_from_name(n.c_str(), &isa)) {
     throw std::invalid_argument("isa '" + n +
-                                "' is unknown; expected auto, generic, avx2, avx512, amx, neon, dotprod or i8mm");
+                                "' is unknown; expected auto, generic, avx2, avx512, amx, neon, dotprod, i8mm or bf16");
   }
   if (!isa_supported(f, isa)) {
     // An Arm tier on an x86 CPU (or the reverse) is not a tier too high for it: say whose it is
     // and which tiers this CPU has.
     const bool arm = detail::arm_tier(isa);
     std::string have;
-    for (Isa t : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod, Isa::kI8mm})
+    for (Isa t : {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAmx, Isa::kNeon, Isa::kDotprod, Isa::kI8mm, Isa::kBf16})
       if (isa_supported(f, t)) have += std::string(have.empty() ? "" : ", ") + isa_name(t);
     const std::string other = isa != Isa::kGeneric && arm != f.neon
                                   ? std::string(", a tier of ") + (arm ? "aarch64" : "x86-64") + " CPUs,"

@@ -18,11 +18,13 @@ namespace hina::detail {
 // ---- the experts op ----
 // `kind` is the <kernel> part of a kernel's name: an Isa (0..3), one of the integer-dot kinds,
 // the bf16 dot-product prefill (avx512bf16), or an Arm build: neon (the FMA kernels of tiers
-// neon, dotprod and i8mm), neondot (integer dot with widening multiplies, tier neon), dotprod (SDOT,
-// tier dotprod), i8mm (SMMLA row pairs, tier i8mm).
+// neon, dotprod, i8mm and bf16's fp32 / fp16 models), neondot (integer dot with widening
+// multiplies, tier neon), dotprod (SDOT, tier dotprod), i8mm (SMMLA row pairs, tiers i8mm and
+// bf16), neonbf16 (BFDOT / BFMMLA on bf16 models, tier bf16).
 enum KernelKind : int {
   kKindGenericDot = 4, kKindAvx2Dot = 5, kKindAvx512Vnni = 6, kKindAvxVnni = 7, kKindAvx512Bf16 = 8,
-  kKindNeon = 9, kKindNeonDot = 10, kKindDotprod = 11, kKindI8mm = 12, kNumKinds = 13
+  kKindNeon = 9, kKindNeonDot = 10, kKindDotprod = 11, kKindI8mm = 12, kKindNeonBf16 = 13,
+  kNumKinds = 14
 };
 const char* kind_name(int kind);
 struct Selected {
@@ -37,9 +39,11 @@ bool amx_kernels(DType dt, KernelImpl* k);
 bool amx_qkernels(WFormat wf, KernelImpl* k);
 // The Arm tiers' FMA kernels (kernels/neon/moe_neon.cpp); false in builds without them.
 bool neon_kernels(DType dt, KernelImpl* k);
+// Tier bf16's BFDOT / BFMMLA kernels (moe_bf16_neonbf16.cpp); false without them or FEAT_BF16.
+bool neonbf16_kernels(DType dt, KernelImpl* k);
 // lossless12 (bf16 only) runs a tier's plain bf16 kernels on decompressed panels, except the
 // fused AVX-512 decode kernels: which plain kernels (experts/codecs.cpp wraps them).
-enum class Plain : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx, kNeon };
+enum class Plain : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx, kNeon, kNeonBf16 };
 bool l12_wrapped_kernels(Plain p, KernelImpl* k);  // experts/codecs.cpp
 
 // ---- tiers ----

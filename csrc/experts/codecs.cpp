@@ -131,6 +131,7 @@ bool get_plain_bf16(Plain pl, KernelImpl* k) {
     case Plain::kAvx512Bf16: return get_kernels_avx512bf16(DType::kBF16, k);
     case Plain::kAmx: return amx_kernels(DType::kBF16, k);
     case Plain::kNeon: return neon_kernels(DType::kBF16, k);
+    case Plain::kNeonBf16: return neonbf16_kernels(DType::kBF16, k);
   }
   return false;
 }
@@ -234,6 +235,7 @@ bool l12_wrapped_kernels(Plain p, KernelImpl* k) {
     case Plain::kAvx512Bf16: return wrapped_l12<Plain::kAvx512Bf16>(k);
     case Plain::kAmx: return wrapped_l12<Plain::kAmx>(k);
     case Plain::kNeon: return wrapped_l12<Plain::kNeon>(k);
+    case Plain::kNeonBf16: return wrapped_l12<Plain::kNeonBf16>(k);
   }
   return false;
 }

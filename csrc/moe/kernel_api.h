@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 
 #include "hina_moe/experts.h"
 
@@ -292,6 +293,9 @@ bool get_qdot_kernels_neon(WFormat wf, KernelImpl* k);
 bool get_qdot_kernels_dotprod(WFormat wf, KernelImpl* k);
 // SMMLA row pairs on the dotprod kernels' layout and contract (i8mm: needs FEAT_I8MM at run time).
 bool get_qdot_kernels_i8mm(WFormat wf, KernelImpl* k);
+// bf16 models with BFDOT (one row) / BFMMLA (row pairs), the x86 bf16 dot kernel's x/h contract
+// (bf16: needs FEAT_BF16 at run time).
+bool get_kernels_neonbf16(DType dt, KernelImpl* k);
 
 // lossless12 panels (PackedHeader) <-> plain bf16 panels of plain_bytes bytes. Compressing is
 // portable code only (packing); it writes every byte of the panel and returns the number of
@@ -443,10 +447,15 @@ static inline float h_scalar(const ActParams& p, bool gated, float g, float u) {
 
 // A gate/up panel's epilogue for one row in scalar code (the Arm tiers' kernels): the sums of
 // panel p (acc: [G][kPanelN] fp32, G = 2 gated, 1 not) with the biases, through the activation
-// into the row hr of h (fp32), or for a paired linear layer (j.pair) g and u as they are into its
-// two halves; columns >= I written as 0.
-template <bool Gated>
-static inline void gateup_row_scalar(const GateUpJob& j, int64_t p, const float* acc, float* hr) {
+// into the row hr of h (fp32, or bf16 rounded once for KernelImpl::h_bf16 kernels), or for a
+// paired linear layer (j.pair) g and u as they are into its two halves; columns >= I written as 0.
+template <bool Gated, class HT>
+static inline void gateup_row_scalar(const GateUpJob& j, int64_t p, const float* acc, HT* hr) {
+  static_assert(std::is_same_v<HT, float> || std::is_same_v<HT, uint16_t>, "h rows are fp32 or bf16");
+  auto put = [](float v) -> HT {
+    if constexpr (std::is_same_v<HT, float>) return v;
+    else return f32_to_bf16(v);
+  };
   constexpr int G = Gated ? 2 : 1;
   for (int n = 0; n < kPanelN; ++n) {
     const int64_t col = p * kPanelN + n;
@@ -458,8 +467,8 @@ static inline void gateup_row_scalar(const GateUpJob& j, int64_t p, const float*
       if (Gated && j.pair) hv = g, hu = u;
       else hv = h_scalar(*j.act, Gated, g, u);
     }
-    hr[col] = hv;
-    if (Gated && j.pair) hr[col + j.pair] = hu;
+    hr[col] = put(hv);
+    if (Gated && j.pair) hr[col + j.pair] = put(hu);
   }
 }
 

@@ -145,6 +145,8 @@ inline const QFmt kQFmts[] = {{WFormat::kInt8, 64, "int8"}, {WFormat::kInt4, 32,
 namespace tests_experts {
 void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& tiers);
 void test_unpack_roundtrip(DType dt, const std::vector<Isa>& tiers);
+void test_bf16dot_rows();
+void test_bf16dot_exact();
 void test_threads_deterministic(const std::vector<Isa>& tiers);
 void test_split_deterministic(const std::vector<Isa>& tiers);
 void test_fork_child();

@@ -5,6 +5,8 @@
 #include <unistd.h>
 #endif
 
+#include <cfenv>
+
 #include "tests/harness.h"
 
 namespace tests_experts {
@@ -33,13 +35,18 @@ void test_case(DType dt, const Case& c, uint32_t seed, const std::vector<Isa>& t
       const double e = rel_err(got, ref);
       report(e <= tol(dt), tag + " " + name + " vs generic: rel err " + std::to_string(e));
       note(std::string(name) + " vs generic", e);
-      // the Arm tiers run their own FMA kernels for every lossless dtype (not the generic ones)
-      if (isa == Isa::kNeon || isa == Isa::kDotprod || isa == Isa::kI8mm)
-        report(ends_with(name, "_neon"), tag + " " + isa_name(isa) + " runs the neon kernels: " + name);
+      // the Arm tiers run their own FMA kernels for every lossless dtype (not the generic ones),
+      // tier bf16 its BFDOT / BFMMLA kernels for bf16 models
+      if (isa == Isa::kNeon || isa == Isa::kDotprod || isa == Isa::kI8mm || isa == Isa::kBf16) {
+        const bool bfdot = isa == Isa::kBf16 && dt == DType::kBF16;
+        report(ends_with(name, bfdot ? "_neonbf16" : "_neon"),
+               tag + " " + isa_name(isa) + " runs the " + (bfdot ? "neonbf16" : "neon") + " kernels: " + name);
+      }
       // the bf16-tile (AMX) and bf16-dot kernels round x and h to bf16: also against the twin
-      // that rounds where they do; the dot kernel at 2e-3 (it measured <= 4e-5 on the AMD EPYC
-      // of 2026-11-30, a3f9ea6: summation order and denormals only), the AMX one at the plain tolerance
-      const bool dot = ends_with(name, "_avx512bf16");
+      // that rounds where they do; the dot kernels at 2e-3 (x86's measured <= 4e-5 on the AMD EPYC
+      // of 2026-11-30, a3f9ea6: summation order and denormals only; Arm's BFDOT also rounds to odd,
+      // test_bf16dot_rows), the AMX one at the plain tolerance
+      const bool dot = ends_with(name, "_avx512bf16") || ends_with(name, "_neonbf16");
       if (dot || ends_with(name, "_amx")) {
         detail::KernelImpl twin;
         detail::get_kernels_generic(dt, true, &twin);
@@ -69,6 +76,186 @@ void test_unpack_roundtrip(DType dt, const std::vector<Isa>& tiers) {
       report(ok, tag + (gated ? " gated " : " no-gate ") + isa_name(isa));
     }
   }
+}
+
+// Tier bf16's kernels (aarch64 CPUs with bf16; forced, on both paths) at every row count an
+// expert's rows can end in: 1..9 (two BFMMLA pairs, a pair and a BFDOT row, a pair, a row), 17,
+// 33, 512; gated and up-only; all rows on one expert. Against the generic AMX twin (x, h in bf16
+// where these round them) at the x86 bf16 dot kernel's 2e-3: BFDOT / BFMMLA round each pair's sum
+// and each accumulation to odd (within 1 ulp, where the twin's FMAs are within 1/2 a k) and flush
+// denormals (Arm ARM, BFDotAdd), so the twin is a bound, not an equality. What must be exact: each
+// row's output alone (T = 1: BFDOT) equals its output in a block of T (BFMMLA pairs), bit for bit,
+// as both add the k pairs of a column in the same order.
+void test_bf16dot_rows() {
+#if defined(__aarch64__)
+  if (!selected("bf16dot rows")) return;
+  if (!isa_supported(cpu_features(), Isa::kBf16)) {
+    std::printf("skip bf16dot rows: tier bf16 not supported on this machine\n");
+    return;
+  }
+  detail::KernelImpl k, twin;
+  report(detail::get_kernels_neonbf16(DType::kBF16, &k) && !detail::get_kernels_neonbf16(DType::kF32, &twin) &&
+             !detail::get_kernels_neonbf16(DType::kF16, &twin),
+         "bf16dot rows: the neonbf16 kernels take bf16 models only");
+  detail::get_kernels_generic(DType::kBF16, true, &twin);
+  uint32_t seed = 91;
+  for (const int64_t T : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 512})
+    for (const bool gated : {true, false}) {
+      if (!gated && T != 3 && T != 6 && T != 33) continue;  // up-only: G = 1 pairs and remainders
+      // H = 161: Hk = 192 (k padding); I = 80: 5 panels, down's k padded to 96
+      const Case c{T, 2, 1, 161, 80, gated, T % 2 == 1, false, Act::kSilu, 0, 1, false, "bf16dot rows"};
+      const Problem p = make_problem(DType::kBF16, c, seed++);
+      auto gen = PackedExperts::pack(weights_of(p), Isa::kGeneric, 1);
+      for (MoePath path : {MoePath::kDecode, MoePath::kPrefill}) {
+        const std::string kn = std::string("moe_") + path_name(path) + "_bf16_neonbf16";
+        const std::string tag = "bf16dot rows: " + kn + (gated ? " gated" : " up-only") + " T=" + std::to_string(T);
+        const std::vector<float> got = run(*gen, p, path, 2, nullptr, &k, kn.c_str());
+        const double e = rel_err(got, run(*gen, p, path, 2, nullptr, &twin));
+        report(e <= 2e-3, tag + " vs generic amx twin: rel err " + std::to_string(e));
+        note("neonbf16 rows vs generic amx twin", e);
+        if (T == 1 || T > 33) continue;
+        bool same = true;
+        for (int64_t t = 0; t < T && same; ++t) {
+          Problem p1 = p;
+          p1.c.T = 1;
+          const size_t rb = static_cast<size_t>(c.H) * 2;
+          p1.x.assign(p.x.begin() + t * rb, p.x.begin() + (t + 1) * rb);
+          p1.idx.assign(1, p.idx[t]);
+          p1.w.assign(1, p.w[t]);
+          const std::vector<float> one = run(*gen, p1, path, 1, nullptr, &k, kn.c_str());
+          same = std::memcmp(one.data(), got.data() + t * c.H, one.size() * sizeof(float)) == 0;
+        }
+        report(same, tag + ": every row alone (BFDOT) == in the block (BFMMLA pairs), bit for bit");
+      }
+    }
+#endif
+}
+
+#if defined(__aarch64__)
+// The Arm ARM's BFDotAdd (FEAT_EBF16 absent or FPCR.EBF = 0, as Linux starts a process):
+// addend + (a0 b0 + a1 b1), the products exact in fp32 (8-bit significands), the pair sum and the
+// accumulation each rounded to odd (truncate, then set the last bit when inexact), denormal
+// inputs and results flushed to zero. Written from the pseudo-code, not from the kernels.
+static float ftz(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
+static float add_odd(float a, float b) {
+  const int mode = std::fegetround();
+  std::fesetround(FE_TOWARDZERO);
+  std::feclearexcept(FE_INEXACT);
+  volatile float va = ftz(a), vb = ftz(b);
+  volatile float s = va + vb;
+  const bool inexact = std::fetestexcept(FE_INEXACT) != 0;
+  std::fesetround(mode);
+  float r = s;
+  uint32_t u;
+  std::memcpy(&u, &r, 4);
+  if (inexact) u |= 1u;
+  std::memcpy(&r, &u, 4);
+  return ftz(r);
+}
+static float bfdot_add(float acc, uint16_t a0, uint16_t a1, uint16_t b0, uint16_t b1) {
+  auto mul = [](uint16_t a, uint16_t b) {
+    return ftz(static_cast<float>(double(ftz(detail::bf16_to_f32(a))) * ftz(detail::bf16_to_f32(b))));
+  };
+  return add_odd(acc, add_odd(mul(a0, b0), mul(a1, b1)));
+}
+// Column n of matrix gi of a bf16 panel ([Kp/2][G][16][2]) dotted with row x by that chain.
+static float bfdot_column(const uint16_t* panel, int64_t Kp, int G, int gi, int64_t n, const uint16_t* x) {
+  float s = 0.0f;
+  for (int64_t kk = 0; kk < Kp; kk += 2) {
+    const int64_t e = (((kk / 2) * G + gi) * detail::kPanelN + n) * 2;
+    s = bfdot_add(s, x[kk], x[kk + 1], panel[e], panel[e + 1]);
+  }
+  return s;
+}
+#endif
+
+// Tier bf16's kernels called directly (not through the driver, whose bf16 output would hide the
+// last bits) against bfdot_add above, bit for bit: down's fp32 sums (routing weight 1, no bias:
+// acc = fma(1, y, 0)) and gate/up's bf16 h (silu, gated; identity, up-only) at 1..9 rows, the
+// row blocks of BFMMLA pairs and BFDOT rows. Under qemu-user this checks the kernels' order of
+// operations against the Arm ARM's arithmetic as qemu implements it; on Arm hardware, the hardware's.
+void test_bf16dot_exact() {
+#if defined(__aarch64__)
+  if (!selected("bf16dot exact")) return;
+  if (!isa_supported(cpu_features(), Isa::kBf16)) {
+    std::printf("skip bf16dot exact: tier bf16 not supported on this machine\n");
+    return;
+  }
+  detail::KernelImpl k;
+  detail::get_kernels_neonbf16(DType::kBF16, &k);
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto bf = [&](float scale) { return detail::f32_to_bf16(scale * nd(rng)); };
+  constexpr int64_t H = 48, I = 40, Hk = 96, Ik = 64, In = 48, Hn = 48;  // (I: 3 panels, the last partial)
+  for (int64_t T = 1; T <= 9; ++T) {
+    // down: panels bf16 [Ik/2][16][2], element (k, n) at ((k / 2) * 16 + n) * 2 + k % 2
+    {
+      const detail::Layout L{DType::kBF16, 2, 1, H, I, Hk, In, Ik, Hn};
+      const int64_t pe = detail::down_panel_bytes(L) / 2;
+      std::vector<uint16_t> w(static_cast<size_t>(pe * (Hn / detail::kPanelN))), h(static_cast<size_t>(T * Ik));
+      for (auto& v : w) v = bf(0.2f);
+      for (auto& v : h) v = bf(1.0f);
+      std::vector<float> acc(static_cast<size_t>(T * Hn), 0.0f), wt(static_cast<size_t>(T), 1.0f);
+      std::vector<float*> rows(static_cast<size_t>(T));
+      for (int64_t r = 0; r < T; ++r) rows[r] = acc.data() + r * Hn;
+      detail::DownJob j{};
+      j.w = w.data();
+      j.p0 = 0;
+      j.p1 = Hn / detail::kPanelN;
+      j.h = h.data();
+      j.h_stride = Ik;
+      j.nt = T;
+      j.wt = wt.data();
+      j.acc = rows.data();
+      j.L = &L;
+      k.down(j);
+      bool same = true;
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t c = 0; c < H; ++c) {
+          const float y = bfdot_column(w.data() + (c / detail::kPanelN) * pe, Ik, 1, 0, c % detail::kPanelN, &h[r * Ik]);
+          const float want = std::fma(1.0f, y, 0.0f);
+          same = same && std::memcmp(&want, &acc[r * Hn + c], 4) == 0;
+        }
+      report(same, "bf16dot exact: down T=" + std::to_string(T) + " == the Arm ARM's BFDotAdd chain, bit for bit");
+    }
+    // gate/up: panels bf16 [Hk/2][G][16][2]
+    for (const bool gated : {true, false}) {
+      const int G = gated ? 2 : 1;
+      const detail::Layout L{DType::kBF16, 2, G, H, I, Hk, In, Ik, Hn};
+      const int64_t pe = detail::gu_panel_bytes(L) / 2;
+      std::vector<uint16_t> w(static_cast<size_t>(pe * (In / detail::kPanelN))), x(static_cast<size_t>(T * Hk));
+      for (auto& v : w) v = bf(0.2f);
+      for (auto& v : x) v = bf(1.0f);
+      std::vector<const void*> xr(static_cast<size_t>(T));
+      for (int64_t r = 0; r < T; ++r) xr[r] = x.data() + r * Hk;
+      std::vector<uint16_t> h(static_cast<size_t>(T * In), 0xffff);
+      const detail::ActParams act{gated ? Act::kSilu : Act::kIdentity, 1.0f, INFINITY, INFINITY, INFINITY, 0.0f};
+      detail::GateUpJob j{};
+      j.w = w.data();
+      j.p0 = 0;
+      j.p1 = In / detail::kPanelN;
+      j.x = xr.data();
+      j.x_stride = Hk;
+      j.nt = T;
+      j.h = h.data();
+      j.h_stride = In;
+      j.L = &L;
+      j.act = &act;
+      k.gateup(j);
+      bool same = true;
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t c = 0; c < In; ++c) {
+          const uint16_t* wp = w.data() + (c / detail::kPanelN) * pe;
+          float s[2];
+          for (int gi = 0; gi < G; ++gi) s[gi] = bfdot_column(wp, Hk, G, gi, c % detail::kPanelN, &x[r * Hk]);
+          const float hv = c < I ? detail::h_scalar(act, gated, s[0], s[G - 1]) : 0.0f;
+          same = same && h[r * In + c] == detail::f32_to_bf16(hv);
+        }
+      report(same, std::string("bf16dot exact: gate/up ") + (gated ? "gated" : "up-only") + " T=" + std::to_string(T) +
+                       " == the Arm ARM's BFDotAdd chain, bit for bit");
+    }
+  }
+#endif
 }
 
 void test_threads_deterministic(const std::vector<Isa>& tiers) {

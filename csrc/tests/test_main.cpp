@@ -69,17 +69,18 @@ static void test_read_streams(const std::vector<Isa>& tiers) {
 }
 
 // The Arm tiers' detection and refusals (aarch64; under qemu-user the -cpu model decides what
-// the hwcaps say): the best tier is i8mm when the CPU reports asimddp and i8mm, else dotprod with
-// asimddp, else neon; a tier the CPU lacks is refused naming what it has, and the names parse back.
+// the hwcaps say): the best tier is bf16 when the CPU reports asimddp, i8mm and bf16, else i8mm
+// with asimddp and i8mm, else dotprod with asimddp, else neon; a tier the CPU lacks is refused
+// naming what it has, and the names parse back.
 static void test_arm_tiers() {
 #if defined(__aarch64__)
   if (!selected("arm tiers")) return;
   const CpuFeatures& f = cpu_features();
   report(f.neon && std::strcmp(f.arch, "aarch64") == 0, "arm tiers: aarch64 with neon");
-  report(best_isa(f) == (!f.asimddp ? Isa::kNeon : f.i8mm ? Isa::kI8mm : Isa::kDotprod),
+  report(best_isa(f) == (!f.asimddp ? Isa::kNeon : !f.i8mm ? Isa::kDotprod : f.bf16 ? Isa::kBf16 : Isa::kI8mm),
          std::string("arm tiers: best tier ") + isa_name(best_isa(f)) + " with asimddp=" + std::to_string(f.asimddp) +
-             " i8mm=" + std::to_string(f.i8mm));
-  for (Isa isa : {Isa::kNeon, Isa::kDotprod, Isa::kI8mm}) {
+             " i8mm=" + std::to_string(f.i8mm) + " bf16=" + std::to_string(f.bf16));
+  for (Isa isa : {Isa::kNeon, Isa::kDotprod, Isa::kI8mm, Isa::kBf16}) {
     Isa back = Isa::kGeneric;
     report(isa_from_name(isa_name(isa), &back) && back == isa, std::string("arm tiers: name ") + isa_name(isa) + " parses back");
   }
@@ -106,9 +107,18 @@ static void test_arm_tiers() {
     report(msg.find("'i8mm' is not supported") != std::string::npos && msg.find("i8mm=0") != std::string::npos,
            "arm tiers: i8mm refused without i8mm: " + msg);
   }
+  if (f.asimddp && f.i8mm && f.bf16) {
+    report(resolve_isa("bf16") == Isa::kBf16, "arm tiers: bf16 resolves with asimddp, i8mm and bf16");
+  } else {
+    const std::string msg = refusal("bf16");
+    report(msg.find("'bf16' is not supported") != std::string::npos && msg.find("bf16=0") != std::string::npos,
+           "arm tiers: bf16 refused without bf16: " + msg);
+  }
   const std::string msg = refusal("avx2");
-  const char* have = !f.asimddp ? "tiers: generic, neon;" : f.i8mm ? "tiers: generic, neon, dotprod, i8mm;"
-                                                                   : "tiers: generic, neon, dotprod;";
+  const char* have = !f.asimddp ? "tiers: generic, neon;"
+                     : !f.i8mm  ? "tiers: generic, neon, dotprod;"
+                     : f.bf16   ? "tiers: generic, neon, dotprod, i8mm, bf16;"
+                                : "tiers: generic, neon, dotprod, i8mm;";
   report(msg.find("'avx2', a tier of x86-64 CPUs, is not supported") != std::string::npos &&
              msg.find(have) != std::string::npos,
          "arm tiers: avx2 refused as another architecture's, naming this CPU's tiers: " + msg);
@@ -148,7 +158,7 @@ int main(int argc, char** argv) {
   if (amx_sw) use_amx_software_tiles(true);
   std::vector<Isa> tiers;
 #if defined(__aarch64__)
-  const Isa candidates[] = {Isa::kNeon, Isa::kDotprod, Isa::kI8mm};  // (under qemu-user: the -cpu model's)
+  const Isa candidates[] = {Isa::kNeon, Isa::kDotprod, Isa::kI8mm, Isa::kBf16};  // (under qemu-user: the -cpu model's)
 #else
   const Isa candidates[] = {Isa::kAvx2, Isa::kAvx512, Isa::kAmx};
 #endif
@@ -189,6 +199,8 @@ int main(int argc, char** argv) {
   test_paired_linear(all);
   test_qdot_int16_bound(all);
   test_qdot_rows();
+  test_bf16dot_rows();
+  test_bf16dot_exact();
   test_avx2_row_blocks();
   for (const Case& c : kCases) test_l12_case(c, seed++, all);
   test_l12_rows(all);

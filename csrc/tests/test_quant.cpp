@@ -240,13 +240,13 @@ void test_qdot_selection(const std::vector<Isa>& tiers) {
     for (WFormat wf : {WFormat::kInt8, WFormat::kInt4}) {
       const std::string fmt = wformat_name(wf);
       detail::KernelImpl probe;
-      const bool arm = isa == Isa::kNeon || isa == Isa::kDotprod || isa == Isa::kI8mm;
+      const bool arm = isa == Isa::kNeon || isa == Isa::kDotprod || isa == Isa::kI8mm || isa == Isa::kBf16;
       const bool avx2dot = !arm && detail::get_qdot_kernels_avx2(wf, &probe);
       // the Arm tiers have no expansion kernels of their own: quantised expansion runs the generic ones
       const std::string exp = isa == Isa::kAmx ? "avx512" : arm ? "generic" : isa_name(isa);
       const bool vnni = !arm && isa != Isa::kAvx2 && f.avx512vnni;
       const bool avxvnni = !arm && f.avx_vnni && detail::get_qdot_kernels_avxvnni(wf, &probe);
-      const std::string dot = isa == Isa::kI8mm ? "i8mm" : isa == Isa::kDotprod ? "dotprod" : isa == Isa::kNeon ? "neondot"
+      const std::string dot = isa == Isa::kI8mm || isa == Isa::kBf16 ? "i8mm" : isa == Isa::kDotprod ? "dotprod" : isa == Isa::kNeon ? "neondot"
                               : vnni ? "avx512vnni" : avxvnni ? "avxvnni" : avx2dot ? "avx2dot" : "genericdot";
       const std::string adot = arm || vnni || avxvnni || avx2dot ? dot : exp;  // auto: expansion without a SIMD dot
       auto name = [&](DType dt, MoePath path, QDot qd) { return std::string(moe_kernel_name(isa, dt, path, wf, qd)); };

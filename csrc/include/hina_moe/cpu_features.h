@@ -16,10 +16,11 @@ enum class Isa : int {
   kNeon = 10,    // aarch64 Advanced SIMD (separate family; not ordered against x86 tiers)
   kDotprod = 11, // neon + SDOT/UDOT (FEAT_DotProd, Armv8.2-A and later: Graviton 2/3/4, Altra, Grace)
   kI8mm = 12,    // dotprod + SMMLA (FEAT_I8MM: Neoverse N2/V1/V2, Graviton 3/4, Grace)
+  kBf16 = 13,    // i8mm + BFDOT/BFMMLA (FEAT_BF16: the same cores; Armv8.6-A requires both)
 };
 
 const char* isa_name(Isa isa);
-// Parses "generic" | "avx2" | "avx512" | "amx" | "neon" | "dotprod" | "i8mm"; returns false on an unknown name.
+// Parses "generic" | "avx2" | "avx512" | "amx" | "neon" | "dotprod" | "i8mm" | "bf16"; returns false on an unknown name.
 bool isa_from_name(const char* name, Isa* out);
 
 struct CpuFeatures {

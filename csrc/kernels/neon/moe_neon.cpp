@@ -89,6 +89,7 @@ inline void dot_panel(const void* panel, int64_t Kp, const float* x, int64_t ahe
 template <DType D>
 struct Lossless {
   static constexpr bool kQdot = false;
+  static constexpr bool kBf16Rows = false;
   static constexpr int kRows = 1;
   template <int G, int NT>
   static void dot(const uint8_t* panel, int64_t Kp, int, int64_t ahead, const void* const* rows,

@@ -181,6 +181,7 @@ void qdot_panel_rows(const uint8_t* panel, int64_t Kp, int group, int64_t ahead,
 template <WFormat F>
 struct QDotMmla {
   static constexpr bool kQdot = true;
+  static constexpr bool kBf16Rows = false;
   static constexpr int kRows = 4;
   template <int G, int NT>
   static void dot(const uint8_t* panel, int64_t Kp, int group, int64_t ahead, const void* const* rows,

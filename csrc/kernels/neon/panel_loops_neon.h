@@ -1,11 +1,13 @@
 // Panel loops shared by the Arm tiers' kernel families: fp32 FMAs on lossless weights
-// (moe_neon.cpp) and integer dot products on quantised ones (qdot_neon_impl.h, built as neondot
-// and dotprod). They differ only in how a panel is dotted with a block of rows; the loops over
+// (moe_neon.cpp), integer dot products on quantised ones (qdot_neon_impl.h, built as neondot,
+// dotprod and i8mm) and bf16 dot products (moe_bf16_neonbf16.cpp). They differ only in how a panel is dotted with a block of rows; the loops over
 // panels and row blocks, the scalar gate/up epilogue (kernel_api.h's gateup_row_scalar) and the
 // routing-weighted scatter-add of down are here, as the x86 tiers share theirs
 // (kernels/avx512/qpanel_loops.h). A family is a struct with
 //   static constexpr bool kQdot;   quantised activation rows (KernelImpl::qdot)
 //   static constexpr int kRows;    rows sharing one pass over a panel (1: each row alone)
+//   static constexpr bool kBf16Rows;  x and h rows in bf16 (KernelImpl::x_bf16 / h_bf16: h is
+//                                  rounded once, after the activation), else fp32 / quantised
 //   template <int G, int NT> static void dot(const uint8_t* panel, int64_t Kp, int group,
 //                                            int64_t ahead, const void* const* rows,
 //                                            float (*out)[G][kPanelN]);
@@ -44,7 +46,8 @@ void gateup(const GateUpJob& j) {
   constexpr int G = Gated ? 2 : 1;
   const Layout& L = *j.L;
   const int64_t pbytes = gu_panel_bytes(L), ahead = pf::bytes();
-  float* h = static_cast<float*>(j.h);
+  using HT = std::conditional_t<Fam::kBf16Rows, uint16_t, float>;
+  HT* h = static_cast<HT*>(j.h);
   for (int64_t p = j.p0; p < j.p1; ++p) {
     const uint8_t* panel = static_cast<const uint8_t*>(j.w) + p * pbytes;
     row_blocks<Fam::kRows>(j.nt, [&](auto nt_c, int64_t r0) {
@@ -87,12 +90,12 @@ void gateup_dispatch(const GateUpJob& j) {
   else gateup<Fam, false>(j);
 }
 
-// The kernel table entries of a family (fp32 rows and h, no slack, no next-job hint).
+// The kernel table entries of a family (its rows' format, no slack, no next-job hint).
 template <class Fam>
 inline void set_kernels(KernelImpl* k) {
   k->gateup = &gateup_dispatch<Fam>;
   k->down = &down<Fam>;
-  k->x_bf16 = k->h_bf16 = false;
+  k->x_bf16 = k->h_bf16 = Fam::kBf16Rows;
   k->row_slack = 0;
   k->uses_w_next = false;
   k->qdot = Fam::kQdot;

@@ -240,6 +240,7 @@ inline void qdot_panel(const uint8_t* panel, int64_t Kp, int group, int64_t ahea
 template <bool Sdot, WFormat F>
 struct QDot {
   static constexpr bool kQdot = true;
+  static constexpr bool kBf16Rows = false;
   static constexpr int kRows = 1;
   template <int G, int NT>
   static void dot(const uint8_t* panel, int64_t Kp, int group, int64_t ahead, const void* const* rows,

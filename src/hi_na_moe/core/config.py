@@ -118,7 +118,7 @@ class HinaConfig:
             to enable a block that has no native kernel; "reference" always uses the pure-PyTorch
             reference path (the oracle the kernels are tested against).
         isa: kernel tier for native kernels: "auto" (the best this CPU and OS allow) or one of
-            "generic", "avx2", "avx512", "amx" (x86), "neon", "dotprod", "i8mm" (aarch64). Asking for a
+            "generic", "avx2", "avx512", "amx" (x86), "neon", "dotprod", "i8mm", "bf16" (aarch64). Asking for a
             tier the CPU lacks is an error.
         threads: threads for the native kernels, 0 to MAX_THREADS (8192); 0 means
             `torch.get_num_threads()`.
@@ -443,7 +443,8 @@ def _check_choice(key: str, value: Any, allowed: tuple[str, ...], source: str) -
 # The architecture of each SIMD tier ("generic" runs everywhere), in ascending order per
 # architecture; a tier of another architecture than this CPU's is refused as such.
 ISA_ARCH = {"generic": None, "avx2": "x86-64", "avx512": "x86-64", "amx": "x86-64",
-            "neon": "aarch64", "dotprod": "aarch64", "i8mm": "aarch64"}
+            "neon": "aarch64", "dotprod": "aarch64", "i8mm": "aarch64",
+            "bf16": "aarch64"}
 
 
 def _check_isa_available(isa: str, source: str) -> None:

@@ -60,6 +60,7 @@ class Isa(_Choice):
     NEON = "neon"  # aarch64 (every CPU)
     DOTPROD = "dotprod"  # aarch64 with the dot-product extension (asimddp)
     I8MM = "i8mm"  # aarch64 with dotprod and the int8 matrix multiply (i8mm: SMMLA)
+    BF16 = "bf16"  # aarch64 with i8mm and the bf16 dot products (bf16: BFDOT / BFMMLA)
 
 
 class Scope(_Choice):
