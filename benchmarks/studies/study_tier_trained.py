@@ -13,10 +13,15 @@ pool, a layer's k experts one step; it starts empty where the tier starts with w
 probes left, forgotten as uses).
 
     OMP_NUM_THREADS=1 python benchmarks/studies/study_tier_trained.py --json out.json
+    # refine (a second prediction from each layer's output) on and off side by side:
+    OMP_NUM_THREADS=1 python benchmarks/studies/study_tier_trained.py --policies freq-decay --prefetch on \
+        --refine on,off --json out.json
 
 Question: on real routing, with prediction on as it ships, which eviction policy serves the
   tier best, and does prediction reach 80 % recall in every layer?
 Answered in benchmarks/log/memory-tier.md, "The tier in the trained E64 model (2026-12-07)".
+Also: does refine (a second prediction from each layer's output, experimental tier.refine) lift
+  recall? Answered in the same log, "Refine: a second prediction from each layer's output (2026-12-08)".
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--fractions", default="0.1,0.3,0.5")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--prefetch", default="off,on", help="prediction off and/or on (comma-separated)")
+    ap.add_argument("--refine", default="on",
+                    help="with prediction on: refine (experimental tier.refine) on and/or off (comma-separated)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if not (args.model / "config.json").is_file():
@@ -81,6 +89,13 @@ def main() -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         fail(f"--policies: unknown {bad}; known: {', '.join(POLICIES)}")
+    onoff = {"on": True, "off": False}
+    for name in ("prefetch", "refine"):
+        bad = [v for v in getattr(args, name).split(",") if v not in onoff]
+        if bad:
+            fail(f"--{name}: {bad} is not on or off; give on, off or on,off")
+    prefetches = [onoff[v] for v in args.prefetch.split(",")]
+    refines = [onoff[v] for v in args.refine.split(",")]
     import hi_na_moe
     from hi_na_moe.core import cache_policy as cp
     from hi_na_moe.core.native import native_module
@@ -119,10 +134,11 @@ def main() -> int:
         reference = None
         for frac in [float(f) for f in args.fractions.split(",")]:
             slots = max(int(model.config.num_experts_per_tok), int(frac * L * E))
-            for prefetch in (False, True):
+            for prefetch, refine in [(p, r) for p in prefetches for r in (refines if p else [None])]:
                 for pol in policies:
+                    # (the switch is process-wide and kept when not named: named at every run)
                     out = run(model, windows, routing, cache_dir=cache, memory_limit=slots * slot, eviction=pol,
-                              prefetch=prefetch)
+                              prefetch=prefetch, experimental=f"tier.refine={'off' if refine is False else 'on'}")
                     steps = [tuple(e) for _, e in routing]
                     if reference is None:
                         reference = steps
@@ -134,19 +150,22 @@ def main() -> int:
                         fail("the routing differed between runs: teacher forcing should make it the text's")
                     s = out["stats"]
                     mn = cp.simulate(trace, slots, "belady").hit_rate
-                    row = {"fraction": frac, "slots": slots, "policy": pol, "prefetch": prefetch,
+                    row = {"fraction": frac, "slots": slots, "policy": pol, "prefetch": prefetch, "refine": refine,
                            "hit_rate": s["hit_rate"], "min_hit_rate": mn, "of_min": s["hit_rate"] / mn if mn else None,
                            "expert_reads_per_token": s["reads"] / windows.numel(),
                            "prefetch_issued": s["prefetch_issued"], "prefetch_unused": s["prefetch_unused"],
+                           "refined": s["refined"],
                            "prefetch_precision": s["prefetch_precision"], "prefetch_recall": s["prefetch_recall"],
                            "recall_per_layer": [l.get("recall") for l in s["layers"]],
                            "precision_per_layer": [l.get("precision") for l in s["layers"]],
                            "seconds": out["seconds"]}
                     res["runs"].append(row)
                     print(f"{100 * frac:.0f} % ({slots} slots) {pol:10s} prefetch={'on ' if prefetch else 'off'} "
+                          f"refine={'-  ' if refine is None else 'on ' if refine else 'off'} "
                           f"hits {100 * row['hit_rate']:.1f} % (MIN {100 * mn:.1f} %, {100 * row['of_min']:.1f} % of it) "
                           f"reads/token {row['expert_reads_per_token']:.2f} unused {row['prefetch_unused']} "
-                          f"recall/layer {[None if r is None else round(r, 3) for r in row['recall_per_layer']]}",
+                          f"recall/layer {[None if r is None else round(r, 3) for r in row['recall_per_layer']]} "
+                          f"precision/layer {[None if r is None else round(r, 3) for r in row['precision_per_layer']]}",
                           flush=True)
     for h in hs:
         h.remove()
