@@ -78,6 +78,8 @@ import os
 import statistics
 import time
 
+from lib.parts import PartTimer
+
 PARTS = ("experts", "linear", "attention", "moe glue", "norms")
 
 
@@ -171,21 +173,9 @@ def main() -> int:
             raise SystemExit(f"the store {args.cache_dir} did not hold every block: run the cold load first")
     model.eval()
 
-    # exclusive time per part: a stack of open module calls; a child's time is taken off its parent
-    spent = {p: 0.0 for p in PARTS}
-    stack: list[list] = []  # [part, start, children's time]
-
-    def pre(part):
-        def hook(mod, inputs):
-            stack.append([part, time.perf_counter(), 0.0])
-        return hook
-
-    def post(mod, inputs, output):
-        part, t0, child = stack.pop()
-        total = time.perf_counter() - t0
-        spent[part] += total - child
-        if stack:
-            stack[-1][2] += total
+    # exclusive time per part (lib.parts: a child's time is taken off its parent)
+    timer = PartTimer(PARTS)
+    spent = timer.spent
 
     kinds = [k for k, on in (("norms", args.ab_norms), ("routers", args.ab_routers),
                              ("attention", args.ab_attention), ("layers", args.ab_layers),
@@ -210,8 +200,7 @@ def main() -> int:
     for name, m in model.named_modules() if kind not in whole_steps else ():
         part = classify(name, m)
         if part:
-            m.register_forward_pre_hook(pre(part))
-            m.register_forward_hook(post)
+            timer.attach(m, part)
             counted[part] += 1
 
     arms = [f"native {kind}", ("own-forward " if kind in ("layers", "stacks") else

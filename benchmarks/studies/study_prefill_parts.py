@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: its lib package
 
 from lib import stored  # noqa: E402
+from lib.parts import PartTimer  # noqa: E402
 
 PARTS = ("experts", "attn proj", "router", "lm_head", "attention", "moe glue", "norms", "rest")
 
@@ -91,27 +92,14 @@ def main() -> int:
         print(f"note: the store {args.cache_dir} did not hold every block (packed during this load)")
     cfg = model.config
 
-    spent = {p: 0.0 for p in PARTS}
-    stack: list[list] = []  # [part, start, children's time]
-
-    def pre(part):
-        def hook(mod, inputs):
-            stack.append([part, time.perf_counter(), 0.0])
-        return hook
-
-    def post(mod, inputs, output):
-        part, t0, child = stack.pop()
-        total = time.perf_counter() - t0
-        spent[part] += total - child
-        if stack:
-            stack[-1][2] += total
+    timer = PartTimer(PARTS)
+    spent = timer.spent
 
     if not args.no_hooks:
         for name, m in model.named_modules():
             part = classify(name, m)
             if part:
-                m.register_forward_pre_hook(pre(part))
-                m.register_forward_hook(post)
+                timer.attach(m, part)
 
     gen = torch.Generator().manual_seed(0)
     vocab = cfg.vocab_size
@@ -162,7 +150,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for p in PARTS:
         m = statistics.median(rows[p])
-        if p in macs:
+        if macs.get(p):  # (a part with no module of a known size, e.g. a model without dense layers: no floor)
             fl = macs[p] / peak
             extra = f"{macs[p] / 1e9:.2f} | {fl * 1e3:.1f} | {m / fl:.1f}x"
         elif p == "attention":
