@@ -1,5 +1,6 @@
 // The memory tier (hina_moe/tier.h): slot pool, I/O threads, eviction, prediction.
 #include "hina_moe/tier.h"
+#include "hina_moe/ops.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -647,13 +648,7 @@ void ExpertTier::layer_done(int layer, const void* residual, int64_t T, DType dt
     for (int j = 1; j <= window; ++j) {
       const Layer& N = *layers_[layer + j];
       if (N.rw.empty() || N.nw.empty() || N.rH != H) continue;
-      for (int64_t t = 0; t < T; ++t) {
-        const float* r = x.data() + t * H;
-        double ss = 0;
-        for (int64_t h = 0; h < H; ++h) ss += static_cast<double>(r[h]) * r[h];
-        const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(H)) + N.neps);
-        for (int64_t h = 0; h < H; ++h) xn[t * H + h] = r[h] * inv * N.nw[h];
-      }
+      rms_norm(DType::kF32, x.data(), T, H, N.nw.data(), N.neps, xn.data());
       fresh += predict_layer(layer + j, j, xn.data(), T, H, behind ? 0 : kRefineExtra[j - 1]);
     }
     std::lock_guard<std::mutex> lk(mu_);
