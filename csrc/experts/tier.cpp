@@ -642,12 +642,16 @@ void ExpertTier::layer_done(int layer, const void* residual, int64_t T, DType dt
     // The rule of queue_prediction: when layer l's acquire found the disk behind, only the next
     // layer's top-k (its reads are done by now, but the disk is likely to be behind again).
     const int window = std::min({behind ? 1 : opt_.prediction_window, 2, nl - 1 - layer});
-    std::vector<float> x(static_cast<size_t>(T * H)), xn(x.size());
-    for (int64_t i = 0; i < T * H; ++i) x[i] = detail::load_elem(dt, residual, i);
+    std::vector<float> x, xn;  // (converted for the first layer refine reaches: none, no work in the step)
     uint64_t fresh = 0;
     for (int j = 1; j <= window; ++j) {
       const Layer& N = *layers_[layer + j];
       if (N.rw.empty() || N.nw.empty() || N.rH != H) continue;
+      if (x.empty()) {
+        x.resize(static_cast<size_t>(T * H));
+        xn.resize(x.size());
+        for (int64_t i = 0; i < T * H; ++i) x[i] = detail::load_elem(dt, residual, i);
+      }
       rms_norm(DType::kF32, x.data(), T, H, N.nw.data(), N.neps, xn.data());
       fresh += predict_layer(layer + j, j, xn.data(), T, H, behind ? 0 : kRefineExtra[j - 1]);
     }
