@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "moe/kernel_api.h"
+#include "study_clock.h"
 
 namespace hina::detail {
 bool get_qdot_kernels_avx2(WFormat wf, KernelImpl* k);
@@ -37,17 +38,9 @@ namespace {
 
 using namespace hina;
 using namespace hina::detail;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-double clock_hz() {
-  const long n = 200000000;
-  long v = 0;
-  const auto t0 = Clock::now();
-  for (long i = 0; i < n; ++i) asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(v));
-  return n * 4 / seconds_since(t0);
-}
+using study::Clock;
+using study::clock_hz;
+using study::seconds_since;
 
 // Chains of the tiles' inner step in assembly (GCC kept an array of chains on the stack), 6
 // independent ones, each on its own weight register (no product common to two chains):

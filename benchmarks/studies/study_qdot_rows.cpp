@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "moe/kernel_api.h"
+#include "study_clock.h"
 
 namespace hina::detail {
 bool get_qdot_kernels_avx512vnni(WFormat wf, KernelImpl* k);
@@ -33,17 +34,9 @@ namespace {
 
 using namespace hina;
 using namespace hina::detail;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-double clock_hz() {
-  const long n = 200000000;
-  long v = 0;
-  const auto t0 = Clock::now();
-  for (long i = 0; i < n; ++i) asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(v));
-  return n * 4 / seconds_since(t0);
-}
+using study::Clock;
+using study::clock_hz;
+using study::seconds_since;
 
 double peak_per_cycle(double hz) {
   __m512i a[12];
